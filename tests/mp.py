@@ -48,8 +48,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` over gloo."""
+    import queue as queue_mod
+    import time
+
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
@@ -57,22 +60,34 @@ def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 600) ->
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
     results: dict[int, Any] = {}
     errors: list[str] = []
-    while not queue.empty():
-        rank, status, payload = queue.get()
+    deadline = time.monotonic() + timeout
+    # Drain the queue while workers run: a large result blocks its sender until it is read.
+    while len(results) + len(errors) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, payload = queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs) and not errors:
+                time.sleep(1.0)  # let the failing rank's traceback arrive
+                while not queue.empty():
+                    rank, status, payload = queue.get()
+                    (results.__setitem__(rank, payload) if status == "ok" else errors.append(f"rank {rank}:\n{payload}"))
+                break
+            continue
         if status == "ok":
             results[rank] = payload
         else:
             errors.append(f"rank {rank}:\n{payload}")
     for p in procs:
+        p.join(5 if errors or len(results) == world_size else 1)
         if p.is_alive():
             p.kill()
+            p.join()
     if errors:
         raise AssertionError("distributed worker failed\n" + "\n".join(errors))
-    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if bad or len(results) != world_size:
-        raise AssertionError(f"ranks {bad} exited abnormally (exit codes {[p.exitcode for p in procs]})")
+    if len(results) != world_size:
+        raise AssertionError(
+            f"only ranks {sorted(results)} finished (exit codes {[p.exitcode for p in procs]}, timeout {timeout}s)"
+        )
     return [results[r] for r in range(world_size)]

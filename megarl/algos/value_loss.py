@@ -1,0 +1,85 @@
+"""Critic loss with value clipping, and the entropy terms of the actor loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megarl.algos.aggregation import agg_loss
+from megarl.algos.masked import (
+    as_bool_mask,
+    check_finite,
+    check_same_shape,
+    masked_mean,
+    zero_masked,
+)
+
+
+def compute_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float | None,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss (PPO2 style): ``0.5 * max((V - R)^2, (V_clip - R)^2)`` per token.
+
+    ``V_clip = old_V + clamp(V - old_V, -cliprange_value, cliprange_value)`` keeps one update from
+    moving a value estimate far from where the rollout saw it. ``cliprange_value=None`` disables
+    clipping (plain 0.5 MSE). Metrics: ``vf_clipfrac`` (share of tokens where the clipped term is
+    the larger one) and ``vpred_mean``.
+    """
+    check_same_shape(
+        values=values, old_values=old_values, returns=returns, response_mask=response_mask
+    )
+    if cliprange_value is not None and cliprange_value < 0:
+        raise ValueError(f"cliprange_value must be >= 0 or None, got {cliprange_value}")
+    mask = as_bool_mask(response_mask)
+    for name, t in (("values", values), ("old_values", old_values), ("returns", returns)):
+        check_finite(name, t, mask)
+    values = zero_masked(values, mask)
+    old_values = zero_masked(old_values.detach(), mask)
+    returns = zero_masked(returns.detach(), mask)
+    unclipped = (values - returns).square()
+    if cliprange_value is None:
+        loss_mat = 0.5 * unclipped
+        clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+        clipped = (v_clipped - returns).square()
+        loss_mat = 0.5 * torch.maximum(unclipped, clipped)
+        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), mask)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, **dict(loss_agg_kwargs or {}))
+    return loss, {"vf_clipfrac": clipfrac, "vpred_mean": masked_mean(values.detach(), mask)}
+
+
+def compute_entropy_loss(
+    entropy: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_kwargs: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """Aggregated entropy of the policy over the valid tokens (a quantity, not yet a loss sign)."""
+    check_same_shape(entropy=entropy, response_mask=response_mask)
+    mask = as_bool_mask(response_mask)
+    check_finite("entropy", entropy, mask)
+    return agg_loss(zero_masked(entropy, mask), mask, loss_agg_mode, **dict(loss_agg_kwargs or {}))
+
+
+def entropy_bonus(
+    entropy: Tensor,
+    response_mask: Tensor,
+    *,
+    entropy_coef: float,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The term to add to the actor loss: ``-entropy_coef * agg(entropy)`` (minimising it raises
+    entropy), and ``metrics["entropy"]`` = the aggregated entropy."""
+    h = compute_entropy_loss(entropy, response_mask, loss_agg_mode, loss_agg_kwargs)
+    return -entropy_coef * h, {"entropy": h.detach()}

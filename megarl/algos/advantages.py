@@ -173,17 +173,17 @@ def compute_advantages(
     """Advantages and returns by the named estimator, computed without autograd (they are
     constants for the loss). NaN/inf in rewards or values at a valid position raises ValueError.
     """
-    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_same_shape(
+        token_level_rewards=token_level_rewards, response_mask=response_mask, values=values
+    )
     if token_level_rewards.dim() != 2:
         raise ValueError(
             f"token_level_rewards must be [batch, len], got {token_level_rewards.shape}"
         )
     mask = as_bool_mask(response_mask)
-    check_finite("token_level_rewards", token_level_rewards, mask)
+    check_finite(mask, token_level_rewards=token_level_rewards, values=values)
     extra: dict[str, Any] = {}
     if values is not None:
-        check_same_shape(token_level_rewards=token_level_rewards, values=values)
-        check_finite("values", values, mask)
         extra["values"] = values.detach()
     if group_ids is not None:
         extra["group_ids"] = group_ids

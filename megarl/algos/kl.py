@@ -158,9 +158,9 @@ def apply_kl_in_reward(
         response_mask=response_mask,
     )
     mask = as_bool_mask(response_mask)
-    check_finite("log_prob", log_prob, mask)
-    check_finite("ref_log_prob", ref_log_prob, mask)
-    check_finite("token_level_scores", token_level_scores, mask)
+    check_finite(
+        mask, log_prob=log_prob, ref_log_prob=ref_log_prob, token_level_scores=token_level_scores
+    )
     kld = zero_masked(
         kl_penalty(estimator, zero_masked(log_prob, mask), zero_masked(ref_log_prob, mask)), mask
     )
@@ -188,8 +188,7 @@ def kl_loss(
     un-scaled KL. Gradients flow to ``log_prob`` only (the reference is a constant)."""
     check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob, response_mask=response_mask)
     mask = as_bool_mask(response_mask)
-    check_finite("log_prob", log_prob, mask)
-    check_finite("ref_log_prob", ref_log_prob, mask)
+    check_finite(mask, log_prob=log_prob, ref_log_prob=ref_log_prob)
     kld = kl_penalty(
         estimator, zero_masked(log_prob, mask), zero_masked(ref_log_prob.detach(), mask)
     )

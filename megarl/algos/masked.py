@@ -81,16 +81,24 @@ def check_same_shape(**tensors: Tensor) -> None:
         raise ValueError(f"shape mismatch: {shapes}")
 
 
-def check_finite(name: str, x: Tensor, mask: Tensor) -> None:
-    """ValueError if ``x`` holds NaN or +-inf at a valid position (padding may hold anything).
+def check_finite(mask: Tensor, **tensors: Tensor | None) -> None:
+    """ValueError if a tensor holds NaN or +-inf at a valid position (padding may hold anything).
 
-    This costs one device sync; it is the price of an error that names the tensor instead of a
-    NaN loss three steps later.
+    One device sync for all the tensors together; it is the price of an error that names the
+    tensor instead of a NaN loss three steps later. ``None`` entries are skipped.
     """
-    bad = ~torch.isfinite(x.detach()) & as_bool_mask(mask)
-    if bool(bad.any()):
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"{name} holds {int(bad.sum())} non-finite value(s) at unmasked positions "
-            f"(first at index {first}: {x.detach()[first].item()})"
-        )
+    m = as_bool_mask(mask)
+    named = [(name, t.detach()) for name, t in tensors.items() if t is not None]
+    if not named:
+        return
+    bad_any = torch.stack([(~torch.isfinite(t) & m).any() for _, t in named])
+    if not bool(bad_any.any()):
+        return
+    for name, t in named:
+        bad = ~torch.isfinite(t) & m
+        if bool(bad.any()):
+            first = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name} holds {int(bad.sum())} non-finite value(s) at unmasked positions "
+                f"(first at index {first}: {t[first].item()})"
+            )

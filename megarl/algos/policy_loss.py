@@ -156,12 +156,13 @@ def compute_policy_loss(
         rollout_is_weights=rollout_is_weights,
     )
     mask = as_bool_mask(response_mask)
-    for tname, t in (
-        ("old_log_prob", old_log_prob),
-        ("log_prob", log_prob),
-        ("advantages", advantages),
-    ):
-        check_finite(tname, t, mask)
+    check_finite(
+        mask,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        rollout_is_weights=rollout_is_weights,
+    )
     loss_mat, metrics = POLICY_LOSSES.call(
         name,
         zero_masked(old_log_prob.detach(), mask),
@@ -171,7 +172,6 @@ def compute_policy_loss(
         **hparams,
     )
     if rollout_is_weights is not None:
-        check_finite("rollout_is_weights", rollout_is_weights, mask)
         loss_mat = loss_mat * zero_masked(rollout_is_weights.detach(), mask)
     loss = agg_loss(loss_mat, mask, loss_agg_mode, **dict(loss_agg_kwargs or {}))
     return loss, metrics

@@ -77,8 +77,7 @@ def compute_tis_weights(
     if not cap > 0:
         raise ValueError(f"TIS cap must be > 0, got {cap}")
     mask = as_bool_mask(response_mask)
-    check_finite("old_log_prob", old_log_prob, mask)
-    check_finite("rollout_log_prob", rollout_log_prob, mask)
+    check_finite(mask, old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
     with torch.no_grad():
         log_w = zero_masked(old_log_prob - rollout_log_prob, mask)
         if level == "sequence":

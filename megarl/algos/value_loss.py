@@ -40,8 +40,7 @@ def compute_value_loss(
     if cliprange_value is not None and cliprange_value < 0:
         raise ValueError(f"cliprange_value must be >= 0 or None, got {cliprange_value}")
     mask = as_bool_mask(response_mask)
-    for name, t in (("values", values), ("old_values", old_values), ("returns", returns)):
-        check_finite(name, t, mask)
+    check_finite(mask, values=values, old_values=old_values, returns=returns)
     values = zero_masked(values, mask)
     old_values = zero_masked(old_values.detach(), mask)
     returns = zero_masked(returns.detach(), mask)
@@ -67,7 +66,7 @@ def compute_entropy_loss(
     """Aggregated entropy of the policy over the valid tokens (a quantity, not yet a loss sign)."""
     check_same_shape(entropy=entropy, response_mask=response_mask)
     mask = as_bool_mask(response_mask)
-    check_finite("entropy", entropy, mask)
+    check_finite(mask, entropy=entropy)
     return agg_loss(zero_masked(entropy, mask), mask, loss_agg_mode, **dict(loss_agg_kwargs or {}))
 
 

@@ -65,11 +65,16 @@ def render_chats(
     ]
 
 
-def tokenize_texts(tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+def tokenize_texts(
+    tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool
+) -> list[list[int]]:
     """Token ids of each text (one batched call; fast tokenizers parallelise it)."""
     if not texts:
         return []
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]]
+    return [
+        list(ids)
+        for ids in tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+    ]
 
 
 def encode_prompts(
@@ -85,8 +90,13 @@ def encode_prompts(
     BOS/EOS rules); message lists are refused, as there is no right way to flatten them.
     """
     if apply_chat_template:
-        convs = [to_messages(p, where="prompt", column="prompt") if isinstance(p, str) else p for p in prompts]
-        texts = render_chats(tokenizer, convs, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
+        convs = [
+            to_messages(p, where="prompt", column="prompt") if isinstance(p, str) else p
+            for p in prompts
+        ]
+        texts = render_chats(
+            tokenizer, convs, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs
+        )
         return tokenize_texts(tokenizer, texts, add_special_tokens=False)
     if not all(isinstance(p, str) for p in prompts):
         raise DataError(

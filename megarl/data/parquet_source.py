@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -29,6 +29,8 @@ class ParquetFileInfo:
     path: str
     row_group_rows: tuple[int, ...]
     schema: pa.Schema
+    # Kept so readers open the file without reading its footer a second time.
+    metadata: pq.FileMetaData | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -147,10 +149,12 @@ def resolve_files(
     return fs, paths
 
 
-def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
+def open_parquet(
+    fs: pafs.FileSystem, path: str, metadata: pq.FileMetaData | None = None
+) -> pq.ParquetFile:
     """Open a parquet file for reading, turning pyarrow's errors into a DataError naming the file."""
     try:
-        return pq.ParquetFile(fs.open_input_file(path))
+        return pq.ParquetFile(fs.open_input_file(path), metadata=metadata)
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
         raise DataError(
             f"{path}: not a readable parquet file ({e}). It may be empty, truncated or not "
@@ -171,7 +175,7 @@ def inspect_files(fs: pafs.FileSystem, paths: Sequence[str]) -> list[ParquetFile
             pf.close()
         if sum(rows) == 0:
             raise DataError(f"{path}: has no rows; remove it from the data files or fill it.")
-        infos.append(ParquetFileInfo(path=path, row_group_rows=rows, schema=schema))
+        infos.append(ParquetFileInfo(path=path, row_group_rows=rows, schema=schema, metadata=meta))
     return infos
 
 

@@ -61,7 +61,9 @@ class PreferenceDataset:
         setting: str = "data.train_files",
     ) -> None:
         if truncation not in ("error", "filter", "truncate"):
-            raise DataError(f"truncation must be 'error', 'filter' or 'truncate', got {truncation!r}.")
+            raise DataError(
+                f"truncation must be 'error', 'filter' or 'truncate', got {truncation!r}."
+            )
         if max_length < 2:
             raise DataError(f"max_length must be >= 2, got {max_length}.")
         self.tokenizer = tokenizer
@@ -79,7 +81,13 @@ class PreferenceDataset:
             )
         self.files = infos
         self.reader = ShardReader(
-            fs, infos, dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle, window_rows=window_rows
+            fs,
+            infos,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+            shuffle=shuffle,
+            window_rows=window_rows,
         )
         self._locate = self.reader.locate
         self._batches: ShardBatches[PreferenceItem] = ShardBatches(
@@ -126,7 +134,9 @@ class PreferenceDataset:
         for uid, row in rows:
             for c in _COLUMNS:
                 if row.get(c) is None:
-                    raise DataError(f"{self._locate(uid)}: column '{c}' is empty (null); fill or remove the row.")
+                    raise DataError(
+                        f"{self._locate(uid)}: column '{c}' is empty (null); fill or remove the row."
+                    )
                 cells[c].append(row[c])
         return cells
 
@@ -142,17 +152,38 @@ class PreferenceDataset:
             tail = [] if eos is None else [eos]
             return (
                 tokenize_texts(self.tokenizer, cells["prompt"], add_special_tokens=True),
-                [ids + tail for ids in tokenize_texts(self.tokenizer, cells["chosen"], add_special_tokens=False)],
-                [ids + tail for ids in tokenize_texts(self.tokenizer, cells["rejected"], add_special_tokens=False)],
+                [
+                    ids + tail
+                    for ids in tokenize_texts(
+                        self.tokenizer, cells["chosen"], add_special_tokens=False
+                    )
+                ],
+                [
+                    ids + tail
+                    for ids in tokenize_texts(
+                        self.tokenizer, cells["rejected"], add_special_tokens=False
+                    )
+                ],
             )
         where = [self._locate(uid) for uid, _ in rows]
-        prompts = [to_messages(v, where=w, column="prompt") for v, w in zip(cells["prompt"], where, strict=True)]
+        prompts = [
+            to_messages(v, where=w, column="prompt")
+            for v, w in zip(cells["prompt"], where, strict=True)
+        ]
         out = []
         for c in ("chosen", "rejected"):
             responses = [
-                to_messages(v, where=w, column=c, role="assistant") for v, w in zip(cells[c], where, strict=True)
+                to_messages(v, where=w, column=c, role="assistant")
+                for v, w in zip(cells[c], where, strict=True)
             ]
-            out.append(encode_responses(self.tokenizer, prompts, responses, chat_template_kwargs=self.chat_template_kwargs))
+            out.append(
+                encode_responses(
+                    self.tokenizer,
+                    prompts,
+                    responses,
+                    chat_template_kwargs=self.chat_template_kwargs,
+                )
+            )
         (prompt_ids, chosen_ids), (_, rejected_ids) = out
         return prompt_ids, chosen_ids, rejected_ids
 

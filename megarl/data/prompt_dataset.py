@@ -74,7 +74,9 @@ class PromptDataset:
         setting: str = "data.train_files",
     ) -> None:
         if overlong_prompts not in ("error", "filter"):
-            raise DataError(f"overlong_prompts must be 'error' or 'filter', got {overlong_prompts!r}.")
+            raise DataError(
+                f"overlong_prompts must be 'error' or 'filter', got {overlong_prompts!r}."
+            )
         if max_prompt_length < 1:
             raise DataError(f"max_prompt_length must be >= 1, got {max_prompt_length}.")
         self.tokenizer = tokenizer
@@ -92,10 +94,18 @@ class PromptDataset:
             "(set require_ground_truth=False if rewards come from a reward model), extra_info."
         )
         for info in infos:
-            check_columns(info, required, {"reward_model": REWARD_MODEL, "extra_info": ANY}, hint=hint)
+            check_columns(
+                info, required, {"reward_model": REWARD_MODEL, "extra_info": ANY}, hint=hint
+            )
         self.files = infos
         self.reader = ShardReader(
-            fs, infos, dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle, window_rows=window_rows
+            fs,
+            infos,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+            shuffle=shuffle,
+            window_rows=window_rows,
         )
         self._locate = self.reader.locate
         self._batches: ShardBatches[PromptItem] = ShardBatches(
@@ -145,10 +155,18 @@ class PromptDataset:
         for uid, row in rows:
             value = row.get("prompt")
             if value is None:
-                raise DataError(f"{self._locate(uid)}: column 'prompt' is empty (null); fill or remove the row.")
+                raise DataError(
+                    f"{self._locate(uid)}: column 'prompt' is empty (null); fill or remove the row."
+                )
             if not isinstance(row.get("data_source"), str):
-                raise DataError(f"{self._locate(uid)}: column 'data_source' is empty (null); fill or remove the row.")
-            prompts.append(value if isinstance(value, str) else to_messages(value, where=self._locate(uid), column="prompt"))
+                raise DataError(
+                    f"{self._locate(uid)}: column 'data_source' is empty (null); fill or remove the row."
+                )
+            prompts.append(
+                value
+                if isinstance(value, str)
+                else to_messages(value, where=self._locate(uid), column="prompt")
+            )
         ids = encode_prompts(
             self.tokenizer,
             prompts,

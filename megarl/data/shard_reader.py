@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from megarl.data.errors import DataError
 from megarl.data.parquet_source import ParquetFileInfo, open_parquet
-from megarl.data.sharding import Window, plan_windows, share_bounds, shard_pieces
+from megarl.data.sharding import Window, plan_windows, shard_pieces, share_bounds
 
 _CHUNK_ROWS = 1024
 _OPEN_FILES = 8
@@ -104,7 +104,7 @@ class ShardReader:
     def _file(self, index: int) -> pq.ParquetFile:
         pf = self._open.pop(index, None)
         if pf is None:
-            pf = open_parquet(self.fs, self.files[index].path)
+            pf = open_parquet(self.fs, self.files[index].path, self.files[index].metadata)
             while len(self._open) >= _OPEN_FILES:
                 self._open.popitem(last=False)[1].close()
         self._open[index] = pf
@@ -126,7 +126,9 @@ class ShardReader:
                 missing = [c for c in self.columns if c not in table.column_names]
                 if missing:
                     raise DataError(f"{info.path}: missing column(s) {missing}.")
-            tables.append((table.slice(p.start, p.num_rows), self._rg_base[p.file][p.row_group] + p.start))
+            tables.append(
+                (table.slice(p.start, p.num_rows), self._rg_base[p.file][p.row_group] + p.start)
+            )
         return tables
 
     def iter_rows(self, epoch: int, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -152,7 +154,9 @@ class ShardReader:
                 table, base = tables[t_index]
                 local = positions[slots] - bounds[t_index]
                 converted = table.take(pa.array(local)).to_pylist()
-                for slot, row, offset in zip(slots.tolist(), converted, local.tolist(), strict=True):
+                for slot, row, offset in zip(
+                    slots.tolist(), converted, local.tolist(), strict=True
+                ):
                     rows[slot] = row
                     uids[slot] = base + offset
             yield from zip(uids, rows, strict=True)

@@ -84,7 +84,9 @@ def share_bounds(total_rows: int, dp_rank: int, dp_size: int) -> tuple[int, int]
 
 def _check_rank(dp_rank: int, dp_size: int) -> None:
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must be in [0, dp_size); got dp_rank={dp_rank}, dp_size={dp_size}")
+        raise ValueError(
+            f"dp_rank must be in [0, dp_size); got dp_rank={dp_rank}, dp_size={dp_size}"
+        )
 
 
 def epoch_row_groups(

@@ -51,7 +51,11 @@ class DataState:
         if missing:
             raise DataError(f"data state: missing keys {missing}; it is damaged, save it again.")
         ints = ("seed", "epoch", "step", "cursor", "dp_rank", "dp_size", "batch_size_per_rank")
-        bad = [n for n in ints if not isinstance(d[n], int) or isinstance(d[n], bool) or (d[n] < 0 and n != "seed")]
+        bad = [
+            n
+            for n in ints
+            if not isinstance(d[n], int) or isinstance(d[n], bool) or (d[n] < 0 and n != "seed")
+        ]
         if bad:
             raise DataError(f"data state: keys {bad} must be non-negative integers.")
         return cls(**{n: d[n] for n in names})
@@ -59,7 +63,9 @@ class DataState:
     def check_resumable(self, current: DataState) -> None:
         """Refuse a saved state that would not replay the same rows in `current`'s setting."""
         if self.kind != current.kind:
-            raise DataError(f"data state is for a {self.kind} dataset, not a {current.kind} dataset.")
+            raise DataError(
+                f"data state is for a {self.kind} dataset, not a {current.kind} dataset."
+            )
         if self.fingerprint != current.fingerprint:
             raise DataError(
                 "data state was saved over other data (file names or row groups differ); "
@@ -68,7 +74,11 @@ class DataState:
         if self.at_epoch_start:
             return  # an epoch boundary resumes under any layout
         layout = ("dp_rank", "dp_size", "batch_size_per_rank")
-        diff = {k: (getattr(self, k), getattr(current, k)) for k in layout if getattr(self, k) != getattr(current, k)}
+        diff = {
+            k: (getattr(self, k), getattr(current, k))
+            for k in layout
+            if getattr(self, k) != getattr(current, k)
+        }
         if diff:
             details = ", ".join(f"{k} saved {a}, now {b}" for k, (a, b) in diff.items())
             raise DataError(

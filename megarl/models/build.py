@@ -65,7 +65,11 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
+        # Rollouts differ in length per micro-batch; PP stages exchange shapes first.
         variable_seq_lengths=True,
+        # Dense models have no MoE dispatcher, but the config check for variable_seq_lengths
+        # rejects the default ("allgather") regardless.
+        moe_token_dispatcher_type="alltoall",
         **layout.megatron_stage_kwargs(dims.num_layers),
     )
     if opts.recompute:
@@ -126,12 +130,31 @@ def build_gpt_model(dims: ModelDims, layout: ParallelLayout, role: str = "actor"
         rope_scaling=dims.rope_scaling_factor is not None,
         rope_scaling_factor=dims.rope_scaling_factor or 8.0,
     )
+    _mark_tensor_parallel_params(model, dims)
     if role == "critic" and post:
         model.output_layer = ValueHead(dims.hidden_size, config.params_dtype)
     if role == "reference":
         model.requires_grad_(False)
         model.eval()
     return model
+
+
+def _mark_tensor_parallel_params(model, dims: ModelDims) -> None:
+    """Tag TP-split weights the way megatron's initialisers would.
+
+    With ``perform_initialization=False`` (weights come from the checkpoint) megatron-core 0.16
+    skips ``set_tensor_model_parallel_attributes`` for linear and embedding weights; grad-norm
+    clipping would then count only TP rank 0's shards. The tags come from the HF name map.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from megarl.models.hf_map import NameIndex
+
+    index = NameIndex(dims)
+    for name, param in model.named_parameters():
+        tm, _ = index.lookup(name)
+        if tm.tp_dim is not None and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=tm.tp_dim, stride=1)
 
 
 def layer_offset(dims: ModelDims, layout: ParallelLayout, pp_rank: int) -> int:

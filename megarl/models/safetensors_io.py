@@ -23,8 +23,8 @@ class SafetensorsReader:
 
     def __init__(self, hf_dir: str | Path):
         self.root = Path(hf_dir)
-        self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
+        self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
         index = self.root / INDEX_FILE

@@ -74,9 +74,7 @@ def ref_agg(
 # ---------------------------------------------------------------------------------- policy loss
 
 
-def ref_ppo_token(
-    old: float, new, adv: float, low: float, high: float, c: float | None
-):
+def ref_ppo_token(old: float, new, adv: float, low: float, high: float, c: float | None):
     """One token's PPO (dual-clip) loss; ``new`` may be a 0-dim tensor (for gradients)."""
     ratio = torch.exp(new - old) if isinstance(new, torch.Tensor) else math.exp(new - old)
     clipped_ratio = min(max(ratio, 1.0 - low), 1.0 + high)
@@ -140,7 +138,9 @@ def ref_returns_to_go(rewards, mask, gamma):
     for i in range(mask.shape[0]):
         pos = valid_positions(mask, i)
         for j, t in enumerate(pos):
-            out[i][t] = sum(gamma ** (k - j) * float(rewards[i, pos[k]]) for k in range(j, len(pos)))
+            out[i][t] = sum(
+                gamma ** (k - j) * float(rewards[i, pos[k]]) for k in range(j, len(pos))
+            )
     return out
 
 
@@ -158,7 +158,9 @@ def ref_whiten(mat, mask, eps=1e-8):
 
 
 def ref_scores(rewards, mask):
-    return [sum(float(rewards[i, t]) for t in valid_positions(mask, i)) for i in range(mask.shape[0])]
+    return [
+        sum(float(rewards[i, t]) for t in valid_positions(mask, i)) for i in range(mask.shape[0])
+    ]
 
 
 def ref_group_members(group_ids, mask):

@@ -1,0 +1,76 @@
+"""Wrap a model for training: megatron DDP (grad buffers) + the distributed optimizer + LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+    warmup_steps: int = 0
+    total_steps: int = 1
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+
+
+def wrap_for_training(model, settings: OptimSettings):
+    """Return ``(ddp_model, optimizer, lr_scheduler)`` for one model chunk on this rank.
+
+    Grad reduction over DP (and the tied-embedding group under PP) runs through megatron's
+    ``finalize_model_grads`` at the end of each forward-backward schedule.
+    """
+    import torch
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = model.config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,  # overlap needs CUDA streams
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if settings.warmup_steps else settings.lr,
+        max_lr=settings.lr,
+        min_lr=settings.min_lr,
+        lr_warmup_steps=settings.warmup_steps,
+        lr_decay_steps=max(settings.total_steps, settings.warmup_steps + 1),
+        lr_decay_style=settings.lr_decay_style,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=max(settings.total_steps, 1),
+        wd_incr_style="constant",
+    )
+    del torch
+    return ddp, optimizer, scheduler

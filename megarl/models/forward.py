@@ -1,0 +1,81 @@
+"""Forward (and backward) passes through megatron's pipeline schedule, micro-batch by micro-batch.
+
+Sequences are packed to the right (prompt then response, padding at the end), so a plain causal
+mask is exact for every real token and no attention mask tensor is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+# loss_fn(output, micro_batch) -> (loss, metrics). ``output`` is the last stage's model output
+# (vocab-parallel logits [b, s, v/tp] for the actor, values [b, s, 1] for the critic).
+LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+
+
+def run_schedule(
+    model,
+    micro_batches: Sequence[dict[str, Any]],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+) -> list[dict[str, Any]]:
+    """Run megatron's forward(-backward) schedule; returns loss_fn's metrics (last stage, else []).
+
+    The loss returned by ``loss_fn`` is back-propagated as is: megatron divides each micro-batch
+    loss by the number of micro-batches, so it is multiplied back here and the caller decides the
+    normalisation (e.g. token-mean over the whole mini-batch).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    n = len(micro_batches)
+    it = iter(micro_batches)
+
+    def forward_step(data_iterator, model_chunk):
+        batch = next(data_iterator)
+        ids = batch["input_ids"]
+        output = model_chunk(input_ids=ids, position_ids=position_ids_like(ids), attention_mask=None)
+
+        def loss_func(out: torch.Tensor):
+            loss, metrics = loss_fn(out, batch)
+            return loss * n, metrics
+
+        return output, loss_func
+
+    seq_len = max(int(b["input_ids"].shape[1]) for b in micro_batches)
+    mbs = max(int(b["input_ids"].shape[0]) for b in micro_batches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=it,
+        model=model,
+        num_microbatches=n,
+        seq_length=seq_len,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
+
+
+def gather_vocab(logits_shard: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits from this rank's vocab-parallel shard (for tests and export)."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits_shard)
+
+
+@torch.no_grad()
+def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, v] on the last pipeline stage; None on the other stages."""
+    outputs = run_schedule(
+        model,
+        [{"input_ids": input_ids}],
+        lambda out, batch: (out.sum() * 0.0, {"logits": gather_vocab(out)}),
+        forward_only=True,
+    )
+    return outputs[0]["logits"] if outputs else None

@@ -1,0 +1,299 @@
+"""Device and backend choice, and the ONE place that adapts megatron-core to a CPU-only torch.
+
+megatron-core 0.16 calls CUDA-only torch APIs in five groups (see shared FINDINGS):
+  1. ``torch.cuda.current_device()`` used as a device, ``torch.cuda.synchronize()``;
+  2. the model-parallel RNG tracker built on the CUDA generator;
+  3. hard-coded ``device="cuda"`` / ``.cuda()``;
+  4. ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in the optimizer and grad clipping;
+  5. CUDA streams and events in DDP's grad sync.
+
+Without CUDA, :func:`adapt_megatron_for_cpu` fixes them from the outside, without editing
+site-packages, and only inside megatron: each module listed in :data:`ADAPTED_MODULES` gets a
+private view of ``torch`` (:class:`_CpuTorch`) whose ``torch.cuda`` answers for the CPU and whose
+tensor factories map ``device="cuda"`` to the CPU; the few functions that call CUDA-only tensor methods are
+wrapped (:data:`TENSOR_METHOD_FUNCTIONS`). vLLM, transformers and user code keep the real torch
+(a global patch slowed vLLM's CPU decode by 15-20%).
+
+``tests/unit/test_platform.py`` pins every CUDA-only call site of the megatron modules megarl
+loads, so an upgrade that moves one fails by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Modules whose `torch` global is replaced by the CPU view.
+ADAPTED_MODULES: tuple[str, ...] = (
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+# (module, attribute path) of functions that call CUDA-only *tensor methods*: they compare
+# `tensor.type()` with CUDA type names, or move tensors with `.cuda()`. They run inside
+# :func:`_cpu_tensor_methods`.
+TENSOR_METHOD_FUNCTIONS: tuple[tuple[str, str], ...] = (
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+    (
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule.setup_embeddings_and_output_layer",
+    ),
+)
+
+_CPU = torch.device("cpu")
+_applied = False
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU
+
+
+def distributed_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _cpu_device(value: Any) -> Any:
+    if isinstance(value, str) and value.startswith("cuda"):
+        return _CPU
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return _CPU
+    return value
+
+
+class _Dummy:
+    """A stand-in for CUDA streams, events and stream contexts: every call does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Dummy:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return _Dummy()
+
+    def __enter__(self) -> _Dummy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """What megatron sees as ``torch.cuda`` on a CPU-only machine."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _make_cpu_cuda() -> _CpuCuda:
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    rng = types.SimpleNamespace(get_rng_state=get_rng_state, set_rng_state=set_rng_state)
+    return _CpuCuda(
+        # group 1
+        current_device=lambda: _CPU,
+        synchronize=lambda *a, **k: None,
+        set_device=lambda *a, **k: None,
+        device_count=lambda: 0,
+        is_available=lambda: False,
+        empty_cache=lambda: None,
+        # group 2
+        manual_seed=torch.manual_seed,
+        get_rng_state=get_rng_state,
+        set_rng_state=set_rng_state,
+        default_generators=(torch.default_generator,),
+        random=rng,
+        # group 5
+        Stream=_Dummy,
+        Event=_Dummy,
+        stream=_Dummy(),
+        current_stream=_Dummy(),
+        default_stream=_Dummy(),
+        nvtx=_Dummy(),
+    )
+
+
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "triu",
+    "tril",
+)
+
+
+class _CpuTorch(types.ModuleType):
+    """The ``torch`` module as the adapted megatron modules see it (forwarding the rest)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _make_cpu_cuda()
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    @staticmethod
+    def _factory(fn):
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_CUDA_TYPES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cpu_tensor_methods() -> Iterator[None]:
+    """Within the block, ``tensor.type()`` of CPU float tensors reports the CUDA type name and
+    ``tensor.cuda()`` leaves a CPU tensor where it is."""
+    original_type, original_cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = original_type(self, *args, **kwargs)
+        if not args and not kwargs:
+            return _CUDA_TYPES.get(result, result)
+        return result
+
+    def cuda_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    torch.Tensor.cuda = cuda_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original_type  # type: ignore[method-assign]
+        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
+
+
+def _resolve(module: Any, path: str) -> tuple[Any, str, Any]:
+    owner = module
+    *parents, leaf = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, leaf, owner.__dict__[leaf]
+
+
+def _wrap_tensor_methods(module_name: str, path: str) -> None:
+    module = importlib.import_module(module_name)
+    owner, leaf, raw = _resolve(module, path)
+    is_static = isinstance(raw, staticmethod)
+    is_class = isinstance(raw, classmethod)
+    fn = raw.__func__ if (is_static or is_class) else raw
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _cpu_tensor_methods():
+            return fn(*args, **kwargs)
+
+    wrapped.__megarl_adapted__ = True  # type: ignore[attr-defined]
+    if is_static:
+        wrapped = staticmethod(wrapped)  # type: ignore[assignment]
+    elif is_class:
+        wrapped = classmethod(wrapped)  # type: ignore[assignment]
+    setattr(owner, leaf, wrapped)
+    if not isinstance(owner, type):
+        # Modules that did `from ... import fn` hold the original: rebind them too.
+        import sys
+
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("megatron.") and getattr(mod, leaf, None) is fn:
+                setattr(mod, leaf, wrapped)
+
+
+def _adapt_rng_tracker() -> None:
+    """Group 2: megatron's RNG state helpers read the CUDA generator; use the CPU one."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+
+
+def adapt_megatron_for_cpu() -> bool:
+    """Apply the CPU adaptations once per process; a no-op (returns False) where CUDA exists."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    cpu_torch = _CpuTorch()
+    for name in ADAPTED_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is not torch:
+            raise RuntimeError(
+                f"megarl.platform: {name} no longer imports torch as `torch`; "
+                "the megatron-core CPU adaptation needs updating for this megatron-core version"
+            )
+        module.torch = cpu_torch
+    for module_name, path in TENSOR_METHOD_FUNCTIONS:
+        _wrap_tensor_methods(module_name, path)
+    _adapt_rng_tracker()
+    _applied = True
+    return True
+
+
+def is_adapted() -> bool:
+    return _applied

@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+"""Write GSM8K as RL parquet (verl's schema): DIR/train.parquet and DIR/test.parquet.
+
+Sources:
+  --source hub            the real GSM8K through Hugging Face `datasets` (needs a reachable hub)
+  --source PATH           a local copy of GSM8K: a folder holding train*.jsonl|parquet and
+                          test*.jsonl|parquet with `question` and `answer` columns (the layout
+                          of the original release and of the hub's parquet export)
+  --source gsm-symbolic   GSM-Symbolic problems generated offline with `reasoning-gym`: templates
+                          derived from GSM8K with integer answers; train and test use disjoint
+                          templates, so test problems are not re-worded training problems
+
+Each row: data_source="openai/gsm8k", prompt=[{"role": "user", "content": question +
+instruction to answer after "####"}], ability="math", reward_model={"style": "rule",
+"ground_truth": "<integer>"} (a string, as verl writes it), extra_info={split, index, question,
+answer, origin}. Row groups are small (--row-group-size) so data-parallel ranks read only theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DATA_SOURCE = "openai/gsm8k"
+INSTRUCTION = (
+    'Work it out step by step, then give the final answer as a number after "####", like "#### 42".'
+)
+GSM8K_SIZES = {"train": 7473, "test": 1319}
+_FINAL = re.compile(r"####\s*(-?[\d,]+)\s*$")
+
+
+class PrepareError(Exception):
+    """A problem with the source data or the options; the message says how to fix it."""
+
+
+def final_answer(answer_text: str, where: str) -> str:
+    """GSM8K's integer after the last '####' of a worked answer, without thousands separators."""
+    m = _FINAL.search(answer_text.strip())
+    if m is None:
+        raise PrepareError(
+            f"{where}: column 'answer' does not end in '#### <integer>': {answer_text[-80:]!r}"
+        )
+    return str(int(m.group(1).replace(",", "")))
+
+
+def make_row(
+    question: str, answer_text: str, truth: str, split: str, index: int, origin: str
+) -> dict[str, Any]:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{question.strip()} {INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "question": question,
+            "answer": answer_text,
+            "origin": origin,
+        },
+    }
+
+
+def _rows_from_records(
+    records: Sequence[dict[str, Any]], split: str, where: str
+) -> list[dict[str, Any]]:
+    rows = []
+    for i, rec in enumerate(records):
+        for col in ("question", "answer"):
+            if not isinstance(rec.get(col), str):
+                raise PrepareError(
+                    f"{where}: record {i} has no string column '{col}' (GSM8K has question, answer)."
+                )
+        truth = final_answer(rec["answer"], f"{where}: record {i}")
+        rows.append(make_row(rec["question"], rec["answer"], truth, split, i, "gsm8k"))
+    return rows
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise PrepareError(f"{path}: not a readable parquet file ({e}).") from e
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise PrepareError(f"{path}: line {n} is not JSON ({e}).") from e
+    return records
+
+
+def load_local(root: Path) -> dict[str, list[dict[str, Any]]]:
+    if not root.exists():
+        raise PrepareError(
+            f"--source {root}: no such file or folder; give a GSM8K folder, 'hub' or 'gsm-symbolic'."
+        )
+    files = sorted(
+        p
+        for p in ([root] if root.is_file() else root.rglob("*"))
+        if p.suffix in (".jsonl", ".parquet")
+    )
+    out = {}
+    for split in ("train", "test"):
+        matches = [p for p in files if p.name.startswith(split)]
+        if len(matches) != 1:
+            raise PrepareError(
+                f"--source {root}: expected one {split}*.jsonl or {split}*.parquet file, found "
+                f"{[str(p) for p in matches] or 'none'}."
+            )
+        out[split] = _rows_from_records(_read_records(matches[0]), split, str(matches[0]))
+    return out
+
+
+def load_hub() -> dict[str, list[dict[str, Any]]]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise PrepareError(
+            "--source hub needs the `datasets` package (pip install datasets); without a hub, "
+            "pass a local GSM8K folder or --source gsm-symbolic."
+        ) from e
+    try:
+        ds = datasets.load_dataset("openai/gsm8k", "main")
+    except Exception as e:
+        raise PrepareError(
+            f"--source hub: could not load openai/gsm8k ({type(e).__name__}: {e}); without a hub, "
+            "pass a local GSM8K folder or --source gsm-symbolic."
+        ) from e
+    return {
+        split: _rows_from_records(list(ds[split]), split, f"hub openai/gsm8k[{split}]")
+        for split in ("train", "test")
+    }
+
+
+def symbolic_templates(split: str) -> list[int]:
+    """Every fifth usable GSM-Symbolic template is a test template; the rest are for training."""
+    from reasoning_gym.arithmetic.gsm_symbolic.gsm_symbolic import tasks_ok
+
+    ordered = sorted(tasks_ok)
+    return [t for i, t in enumerate(ordered) if (i % 5 == 4) == (split == "test")]
+
+
+def generate_symbolic(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise PrepareError(
+            "--source gsm-symbolic needs `reasoning-gym` (pip install reasoning-gym==0.1.25)."
+        ) from e
+    generators = reasoning_gym.create_dataset("gsm_symbolic", size=1, seed=seed).generators
+    templates = symbolic_templates(split)
+    rows: list[dict[str, Any]] = []
+    attempt = 0
+    while len(rows) < n:
+        rng = random.Random(f"gsm-symbolic/{seed}/{split}/{attempt}")
+        template = templates[attempt % len(templates)]
+        attempt += 1
+        example = generators[template](rng, 1.0)
+        value = example["metadata"]["answer_value"]
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue  # keep integer answers only, as GSM8K has
+        cot = example["metadata"]["answer_cot"]
+        rows.append(
+            make_row(
+                example["question"], cot, str(value), split, len(rows), f"gsm-symbolic/{template}"
+            )
+        )
+        if attempt > 10 * n + 100:
+            raise PrepareError(f"gsm-symbolic: could not generate {n} integer-answer problems.")
+    return rows
+
+
+def subsample(
+    rows: list[dict[str, Any]], n: int | None, seed: int, split: str
+) -> list[dict[str, Any]]:
+    if n is None or n >= len(rows):
+        if n is not None and n > len(rows):
+            print(
+                f"note: {split} has {len(rows)} rows; --{split}-size {n} keeps them all",
+                file=sys.stderr,
+            )
+        return rows
+    keep = sorted(random.Random(f"{seed}/{split}").sample(range(len(rows)), n))
+    return [rows[i] for i in keep]
+
+
+def write_parquet(rows: list[dict[str, Any]], path: Path, row_group_size: int) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=row_group_size)
+    os.replace(tmp, path)
+
+
+def prepare(
+    out: Path,
+    source: str = "hub",
+    *,
+    train_size: int | None = None,
+    test_size: int | None = None,
+    seed: int = 0,
+    row_group_size: int = 512,
+) -> dict[str, Path]:
+    """Write out/train.parquet and out/test.parquet; return their paths."""
+    for name, value in (
+        ("train-size", train_size),
+        ("test-size", test_size),
+        ("row-group-size", row_group_size),
+    ):
+        if value is not None and value < 1:
+            raise PrepareError(f"--{name} must be >= 1, got {value}.")
+    if source == "gsm-symbolic":
+        splits = {
+            split: generate_symbolic(size or GSM8K_SIZES[split], seed, split)
+            for split, size in (("train", train_size), ("test", test_size))
+        }
+    else:
+        loaded = load_hub() if source == "hub" else load_local(Path(source))
+        splits = {
+            "train": subsample(loaded["train"], train_size, seed, "train"),
+            "test": subsample(loaded["test"], test_size, seed, "test"),
+        }
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in splits.items():
+        paths[split] = out / f"{split}.parquet"
+        write_parquet(rows, paths[split], row_group_size)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for train.parquet and test.parquet"
+    )
+    parser.add_argument(
+        "--source", default="hub", help="hub | PATH to a local GSM8K | gsm-symbolic"
+    )
+    parser.add_argument(
+        "--train-size", type=int, default=None, help="rows (default: all; gsm-symbolic 7473)"
+    )
+    parser.add_argument(
+        "--test-size", type=int, default=None, help="rows (default: all; gsm-symbolic 1319)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--row-group-size", type=int, default=512)
+    args = parser.parse_args(argv)
+    try:
+        paths = prepare(
+            args.out,
+            args.source,
+            train_size=args.train_size,
+            test_size=args.test_size,
+            seed=args.seed,
+            row_group_size=args.row_group_size,
+        )
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for split, path in paths.items():
+        print(f"{split}: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Rank-side bodies of the model parity tests (imported by spawned gloo processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.build import build_model
+from megarl.models.distributed import OptimSettings, wrap_for_training
+from megarl.models.export import iter_stage_hf_tensors
+from megarl.models.forward import forward_logits, run_schedule
+from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+from megarl.platform import adapt_megatron_for_cpu
+
+
+def batch_for(dp_rank: int, vocab: int, batch: int = 2, seq: int = 12) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + dp_rank)
+    return torch.randint(0, vocab, (batch, seq), generator=gen)
+
+
+def _hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def logits_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) -> dict[str, float]:
+    """Max |megatron - HF| logits on each layout (reported by last-stage ranks only)."""
+    adapt_megatron_for_cpu()
+    from megatron.core import parallel_state as ps
+
+    hf = _hf(model_dir)
+    out: dict[str, float] = {}
+    for spec in layouts:
+        layout = ParallelLayout.for_world(world, **spec)
+        initialize_model_parallel(layout)
+        model, dims = build_model(model_dir, layout)
+        ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
+        logits = forward_logits([model], ids)
+        if logits is not None:
+            with torch.no_grad():
+                ref = hf(ids).logits
+            diff = (logits - ref).abs().max().item()
+            out[str(layout)] = max(diff, out.get(str(layout), 0.0))
+            out[str(layout) + ":rel"] = diff / ref.abs().max().item()
+        destroy_model_parallel()
+    return out
+
+
+def _ce_loss(logits_shard: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+    from megatron.core import tensor_parallel
+
+    ids = batch["input_ids"]
+    targets = ids[:, 1:]
+    per_token = tensor_parallel.vocab_parallel_cross_entropy(logits_shard[:, :-1].contiguous(), targets)
+    return per_token.mean(), {"loss": per_token.mean().detach()}
+
+
+def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSettings):
+    """HF model: loss = mean over DP ranks of each rank's token-mean CE; grads; one AdamW step."""
+    hf = _hf(model_dir)
+    hf.train()
+    losses = []
+    for dp in range(world_dp):
+        ids = batch_for(dp, vocab)
+        logits = hf(ids).logits
+        losses.append(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    decay = [p for n, p in hf.named_parameters() if p.ndim > 1]
+    no_decay = [p for n, p in hf.named_parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+    )
+    norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), settings.clip_grad)
+    import os
+    if os.environ.get("MEGARL_DEBUG"):
+        print("ref norm", norm.item(), flush=True)
+    opt.step()
+    weights = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    # HF ties lm_head to embed_tokens: expose both names like the checkpoint does.
+    return loss.item(), grads, weights
+
+
+def train_step_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) -> dict[str, float]:
+    """Grad and one-step parity of megatron DDP + distributed Adam against HF + torch AdamW."""
+    adapt_megatron_for_cpu()
+    from megatron.core import parallel_state as ps
+
+    settings = OptimSettings(lr=1e-2, weight_decay=0.1, adam_eps=1e-3, clip_grad=0.5)
+    out: dict[str, float] = {}
+    for spec in layouts:
+        layout = ParallelLayout.for_world(world, **spec)
+        initialize_model_parallel(layout)
+        model, dims = build_model(model_dir, layout)
+        ref_loss, ref_grads, ref_weights = _reference_step(model_dir, layout.dp, dims.vocab_size, settings)
+        ddp, optimizer, _ = wrap_for_training(model, settings)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
+        metrics = run_schedule([ddp], [{"input_ids": ids}], _ce_loss, forward_only=False)
+        # The distributed optimizer reduce-scatters grads over DP: only with DP=1 does every
+        # rank hold whole reduced grads to compare.
+        grad_diff = 0.0
+        if layout.dp == 1:
+            grad_diff = max(
+                (g - ref_grads[name]).abs().max().item()
+                for name, g in iter_stage_hf_tensors(ddp, dims, layout, use_main_grad=True)
+            )
+        ok, grad_norm, _ = optimizer.step()
+        diffs = {name: (w - ref_weights[name]).abs().max().item() for name, w in iter_stage_hf_tensors(ddp, dims, layout)}
+        import os
+        if os.environ.get("MEGARL_DEBUG"):
+            print(rank, layout, "norm", grad_norm, {k: v for k, v in diffs.items() if v > 1e-6}, flush=True)
+        weight_diff = max(diffs.values())
+        key = str(layout)
+        out[key + ":grad"] = grad_diff
+        out[key + ":weight"] = weight_diff
+        out[key + ":step_ok"] = float(bool(ok))
+        if metrics:
+            loss = torch.stack([m["loss"] for m in metrics]).mean()
+            dist.all_reduce(loss, group=ps.get_data_parallel_group())
+            out[key + ":loss"] = abs(loss.item() / layout.dp - ref_loss)
+        destroy_model_parallel()
+    return out
+

@@ -52,7 +52,9 @@ class ParallelLayout:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name} must be a positive integer, got {value!r}")
         if self.infer_tp is not None and (not isinstance(self.infer_tp, int) or self.infer_tp < 1):
-            raise LayoutError(f"parallel.infer_tp must be a positive integer, got {self.infer_tp!r}")
+            raise LayoutError(
+                f"parallel.infer_tp must be a positive integer, got {self.infer_tp!r}"
+            )
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(int(x) for x in self.pp_layers))
 
@@ -218,4 +220,3 @@ def current_ranks() -> dict[str, int]:
         "dp_rank": ps.get_data_parallel_rank(),
         "dp_size": ps.get_data_parallel_world_size(),
     }
-

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import importlib
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,7 +62,10 @@ ADAPTED_MODULES: tuple[str, ...] = (
 # :func:`_cpu_tensor_methods`.
 TENSOR_METHOD_FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._build_model_and_main_param_groups",
+    ),
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
     (
         "megatron.core.models.common.language_module.language_module",
@@ -71,6 +75,14 @@ TENSOR_METHOD_FUNCTIONS: tuple[tuple[str, str], ...] = (
 
 _CPU = torch.device("cpu")
 _applied = False
+
+# megatron-core announces its CPU fallbacks at import; they are expected here, not news.
+for _message in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+):
+    warnings.filterwarnings("ignore", message=f".*{_message}.*")
 
 
 def device() -> torch.device:
@@ -254,7 +266,10 @@ def _wrap_tensor_methods(module_name: str, path: str) -> None:
         import sys
 
         for mod in list(sys.modules.values()):
-            if getattr(mod, "__name__", "").startswith("megatron.") and getattr(mod, leaf, None) is fn:
+            if (
+                getattr(mod, "__name__", "").startswith("megatron.")
+                and getattr(mod, leaf, None) is fn
+            ):
                 setattr(mod, leaf, wrapped)
 
 
@@ -262,7 +277,9 @@ def _adapt_rng_tracker() -> None:
     """Group 2: megatron's RNG state helpers read the CUDA generator; use the CPU one."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    def get_state(
+        device: Any = "cuda", clone: bool = False, graph_safe: bool = False
+    ) -> torch.Tensor:
         return torch.get_rng_state()
 
     def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:

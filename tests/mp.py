@@ -72,7 +72,11 @@ def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 600) ->
                 time.sleep(1.0)  # let the failing rank's traceback arrive
                 while not queue.empty():
                     rank, status, payload = queue.get()
-                    (results.__setitem__(rank, payload) if status == "ok" else errors.append(f"rank {rank}:\n{payload}"))
+                    (
+                        results.__setitem__(rank, payload)
+                        if status == "ok"
+                        else errors.append(f"rank {rank}:\n{payload}")
+                    )
                 break
             continue
         if status == "ok":

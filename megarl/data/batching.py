@@ -34,6 +34,8 @@ class ShardBatches(Generic[T]):
         drop_last: bool,
         fingerprint: str,
     ) -> None:
+        if batch_size < 1:
+            raise DataError(f"batch_size_per_rank must be >= 1, got {batch_size}.")
         self.reader = reader
         self.encode = encode
         self.batch_size = batch_size

@@ -104,11 +104,13 @@ def _expand(fs: pafs.FileSystem, entry: str, what: str) -> list[str]:
     base = entry[: m.start()].rsplit("/", 1)[0] or "/"
     regex = _glob_regex(entry)
     base_info = fs.get_file_info(base)
+    # List below `base` only as deep as the pattern goes.
+    deep = "/" in entry[len(base) + 1 :]
     found = []
     if base_info.type == pafs.FileType.Directory:
         found = sorted(
             f.path
-            for f in fs.get_file_info(pafs.FileSelector(base, recursive=True))
+            for f in fs.get_file_info(pafs.FileSelector(base, recursive=deep))
             if f.type == pafs.FileType.File and regex.match(f.path)
         )
     if not found:

@@ -51,6 +51,9 @@ class PromptDataset:
     Prompts longer than `max_prompt_length` tokens (after templating): `overlong_prompts="error"`
     stops with the file and row; `"filter"` drops them, counted in `metrics()`, and fills the batch
     with the next rows.
+
+    Columns beyond the schema's pass through in `PromptItem.extra`; `extra_columns` limits them to
+    a list (the others are then not even read).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class PromptDataset:
         apply_chat_template: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         require_ground_truth: bool = True,
+        extra_columns: Sequence[str] | None = None,
         window_rows: int = 8192,
         filesystem: pafs.FileSystem | None = None,
         setting: str = "data.train_files",
@@ -97,6 +101,11 @@ class PromptDataset:
             check_columns(
                 info, required, {"reward_model": REWARD_MODEL, "extra_info": ANY}, hint=hint
             )
+        columns = None
+        if extra_columns is not None:
+            for info in infos:
+                check_columns(info, dict.fromkeys(extra_columns, ANY), hint="(from extra_columns)")
+            columns = [*_KNOWN, *extra_columns]
         self.files = infos
         self.reader = ShardReader(
             fs,
@@ -106,6 +115,7 @@ class PromptDataset:
             seed=seed,
             shuffle=shuffle,
             window_rows=window_rows,
+            columns=columns,
         )
         self._locate = self.reader.locate
         self._batches: ShardBatches[PromptItem] = ShardBatches(

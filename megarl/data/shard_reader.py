@@ -44,11 +44,15 @@ class ShardReader:
         window_rows: int = 8192,
         columns: Sequence[str] | None = None,
     ) -> None:
+        """`columns`: the columns to read (None: all); names a file lacks are skipped there."""
         self.fs = fs
         self.files = list(files)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle, self.window_rows = seed, shuffle, window_rows
-        self.columns = None if columns is None else list(columns)
+        self._columns = [
+            None if columns is None else [c for c in columns if c in f.schema.names]
+            for f in self.files
+        ]
         self.total_rows = sum(f.num_rows for f in self.files)
         share_bounds(self.total_rows, dp_rank, dp_size)  # validates the rank
         # uid of row 0 of each (file, row group)
@@ -116,16 +120,14 @@ class ShardReader:
         for p in window.pieces:
             info = self.files[p.file]
             try:
-                table = self._file(p.file).read_row_group(p.row_group, columns=self.columns)
+                table = self._file(p.file).read_row_group(
+                    p.row_group, columns=self._columns[p.file]
+                )
             except (pa.ArrowException, OSError) as e:
                 raise DataError(
                     f"{info.path}: reading row group {p.row_group} failed ({e}); the file is "
                     "damaged or truncated: re-create it, or remove it from the data files."
                 ) from e
-            if self.columns is not None:
-                missing = [c for c in self.columns if c not in table.column_names]
-                if missing:
-                    raise DataError(f"{info.path}: missing column(s) {missing}.")
             tables.append(
                 (table.slice(p.start, p.num_rows), self._rg_base[p.file][p.row_group] + p.start)
             )

@@ -73,7 +73,9 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
         **layout.megatron_stage_kwargs(dims.num_layers),
     )
     if opts.recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     return TransformerConfig(**kwargs)
 
 
@@ -107,7 +109,9 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
-def build_gpt_model(dims: ModelDims, layout: ParallelLayout, role: str = "actor", opts: ModelOptions | None = None):
+def build_gpt_model(
+    dims: ModelDims, layout: ParallelLayout, role: str = "actor", opts: ModelOptions | None = None
+):
     """An unloaded (zero-initialised) GPTModel for this rank's pipeline stage."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel

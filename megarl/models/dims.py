@@ -76,9 +76,13 @@ class ModelDims:
             )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
-            raise UnsupportedModelError(f"hidden_act={act!r} is not supported; megarl supports 'silu'")
+            raise UnsupportedModelError(
+                f"hidden_act={act!r} is not supported; megarl supports 'silu'"
+            )
         if cfg.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=true is not supported (no Qwen2 or Llama checkpoint uses it)")
+            raise UnsupportedModelError(
+                "mlp_bias=true is not supported (no Qwen2 or Llama checkpoint uses it)"
+            )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -118,11 +122,17 @@ class ModelDims:
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     path = Path(hf_dir)
     if not path.is_dir():
-        raise CheckpointError(f"model folder {path} does not exist; pass a local Hugging Face model folder")
+        raise CheckpointError(
+            f"model folder {path} does not exist; pass a local Hugging Face model folder"
+        )
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file} is missing; a Hugging Face model folder needs its config.json")
+        raise CheckpointError(
+            f"{cfg_file} is missing; a Hugging Face model folder needs its config.json"
+        )
     try:
         return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); re-download or re-export the model") from e
+        raise CheckpointError(
+            f"{cfg_file} is not valid JSON ({e}); re-download or re-export the model"
+        ) from e

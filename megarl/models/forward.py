@@ -17,7 +17,9 @@ LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, 
 
 
 def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+    return (
+        torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+    )
 
 
 def run_schedule(
@@ -41,7 +43,9 @@ def run_schedule(
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
         ids = batch["input_ids"]
-        output = model_chunk(input_ids=ids, position_ids=position_ids_like(ids), attention_mask=None)
+        output = model_chunk(
+            input_ids=ids, position_ids=position_ids_like(ids), attention_mask=None
+        )
 
         def loss_func(out: torch.Tensor):
             loss, metrics = loss_fn(out, batch)

@@ -29,7 +29,9 @@ class SliceReader(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor: ...
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int = 0
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,12 @@ def tensor_maps(dims: ModelDims) -> list[TensorMap]:
             )
         )
     maps += [
-        TensorMap(M + "self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), "copy", 1),
-        TensorMap(M + "pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",), "copy", None),
+        TensorMap(
+            M + "self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), "copy", 1
+        ),
+        TensorMap(
+            M + "pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",), "copy", None
+        ),
         TensorMap(
             M + "mlp.linear_fc1.weight",
             (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"),
@@ -154,7 +160,9 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> 
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def split_qkv(fused: torch.Tensor, dims: ModelDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(
+    fused: torch.Tensor, dims: ModelDims
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_qkv` for the full (all TP shards concatenated) tensor."""
     groups = dims.num_kv_heads
     hd = dims.head_dim

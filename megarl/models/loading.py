@@ -33,7 +33,10 @@ def mapped_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 def load_hf_into_model(model, hf_dir: str | Path, dims: ModelDims, layout: ParallelLayout) -> None:
     from megatron.core import parallel_state as ps
 
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp_rank, tp_size = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+    )
     pp_rank = ps.get_pipeline_model_parallel_rank()
     from megarl.models.build import layer_offset
 

@@ -32,7 +32,9 @@ class SafetensorsReader:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index} is not a valid safetensors index ({e}); re-export the model") from e
+                raise CheckpointError(
+                    f"{index} is not a valid safetensors index ({e}); re-export the model"
+                ) from e
             missing = sorted({f for f in weight_map.values() if not (self.root / f).is_file()})
             if missing:
                 raise CheckpointError(
@@ -46,7 +48,8 @@ class SafetensorsReader:
                 f"no safetensors weights in {self.root} (expected {SINGLE_FILE} or {INDEX_FILE}); "
                 "megarl loads Hugging Face safetensors checkpoints (convert .bin with transformers' save_pretrained)"
             )
-        return {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}  # type: ignore[attr-defined]
+        handle = self._open(SINGLE_FILE)
+        return dict.fromkeys(handle.keys(), SINGLE_FILE)
 
     def _open(self, file: str):
         handle = self._handles.get(file)
@@ -79,7 +82,9 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int = 0
+    ) -> torch.Tensor:
         sl = self._slice(name)
         try:
             if dim is None:

@@ -52,7 +52,9 @@ def _ce_loss(logits_shard: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dic
 
     ids = batch["input_ids"]
     targets = ids[:, 1:]
-    per_token = tensor_parallel.vocab_parallel_cross_entropy(logits_shard[:, :-1].contiguous(), targets)
+    per_token = tensor_parallel.vocab_parallel_cross_entropy(
+        logits_shard[:, :-1].contiguous(), targets
+    )
     return per_token.mean(), {"loss": per_token.mean().detach()}
 
 
@@ -64,20 +66,28 @@ def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSetting
     for dp in range(world_dp):
         ids = batch_for(dp, vocab)
         logits = hf(ids).logits
-        losses.append(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)))
+        losses.append(
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)
+            )
+        )
     loss = torch.stack(losses).mean()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
     decay = [p for n, p in hf.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in hf.named_parameters() if p.ndim <= 1]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=settings.lr,
         betas=(settings.adam_beta1, settings.adam_beta2),
         eps=settings.adam_eps,
     )
     norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), settings.clip_grad)
     import os
+
     if os.environ.get("MEGARL_DEBUG"):
         print("ref norm", norm.item(), flush=True)
     opt.step()
@@ -86,7 +96,9 @@ def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSetting
     return loss.item(), grads, weights
 
 
-def train_step_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) -> dict[str, float]:
+def train_step_worker(
+    rank: int, world: int, model_dir: str, layouts: list[dict]
+) -> dict[str, float]:
     """Grad and one-step parity of megatron DDP + distributed Adam against HF + torch AdamW."""
     adapt_megatron_for_cpu()
     from megatron.core import parallel_state as ps
@@ -97,7 +109,9 @@ def train_step_worker(rank: int, world: int, model_dir: str, layouts: list[dict]
         layout = ParallelLayout.for_world(world, **spec)
         initialize_model_parallel(layout)
         model, dims = build_model(model_dir, layout)
-        ref_loss, ref_grads, ref_weights = _reference_step(model_dir, layout.dp, dims.vocab_size, settings)
+        ref_loss, ref_grads, ref_weights = _reference_step(
+            model_dir, layout.dp, dims.vocab_size, settings
+        )
         ddp, optimizer, _ = wrap_for_training(model, settings)
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -112,10 +126,21 @@ def train_step_worker(rank: int, world: int, model_dir: str, layouts: list[dict]
                 for name, g in iter_stage_hf_tensors(ddp, dims, layout, use_main_grad=True)
             )
         ok, grad_norm, _ = optimizer.step()
-        diffs = {name: (w - ref_weights[name]).abs().max().item() for name, w in iter_stage_hf_tensors(ddp, dims, layout)}
+        diffs = {
+            name: (w - ref_weights[name]).abs().max().item()
+            for name, w in iter_stage_hf_tensors(ddp, dims, layout)
+        }
         import os
+
         if os.environ.get("MEGARL_DEBUG"):
-            print(rank, layout, "norm", grad_norm, {k: v for k, v in diffs.items() if v > 1e-6}, flush=True)
+            print(
+                rank,
+                layout,
+                "norm",
+                grad_norm,
+                {k: v for k, v in diffs.items() if v > 1e-6},
+                flush=True,
+            )
         weight_diff = max(diffs.values())
         key = str(layout)
         out[key + ":grad"] = grad_diff
@@ -127,4 +152,3 @@ def train_step_worker(rank: int, world: int, model_dir: str, layouts: list[dict]
             out[key + ":loss"] = abs(loss.item() / layout.dp - ref_loss)
         destroy_model_parallel()
     return out
-

@@ -22,14 +22,21 @@ QWEN_TAIL = [151645, 198, 151644, 77091, 198]  # "<|im_end|>\n<|im_start|>assist
 @pytest.fixture(scope="module")
 def gsm8k_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gsm8k")
-    prepare_module().prepare(out, "gsm-symbolic", train_size=48, test_size=16, seed=0, row_group_size=8)
+    prepare_module().prepare(
+        out, "gsm-symbolic", train_size=48, test_size=16, seed=0, row_group_size=8
+    )
     return out
 
 
 def test_qwen25_chatml_on_prepared_gsm8k(gsm8k_dir: Path) -> None:
     tok = qwen_tokenizer()
     ds = PromptDataset(
-        str(gsm8k_dir / "train.parquet"), tok, batch_size_per_rank=8, max_prompt_length=512, dp_rank=1, dp_size=2
+        str(gsm8k_dir / "train.parquet"),
+        tok,
+        batch_size_per_rank=8,
+        max_prompt_length=512,
+        dp_rank=1,
+        dp_size=2,
     )
     batches = list(ds)
     assert len(batches) == 3
@@ -51,7 +58,12 @@ def test_the_real_vocabulary_splits_digits_one_by_one() -> None:
     tok = qwen_tokenizer()
     assert tok("Hello, world!", add_special_tokens=False)["input_ids"] == [9707, 11, 1879, 0]
     assert tok.convert_ids_to_tokens(tok("#### 1234", add_special_tokens=False)["input_ids"]) == [
-        "####", "Ġ", "1", "2", "3", "4",
+        "####",
+        "Ġ",
+        "1",
+        "2",
+        "3",
+        "4",
     ]
 
 
@@ -69,7 +81,10 @@ def test_a_system_message_replaces_the_default_one() -> None:
         (7, "holds int 7; expected a string or a non-empty list"),
         ([], "holds list"),
         ([{"role": "user"}], "holds a message without a string 'role' and 'content'"),
-        ([{"role": "user", "content": None}], "holds a message without a string 'role' and 'content'"),
+        (
+            [{"role": "user", "content": None}],
+            "holds a message without a string 'role' and 'content'",
+        ),
     ],
 )
 def test_bad_prompt_cells_are_named(value: Any, expected: str) -> None:
@@ -88,7 +103,7 @@ def test_tokenizer_without_template_and_messages_without_templating_are_refused(
     tok = tiny_tokenizer()
     bare = tok.__class__(tokenizer_object=tok.backend_tokenizer, unk_token="<unk>")
     assert not bare.chat_template
-    with pytest.raises(DataError, match="has no chat template.*apply_chat_template=False"):
+    with pytest.raises(DataError, match=r"has no chat template.*apply_chat_template=False"):
         encode_prompts(bare, ["hi"])
     with pytest.raises(DataError, match="chat messages but apply_chat_template=False"):
         encode_prompts(tok, [[{"role": "user", "content": "hi"}]], apply_chat_template=False)

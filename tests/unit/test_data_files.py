@@ -46,7 +46,9 @@ def write_prompt_files(
     for i, (rows, group) in enumerate(layout):
         table = pa.Table.from_pylist(prompt_rows(start, rows, pad=pad))
         if extra:
-            table = table.append_column("document", pa.array([os.urandom(extra // 2).hex() for _ in range(rows)]))
+            table = table.append_column(
+                "document", pa.array([os.urandom(extra // 2).hex() for _ in range(rows)])
+            )
         path = folder / f"part-{i:03d}.parquet"
         pq.write_table(table, path, row_group_size=group)
         paths.append(path)
@@ -70,7 +72,16 @@ def tiny_tokenizer() -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "question", "x", "hi", *map(str, range(1000))]
+    words = [
+        "<unk>",
+        "<eos>",
+        "<|user|>",
+        "<|assistant|>",
+        "question",
+        "x",
+        "hi",
+        *map(str, range(1000)),
+    ]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
@@ -161,7 +172,9 @@ def test_globs_folders_and_lists_resolve_sorted_and_deduplicated(tmp_path: Path)
     nested = write_prompt_files(tmp_path / "sub", [(2, 2)])[0]
     _, by_glob = resolve_files(str(tmp_path / "part-*.parquet"))
     assert by_glob == [str(p) for p in paths]
-    _, by_list = resolve_files([str(paths[2]), str(tmp_path / "part-00[01].parquet"), str(paths[2])])
+    _, by_list = resolve_files(
+        [str(paths[2]), str(tmp_path / "part-00[01].parquet"), str(paths[2])]
+    )
     assert by_list == [str(paths[2]), str(paths[0]), str(paths[1])]
     _, by_folder = resolve_files(str(tmp_path))
     assert by_folder == sorted([*map(str, paths), str(nested)])
@@ -169,9 +182,22 @@ def test_globs_folders_and_lists_resolve_sorted_and_deduplicated(tmp_path: Path)
     assert recursive == sorted([*map(str, paths), str(nested)])
 
 
+def test_file_uris_and_globs_in_subfolders(tmp_path: Path) -> None:
+    for day in ("d1", "d2"):
+        (tmp_path / day).mkdir()
+        write_prompt_files(tmp_path / day, [(2, 2)])
+    fs, paths = resolve_files(f"file://{tmp_path}/d*/part-*.parquet")
+    assert isinstance(fs, pafs.LocalFileSystem)
+    assert paths == [f"{tmp_path}/d1/part-000.parquet", f"{tmp_path}/d2/part-000.parquet"]
+    with pytest.raises(DataError, match="matches no file"):
+        resolve_files(str(tmp_path / "*.parquet"))  # `*` does not descend into folders
+
+
 def test_a_glob_matching_nothing_names_the_pattern_and_setting(tmp_path: Path) -> None:
     pattern = str(tmp_path / "train-*.parquet")
-    with pytest.raises(DataError, match=r"data\.train_files: the pattern .*train-\*\.parquet.* matches no file"):
+    with pytest.raises(
+        DataError, match=r"data\.train_files: the pattern .*train-\*\.parquet.* matches no file"
+    ):
         resolve_files(pattern, what="data.train_files")
 
 
@@ -199,7 +225,10 @@ def _dataset(path: Path | str) -> PromptDataset:
 def test_missing_column_names_file_and_column(tmp_path: Path) -> None:
     path = tmp_path / "a.parquet"
     rows = prompt_rows(0, 4)
-    pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "data_source"} for r in rows]), path)
+    pq.write_table(
+        pa.Table.from_pylist([{k: v for k, v in r.items() if k != "data_source"} for r in rows]),
+        path,
+    )
     with pytest.raises(DataError, match=rf"{path}: missing column 'data_source'"):
         _dataset(path)
 
@@ -207,10 +236,16 @@ def test_missing_column_names_file_and_column(tmp_path: Path) -> None:
 def test_missing_ground_truth_is_refused_unless_not_required(tmp_path: Path) -> None:
     path = tmp_path / "a.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "hi", "data_source": "x"}] * 3), path)
-    with pytest.raises(DataError, match=r"missing column 'reward_model'.*require_ground_truth=False"):
+    with pytest.raises(
+        DataError, match=r"missing column 'reward_model'.*require_ground_truth=False"
+    ):
         _dataset(path)
     ds = PromptDataset(
-        str(path), tokenizer=None, batch_size_per_rank=1, max_prompt_length=8, require_ground_truth=False
+        str(path),
+        tokenizer=None,
+        batch_size_per_rank=1,
+        max_prompt_length=8,
+        require_ground_truth=False,
     )
     assert ds.num_rows == 3
 
@@ -218,13 +253,27 @@ def test_missing_ground_truth_is_refused_unless_not_required(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("column", "values", "expected"),
     [
-        ("prompt", [1, 2], r"column 'prompt' has type int64; expected a string or a list of chat messages"),
-        ("prompt", [[1, 2], [3]], r"column 'prompt' has type list<\w+: int64>; expected a string or a list"),
+        (
+            "prompt",
+            [1, 2],
+            r"column 'prompt' has type int64; expected a string or a list of chat messages",
+        ),
+        (
+            "prompt",
+            [[1, 2], [3]],
+            r"column 'prompt' has type list<\w+: int64>; expected a string or a list",
+        ),
         ("data_source", [1, 2], r"column 'data_source' has type int64; expected string"),
-        ("reward_model", ["7", "8"], r"column 'reward_model' has type string; expected a struct with a 'ground_truth'"),
+        (
+            "reward_model",
+            ["7", "8"],
+            r"column 'reward_model' has type string; expected a struct with a 'ground_truth'",
+        ),
     ],
 )
-def test_wrong_column_type_names_file_column_and_fix(tmp_path: Path, column: str, values: list, expected: str) -> None:
+def test_wrong_column_type_names_file_column_and_fix(
+    tmp_path: Path, column: str, values: list, expected: str
+) -> None:
     path = tmp_path / "bad.parquet"
     rows = prompt_rows(0, len(values))
     for r, v in zip(rows, values, strict=True):
@@ -269,8 +318,13 @@ def test_damaged_row_group_is_named_when_read(tmp_path: Path) -> None:
     data[start : start + col.total_compressed_size] = b"\xff" * col.total_compressed_size
     path.write_bytes(bytes(data))
     ds = PromptDataset(
-        str(path), tokenizer=None, batch_size_per_rank=200, max_prompt_length=64, shuffle=False,
-        apply_chat_template=False, require_ground_truth=True,
+        str(path),
+        tokenizer=None,
+        batch_size_per_rank=200,
+        max_prompt_length=64,
+        shuffle=False,
+        apply_chat_template=False,
+        require_ground_truth=True,
     )
     with pytest.raises(DataError, match=rf"{path}: reading row group 1 failed"):
         list(ds.reader.iter_rows(0))
@@ -288,4 +342,6 @@ def test_footers_describe_row_groups_and_fingerprint_ignores_folder(tmp_path: Pa
     fs_b, paths_b = resolve_files(str(tmp_path / "b"))
     assert fingerprint(infos) == fingerprint(inspect_files(fs_b, paths_b))
     write_prompt_files(tmp_path / "b", [(25, 5)])
-    assert fingerprint(infos) != fingerprint(inspect_files(fs_b, resolve_files(str(tmp_path / "b"))[1]))
+    assert fingerprint(infos) != fingerprint(
+        inspect_files(fs_b, resolve_files(str(tmp_path / "b"))[1])
+    )

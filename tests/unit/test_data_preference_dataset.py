@@ -36,10 +36,14 @@ def write(folder: Path, rows: list[dict[str, Any]], group: int = 5, name: str = 
     return str(path)
 
 
-def make(files: str, rank: int = 0, dp: int = 1, tokenizer: Any = None, **kw: Any) -> PreferenceDataset:
+def make(
+    files: str, rank: int = 0, dp: int = 1, tokenizer: Any = None, **kw: Any
+) -> PreferenceDataset:
     options: dict[str, Any] = dict(batch_size_per_rank=3, max_length=32, seed=1, window_rows=6)
     options.update(kw)
-    return PreferenceDataset(files, tokenizer or tiny_tokenizer(), dp_rank=rank, dp_size=dp, **options)
+    return PreferenceDataset(
+        files, tokenizer or tiny_tokenizer(), dp_rank=rank, dp_size=dp, **options
+    )
 
 
 def test_pairs_are_prompt_plus_response_of_the_templated_conversation(tmp_path: Path) -> None:
@@ -47,7 +51,10 @@ def test_pairs_are_prompt_plus_response_of_the_templated_conversation(tmp_path: 
     rows = [
         {"prompt": "What is 6 * 7?", "chosen": "6 * 7 = 42\n#### 42", "rejected": "#### 41"},
         {
-            "prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}],
+            "prompt": [
+                {"role": "system", "content": "Be terse."},
+                {"role": "user", "content": "2+2?"},
+            ],
             "chosen": [{"role": "assistant", "content": "4"}],
             "rejected": [{"role": "assistant", "content": "5"}],
         },
@@ -57,7 +64,11 @@ def test_pairs_are_prompt_plus_response_of_the_templated_conversation(tmp_path: 
     ds = make(files, tokenizer=tok, batch_size_per_rank=2, max_length=128, shuffle=False)
     (batch,) = list(ds)
     for item, row in zip(batch, rows, strict=True):
-        prompt = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        prompt = (
+            [{"role": "user", "content": row["prompt"]}]
+            if isinstance(row["prompt"], str)
+            else row["prompt"]
+        )
         for side, ids in (("chosen", item.chosen_ids), ("rejected", item.rejected_ids)):
             reply = row[side] if isinstance(row[side], str) else row[side][0]["content"]
             conv = [*prompt, {"role": "assistant", "content": reply}]
@@ -85,7 +96,10 @@ def test_sharding_and_resume_match_the_prompt_dataset(tmp_path: Path, dp: int) -
 
 def test_overlong_pairs_error_names_the_row(tmp_path: Path) -> None:
     files = write(tmp_path, pair_rows(10, long_every=4))
-    with pytest.raises(DataError, match=r"pairs\.parquet: row 0: the pair is 45 tokens \(prompt 4, chosen 41, rejected 2\), over max_length=32"):
+    with pytest.raises(
+        DataError,
+        match=r"pairs\.parquet: row 0: the pair is 45 tokens \(prompt 4, chosen 41, rejected 2\), over max_length=32",
+    ):
         list(make(files, batch_size_per_rank=10, shuffle=False))
 
 
@@ -93,11 +107,26 @@ def test_filter_drops_and_counts_overlong_pairs(tmp_path: Path) -> None:
     files = write(tmp_path, pair_rows(12, long_every=4))
     ds = make(files, batch_size_per_rank=3, truncation="filter", shuffle=False)
     kept = [i.uid for b in ds for i in b]
-    assert kept == [1, 2, 3, 5, 6, 7, 9, 10, 11, 1, 2, 3]  # three long pairs dropped; the last batch refilled
+    assert kept == [
+        1,
+        2,
+        3,
+        5,
+        6,
+        7,
+        9,
+        10,
+        11,
+        1,
+        2,
+        3,
+    ]  # three long pairs dropped; the last batch refilled
     assert ds.metrics()["data/filtered_pairs"] == 4.0 and ds.metrics()["data/refilled_pairs"] == 3.0
 
 
-def test_truncate_cuts_responses_to_fit_and_drops_prompts_that_leave_no_room(tmp_path: Path) -> None:
+def test_truncate_cuts_responses_to_fit_and_drops_prompts_that_leave_no_room(
+    tmp_path: Path,
+) -> None:
     rows = pair_rows(6, long_every=3)
     rows[5]["prompt"] = "question" + " x" * 40
     files = write(tmp_path, rows)
@@ -118,7 +147,9 @@ def test_truncate_cuts_responses_to_fit_and_drops_prompts_that_leave_no_room(tmp
 def test_missing_rejected_column_and_bad_policy(tmp_path: Path) -> None:
     rows = [{k: v for k, v in r.items() if k != "rejected"} for r in pair_rows(4)]
     files = write(tmp_path, rows)
-    with pytest.raises(DataError, match=r"pairs\.parquet: missing column 'rejected'.*prompt, chosen and rejected"):
+    with pytest.raises(
+        DataError, match=r"pairs\.parquet: missing column 'rejected'.*prompt, chosen and rejected"
+    ):
         make(files)
     with pytest.raises(DataError, match="truncation must be 'error', 'filter' or 'truncate'"):
         make(write(tmp_path, pair_rows(4)), truncation="left")

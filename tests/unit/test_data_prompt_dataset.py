@@ -17,7 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.data import DataError, PromptDataset, PromptItem
-from tests.unit.test_data_files import CountingHandler, prompt_rows, tiny_tokenizer, write_prompt_files
+from tests.unit.test_data_files import (
+    CountingHandler,
+    prompt_rows,
+    tiny_tokenizer,
+    write_prompt_files,
+)
 
 LAYOUT = [(37, 10), (23, 7), (41, 16), (9, 9)]  # 110 rows; every file's last row group is short
 N = sum(rows for rows, _ in LAYOUT)
@@ -32,7 +37,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def make(files: str, rank: int = 0, dp: int = 1, **kw: Any) -> PromptDataset:
-    options: dict[str, Any] = dict(batch_size_per_rank=4, max_prompt_length=64, seed=5, window_rows=16)
+    options: dict[str, Any] = dict(
+        batch_size_per_rank=4, max_prompt_length=64, seed=5, window_rows=16
+    )
     options.update(kw)
     return PromptDataset(files, tiny_tokenizer(), dp_rank=rank, dp_size=dp, **options)
 
@@ -71,7 +78,7 @@ def test_drop_last_gives_every_rank_the_same_number_of_full_batches(files: str, 
     assert steps == (N // dp) // 3
     per_rank = [list(ds) for ds in ranks]
     assert all(len(b) == steps and all(len(x) == 3 for x in b) for b in per_rank)
-    flat = [u for b in per_rank for u in sum(uids(b), [])]
+    flat = [u for batches in per_rank for batch in uids(batches) for u in batch]
     assert len(flat) == len(set(flat)), "ranks never share a prompt"
     assert len(flat) >= N - dp * 3, "each rank leaves fewer than one batch of its share unused"
 
@@ -88,7 +95,9 @@ def test_same_seed_same_batches_other_seed_or_epoch_other_order(files: str) -> N
 
 
 @pytest.mark.parametrize(("dp", "k"), [(1, 3), (2, 0), (3, 5), (4, 2), (4, 6)])
-def test_state_after_k_batches_restores_exactly_the_remaining_batches(files: str, dp: int, k: int) -> None:
+def test_state_after_k_batches_restores_exactly_the_remaining_batches(
+    files: str, dp: int, k: int
+) -> None:
     for rank in range(dp):
         ds = make(files, rank, dp)
         run = batches_until(ds, 3)
@@ -126,7 +135,9 @@ def test_state_restores_in_a_fresh_process(files: str, tmp_path: Path) -> None:
         print(json.dumps(out))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
 
@@ -142,8 +153,14 @@ def test_each_rank_reads_about_its_share_of_the_bytes(tmp_path: Path) -> None:
     for rank in range(4):
         counting = CountingHandler()
         ds = PromptDataset(
-            pattern, tiny_tokenizer(), batch_size_per_rank=50, max_prompt_length=64, dp_rank=rank, dp_size=4,
-            filesystem=pafs.PyFileSystem(counting), window_rows=100,
+            pattern,
+            tiny_tokenizer(),
+            batch_size_per_rank=50,
+            max_prompt_length=64,
+            dp_rank=rank,
+            dp_size=4,
+            filesystem=pafs.PyFileSystem(counting),
+            window_rows=100,
         )
         served = sum(len(b) for b in ds)
         assert served == 600
@@ -157,7 +174,10 @@ def test_overlong_prompt_error_names_file_row_and_fix(tmp_path: Path) -> None:
     rows[13]["prompt"][0]["content"] += " x" * 80
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=5)
     ds = make(str(tmp_path / "a.parquet"), batch_size_per_rank=20, shuffle=False)
-    with pytest.raises(DataError, match=r"a\.parquet: row 13: the prompt is 84 tokens .* over max_prompt_length=64.*overlong_prompts='filter'"):
+    with pytest.raises(
+        DataError,
+        match=r"a\.parquet: row 13: the prompt is 84 tokens .* over max_prompt_length=64.*overlong_prompts='filter'",
+    ):
         list(ds)
 
 
@@ -173,7 +193,9 @@ def test_filtered_prompts_are_counted_and_ranks_stay_in_lockstep(tmp_path: Path)
     for ds, batches in zip(ranks, out, strict=True):
         assert all(len(b) == 4 and all(i.uid % 2 == 1 for i in b) for b in batches)
         m = ds.metrics()
-        assert m["data/filtered_overlong_prompts"] >= 10  # the long half of its 20-row share, at least
+        assert (
+            m["data/filtered_overlong_prompts"] >= 10
+        )  # the long half of its 20-row share, at least
         assert m["data/refilled_prompts"] == 10  # 10 short prompts in its share, 20 needed
         ids = [i.uid for b in batches for i in b]
         assert len(set(ids)) == 10 and all(c == 2 for c in Counter(ids).values())
@@ -203,7 +225,10 @@ def test_states_that_cannot_replay_are_refused(files: str, tmp_path: Path) -> No
     ds = make(files, 0, 2)
     next(iter(ds))
     mid = ds.state_dict()
-    with pytest.raises(DataError, match=r"mid-epoch under another layout \(dp_size saved 2, now 3, dp_rank saved 0, now 1|dp_rank"):
+    with pytest.raises(
+        DataError,
+        match=r"mid-epoch under another layout \(dp_size saved 2, now 3, dp_rank saved 0, now 1|dp_rank",
+    ):
         make(files, 1, 3).load_state_dict(mid)
     with pytest.raises(DataError, match="batch_size_per_rank saved 4, now 2"):
         make(files, 0, 2, batch_size_per_rank=2).load_state_dict(mid)
@@ -252,11 +277,33 @@ def test_null_cells_are_named(tmp_path: Path) -> None:
 
 
 def test_plain_string_prompts_with_and_without_template(tmp_path: Path) -> None:
-    rows = [{"prompt": f"question {i}", "data_source": "d", "reward_model": {"ground_truth": "1"}} for i in range(4)]
+    rows = [
+        {"prompt": f"question {i}", "data_source": "d", "reward_model": {"ground_truth": "1"}}
+        for i in range(4)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
     tok = tiny_tokenizer()
-    templated = list(make(str(tmp_path / "a.parquet"), shuffle=False))[0]
+    templated = next(iter(make(str(tmp_path / "a.parquet"), shuffle=False)))
     assert tok.decode(templated[2].input_ids) == "<|user|> question 2 <|assistant|>"
-    raw = list(make(str(tmp_path / "a.parquet"), shuffle=False, apply_chat_template=False))[0]
+    raw = next(iter(make(str(tmp_path / "a.parquet"), shuffle=False, apply_chat_template=False)))
     assert tok.decode(raw[2].input_ids) == "question 2"
     assert raw[2].prompt == "question 2" and raw[2].extra_info is None
+
+
+def test_extra_columns_limits_what_is_read_and_passed_through(tmp_path: Path) -> None:
+    write_prompt_files(tmp_path, [(200, 50)], extra=2000)
+    pattern = str(tmp_path / "*.parquet")
+    read = {}
+    for name, extra in (("all", None), ("none", []), ("ability", ["ability"])):
+        counting = CountingHandler()
+        ds = make(pattern, extra_columns=extra, filesystem=pafs.PyFileSystem(counting))
+        items = [i for batch in ds for i in batch]  # a whole epoch is read
+        item = items[0]
+        read[name] = counting.total()
+        assert (
+            set(item.extra)
+            == {"all": {"ability", "document"}, "none": set(), "ability": {"ability"}}[name]
+        )
+    assert read["none"] < read["all"] / 4, "the bulky 'document' column is not read at all"
+    with pytest.raises(DataError, match=r"part-000\.parquet: missing column 'notes'"):
+        make(pattern, extra_columns=["notes"])

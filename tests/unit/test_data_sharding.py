@@ -25,8 +25,12 @@ def rows_of(pieces) -> list[tuple[int, int, int]]:
     return [(p.file, p.row_group, r) for p in pieces for r in range(p.start, p.stop)]
 
 
-def check_partition(groups: list[list[int]], dp_size: int, seed: int, epoch: int, shuffle: bool = True) -> None:
-    everything = {(f, g, r) for f, sizes in enumerate(groups) for g, n in enumerate(sizes) for r in range(n)}
+def check_partition(
+    groups: list[list[int]], dp_size: int, seed: int, epoch: int, shuffle: bool = True
+) -> None:
+    everything = {
+        (f, g, r) for f, sizes in enumerate(groups) for g, n in enumerate(sizes) for r in range(n)
+    }
     shares = [
         rows_of(shard_pieces(groups, rank, dp_size, seed=seed, epoch=epoch, shuffle=shuffle))
         for rank in range(dp_size)
@@ -99,9 +103,17 @@ def test_windows_hold_at_least_window_rows_and_permute_within() -> None:
 
 @pytest.mark.parametrize(
     ("total", "dp", "batch", "drop_last", "steps"),
-    [(101, 4, 5, True, 5), (101, 4, 5, False, 6), (100, 4, 5, True, 5), (9, 2, 2, False, 3), (3, 4, 1, True, 0)],
+    [
+        (101, 4, 5, True, 5),
+        (101, 4, 5, False, 6),
+        (100, 4, 5, True, 5),
+        (9, 2, 2, False, 3),
+        (3, 4, 1, True, 0),
+    ],
 )
-def test_steps_per_epoch_is_the_same_on_every_rank(total: int, dp: int, batch: int, drop_last: bool, steps: int) -> None:
+def test_steps_per_epoch_is_the_same_on_every_rank(
+    total: int, dp: int, batch: int, drop_last: bool, steps: int
+) -> None:
     assert steps_per_epoch(total, dp, batch, drop_last) == steps
 
 

@@ -30,7 +30,9 @@ def prepare_module() -> ModuleType:
 
 
 def test_gsm_symbolic_writes_the_rl_schema_with_integer_answers(tmp_path: Path) -> None:
-    paths = prepare_module().prepare(tmp_path, "gsm-symbolic", train_size=60, test_size=25, seed=3, row_group_size=16)
+    paths = prepare_module().prepare(
+        tmp_path, "gsm-symbolic", train_size=60, test_size=25, seed=3, row_group_size=16
+    )
     assert paths == {"train": tmp_path / "train.parquet", "test": tmp_path / "test.parquet"}
     train, test = (pq.read_table(paths[s]).to_pylist() for s in ("train", "test"))
     assert (len(train), len(test)) == (60, 25)
@@ -62,8 +64,14 @@ def test_gsm_symbolic_is_deterministic_per_seed(tmp_path: Path) -> None:
 def _write_gsm8k_jsonl(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     train = [
-        {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"},
-        {"question": "A car costs $1,200 more than 300. Price?", "answer": "300 + 1200 = 1500\n#### 1,500"},
+        {
+            "question": "Tom has 2 apples and buys 3. How many?",
+            "answer": "2 + 3 = <<2+3=5>>5\n#### 5",
+        },
+        {
+            "question": "A car costs $1,200 more than 300. Price?",
+            "answer": "300 + 1200 = 1500\n#### 1,500",
+        },
         {"question": "Temperature 4 minus 9?", "answer": "4 - 9 = -5\n#### -5"},
     ]
     test = [{"question": "What is 6 * 7?", "answer": "6 * 7 = 42\n#### 42"}]
@@ -73,18 +81,33 @@ def _write_gsm8k_jsonl(folder: Path) -> None:
 
 def test_local_gsm8k_copy_keeps_questions_and_integer_truths(tmp_path: Path) -> None:
     _write_gsm8k_jsonl(tmp_path / "gsm8k")
-    assert prepare_module().main(["--out", str(tmp_path / "out"), "--source", str(tmp_path / "gsm8k")]) == 0
+    assert (
+        prepare_module().main(["--out", str(tmp_path / "out"), "--source", str(tmp_path / "gsm8k")])
+        == 0
+    )
     train = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
     assert [r["reward_model"]["ground_truth"] for r in train] == ["5", "1500", "-5"]
     assert train[1]["prompt"][0]["content"].startswith("A car costs $1,200 more than 300. Price? ")
     assert train[0]["extra_info"]["origin"] == "gsm8k"
-    assert prepare_module().main(
-        ["--out", str(tmp_path / "small"), "--source", str(tmp_path / "gsm8k"), "--train-size", "2"]
-    ) == 0
+    assert (
+        prepare_module().main(
+            [
+                "--out",
+                str(tmp_path / "small"),
+                "--source",
+                str(tmp_path / "gsm8k"),
+                "--train-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert pq.ParquetFile(tmp_path / "small" / "train.parquet").metadata.num_rows == 2
 
 
-def test_bad_sources_fail_with_a_message_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_sources_fail_with_a_message_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     main = prepare_module().main
     assert main(["--out", str(tmp_path / "o"), "--source", str(tmp_path / "missing")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
@@ -97,7 +120,9 @@ def test_bad_sources_fail_with_a_message_not_a_traceback(tmp_path: Path, capsys:
     (bad / "test.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
     assert main(["--out", str(tmp_path / "o"), "--source", str(bad)]) == 2
     assert "record 0 has no string column 'answer'" in capsys.readouterr().err
-    assert main(["--out", str(tmp_path / "o"), "--source", "gsm-symbolic", "--train-size", "0"]) == 2
+    assert (
+        main(["--out", str(tmp_path / "o"), "--source", "gsm-symbolic", "--train-size", "0"]) == 2
+    )
     assert "--train-size must be >= 1" in capsys.readouterr().err
 
 
@@ -112,8 +137,22 @@ def test_hub_source_without_datasets_points_at_the_offline_options(
 
 def test_command_line(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--source", "gsm-symbolic", "--train-size", "8", "--test-size", "4"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--out",
+            str(tmp_path),
+            "--source",
+            "gsm-symbolic",
+            "--train-size",
+            "8",
+            "--test-size",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
     assert "train: 8 rows" in proc.stdout and "test: 4 rows" in proc.stdout

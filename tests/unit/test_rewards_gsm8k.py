@@ -13,7 +13,12 @@ TABLE = [
     (COT + "#### 72", "72", 1.0, 1.0),  # GSM8K's own format
     (COT + "#### 71", "72", 0.0, 0.0),  # wrong
     (COT + "The answer is 72.", "72", 0.0, 1.0),  # missing ####: strict finds nothing
-    ("#### 72\nI hope this helps! Let me know if you have other questions.", "72", 1.0, 1.0),  # extra text after
+    (
+        "#### 72\nI hope this helps! Let me know if you have other questions.",
+        "72",
+        1.0,
+        1.0,
+    ),  # extra text after
     ("Total: 1,000 + 234 = 1,234\n#### 1,234", "1234", 1.0, 1.0),  # commas in numbers
     ("It costs $1,234.\n#### $1,234", "1234", 1.0, 1.0),  # dollar sign
     ("4 - 9 = -5\n#### -5", "-5", 1.0, 1.0),  # negative
@@ -39,7 +44,9 @@ def test_score_table(answer: str, truth: object, strict: float, flexible: float)
 
 def test_format_score_and_score_are_configurable() -> None:
     assert compute_score("#### 71", "72", format_score=0.1) == 0.1
-    assert compute_score("no final answer", "72", format_score=0.1) == 0.0, "no answer earns nothing"
+    assert compute_score("no final answer", "72", format_score=0.1) == 0.0, (
+        "no answer earns nothing"
+    )
     assert compute_score("#### 72", "72", format_score=0.1, score=2.0) == 2.0
 
 

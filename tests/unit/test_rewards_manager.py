@@ -49,10 +49,14 @@ def crashing_scorer(solution_str: str, ground_truth: Any) -> float:
 
 
 def odd_returns(solution_str: str, ground_truth: Any) -> Any:
-    return {"nan": float("nan"), "text": "1.0", "dict": {"score": 0.5, "acc": True}, "bool": True}[solution_str]
+    return {"nan": float("nan"), "text": "1.0", "dict": {"score": 0.5, "acc": True}, "bool": True}[
+        solution_str
+    ]
 
 
-def verl_style(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+def verl_style(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
+) -> float:
     return float(f"{data_source}|{solution_str}|{ground_truth}|{extra_info}" == "src|a|b|{'k': 1}")
 
 
@@ -65,9 +69,12 @@ def gsm(answer: str, truth: str = "72", source: str = "openai/gsm8k") -> RewardS
 
 def test_routes_by_data_source_with_kwargs_and_reports_means() -> None:
     manager = RewardManager(
-        {"len": f"{MODULE}:length_scorer"}, scorer_kwargs={"len": {"scale": 0.5}, "openai/gsm8k": {"format_score": 0.1}}
+        {"len": f"{MODULE}:length_scorer"},
+        scorer_kwargs={"len": {"scale": 0.5}, "openai/gsm8k": {"format_score": 0.1}},
     )
-    result = manager.score([gsm("#### 72"), gsm("#### 70"), RewardSample("len", "abcd", None), gsm("no answer")])
+    result = manager.score(
+        [gsm("#### 72"), gsm("#### 70"), RewardSample("len", "abcd", None), gsm("no answer")]
+    )
     assert result.scores == [1.0, 0.1, 2.0, 0.0]
     assert result.failures == []
     assert result.metrics == {
@@ -84,19 +91,28 @@ def test_routes_by_data_source_with_kwargs_and_reports_means() -> None:
 
 def test_user_scorer_from_a_file_path(tmp_path: Path) -> None:
     path = tmp_path / "my_reward.py"
-    path.write_text("def exact(solution_str, ground_truth):\n    return float(solution_str == ground_truth)\n")
+    path.write_text(
+        "def exact(solution_str, ground_truth):\n    return float(solution_str == ground_truth)\n"
+    )
     manager = RewardManager({"mine": f"{path}:exact"})
-    assert manager.score([RewardSample("mine", "x", "x"), RewardSample("mine", "x", "y")]).scores == [1.0, 0.0]
+    assert manager.score(
+        [RewardSample("mine", "x", "x"), RewardSample("mine", "x", "y")]
+    ).scores == [1.0, 0.0]
 
 
 def test_custom_fn_gets_verl_arguments_and_overrides_routing() -> None:
     manager = RewardManager(custom_fn=f"{MODULE}:verl_style")
-    result = manager.score([RewardSample("src", "a", "b", {"k": 1}), RewardSample("openai/gsm8k", "#### 72", "72")])
+    result = manager.score(
+        [RewardSample("src", "a", "b", {"k": 1}), RewardSample("openai/gsm8k", "#### 72", "72")]
+    )
     assert result.scores == [1.0, 0.0]
 
 
 def test_unknown_data_source_is_a_config_error_naming_the_fix() -> None:
-    with pytest.raises(ConfigError, match=r"no scorer for data_source 'math500' \(sample 1\); known: \['openai/gsm8k'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no scorer for data_source 'math500' \(sample 1\); known: \['openai/gsm8k'\]",
+    ):
         RewardManager().score([gsm("#### 72"), RewardSample("math500", "x", "1")])
     with pytest.raises(ConfigError, match="no scorer for data_source 'openai/gsm8k'"):
         RewardManager(include_builtin=False).score([gsm("#### 72")])
@@ -141,7 +157,9 @@ def test_exceptions_score_zero_are_counted_and_logged(caplog: pytest.LogCaptureF
 
 def test_strict_mode_raises_on_the_first_failure() -> None:
     manager = RewardManager({"f": f"{MODULE}:failing_scorer"}, strict=True)
-    with pytest.raises(RewardError, match=r"data_source 'f' failed on sample 0 \(error\): RuntimeError"):
+    with pytest.raises(
+        RewardError, match=r"data_source 'f' failed on sample 0 \(error\): RuntimeError"
+    ):
         manager.score([RewardSample("f", "boom", None)])
 
 
@@ -162,7 +180,9 @@ def test_in_process_timeout_interrupts_a_slow_scorer() -> None:
     assert time.monotonic() - start < 2.0
     assert result.scores == [0.0, 1.0]
     assert result.metrics["reward/timeouts"] == 1.0 and result.metrics["reward/failures"] == 1.0
-    assert signal.getsignal(signal.SIGALRM) is handler_before, "the previous SIGALRM handler is back"
+    assert signal.getsignal(signal.SIGALRM) is handler_before, (
+        "the previous SIGALRM handler is back"
+    )
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), "no timer left armed"
 
 

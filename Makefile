@@ -1,0 +1,37 @@
+# Fresh machine: `make demo` (main job) and `make test` (the test suite) set up .venv on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megarl-installed
+
+.PHONY: setup demo test test-unit test-distributed test-e2e lint format bench
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/megarl demo --model tiny-qwen2 --nproc 4 --tp 2 --pp 2
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m unit
+
+test-distributed: $(STAMP)
+	$(PY) -m pytest -q -m distributed
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -m e2e
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) bench/train_step.py

@@ -1,0 +1,62 @@
+"""``megarl`` command line: ``demo`` now; ``train``, ``convert``, ``plan`` as they land."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megarl.errors import MegarlError
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from megarl.launch import run_torchrun
+    from megarl.parallel import ParallelLayout
+
+    layout = ParallelLayout.for_world(args.nproc, tp=args.tp, pp=args.pp)
+    if args.model not in ("tiny-qwen2", "tiny-llama", "smollm2"):
+        from megarl.models.dims import ModelDims
+
+        layout.check_model(ModelDims.from_pretrained(args.model).shape)
+    module_args = [
+        "--model",
+        args.model,
+        "--tp",
+        str(args.tp),
+        "--pp",
+        str(args.pp),
+        "--seq",
+        str(args.seq),
+    ]
+    return run_torchrun("megarl.demo", module_args, args.nproc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megarl", description="Megatron-core 3D-parallel RLHF engine"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo", help="build a model in TP/PP/DP and print its parity with transformers"
+    )
+    demo.add_argument(
+        "--model", default="tiny-qwen2", help="tiny-qwen2 | tiny-llama | smollm2 | HF folder"
+    )
+    demo.add_argument("--nproc", type=int, default=4)
+    demo.add_argument("--tp", type=int, default=2)
+    demo.add_argument("--pp", type=int, default=2)
+    demo.add_argument("--seq", type=int, default=32)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MegarlError as e:
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

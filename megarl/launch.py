@@ -1,0 +1,64 @@
+"""Start a megarl entry point on N local processes with torchrun, or run it in place when already
+launched (torchrun or Slurm ``srun`` set RANK/WORLD_SIZE)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl import platform
+
+
+def under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _adopt_slurm_env() -> None:
+    """Map Slurm's variables to torch.distributed's when started by ``srun`` without torchrun."""
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def run_torchrun(
+    module: str, args: Sequence[str], nproc: int, threads_per_rank: int | None = None
+) -> int:
+    """Run ``python -m module args`` on ``nproc`` local ranks via torch.distributed.run."""
+    env = dict(os.environ)
+    if threads_per_rank is None:
+        threads_per_rank = (
+            max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else 4
+        )
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-port",
+        env.get("MASTER_PORT", "29511"),
+        "-m",
+        module,
+        *args,
+    ]
+    return subprocess.call(cmd, env=env)
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise the default process group from the launcher's environment; returns (rank, world)."""
+    _adopt_slurm_env()
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(platform.distributed_backend())
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and not torch.cuda.is_available():
+        torch.set_num_threads(int(threads))
+    platform.adapt_megatron_for_cpu()
+    return dist.get_rank(), dist.get_world_size()

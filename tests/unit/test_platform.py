@@ -1,0 +1,274 @@
+"""Pins every CUDA-only call site of the megatron-core modules megarl loads.
+
+megarl.platform adapts the modules in ADAPTED_MODULES wholesale and wraps the functions in
+TENSOR_METHOD_FUNCTIONS. If a megatron-core upgrade adds, moves or removes a CUDA-only call in
+an adapted module, or a module megarl loads gains one without an adaptation, these tests fail
+and name the site. List a module's sites after an upgrade with
+``python -m megarl.platform_sites MODULE``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl import platform
+from megarl.platform_sites import loaded_megatron_modules, module_sites
+
+PINNED_SITES = {
+    "megatron.core.utils": {
+        ("GlobalMemoryBuffer.get_tensor", "torch.cuda.current_device"),
+        ("GlobalSymmetricMemoryBuffer.__init__", 'device="cuda"'),
+        ("StragglerDetector.__init__", "torch.cuda.Event"),
+        ("StragglerDetector.configure", "torch.cuda.Event"),
+        ("StragglerDetector.configure", "torch.cuda.current_device"),
+        ("StragglerDetector.configure", "torch.cuda.is_available"),
+        ("StragglerDetector.elapsed", "torch.cuda.clock_rate"),
+        ("StragglerDetector.elapsed", "torch.cuda.power_draw"),
+        ("StragglerDetector.elapsed", "torch.cuda.synchronize"),
+        ("StragglerDetector.elapsed", "torch.cuda.temperature"),
+        ("StragglerDetector.elapsed", "torch.cuda.utilization"),
+        ("StragglerDetector.start_method", "torch.cuda.Event"),
+        ("check_param_hashes_across_dp_replicas", ".cuda()"),
+        ("get_batch_on_this_hybrid_cp_rank", 'device="cuda"'),
+        ("local_multi_tensor_l2_norm", 'device="cuda"'),
+        ("nvtx_range_pop", "torch.cuda.nvtx"),
+        ("nvtx_range_push", "torch.cuda.nvtx"),
+    },
+    "megatron.core.transformer.utils": {
+        ("get_default_causal_mask", 'device="cuda"'),
+        ("get_sliding_window_causal_mask", 'device="cuda"'),
+    },
+    "megatron.core.transformer.attention": {
+        ("Attention._allocate_memory", "torch.cuda.current_device"),
+    },
+    "megatron.core.transformer.dot_product_attention": {
+        ("DotProductAttention.__init__", "torch.cuda.current_device"),
+    },
+    "megatron.core.transformer.transformer_layer": {
+        (
+            "TransformerLayer._get_te_cuda_graph_replay_args.get_zero_attention_mask",
+            "torch.cuda.current_device",
+        ),
+        ("TransformerLayer.get_layer_static_inputs", "torch.cuda.current_device"),
+    },
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": {
+        ("MultimodalRotaryEmbedding.__init__", "torch.cuda.current_device"),
+        ("RotaryEmbedding.__init__", "torch.cuda.current_device"),
+        ("RotaryEmbedding.get_emb", "torch.cuda.current_device"),
+    },
+    "megatron.core.tensor_parallel.random": {
+        ("CudaRNGStatesTracker.__init__", "torch.cuda.CUDAGraph"),
+        ("CudaRNGStatesTracker.add", "torch.cuda.get_rng_state"),
+        ("CudaRNGStatesTracker.add", "torch.cuda.manual_seed"),
+        ("_get_cuda_rng_state", "torch.cuda.current_device"),
+        ("_get_cuda_rng_state", "torch.cuda.default_generators"),
+        ("_get_cuda_rng_state", "torch.cuda.random"),
+        ("_set_cuda_rng_state.cb", "torch.cuda.current_device"),
+        ("_set_cuda_rng_state.cb", "torch.cuda.default_generators"),
+        ("model_parallel_cuda_manual_seed", "torch.cuda.manual_seed"),
+    },
+    "megatron.core.tensor_parallel.layers": {
+        ("<module>", "torch.cuda.amp"),
+        ("ColumnParallelLinear.__init__", "torch.cuda.current_device"),
+        ("LinearWithGradAccumulationAndAsyncCommunication.backward", "torch.cuda.current_device"),
+        ("RowParallelLinear.__init__", "torch.cuda.current_device"),
+        ("VocabParallelEmbedding.__init__", "torch.cuda.current_device"),
+    },
+    "megatron.core.tensor_parallel.mappings": {
+        ("_AllToAll.forward", "torch.cuda.current_device"),
+        ("_gather_along_first_dim", "torch.cuda.current_device"),
+        ("_gather_along_last_dim", "torch.cuda.current_device"),
+        ("_reduce_scatter_along_first_dim", "torch.cuda.current_device"),
+    },
+    "megatron.core.tensor_parallel.data": {
+        ("_build_key_size_numel_dictionaries", 'device="cuda"'),
+        ("broadcast_data", ".cuda()"),
+        ("broadcast_data", "torch.cuda.current_device"),
+    },
+    "megatron.core.pipeline_parallel.schedules": {
+        ("forward_backward_no_pipelining", 'device="cuda"'),
+        ("forward_backward_pipelining_with_interleaving", 'device="cuda"'),
+        ("forward_backward_pipelining_without_interleaving", 'device="cuda"'),
+    },
+    "megatron.core.pipeline_parallel.p2p_communication": {
+        ("P2PCommunicator._communicate", "torch.cuda.synchronize"),
+        ("P2PCommunicator._communicate.create_tensor_recv_next", "torch.cuda.current_device"),
+        ("P2PCommunicator._communicate.create_tensor_recv_prev", "torch.cuda.current_device"),
+        ("P2PCommunicator._communicate_shapes", "torch.cuda.current_device"),
+        ("P2PCommunicator._communicate_shapes", "torch.cuda.synchronize"),
+    },
+    "megatron.core.distributed.param_and_grad_buffer": {
+        ("_ParamAndGradBucketGroup.finish_grad_sync", "torch.cuda.default_stream"),
+        ("_ParamAndGradBucketGroup.start_grad_sync", "torch.cuda.default_stream"),
+        ("_ParamAndGradBucketGroup.start_grad_sync", "torch.cuda.stream"),
+        ("_ParamAndGradBuffer.__init__", 'device="cuda"'),
+        ("_ParamAndGradBuffer.__init__", "torch.cuda.current_device"),
+    },
+    "megatron.core.distributed.distributed_data_parallel": {
+        ("DistributedDataParallel.__init__._allocate_buffers_for_parameters", "torch.cuda.Stream"),
+        (
+            "DistributedDataParallel.__init__._allocate_buffers_for_parameters",
+            "torch.cuda.current_device",
+        ),
+        ("DistributedDataParallel.offload_grad_buffers", "torch.cuda.empty_cache"),
+        ("DistributedDataParallel.offload_grad_buffers", "torch.cuda.synchronize"),
+        ("DistributedDataParallel.restore_grad_buffers", "torch.cuda.synchronize"),
+    },
+    "megatron.core.optimizer.clip_grads": {
+        ("clip_grad_by_total_norm_fp32", 'device="cuda"'),
+        ("clip_grad_by_total_norm_fp32", "type()==cuda"),
+        ("count_zeros_fp32", 'device="cuda"'),
+        ("get_grad_norm_fp32", 'device="cuda"'),
+    },
+    "megatron.core.optimizer.optimizer": {
+        ("ChainedOptimizer.get_loss_scale", "torch.cuda.current_device"),
+        ("FP32Optimizer.__init__", 'device="cuda"'),
+        ("Float16OptimizerWithFloat16Params.__init__", "type()==cuda"),
+        ("MegatronOptimizer.offload_to_cpu", "torch.cuda.empty_cache"),
+        ("MegatronOptimizer.restore_from_cpu", ".cuda()"),
+        ("MixedPrecisionOptimizer.__init__", 'device="cuda"'),
+    },
+    "megatron.core.optimizer.distrib_optimizer": {
+        ("DistributedOptimizer.__init__", "type()==cuda"),
+        ("DistributedOptimizer._build_model_and_main_param_groups", "type()==cuda"),
+        ("DistributedOptimizer.get_parameter_state_dp_zero", ".cuda()"),
+        ("DistributedOptimizer.get_parameter_state_dp_zero", "torch.cuda.current_device"),
+        ("DistributedOptimizer.load_state_dict", "torch.cuda.current_device"),
+    },
+    "megatron.core.dist_checkpointing.exchange_utils": {
+        ("_get_empty_tensor_for_exchange", 'device="cuda"'),
+        ("exchange_loaded_tensors_broadcast", ".cuda()"),
+        ("exchange_loaded_tensors_gather_rounds", ".cuda()"),
+        ("exchange_loaded_tensors_gather_rounds", 'device="cuda"'),
+    },
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict": {
+        ("MCoreTensorAwareStateDict._insert_sharded_data", "torch.cuda.synchronize"),
+    },
+    "megatron.core.dist_checkpointing.strategies.async_utils": {
+        ("AsyncCaller.sync_all_async_calls", "torch.cuda.current_device"),
+        ("AsyncCallsQueue.maybe_finalize_async_calls", "torch.cuda.current_device"),
+        ("PersistentAsyncCaller.async_loop", "torch.cuda.device_count"),
+        ("PersistentAsyncCaller.async_loop", "torch.cuda.set_device"),
+        ("TemporalAsyncCaller.schedule_async_call", "torch.cuda.synchronize"),
+    },
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": {
+        ("FileSystemWriterAsync.preload_tensors", "torch.cuda.synchronize"),
+    },
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": {
+        ("FullyParallelLoadStrategyWrapper.load", "torch.cuda.synchronize"),
+    },
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": {
+        ("save_state_dict_async_finalize", "torch.cuda.current_device"),
+        ("verify_global_md_reuse", 'device="cuda"'),
+    },
+}
+
+# Modules megarl loads that contain CUDA-only calls on paths it never takes on CPU, and why.
+NOT_ON_THE_CPU_PATH = {
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter": "Megatron-FSDP: megarl uses DDP + distributed optimizer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp": "Megatron-FSDP: megarl uses DDP + distributed optimizer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision": "Megatron-FSDP: megarl uses DDP + distributed optimizer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer": "Megatron-FSDP: megarl uses DDP + distributed optimizer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor": "Megatron-FSDP: megarl uses DDP + distributed optimizer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.utils": "Megatron-FSDP: megarl uses DDP + distributed optimizer",
+    "megatron.core.extensions.transformer_engine": "Transformer Engine: GPU only, not imported on CPU",
+    "megatron.core.fp8_utils": "FP8: GPU only",
+    "megatron.core.fusions.fused_indices_converter": "MoE fusions: dense models only",
+    "megatron.core.fusions.fused_pad_routing_map": "MoE fusions: dense models only",
+    "megatron.core.inference.batch_dimensions_utils": "megatron inference engines: rollout is vLLM",
+    "megatron.core.inference.contexts.attention_context.mamba_metadata": "megatron inference engines: rollout is vLLM",
+    "megatron.core.inference.contexts.attention_context.mha_metadata": "megatron inference engines: rollout is vLLM",
+    "megatron.core.inference.contexts.dynamic_block_allocator": "megatron inference engines: rollout is vLLM",
+    "megatron.core.inference.contexts.dynamic_context": "megatron inference engines: rollout is vLLM",
+    "megatron.core.inference.inference_request": "megatron inference engines: rollout is vLLM",
+    "megatron.core.inference.unified_memory": "megatron inference engines: rollout is vLLM",
+    "megatron.core.inference.utils": "megatron inference engines: rollout is vLLM",
+    "megatron.core.models.common.embeddings.rope_utils": "context parallelism only (cp=1 here)",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YaRN rope: not a supported rope type",
+    "megatron.core.models.common.language_module.language_module": "adapted by TENSOR_METHOD_FUNCTIONS",
+    "megatron.core.models.gpt.gpt_model": "static-batching inference path only",
+    "megatron.core.nccl_allocator": "NCCL user buffers: GPU only",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer": "optimizer CPU offload: GPU only",
+    "megatron.core.optimizer.grad_scaler": "loss scaling: fp16 only",
+    "megatron.core.parallel_state": "only with NCCL options / timeouts updates",
+    "megatron.core.pipeline_parallel.combined_1f1b": "MoE A2A overlap schedule",
+    "megatron.core.pipeline_parallel.fine_grained_activation_offload": "activation offload: GPU only",
+    "megatron.core.pipeline_parallel.hybrid_cp_schedule": "context parallelism only",
+    "megatron.core.pipeline_parallel.utils": "MoE A2A overlap streams",
+    "megatron.core.rerun_state_machine": "rerun/fault injection: disabled by default",
+    "megatron.core.tensor_parallel.inference_layers": "megatron inference layers",
+    "megatron.core.tensor_parallel.utils": "split/gather 1-D helpers used by sequence-parallel scatter (off)",
+    "megatron.core.timers": "megatron timers: megarl times phases itself",
+    "megatron.core.transformer.cuda_graphs": "CUDA graphs: GPU only",
+    "megatron.core.transformer.mlp": "OOM fallback of the swiglu checkpoint merge (catches torch.cuda.OutOfMemoryError, which exists on CPU torch)",
+    "megatron.core.transformer.module": "Float16Module type tables (fp16/bf16 on GPU) and CUDA-graph inputs",
+    "megatron.core.transformer.moe.experts": "MoE: dense models only",
+    "megatron.core.transformer.moe.moe_utils": "MoE: dense models only",
+    "megatron.core.transformer.moe.router": "MoE: dense models only",
+    "megatron.core.transformer.moe.shared_experts": "MoE: dense models only",
+    "megatron.core.transformer.moe.token_dispatcher": "MoE: dense models only",
+    "megatron.core.transformer.multi_token_prediction": "MTP: off",
+}
+
+
+@pytest.mark.parametrize("module", platform.ADAPTED_MODULES)
+def test_adapted_module_sites_are_pinned(module):
+    found = module_sites(module)
+    pinned = PINNED_SITES[module]
+    assert found == pinned, (
+        f"{module}: CUDA-only call sites changed; new: {sorted(found - pinned)}, "
+        f"gone: {sorted(pinned - found)}. Review megarl/platform.py for this megatron-core version."
+    )
+
+
+@pytest.mark.parametrize(("module", "path"), platform.TENSOR_METHOD_FUNCTIONS)
+def test_wrapped_functions_still_call_cuda_tensor_methods(module, path):
+    kinds = {kind for qualname, kind in module_sites(module) if qualname == path}
+    assert kinds & {".cuda()", "type()==cuda"}, (
+        f"{module}.{path} no longer calls a CUDA-only tensor method"
+    )
+
+
+def _load_megarl_paths():
+    platform.adapt_megatron_for_cpu()
+    import megatron.core.dist_checkpointing
+    import megatron.core.optimizer  # noqa: F401
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
+
+    import megarl.models.build
+    import megarl.models.distributed
+    import megarl.models.export
+    import megarl.models.forward  # noqa: F401
+
+
+def test_no_unadapted_module_with_cuda_calls():
+    _load_megarl_paths()
+    unexplained = []
+    for module in loaded_megatron_modules():
+        if module in platform.ADAPTED_MODULES or module in NOT_ON_THE_CPU_PATH:
+            continue
+        try:
+            sites = module_sites(module)
+        except (ModuleNotFoundError, SyntaxError, OSError):
+            continue
+        if sites:
+            unexplained.append((module, sorted(sites)))
+    assert not unexplained, (
+        f"megatron modules with CUDA-only calls that megarl.platform does not adapt: {unexplained}"
+    )
+
+
+def test_adaptation_is_scoped_to_megatron():
+    """The real torch stays untouched for everyone else (vLLM decode slowed 15-20% with a global patch)."""
+    import torch
+
+    platform.adapt_megatron_for_cpu()
+    import megatron.core.transformer.utils as mutils
+
+    assert mutils.torch is not torch
+    assert mutils.torch.cuda.current_device() == torch.device("cpu")
+    assert (
+        torch.Tensor.cuda is not None and torch.Tensor.type(torch.zeros(1)) == "torch.FloatTensor"
+    )
+    mask = mutils.get_default_causal_mask(4)
+    assert mask.device.type == "cpu" and mask.dtype == torch.bool and mask.sum().item() == 6

@@ -1,4 +1,4 @@
-"""``megarl`` command line: ``demo`` now; ``train``, ``convert``, ``plan`` as they land."""
+"""``megarl`` command line: ``demo``, ``convert``; ``train``, ``plan`` as they land."""
 
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--pp", type=int, default=2)
     demo.add_argument("--seq", type=int, default=32)
     demo.set_defaults(func=_demo)
+    from checkpoints_tools.cli import add_verbs
+
+    convert = sub.add_parser(
+        "convert",
+        help="Megatron dist checkpoints <-> Hugging Face (hf-to-mcore, mcore-to-hf, verify)",
+    )
+    add_verbs(convert)
     return parser
 
 

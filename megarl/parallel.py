@@ -6,6 +6,7 @@ Rank-group math here is pure; only :func:`initialize_model_parallel` and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megarl.errors import LayoutError
@@ -110,6 +111,7 @@ class ParallelLayout:
                 f"KV heads {kv}. Valid infer_tp for this model: {tp_ok}"
             )
         self._check_pipeline(shape.num_layers)
+        self.check_rollout()
 
     def _check_pipeline(self, num_layers: int) -> None:
         if self.pp > num_layers:
@@ -174,6 +176,63 @@ class ParallelLayout:
             for p in range(self.pp)
             for t in range(self.tp)
         ]
+
+    # Inference (rollout) layout: vLLM tensor parallel ``rollout_tp`` over consecutive ranks, PP 1,
+    # and the world split into ``world_size / rollout_tp`` independent engines (rollout DP).
+    def check_rollout(self) -> None:
+        """Raise :class:`LayoutError` unless ``rollout_tp`` divides the world size."""
+        itp, world = self.rollout_tp, self.world_size
+        if world % itp:
+            raise LayoutError(
+                f"infer_tp={itp} does not divide the world size {world} ({self}); the rollout engine "
+                f"splits the world into world/infer_tp engines. Valid infer_tp: {_divisors(world)}"
+            )
+
+    @property
+    def rollout_dp(self) -> int:
+        """Number of independent rollout engines (each one TP group of ``rollout_tp`` ranks)."""
+        self.check_rollout()
+        return self.world_size // self.rollout_tp
+
+    def rollout_coords(self, rank: int) -> tuple[int, int]:
+        """(rollout tp rank, rollout dp rank) of a global rank: engines own consecutive ranks."""
+        self.check_rollout()
+        return rank % self.rollout_tp, rank // self.rollout_tp
+
+    def rollout_group_ranks(self) -> list[list[int]]:
+        """The ranks of each rollout engine (vLLM's TP groups), in rollout DP order."""
+        itp = self.rollout_tp
+        return [list(range(g * itp, (g + 1) * itp)) for g in range(self.rollout_dp)]
+
+    def infer_shard_sources(self, infer_tp_rank: int) -> list[tuple[int, int, int]]:
+        """Training TP shards overlapping inference TP shard ``infer_tp_rank`` of a split dimension.
+
+        Returns ``(train_tp_rank, start, stop)`` with ``[start, stop)`` in units of
+        ``1 / lcm(tp, rollout_tp)`` of the dimension, so both layouts cut it at whole units.
+        """
+        tp, itp = self.tp, self.rollout_tp
+        unit = tp * itp // math.gcd(tp, itp)
+        lo, hi = infer_tp_rank * unit // itp, (infer_tp_rank + 1) * unit // itp
+        out = []
+        for t in range(tp):
+            a, b = t * unit // tp, (t + 1) * unit // tp
+            if max(a, lo) < min(b, hi):
+                out.append((t, max(a, lo), min(b, hi)))
+        return out
+
+    def micro_dp_group_ranks(self) -> list[list[int]]:
+        """HybridFlow's micro-DP groups: per (pp stage, dp replica, inference shard), the training
+        ranks whose TP shards together make up that inference shard (one rank when the inference
+        shard is a part of one training shard, i.e. ``rollout_tp > tp``)."""
+        self.check_rollout()
+        groups = []
+        for p in range(self.pp):
+            for d in range(self.dp):
+                for i in range(self.rollout_tp):
+                    ranks = [self.rank_of(t, d, p) for t, _, _ in self.infer_shard_sources(i)]
+                    if ranks not in groups:
+                        groups.append(ranks)
+        return groups
 
 
 def _example_split(num_layers: int, pp: int) -> list[int]:

@@ -193,4 +193,5 @@ def kl_loss(
         estimator, zero_masked(log_prob, mask), zero_masked(ref_log_prob.detach(), mask)
     )
     kl = agg_loss(kld, mask, loss_agg_mode, **dict(loss_agg_kwargs or {}))
-    return kl_coef * kl, {"kl_loss": kl.detach(), "kl_coef": torch.tensor(float(kl_coef))}
+    coef = torch.tensor(float(kl_coef), dtype=kl.dtype, device=kl.device)
+    return kl_coef * kl, {"kl_loss": kl.detach(), "kl_coef": coef}

@@ -80,7 +80,8 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
 
 
 def layer_spec():
-    """Transformer Engine layer spec where TE and CUDA are present, megatron's local spec otherwise."""
+    """Transformer Engine layer spec where TE and CUDA are present; otherwise megatron's local spec
+    with torch SDPA as core attention (see megarl.models.attention)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if torch.cuda.is_available():
@@ -90,7 +91,11 @@ def layer_spec():
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from megarl.models.attention import SDPACoreAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
 
 
 class ValueHead(torch.nn.Module):

@@ -46,8 +46,21 @@ class TensorMap:
         return "{layer}" in self.megatron
 
 
-def tensor_maps(dims: ModelDims) -> list[TensorMap]:
-    """Every parameter of the actor model, in HF order. ``output_layer`` is listed even when tied."""
+# The critic's value head (megarl.models.build.ValueHead, replicated over TP) in Hugging Face
+# token-classification naming (``Qwen2ForTokenClassification`` / ``LlamaForTokenClassification``
+# with ``num_labels=1``): its ``score`` linear layer, with bias.
+VALUE_HEAD_MAPS: tuple[TensorMap, ...] = (
+    TensorMap("output_layer.weight", ("score.weight",), "copy", None),
+    TensorMap("output_layer.bias", ("score.bias",), "copy", None),
+)
+
+
+def tensor_maps(dims: ModelDims, role: str = "actor") -> list[TensorMap]:
+    """Every parameter of the model, in HF order.
+
+    Actor and reference: ``output_layer`` is the LM head, listed even when tied (its HF name is
+    then ``model.embed_tokens.weight``). Critic: the same trunk, and the value head as ``score``.
+    """
     L = "model.layers.{layer}."
     M = "decoder.layers.{layer}."
     maps = [
@@ -84,25 +97,29 @@ def tensor_maps(dims: ModelDims) -> list[TensorMap]:
         ),
         TensorMap(M + "mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "copy", 1),
         TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
+    ]
+    if role == "critic":
+        return maps + list(VALUE_HEAD_MAPS)
+    maps.append(
         TensorMap(
             "output_layer.weight",
             ("model.embed_tokens.weight",) if dims.tie_word_embeddings else ("lm_head.weight",),
             "copy",
             0,
-        ),
-    ]
+        )
+    )
     return maps
 
 
 class NameIndex:
     """Resolves a megatron parameter name (stage-local layer index) to its map and HF names."""
 
-    def __init__(self, dims: ModelDims, layer_offset: int = 0):
+    def __init__(self, dims: ModelDims, layer_offset: int = 0, role: str = "actor"):
         self.dims = dims
         self.layer_offset = layer_offset
         self._patterns = [
             (re.compile("^" + re.escape(tm.megatron).replace(r"\{layer\}", r"(\d+)") + "$"), tm)
-            for tm in tensor_maps(dims)
+            for tm in tensor_maps(dims, role)
         ]
 
     def lookup(self, megatron_name: str) -> tuple[TensorMap, tuple[str, ...]]:

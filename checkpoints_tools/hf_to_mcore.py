@@ -1,0 +1,133 @@
+"""Hugging Face safetensors folder -> megarl checkpoint (megatron dist checkpoint + HF assets).
+
+Each rank of a TP x PP layout builds its shard of the model, reads only its slices of the
+safetensors files (:func:`megarl.models.loading.load_hf_into_model`) and saves it with megatron's
+``dist_checkpointing``: the result loads at any other TP/PP, and is the format training saves
+and resumes from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megarl.checkpoint.hf_assets import dims_from_config, hf_role
+from megarl.checkpoint.store import dtype_from_name, save_checkpoint
+from megarl.errors import CheckpointError, ConfigError
+from megarl.models.dims import ModelDims, read_hf_config
+from megarl.models.hf_map import VALUE_HEAD_MAPS, NameIndex, hf_to_megatron_shard, tensor_maps
+from megarl.models.safetensors_io import SafetensorsReader
+from megarl.parallel import ParallelLayout
+
+_CONFIG_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class HfSource:
+    """A checked Hugging Face input: its config, dims, role and whether it has a value head."""
+
+    hf_dir: Path
+    dims: ModelDims
+    role: str
+    has_value_head: bool
+    dtype: str
+
+
+def check_hf_source(
+    hf_dir: str | Path, layout: ParallelLayout, role: str | None = None, dtype: str = "auto"
+) -> HfSource:
+    """Validate everything about the input before any process starts: config, layout, tensors."""
+    hf_dir = Path(hf_dir)
+    cfg = read_hf_config(hf_dir)
+    dims = dims_from_config(cfg)
+    source_role = hf_role(cfg)
+    role = role or source_role
+    if source_role == "critic" and role != "critic":
+        raise ConfigError(
+            f"{hf_dir} is a token-classification (value) model; convert it with --role critic"
+        )
+    layout.check_model(dims.shape)
+    if dtype == "auto":
+        named = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        dtype = named if named in _CONFIG_DTYPES else "float32"
+    dtype_from_name(dtype)
+    reader = SafetensorsReader(hf_dir)
+    head_names = {h for tm in VALUE_HEAD_MAPS for h in tm.hf}
+    missing = []
+    for tm in tensor_maps(dims, role):
+        for layer in range(dims.num_layers) if tm.per_layer else [None]:
+            for name in tm.hf:
+                name = name.format(layer=layer)
+                if not reader.has(name) and not (source_role == "actor" and name in head_names):
+                    missing.append(name)
+    if missing:
+        raise CheckpointError(
+            f"{hf_dir} lacks {len(missing)} tensors its config.json implies (e.g. "
+            f"{missing[:3]}); the download or export is partial, or config.json belongs to "
+            "another model"
+        )
+    return HfSource(hf_dir, dims, role, source_role == "critic", dtype)
+
+
+@torch.no_grad()
+def _load_value_head(model, source: HfSource) -> None:
+    """Copy ``score.weight``/``score.bias`` of a token-classification folder into the critic."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage():
+        return
+    reader = SafetensorsReader(source.hf_dir)
+    index = NameIndex(source.dims, role="critic")
+    for name, param in model.output_layer.named_parameters(prefix="output_layer"):
+        tm, hf_names = index.lookup(name)
+        value = hf_to_megatron_shard(tm, hf_names, reader, source.dims, 0, 1)
+        if tuple(value.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{hf_names[0]} has shape {tuple(value.shape)}, the value head needs "
+                f"{tuple(param.shape)}; the folder is not a one-label token-classification model"
+            )
+        param.copy_(value.to(param.dtype))
+
+
+def hf_to_mcore(
+    source: HfSource, out: str | Path, layout: ParallelLayout, *, overwrite: bool = False
+) -> Path:
+    """Convert on every rank of ``layout`` (collective; torch.distributed initialised)."""
+    import torch.distributed as dist
+
+    from megarl.models.build import ModelOptions, build_gpt_model
+    from megarl.models.loading import load_hf_into_model
+    from megarl.parallel import destroy_model_parallel, initialize_model_parallel
+
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    initialize_model_parallel(layout)
+    try:
+        opts = ModelOptions(dtype=dtype_from_name(source.dtype))
+        model = build_gpt_model(source.dims, layout, source.role, opts)
+        load_hf_into_model(model, source.hf_dir, source.dims, layout)
+        if source.role == "critic" and source.has_value_head:
+            _load_value_head(model, source)
+        loaded = time.perf_counter()
+        path = save_checkpoint(
+            out,
+            model,
+            role=source.role,
+            hf_assets=source.hf_dir,
+            overwrite=overwrite,
+            source=str(source.hf_dir.absolute()),
+        )
+    finally:
+        destroy_model_parallel()
+    if rank == 0:
+        note = ""
+        if source.role == "critic" and not source.has_value_head:
+            note = " (value head starts at zero: the source is a causal LM)"
+        print(
+            f"hf-to-mcore: {source.hf_dir} -> {path} as {source.role} ({source.dtype}) at "
+            f"{layout}{note}: load {loaded - t0:.1f}s, save {time.perf_counter() - loaded:.1f}s"
+        )
+    return path

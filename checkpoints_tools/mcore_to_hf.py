@@ -1,0 +1,283 @@
+"""Megatron dist checkpoint -> Hugging Face folder, streamed tensor by tensor.
+
+No model is built and no process group is needed: every megatron tensor is read from the
+checkpoint as a *global* tensor (whatever TP/PP it was saved at), turned into its Hugging Face
+tensors by the shared name map (:mod:`megarl.models.hf_map`), and written straight into a
+safetensors shard (:class:`SafetensorsStreamWriter`). One process holds one tensor at a time.
+Several processes (torchrun) split the shard files between them.
+
+The output is written into a hidden temporary folder and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from checkpoints_tools.safetensors_writer import SafetensorsStreamWriter, nbytes
+from megarl.checkpoint.hf_assets import ASSET_PATTERNS, export_config, has_tokenizer, read_json
+from megarl.checkpoint.keys import dist_checkpoint_key
+from megarl.checkpoint.reader import DistCheckpointReader
+from megarl.checkpoint.store import (
+    HF_SUBDIR,
+    MCORE_SUBDIR,
+    checkpoint_dims,
+    dtype_from_name,
+    dtype_name,
+    read_meta,
+    resolve_checkpoint,
+    staged_output,
+)
+from megarl.errors import CheckpointError
+from megarl.models.dims import ModelDims
+from megarl.models.hf_map import TensorMap, megatron_shards_to_hf, tensor_maps
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class Group:
+    """One megatron tensor of the checkpoint and the Hugging Face tensors it becomes."""
+
+    tm: TensorMap
+    key: str  # dist-checkpoint key
+    index: int | None  # layer index into a stacked key (None: the whole tensor)
+    hf: tuple[tuple[str, tuple[int, ...]], ...]  # (hf name, shape), in write order
+    source_shape: tuple[int, ...]
+
+    def out_bytes(self, dtype: torch.dtype) -> int:
+        return sum(nbytes(shape, dtype) for _, shape in self.hf)
+
+    def read(self, reader: DistCheckpointReader) -> torch.Tensor:
+        return reader.read(self.key, self.index)
+
+    def convert(self, full: torch.Tensor, dims: ModelDims) -> list[tuple[str, torch.Tensor]]:
+        """HF tensors of this group from the megatron global (TP-unsplit) tensor."""
+        names = tuple(n for n, _ in self.hf)
+        return megatron_shards_to_hf(self.tm, names, [full], dims)
+
+
+def _ordered_maps(dims: ModelDims, role: str) -> Iterator[tuple[TensorMap, int | None]]:
+    """(map, layer) in Hugging Face order: embeddings, layer 0..L-1, final norm, head."""
+    maps = tensor_maps(dims, role)
+    if role != "critic" and dims.tie_word_embeddings:
+        # The tied LM head is the embedding: HF stores it once (model.embed_tokens.weight).
+        maps = [tm for tm in maps if tm.megatron != "output_layer.weight"]
+    first = [tm for tm in maps if not tm.per_layer and tm.megatron.startswith("embedding.")]
+    layered = [tm for tm in maps if tm.per_layer]
+    last = [tm for tm in maps if not tm.per_layer and tm not in first]
+    yield from ((tm, None) for tm in first)
+    for layer in range(dims.num_layers):
+        yield from ((tm, layer) for tm in layered)
+    yield from ((tm, None) for tm in last)
+
+
+def plan_groups(dims: ModelDims, role: str, reader: DistCheckpointReader) -> list[Group]:
+    """Every checkpoint tensor to export, with its HF names and shapes (from metadata only)."""
+    groups = []
+    for tm, layer in _ordered_maps(dims, role):
+        key = dist_checkpoint_key(tm.megatron)
+        if layer is None:
+            index = None
+            shape = reader.shape(key)
+            names = tm.hf
+        else:
+            key, index = reader.layer_key(key, layer)
+            shape = reader.shape(key)[1:] if index is not None else reader.shape(key)
+            names = tuple(h.format(layer=layer) for h in tm.hf)
+        try:
+            meta = megatron_shards_to_hf(tm, names, [torch.empty(shape, device="meta")], dims)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"checkpoint tensor {key!r} of shape {shape} does not fit the model in "
+                f"hf/config.json ({e}); the config does not belong to this checkpoint"
+            ) from e
+        hf = tuple((n, tuple(t.shape)) for n, t in meta)
+        groups.append(Group(tm, key, index, hf, tuple(shape)))
+    return groups
+
+
+def plan_shards(groups: list[Group], dtype: torch.dtype, max_bytes: int) -> list[list[Group]]:
+    """Split groups (never a group) into files of at most ``max_bytes`` (a larger group alone)."""
+    shards: list[list[Group]] = [[]]
+    size = 0
+    for g in groups:
+        b = g.out_bytes(dtype)
+        if shards[-1] and size + b > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += b
+    return shards
+
+
+def shard_file_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="export",
+        disable=not enabled,
+        file=sys.stderr,
+        mininterval=0.5,
+    )
+
+
+def _write_shard(
+    path: Path,
+    groups: list[Group],
+    reader: DistCheckpointReader,
+    dims: ModelDims,
+    dtype: torch.dtype,
+    bar,
+) -> None:
+    entries = [(n, shape, dtype) for g in groups for n, shape in g.hf]
+    with SafetensorsStreamWriter(path, entries) as writer:
+        for g in groups:
+            full = g.read(reader)
+            for name, t in g.convert(full, dims):
+                writer.write(name, t.to(dtype))
+                del t
+            del full
+            bar.update(g.out_bytes(dtype))
+
+
+def _generation_config(cfg: dict) -> dict:
+    out = {"_from_model_config": True}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if cfg.get(k) is not None:
+            out[k] = cfg[k]
+    if cfg.get("transformers_version"):
+        out["transformers_version"] = cfg["transformers_version"]
+    return out
+
+
+def _write_side_files(tmp: Path, hf_src: Path, cfg: dict, role: str, dtype: torch.dtype) -> None:
+    (tmp / "config.json").write_text(
+        json.dumps(export_config(cfg, role, dtype_name(dtype)), indent=2, sort_keys=True) + "\n"
+    )
+    import fnmatch
+
+    for path in sorted(hf_src.iterdir()):
+        if path.name == "config.json" or not path.is_file():
+            continue
+        if any(fnmatch.fnmatch(path.name, p) for p in ASSET_PATTERNS):
+            shutil.copy2(path, tmp / path.name)
+    if role != "critic" and not (tmp / "generation_config.json").exists():
+        (tmp / "generation_config.json").write_text(
+            json.dumps(_generation_config(cfg), indent=2) + "\n"
+        )
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    files: int
+    tensors: int
+    bytes: int
+    seconds: float
+    role: str
+    dtype: str
+
+
+def export_to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ExportResult:
+    """Write the checkpoint ``ckpt`` as a Hugging Face folder ``out``.
+
+    Actor and reference checkpoints become ``*ForCausalLM`` folders; a critic becomes
+    ``*ForTokenClassification`` with one label (its value head is ``score``). Collective when
+    torch.distributed is initialised: ranks split the shard files.
+    """
+    t0 = time.perf_counter()
+    ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    dims = checkpoint_dims(ckpt)
+    cfg = read_json(ckpt / HF_SUBDIR / "config.json")
+    out_dtype = dtype_from_name(dtype or meta.dtype)
+    rank, world = _rank_world()
+    with DistCheckpointReader(ckpt / MCORE_SUBDIR) as reader:
+        groups = plan_groups(dims, meta.role, reader)
+        shards = plan_shards(groups, out_dtype, max_shard_bytes)
+        n = len(shards)
+        mine = [i for i in range(n) if i % world == rank]
+        total = sum(g.out_bytes(out_dtype) for i in mine for g in shards[i])
+        with staged_output(out, overwrite=overwrite) as tmp:
+            with _progress(total, progress and rank == 0) as bar:
+                for i in mine:
+                    _write_shard(
+                        tmp / shard_file_name(i, n), shards[i], reader, dims, out_dtype, bar
+                    )
+            if rank == 0:
+                weight_map = {
+                    name: shard_file_name(i, n)
+                    for i, shard in enumerate(shards)
+                    for g in shard
+                    for name, _ in g.hf
+                }
+                index = {
+                    "metadata": {
+                        "total_size": sum(g.out_bytes(out_dtype) for g in groups),
+                        "total_parameters": sum(math.prod(s) for g in groups for _, s in g.hf),
+                    },
+                    "weight_map": weight_map,
+                }
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+                _write_side_files(tmp, ckpt / HF_SUBDIR, cfg, meta.role, out_dtype)
+    if rank == 0 and not has_tokenizer(ckpt / HF_SUBDIR):
+        print(
+            f"note: {ckpt / HF_SUBDIR} has no tokenizer files; the export has none either "
+            "(vLLM then needs skip_tokenizer_init=True)",
+            file=sys.stderr,
+        )
+    return ExportResult(
+        out=Path(out).absolute(),
+        files=n,
+        tensors=sum(len(g.hf) for g in groups),
+        bytes=sum(g.out_bytes(out_dtype) for g in groups),
+        seconds=time.perf_counter() - t0,
+        role=meta.role,
+        dtype=dtype_name(out_dtype),
+    )
+
+
+def iter_checkpoint_hf_tensors(
+    ckpt: str | Path,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) of a checkpoint in HF order and the checkpoint's dtype, one at a time."""
+    ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    dims = checkpoint_dims(ckpt)
+    with DistCheckpointReader(ckpt / MCORE_SUBDIR) as reader:
+        for g in plan_groups(dims, meta.role, reader):
+            yield from g.convert(g.read(reader), dims)

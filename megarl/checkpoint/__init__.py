@@ -1,0 +1,49 @@
+"""Megatron distributed checkpoints of megarl models (save, load at any TP/PP, stream-read).
+
+See :mod:`megarl.checkpoint.store` for the folder layout; ``checkpoints_tools`` converts these
+checkpoints to and from Hugging Face.
+"""
+
+from megarl.checkpoint.keys import dist_checkpoint_key
+from megarl.checkpoint.reader import DistCheckpointReader
+from megarl.checkpoint.store import (
+    HF_SUBDIR,
+    LATEST_FILE,
+    MCORE_SUBDIR,
+    META_FILE,
+    CheckpointMeta,
+    build_model_from_checkpoint,
+    check_destination,
+    checkpoint_dims,
+    list_checkpoints,
+    load_checkpoint,
+    read_hf_config,
+    read_meta,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_step,
+    staged_output,
+    write_latest,
+)
+
+__all__ = [
+    "HF_SUBDIR",
+    "LATEST_FILE",
+    "MCORE_SUBDIR",
+    "META_FILE",
+    "CheckpointMeta",
+    "DistCheckpointReader",
+    "build_model_from_checkpoint",
+    "check_destination",
+    "checkpoint_dims",
+    "dist_checkpoint_key",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_hf_config",
+    "read_meta",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "save_step",
+    "staged_output",
+    "write_latest",
+]

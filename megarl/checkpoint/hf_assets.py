@@ -1,0 +1,112 @@
+"""The Hugging Face files a checkpoint keeps beside its weights: config, tokenizer, generation config.
+
+A megarl checkpoint carries them in its ``hf/`` folder, so exporting it back to Hugging Face needs
+nothing but the checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import CheckpointError, UnsupportedModelError
+from megarl.models.dims import SUPPORTED_ARCHITECTURES, ModelDims
+
+# Files copied from a Hugging Face folder: its config and everything a tokenizer may consist of.
+# Weights (*.safetensors, *.bin) and anything else (optimizer states, READMEs, images) stay behind.
+ASSET_PATTERNS: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
+
+_CAUSAL = "ForCausalLM"
+_TOKEN_CLS = "ForTokenClassification"
+
+
+def copy_hf_assets(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy config.json, generation config and tokenizer files from ``src`` to ``dst``."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(src.iterdir()):
+        if path.is_file() and any(fnmatch.fnmatch(path.name, p) for p in ASSET_PATTERNS):
+            shutil.copy2(path, dst / path.name)
+            copied.append(path.name)
+    if "config.json" not in copied:
+        raise CheckpointError(f"{src / 'config.json'} is missing; a Hugging Face folder needs it")
+    return copied
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    names = [p.name for p in Path(folder).iterdir()]
+    return any(fnmatch.fnmatch(n, p) for n in names for p in TOKENIZER_FILES)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} is missing") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from e
+
+
+def causal_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as its causal-LM architecture (a critic exported as token classification
+    shares the causal LM's trunk and dimensions)."""
+    archs = [a.replace(_TOKEN_CLS, _CAUSAL) for a in cfg.get("architectures") or []]
+    return {**cfg, "architectures": archs}
+
+
+def hf_role(cfg: dict[str, Any]) -> str:
+    """``critic`` for a ``*ForTokenClassification`` folder with one label, else ``actor``."""
+    archs = cfg.get("architectures") or []
+    if any(a.endswith(_TOKEN_CLS) for a in archs):
+        labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+        if labels != 1:
+            raise UnsupportedModelError(
+                f"{archs[0]} with {labels} labels is not a value model; a megarl critic has "
+                "exactly one output (num_labels=1)"
+            )
+        return "critic"
+    return "actor"
+
+
+def dims_from_config(cfg: dict[str, Any]) -> ModelDims:
+    return ModelDims.from_hf_config(causal_lm_config(cfg))
+
+
+def export_config(cfg: dict[str, Any], role: str, dtype_name: str) -> dict[str, Any]:
+    """config.json of an exported model: causal LM (actor, reference) or token classification
+    with one label (critic), in ``dtype_name``."""
+    out = causal_lm_config(cfg)
+    archs = out.get("architectures") or []
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if role == "critic":
+        out["architectures"] = [a.replace(_CAUSAL, _TOKEN_CLS) for a in known]
+        out["id2label"] = {"0": "LABEL_0"}
+        out["label2id"] = {"LABEL_0": 0}
+        out.pop("num_labels", None)
+    else:
+        out.pop("id2label", None)
+        out.pop("label2id", None)
+    # transformers 5 writes "dtype", 4.x "torch_dtype"; set whichever the file uses.
+    keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
+    for key in keys:
+        out[key] = dtype_name
+    return out

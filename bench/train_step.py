@@ -90,7 +90,9 @@ def main() -> None:
         run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
 
     mg_s = _time(megarl_step, args.iters)
-    print(f"SmolLM2-135M forward+backward, batch {args.batch} x seq {args.seq}, {threads} threads, fp32, CPU")
+    print(
+        f"SmolLM2-135M forward+backward, batch {args.batch} x seq {args.seq}, {threads} threads, fp32, CPU"
+    )
     print(f"  transformers: {hf_s * 1e3:8.1f} ms/step  {tokens / hf_s:8.1f} tokens/s")
     print(f"  megarl TP1:   {mg_s * 1e3:8.1f} ms/step  {tokens / mg_s:8.1f} tokens/s")
     print(f"RATIO megarl/transformers tokens/s = {hf_s / mg_s:.2f} (target >= 1.0)")

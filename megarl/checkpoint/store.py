@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -250,6 +251,9 @@ def staged_output(final: str | Path, *, overwrite: bool = False) -> Iterator[Pat
     if _is_rank0():
         final.parent.mkdir(parents=True, exist_ok=True)
         box[0] = tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(box[0], 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
     if _dist_active():
         import torch.distributed as dist
 
@@ -269,6 +273,20 @@ def staged_output(final: str | Path, *, overwrite: bool = False) -> Iterator[Pat
 
 # ---------------------------------------------------------------------------------------------
 # Save and load (collective: every rank of the model's layout calls them)
+
+
+@contextmanager
+def _quiet_dist_checkpointing() -> Iterator[None]:
+    """megatron-core 0.16 drives torch's ShardedTensor-based checkpoint API, which warns on
+    every call that it is deprecated; nothing to act on here."""
+    with warnings.catch_warnings():
+        for message in (
+            ".*we are deprecating ShardedTensor.*",
+            ".*`load_state_dict` is deprecated.*",
+            ".*`save_state_dict` is deprecated.*",
+        ):
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        yield
 
 
 def _unwrap(model):
@@ -317,7 +335,8 @@ def save_checkpoint(
             mcore.mkdir()
             copy_hf_assets(hf_assets, tmp / HF_SUBDIR)
         _barrier()
-        dist_checkpointing.save(state, str(mcore))
+        with _quiet_dist_checkpointing():
+            dist_checkpointing.save(state, str(mcore))
         if _is_rank0():
             from megarl.checkpoint.hf_assets import read_json
 
@@ -390,9 +409,10 @@ def load_checkpoint(
     if trunk_only:
         model_sd = {k: v for k, v in model_sd.items() if not k.startswith("output_layer.")}
     try:
-        loaded = dist_checkpointing.load(
-            {"model": model_sd, **(extra or {})}, str(ckpt / MCORE_SUBDIR)
-        )
+        with _quiet_dist_checkpointing():
+            loaded = dist_checkpointing.load(
+                {"model": model_sd, **(extra or {})}, str(ckpt / MCORE_SUBDIR)
+            )
     except CheckpointError:
         raise
     except Exception as e:  # megatron raises CheckpointingException, KeyError, RuntimeError...

@@ -103,6 +103,7 @@ class HybridEngine:
         *,
         engine_config: EngineConfig | None = None,
         bucket_bytes: int = 256 << 20,
+        rollout: VLLMRollout | None = None,
     ):
         from megatron.core import parallel_state as ps
 
@@ -129,7 +130,13 @@ class HybridEngine:
         self.hf_shapes = hf_output_shapes(self.plan, dims)
         expected = checkpoint_shapes(model_dir)
         check_rollout_model(self.hf_shapes, expected, dims.tie_word_embeddings)
-        self.rollout = VLLMRollout(
+        if rollout is not None and rollout.infer_tp != layout.rollout_tp:
+            raise ValueError(
+                f"the given rollout engine has infer_tp={rollout.infer_tp}, the layout "
+                f"{layout.rollout_tp}"
+            )
+        # One engine per process: a later HybridEngine (e.g. another training layout) reuses it.
+        self.rollout = rollout or VLLMRollout(
             model_dir, layout.rollout_tp, engine_config, expected_shapes=expected
         )
         self.last_reshard: ReshardStats | None = None
@@ -303,14 +310,11 @@ class HybridEngine:
             for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
         ]
         flat = torch.cat(diffs) if diffs else torch.zeros(0)
-        stats = torch.tensor(
-            [flat.sum().item(), float(flat.numel()), flat.max().item() if flat.numel() else 0.0],
-            dtype=torch.float64,
-        )
-        peak = stats[2:].clone()
-        dist.all_reduce(stats[:2])  # every rank counts its DP rank's tokens tp*pp times: a mean
+        sums = torch.tensor([flat.sum().item(), float(flat.numel())], dtype=torch.float64)
+        peak = torch.tensor([flat.max().item() if flat.numel() else 0.0], dtype=torch.float64)
+        dist.all_reduce(sums)  # every rank counts its DP rank's tokens tp*pp times: still a mean
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {
-            "rollout/logprob_diff_mean": float(stats[0] / max(stats[1].item(), 1.0)),
+            "rollout/logprob_diff_mean": float(sums[0] / max(sums[1].item(), 1.0)),
             "rollout/logprob_diff_max": float(peak.item()),
         }

@@ -131,7 +131,9 @@ class ReshardExecutor:
             dest: dict[int, torch.Tensor] = {}
             for t, (lo, hi) in rb.needs.items():
                 dest[t] = torch.empty(
-                    self._dest_shape(specs[t], lo, hi), dtype=dtype_of[t], device=self._device(local)
+                    self._dest_shape(specs[t], lo, hi),
+                    dtype=dtype_of[t],
+                    device=self._device(local),
                 )
                 stats.alloc(_nbytes(dest[t]))
             bucket_bytes = sum(_nbytes(d) for d in dest.values())
@@ -206,7 +208,11 @@ class ReshardExecutor:
     def _device(self, local: dict[int, torch.Tensor]) -> torch.device:
         if local:
             return next(iter(local.values())).device
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
 
     def _to_hf(
         self, members: list[int], dest: dict[int, torch.Tensor], stats: ReshardStats

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +129,12 @@ class VLLMRollout:
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+            # vLLM's CPU build names its shared-memory segments after VLLM_DIST_IDENT (empty by
+            # default): runs side by side, or a crashed run's leftovers, collide without it.
+            if not os.environ.get("VLLM_DIST_IDENT"):
+                ident = [f"megarl-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+                dist.broadcast_object_list(ident, src=0)
+                os.environ["VLLM_DIST_IDENT"] = ident[0]
         if self.cuda:
             kwargs.update(
                 enable_sleep_mode=True, gpu_memory_utilization=self.config.gpu_memory_utilization

@@ -49,8 +49,14 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPACoreAttention takes no attention mask, bias or packed sequences (causal only)")
+        if (
+            attention_mask is not None
+            or attention_bias is not None
+            or packed_seq_params is not None
+        ):
+            raise ValueError(
+                "SDPACoreAttention takes no attention mask, bias or packed sequences (causal only)"
+            )
         sq, b = query.shape[0], query.shape[1]
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

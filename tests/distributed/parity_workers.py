@@ -43,7 +43,38 @@ def logits_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) ->
             diff = (logits - ref).abs().max().item()
             out[str(layout)] = max(diff, out.get(str(layout), 0.0))
             out[str(layout) + ":rel"] = diff / ref.abs().max().item()
+        if layout.tp > 1 and layout.pp > 1:
+            out.update(_critic_and_reference(model_dir, layout, hf, ids, logits))
         destroy_model_parallel()
+    return out
+
+
+def _critic_and_reference(model_dir, layout, hf, ids, actor_logits) -> dict[str, float]:
+    """Critic values = value head over HF's final hidden states; reference logits = actor's."""
+    from megarl.models.forward import run_schedule
+
+    critic, dims = build_model(model_dir, layout, role="critic")
+    head = torch.Generator().manual_seed(7)
+    w_head = torch.randn(1, dims.hidden_size, generator=head)
+    b_head = torch.randn(1, generator=head)
+    out: dict[str, float] = {}
+    if hasattr(critic, "output_layer"):
+        with torch.no_grad():
+            critic.output_layer.weight.copy_(w_head)
+            critic.output_layer.bias.copy_(b_head)
+    values = run_schedule(
+        [critic], [{"input_ids": ids}], lambda o, b: (o.sum() * 0, {"v": o}), forward_only=True
+    )
+    reference, _ = build_model(model_dir, layout, role="reference")
+    out["reference_trainable_params"] = float(sum(p.requires_grad for p in reference.parameters()))
+    out["reference_in_eval"] = float(not reference.training)
+    ref_logits = forward_logits([reference], ids)
+    if values:
+        with torch.no_grad():
+            hidden = hf(ids, output_hidden_states=True).hidden_states[-1]
+        expected = hidden @ w_head.T + b_head
+        out["critic"] = (values[0]["v"] - expected).abs().max().item()
+        out["reference_vs_actor"] = (ref_logits - actor_logits).abs().max().item()
     return out
 
 

@@ -69,7 +69,7 @@ def main() -> None:
         hf(input_ids=ids, labels=ids).loss.backward()
 
     hf_s = _time(hf_step, args.iters)
-    del hf
+    hf_step = hf = None  # free the HF model before building megarl's
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)

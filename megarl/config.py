@@ -1,0 +1,271 @@
+"""The typed run configuration: one dataclass per section, one default per setting.
+
+A run is a YAML file plus dotted overrides (``actor.lr=1e-6``), merged onto these dataclasses by
+OmegaConf. Unknown keys, wrong types and inconsistent batch sizes are :class:`ConfigError` s that
+name the setting and the fix, raised before any model or process starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from megarl.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # local Hugging Face folder of the actor (and reference)
+    critic_path: str | None = None  # PPO critic trunk; None: same as path
+    dtype: str = "float32"  # float32 | bfloat16
+    recompute: bool = False  # full activation recomputation
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    pp_layers: list[int] | None = None  # uneven split over pipeline stages
+    infer_tp: int | None = None  # vLLM tensor parallel size; None: same as tp
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = MISSING
+    val_files: list[str] = field(default_factory=list)
+    train_batch_size: int = 1024  # prompts per step, global
+    val_batch_size: int = 64
+    max_prompt_length: int = 512
+    overlong_prompts: str = "filter"  # filter | error
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 5  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_response_length: int = 512
+    val_temperature: float = 0.0  # greedy validation
+    kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    gamma: float = 0.99
+    lam: float = 0.95
+    norm_adv_by_std: bool = True
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = True  # GRPO: KL to the reference as a loss term
+    kl_loss_coef: float = 0.001
+    kl_loss_estimator: str = "k3"
+    use_kl_in_reward: bool = False  # PPO: KL penalty in the reward
+    kl_in_reward_estimator: str = "k1"
+    kl_ctrl: str = "adaptive"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.02
+    kl_horizon: int = 10000
+    tis_cap: float | None = None  # truncated importance sampling cap; None: off
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 256  # prompts per mini-batch, global
+    ppo_epochs: int = 1
+    micro_batch_size: int = 4  # sequences per micro-batch per rank
+    max_tokens_per_micro_batch: int | None = None  # token budget instead of a count
+
+
+@dataclass
+class CriticConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: float = 0.5
+    ppo_epochs: int = 1
+
+
+@dataclass
+class RewardConfig:
+    custom_fn: str | None = None  # "module:function" or "path.py:function"
+    num_workers: int = 0
+    timeout_s: float = 30.0
+    strict: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    save_freq: int = 0  # 0: only at the end
+    test_freq: int = 0  # 0: never
+    output_dir: str = "outputs/run"
+    resume: str = "auto"  # auto | never
+    seed: int = 1
+    nan_policy: str = "stop"  # stop | skip
+    mlflow_tracking_uri: str | None = None  # None: ./mlruns
+    experiment: str = "megarl"
+    run_name: str | None = None
+    profile_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "data.overlong_prompts": ("filter", "error"),
+    "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "trainer.resume": ("auto", "never"),
+    "trainer.nan_policy": ("stop", "skip"),
+}
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(cls):
+        name = f"{prefix}{f.name}"
+        keys.append(name)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys += _all_keys(type(default), name + ".")
+    return keys
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(RunConfig), n=3, cutoff=0.6)
+    hint = (
+        f"; did you mean {', '.join(close)}?"
+        if close
+        else "; see megarl/config.py for every setting"
+    )
+    return ConfigError(f"unknown setting {key!r}{hint}")
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
+    """Merge YAML + ``key=value`` overrides onto the defaults; validate; return a RunConfig."""
+    schema = OmegaConf.structured(RunConfig)
+    layers = []
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {file} does not exist")
+        try:
+            layers.append(OmegaConf.load(file))
+        except Exception as e:  # yaml errors come in several types
+            raise ConfigError(f"cannot parse {file}: {e}") from e
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(
+                f"required settings missing: {missing}; set them in the YAML or as key=value"
+            )
+        cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except ConfigKeyError as e:
+        raise _unknown_key_error(str(e.full_key)) from None
+    except ValidationError as e:
+        raise ConfigError(f"setting {e.full_key!r}: {e.msg}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Cross-setting checks; with ``world_size`` also the batch split over data-parallel ranks."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    data, actor = cfg.data, cfg.actor
+    positive = {
+        "data.train_batch_size": data.train_batch_size,
+        "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
+        "actor.micro_batch_size": actor.micro_batch_size,
+        "actor.ppo_epochs": actor.ppo_epochs,
+        "rollout.n": cfg.rollout.n,
+        "rollout.max_response_length": cfg.rollout.max_response_length,
+        "trainer.total_steps": cfg.trainer.total_steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if actor.ppo_mini_batch_size > data.train_batch_size:
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is larger than "
+            f"data.train_batch_size={data.train_batch_size}; it must be at most the batch (and divide it)"
+        )
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={data.train_batch_size} is not a multiple of "
+            f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
+        )
+    if world_size is not None:
+        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        if world_size % (tp * pp):
+            raise ConfigError(f"{world_size} processes cannot hold parallel.tp*pp = {tp}*{pp}")
+        dp = world_size // (tp * pp)
+        for key, value in (
+            ("data.train_batch_size", data.train_batch_size),
+            ("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+        ):
+            if value % dp:
+                raise ConfigError(
+                    f"{key}={value} is not divisible by the {dp} data-parallel ranks "
+                    f"({world_size} processes / tp*pp {tp * pp}); make it a multiple of {dp}"
+                )
+
+
+def to_flat_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Dotted key -> value, e.g. for MLflow params."""
+    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+    def walk(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):
+            out: dict[str, Any] = {}
+            for k, v in node.items():
+                out.update(walk(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: node}
+
+    return walk(container, "")

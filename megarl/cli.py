@@ -30,6 +30,26 @@ def _demo(args: argparse.Namespace) -> int:
     return run_torchrun("megarl.demo", module_args, args.nproc)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from megarl.config import load_config
+    from megarl.launch import run_torchrun, under_launcher
+
+    cfg = load_config(args.config, args.overrides)  # errors before any process starts
+    module_args = [args.config, *args.overrides]
+    if under_launcher() or args.nproc_per_node is None:
+        from megarl.trainer.run import main as rank_main
+
+        if not under_launcher() and args.nproc_per_node is None:
+            needed = cfg.parallel.tp * cfg.parallel.pp
+            if needed > 1:
+                print(
+                    f"megarl: starting {needed} processes (parallel.tp*pp); pass --nproc-per-node to choose"
+                )
+                return run_torchrun("megarl.trainer.run", module_args, needed)
+        return rank_main(module_args)
+    return run_torchrun("megarl.trainer.run", module_args, args.nproc_per_node)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl", description="Megatron-core 3D-parallel RLHF engine"
@@ -46,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--pp", type=int, default=2)
     demo.add_argument("--seq", type=int, default=32)
     demo.set_defaults(func=_demo)
+    train = sub.add_parser(
+        "train", help="run a PPO/GRPO config (YAML + section.key=value overrides)"
+    )
+    train.add_argument("config")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
+    train.add_argument(
+        "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
+    )
+    train.set_defaults(func=_train)
     from checkpoints_tools.cli import add_verbs
 
     convert = sub.add_parser(

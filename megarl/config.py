@@ -125,7 +125,7 @@ class TrainerConfig:
     resume: str = "auto"  # auto | never
     seed: int = 1
     nan_policy: str = "stop"  # stop | skip
-    mlflow_tracking_uri: str | None = None  # None: ./mlruns
+    mlflow_tracking_uri: str | None = None  # None: sqlite:///./mlflow.db
     experiment: str = "megarl"
     run_name: str | None = None
     profile_steps: list[int] = field(default_factory=list)

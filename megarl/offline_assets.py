@@ -163,6 +163,31 @@ def tiny_llama_dir() -> Path:
     return _cached("tiny-llama", lambda out: _save_tiny(out, tiny_llama_config(), seed=12))
 
 
+def _build_tiny_chat_llama(out: Path) -> None:
+    """A tiny random Llama that speaks SmolLM2's tokenizer (vocab 49,152, chat template)."""
+    from transformers import AutoTokenizer
+
+    # head_dim 32: the smallest head size vLLM's CPU attention kernels take.
+    config = tiny_llama_config(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    _save_tiny(out, config, seed=13)
+    AutoTokenizer.from_pretrained(smollm2_dir()).save_pretrained(out)
+
+
+def tiny_chat_llama_dir() -> Path:
+    """Tiny random Llama + the real SmolLM2 tokenizer: fast end-to-end runs with real text."""
+    return _cached("tiny-chat-llama-h128", _build_tiny_chat_llama)
+
+
 def _build_smollm2(out: Path) -> None:
     import importlib.util
 

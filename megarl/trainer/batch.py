@@ -1,0 +1,114 @@
+"""Rollout samples as padded tensors, and the map between sequence positions and response tokens.
+
+A sample is ``prompt + response``, right padded to the longest sample. Per-token quantities of the
+model (logprobs, values) come at *positions*: position ``p`` predicts token ``p + 1``, so response
+token ``j`` of a sample is predicted at position ``len(prompt) - 1 + j``. Algorithms work in
+*response space* ``[samples, max_response_len]`` with a 0/1 mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Samples:
+    input_ids: torch.Tensor  # [N, L] right padded
+    prompt_lens: torch.Tensor  # [N]
+    response_lens: torch.Tensor  # [N]
+    group_ids: list[Hashable]  # prompt uid per sample (GRPO groups)
+    # response space [N, R]
+    response_mask: torch.Tensor
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def starts(self) -> torch.Tensor:
+        return self.prompt_lens - 1
+
+    def seq_lens(self) -> torch.Tensor:
+        return self.prompt_lens + self.response_lens
+
+    @classmethod
+    def from_sequences(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        group_ids: Sequence[Hashable],
+        pad_id: int,
+    ) -> Samples:
+        lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+        max_len = max(lens)
+        max_resp = max(1, max(len(r) for r in responses))
+        ids = torch.full((len(lens), max_len), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(lens), max_resp)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+            mask[i, : len(r)] = 1.0
+        return cls(
+            input_ids=ids,
+            prompt_lens=torch.tensor([len(p) for p in prompts]),
+            response_lens=torch.tensor([len(r) for r in responses]),
+            group_ids=list(group_ids),
+            response_mask=mask,
+        )
+
+    def select(self, rows: Sequence[int]) -> Samples:
+        """A subset of samples, trimmed to its own longest sequence and response."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        seq_len = int(self.seq_lens()[idx].max())
+        resp_len = max(1, int(self.response_lens[idx].max()))
+        return Samples(
+            input_ids=self.input_ids[idx, :seq_len],
+            prompt_lens=self.prompt_lens[idx],
+            response_lens=self.response_lens[idx],
+            group_ids=[self.group_ids[i] for i in idx.tolist()],
+            response_mask=self.response_mask[idx, :resp_len],
+            tensors={k: v[idx, :resp_len] for k, v in self.tensors.items()},
+        )
+
+
+def positions_to_response(
+    per_position: torch.Tensor, starts: torch.Tensor, response_len: int
+) -> torch.Tensor:
+    """``[N, L-1]`` per-position values -> ``[N, R]`` per response token (padding: 0)."""
+    positions = per_position.shape[1]
+    index = starts.to(per_position.device).unsqueeze(1) + torch.arange(
+        response_len, device=per_position.device
+    )
+    valid = index < positions
+    gathered = per_position.gather(1, index.clamp(max=positions - 1))
+    return torch.where(
+        valid, gathered, torch.zeros((), dtype=per_position.dtype, device=per_position.device)
+    )
+
+
+def micro_batches(
+    samples: Samples, rows: Sequence[int], micro_batch_size: int, max_tokens: int | None = None
+) -> list[tuple[list[int], Samples]]:
+    """Split ``rows`` into micro-batches after sorting by length, so padding stays small.
+
+    By count (``micro_batch_size``) or, with ``max_tokens``, by a padded-token budget per
+    micro-batch (at least one sample each).
+    """
+    lens = samples.seq_lens()
+    ordered = sorted(rows, key=lambda r: (int(lens[r]), r))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for r in ordered:
+        candidate = [*current, r]
+        too_many = len(candidate) > micro_batch_size if max_tokens is None else False
+        too_long = max_tokens is not None and len(candidate) * int(lens[r]) > max_tokens
+        if current and (too_many or too_long):
+            groups.append(current)
+            candidate = [r]
+        current = candidate
+    if current:
+        groups.append(current)
+    return [(g, samples.select(g)) for g in groups]

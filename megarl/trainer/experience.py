@@ -1,0 +1,128 @@
+"""From a rollout to training tensors: rewards, reference logprobs, values, KL, advantages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.algos import apply_kl_in_reward, compute_advantages, compute_tis_weights, masked_mean
+from megarl.config import RunConfig
+from megarl.rewards.manager import RewardManager, RewardSample
+from megarl.trainer.batch import Samples
+from megarl.trainer.hparams import advantage_inputs, advantage_kwargs
+from megarl.trainer.model_ops import (
+    MicroBatching,
+    forward_response_tensor,
+    response_log_probs,
+    response_values,
+)
+
+
+def score_responses(
+    rewards: RewardManager, items, batch, tokenizer
+) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+    """One score per sample, with the decoded responses (for the validation table)."""
+    texts = tokenizer.batch_decode(batch.output.token_ids, skip_special_tokens=True)
+    samples = [
+        RewardSample(
+            data_source=items[i].data_source,
+            solution_str=text,
+            ground_truth=items[i].ground_truth,
+            extra_info=items[i].extra_info,
+        )
+        for i, text in zip(batch.output.prompt_index, texts, strict=True)
+    ]
+    result = rewards.score(samples)
+    return torch.tensor(result.scores, dtype=torch.float32), dict(result.metrics), texts
+
+
+def build_samples(items, batch, scores: torch.Tensor, pad_id: int) -> Samples:
+    responses = batch.output.token_ids
+    prompts = [batch.prompts[i] for i in batch.output.prompt_index]
+    groups = [items[i].uid for i in batch.output.prompt_index]
+    samples = Samples.from_sequences(prompts, responses, groups, pad_id)
+    # the outcome reward sits on the last response token
+    token_scores = torch.zeros_like(samples.response_mask)
+    last = (samples.response_lens - 1).clamp(min=0)
+    token_scores[torch.arange(samples.size), last] = scores * (samples.response_lens > 0)
+    samples.tensors["token_level_scores"] = token_scores
+    old = batch.response_actor_logprobs()
+    samples.tensors["old_log_prob"] = _pad_rows(old, samples.response_mask.shape[1])
+    samples.tensors["rollout_log_prob"] = _pad_rows(
+        [torch.tensor(lp, dtype=torch.float32) for lp in batch.output.logprobs],
+        samples.response_mask.shape[1],
+    )
+    return samples
+
+
+def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r.float().cpu()
+    return out
+
+
+def _dp_mean(value: float) -> float:
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return float(t.item() / dist.get_world_size(ps.get_data_parallel_group()))
+
+
+def compute_experience(
+    cfg: RunConfig, roles, samples: Samples, kl_ctrl, batching: MicroBatching
+) -> dict[str, Any]:
+    """Fill ``samples.tensors`` with ref_log_prob, values, token_level_rewards, advantages, returns."""
+    metrics: dict[str, float] = {}
+    t, mask = samples.tensors, samples.response_mask
+    vocab = roles.dims.vocab_size
+    if roles.reference is not None:
+        t["ref_log_prob"] = forward_response_tensor(
+            roles.reference,
+            samples,
+            lambda out, mb: response_log_probs(out, mb, vocab)[0],
+            batching,
+        )
+    if roles.critic is not None:
+        t["values"] = forward_response_tensor(
+            roles.critic.model, samples, response_values, batching
+        )
+    rewards = t["token_level_scores"]
+    if cfg.algorithm.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_in_reward(
+            rewards,
+            t["old_log_prob"],
+            t["ref_log_prob"],
+            mask,
+            kl_coef=kl_ctrl.value,
+            estimator=cfg.algorithm.kl_in_reward_estimator,
+        )
+        kl = _dp_mean(float(kl_metrics["kl"]))
+        kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size)
+        metrics.update({"actor/reward_kl": kl, "actor/kl_coef": float(kl_ctrl.value)})
+    t["token_level_rewards"] = rewards
+    inputs = advantage_inputs(cfg.algorithm)
+    extra = {}
+    if "values" in inputs:
+        extra["values"] = t["values"]
+    if "group_ids" in inputs:
+        extra["group_ids"] = samples.group_ids
+    t["advantages"], t["returns"] = compute_advantages(
+        cfg.algorithm.adv_estimator,
+        token_level_rewards=rewards,
+        response_mask=mask,
+        **extra,
+        **advantage_kwargs(cfg.algorithm),
+    )
+    if cfg.algorithm.tis_cap is not None:
+        t["tis_weights"], tis_metrics = compute_tis_weights(
+            t["old_log_prob"], t["rollout_log_prob"], mask, cap=cfg.algorithm.tis_cap
+        )
+        metrics.update({f"rollout/{k}": float(v) for k, v in tis_metrics.items()})
+    if "values" in t:
+        metrics["critic/values_mean"] = float(masked_mean(t["values"], mask))
+    metrics["actor/advantages_mean"] = float(masked_mean(t["advantages"], mask))
+    return metrics

@@ -1,0 +1,179 @@
+"""What the trainer does with a megatron model: forward-only per-token tensors (logprobs, values)
+and one PPO update (actor or critic), all micro-batched through megatron's pipeline schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+from megarl.models.forward import run_schedule
+from megarl.trainer.batch import Samples, micro_batches, positions_to_response
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    size: int = 4
+    max_tokens: int | None = None
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def response_log_probs(
+    logits_shard: torch.Tensor, mb: Samples, vocab_size: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Response-space logprobs (and entropy) from vocab-parallel logits of one micro-batch."""
+    ids = mb.input_ids.to(logits_shard.device)
+    logits = logits_shard[:, :-1]
+    targets = ids[:, 1:]
+    if with_entropy:
+        logp, ent = vocab_parallel_log_probs_and_entropy(
+            logits, targets, _tp_group(), vocab_size=vocab_size
+        )
+    else:
+        logp, ent = (
+            vocab_parallel_log_probs(logits, targets, _tp_group(), vocab_size=vocab_size),
+            None,
+        )
+    resp = mb.response_mask.shape[1]
+    logp = positions_to_response(logp, mb.starts, resp)
+    return logp, (positions_to_response(ent, mb.starts, resp) if ent is not None else None)
+
+
+def response_values(output: torch.Tensor, mb: Samples) -> torch.Tensor:
+    """Response-space values from the critic's [b, s, 1] output (value of each prefix)."""
+    return positions_to_response(output[:, :-1, 0].float(), mb.starts, mb.response_mask.shape[1])
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            tensor,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+    return tensor
+
+
+@torch.no_grad()
+def forward_response_tensor(
+    model,
+    samples: Samples,
+    extract: Callable[[torch.Tensor, Samples], torch.Tensor],
+    batching: MicroBatching,
+) -> torch.Tensor:
+    """``extract(output, micro_batch)`` for every sample, as [N, R], on every pipeline stage."""
+    result = torch.zeros_like(samples.response_mask, dtype=torch.float32)
+    mbs = micro_batches(samples, range(samples.size), batching.size, batching.max_tokens)
+    outputs = run_schedule(
+        [model],
+        [{"input_ids": mb.input_ids, "mb": mb} for _, mb in mbs],
+        lambda out, batch: (out.sum() * 0.0, {"value": extract(out, batch["mb"]).float()}),
+        forward_only=True,
+    )
+    for (rows, mb), out in zip(mbs, outputs, strict=False):
+        width = mb.response_mask.shape[1]
+        result[rows, :width] = out["value"]
+    return _broadcast_from_last_stage(result)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradients of an update were NaN or inf."""
+
+
+def _all_finite(ddp, outputs: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether every rank saw finite losses and gradients (one all-reduce over the world)."""
+    bad = any(not torch.isfinite(v).all() for out in outputs for v in out.values())
+    for buffer in getattr(ddp, "buffers", []):
+        bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
+    flag = torch.tensor([1.0 if bad else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+LossFn = Callable[[torch.Tensor, Samples], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _weight(mb: Samples, mini_tokens: float, mini_seqs: int, token_level: bool) -> float:
+    """This micro-batch's share of the mini-batch, so micro-batch losses add up to the mini-batch's."""
+    if token_level:
+        return float(mb.response_mask.sum()) / max(mini_tokens, 1.0)
+    return mb.size / max(mini_seqs, 1)
+
+
+def ppo_update(
+    ddp,
+    optimizer,
+    scheduler,
+    samples: Samples,
+    mini_batches: Sequence[Sequence[int]],
+    epochs: int,
+    batching: MicroBatching,
+    loss_fn: LossFn,
+    token_level: bool,
+    skip_non_finite: bool = False,
+) -> list[dict[str, float]]:
+    """``epochs`` x mini-batches x micro-batches of optimizer steps; returns per-step metrics.
+
+    megatron's DDP averages gradients over data-parallel ranks, so the loss is the mean of each
+    rank's mini-batch loss (token- or sequence-weighted within the rank).
+    """
+    history = []
+    for _ in range(epochs):
+        for rows in mini_batches:
+            mbs = micro_batches(samples, rows, batching.size, batching.max_tokens)
+            mini_tokens = float(samples.response_mask[list(rows)].sum())
+            weights = [_weight(mb, mini_tokens, len(rows), token_level) for _, mb in mbs]
+
+            def scaled(out: torch.Tensor, batch: dict[str, Any]):
+                loss, metrics = loss_fn(out, batch["mb"])
+                return loss * batch["weight"], {k: v.detach().float() for k, v in metrics.items()}
+
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            outs = run_schedule(
+                [ddp],
+                [
+                    {"input_ids": mb.input_ids, "mb": mb, "weight": w}
+                    for (_, mb), w in zip(mbs, weights, strict=True)
+                ],
+                scaled,
+                forward_only=False,
+            )
+            if not _all_finite(ddp, outs):
+                optimizer.zero_grad()
+                if not skip_non_finite:
+                    raise NonFiniteError(
+                        "NaN or inf in the loss or gradients; stopping before the optimizer step "
+                        "(the last checkpoint is kept). Lower the learning rate, or set "
+                        "trainer.nan_policy=skip to skip such steps"
+                    )
+                history.append({"skipped_non_finite": 1.0})
+                continue
+            ok, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            step_metrics = {
+                "grad_norm": float(grad_norm if grad_norm is not None else float("nan"))
+            }
+            step_metrics["update_ok"] = float(bool(ok))
+            step_metrics["skipped_non_finite"] = 0.0
+            step_metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+            if outs:
+                for key in outs[0]:
+                    vals = torch.stack(
+                        [o[key] * w for o, w in zip(outs, weights, strict=True)]
+                    ).sum()
+                    step_metrics[key] = float(vals)
+            history.append(step_metrics)
+    return history

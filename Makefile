@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup demo test test-unit test-distributed test-e2e lint format bench
+.PHONY: setup demo quickstart test test-unit test-distributed test-e2e lint format bench
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -35,3 +35,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/train_step.py
+
+quickstart: $(STAMP)
+	$(PY) -m megarl.quickstart --out outputs/quickstart
+	$(VENV)/bin/megarl train configs/quickstart_cpu.yaml --nproc-per-node 1

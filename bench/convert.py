@@ -6,8 +6,9 @@ Converts the model to a megarl checkpoint at the given layout (SmolLM2-135M has 
 impossible, so the default is the nearest layout that fits, TP3xPP2 = 6 processes), then exports it
 back in a fresh process and measures that process: its baseline RSS (imports done, checkpoint
 metadata read), its peak RSS during the export (Linux VmHWM, reset after the baseline), the
-largest tensor bucket it reads at once (one megatron tensor) and the model size. The target is a
-peak below baseline + 1.5 x the largest bucket, independent of the model size.
+largest tensor bucket (one megatron tensor), the largest single read (a saved chunk, for the
+streamed embedding and LM head) and the model size. The target is a peak below
+baseline + 1.5 x the largest bucket, independent of the model size.
 """
 
 from __future__ import annotations
@@ -34,25 +35,32 @@ def rss_kib(field):
 
 from checkpoints_tools.mcore_to_hf import export_to_hf, plan_groups
 from megarl.checkpoint.reader import DistCheckpointReader
-from megarl.checkpoint.store import checkpoint_dims, read_meta, resolve_checkpoint, dtype_from_name
+from megarl.checkpoint.store import checkpoint_dims, read_meta, resolve_checkpoint
 import torch
 
 ckpt, out, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 meta = read_meta(ckpt)
 with DistCheckpointReader(resolve_checkpoint(ckpt) / "mcore") as r:
     groups = plan_groups(checkpoint_dims(ckpt), meta.role, r)
-    src_bytes = [
-        torch.empty((), dtype=r.dtype(g.key)).element_size() * int(torch.Size(g.source_shape).numel())
+
+    def size(g, shape):
+        return torch.empty((), dtype=r.dtype(g.key)).element_size() * torch.Size(shape).numel()
+
+    src_bytes = [size(g, g.source_shape) for g in groups]
+    # what one read holds: a saved chunk for streamed embeddings / LM heads, else the tensor
+    read_bytes = [
+        max(size(g, s) for _, s in r.chunks(g.key)) if g.streams_rows else size(g, g.source_shape)
         for g in groups
     ]
 baseline = rss_kib("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
 t0 = time.perf_counter()
-res = export_to_hf(ckpt, out, dtype=dtype, progress=False)
+res = export_to_hf(ckpt, out, dtype=dtype, progress=False, overwrite=True)
 seconds = time.perf_counter() - t0
 print(json.dumps(dict(
     seconds=seconds, baseline_kib=baseline, peak_kib=rss_kib("VmHWM"),
-    largest_bucket=max(src_bytes), model_bytes=sum(src_bytes), out_bytes=res.bytes,
+    largest_bucket=max(src_bytes), largest_read=max(read_bytes), model_bytes=sum(src_bytes),
+    out_bytes=res.bytes,
     files=res.files, tensors=res.tensors,
 )))
 """
@@ -84,8 +92,11 @@ def main() -> int:
     to_mcore = time.perf_counter() - t0
     child = subprocess.run(
         [py, "-c", CHILD, str(ckpt), str(out), args.dtype],
-        check=True, cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
+    if child.returncode:
+        print(child.stderr[-3000:], file=sys.stderr)
+        return child.returncode
     r = json.loads(child.stdout.strip().splitlines()[-1])
     mib = 1 / 2**20
     extra = (r["peak_kib"] - r["baseline_kib"]) * 1024
@@ -99,7 +110,8 @@ def main() -> int:
     )
     print(
         f"  model {r['model_bytes'] * mib:.0f} MiB, largest tensor bucket "
-        f"{r['largest_bucket'] * mib:.0f} MiB"
+        f"{r['largest_bucket'] * mib:.0f} MiB, largest single read {r['largest_read'] * mib:.0f} "
+        "MiB (embeddings and LM heads stream one saved chunk at a time)"
     )
     print(
         f"  RSS: baseline {r['baseline_kib'] / 1024:.0f} MiB, peak {r['peak_kib'] / 1024:.0f} MiB, "

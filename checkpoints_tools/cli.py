@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from megarl.errors import MegarlError
+from megarl.errors import ConfigError, MegarlError
 
 PROG = "python -m checkpoints_tools"
 MODULE = "checkpoints_tools"
@@ -79,12 +79,13 @@ def _rank() -> int:
 
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     from checkpoints_tools.hf_to_mcore import check_hf_source, hf_to_mcore
-    from megarl.checkpoint.store import check_destination
+    from megarl.checkpoint.store import check_destination, check_not_inside
     from megarl.launch import under_launcher
     from megarl.parallel import ParallelLayout
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
     source = check_hf_source(args.hf, layout, args.role, args.dtype)
+    check_not_inside(args.out, args.hf, "Hugging Face folder")
     if not under_launcher():
         check_destination(args.out, args.overwrite)
     argv = ["hf-to-mcore", "--hf", str(args.hf), "--out", str(args.out)]
@@ -108,16 +109,23 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from checkpoints_tools.mcore_to_hf import export_to_hf
-    from megarl.checkpoint.store import check_destination, dtype_from_name, read_meta
+    from megarl.checkpoint.store import (
+        check_destination,
+        check_not_inside,
+        dtype_from_name,
+        read_meta,
+        resolve_checkpoint,
+    )
     from megarl.launch import under_launcher
 
     meta = read_meta(args.ckpt)  # missing / partial checkpoints fail here, before any work
+    check_not_inside(args.out, resolve_checkpoint(args.ckpt), "checkpoint")
     if args.dtype:
         dtype_from_name(args.dtype)
     if not under_launcher():
         check_destination(args.out, args.overwrite)
     if args.nproc < 1:
-        raise MegarlError(f"--nproc must be at least 1, got {args.nproc}")
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
 
     def body() -> int:
         result = export_to_hf(
@@ -224,8 +232,8 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
         "mcore-to-hf",
         help="megatron dist checkpoint -> Hugging Face folder (transformers and vLLM load it)",
         description="Streams tensor by tensor from the checkpoint (any saved TP/PP) into "
-        "safetensors shards: memory stays at about one tensor. A critic exports as "
-        "*ForTokenClassification with one label.",
+        "safetensors shards: memory stays at about one tensor (embeddings and LM heads: one "
+        "saved chunk). A critic exports as *ForTokenClassification with one label.",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint folder (or a root with `latest`)")
     p.add_argument("--out", required=True, help="Hugging Face folder to create")

@@ -3,8 +3,9 @@
 No model is built and no process group is needed: every megatron tensor is read from the
 checkpoint as a *global* tensor (whatever TP/PP it was saved at), turned into its Hugging Face
 tensors by the shared name map (:mod:`megarl.models.hf_map`), and written straight into a
-safetensors shard (:class:`SafetensorsStreamWriter`). One process holds one tensor at a time.
-Several processes (torchrun) split the shard files between them.
+safetensors shard (:class:`SafetensorsStreamWriter`). One process holds one tensor at a time;
+embeddings and LM heads, the largest tensors, go to disk one saved (vocab-parallel) chunk at a
+time without being assembled. Several processes (torchrun) split the shard files between them.
 
 The output is written into a hidden temporary folder and renamed at the end.
 """
@@ -59,6 +60,11 @@ class Group:
 
     def read(self, reader: DistCheckpointReader) -> torch.Tensor:
         return reader.read(self.key, self.index)
+
+    @property
+    def streams_rows(self) -> bool:
+        """A whole tensor copied as is (embedding, LM head): written chunk by chunk."""
+        return self.tm.kind == "copy" and self.index is None and len(self.hf) == 1
 
     def convert(self, full: torch.Tensor, dims: ModelDims) -> list[tuple[str, torch.Tensor]]:
         """HF tensors of this group from the megatron global (TP-unsplit) tensor."""
@@ -158,11 +164,19 @@ def _write_shard(
     entries = [(n, shape, dtype) for g in groups for n, shape in g.hf]
     with SafetensorsStreamWriter(path, entries) as writer:
         for g in groups:
-            full = g.read(reader)
-            for name, t in g.convert(full, dims):
-                writer.write(name, t.to(dtype))
-                del t
-            del full
+            if g.streams_rows:
+                for block in reader.row_blocks(g.key):
+                    # Cast in slices of ~16 MiB: a dtype change never doubles the chunk.
+                    step = max(1, (16 << 20) // max(1, block[:1].numel() * block.element_size()))
+                    for rows in block.split(step):
+                        writer.write(g.hf[0][0], rows.to(dtype))
+                    del block
+            else:
+                full = g.read(reader)
+                for name, t in g.convert(full, dims):
+                    writer.write(name, t.to(dtype))
+                    del t
+                del full
             bar.update(g.out_bytes(dtype))
 
 

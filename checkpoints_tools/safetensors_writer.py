@@ -46,6 +46,7 @@ class SafetensorsStreamWriter:
         self.path = Path(path)
         self._entries = list(entries)
         self._next = 0
+        self._rows = 0  # rows of the current tensor written so far
         header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         offset = 0
         for name, shape, dtype in self._entries:
@@ -66,18 +67,28 @@ class SafetensorsStreamWriter:
         self._f.write(raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next planned tensor, whole or as consecutive blocks of its rows."""
         if self._next >= len(self._entries):
             raise ValueError(f"{self.path.name}: {name} was not planned for this file")
         want, shape, dtype = self._entries[self._next]
-        if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        shape = tuple(shape)
+        got = tuple(tensor.shape)
+        whole = got == shape and self._rows == 0
+        rows_fit = (
+            len(got) == len(shape) > 0 and got[1:] == shape[1:] and self._rows + got[0] <= shape[0]
+        )
+        if name != want or tensor.dtype != dtype or not (whole or rows_fit):
             raise ValueError(
-                f"{self.path.name}: expected {want} {tuple(shape)} {dtype}, got {name} "
-                f"{tuple(tensor.shape)} {tensor.dtype}"
+                f"{self.path.name}: expected {want} {shape} {dtype} (rows {self._rows} written), "
+                f"got {name} {got} {tensor.dtype}"
             )
         data = tensor.detach().to("cpu").contiguous()
         if data.numel():
             self._f.write(data.reshape(-1).view(torch.uint8).numpy())
-        self._next += 1
+        self._rows += got[0] if got else 0
+        if not shape or self._rows == shape[0]:
+            self._next += 1
+            self._rows = 0
 
     def close(self) -> None:
         if self._f.closed:

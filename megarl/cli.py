@@ -31,23 +31,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megarl.config import load_config
+    from megarl.config import load_config, validate
     from megarl.launch import run_torchrun, under_launcher
+    from megarl.parallel import ParallelLayout
+    from megarl.trainer.run_state import check_inputs
 
-    cfg = load_config(args.config, args.overrides)  # errors before any process starts
+    cfg = load_config(args.config, args.overrides)  # config errors before any process starts
     module_args = [args.config, *args.overrides]
-    if under_launcher() or args.nproc_per_node is None:
+    if under_launcher():  # already one of torchrun's / srun's ranks
         from megarl.trainer.run import main as rank_main
 
-        if not under_launcher() and args.nproc_per_node is None:
-            needed = cfg.parallel.tp * cfg.parallel.pp
-            if needed > 1:
-                print(
-                    f"megarl: starting {needed} processes (parallel.tp*pp); pass --nproc-per-node to choose"
-                )
-                return run_torchrun("megarl.trainer.run", module_args, needed)
         return rank_main(module_args)
-    return run_torchrun("megarl.trainer.run", module_args, args.nproc_per_node)
+    nproc = args.nproc_per_node or cfg.parallel.tp * cfg.parallel.pp
+    validate(cfg, nproc)
+    p = cfg.parallel
+    layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp)
+    check_inputs(cfg, layout)  # model folder, layout vs model, data files
+    return run_torchrun("megarl.trainer.run", module_args, nproc)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,15 @@ def _adopt_slurm_env() -> None:
         os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
+def _free_port() -> int:
+    """A free local port, so that runs side by side on one machine do not collide."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_torchrun(
     module: str, args: Sequence[str], nproc: int, threads_per_rank: int | None = None
 ) -> int:
@@ -42,7 +51,7 @@ def run_torchrun(
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
         "--master-port",
-        env.get("MASTER_PORT", "29511"),
+        env.get("MASTER_PORT") or str(_free_port()),
         "-m",
         module,
         *args,

@@ -188,6 +188,63 @@ def tiny_chat_llama_dir() -> Path:
     return _cached("tiny-chat-llama-h128", _build_tiny_chat_llama)
 
 
+CHAR_SPECIALS = ["<pad>", "<s>", "<|im_start|>", "<|im_end|>"]
+CHAR_VOCAB_SIZE = 128
+
+
+def _char_tokenizer():
+    """A character-level tokenizer (printable ASCII + newline) with ChatML turns."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.printable[:95]) + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + chars)}
+    for i in range(len(vocab), CHAR_VOCAB_SIZE):
+        vocab[f"<unused{i}>"] = i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(CHAR_SPECIALS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHATML_TEMPLATE.replace(
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", "Answer."
+    )
+    return tok
+
+
+def _build_tiny_char_llama(out: Path) -> None:
+    tok = _char_tokenizer()
+    # head_dim 32: the smallest head size vLLM's CPU attention kernels take.
+    config = tiny_llama_config(
+        vocab_size=CHAR_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    _save_tiny(out, config, seed=14)
+    tok.save_pretrained(out)
+
+
+def tiny_char_llama_dir() -> Path:
+    """Tiny random Llama over a 128-symbol character vocabulary: every character is one token,
+    so a text-level toy reward is learnable in a few GRPO steps on a CPU."""
+    return _cached("tiny-char-llama", _build_tiny_char_llama)
+
+
 def _build_smollm2(out: Path) -> None:
     import importlib.util
 

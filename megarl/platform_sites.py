@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 _CUDA_TYPE_NAMES = ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor")
+# torch.cuda APIs that answer correctly on a CPU-only torch: not CUDA-only.
+_SAFE_ON_CPU = ("torch.cuda.is_available",)
 
 
 def _dotted(node: ast.AST) -> str:
@@ -38,7 +40,11 @@ class _SiteFinder(ast.NodeVisitor):
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         dotted = _dotted(node)
-        if dotted.startswith("torch.cuda.") and dotted.count(".") == 2:
+        if (
+            dotted.startswith("torch.cuda.")
+            and dotted.count(".") == 2
+            and dotted not in _SAFE_ON_CPU
+        ):
             self._add(dotted)
         self.generic_visit(node)
 

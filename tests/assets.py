@@ -6,6 +6,7 @@ from megarl.offline_assets import (  # noqa: F401
     qwen25_tokenizer_dir,
     randomize_,
     smollm2_dir,
+    tiny_char_llama_dir,
     tiny_chat_llama_dir,
     tiny_llama_config,
     tiny_llama_dir,

@@ -1,26 +1,23 @@
 """Where a megatron parameter lives in a dist checkpoint.
 
-megatron-core saves the local layer spec under Transformer Engine's names (its
-``sharded_state_dict_keys_map``: ``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``
-...), so checkpoints move between the local and the TE spec. Per-layer parameters are stacked
-under ``decoder.layers.<param>`` with the global layer index as dimension 0. The map is read from
-megatron's own local spec, not restated here.
+megatron-core saves the local layer spec under Transformer Engine's names (the spec's
+``sharded_state_dict_keys_map``), so checkpoints move between the local and the TE spec.
+Per-layer parameters are stacked under ``decoder.layers.<param>`` with the global layer index as
+dimension 0. The map is restated here so that reading a checkpoint needs no megatron import;
+``tests/unit/test_checkpoints_format.py`` pins it to megatron's own local spec.
 """
 
 from __future__ import annotations
 
-import functools
-
 LAYER_TEMPLATE = "decoder.layers.{layer}."
 STACKED_PREFIX = "decoder.layers."
 
-
-@functools.cache
-def _keys_map() -> tuple[tuple[str, str], ...]:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    return tuple((spec.submodules.sharded_state_dict_keys_map or {}).items())
+# megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec().submodules
+#   .sharded_state_dict_keys_map (megatron-core 0.16)
+LOCAL_SPEC_KEYS_MAP: dict[str, str] = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
 
 
 def dist_checkpoint_key(megatron_template: str) -> str:
@@ -33,7 +30,7 @@ def dist_checkpoint_key(megatron_template: str) -> str:
     if not megatron_template.startswith(LAYER_TEMPLATE):
         return megatron_template
     rest = megatron_template[len(LAYER_TEMPLATE) :]
-    for old, new in _keys_map():
+    for old, new in LOCAL_SPEC_KEYS_MAP.items():
         if rest.startswith(old):
             rest = new + rest[len(old) :]
             break

@@ -18,6 +18,7 @@ import io
 import math
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -132,6 +133,10 @@ class DistCheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return self._md_of(key).properties.dtype
 
+    def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(offsets, sizes) of the pieces ``key`` was saved in (one per saving TP/PP shard)."""
+        return [(tuple(c.offsets), tuple(c.sizes)) for c in self._md_of(key).chunks]
+
     def layer_key(self, stacked_key: str, layer: int) -> tuple[str, int | None]:
         """(key, index along dim 0) of one layer's slice of ``decoder.layers.<param>``."""
         if stacked_key in self._tensors:
@@ -178,6 +183,30 @@ class DistCheckpointReader:
                 f"cannot read {key!r} from {self.root / info.relative_path}: {e}; "
                 "the checkpoint is damaged"
             ) from e
+
+    def row_blocks(self, key: str) -> Iterator[torch.Tensor]:
+        """The whole tensor ``key`` as consecutive blocks of rows, one stored chunk at a time.
+
+        Tensors split along dim 0 when saved (vocab-parallel embeddings and LM heads) never need
+        assembling: concatenating the blocks gives the tensor. Other layouts yield it whole.
+        """
+        md = self._md_of(key)
+        size = tuple(md.size)
+        chunks = sorted(md.chunks, key=lambda c: c.offsets[0] if size else 0)
+        rows = 0
+        for c in chunks:
+            full_rows = (
+                tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:]
+            )
+            if not size or not full_rows or c.offsets[0] != rows:
+                yield self.read(key)
+                return
+            rows += c.sizes[0]
+        if rows != size[0]:
+            yield self.read(key)
+            return
+        for c in chunks:
+            yield self._load_chunk(key, tuple(c.offsets))
 
     def read(self, key: str, index: int | None = None) -> torch.Tensor:
         """The global tensor ``key``, or its slice ``[index]`` along dim 0 (a stacked layer)."""

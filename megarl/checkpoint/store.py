@@ -208,6 +208,16 @@ def check_destination(final: str | Path, overwrite: bool) -> Path:
     return final
 
 
+def check_not_inside(out: str | Path, source: str | Path, what: str) -> None:
+    """Refuse an output folder that is, contains or sits inside the input (``--overwrite``
+    would delete the input)."""
+    out, source = Path(out).resolve(), Path(source).resolve()
+    if out == source or out in source.parents or source in out.parents:
+        raise ConfigError(
+            f"output {out} overlaps the {what} {source}; write the output to a separate folder"
+        )
+
+
 def _dist_active() -> bool:
     import torch.distributed as dist
 
@@ -246,18 +256,24 @@ def staged_output(final: str | Path, *, overwrite: bool = False) -> Iterator[Pat
     exception the temporary folder is removed; a killed process leaves only the hidden folder,
     never something at ``final``.
     """
-    final = check_destination(final, overwrite) if _is_rank0() else Path(final).absolute()
-    box: list[Any] = [None]
+    final = Path(final).absolute()
+    box: list[Any] = [None, None]  # (temporary folder, error message) decided by rank 0
     if _is_rank0():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        box[0] = tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(box[0], 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+        try:
+            check_destination(final, overwrite)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            box[0] = tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(box[0], 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+        except (CheckpointError, OSError) as e:
+            box[1] = str(e) if isinstance(e, CheckpointError) else f"cannot create {final}: {e}"
     if _dist_active():
         import torch.distributed as dist
 
         dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise CheckpointError(box[1])  # on every rank, so none waits for the others
     tmp = Path(box[0])
     try:
         yield tmp

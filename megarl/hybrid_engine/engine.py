@@ -155,6 +155,7 @@ class HybridEngine:
         local = local_spec_tensors(self.actor, self.dims, self._layer_offset, self.plan.specs)
         stats = self.executor.run(local, self.rollout.update_weights)
         del local
+        self.rollout.after_weight_update()
         self.rollout.wake_up(["kv_cache"])
         self.last_reshard = stats
         self.metrics = {**stats.as_metrics(), "hybrid/grad_bytes_freed": float(freed)}

@@ -327,11 +327,16 @@ def actor_tensor_specs(
     def add(tm, layer, stage):
         name = megatron_global_name(tm.megatron, layer)
         shape = shapes[tm.megatron.split("{layer}.")[-1]]
+        # One group per module (weight and bias, gate and up): vLLM must get a whole module in one
+        # weight update, or it processes the module half loaded.
+        module = name.rsplit(".", 1)[0]
         if tm.kind == "gate_up":
             for part in (0, 1):
-                specs.append(TensorSpec(f"{name}#{part}", shape, tm.tp_dim, stage, itemsize, name))
+                specs.append(
+                    TensorSpec(f"{name}#{part}", shape, tm.tp_dim, stage, itemsize, module)
+                )
         else:
-            specs.append(TensorSpec(name, shape, tm.tp_dim, stage, itemsize))
+            specs.append(TensorSpec(name, shape, tm.tp_dim, stage, itemsize, module))
 
     # HF order: embeddings, layer by layer, final norm, head.
     for tm in maps:

@@ -56,6 +56,33 @@ def _optimizer_state(trainable, is_loading: bool):
     )
 
 
+def _inner_optimizers(trainable):
+    return [
+        opt.optimizer
+        for opt in getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])
+    ]
+
+
+def _adam_steps(trainable) -> list[float | None]:
+    """Adam's step count per inner optimizer (all parameters step together)."""
+    out = []
+    for inner in _inner_optimizers(trainable):
+        steps = {float(s["step"]) for s in inner.state.values() if "step" in s}
+        out.append(steps.pop() if len(steps) == 1 else None)
+    return out
+
+
+def _restore_adam_steps(trainable, steps: list[float | None]) -> None:
+    """megatron 0.16's dp_reshardable load leaves torch Adam's per-parameter ``step`` wrong (it
+    keeps the placeholder's); bias correction depends on it, so set it from our own record."""
+    for inner, step in zip(_inner_optimizers(trainable), steps, strict=True):
+        if step is None:
+            continue
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=state["step"].dtype)
+
+
 def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any]) -> Path:
     """Save everything for ``step``; collective over all ranks."""
     root.mkdir(parents=True, exist_ok=True)
@@ -79,11 +106,11 @@ def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any
     (stage / "trainer").mkdir(parents=True, exist_ok=True)
     state = dict(trainer_state)
     state["rng"] = _rng_state()
-    state["schedulers"] = {
-        n: t.scheduler.state_dict()
-        for n, t in (("actor", roles.actor), ("critic", roles.critic))
-        if t is not None
-    }
+    trainables = [
+        (n, t) for n, t in (("actor", roles.actor), ("critic", roles.critic)) if t is not None
+    ]
+    state["schedulers"] = {n: t.scheduler.state_dict() for n, t in trainables}
+    state["adam_steps"] = {n: _adam_steps(t) for n, t in trainables}
     torch.save(state, stage / "trainer" / f"rank_{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -135,5 +162,6 @@ def load(path: Path, roles) -> dict[str, Any]:
     for name, trainable in (("actor", roles.actor), ("critic", roles.critic)):
         if trainable is not None:
             trainable.scheduler.load_state_dict(state["schedulers"][name])
+            _restore_adam_steps(trainable, state["adam_steps"][name])
     _set_rng_state(state["rng"])
     return state

@@ -114,9 +114,15 @@ class RunState:
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Mean over all ranks (max for maxima, min for minima), the same dict on every rank."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    """Mean over all ranks (max for maxima, min for minima), the same dict on every rank.
+
+    Ranks may report different keys (losses exist on the last pipeline stage only): a rank's
+    missing key counts as absent, not as zero.
+    """
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(metrics))
+    keys = sorted(set().union(*names))
+    values = torch.tensor([float(metrics.get(k, float("nan"))) for k in keys], dtype=torch.float64)
     finite = torch.isfinite(values)
     safe = torch.where(finite, values, torch.zeros_like(values))
     summed = safe.clone()
@@ -160,16 +166,21 @@ def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, seed: int, se
 
 def check_inputs(cfg: RunConfig, layout) -> None:
     """The cheap checks: model folder, layout against it, data files; before any heavy work."""
-    from megarl.data.parquet_source import resolve_files
+    from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
 
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
     if cfg.model.critic_path:
         ModelDims.from_pretrained(cfg.model.critic_path)
-    resolve_files(cfg.data.train_files, what="data.train_files")
-    if cfg.data.val_files:
-        resolve_files(cfg.data.val_files, what="data.val_files")
+    for files, what in (
+        (cfg.data.train_files, "data.train_files"),
+        (cfg.data.val_files, "data.val_files"),
+    ):
+        if files:
+            inspect_files(
+                *resolve_files(files, what=what)
+            )  # footers only: unreadable files fail here
 
 
 def setup_run(cfg: RunConfig) -> RunState:

@@ -58,7 +58,8 @@ def _stage_weights(ddp, dims, layout):
 
     from megarl.models.export import iter_stage_hf_tensors
 
-    tensors = {n: t.clone() for n, t in iter_stage_hf_tensors(ddp, dims, layout)}
+    # numpy: pickled by value (torch tensors travel by file descriptor, gone when the rank exits)
+    tensors = {n: t.numpy().copy() for n, t in iter_stage_hf_tensors(ddp, dims, layout)}
     keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     return tensors if keep else {}
 
@@ -186,7 +187,7 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
         # after a step: transformers on the new weights (exported independently of the reshard)
         new = {}
         for res in per_rank:
-            new.update(res["weights"])
+            new.update({n: torch.from_numpy(a) for n, a in res["weights"].items()})
         if "lm_head.weight" not in new and hf.config.tie_word_embeddings:
             new["lm_head.weight"] = new["model.embed_tokens.weight"]
         assert set(new) == set(initial), set(initial) ^ set(new)

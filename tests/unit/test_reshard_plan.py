@@ -125,7 +125,7 @@ def test_buckets_respect_size_and_oversized_tensor_travels_alone():
     assert len(big.buckets) == 1
 
 
-def test_gate_and_up_stay_in_one_bucket():
+def test_modules_stay_in_one_bucket():
     specs = actor_tensor_specs(DIMS, [4])
     plan = plan_reshard(specs, 2, 1, 1, 1, bucket_bytes=1)  # every group alone
     for members in plan.buckets:
@@ -133,6 +133,8 @@ def test_gate_and_up_stay_in_one_bucket():
         assert len({plan.specs[i].key for i in members}) == 1
         if "linear_fc1" in names[0]:
             assert [n[-2:] for n in names] == ["#0", "#1"]
+        if "linear_qkv" in names[0]:  # weight and bias together
+            assert [n.rsplit(".", 1)[1] for n in names] == ["weight", "bias"]
 
 
 def test_plan_is_deterministic_and_exact_minimum():

@@ -1,0 +1,366 @@
+"""HF -> megatron dist checkpoint (TP2xPP2) -> HF round trips, reloads at other layouts, and the
+exported folders in transformers and the CPU vLLM.
+
+One 4-rank run converts every tiny model at TP2xPP2, reloads each checkpoint at TP1 (DP4), PP4 and
+(where the heads allow) TP4 next to the same model built straight from the HF folder, and exports
+it back with the ranks sharing the files. The real SmolLM2-135M goes through PP2 (TP1xPP2xDP2):
+its 9 attention heads rule TP2 out (TP3 also fits; PP2 is the cheaper layout on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from megarl.models.safetensors_io import SafetensorsReader
+from tests.assets import randomize_, smollm2_dir, tiny_llama_dir, tiny_qwen2_config, tiny_qwen2_dir
+from tests.mp import run_gloo
+
+ROOT = Path(__file__).resolve().parents[2]
+BATCH_SEED = 7
+SMALL_SHARDS = 300_000  # bytes: the tiny exports span several files, shared by the ranks
+
+
+def fixed_batch(vocab: int, batch: int = 2, seq: int = 12) -> torch.Tensor:
+    return torch.randint(
+        0, vocab, (batch, seq), generator=torch.Generator().manual_seed(BATCH_SEED)
+    )
+
+
+def _vllm_friendly_qwen2(path: Path) -> Path:
+    """A tiny Qwen2 with head_dim 64 (vLLM's CPU attention has no kernel for head_dim 16)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (path / "config.json").exists():
+        cfg = tiny_qwen2_config(
+            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256
+        )
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        randomize_(model, 5)
+        model.save_pretrained(path)
+    return path
+
+
+# -- rank-side bodies ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _outputs(model, ids, critic=False):
+    from megarl.models.forward import gather_vocab, run_schedule
+
+    outs = run_schedule(
+        [model],
+        [{"input_ids": ids}],
+        lambda out, b: (out.sum() * 0.0, {"out": out if critic else gather_vocab(out)}),
+        forward_only=True,
+    )
+    return outs[0]["out"].detach() if outs else None
+
+
+def _same_weights(a, b) -> bool:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def _key_mismatches(model, dims, layout) -> list[str]:
+    """Parameters whose dist-checkpoint key megarl computes differently from megatron itself."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.checkpoint.keys import dist_checkpoint_key
+    from megarl.models.build import layer_offset
+    from megarl.models.hf_map import NameIndex
+
+    index = NameIndex(dims, layer_offset(dims, layout, ps.get_pipeline_model_parallel_rank()))
+    sharded = model.sharded_state_dict()
+    bad = []
+    for name, _ in model.named_parameters():
+        if name == "output_layer.weight" and dims.tie_word_embeddings:
+            continue  # saved as the embedding (megatron ties it in the checkpoint)
+        tm, _ = index.lookup(name)
+        if sharded[name].key != dist_checkpoint_key(tm.megatron):
+            bad.append(
+                f"{name}: megatron {sharded[name].key} vs {dist_checkpoint_key(tm.megatron)}"
+            )
+    return bad
+
+
+def _reload_checks(name, hf_dir, ckpt, layouts, out):
+    """Checkpoint loaded at each layout == the model built from HF at that layout, bit for bit."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.checkpoint import build_model_from_checkpoint
+    from megarl.models.build import build_model
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    for spec in layouts:
+        layout = ParallelLayout.for_world(4, **spec)
+        initialize_model_parallel(layout)
+        from_ckpt, dims, _ = build_model_from_checkpoint(ckpt, layout)
+        from_hf, _ = build_model(hf_dir, layout)
+        ids = fixed_batch(dims.vocab_size)
+        a, b = _outputs(from_ckpt, ids), _outputs(from_hf, ids)
+        key = f"{name}:{layout}"
+        out[key + ":weights_equal"] = _same_weights(from_ckpt, from_hf)
+        out[key + ":keys_equal"] = not _key_mismatches(from_ckpt, dims, layout)
+        if a is not None:
+            out[key + ":logits_equal"] = bool(torch.equal(a, b))
+            if layout.tp == 1 and layout.pp == 1 and ps.get_data_parallel_rank() == 0:
+                out[f"{name}:logits"] = a
+        destroy_model_parallel()
+
+
+def _critic_checks(hf_dir, work: Path, out):
+    """A critic with a trained-looking value head: save (as a training step), reload at TP1,
+    export as token classification, convert that back and export again."""
+    import torch.distributed as dist
+
+    from checkpoints_tools.hf_to_mcore import check_hf_source, hf_to_mcore
+    from checkpoints_tools.mcore_to_hf import export_to_hf
+    from megarl.checkpoint import build_model_from_checkpoint, load_checkpoint, save_step
+    from megarl.models.build import build_gpt_model, build_model
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    def with_head(model):
+        head = getattr(model, "output_layer", None)  # only the last pipeline stage has it
+        if head is not None:
+            gen = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                head.weight.copy_(torch.randn(head.weight.shape, generator=gen))
+                head.bias.fill_(0.25)
+        return model
+
+    layout = ParallelLayout(tp=2, pp=2)
+    initialize_model_parallel(layout)
+    critic, dims = build_model(hf_dir, layout, role="critic")
+    save_step(work / "critic_run", 7, with_head(critic), role="critic", hf_assets=hf_dir)
+    destroy_model_parallel()
+
+    layout = ParallelLayout.for_world(4, tp=1)
+    initialize_model_parallel(layout)
+    loaded, _, meta = build_model_from_checkpoint(work / "critic_run", layout)  # via `latest`
+    reference, _ = build_model(hf_dir, layout, role="critic")
+    ids = fixed_batch(dims.vocab_size)
+    values = _outputs(loaded, ids, critic=True)
+    out["critic:role"] = meta.role
+    out["critic:step"] = meta.step
+    out["critic:weights_equal"] = _same_weights(loaded, with_head(reference))
+    if values is not None and dist.get_rank() == 0:
+        out["critic:values"] = values
+    # An actor checkpoint starts a critic: the trunk loads, the value head is left alone.
+    fresh = build_gpt_model(dims, layout, "critic")
+    load_checkpoint(work / "qwen2" / "ckpt", fresh, dims=dims, role="critic")
+    trunk = {k: v for k, v in reference.named_parameters() if not k.startswith("output_layer")}
+    out["critic:trunk_from_actor"] = (
+        all(torch.equal(p, trunk[k]) for k, p in fresh.named_parameters() if k in trunk)
+        and not fresh.output_layer.weight.any()
+    )  # TP1: every rank is the last stage
+    destroy_model_parallel()
+
+    export_to_hf(
+        work / "critic_run", work / "critic_hf", max_shard_bytes=SMALL_SHARDS, progress=False
+    )
+    source = check_hf_source(work / "critic_hf", ParallelLayout(tp=2, pp=2))
+    out["critic:detected_role"] = source.role
+    hf_to_mcore(source, work / "critic_ckpt2", ParallelLayout(tp=2, pp=2))
+    export_to_hf(
+        work / "critic_ckpt2", work / "critic_hf2", max_shard_bytes=SMALL_SHARDS, progress=False
+    )
+
+
+# Layout each model is saved at (on 4 ranks: SmolLM2 runs TP1xPP2xDP2, the DP replica writes
+# nothing), the layouts it is reloaded at, and the largest exported file.
+SAVE_AT = {"qwen2": (2, 2), "llama": (2, 2), "vllm-qwen2": (2, 2), "smollm2": (1, 2)}
+RELOAD_AT = {"qwen2": [dict(tp=1), dict(pp=4)], "llama": [dict(tp=1), dict(pp=4), dict(tp=4)]}
+SHARD_BYTES = {"smollm2": 200 * 2**20}
+
+
+def roundtrip_worker(rank: int, world: int, work: str, models: dict[str, str]) -> dict:
+    from checkpoints_tools.hf_to_mcore import check_hf_source, hf_to_mcore
+    from checkpoints_tools.mcore_to_hf import export_to_hf
+    from megarl.parallel import ParallelLayout
+    from megarl.platform import adapt_megatron_for_cpu
+
+    adapt_megatron_for_cpu()
+    work_dir = Path(work)
+    out: dict = {}
+    for name, hf_dir in models.items():
+        ckpt = work_dir / name / "ckpt"
+        tp, pp = SAVE_AT[name]
+        save_layout = ParallelLayout.for_world(world, tp=tp, pp=pp)
+        hf_to_mcore(check_hf_source(hf_dir, save_layout), ckpt, save_layout)
+        _reload_checks(name, hf_dir, ckpt, RELOAD_AT.get(name, []), out)
+        shard_bytes = SHARD_BYTES.get(name, SMALL_SHARDS)
+        export_to_hf(ckpt, work_dir / name / "hf", max_shard_bytes=shard_bytes, progress=False)
+        if name == "qwen2":
+            _critic_checks(hf_dir, work_dir, out)
+    return out
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ckpt-roundtrip")
+    models = {
+        "qwen2": str(tiny_qwen2_dir()),
+        "llama": str(tiny_llama_dir()),
+        "vllm-qwen2": str(_vllm_friendly_qwen2(work / "vllm-qwen2-src")),
+        "smollm2": str(smollm2_dir()),
+    }
+    results = run_gloo(roundtrip_worker, 4, str(work), models)
+    merged: dict = {}
+    for r in results:
+        for k, v in r.items():
+            if k.endswith("_equal") or k.endswith("trunk_from_actor"):
+                merged[k] = merged.get(k, True) and v
+            else:
+                merged.setdefault(k, v)
+    return work, models, merged
+
+
+def _assert_bit_identical(original: Path, exported: Path) -> int:
+    """Every tensor of ``original`` is in ``exported`` with the same dtype and bits (and no more)."""
+    a, b = SafetensorsReader(original), SafetensorsReader(exported)
+    assert sorted(a.names()) == sorted(b.names())
+    for name in a.names():
+        x, y = a.read(name), b.read(name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    return len(a.names())
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_hf_to_tp2pp2_to_hf_is_bit_identical(tiny, name):
+    work, models, _ = tiny
+    exported = work / name / "hf"
+    n = _assert_bit_identical(Path(models[name]), exported)
+    assert n == (51 if name == "qwen2" else 38)  # Qwen2: biases, lm_head; Llama: tied, no head
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and sorted(p.name for p in exported.glob("*.safetensors")) == files
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg == json.loads((Path(models[name]) / "config.json").read_text())
+    assert (exported / "generation_config.json").is_file()
+
+
+def test_tp2pp2_checkpoint_loads_at_tp1_pp4_tp4_identically(tiny):
+    _, _, merged = tiny
+    expected = {
+        "qwen2": ["TP1xPP1xDP4", "TP1xPP4xDP1"],
+        "llama": ["TP1xPP1xDP4", "TP1xPP4xDP1", "TP4xPP1xDP1"],
+    }
+    for name, layouts in expected.items():
+        for layout in layouts:
+            assert merged[f"{name}:{layout}:weights_equal"] is True, (name, layout)
+            assert merged[f"{name}:{layout}:logits_equal"] is True, (name, layout)
+            # and megarl's dist-checkpoint keys (used to stream exports) are megatron's own
+            assert merged[f"{name}:{layout}:keys_equal"] is True, (name, layout)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_exported_folder_in_transformers_matches_megatron(tiny, name):
+    from transformers import AutoModelForCausalLM
+
+    work, _, merged = tiny
+    model = AutoModelForCausalLM.from_pretrained(work / name / "hf", dtype=torch.float32).eval()
+    megatron_logits = merged[f"{name}:logits"]
+    with torch.no_grad():
+        logits = model(fixed_batch(model.config.vocab_size)).logits
+    assert (logits - megatron_logits).abs().max().item() < 1e-5
+
+
+def test_critic_round_trips_as_token_classification(tiny):
+    from transformers import AutoModelForTokenClassification
+
+    work, _, merged = tiny
+    assert merged["critic:role"] == "critic" and merged["critic:step"] == 7
+    assert merged["critic:weights_equal"] is True
+    assert merged["critic:trunk_from_actor"] is True
+    assert merged["critic:detected_role"] == "critic"
+    _assert_bit_identical(work / "critic_hf", work / "critic_hf2")
+    names = SafetensorsReader(work / "critic_hf").names()
+    assert {"score.weight", "score.bias"} <= set(names) and "lm_head.weight" not in names
+    model = AutoModelForTokenClassification.from_pretrained(work / "critic_hf", dtype=torch.float32)
+    assert type(model).__name__ == "Qwen2ForTokenClassification"
+    with torch.no_grad():
+        values = model.eval()(fixed_batch(model.config.vocab_size)).logits
+    assert values.shape[-1] == 1
+    assert (values - merged["critic:values"]).abs().max().item() < 1e-5
+
+
+def test_export_in_bfloat16_rounds_each_tensor_once(tiny, tmp_path):
+    from checkpoints_tools.mcore_to_hf import export_to_hf
+
+    work, models, _ = tiny
+    export_to_hf(work / "qwen2" / "ckpt", tmp_path / "bf16", dtype="bfloat16", progress=False)
+    original, exported = SafetensorsReader(models["qwen2"]), SafetensorsReader(tmp_path / "bf16")
+    for name in original.names():
+        assert torch.equal(exported.read(name), original.read(name).to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+_VLLM_SCRIPT = """
+import json, os, sys
+import torch
+torch.set_num_threads(2)
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=64, enforce_eager=True, seed=0,
+          skip_tokenizer_init=True)
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), detokenize=False))
+print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def test_exported_folder_in_vllm_generates_what_transformers_does(tiny):
+    from transformers import AutoModelForCausalLM
+
+    work, _, _ = tiny
+    exported = work / "vllm-qwen2" / "hf"
+    prompts = [[1, 99, 28, 57, 314], [3, 504, 35, 282, 7, 7, 400]]
+    new = 12
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _VLLM_SCRIPT, str(exported), json.dumps(prompts), str(new)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS=")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    vllm_tokens = json.loads(lines[-1].removeprefix("TOKENS="))
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, vllm_tokens, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        assert got == ref[0, len(prompt) :].tolist()
+
+
+def test_smollm2_through_pp2_is_bit_identical(tiny):
+    """The real SmolLM2-135M (tied embeddings, 9 heads / 3 KV heads, so no TP2: PP2 here)."""
+    from transformers import AutoTokenizer
+
+    work, models, _ = tiny
+    original, exported = Path(models["smollm2"]), work / "smollm2" / "hf"
+    assert _assert_bit_identical(original, exported) == 272
+    assert len(list(exported.glob("model-*.safetensors"))) == 3  # 514 MiB in 200 MiB files
+    with safe_open(str(next(exported.glob("model-*.safetensors"))), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (exported / name).read_bytes() == (original / name).read_bytes(), name
+    text = [{"role": "user", "content": "What is 2+2?"}]
+    a, b = AutoTokenizer.from_pretrained(original), AutoTokenizer.from_pretrained(exported)
+    assert a.apply_chat_template(text) == b.apply_chat_template(text)

@@ -1,0 +1,234 @@
+"""Whole GRPO/PPO runs through `megarl train`, with the real CPU vLLM, as a user runs them.
+
+A tiny random Llama over a character vocabulary, GSM-Symbolic prompts, and the toy `vowel_rate`
+reward (learnable in a few steps). Metrics are read back from each run's metrics.jsonl and MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarl.cli import main as cli_main
+from tests.assets import tiny_char_llama_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("train")
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "prepare_gsm8k.py"),
+            "--out",
+            str(work / "data"),
+            "--source",
+            "gsm-symbolic",
+            "--train-size",
+            "128",
+            "--test-size",
+            "16",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    config = {
+        "model": {"path": str(tiny_char_llama_dir())},
+        "data": {
+            "train_files": [str(work / "data" / "train.parquet")],
+            "val_files": [str(work / "data" / "test.parquet")],
+            "train_batch_size": 4,
+            "val_batch_size": 4,
+            "max_prompt_length": 1024,
+        },
+        "rollout": {"n": 4, "max_response_length": 24, "kv_cache_gib": 0.125},
+        "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
+        "algorithm": {"use_kl_loss": True},
+        "reward": {"custom_fn": "megarl.rewards.toy:vowel_rate"},
+        "trainer": {"total_steps": 2, "mlflow_tracking_uri": f"sqlite:///{work / 'mlflow.db'}"},
+    }
+    (work / "run.yaml").write_text(yaml.safe_dump(config))
+    return work
+
+
+def train(work: Path, out: str, *overrides: str, nproc: int = 1) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        str(work / "run.yaml"),
+        f"trainer.output_dir={work / out}",
+        *overrides,
+        "--nproc-per-node",
+        str(nproc),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    lines = (work / out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def by_step(records: list[dict]) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for r in records:
+        out.setdefault(r["step"], {}).update(r)
+    return out
+
+
+def test_user_errors_stop_before_any_process(workdir, capsys):
+    run = str(workdir / "run.yaml")
+    cases = [
+        (["actor.ppo_mini_batch_size=8"], "is larger than data.train_batch_size=4"),
+        (
+            ["data.train_batch_size=6", "actor.ppo_mini_batch_size=6", "--nproc-per-node", "4"],
+            "not divisible by the 4 data-parallel ranks",
+        ),
+        ([f"model.path={workdir / 'no-model'}"], "does not exist"),
+        ([f"data.train_files=[{workdir / 'nothing-*.parquet'}]"], "data.train_files"),
+        (["parallel.tp=3", "--nproc-per-node", "3"], "Valid tp for this model"),
+    ]
+    for extra, message in cases:
+        assert cli_main(["train", run, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    bad = workdir / "broken.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    assert cli_main(["train", run, f"data.train_files=[{bad}]"]) == 2
+    assert "broken.parquet" in capsys.readouterr().err
+
+
+def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir):
+    full = by_step(
+        train(
+            workdir, "full", "trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=2"
+        )
+    )
+    train(workdir, "resumed", "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2")
+    resumed = by_step(
+        train(
+            workdir,
+            "resumed",
+            "trainer.total_steps=4",
+            "trainer.save_freq=2",
+            "trainer.test_freq=2",
+        )
+    )
+    for step in (3, 4):
+        for key in (
+            "reward/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "response/length_mean",
+        ):
+            assert resumed[step][key] == pytest.approx(full[step][key], abs=1e-6), (step, key)
+    assert (workdir / "full" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
+    logged = set().union(*(set(r.data.metrics) for r in runs))
+    expected = {
+        "reward/mean",
+        "reward/std",
+        "reward/min",
+        "reward/max",
+        "actor/kl_loss",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "response/length_mean",
+        "response/length_max",
+        "response/clip_ratio",
+        "rollout/logprob_diff_mean",
+        "rollout/logprob_diff_max",
+        "timing/rollout_s",
+        "timing/update_actor_s",
+        "perf/tokens_per_s",
+        "val/reward_mean",
+    }
+    assert expected <= logged, sorted(expected - logged)
+    assert any(r.data.params.get("algorithm.adv_estimator") == "grpo" for r in runs)
+
+
+def test_grpo_tp2_pp2_matches_one_process(workdir):
+    single = by_step(train(workdir, "single", "trainer.total_steps=2"))
+    sharded = by_step(
+        train(
+            workdir,
+            "tp2pp2",
+            "trainer.total_steps=2",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.infer_tp=2",
+            nproc=4,
+        )
+    )
+    for step in (1, 2):
+        assert sharded[step]["reward/mean"] == pytest.approx(single[step]["reward/mean"], abs=1e-6)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            assert sharded[step][key] == pytest.approx(single[step][key], abs=1e-4), (step, key)
+        assert sharded[step]["actor/grad_norm"] == pytest.approx(
+            single[step]["actor/grad_norm"], rel=1e-4
+        )
+        assert sharded[step]["rollout/logprob_diff_max"] < 1e-3
+
+
+def test_ppo_with_critic_tp1_pp2_dp2(workdir):
+    records = by_step(
+        train(
+            workdir,
+            "ppo",
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_kl_loss=false",
+            "algorithm.use_kl_in_reward=true",
+            "parallel.pp=2",
+            "parallel.infer_tp=2",
+            nproc=4,
+        )
+    )
+    last = records[2]
+    for key in (
+        "critic/vf_loss",
+        "critic/grad_norm",
+        "critic/values_mean",
+        "actor/reward_kl",
+        "actor/kl_coef",
+    ):
+        assert key in last and last[key] == last[key], key  # present and not NaN
+    assert last["critic/update_ok"] == 1.0 and last["actor/update_ok"] == 1.0
+
+
+def test_grpo_reward_rises(workdir):
+    """Fixed seed: the mean reward of the last 4 of 16 steps beats the first 4 by more than 0.08
+    (measured: 0.44 -> 0.57 at this size; 0.42 -> 0.66 over 20 steps)."""
+    records = by_step(
+        train(
+            workdir,
+            "learn",
+            "trainer.total_steps=16",
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8",
+            "actor.micro_batch_size=16",
+            "actor.optim.lr=1e-2",
+            "rollout.max_response_length=32",
+            "algorithm.use_kl_loss=false",
+        )
+    )
+    rewards = [records[s]["reward/mean"] for s in range(1, 17)]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.08, rewards

@@ -199,7 +199,7 @@ def _char_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(string.printable[:95]) + ["\n"]
+    chars = [*string.printable[:95], "\n"]
     vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + chars)}
     for i in range(len(vocab), CHAR_VOCAB_SIZE):
         vocab[f"<unused{i}>"] = i

@@ -42,8 +42,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         queue.put((rank, "error", traceback.format_exc()))
         raise
     finally:
+        # vLLM's shutdown may already have destroyed the default group.
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError):
+                pass
 
 
 def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:

@@ -6,6 +6,7 @@ rank comes back as a list indexed by rank (it must be picklable: tensors are fin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -44,10 +45,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     finally:
         # vLLM's shutdown may already have destroyed the default group.
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group()
-            except (RuntimeError, ValueError):
-                pass
 
 
 def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:

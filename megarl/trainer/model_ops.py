@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+from megarl.errors import MegarlError
 from megarl.models.forward import run_schedule
 from megarl.trainer.batch import Samples, micro_batches, positions_to_response
 
@@ -88,7 +89,7 @@ def forward_response_tensor(
     return _broadcast_from_last_stage(result)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(MegarlError):
     """The loss or the gradients of an update were NaN or inf."""
 
 

@@ -234,7 +234,7 @@ def test_grpo_reward_rises(workdir):
     assert last > first + 0.08, rewards
 
 
-def test_non_finite_update_stops_with_a_clear_message_or_is_skipped(workdir):
+def test_non_finite_update_stops_with_a_clear_message(workdir):
     """lr=1e30 blows the weights up after the first update: the next loss is not finite."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
@@ -254,14 +254,3 @@ def test_non_finite_update_stops_with_a_clear_message_or_is_skipped(workdir):
     assert proc.returncode != 0
     assert "NaN or inf in the loss or gradients" in proc.stderr
     assert not (workdir / "nan" / "checkpoints" / "latest").exists()  # nothing bad was saved
-    records = by_step(
-        train(
-            workdir,
-            "nan_skip",
-            "actor.optim.lr=1e30",
-            "actor.optim.clip_grad=0.0",
-            "trainer.total_steps=3",
-            "trainer.nan_policy=skip",
-        )
-    )
-    assert any(r.get("actor/skipped_non_finite") == 1.0 for r in records.values()), records

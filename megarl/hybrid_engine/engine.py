@@ -145,6 +145,15 @@ class HybridEngine:
         self._rollouts = 0
         self.metrics: dict[str, float] = {}
 
+    @property
+    def rollout_count(self) -> int:
+        """Rollouts generated so far; request seeds depend on it, so a resumed run restores it."""
+        return self._rollouts
+
+    @rollout_count.setter
+    def rollout_count(self, value: int) -> None:
+        self._rollouts = int(value)
+
     # -- transitions ---------------------------------------------------------------------------
     def to_rollout(self) -> dict[str, float]:
         """Free training-only memory, reshard the actor into vLLM, wake vLLM up."""

@@ -26,7 +26,6 @@ def wrap_for_training(model, settings: OptimSettings):
     Grad reduction over DP (and the tied-embedding group under PP) runs through megatron's
     ``finalize_model_grads`` at the end of each forward-backward schedule.
     """
-    import torch
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -72,5 +71,4 @@ def wrap_for_training(model, settings: OptimSettings):
         wd_incr_steps=max(settings.total_steps, 1),
         wd_incr_style="constant",
     )
-    del torch
     return ddp, optimizer, scheduler

@@ -99,7 +99,7 @@ class RunState:
             "step": step,
             "data": self.dataset.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
-            "rollouts": self.engine._rollouts,
+            "rollouts": self.engine.rollout_count,
             "mlflow_run_id": self.tracker.run_id,
             "history": self.history,
         }
@@ -301,7 +301,7 @@ def setup_run(cfg: RunConfig) -> RunState:
         dataset.load_state_dict(state["data"])
         if kl_ctrl is not None and state["kl_ctrl"] is not None:
             kl_ctrl.load_state_dict(state["kl_ctrl"])
-        engine._rollouts = state["rollouts"]
+        engine.rollout_count = state["rollouts"]
         run.history = list(state.get("history", []))
         mlflow_run = state.get("mlflow_run_id")
         if dist.get_rank() == 0:

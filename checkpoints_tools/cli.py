@@ -137,11 +137,10 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
         if _rank() == 0:
-            kind = (
-                "token classification (value head as `score`)"
-                if meta.role == "critic"
-                else "causal LM"
-            )
+            kind = {
+                "critic": "token classification (value head as `score`)",
+                "reward": "sequence classification (reward head as `score`)",
+            }.get(meta.role, "causal LM")
             print(
                 f"mcore-to-hf: {args.ckpt} -> {result.out}: {result.tensors} tensors, "
                 f"{result.bytes / 2**20:.1f} MiB {result.dtype} in {result.files} file(s), "
@@ -214,10 +213,11 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion")
     p.add_argument(
         "--role",
-        choices=["actor", "critic", "reference"],
+        choices=["actor", "critic", "reference", "reward"],
         default=None,
-        help="model role (default: critic for a *ForTokenClassification folder, else actor); "
-        "a critic made from a causal LM starts with a zero value head",
+        help="model role (default: critic for a *ForTokenClassification folder, reward for a "
+        "*ForSequenceClassification one, else actor); a critic or reward model made from a causal "
+        "LM starts with a fresh head",
     )
     p.add_argument(
         "--dtype",
@@ -233,7 +233,8 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
         help="megatron dist checkpoint -> Hugging Face folder (transformers and vLLM load it)",
         description="Streams tensor by tensor from the checkpoint (any saved TP/PP) into "
         "safetensors shards: memory stays at about one tensor (embeddings and LM heads: one "
-        "saved chunk). A critic exports as *ForTokenClassification with one label.",
+        "saved chunk). A critic exports as *ForTokenClassification, a reward model as "
+        "*ForSequenceClassification, with one label.",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint folder (or a root with `latest`)")
     p.add_argument("--out", required=True, help="Hugging Face folder to create")

@@ -12,13 +12,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from megarl.checkpoint.hf_assets import dims_from_config, hf_role
 from megarl.checkpoint.store import dtype_from_name, save_checkpoint
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.dims import ModelDims, read_hf_config
-from megarl.models.hf_map import VALUE_HEAD_MAPS, NameIndex, hf_to_megatron_shard, tensor_maps
+from megarl.models.heads import has_scalar_head
+from megarl.models.hf_map import HEAD_MAPS, tensor_maps
 from megarl.models.safetensors_io import SafetensorsReader
 from megarl.parallel import ParallelLayout
 
@@ -45,9 +44,10 @@ def check_hf_source(
     dims = dims_from_config(cfg)
     source_role = hf_role(cfg)
     role = role or source_role
-    if source_role == "critic" and role != "critic":
+    if has_scalar_head(source_role) and role != source_role:
         raise ConfigError(
-            f"{hf_dir} is a token-classification (value) model; convert it with --role critic"
+            f"{hf_dir} is a {source_role} model ({(cfg.get('architectures') or ['?'])[0]}); "
+            f"convert it with --role {source_role}"
         )
     layout.check_model(dims.shape)
     if dtype == "auto":
@@ -55,13 +55,13 @@ def check_hf_source(
         dtype = named if named in _CONFIG_DTYPES else "float32"
     dtype_from_name(dtype)
     reader = SafetensorsReader(hf_dir)
-    head_names = {h for tm in VALUE_HEAD_MAPS for h in tm.hf}
+    head_names = {h for maps in HEAD_MAPS.values() for tm in maps for h in tm.hf}
     missing = []
     for tm in tensor_maps(dims, role):
         for layer in range(dims.num_layers) if tm.per_layer else [None]:
             for name in tm.hf:
                 name = name.format(layer=layer)
-                if not reader.has(name) and not (source_role == "actor" and name in head_names):
+                if not reader.has(name) and not (source_role != role and name in head_names):
                     missing.append(name)
     if missing:
         raise CheckpointError(
@@ -69,27 +69,7 @@ def check_hf_source(
             f"{missing[:3]}); the download or export is partial, or config.json belongs to "
             "another model"
         )
-    return HfSource(hf_dir, dims, role, source_role == "critic", dtype)
-
-
-@torch.no_grad()
-def _load_value_head(model, source: HfSource) -> None:
-    """Copy ``score.weight``/``score.bias`` of a token-classification folder into the critic."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.is_pipeline_last_stage():
-        return
-    reader = SafetensorsReader(source.hf_dir)
-    index = NameIndex(source.dims, role="critic")
-    for name, param in model.output_layer.named_parameters(prefix="output_layer"):
-        tm, hf_names = index.lookup(name)
-        value = hf_to_megatron_shard(tm, hf_names, reader, source.dims, 0, 1)
-        if tuple(value.shape) != tuple(param.shape):
-            raise CheckpointError(
-                f"{hf_names[0]} has shape {tuple(value.shape)}, the value head needs "
-                f"{tuple(param.shape)}; the folder is not a one-label token-classification model"
-            )
-        param.copy_(value.to(param.dtype))
+    return HfSource(hf_dir, dims, role, has_scalar_head(role) and source_role == role, dtype)
 
 
 def hf_to_mcore(
@@ -108,9 +88,7 @@ def hf_to_mcore(
     try:
         opts = ModelOptions(dtype=dtype_from_name(source.dtype))
         model = build_gpt_model(source.dims, layout, source.role, opts)
-        load_hf_into_model(model, source.hf_dir, source.dims, layout)
-        if source.role == "critic" and source.has_value_head:
-            _load_value_head(model, source)
+        load_hf_into_model(model, source.hf_dir, source.dims, layout, role=source.role)
         loaded = time.perf_counter()
         path = save_checkpoint(
             out,
@@ -124,8 +102,8 @@ def hf_to_mcore(
         destroy_model_parallel()
     if rank == 0:
         note = ""
-        if source.role == "critic" and not source.has_value_head:
-            note = " (value head starts at zero: the source is a causal LM)"
+        if has_scalar_head(source.role) and not source.has_value_head:
+            note = f" (the {source.role} head starts fresh: the source is a causal LM)"
         print(
             f"hf-to-mcore: {source.hf_dir} -> {path} as {source.role} ({source.dtype}) at "
             f"{layout}{note}: load {loaded - t0:.1f}s, save {time.perf_counter() - loaded:.1f}s"

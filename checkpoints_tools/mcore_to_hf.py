@@ -39,6 +39,7 @@ from megarl.checkpoint.store import (
 )
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
+from megarl.models.heads import has_scalar_head
 from megarl.models.hf_map import TensorMap, megatron_shards_to_hf, tensor_maps
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -75,7 +76,7 @@ class Group:
 def _ordered_maps(dims: ModelDims, role: str) -> Iterator[tuple[TensorMap, int | None]]:
     """(map, layer) in Hugging Face order: embeddings, layer 0..L-1, final norm, head."""
     maps = tensor_maps(dims, role)
-    if role != "critic" and dims.tie_word_embeddings:
+    if not has_scalar_head(role) and dims.tie_word_embeddings:
         # The tied LM head is the embedding: HF stores it once (model.embed_tokens.weight).
         maps = [tm for tm in maps if tm.megatron != "output_layer.weight"]
     first = [tm for tm in maps if not tm.per_layer and tm.megatron.startswith("embedding.")]
@@ -190,9 +191,26 @@ def _generation_config(cfg: dict) -> dict:
     return out
 
 
+def _pad_token_id(hf_src: Path) -> int | None:
+    """The tokenizer's pad id (else its eos id): where transformers' sequence classifier stops."""
+    if not has_tokenizer(hf_src):
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_src)
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
 def _write_side_files(tmp: Path, hf_src: Path, cfg: dict, role: str, dtype: torch.dtype) -> None:
     (tmp / "config.json").write_text(
-        json.dumps(export_config(cfg, role, dtype_name(dtype)), indent=2, sort_keys=True) + "\n"
+        json.dumps(
+            export_config(
+                cfg, role, dtype_name(dtype), _pad_token_id(hf_src) if role == "reward" else None
+            ),
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
     )
     import fnmatch
 
@@ -201,7 +219,7 @@ def _write_side_files(tmp: Path, hf_src: Path, cfg: dict, role: str, dtype: torc
             continue
         if any(fnmatch.fnmatch(path.name, p) for p in ASSET_PATTERNS):
             shutil.copy2(path, tmp / path.name)
-    if role != "critic" and not (tmp / "generation_config.json").exists():
+    if not has_scalar_head(role) and not (tmp / "generation_config.json").exists():
         (tmp / "generation_config.json").write_text(
             json.dumps(_generation_config(cfg), indent=2) + "\n"
         )

@@ -23,6 +23,7 @@ from megarl.checkpoint.store import (
     resolve_checkpoint,
 )
 from megarl.errors import CheckpointError
+from megarl.models.heads import has_scalar_head, hf_folder_role
 from megarl.models.safetensors_io import SafetensorsReader
 
 # Buffers some older HF checkpoints store; they are recomputed, not weights.
@@ -128,7 +129,7 @@ def compare_tensors(hf_dir: str | Path, ckpt: str | Path) -> tuple[list[TensorCh
     for name in hf.names():
         if name in seen or name.endswith(_IGNORED_SUFFIXES):
             continue
-        if name == "lm_head.weight" and dims.tie_word_embeddings and meta.role != "critic":
+        if name == "lm_head.weight" and dims.tie_word_embeddings and not has_scalar_head(meta.role):
             # A tied model saved with its LM head spelled out: it must equal the embedding.
             same = torch.equal(hf.read(name), hf.read("model.embed_tokens.weight"))
             checks.append(TensorCheck(name, "equal" if same else "differs", detail="(tied)"))
@@ -138,15 +139,17 @@ def compare_tensors(hf_dir: str | Path, ckpt: str | Path) -> tuple[list[TensorCh
 
 
 def _hf_model(hf_dir: Path):
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    cfg = read_json(hf_dir / "config.json")
-    archs = cfg.get("architectures") or []
-    cls = (
-        AutoModelForTokenClassification
-        if any(a.endswith("ForTokenClassification") for a in archs)
-        else AutoModelForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
     )
+
+    classes = {
+        "critic": AutoModelForTokenClassification,
+        "reward": AutoModelForSequenceClassification,
+    }
+    cls = classes.get(hf_folder_role(read_json(hf_dir / "config.json")), AutoModelForCausalLM)
     return cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
@@ -181,11 +184,20 @@ def compare_outputs(
         model.eval()
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, dims.vocab_size, (batch, seq), generator=gen)
-        critic = meta.role == "critic"
+        pad = read_json(hf_dir / "config.json").get("pad_token_id")
+        if pad is not None:  # a sequence classifier stops at the first pad token
+            ids[ids == pad] = (pad + 1) % dims.vocab_size
+        critic = has_scalar_head(meta.role)
+
+        def pick(out):
+            if meta.role == "reward":  # one score per row, at its last token
+                return out[:, -1, :]
+            return out if critic else gather_vocab(out)
+
         outs = run_schedule(
             [model],
             [{"input_ids": ids}],
-            lambda out, b: (out.sum() * 0.0, {"out": out if critic else gather_vocab(out)}),
+            lambda out, b: (out.sum() * 0.0, {"out": pick(out)}),
             forward_only=True,
         )
         result = None
@@ -193,7 +205,7 @@ def compare_outputs(
             mine = outs[0]["out"].float()
             ref = _hf_model(hf_dir)(ids).logits.float()
             result = {
-                "what": "values" if critic else "logits",
+                "what": {"critic": "values", "reward": "scores"}.get(meta.role, "logits"),
                 "layout": str(layout),
                 "batch": batch,
                 "seq": seq,

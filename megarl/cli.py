@@ -36,8 +36,9 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.parallel import ParallelLayout
     from megarl.trainer.run_state import check_inputs
 
-    cfg = load_config(args.config, args.overrides)  # config errors before any process starts
-    module_args = [args.config, *args.overrides]
+    overrides = [*args.overrides, *getattr(args, "forced", [])]
+    cfg = load_config(args.config, overrides)  # config errors before any process starts
+    module_args = [args.config, *overrides]
     if under_launcher():  # already one of torchrun's / srun's ranks
         from megarl.trainer.run import main as rank_main
 
@@ -48,6 +49,12 @@ def _train(args: argparse.Namespace) -> int:
     layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files
     return run_torchrun("megarl.trainer.run", module_args, nproc)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from megarl.plan.cli import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
     train.set_defaults(func=_train)
+    train_rm = sub.add_parser(
+        "train-rm",
+        help="train a reward model on preference pairs (Bradley-Terry); "
+        "the same as `train` with trainer.kind=reward_model",
+    )
+    train_rm.add_argument("config")
+    train_rm.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=64"
+    )
+    train_rm.add_argument(
+        "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
+    )
+    train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
     from checkpoints_tools.cli import add_verbs
 
     convert = sub.add_parser(
@@ -82,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Megatron dist checkpoints <-> Hugging Face (hf-to-mcore, mcore-to-hf, verify)",
     )
     add_verbs(convert)
+    from megarl.plan.cli import add_arguments as add_plan_arguments
+
+    plan = sub.add_parser(
+        "plan", help="which TP/PP/DP layouts fit a model on N GPUs, memory per GPU, step time"
+    )
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
     return parser
 
 

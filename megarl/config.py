@@ -114,10 +114,31 @@ class RewardConfig:
     num_workers: int = 0
     timeout_s: float = 30.0
     strict: bool = False
+    # A reward model scoring prompt + response: an HF *ForSequenceClassification folder (e.g. one
+    # exported from `megarl train-rm`) or a megarl reward-model checkpoint; same tokenizer as the
+    # policy. Score = rule_weight * rule score + model_weight * reward-model score; rule_weight 0
+    # skips the rule scorers.
+    model_path: str | None = None
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
+
+
+@dataclass
+class RewardModelConfig:
+    """`trainer.kind: reward_model` (``megarl train-rm``): Bradley-Terry training on preference
+    pairs. data.train_files / val_files hold prompt/chosen/rejected; data.train_batch_size and
+    val_batch_size count pairs (global)."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    micro_batch_size: int = 4  # pairs per micro-batch per rank (chosen + rejected together)
+    max_length: int = 1024  # tokens of prompt + the longer response
+    truncation: str = "filter"  # error | filter | truncate
+    margin: float = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
 
 
 @dataclass
 class TrainerConfig:
+    kind: str = "policy"  # policy (PPO/GRPO) | reward_model (Bradley-Terry)
     total_steps: int = 100
     save_freq: int = 0  # 0: only at the end
     test_freq: int = 0  # 0: never
@@ -141,6 +162,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -150,6 +172,8 @@ CHOICES = {
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.resume": ("auto", "never"),
     "trainer.nan_policy": ("stop", "skip"),
+    "trainer.kind": ("policy", "reward_model"),
+    "reward_model.truncation": ("error", "filter", "truncate"),
 }
 
 
@@ -217,6 +241,15 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
+    if bad_steps:
+        raise ConfigError(
+            f"trainer.profile_steps={list(cfg.trainer.profile_steps)}: steps are numbered from 1, "
+            "as logged; remove or fix these"
+        )
+    if cfg.trainer.kind == "reward_model":
+        _validate_reward_model(cfg, world_size)
+        return
     data, actor = cfg.data, cfg.actor
     positive = {
         "data.train_batch_size": data.train_batch_size,
@@ -227,9 +260,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "rollout.max_response_length": cfg.rollout.max_response_length,
         "trainer.total_steps": cfg.trainer.total_steps,
     }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    _check_positive(positive)
     if actor.ppo_mini_batch_size > data.train_batch_size:
         raise ConfigError(
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is larger than "
@@ -240,20 +271,57 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"data.train_batch_size={data.train_batch_size} is not a multiple of "
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
         )
+    if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
+        raise ConfigError(
+            "reward.rule_weight=0 leaves no reward: set reward.model_path to a reward model, "
+            "or a rule_weight > 0"
+        )
     if world_size is not None:
-        tp, pp = cfg.parallel.tp, cfg.parallel.pp
-        if world_size % (tp * pp):
-            raise ConfigError(f"{world_size} processes cannot hold parallel.tp*pp = {tp}*{pp}")
-        dp = world_size // (tp * pp)
-        for key, value in (
-            ("data.train_batch_size", data.train_batch_size),
-            ("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
-        ):
-            if value % dp:
-                raise ConfigError(
-                    f"{key}={value} is not divisible by the {dp} data-parallel ranks "
-                    f"({world_size} processes / tp*pp {tp * pp}); make it a multiple of {dp}"
-                )
+        _check_dp_split(
+            cfg,
+            world_size,
+            {
+                "data.train_batch_size": data.train_batch_size,
+                "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
+            },
+        )
+
+
+def _check_positive(values: dict[str, int]) -> None:
+    for key, value in values.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+
+
+def _check_dp_split(cfg: RunConfig, world_size: int, batches: dict[str, int]) -> None:
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} processes cannot hold parallel.tp*pp = {tp}*{pp}")
+    dp = world_size // (tp * pp)
+    for key, value in batches.items():
+        if value % dp:
+            raise ConfigError(
+                f"{key}={value} is not divisible by the {dp} data-parallel ranks "
+                f"({world_size} processes / tp*pp {tp * pp}); make it a multiple of {dp}"
+            )
+
+
+def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
+    rm, data = cfg.reward_model, cfg.data
+    _check_positive(
+        {
+            "data.train_batch_size": data.train_batch_size,
+            "reward_model.micro_batch_size": rm.micro_batch_size,
+            "trainer.total_steps": cfg.trainer.total_steps,
+        }
+    )
+    if rm.max_length < 2:
+        raise ConfigError(f"reward_model.max_length must be >= 2 tokens, got {rm.max_length}")
+    if world_size is not None:
+        batches = {"data.train_batch_size": data.train_batch_size}
+        if data.val_files:
+            batches["data.val_batch_size"] = data.val_batch_size
+        _check_dp_split(cfg, world_size, batches)
 
 
 def to_flat_dict(cfg: RunConfig) -> dict[str, Any]:

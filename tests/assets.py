@@ -12,4 +12,5 @@ from megarl.offline_assets import (  # noqa: F401
     tiny_llama_dir,
     tiny_qwen2_config,
     tiny_qwen2_dir,
+    tiny_qwen2_reward_dir,
 )

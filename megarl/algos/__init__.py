@@ -18,6 +18,7 @@ from megarl.algos.kl import (
 )
 from megarl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algos.policy_loss import POLICY_LOSSES, compute_policy_loss, register_policy_loss
+from megarl.algos.preference import bradley_terry_loss
 from megarl.algos.registry import DuplicateNameError, Registry, UnknownNameError
 from megarl.algos.tis import compute_tis_weights, rollout_mismatch_metrics
 from megarl.algos.value_loss import compute_entropy_loss, compute_value_loss, entropy_bonus
@@ -42,6 +43,7 @@ __all__ = [
     "UnknownNameError",
     "agg_loss",
     "apply_kl_in_reward",
+    "bradley_terry_loss",
     "compute_advantages",
     "compute_entropy_loss",
     "compute_policy_loss",

@@ -12,8 +12,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from megarl.errors import CheckpointError, UnsupportedModelError
+from megarl.errors import CheckpointError
 from megarl.models.dims import SUPPORTED_ARCHITECTURES, ModelDims
+from megarl.models.heads import (
+    causal_architecture,
+    has_scalar_head,
+    head_architecture,
+    hf_folder_role,
+)
 
 # Files copied from a Hugging Face folder: its config and everything a tokenizer may consist of.
 # Weights (*.safetensors, *.bin) and anything else (optimizer states, READMEs, images) stay behind.
@@ -33,9 +39,6 @@ ASSET_PATTERNS: tuple[str, ...] = (
     "chat_template.json",
 )
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
-
-_CAUSAL = "ForCausalLM"
-_TOKEN_CLS = "ForTokenClassification"
 
 
 def copy_hf_assets(src: str | Path, dst: str | Path) -> list[str]:
@@ -67,38 +70,38 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def causal_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config as its causal-LM architecture (a critic exported as token classification
-    shares the causal LM's trunk and dimensions)."""
-    archs = [a.replace(_TOKEN_CLS, _CAUSAL) for a in cfg.get("architectures") or []]
+    """The config as its causal-LM architecture (a critic or reward model exported as token or
+    sequence classification shares the causal LM's trunk and dimensions)."""
+    archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
     return {**cfg, "architectures": archs}
 
 
 def hf_role(cfg: dict[str, Any]) -> str:
-    """``critic`` for a ``*ForTokenClassification`` folder with one label, else ``actor``."""
-    archs = cfg.get("architectures") or []
-    if any(a.endswith(_TOKEN_CLS) for a in archs):
-        labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
-        if labels != 1:
-            raise UnsupportedModelError(
-                f"{archs[0]} with {labels} labels is not a value model; a megarl critic has "
-                "exactly one output (num_labels=1)"
-            )
-        return "critic"
-    return "actor"
+    """``critic`` (``*ForTokenClassification``), ``reward`` (``*ForSequenceClassification``), both
+    with one label, else ``actor``."""
+    return hf_folder_role(cfg)
 
 
 def dims_from_config(cfg: dict[str, Any]) -> ModelDims:
     return ModelDims.from_hf_config(causal_lm_config(cfg))
 
 
-def export_config(cfg: dict[str, Any], role: str, dtype_name: str) -> dict[str, Any]:
-    """config.json of an exported model: causal LM (actor, reference) or token classification
-    with one label (critic), in ``dtype_name``."""
+def export_config(
+    cfg: dict[str, Any], role: str, dtype_name: str, pad_token_id: int | None = None
+) -> dict[str, Any]:
+    """config.json of an exported model: causal LM (actor, reference), token classification
+    (critic) or sequence classification (reward) with one label, in ``dtype_name``.
+
+    A sequence classifier in transformers reads each row at its last non-pad token, so a reward
+    model's config gets ``pad_token_id`` (from the tokenizer when the config has none).
+    """
     out = causal_lm_config(cfg)
     archs = out.get("architectures") or []
     known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-    if role == "critic":
-        out["architectures"] = [a.replace(_CAUSAL, _TOKEN_CLS) for a in known]
+    if role == "reward" and out.get("pad_token_id") is None and pad_token_id is not None:
+        out["pad_token_id"] = pad_token_id
+    if has_scalar_head(role):
+        out["architectures"] = [head_architecture(a, role) for a in known]
         out["id2label"] = {"0": "LABEL_0"}
         out["label2id"] = {"LABEL_0": 0}
         out.pop("num_labels", None)

@@ -34,6 +34,7 @@ import torch
 
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.dims import ModelDims
+from megarl.models.heads import has_scalar_head
 
 META_FILE = "megarl_checkpoint.json"
 HF_SUBDIR = "hf"
@@ -41,7 +42,7 @@ MCORE_SUBDIR = "mcore"
 LATEST_FILE = "latest"
 FORMAT = "megarl-mcore-checkpoint"
 FORMAT_VERSION = 1
-ROLES = ("actor", "critic", "reference")
+ROLES = ("actor", "critic", "reference", "reward")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -393,10 +394,10 @@ def check_compatible(ckpt: Path, dims: ModelDims, role: str) -> CheckpointMeta:
             f"{saved.hidden_size}, {saved.shape}) than the one being loaded ({dims.architecture}, "
             f"hidden {dims.hidden_size}, {dims.shape}); point to the checkpoint of this model"
         )
-    if meta.role == "critic" and role != "critic":
+    if has_scalar_head(meta.role) and role != meta.role:
         raise CheckpointError(
-            f"checkpoint {ckpt} is a critic (value head); it cannot load into an {role} model. "
-            "Use an actor checkpoint, or load it as the critic"
+            f"checkpoint {ckpt} is a {meta.role} (scalar head); it cannot load into an {role} "
+            f"model. Use an actor checkpoint, or load it as the {meta.role}"
         )
     return meta
 
@@ -412,8 +413,8 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (this rank's shard, at any layout); collective.
 
-    A critic may start from an actor checkpoint: its trunk is loaded and its value head is left
-    as it is. Returns the loaded ``extra`` state (keys of ``extra``).
+    A critic or reward model may start from an actor checkpoint: its trunk is loaded and its
+    scalar head is left as it is. Returns the loaded ``extra`` state (keys of ``extra``).
     """
     from megatron.core import dist_checkpointing
 
@@ -421,7 +422,7 @@ def load_checkpoint(
     meta = check_compatible(ckpt, dims, role)
     gpt = _unwrap(model)
     model_sd = gpt.sharded_state_dict()
-    trunk_only = role == "critic" and meta.role != "critic"
+    trunk_only = has_scalar_head(role) and meta.role != role
     if trunk_only:
         model_sd = {k: v for k, v in model_sd.items() if not k.startswith("output_layer.")}
     try:

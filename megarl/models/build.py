@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from megarl.models.dims import ModelDims
+from megarl.models.heads import SCALAR_HEADS, has_scalar_head
 from megarl.parallel import ParallelLayout
 
-ROLES = ("actor", "critic", "reference")
+ROLES = ("actor", "critic", "reference", "reward")
 
 
 @dataclass(frozen=True)
@@ -99,19 +100,32 @@ def layer_spec():
 
 
 class ValueHead(torch.nn.Module):
-    """Scalar value per token; replaces the critic's LM output layer (replicated across TP).
+    """One scalar per token; replaces the LM output layer of a critic or a reward model
+    (replicated across TP; see :mod:`megarl.models.heads`).
 
     Its signature matches megatron's output layer call ``(hidden, weight=, runtime_gather_output=)``
-    and it returns ``(values, None)`` like a ColumnParallelLinear.
+    and it returns ``(scalars, None)`` like a ColumnParallelLinear.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = True):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+    @torch.no_grad()
+    def fresh_init(self, head) -> None:
+        """The start of a head the checkpoint does not hold: zeros, or a seeded normal."""
+        if head.fresh_init == "normal":
+            gen = torch.Generator().manual_seed(head.init_seed)
+            w = torch.randn(self.weight.shape, generator=gen, dtype=torch.float32) * head.init_std
+            self.weight.copy_(w.to(self.weight.dtype))
+        else:
+            self.weight.zero_()
+        if self.bias is not None:
+            self.bias.zero_()
 
 
 def build_gpt_model(
@@ -133,19 +147,33 @@ def build_gpt_model(
         pre_process=pre,
         post_process=post,
         parallel_output=True,
-        share_embeddings_and_output_weights=dims.tie_word_embeddings and role != "critic",
+        share_embeddings_and_output_weights=dims.tie_word_embeddings and not has_scalar_head(role),
         position_embedding_type="rope",
         rotary_base=int(dims.rope_theta),
         rope_scaling=dims.rope_scaling_factor is not None,
         rope_scaling_factor=dims.rope_scaling_factor or 8.0,
     )
     _mark_tensor_parallel_params(model, dims)
-    if role == "critic" and post:
-        model.output_layer = ValueHead(dims.hidden_size, config.params_dtype)
+    _cast_params(model, config.params_dtype)
+    if has_scalar_head(role) and post:
+        head = SCALAR_HEADS[role]
+        model.output_layer = ValueHead(dims.hidden_size, config.params_dtype, bias=head.bias)
+        model.output_layer.fresh_init(head)
     if role == "reference":
         model.requires_grad_(False)
         model.eval()
     return model
+
+
+@torch.no_grad()
+def _cast_params(model, dtype: torch.dtype) -> None:
+    """Every parameter in ``dtype``: the local spec's RMSNorm weights come out float32 in a bf16
+    model (Transformer Engine's and Hugging Face's are bf16). One dtype per model keeps the
+    checkpoint and the weight reshard (which sizes its buffers by dtype) uniform. Buffers such as
+    rotary frequencies are left alone."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _mark_tensor_parallel_params(model, dims: ModelDims) -> None:
@@ -178,10 +206,11 @@ def build_model(
     opts: ModelOptions | None = None,
     load: bool = True,
 ):
-    """Build this rank's shard of an actor/critic/reference model and load it from ``hf_dir``.
+    """Build this rank's shard of an actor/critic/reference/reward model and load it from ``hf_dir``.
 
-    Validates the layout against the checkpoint first (clear error on impossible TP/PP).
-    A critic's value head starts at zero (the trunk is loaded).
+    Validates the layout against the checkpoint first (clear error on impossible TP/PP). A scalar
+    head (critic, reward) is loaded when ``hf_dir`` holds one of that role (a token- or
+    sequence-classification folder); from a causal LM it starts fresh (see megarl.models.heads).
     """
     from megarl.models.loading import load_hf_into_model
 
@@ -189,5 +218,5 @@ def build_model(
     layout.check_model(dims.shape)
     model = build_gpt_model(dims, layout, role, opts)
     if load:
-        load_hf_into_model(model, hf_dir, dims, layout)
+        load_hf_into_model(model, hf_dir, dims, layout, role=role)
     return model, dims

@@ -61,7 +61,9 @@ class ModelDims:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
-        archs = cfg.get("architectures") or []
+        from megarl.models.heads import causal_architecture
+
+        archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(

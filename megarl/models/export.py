@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.dims import ModelDims
+from megarl.models.heads import has_scalar_head
 from megarl.models.hf_map import NameIndex, megatron_shards_to_hf
-from megarl.models.loading import mapped_parameters
+from megarl.models.loading import mapped_parameters, unwrap
 from megarl.parallel import ParallelLayout
 
 
@@ -32,20 +33,27 @@ def iter_stage_hf_tensors(
     dims: ModelDims,
     layout: ParallelLayout,
     use_main_grad: bool = False,
+    role: str = "actor",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) for every parameter of this rank's pipeline stage.
 
     With ``use_main_grad`` the megatron DDP gradient (``param.main_grad``) is exported instead of
     the weight, in the same HF layout (used by gradient parity tests). The tied output layer of the
     last stage is skipped when the first stage already exports ``model.embed_tokens.weight``.
+    A critic's or reward model's scalar head is included (as ``score``) for those roles.
     """
     from megatron.core import parallel_state as ps
 
     from megarl.models.build import layer_offset
 
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    index = NameIndex(dims, layer_offset(dims, layout, pp_rank))
-    for name, param in mapped_parameters(model):
+    index = NameIndex(dims, layer_offset(dims, layout, pp_rank), role=role)
+    params = mapped_parameters(model)
+    if has_scalar_head(role):
+        params += [
+            (n, p) for n, p in unwrap(model).named_parameters() if n.startswith("output_layer.")
+        ]
+    for name, param in params:
         if name == "output_layer.weight" and dims.tie_word_embeddings and layout.pp > 1:
             continue
         tm, hf_names = index.lookup(name)

@@ -53,13 +53,23 @@ VALUE_HEAD_MAPS: tuple[TensorMap, ...] = (
     TensorMap("output_layer.weight", ("score.weight",), "copy", None),
     TensorMap("output_layer.bias", ("score.bias",), "copy", None),
 )
+# The reward model's head in sequence-classification naming (``*ForSequenceClassification`` with
+# ``num_labels=1``): ``score`` without bias.
+REWARD_HEAD_MAPS: tuple[TensorMap, ...] = (
+    TensorMap("output_layer.weight", ("score.weight",), "copy", None),
+)
+HEAD_MAPS: dict[str, tuple[TensorMap, ...]] = {
+    "critic": VALUE_HEAD_MAPS,
+    "reward": REWARD_HEAD_MAPS,
+}
 
 
 def tensor_maps(dims: ModelDims, role: str = "actor") -> list[TensorMap]:
     """Every parameter of the model, in HF order.
 
     Actor and reference: ``output_layer`` is the LM head, listed even when tied (its HF name is
-    then ``model.embed_tokens.weight``). Critic: the same trunk, and the value head as ``score``.
+    then ``model.embed_tokens.weight``). Critic and reward model: the same trunk, and the scalar
+    head as ``score``.
     """
     L = "model.layers.{layer}."
     M = "decoder.layers.{layer}."
@@ -98,8 +108,8 @@ def tensor_maps(dims: ModelDims, role: str = "actor") -> list[TensorMap]:
         TensorMap(M + "mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "copy", 1),
         TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
     ]
-    if role == "critic":
-        return maps + list(VALUE_HEAD_MAPS)
+    if role in HEAD_MAPS:
+        return maps + list(HEAD_MAPS[role])
     maps.append(
         TensorMap(
             "output_layer.weight",

@@ -21,7 +21,7 @@ def unwrap(model):
 
 
 def mapped_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
-    """Parameters that come from the HF checkpoint (a critic's fresh value head is left out)."""
+    """The trunk's parameters and the LM head; a scalar head (critic, reward) is left out."""
     from megarl.models.build import ValueHead
 
     gpt = unwrap(model)
@@ -30,19 +30,32 @@ def mapped_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 @torch.no_grad()
-def load_hf_into_model(model, hf_dir: str | Path, dims: ModelDims, layout: ParallelLayout) -> None:
+def load_hf_into_model(
+    model, hf_dir: str | Path, dims: ModelDims, layout: ParallelLayout, role: str = "actor"
+) -> None:
+    """Copy this rank's shard of every mapped tensor of ``hf_dir`` into ``model``.
+
+    A scalar head (critic, reward) is loaded too when ``hf_dir`` is a folder of that role;
+    otherwise it keeps its fresh start.
+    """
     from megatron.core import parallel_state as ps
+
+    from megarl.models.build import layer_offset
+    from megarl.models.dims import read_hf_config
+    from megarl.models.heads import has_scalar_head, hf_folder_role
 
     tp_rank, tp_size = (
         ps.get_tensor_model_parallel_rank(),
         ps.get_tensor_model_parallel_world_size(),
     )
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    from megarl.models.build import layer_offset
-
-    index = NameIndex(dims, layer_offset(dims, layout, pp_rank))
+    index = NameIndex(dims, layer_offset(dims, layout, pp_rank), role=role)
     reader = SafetensorsReader(hf_dir)
-    for name, param in mapped_parameters(model):
+    params = mapped_parameters(model)
+    if has_scalar_head(role) and hf_folder_role(read_hf_config(hf_dir)) == role:
+        gpt = unwrap(model)
+        params += [(n, p) for n, p in gpt.named_parameters() if n.startswith("output_layer.")]
+    for name, param in params:
         tm, hf_names = index.lookup(name)
         shard = hf_to_megatron_shard(tm, hf_names, reader, dims, tp_rank, tp_size)
         if tuple(shard.shape) != tuple(param.shape):

@@ -1,7 +1,7 @@
 """Training checkpoints: models + optimizers (megatron dist checkpoints), schedulers, KL
 controller, data position and RNG states, written atomically.
 
-Layout: ``OUT/checkpoints/step_NNNNNNNN/{actor,critic}/`` (megarl checkpoints, which
+Layout: ``OUT/checkpoints/step_NNNNNNNN/{actor,critic,reward}/`` (megarl checkpoints, which
 checkpoints_tools exports) and ``trainer/rank_R.pt``; ``OUT/checkpoints/latest`` names the newest
 complete one. Everything is first written under ``step_NNNNNNNN.partial`` and renamed at the end,
 so a crash mid-save leaves the previous checkpoint as the latest.
@@ -92,9 +92,8 @@ def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any
     if rank == 0 and stage.exists():
         shutil.rmtree(stage)
     dist.barrier()
-    for name, trainable in (("actor", roles.actor), ("critic", roles.critic)):
-        if trainable is None:
-            continue
+    trainables = roles.trainables()
+    for name, trainable in trainables.items():
         save_checkpoint(
             stage / name,
             trainable.ddp,
@@ -106,11 +105,8 @@ def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any
     (stage / "trainer").mkdir(parents=True, exist_ok=True)
     state = dict(trainer_state)
     state["rng"] = _rng_state()
-    trainables = [
-        (n, t) for n, t in (("actor", roles.actor), ("critic", roles.critic)) if t is not None
-    ]
-    state["schedulers"] = {n: t.scheduler.state_dict() for n, t in trainables}
-    state["adam_steps"] = {n: _adam_steps(t) for n, t in trainables}
+    state["schedulers"] = {n: t.scheduler.state_dict() for n, t in trainables.items()}
+    state["adam_steps"] = {n: _adam_steps(t) for n, t in trainables.items()}
     torch.save(state, stage / "trainer" / f"rank_{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -136,9 +132,7 @@ def latest(root: Path) -> Path | None:
 
 def load(path: Path, roles) -> dict[str, Any]:
     """Restore models, optimizers, schedulers and RNG; returns this rank's trainer state."""
-    for name, trainable in (("actor", roles.actor), ("critic", roles.critic)):
-        if trainable is None:
-            continue
+    for name, trainable in roles.trainables().items():
         if not (path / name).is_dir():
             raise CheckpointError(
                 f"checkpoint {path} has no {name}; it was saved by a run with other settings"
@@ -159,9 +153,8 @@ def load(path: Path, roles) -> dict[str, Any]:
             "resume with the same world size"
         )
     state = torch.load(file, weights_only=False)
-    for name, trainable in (("actor", roles.actor), ("critic", roles.critic)):
-        if trainable is not None:
-            trainable.scheduler.load_state_dict(state["schedulers"][name])
-            _restore_adam_steps(trainable, state["adam_steps"][name])
+    for name, trainable in roles.trainables().items():
+        trainable.scheduler.load_state_dict(state["schedulers"][name])
+        _restore_adam_steps(trainable, state["adam_steps"][name])
     _set_rng_state(state["rng"])
     return state

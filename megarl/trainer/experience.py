@@ -20,11 +20,12 @@ from megarl.trainer.model_ops import (
 )
 
 
-def score_responses(
-    rewards: RewardManager, items, batch, tokenizer
-) -> tuple[torch.Tensor, dict[str, float], list[str]]:
-    """One score per sample, with the decoded responses (for the validation table)."""
-    texts = tokenizer.batch_decode(batch.output.token_ids, skip_special_tokens=True)
+def decode_responses(batch, tokenizer) -> list[str]:
+    return tokenizer.batch_decode(batch.output.token_ids, skip_special_tokens=True)
+
+
+def rule_scores(rewards: RewardManager, items, batch, texts: list[str]):
+    """One rule score per sample (the reward manager's scorers) and their metrics."""
     samples = [
         RewardSample(
             data_source=items[i].data_source,
@@ -35,21 +36,53 @@ def score_responses(
         for i, text in zip(batch.output.prompt_index, texts, strict=True)
     ]
     result = rewards.score(samples)
-    return torch.tensor(result.scores, dtype=torch.float32), dict(result.metrics), texts
+    return torch.tensor(result.scores, dtype=torch.float32), dict(result.metrics)
 
 
-def build_samples(items, batch, scores: torch.Tensor, pad_id: int) -> Samples:
-    responses = batch.output.token_ids
-    prompts = [batch.prompts[i] for i in batch.output.prompt_index]
-    groups = [items[i].uid for i in batch.output.prompt_index]
-    samples = Samples.from_sequences(prompts, responses, groups, pad_id)
-    # the outcome reward sits on the last response token
+def score_rollout(
+    run, items, batch, batching: MicroBatching
+) -> tuple[Samples, torch.Tensor, dict[str, float], list[str]]:
+    """Samples of a rollout with their outcome scores: rule scorers, a reward model, or both
+    (``reward.rule_weight * rule + reward.model_weight * model``); also the decoded responses."""
+    from megarl.reward_model.policy_reward import combine_scores
+    from megarl.reward_model.scoring import score_sequences
+
+    r = run.cfg.reward
+    texts = decode_responses(batch, run.tokenizer)
+    samples = build_samples(items, batch, run.pad_id)
+    metrics: dict[str, float] = {}
+    rule = torch.zeros(samples.size)
+    if r.rule_weight != 0:
+        rule, metrics = rule_scores(run.rewards, items, batch, texts)
+        metrics["reward/rule_mean"] = float(rule.mean())
+    model = None
+    if run.reward_model is not None:
+        model = score_sequences(
+            run.reward_model, samples.input_ids, samples.seq_lens(), batching.size
+        )
+        metrics["reward/model_mean"] = float(model.mean())
+        metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
+    scores = combine_scores(rule, model, r.rule_weight, r.model_weight)
+    set_outcome_scores(samples, scores)
+    return samples, scores, metrics, texts
+
+
+def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
+    """The outcome reward of each sample, on its last response token."""
     token_scores = torch.zeros_like(samples.response_mask)
     last = (samples.response_lens - 1).clamp(min=0)
     token_scores[torch.arange(samples.size), last] = scores * (samples.response_lens > 0)
     samples.tensors["token_level_scores"] = token_scores
-    old = batch.response_actor_logprobs()
-    samples.tensors["old_log_prob"] = _pad_rows(old, samples.response_mask.shape[1])
+
+
+def build_samples(items, batch, pad_id: int) -> Samples:
+    responses = batch.output.token_ids
+    prompts = [batch.prompts[i] for i in batch.output.prompt_index]
+    groups = [items[i].uid for i in batch.output.prompt_index]
+    samples = Samples.from_sequences(prompts, responses, groups, pad_id)
+    if batch.actor_logprobs is not None:  # validation rollouts are not scored by the actor
+        old = batch.response_actor_logprobs()
+        samples.tensors["old_log_prob"] = _pad_rows(old, samples.response_mask.shape[1])
     samples.tensors["rollout_log_prob"] = _pad_rows(
         [torch.tensor(lp, dtype=torch.float32) for lp in batch.output.logprobs],
         samples.response_mask.shape[1],

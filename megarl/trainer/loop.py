@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.config import RunConfig
 from megarl.trainer import checkpointing
-from megarl.trainer.experience import build_samples, compute_experience, score_responses
+from megarl.trainer.experience import compute_experience, score_rollout
 from megarl.trainer.losses import make_actor_loss, make_critic_loss
-from megarl.trainer.model_ops import MicroBatching, ppo_update
+from megarl.trainer.model_ops import MicroBatching, ppo_update, rollout_is_finite
+from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.run_state import RunState, reduce_metrics, setup_run, validate
 
 
@@ -21,16 +24,59 @@ def timed(metrics: dict[str, float], phase: str):
     metrics[f"timing/{phase}_s"] = time.perf_counter() - t0
 
 
+@dataclass(frozen=True)
+class Updates:
+    """How the models are updated from a batch of samples (fixed for the run)."""
+
+    actor_loss: Callable
+    critic_loss: Callable
+    token_level: bool
+    batching: MicroBatching
+    skip_non_finite: bool
+
+
+def update_models(run: RunState, samples, u: Updates, m: dict[str, float]) -> dict[str, float]:
+    """Actor (and critic) PPO updates over the mini-batches; their last step's metrics."""
+    cfg = run.cfg
+    minis = run.mini_batches(samples)
+    out: dict[str, float] = {}
+    parts = [("actor", run.actor_parts(), u.actor_loss, cfg.actor.ppo_epochs)]
+    if run.roles.critic is not None:
+        parts.append(("critic", run.critic_parts(), u.critic_loss, cfg.critic.ppo_epochs))
+    for role, (ddp, opt, sched), loss, epochs in parts:
+        with timed(m, f"update_{role}"):
+            hist = ppo_update(
+                ddp,
+                opt,
+                sched,
+                samples,
+                minis,
+                epochs,
+                u.batching,
+                loss,
+                u.token_level,
+                u.skip_non_finite,
+            )
+        out.update({f"{role}/{k}" if "/" not in k else k: v for k, v in hist[-1].items()})
+    return out
+
+
 def train(cfg: RunConfig) -> dict[str, float]:
     """Run ``cfg`` to ``trainer.total_steps`` (resuming from the latest checkpoint when asked)."""
+    profiler = StepProfiler.from_config(cfg.trainer)  # bad profile_steps fail before setup
     run: RunState = setup_run(cfg)
     batching = MicroBatching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch)
-    actor_loss = make_actor_loss(cfg.algorithm, run.roles.dims.vocab_size)
-    critic_loss = make_critic_loss(cfg.critic, cfg.algorithm.loss_agg_mode)
-    token_level = cfg.algorithm.loss_agg_mode == "token-mean"
     skip_nan = cfg.trainer.nan_policy == "skip"
+    updates = Updates(
+        actor_loss=make_actor_loss(cfg.algorithm, run.roles.dims.vocab_size),
+        critic_loss=make_critic_loss(cfg.critic, cfg.algorithm.loss_agg_mode),
+        token_level=cfg.algorithm.loss_agg_mode == "token-mean",
+        batching=batching,
+        skip_non_finite=skip_nan,
+    )
     last: dict[str, float] = {}
-    for step in range(run.start_step, cfg.trainer.total_steps):
+    # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
+    for step in profiler.iterate(range(run.start_step, cfg.trainer.total_steps)):
         m: dict[str, float] = {}
         t_step = time.perf_counter()
         items = run.next_prompts()
@@ -39,36 +85,13 @@ def train(cfg: RunConfig) -> dict[str, float]:
             batch = run.engine.generate([it.input_ids for it in items], run.sampling)
             run.engine.to_train()
         with timed(m, "reward"):
-            scores, reward_metrics, _ = score_responses(run.rewards, items, batch, run.tokenizer)
-        samples = build_samples(items, batch, scores, run.pad_id)
-        with timed(m, "experience"):
-            m.update(compute_experience(cfg, run.roles, samples, run.kl_ctrl, batching))
-        minis = run.mini_batches(samples)
-        with timed(m, "update_actor"):
-            actor_hist = ppo_update(
-                *run.actor_parts(),
-                samples,
-                minis,
-                cfg.actor.ppo_epochs,
-                batching,
-                actor_loss,
-                token_level,
-                skip_nan,
-            )
-        if run.roles.critic is not None:
-            with timed(m, "update_critic"):
-                critic_hist = ppo_update(
-                    *run.critic_parts(),
-                    samples,
-                    minis,
-                    cfg.critic.ppo_epochs,
-                    batching,
-                    critic_loss,
-                    token_level,
-                    skip_nan,
-                )
-            m.update({f"critic/{k}" if "/" not in k else k: v for k, v in critic_hist[-1].items()})
-        m.update({f"actor/{k}" if "/" not in k else k: v for k, v in actor_hist[-1].items()})
+            samples, scores, reward_metrics, _ = score_rollout(run, items, batch, batching)
+        if rollout_is_finite(samples, skip_nan):
+            with timed(m, "experience"):
+                m.update(compute_experience(cfg, run.roles, samples, run.kl_ctrl, batching))
+            m.update(update_models(run, samples, updates, m))
+        else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
+            m["actor/skipped_non_finite"] = 1.0
         m.update(batch.metrics)
         m.update(run.batch_metrics(samples, scores, batch, reward_metrics))
         m["timing/step_s"] = m["perf/step_s"] = time.perf_counter() - t_step

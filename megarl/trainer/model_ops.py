@@ -93,7 +93,7 @@ class NonFiniteError(MegarlError):
     """The loss or the gradients of an update were NaN or inf."""
 
 
-def _all_finite(ddp, outputs: list[dict[str, torch.Tensor]]) -> bool:
+def all_finite(ddp, outputs: list[dict[str, torch.Tensor]]) -> bool:
     """Whether every rank saw finite losses and gradients (one all-reduce over the world)."""
     bad = any(not torch.isfinite(v).all() for out in outputs for v in out.values())
     for buffer in getattr(ddp, "buffers", []):
@@ -101,6 +101,28 @@ def _all_finite(ddp, outputs: list[dict[str, torch.Tensor]]) -> bool:
     flag = torch.tensor([1.0 if bad else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0.0
+
+
+def rollout_is_finite(samples: Samples, skip: bool) -> bool:
+    """Whether every rank's rollout has finite actor logprobs on its response tokens.
+
+    Broken weights show here first (the rollout is scored by the actor); with ``skip`` the step
+    is to be skipped, otherwise this stops the run with a clear message.
+    """
+    mask = samples.response_mask.bool()
+    old = samples.tensors.get("old_log_prob")
+    bad = old is not None and not bool(torch.isfinite(old[mask]).all())
+    flag = torch.tensor([1.0 if bad else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0.0:
+        return True
+    if not skip:
+        raise NonFiniteError(
+            "NaN or inf in the actor's logprobs of the rollout (the weights are no longer "
+            "finite); stopping before any update (the last checkpoint is kept). Lower the "
+            "learning rate, or set trainer.nan_policy=skip to skip such steps"
+        )
+    return False
 
 
 LossFn = Callable[[torch.Tensor, Samples], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -152,7 +174,7 @@ def ppo_update(
                 scaled,
                 forward_only=False,
             )
-            if not _all_finite(ddp, outs):
+            if not all_finite(ddp, outs):
                 optimizer.zero_grad()
                 if not skip_non_finite:
                     raise NonFiniteError(

@@ -22,7 +22,7 @@ class Trainable:
     scheduler: object
 
 
-def _optim(o: OptimConfig, total_updates: int) -> OptimSettings:
+def optim_settings(o: OptimConfig, total_updates: int) -> OptimSettings:
     return OptimSettings(
         lr=o.lr,
         min_lr=o.min_lr,
@@ -54,16 +54,25 @@ class Roles:
     reference: object | None
     critic: Trainable | None
 
+    def trainables(self) -> dict[str, Trainable]:
+        """The models the run trains (and checkpoints with their optimizers), by role."""
+        return {n: t for n, t in (("actor", self.actor), ("critic", self.critic)) if t is not None}
 
-def build_roles(cfg: RunConfig, layout: ParallelLayout) -> Roles:
-    opts = ModelOptions(
+
+def model_options(cfg: RunConfig) -> ModelOptions:
+    return ModelOptions(
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
         recompute=cfg.model.recompute,
     )
+
+
+def build_roles(cfg: RunConfig, layout: ParallelLayout) -> Roles:
+    opts = model_options(cfg)
     total = cfg.trainer.total_steps
     actor_model, dims = build_model(cfg.model.path, layout, "actor", opts)
     ddp, opt, sched = wrap_for_training(
-        actor_model, _optim(cfg.actor.optim, total * updates_per_step(cfg, cfg.actor.ppo_epochs))
+        actor_model,
+        optim_settings(cfg.actor.optim, total * updates_per_step(cfg, cfg.actor.ppo_epochs)),
     )
     actor = Trainable(actor_model, ddp, opt, sched)
     reference = (
@@ -76,7 +85,7 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout) -> Roles:
         )
         c_ddp, c_opt, c_sched = wrap_for_training(
             critic_model,
-            _optim(cfg.critic.optim, total * updates_per_step(cfg, cfg.critic.ppo_epochs)),
+            optim_settings(cfg.critic.optim, total * updates_per_step(cfg, cfg.critic.ppo_epochs)),
         )
         critic = Trainable(critic_model, c_ddp, c_opt, c_sched)
     return Roles(actor=actor, dims=dims, reference=reference, critic=critic)

@@ -8,9 +8,24 @@ import sys
 from megarl.errors import MegarlError
 
 
+def _policy():
+    from megarl.trainer.loop import train
+
+    return train
+
+
+def _reward_model():
+    from megarl.reward_model.train import train_reward_model
+
+    return train_reward_model
+
+
+# trainer.kind -> the function that runs such a config (imported lazily: each pulls in megatron)
+TRAINERS = {"policy": _policy, "reward_model": _reward_model}
+
+
 def main(argv: list[str] | None = None) -> int:
     from megarl.config import load_config
-    from megarl.trainer.loop import train
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -21,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args[0], args[1:])
-        train(cfg)
+        TRAINERS[cfg.trainer.kind]()(cfg)
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code

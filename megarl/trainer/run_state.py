@@ -34,6 +34,7 @@ class RunState:
     pad_id: int
     start_step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    reward_model: Any = None  # frozen reward model (reward.model_path), colocated
     _iter: Any = None
 
     def next_prompts(self):
@@ -173,6 +174,10 @@ def check_inputs(cfg: RunConfig, layout) -> None:
     layout.check_model(dims.shape)
     if cfg.model.critic_path:
         ModelDims.from_pretrained(cfg.model.critic_path)
+    if cfg.reward.model_path:
+        from megarl.reward_model.policy_reward import check_reward_model
+
+        check_reward_model(cfg.reward.model_path, dims.vocab_size)
     for files, what in (
         (cfg.data.train_files, "data.train_files"),
         (cfg.data.val_files, "data.val_files"),
@@ -239,6 +244,12 @@ def setup_run(cfg: RunConfig) -> RunState:
         strict=cfg.reward.strict,
     )
     roles = build_roles(cfg, layout)
+    reward_model = None
+    if cfg.reward.model_path:
+        from megarl.reward_model.policy_reward import build_reward_model
+        from megarl.trainer.roles import model_options
+
+        reward_model = build_reward_model(cfg.reward.model_path, layout, model_options(cfg))
     r = cfg.rollout
     max_len = cfg.data.max_prompt_length + r.max_response_length
     engine = HybridEngine(
@@ -291,6 +302,7 @@ def setup_run(cfg: RunConfig) -> RunState:
         kl_ctrl,
         None,
         pad_id,
+        reward_model=reward_model,
     )  # type: ignore[arg-type]
     mlflow_run = None
     ckpt_root = Path(cfg.trainer.output_dir) / "checkpoints"
@@ -312,7 +324,8 @@ def setup_run(cfg: RunConfig) -> RunState:
 
 def validate(run: RunState, step: int) -> dict[str, float]:
     """Greedy rollouts on one validation batch: val/reward mean and a table of generations."""
-    from megarl.trainer.experience import score_responses
+    from megarl.trainer.experience import score_rollout
+    from megarl.trainer.model_ops import MicroBatching
 
     if run.val_dataset is None:
         return {}
@@ -322,7 +335,8 @@ def validate(run: RunState, step: int) -> dict[str, float]:
         [it.input_ids for it in items], run.val_sampling, score_with_actor=False
     )
     run.engine.to_train()
-    scores, _, texts = score_responses(run.rewards, items, batch, run.tokenizer)
+    batching = MicroBatching(run.cfg.actor.micro_batch_size)
+    _, scores, _, texts = score_rollout(run, items, batch, batching)
     metrics = reduce_metrics({"val/reward_mean": float(scores.mean())})
     rows = [
         {

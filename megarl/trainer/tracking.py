@@ -67,7 +67,15 @@ class Tracker:
         done = step - first_step + 1
         elapsed = time.perf_counter() - self.t_start
         eta = elapsed / max(done, 1) * (total - step - 1)
-        keys = ("reward/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "perf/step_s")
+        keys = (
+            "reward/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "critic/vf_loss",
+            "rm/loss",
+            "rm/accuracy",
+            "perf/step_s",
+        )
         shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in keys if k in metrics)
         bar_len = 20
         filled = int(bar_len * (step + 1) / total)

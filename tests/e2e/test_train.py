@@ -234,23 +234,43 @@ def test_grpo_reward_rises(workdir):
     assert last > first + 0.08, rewards
 
 
-def test_non_finite_update_stops_with_a_clear_message(workdir):
-    """lr=1e30 blows the weights up after the first update: the next loss is not finite."""
+def test_non_finite_weights_stop_or_skip_as_configured(workdir):
+    """lr=1e30 blows the weights up after the first update: from then on the rollout's logprobs
+    are not finite. nan_policy=stop ends the run with a clear message and saves nothing bad;
+    nan_policy=skip skips the updates of such steps and finishes the run."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.cli",
-        "train",
-        str(workdir / "run.yaml"),
-        f"trainer.output_dir={workdir / 'nan'}",
-        "actor.optim.lr=1e30",
-        "actor.optim.clip_grad=0.0",
-        "trainer.total_steps=3",
-        "--nproc-per-node",
-        "1",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir, timeout=900)
+
+    def cmd(out: str, *extra: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "train",
+            str(workdir / "run.yaml"),
+            f"trainer.output_dir={workdir / out}",
+            "actor.optim.lr=1e30",
+            "actor.optim.clip_grad=0.0",
+            "trainer.total_steps=3",
+            *extra,
+            "--nproc-per-node",
+            "1",
+        ]
+
+    proc = subprocess.run(cmd("nan"), capture_output=True, text=True, env=env, cwd=workdir)
     assert proc.returncode != 0
-    assert "NaN or inf in the loss or gradients" in proc.stderr
+    assert "NaN or inf" in proc.stderr and "trainer.nan_policy=skip" in proc.stderr
     assert not (workdir / "nan" / "checkpoints" / "latest").exists()  # nothing bad was saved
+    proc = subprocess.run(
+        cmd("nan_skip", "trainer.nan_policy=skip"),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=workdir,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (workdir / "nan_skip" / "metrics.jsonl").read_text().splitlines()
+    steps = by_step([json.loads(line) for line in lines])
+    assert steps[1]["actor/update_ok"] == 1.0  # the first update ran (and broke the weights)
+    for step in (2, 3):
+        skipped = steps[step].get("actor/skipped_non_finite", 0.0)
+        assert skipped == 1.0, (step, steps[step])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from megarl.cli import main
 from tests.assets import smollm2_dir, tiny_qwen2_dir
 
@@ -45,3 +47,29 @@ def test_unsupported_architecture_and_missing_model(tmp_path, capsys):
         == 2
     )
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_srun_tasks_run_in_place_with_slurm_ranks(monkeypatch):
+    from megarl.errors import ConfigError
+    from megarl.launch import under_launcher
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    assert not under_launcher()  # the batch script itself is no rank
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        under_launcher()
+    monkeypatch.setenv("MASTER_ADDR", "node001")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert under_launcher()
+    import os
+
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == (
+        "5",
+        "8",
+        "1",
+    )

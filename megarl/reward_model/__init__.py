@@ -1,0 +1,1 @@
+"""Reward models: Bradley-Terry training on preference pairs, and scoring of sequences."""

@@ -1,0 +1,53 @@
+"""A reward model's score of a sequence: its scalar head read at the sequence's last token
+(as transformers' ``*ForSequenceClassification`` reads it at the last non-pad token)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def last_token_scores(output: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """``[b, s, 1]`` head output -> ``[b]`` scores at positions ``seq_lens - 1``."""
+    rows = torch.arange(output.shape[0], device=output.device)
+    return output[rows, seq_lens.to(output.device) - 1, 0].float()
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            tensor,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+    return tensor
+
+
+@torch.no_grad()
+def score_sequences(
+    model, input_ids: torch.Tensor, seq_lens: torch.Tensor, micro_batch_size: int
+) -> torch.Tensor:
+    """``[N]`` scores of right-padded sequences, forward-only through the pipeline schedule; the
+    same tensor on every rank of the model-parallel group. Collective over TP and PP."""
+    from megarl.models.forward import run_schedule
+
+    n = int(input_ids.shape[0])
+    order = sorted(range(n), key=lambda i: (int(seq_lens[i]), i))
+    chunks = [order[s : s + micro_batch_size] for s in range(0, n, micro_batch_size)]
+    batches = []
+    for chunk in chunks:
+        idx = torch.as_tensor(chunk, dtype=torch.long)
+        width = int(seq_lens[idx].max())
+        batches.append({"input_ids": input_ids[idx, :width], "lens": seq_lens[idx]})
+    outs = run_schedule(
+        [model],
+        batches,
+        lambda out, b: (out.sum() * 0.0, {"score": last_token_scores(out, b["lens"])}),
+        forward_only=True,
+    )
+    scores = torch.zeros(n, dtype=torch.float32)
+    for chunk, out in zip(chunks, outs, strict=False):  # outputs exist on the last stage only
+        scores[torch.as_tensor(chunk, dtype=torch.long)] = out["score"].cpu()
+    return _broadcast_from_last_stage(scores)

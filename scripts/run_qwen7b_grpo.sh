@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# GRPO on GSM8K for Qwen2.5-7B-Instruct (configs/grpo_qwen2_5_7b.yaml), one node of 8 GPUs by
+# default, several nodes through torchrun's rendezvous. Extra arguments are config overrides:
+#
+#   bash scripts/run_qwen7b_grpo.sh [section.key=value ...]
+#
+# Environment (all optional):
+#   MODEL_PATH      local Hugging Face folder of the model. Unset: MODEL_ID is downloaded into
+#                   MODEL_DIR with huggingface_hub when a hub is reachable.
+#   MODEL_ID        hub id to download (default Qwen/Qwen2.5-7B-Instruct)
+#   MODEL_DIR       download target (default models/<name of MODEL_ID>)
+#   DATA_DIR        GSM8K parquet folder; prepared with scripts/prepare_gsm8k.py when it holds no
+#                   train.parquet (default data/gsm8k)
+#   DATA_SOURCE     prepare_gsm8k.py --source: hub | PATH to a GSM8K copy | gsm-symbolic
+#   CONFIG          the recipe (default configs/grpo_qwen2_5_7b.yaml; also ppo_qwen2_5_7b.yaml,
+#                   grpo_qwen2_5_72b.yaml with MODEL_PATH or MODEL_ID to match)
+#   OUTPUT_DIR      trainer.output_dir (default: the config's); several nodes: shared storage
+#   MLFLOW_TRACKING_URI   trainer.mlflow_tracking_uri (default: the config's, ./mlflow.db)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE
+#                   torchrun's rendezvous: run this script on every node with the same NNODES,
+#                   MASTER_ADDR (node 0's address) and MASTER_PORT, and each node's NODE_RANK
+#   PYTHON          interpreter (default: .venv/bin/python when present, else python3)
+#
+# MEGARL_SMOKE=1 runs the very same script on a CPU: a tiny random model, GSM-Symbolic data
+# generated offline, 2 steps, fp32, 4 local ranks at TP1 x PP2 x DP2 with vLLM at TP2, output in
+# outputs/smoke (or OUTPUT_DIR).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+SMOKE="${MEGARL_SMOKE:-0}"
+CONFIG="${CONFIG:-$ROOT/configs/grpo_qwen2_5_7b.yaml}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+
+say() { echo "[run_qwen7b_grpo] $*" >&2; }
+die() {
+  echo "[run_qwen7b_grpo] error: $*" >&2
+  exit 2
+}
+run() {
+  say "+ $*"
+  "$@"
+}
+
+if [[ "$SMOKE" == 1 ]]; then
+  OUTPUT_DIR="${OUTPUT_DIR:-$ROOT/outputs/smoke}"
+  DATA_DIR="${DATA_DIR:-$OUTPUT_DIR/data}"
+  DATA_SOURCE="${DATA_SOURCE:-gsm-symbolic}"
+  GPUS_PER_NODE="${GPUS_PER_NODE:-4}"
+  MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$OUTPUT_DIR/mlflow.db}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" # 4 ranks share the CPU cores
+else
+  DATA_DIR="${DATA_DIR:-$ROOT/data/gsm8k}"
+  DATA_SOURCE="${DATA_SOURCE:-hub}"
+  GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+fi
+
+# --- data: GSM8K as RL parquet (data_source "openai/gsm8k" selects the GSM8K rule scorer) ------
+if [[ ! -f "$DATA_DIR/train.parquet" || ! -f "$DATA_DIR/test.parquet" ]]; then
+  sizes=()
+  if [[ "$SMOKE" == 1 ]]; then sizes=(--train-size 64 --test-size 16); fi
+  run "$PYTHON" "$ROOT/scripts/prepare_gsm8k.py" --out "$DATA_DIR" --source "$DATA_SOURCE" \
+    "${sizes[@]}" ||
+    die "could not prepare GSM8K into DATA_DIR=$DATA_DIR from DATA_SOURCE=$DATA_SOURCE; set DATA_SOURCE to a local GSM8K folder or gsm-symbolic, or DATA_DIR to a folder with train.parquet and test.parquet"
+fi
+
+# --- model: a local Hugging Face folder, downloaded from the hub when none is given -----------
+if [[ "$SMOKE" == 1 ]]; then
+  # A tiny random Llama over a character vocabulary, built offline and cached (as the quickstart).
+  MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.offline_assets import tiny_char_llama_dir; print(tiny_char_llama_dir())')}"
+elif [[ -z "${MODEL_PATH:-}" ]]; then
+  MODEL_ID="${MODEL_ID:-Qwen/Qwen2.5-7B-Instruct}"
+  MODEL_PATH="${MODEL_DIR:-$ROOT/models/${MODEL_ID##*/}}"
+  if [[ ! -f "$MODEL_PATH/.download-complete" ]]; then # an interrupted download resumes
+    say "downloading $MODEL_ID into $MODEL_PATH (huggingface_hub.snapshot_download)"
+    "$PYTHON" - "$MODEL_ID" "$MODEL_PATH" <<'PY' || die "set MODEL_PATH to a local Hugging Face folder of the model (config.json, *.safetensors, tokenizer files)"
+import sys
+
+repo, dest = sys.argv[1], sys.argv[2]
+try:
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(
+        repo_id=repo,
+        local_dir=dest,
+        allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"],
+    )
+    open(f"{dest}/.download-complete", "w").close()
+except Exception as e:  # no hub, no network, no access: say so in one line
+    sys.exit(f"[run_qwen7b_grpo] cannot download {repo} from the Hugging Face hub: {type(e).__name__}: {e}")
+PY
+  fi
+fi
+[[ -f "$MODEL_PATH/config.json" ]] ||
+  die "MODEL_PATH=$MODEL_PATH is not a Hugging Face model folder (no config.json); set MODEL_PATH to a local folder of the model"
+
+# --- overrides: the recipe's paths, then smoke-size settings, then the caller's arguments ------
+overrides=(
+  "model.path=$MODEL_PATH"
+  "data.train_files=[$DATA_DIR/train.parquet]"
+  "data.val_files=[$DATA_DIR/test.parquet]"
+)
+if [[ -n "${OUTPUT_DIR:-}" ]]; then overrides+=("trainer.output_dir=$OUTPUT_DIR"); fi
+if [[ -n "${MLFLOW_TRACKING_URI:-}" ]]; then
+  overrides+=("trainer.mlflow_tracking_uri=$MLFLOW_TRACKING_URI")
+fi
+if [[ "$SMOKE" == 1 ]]; then
+  # Same algorithm and recompute setting; CPU-sized model, batches, lengths and layout.
+  overrides+=(
+    model.dtype=float32
+    parallel.tp=1 parallel.pp=2 parallel.infer_tp=2
+    data.train_batch_size=4 data.val_batch_size=4
+    data.max_prompt_length=1024 # one token per character with the tiny model's tokenizer
+    rollout.n=4 rollout.max_response_length=16 rollout.kv_cache_gib=0.0625
+    actor.ppo_mini_batch_size=2 actor.max_tokens_per_micro_batch=1400
+    trainer.total_steps=2 trainer.save_freq=0 trainer.test_freq=2
+    trainer.experiment=smoke
+  )
+fi
+overrides+=("$@")
+
+# --- check the config, its batch split and its layout against the model before any rank starts -
+"$PYTHON" - "$CONFIG" "$((NNODES * GPUS_PER_NODE))" "${overrides[@]}" <<'PY' || exit 2
+import sys
+
+from megarl.config import load_config, validate
+from megarl.errors import MegarlError
+from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
+
+config, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+try:
+    cfg = load_config(config, overrides)
+    validate(cfg, world)
+    p = cfg.parallel
+    layout = ParallelLayout.for_world(
+        world, tp=p.tp, pp=p.pp, pp_layers=p.pp_layers and tuple(p.pp_layers), infer_tp=p.infer_tp
+    )
+    layout.check_model(ModelDims.from_pretrained(cfg.model.path).shape)
+except MegarlError as e:
+    sys.exit(f"megarl: error: {e}")
+PY
+
+# --- launch: one torchrun per node; every rank runs megarl's training loop ---------------------
+if [[ "$NNODES" -gt 1 ]]; then
+  [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of node 0)"
+  MASTER_PORT="${MASTER_PORT:-29500}"
+else
+  MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+  # A free port unless given: runs side by side on one machine must not collide.
+  MASTER_PORT="${MASTER_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+fi
+say "config $CONFIG, $NNODES node(s) x $GPUS_PER_NODE ranks, node rank $NODE_RANK"
+run "$PYTHON" -m torch.distributed.run \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --nproc-per-node "$GPUS_PER_NODE" \
+  -m megarl.trainer.run "$CONFIG" "${overrides[@]}"

@@ -1,0 +1,88 @@
+"""Every YAML under configs/ loads, validates at the world size it is written for, and (for the
+recipes of real models) its layout fits that model's shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config, validate
+from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+# The numbers of the published Hugging Face config.json files that decide layouts.
+_QWEN25_COMMON = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_act": "silu",
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}
+QWEN25_7B = {
+    **_QWEN25_COMMON,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+}
+QWEN25_72B = {
+    **_QWEN25_COMMON,
+    "hidden_size": 8192,
+    "intermediate_size": 29568,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+# config file -> (world size it is written for, model config or None for the CPU configs)
+INTENDED = {
+    "quickstart_cpu.yaml": (1, None),
+    "grpo_qwen2_5_7b.yaml": (8, QWEN25_7B),
+    "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),
+    "grpo_qwen2_5_72b.yaml": (32, QWEN25_72B),
+}
+RECIPES = [name for name, (_, model) in INTENDED.items() if model is not None]
+
+
+def test_every_config_is_listed_here():
+    found = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    assert found == sorted(INTENDED), "add new configs to INTENDED with their world size"
+
+
+@pytest.mark.parametrize("name", sorted(INTENDED))
+def test_config_loads_and_validates_at_its_world_size(name):
+    world, model = INTENDED[name]
+    cfg = load_config(CONFIGS / name)
+    validate(cfg, world)
+    p = cfg.parallel
+    layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp)
+    layout.check_rollout()
+    if model is not None:
+        layout.check_model(ModelDims.from_hf_config(model).shape)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_settings(name):
+    cfg = load_config(CONFIGS / name)
+    assert "# planned memory per GPU:" in (CONFIGS / name).read_text()
+    assert (cfg.model.dtype, cfg.model.recompute) == ("bfloat16", True)
+    a = cfg.algorithm
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.2, 3.0)
+    assert (a.gamma, a.lam) == (0.99, 0.95)
+    assert cfg.reward.custom_fn is None  # the GSM8K rule scorer, by data_source
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length) == (1024, 512)
+    assert cfg.rollout.max_response_length == 1024
+    if a.adv_estimator == "grpo":
+        assert cfg.rollout.n == 5
+        assert (a.use_kl_loss, a.kl_loss_coef, a.use_kl_in_reward) == (True, 0.001, False)
+    else:
+        assert a.adv_estimator == "gae" and cfg.model.critic_path is None
+        assert (a.use_kl_loss, a.use_kl_in_reward, a.kl_ctrl) == (False, True, "adaptive")
+        assert (a.target_kl, a.kl_coef) == (0.02, 0.001)

@@ -81,5 +81,11 @@ def reward_model_worker(rank: int, world: int, model_dir: str) -> dict[str, floa
     ids, lens = pad_sequences(seqs, pad_id)
     scores = score_sequences(model, ids, lens, micro_batch_size=3)
     out["score_diff"] = (scores - ref_scores).abs().max().item()
+    # bf16: every parameter in one dtype (megatron's local RMSNorm would stay float32, which the
+    # weight reshard's buffers, sized by dtype, cannot mix)
+    from megarl.models.build import ModelOptions
+
+    bf16, _ = build_model(model_dir, layout, "reward", ModelOptions(dtype=torch.bfloat16))
+    out["bf16_dtypes"] = float(len({p.dtype for p in bf16.parameters()} - {torch.bfloat16}) == 0)
     destroy_model_parallel()
     return out

@@ -20,3 +20,4 @@ def test_bradley_terry_loss_grads_and_scores_equal_transformers_at_tp2_pp2():
         assert r["grad_ref_max"] > 1e-4, r  # a real gradient, not zeros
         assert r["grad_diff"] < 1e-5, r
         assert r["score_diff"] < 1e-5, r  # every rank gets the scores
+        assert r["bf16_dtypes"] == 1.0, r  # a bf16 model is bf16 throughout

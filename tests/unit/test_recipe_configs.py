@@ -71,7 +71,7 @@ def test_config_loads_and_validates_at_its_world_size(name):
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_settings(name):
     cfg = load_config(CONFIGS / name)
-    assert "# planned memory per GPU:" in (CONFIGS / name).read_text()
+    _check_planned_memory((CONFIGS / name).read_text(), cfg)
     assert (cfg.model.dtype, cfg.model.recompute) == ("bfloat16", True)
     a = cfg.algorithm
     assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.2, 3.0)
@@ -86,3 +86,29 @@ def test_recipe_settings(name):
         assert a.adv_estimator == "gae" and cfg.model.critic_path is None
         assert (a.use_kl_loss, a.use_kl_in_reward, a.kl_ctrl) == (False, True, "adaptive")
         assert (a.target_kl, a.kl_coef) == (0.02, 0.001)
+
+
+def _check_planned_memory(text: str, cfg) -> None:
+    """The config's planned-memory comment is what `megarl plan` says now for its own layout."""
+    import json
+    import re
+    import shlex
+
+    from megarl.cli import main as cli_main
+
+    planned = re.search(r"# planned memory per GPU \(80 GiB, recompute on\): ([0-9.]+) GiB", text)
+    command = re.search(r"#   from: megarl (plan .*)", text)
+    assert planned and command, "the config must state its planned memory and the command"
+    args = shlex.split(command.group(1))
+    for flag, value in (("--tp", cfg.parallel.tp), ("--pp", cfg.parallel.pp)):
+        assert args[args.index(flag) + 1] == str(value), (flag, "differs from the config")
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main([*args, "--json"]) == 0
+    [variants] = json.loads(out.getvalue())["variants"].values()
+    [ours] = [v for v in variants if v["recompute"] and not v["optimizer_offload"]]
+    assert float(planned.group(1)) == round(ours["peak_gib"], 1)
+    assert ours["peak_gib"] < 80

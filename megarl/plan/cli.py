@@ -1,0 +1,87 @@
+"""``megarl plan``: its arguments and what it prints (the subparser lives in megarl/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from megarl.plan.hardware import Cluster
+from megarl.plan.known_models import known_model_names, resolve_model
+from megarl.plan.memory import GPU_BF16, with_grad_bytes
+from megarl.plan.report import format_json, format_text
+from megarl.plan.search import Filters, search
+from megarl.plan.units import parse_bytes
+from megarl.plan.workload import ALGOS, Workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"HF model folder or config.json, or a known name: {', '.join(known_model_names())}",
+    )
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB")
+    p.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
+    p.add_argument("--response-len", type=int, default=None, help="default: half of --seq-len")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch: sequences per rank")
+    p.add_argument(
+        "--global-batch", type=int, default=256, help="sequences per optimizer step (all ranks)"
+    )
+    p.add_argument("--algo", choices=ALGOS, default="grpo", help="ppo adds a critic")
+    p.add_argument("--no-reference", action="store_true", help="no KL term: no reference model")
+    p.add_argument(
+        "--rollout-seqs",
+        type=int,
+        default=64,
+        help="sequences each vLLM engine decodes at once (sizes its KV cache)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="size vLLM like its gpu_memory_utilization instead of by --rollout-seqs",
+    )
+    p.add_argument("--tp", type=int, default=None, help="only this TP")
+    p.add_argument("--pp", type=int, default=None, help="only this PP")
+    p.add_argument("--infer-tp", type=int, default=None, help="only this rollout TP")
+    p.add_argument(
+        "--param-offload",
+        action="store_true",
+        help="weights leave the GPU during rollout (not in megarl's trainer yet)",
+    )
+    p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--reserve", default="4GiB", help="per GPU: CUDA context, NCCL, fragmentation")
+    p.add_argument("--tflops", type=float, default=989.0, help="peak dense bf16 TFLOPS per GPU")
+    p.add_argument("--mfu", type=float, default=0.4, help="share of peak training reaches")
+    p.add_argument("--top", type=int, default=5, help="layouts in the table")
+    p.add_argument("--json", action="store_true", help="print JSON for tools")
+
+
+def run(args: argparse.Namespace) -> int:
+    name, dims = resolve_model(args.model)
+    cluster = Cluster(
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),
+        reserve=parse_bytes(args.reserve, "--reserve", allow_zero=True),
+        peak_tflops=args.tflops,
+        mfu=args.mfu,
+    )
+    workload = Workload(
+        seq_len=args.seq_len,
+        micro_batch=args.batch,
+        global_batch=args.global_batch,
+        algo=args.algo,
+        reference=not args.no_reference,
+        response_len=args.response_len,
+        rollout_seqs=args.rollout_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    numerics = with_grad_bytes(GPU_BF16, 4 if args.grad_dtype == "fp32" else 2)
+    filters = Filters(
+        tp=args.tp, pp=args.pp, infer_tp=args.infer_tp, param_offload=args.param_offload
+    )
+    result = search(name, dims, cluster, workload, numerics, filters)
+    print(format_json(result) if args.json else format_text(result, top=args.top))
+    return 0

@@ -1,0 +1,325 @@
+"""Memory one GPU (one rank) needs for one layout, phase by phase.
+
+What a rank holds, for its pipeline stage (P = that stage's parameters on this TP rank):
+
+- weights: P x param bytes (megatron DDP keeps them in one contiguous param buffer);
+- grads: P x grad bytes (DDP grad buffer, fp32 by default: ``grad_reduce_in_fp32``);
+- optimizer: P / DP x (main-param bytes + 8): the distributed optimizer shards Adam's m and v
+  (fp32) and, for 16-bit params, an fp32 master copy over data-parallel ranks. Offloaded: 0;
+- activations: micro-batches in flight x stored bytes per micro-batch (see
+  :mod:`megarl.plan.activations`); 1F1B keeps ``min(PP - stage, micro-batches)`` in flight, so
+  stage 0 holds PP of them; plus the loss's vocabulary tensors on the last stage and the
+  temporaries of the backward pass (below);
+- reference: its weights only (forward only, frozen);
+- critic (PPO): weights + grads + optimizer like the actor, with a value head;
+- rollout: vLLM's weights at ``infer_tp`` in bf16, its KV cache and a workspace.
+
+The colocated hybrid engine never trains and generates at once, so the peak is the largest of
+the phases, each being what stays resident plus what that phase adds:
+
+- resident in every phase: actor weights, actor fp32 master params (unless optimizer offload),
+  reference weights, the critic's weights, grads and optimizer state (megarl frees only the
+  actor's), and the reserve (CUDA context, NCCL, fragmentation);
+- setup: megatron's DDP wrap copies the weights into its param buffer while the module's own
+  tensors are alive (one extra weights copy), before any optimizer state exists; later the
+  reference is built and the critic wrapped the same way (PPO);
+- forward-backward: + actor grads, Adam m and v, activations and transients (steady state: the
+  optimizer state exists from the first step on);
+- grad sync (gloo only): + a copy of the largest DDP bucket (gloo's coalesced reduce-scatter);
+- optimizer step: + Adam's per-tensor temporaries (torch's Adam: two of the largest shard;
+  fused multi-tensor Adam on GPUs: none);
+- rollout: the actor's grad buffer is freed and Adam's m and v go to host memory (what megarl's
+  hybrid engine does on GPUs); + vLLM weights, KV cache and workspace. With param offload the
+  actor, reference and critic weights leave the GPU after the weights are handed to vLLM.
+
+The backward temporaries: at the loss, the logits and the loss's vocabulary work buffers
+(megarl's vocab-parallel log-prob: logits, their gradient, two fp32 chunks of at most 2^25
+elements); without fused weight-gradient accumulation, each weight's gradient exists once
+before it is added to the grad buffer, the largest being the output layer's (V/TP x h); a tied
+embedding at PP = 1 accumulates its two gradients (3 vocabulary-sized tensors at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
+from megarl.plan.activations import (
+    CPU_LOCAL_FP32,
+    GPU_TE_BF16,
+    ActivationProfile,
+    checkpoint_bytes,
+    hidden_bytes,
+    layer_bytes,
+)
+from megarl.plan.params import StageParams, layer_params, stage_params
+from megarl.plan.units import GIB
+from megarl.plan.workload import Workload
+
+LOSS_CHUNK_ELEMS = 1 << 25  # megarl.algos.vocab_parallel.DEFAULT_CHUNK_ELEMS
+VLLM_WORKSPACE = 1 * GIB  # CUDA graphs, activation workspace, allocator slack (an estimate)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Bytes per parameter of what training keeps, and which runtime paths are fused."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    main_param_bytes: int  # fp32 master copy in the distributed optimizer (0: params are fp32)
+    activations: ActivationProfile
+    fused_wgrad: bool  # weight grads accumulate straight into the grad buffer (TE)
+    fused_adam: bool  # multi-tensor Adam without temporaries (TE / apex)
+    gloo: bool  # gloo's coalesced reduce-scatter copies each DDP bucket
+    adam_bytes: int = 8  # m and v, fp32
+
+    @property
+    def logits_bytes(self) -> int:
+        return self.param_bytes  # the output layer computes in the model dtype
+
+
+GPU_BF16 = Numerics(
+    name="gpu-bf16",
+    param_bytes=2,
+    grad_bytes=4,
+    main_param_bytes=4,
+    activations=GPU_TE_BF16,
+    fused_wgrad=True,
+    fused_adam=True,
+    gloo=False,
+)
+
+# What megarl runs on CPU (tests, quickstart): fp32 weights, megatron local spec, torch Adam, gloo.
+CPU_FP32 = Numerics(
+    name="cpu-fp32",
+    param_bytes=4,
+    grad_bytes=4,
+    main_param_bytes=0,
+    activations=CPU_LOCAL_FP32,
+    fused_wgrad=False,
+    fused_adam=False,
+    gloo=True,
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Knobs of one candidate beyond its layout."""
+
+    recompute: bool = False
+    optimizer_offload: bool = False
+    param_offload: bool = False
+
+
+ITEMS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "activations",
+    "transient",
+    "reference",
+    "critic",
+    "rollout",
+    "reserve",
+)
+
+
+@dataclass
+class StageMemory:
+    """Peak bytes of one rank of one pipeline stage, by phase, and the peak phase's items."""
+
+    stage: int
+    phases: dict[str, int]
+    items: dict[str, int]  # composition of the peak phase
+    phase_items: dict[str, dict[str, int]] = field(default_factory=dict)
+    kv_capacity_tokens: int | None = None  # vLLM fraction mode: tokens its KV cache holds
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+    @property
+    def largest_item(self) -> tuple[str, int]:
+        name = max(self.items, key=self.items.__getitem__)
+        return name, self.items[name]
+
+
+@dataclass
+class MemoryEstimate:
+    """Every stage's memory; the layout's peak is the worst stage."""
+
+    stages: list[StageMemory]
+    rollout_kv_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.peak)
+
+    @property
+    def peak(self) -> int:
+        return self.worst.peak
+
+
+def _loss_bytes(rows: int, vocab_shard: int, logits_bytes: int) -> tuple[int, int]:
+    """(peak of megarl's vocab-parallel log-prob at the loss, one logits tensor)."""
+    logits = rows * vocab_shard * logits_bytes
+    chunk_rows = min(rows, max(1, LOSS_CHUNK_ELEMS // max(vocab_shard, 1)))
+    return 2 * logits + 2 * chunk_rows * vocab_shard * 4, logits
+
+
+def _model_static(p: StageParams, num: Numerics, dp: int, offload: bool) -> dict[str, int]:
+    return {
+        "weights": p.total * num.param_bytes,
+        "grads": p.total * num.grad_bytes,
+        "main": 0 if offload else -(-p.total * num.main_param_bytes // dp),
+        "moments": 0 if offload else -(-p.total * num.adam_bytes // dp),
+    }
+
+
+def _largest_bucket(p: StageParams, grad_bytes: int) -> int:
+    if p.shared_vocab_bucket:
+        return max(p.vocab, p.total - p.vocab) * grad_bytes
+    return p.total * grad_bytes
+
+
+def _rollout_bytes(
+    dims: ModelDims, infer_tp: int, w: Workload, gpu_memory: int
+) -> tuple[int, int, int, int | None]:
+    """(vLLM weights, KV cache, workspace, KV capacity in tokens or None) per rank, bf16."""
+    weights = stage_params(dims, infer_tp, 1, 0, dims.num_layers).total * 2
+    kv_heads = max(1, dims.num_kv_heads // infer_tp)
+    kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2
+    workspace = VLLM_WORKSPACE + 2 * w.rollout_seqs * dims.vocab_size * 4
+    if w.gpu_memory_utilization is None:
+        return weights, w.rollout_seqs * w.seq_len * kv_per_token, workspace, None
+    budget = int(w.gpu_memory_utilization * gpu_memory)
+    kv = max(0, budget - weights - workspace)
+    return weights, kv, workspace, kv // kv_per_token
+
+
+def estimate_memory(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    workload: Workload,
+    numerics: Numerics = GPU_BF16,
+    options: Options = Options(),
+    gpu_memory: int = 80 * GIB,
+    reserve: int = 4 * GIB,
+) -> MemoryEstimate:
+    """Per-stage, per-phase peak memory of one rank (see the module doc for what is counted)."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    act = numerics.activations
+    b, s = workload.micro_batch, workload.seq_len
+    m = workload.micro_batches(dp)
+    pb = numerics.param_bytes
+    layers = layout.layers_per_stage(dims.num_layers)
+    rollout = (
+        _rollout_bytes(dims, layout.rollout_tp, workload, gpu_memory)
+        if workload.rollout
+        else (0, 0, 0, None)
+    )
+    vllm_weights, kv, workspace, kv_tokens = rollout
+    per_layer = layer_bytes(act, dims, tp, b, s)
+    stored_layer = checkpoint_bytes(act, dims, tp, b, s) if options.recompute else per_layer
+    hid = hidden_bytes(act, dims, tp, b, s)
+    _, _, largest_layer_weight = layer_params(dims, tp)
+    stages = []
+    for k in range(pp):
+        first, last = k == 0, k == pp - 1
+        actor_p = stage_params(dims, tp, pp, k, layers[k], "actor")
+        actor = _model_static(actor_p, numerics, dp, options.optimizer_offload)
+        ref = (
+            stage_params(dims, tp, pp, k, layers[k], "reference").total * pb
+            if workload.reference
+            else 0
+        )
+        critic_total = 0
+        critic_wrap = 0
+        if workload.critic:
+            critic_p = stage_params(dims, tp, pp, k, layers[k], "critic")
+            c = _model_static(critic_p, numerics, dp, options.optimizer_offload)
+            critic_total = sum(c.values())
+            critic_wrap = c["weights"] + c["grads"] + c["weights"]  # module + param buffer + grads
+
+        # Activations of one micro-batch on this stage, and how many are in flight (1F1B).
+        one_mb = layers[k] * stored_layer + int(act.stage_input * hid)
+        if last:
+            one_mb += int(act.final_hidden * hid)
+        in_flight = min(pp - k, m)
+        recompute_extra = per_layer if options.recompute and layers[k] else 0
+        held = in_flight * one_mb + recompute_extra
+        vocab_shard = dims.vocab_size // tp
+        vocab_weight = vocab_shard * dims.hidden_size * pb  # one embedding/output-layer shard
+        rows = b * s
+        candidates = [held]  # at the loss (non-last stages: the newest micro-batch's forward end)
+        if not numerics.fused_wgrad and layers[k]:
+            candidates.append(held + largest_layer_weight * pb)
+        if last and actor_p.vocab:
+            loss_peak, logits = _loss_bytes(rows, vocab_shard, numerics.logits_bytes)
+            candidates.append(held + loss_peak)
+            if not numerics.fused_wgrad:
+                candidates.append(held + 2 * logits + vocab_weight)  # output-layer weight grad
+        if first:
+            emb_grads = 3 if actor_p.tied_single and not numerics.fused_wgrad else 1
+            candidates.append((in_flight - 1) * one_mb + emb_grads * vocab_weight)
+        activations = max(candidates)
+
+        res = reserve
+        opt_gpu = actor["main"] + actor["moments"]
+        common = {"weights": actor["weights"], "reference": ref, "critic": critic_total}
+        train_base = {**common, "grads": actor["grads"], "optimizer": opt_gpu, "reserve": res}
+        phase_items: dict[str, dict[str, int]] = {}
+        # Setup: the actor's DDP wrap (its param-buffer copy while the module's own tensors
+        # live), or later what megarl builds after it (megarl.trainer.roles: actor, reference,
+        # critic): fp32 master params, the reference, the critic's own wrap.
+        wrap = {"weights": actor["weights"], "grads": actor["grads"], "reserve": res}
+        phase_items["setup"] = max(
+            (
+                {**wrap, "transient": actor["weights"]},
+                {**wrap, "optimizer": actor["main"], "reference": ref, "critic": critic_wrap},
+            ),
+            key=lambda d: sum(d.values()),
+        )
+        phase_items["forward-backward"] = {**train_base, "activations": activations}
+        if numerics.gloo:
+            bucket = _largest_bucket(actor_p, numerics.grad_bytes)
+            phase_items["grad-sync"] = {**train_base, "transient": bucket}
+        if not numerics.fused_adam and not options.optimizer_offload:
+            shard = min(actor_p.largest, -(-actor_p.total // dp))
+            phase_items["optimizer-step"] = {**train_base, "transient": 2 * shard * 4}
+        if workload.rollout:
+            vllm = vllm_weights + kv + workspace
+            if options.param_offload:
+                # Weights leave the GPU once vLLM has its copy; the reshard moment holds both.
+                reshard = {"weights": actor["weights"], "rollout": vllm_weights}
+                generate = {"rollout": vllm}
+                moment = max((reshard, generate), key=lambda d: sum(d.values()))
+                rollout_items = {**moment, "optimizer": actor["main"], "reserve": res}
+            else:
+                rollout_items = {**common, "optimizer": actor["main"], "rollout": vllm}
+                rollout_items["reserve"] = res
+            phase_items["rollout"] = rollout_items
+        phases = {name: sum(items.values()) for name, items in phase_items.items()}
+        peak_phase = max(phases, key=phases.__getitem__)
+        items = {name: phase_items[peak_phase].get(name, 0) for name in ITEMS}
+        stages.append(
+            StageMemory(
+                stage=k,
+                phases=phases,
+                items=items,
+                phase_items=phase_items,
+                kv_capacity_tokens=kv_tokens,
+            )
+        )
+    return MemoryEstimate(stages=stages, rollout_kv_bytes=kv)
+
+
+def with_grad_bytes(numerics: Numerics, grad_bytes: int) -> Numerics:
+    return replace(numerics, grad_bytes=grad_bytes)

@@ -1,0 +1,251 @@
+"""A plan as a table for people and as JSON for tools."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from megarl.plan.search import Evaluated, PlanResult
+from megarl.plan.units import GIB, fmt_gib
+
+COLUMNS = (
+    ("#", 2),
+    ("layout", 13),
+    ("itp", 3),
+    ("recomp", 6),
+    ("offload", 7),
+    ("weights", 7),
+    ("grads", 6),
+    ("optim", 6),
+    ("act", 6),
+    ("ref+cr", 6),
+    ("vllm", 6),
+    ("train", 6),
+    ("rollout", 7),
+    ("peak", 6),
+    ("step s", 7),
+    ("bubble", 6),
+)
+TRAIN_PHASES = ("setup", "forward-backward", "grad-sync", "optimizer-step")
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _row(i: int, e: Evaluated) -> list[str]:
+    """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals."""
+    worst = e.memory.worst
+    train = worst.phase_items["forward-backward"]
+    rollout = worst.phase_items.get("rollout", {})
+    train_peak = max(worst.phases[p] for p in TRAIN_PHASES if p in worst.phases)
+    bubble = e.time.parts["bubble"] / max(e.time.total, 1e-12)
+    return [
+        str(i),
+        _layout_name(e.layout),
+        str(e.layout.rollout_tp),
+        _yes(e.options.recompute),
+        _yes(e.options.optimizer_offload),
+        fmt_gib(train.get("weights", 0)),
+        fmt_gib(train.get("grads", 0)),
+        fmt_gib(train.get("optimizer", 0)),
+        fmt_gib(train.get("activations", 0)),
+        fmt_gib(train.get("reference", 0) + train.get("critic", 0)),
+        fmt_gib(rollout.get("rollout", 0)),
+        fmt_gib(train_peak),
+        fmt_gib(worst.phases.get("rollout", 0)),
+        fmt_gib(worst.peak),
+        f"{e.time.total:.1f}",
+        f"{bubble:.0%}",
+    ]
+
+
+def _layout_name(layout) -> str:
+    """``TP8xPP8xDP2``, with ``*`` when the pipeline split is uneven (listed below the table)."""
+    return str(layout) + ("*" if layout.pp_layers else "")
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(w, *(len(r[i]) for r in rows)) if rows else w for i, (_, w) in enumerate(COLUMNS)]
+    header = "  ".join(name.ljust(widths[i]) for i, (name, _) in enumerate(COLUMNS))
+    lines = [header.rstrip()]
+    for r in rows:
+        lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+    return lines
+
+
+def _roles(result: PlanResult) -> str:
+    w = result.workload
+    roles = ["actor"]
+    if w.reference:
+        roles.append("reference")
+    if w.critic:
+        roles.append("critic")
+    if w.rollout:
+        roles.append("vLLM rollout")
+    return " + ".join(roles)
+
+
+def format_text(result: PlanResult, top: int = 5) -> str:
+    c, w, d = result.cluster, result.workload, result.dims
+    lines = [
+        f"megarl plan: {result.model} ({d.num_parameters / 1e9:.2f}B params, {d.num_layers} "
+        f"layers, {d.num_attention_heads} heads / {d.num_kv_heads} KV heads) on {c.gpus} x "
+        f"{fmt_gib(c.gpu_memory)} GiB GPUs ({c.nodes} node(s) of {c.node_size})",
+        f"workload: {w.algo}, {_roles(result)}; seq {w.seq_len} (response {w.response_tokens}), "
+        f"micro-batch {w.micro_batch}, {w.global_batch} sequences per optimizer step; "
+        f"{result.numerics.name} weights, reserve {fmt_gib(c.reserve)} GiB per GPU",
+        "memory in GiB per GPU at the worst pipeline stage's peak phase; step time from the "
+        "cost model in megarl/plan/cost.py",
+        "",
+    ]
+    if result.feasible:
+        shown = result.feasible[:top]
+        lines.append(f"Top {len(shown)} of {len(result.feasible)} feasible training layouts:")
+        lines += _table([_row(i + 1, e) for i, e in enumerate(shown)])
+        for e in shown:
+            if e.layout.pp_layers:
+                lines.append(
+                    f"* {e.layout}: uneven pipeline split, parallel.pp_layers = "
+                    f"{list(e.layout.pp_layers)}"
+                )
+    else:
+        lines.append(
+            f"NOTHING FITS: no layout of {result.model} runs on {c.gpus} x "
+            f"{fmt_gib(c.gpu_memory)} GiB GPUs with this workload."
+        )
+        for s in result.suggestions:
+            lines.append(f"  - {s}")
+    groups = result.rejected_by_reason()
+    if groups:
+        n_layouts = len(result.rejected)
+        lines += ["", f"Infeasible training layouts ({n_layouts}), by reason:"]
+        for reason, entries in groups.items():
+            lines.append(f"- {reason}")
+            for r in entries:
+                key = f"TP{r.layout.tp}xPP{r.layout.pp}xDP{r.layout.dp}"
+                if r.detail:
+                    key += f" (smallest: infer_tp {r.layout.rollout_tp}"
+                    knobs = _knob_words(r.evaluated)
+                    key += f", {knobs})" if knobs else ")"
+                lines.append(f"    {key}" + (f": {r.detail}" if r.detail else ""))
+    for reason, itps in result.infer_tp_rejected.items():
+        lines.append(f"- rollout infer_tp {', '.join(map(str, itps))} not used: {reason}")
+    return "\n".join(lines)
+
+
+def _knob_words(e: Evaluated | None) -> str:
+    if e is None:
+        return ""
+    words = [
+        w
+        for w, on in (
+            ("recompute", e.options.recompute),
+            ("optimizer offload", e.options.optimizer_offload),
+        )
+        if on
+    ]
+    return ", ".join(words)
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 3)
+
+
+def _evaluated_json(e: Evaluated) -> dict[str, Any]:
+    worst = e.memory.worst
+    return {
+        "layout": str(e.layout),
+        "tp": e.layout.tp,
+        "pp": e.layout.pp,
+        "dp": e.layout.dp,
+        "pp_layers": list(e.layout.pp_layers) if e.layout.pp_layers else None,
+        "infer_tp": e.layout.rollout_tp,
+        "recompute": e.options.recompute,
+        "optimizer_offload": e.options.optimizer_offload,
+        "param_offload": e.options.param_offload,
+        "peak_gib": _gib(worst.peak),
+        "peak_stage": worst.stage,
+        "peak_phase": worst.phase,
+        "items_gib": {k: _gib(v) for k, v in worst.items.items()},
+        "stages": [
+            {"stage": s.stage, "phases_gib": {k: _gib(v) for k, v in s.phases.items()}}
+            for s in e.memory.stages
+        ],
+        "kv_capacity_tokens": worst.kv_capacity_tokens,
+        "step_time_s": round(e.time.total, 3),
+        "time_parts_s": {k: round(v, 3) for k, v in e.time.parts.items()},
+    }
+
+
+def to_json(result: PlanResult) -> dict[str, Any]:
+    c, w, d = result.cluster, result.workload, result.dims
+    groups = result.rejected_by_reason()
+    return {
+        "model": {
+            "name": result.model,
+            "parameters": d.num_parameters,
+            "hidden_size": d.hidden_size,
+            "num_layers": d.num_layers,
+            "num_attention_heads": d.num_attention_heads,
+            "num_kv_heads": d.num_kv_heads,
+            "ffn_hidden_size": d.ffn_hidden_size,
+            "vocab_size": d.vocab_size,
+            "tie_word_embeddings": d.tie_word_embeddings,
+            "qkv_bias": d.qkv_bias,
+        },
+        "cluster": {
+            "gpus": c.gpus,
+            "gpus_per_node": c.gpus_per_node,
+            "gpu_memory_gib": _gib(c.gpu_memory),
+            "reserve_gib": _gib(c.reserve),
+        },
+        "workload": {
+            "algo": w.algo,
+            "seq_len": w.seq_len,
+            "response_len": w.response_tokens,
+            "micro_batch": w.micro_batch,
+            "global_batch": w.global_batch,
+            "reference": w.reference,
+            "critic": w.critic,
+            "rollout": w.rollout,
+            "rollout_seqs": w.rollout_seqs,
+            "gpu_memory_utilization": w.gpu_memory_utilization,
+        },
+        "numerics": result.numerics.name,
+        "nothing_fits": result.nothing_fits,
+        "feasible": [_evaluated_json(e) for e in result.feasible],
+        "variants": {
+            f"TP{tp}xPP{pp}": [_evaluated_json(e) for e in v]
+            for (tp, pp), v in result.variants.items()
+        },
+        "infeasible": [
+            {
+                "reason": reason,
+                "layouts": [
+                    {
+                        "layout": f"TP{r.layout.tp}xPP{r.layout.pp}xDP{r.layout.dp}",
+                        "pp_layers": list(r.layout.pp_layers) if r.layout.pp_layers else None,
+                        "infer_tp": r.layout.infer_tp,
+                        "recompute": r.evaluated.options.recompute if r.evaluated else None,
+                        "optimizer_offload": (
+                            r.evaluated.options.optimizer_offload if r.evaluated else None
+                        ),
+                        "detail": r.detail,
+                        "peak_gib": _gib(r.evaluated.memory.peak) if r.evaluated else None,
+                    }
+                    for r in entries
+                ],
+            }
+            for reason, entries in groups.items()
+        ],
+        "infer_tp_rejected": [
+            {"reason": reason, "infer_tp": itps}
+            for reason, itps in result.infer_tp_rejected.items()
+        ],
+        "suggestions": result.suggestions,
+    }
+
+
+def format_json(result: PlanResult) -> str:
+    return json.dumps(to_json(result), indent=2)

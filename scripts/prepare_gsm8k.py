@@ -19,9 +19,8 @@ answer, origin}. Row groups are small (--row-group-size) so data-parallel ranks 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
-import random
 import re
 import sys
 from collections.abc import Sequence
@@ -31,16 +30,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-DATA_SOURCE = "openai/gsm8k"
-INSTRUCTION = (
-    'Work it out step by step, then give the final answer as a number after "####", like "#### 42".'
+from megarl.data.prepare_common import (
+    GSM8K_DATA_SOURCE,
+    GSM8K_INSTRUCTION,
+    PrepareError,
+    iter_symbolic_problems,
+    read_records,
+    subsample,
+    write_parquet_atomic,
 )
+
 GSM8K_SIZES = {"train": 7473, "test": 1319}
 _FINAL = re.compile(r"####\s*(-?[\d,]+)\s*$")
-
-
-class PrepareError(Exception):
-    """A problem with the source data or the options; the message says how to fix it."""
 
 
 def final_answer(answer_text: str, where: str) -> str:
@@ -57,8 +58,8 @@ def make_row(
     question: str, answer_text: str, truth: str, split: str, index: int, origin: str
 ) -> dict[str, Any]:
     return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"{question.strip()} {INSTRUCTION}"}],
+        "data_source": GSM8K_DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{question.strip()} {GSM8K_INSTRUCTION}"}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": truth},
         "extra_info": {
@@ -88,10 +89,9 @@ def _rows_from_records(
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
-        try:
-            return pq.read_table(path).to_pylist()
-        except (pa.ArrowException, OSError) as e:
-            raise PrepareError(f"{path}: not a readable parquet file ({e}).") from e
+        return read_records(path)
+    # JSON lines are read here, not by read_records: that splits with str.splitlines, which also
+    # breaks at U+2028/U+2029/U+0085, characters a JSON string may hold unescaped.
     records = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -146,64 +146,33 @@ def load_hub() -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def symbolic_templates(split: str) -> list[int]:
-    """Every fifth usable GSM-Symbolic template is a test template; the rest are for training."""
-    from reasoning_gym.arithmetic.gsm_symbolic.gsm_symbolic import tasks_ok
-
-    ordered = sorted(tasks_ok)
-    return [t for i, t in enumerate(ordered) if (i % 5 == 4) == (split == "test")]
-
-
 def generate_symbolic(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+    """`n` GSM-Symbolic rows: the first `n` integer-answer problems of the split's templates."""
     try:
-        import reasoning_gym
+        import reasoning_gym  # noqa: F401  (this script's own message if it is missing)
     except ImportError as e:
         raise PrepareError(
             "--source gsm-symbolic needs `reasoning-gym` (pip install reasoning-gym==0.1.25)."
         ) from e
-    generators = reasoning_gym.create_dataset("gsm_symbolic", size=1, seed=seed).generators
-    templates = symbolic_templates(split)
-    rows: list[dict[str, Any]] = []
-    attempt = 0
-    while len(rows) < n:
-        rng = random.Random(f"gsm-symbolic/{seed}/{split}/{attempt}")
-        template = templates[attempt % len(templates)]
-        attempt += 1
-        example = generators[template](rng, 1.0)
-        value = example["metadata"]["answer_value"]
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            continue  # keep integer answers only, as GSM8K has
-        cot = example["metadata"]["answer_cot"]
-        rows.append(
-            make_row(
-                example["question"], cot, str(value), split, len(rows), f"gsm-symbolic/{template}"
-            )
-        )
-        if attempt > 10 * n + 100:
-            raise PrepareError(f"gsm-symbolic: could not generate {n} integer-answer problems.")
+    problems = iter_symbolic_problems(seed, split, max_attempts=10 * n + 100)
+    rows = [
+        make_row(p.question, p.solution, str(p.answer), split, i, f"gsm-symbolic/{p.template}")
+        for i, p in enumerate(itertools.islice(problems, n))
+    ]
+    if len(rows) < n:
+        raise PrepareError(f"gsm-symbolic: could not generate {n} integer-answer problems.")
     return rows
 
 
-def subsample(
+def _subsample_split(
     rows: list[dict[str, Any]], n: int | None, seed: int, split: str
 ) -> list[dict[str, Any]]:
-    if n is None or n >= len(rows):
-        if n is not None and n > len(rows):
-            print(
-                f"note: {split} has {len(rows)} rows; --{split}-size {n} keeps them all",
-                file=sys.stderr,
-            )
-        return rows
-    keep = sorted(random.Random(f"{seed}/{split}").sample(range(len(rows)), n))
-    return [rows[i] for i in keep]
-
-
-def write_parquet(rows: list[dict[str, Any]], path: Path, row_group_size: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=row_group_size)
-    os.replace(tmp, path)
+    if n is not None and n > len(rows):
+        print(
+            f"note: {split} has {len(rows)} rows; --{split}-size {n} keeps them all",
+            file=sys.stderr,
+        )
+    return subsample(rows, n, seed, split)
 
 
 def prepare(
@@ -231,14 +200,14 @@ def prepare(
     else:
         loaded = load_hub() if source == "hub" else load_local(Path(source))
         splits = {
-            "train": subsample(loaded["train"], train_size, seed, "train"),
-            "test": subsample(loaded["test"], test_size, seed, "test"),
+            "train": _subsample_split(loaded["train"], train_size, seed, "train"),
+            "test": _subsample_split(loaded["test"], test_size, seed, "test"),
         }
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, rows in splits.items():
         paths[split] = out / f"{split}.parquet"
-        write_parquet(rows, paths[split], row_group_size)
+        write_parquet_atomic(pa.Table.from_pylist(rows), paths[split], row_group_size)
     return paths
 
 

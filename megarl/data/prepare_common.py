@@ -55,7 +55,9 @@ def _open_text(path: Path) -> IO[str]:
 
 def _json_lines(path: Path, text: str) -> list[dict[str, Any]]:
     records = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # Split on "\n" only: str.splitlines also breaks at U+2028/U+2029/U+0085, which JSON strings
+    # may hold unescaped.
+    for n, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))

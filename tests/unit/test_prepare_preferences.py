@@ -348,3 +348,11 @@ def test_command_line(tmp_path: Path) -> None:
     assert f"test: 1 rows {columns} -> {out / 'test.parquet'}" in proc.stdout
     assert "5 pairs available, dropped: none" in proc.stdout
     assert pq.read_table(out / "test.parquet").schema.equals(PREFERENCE_SCHEMA)
+
+
+def test_json_lines_keep_unicode_line_separators_inside_strings(tmp_path):
+    from megarl.data.prepare_common import read_records
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"q": "a\u2028b"}\r\n{"q": "c\u0085d"}\n\n', encoding="utf-8")
+    assert read_records(path) == [{"q": "a\u2028b"}, {"q": "c\u0085d"}]

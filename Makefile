@@ -18,7 +18,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m unit

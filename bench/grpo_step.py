@@ -1,0 +1,425 @@
+"""GRPO step throughput: megarl (1 process, vLLM rollouts + megatron update) vs TRL's GRPOTrainer.
+
+    .venv/bin/python bench/grpo_step.py                 # 2 warm-up + 5 timed steps each
+    .venv/bin/python bench/grpo_step.py --steps 3 --threads 2 --only megarl
+
+The same tiny random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
+Qwen2.5 vocabulary (151,936 rows), saved once as an HF folder and loaded by both; fp32; the same
+GSM-Symbolic prompts in the same order (chat template of the Qwen2.5 tokenizer), 4 prompts x 4
+samples x up to 32 new tokens per step, temperature 1; the same reward (megarl.rewards.toy:
+vowel_rate, loaded from its file by the TRL side); GRPO without a KL term; AdamW with the same lr,
+weight decay, eps and grad clip; one optimizer step per GRPO step over the 16 sequences.
+
+TRL runs in its own virtualenv (created on first use, ~2-3 min; --trl-venv) with the same CPU torch
+as megarl and pinned TRL/transformers, as a subprocess running bench/_trl_grpo_worker.py: plain HF
+``generate`` (no vLLM), ``num_iterations=1`` (so TRL needs no old-logprob forward), ``beta=0``,
+``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. The two sides run one
+after the other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS).
+
+Tokens per step are counted the same way for both: generated = completion tokens (up to and
+including EOS), trained = prompt + completion tokens of the 16 sequences (megarl:
+``RunState.tokens_in``; TRL: lengths of the prompt and completion ids it trains on). A random model
+practically never samples EOS, so responses are 32 tokens on both sides (the mean is printed).
+tokens/s = (generated + trained) tokens / seconds over the timed steps; the median step is printed
+too, since other work on the machine (printed as the 1-minute load) skews single steps. Prints a
+table, the ratio megarl/TRL (target >= 3) and each side's phase breakdown. Nothing is asserted.
+Takes ~5 min on a quiet 2-core machine once the venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "bench" / "_trl_grpo_worker.py"
+REWARD_FILE = ROOT / "megarl" / "rewards" / "toy.py"
+REWARD_NAME = "vowel_rate"
+
+# What the TRL venv gets (the versions this bench was written and measured with).
+TRL_REQUIREMENTS = ["trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0"]
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+PROMPTS_PER_STEP = 4
+SAMPLES_PER_PROMPT = 4
+NEW_TOKENS = 32
+MODEL_SEED = 21
+WEIGHT_DECAY = 0.01
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- shared inputs --------------------------------------------------------------------------------
+def build_model(out: Path) -> Path:
+    """A tiny random Qwen2 over the Qwen2.5 vocabulary, with the Qwen2.5 tokenizer beside it."""
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.offline_assets import (
+        QWEN25_VOCAB_SIZE,
+        qwen25_tokenizer_dir,
+        randomize_,
+        tiny_qwen2_config,
+    )
+
+    tok = AutoTokenizer.from_pretrained(qwen25_tokenizer_dir())
+    config = tiny_qwen2_config(
+        vocab_size=QWEN25_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # head_dim 32: the smallest vLLM's CPU attention takes
+        max_position_embeddings=2048,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+    )
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(MODEL_SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, MODEL_SEED)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
+
+
+def build_data(out: Path, prompts: int) -> Path:
+    """GSM-Symbolic prompts (offline); the train file holds exactly the prompts the bench uses."""
+    train = out / "train.parquet"
+    if train.is_file():
+        import pyarrow.parquet as pq
+
+        if pq.read_metadata(train).num_rows == prompts:
+            return train
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "prepare_gsm8k.py"),
+            "--out",
+            str(out),
+            "--source",
+            "gsm-symbolic",
+            "--train-size",
+            str(prompts),
+            "--test-size",
+            "4",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return train
+
+
+def read_prompts(train: Path) -> list[list[dict[str, str]]]:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(train, columns=["prompt"]).column("prompt").to_pylist()
+    return [[{"role": m["role"], "content": m["content"]} for m in row] for row in rows]
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.pop("MASTER_PORT", None)
+    return env
+
+
+def run_streaming(cmd: list[str], env: dict[str, str], log_file: Path, show) -> int:
+    """Run ``cmd``, copy all output to ``log_file`` and echo the lines ``show`` accepts."""
+    with open(log_file, "w") as fh:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            fh.flush()
+            if show(line):
+                print("    " + line.rstrip(), flush=True)
+        return proc.wait()
+
+
+# -- megarl ---------------------------------------------------------------------------------------
+def run_megarl(args, work: Path, model: Path, train: Path) -> dict:
+    import yaml
+
+    total = args.warmup + args.steps
+    out = work / "megarl-run"
+    shutil.rmtree(out, ignore_errors=True)
+    config = {
+        "model": {"path": str(model), "dtype": "float32"},
+        "data": {
+            "train_files": [str(train)],
+            "train_batch_size": PROMPTS_PER_STEP,
+            "max_prompt_length": 512,
+            "shuffle": False,
+        },
+        "rollout": {
+            "n": SAMPLES_PER_PROMPT,
+            "temperature": 1.0,
+            "max_response_length": NEW_TOKENS,
+            "kv_cache_gib": 0.25,
+        },
+        "actor": {
+            "ppo_mini_batch_size": PROMPTS_PER_STEP,
+            "ppo_epochs": 1,
+            "micro_batch_size": PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,
+            "optim": {"lr": args.lr, "weight_decay": WEIGHT_DECAY, "clip_grad": 1.0},
+        },
+        "algorithm": {"adv_estimator": "grpo", "use_kl_loss": False},
+        "reward": {"custom_fn": f"megarl.rewards.toy:{REWARD_NAME}"},
+        "trainer": {
+            "total_steps": total,
+            "test_freq": 0,
+            "resume": "never",
+            "output_dir": str(out),
+            "mlflow_tracking_uri": f"sqlite:///{work / 'mlflow.db'}",
+            "experiment": "bench-grpo-step",
+        },
+    }
+    cfg_file = work / "megarl.yaml"
+    cfg_file.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "megarl.cli", "train", str(cfg_file), "--nproc-per-node", "1"]
+    log(f"megarl: {total} steps ({args.warmup} warm-up), log in {work / 'megarl.log'}")
+    t0 = time.perf_counter()
+    rc = run_streaming(
+        cmd, thread_env(args.threads), work / "megarl.log", lambda s: "] step " in s or "Error" in s
+    )
+    if rc != 0:
+        sys.exit(f"megarl failed (exit {rc}); see {work / 'megarl.log'}")
+    log(f"megarl done in {time.perf_counter() - t0:.0f} s (start-up and final checkpoint included)")
+    by_step: dict[int, dict] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step.setdefault(int(rec["step"]), {}).update(rec)
+    steps = []
+    for step in sorted(by_step):
+        m = by_step[step]
+        tokens = m["perf/tokens_per_s"] * m["timing/step_s"]  # run_state.tokens_in, 1 DP rank
+        generated = m["response/length_mean"] * PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+        steps.append(
+            {
+                "step_s": m["timing/step_s"],
+                "generated_tokens": round(generated),
+                "trained_tokens": round(tokens - generated),
+                "phases": {k: v for k, v in m.items() if k.startswith("timing/")},
+                "response_length_mean": m["response/length_mean"],
+            }
+        )
+    return {"steps": steps}
+
+
+# -- TRL ------------------------------------------------------------------------------------------
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """Create (once) a venv with CPU torch (megarl's version) and the pinned TRL stack."""
+    import torch
+
+    torch_req = f"torch=={torch.__version__.split('+')[0]}+cpu"
+    wanted = "\n".join([torch_req, *TRL_REQUIREMENTS])
+    marker = venv / ".bench-requirements"
+    py = venv_python(venv)
+    if py.is_file() and marker.is_file() and marker.read_text() == wanted:
+        return py
+    log(f"setting up the TRL venv at {venv} (first use: a few minutes)")
+    if not py.is_file():
+        base = shutil.which("python3.11") or getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # The CPU wheel: from the PyTorch CPU index, or a local wheel that pip's config points at.
+    subprocess.run(
+        [
+            *pip,
+            "--retries",
+            "1",
+            "--timeout",
+            "30",
+            "--extra-index-url",
+            TORCH_CPU_INDEX,
+            torch_req,
+        ],
+        check=True,
+    )
+    # torch is already satisfied, so TRL's dependencies cannot swap it for a CUDA build.
+    subprocess.run([*pip, *TRL_REQUIREMENTS, torch_req], check=True)
+    marker.write_text(wanted)
+    return py
+
+
+def run_trl(args, work: Path, model: Path, prompts: list) -> dict:
+    py = ensure_trl_venv(Path(args.trl_venv).expanduser())
+    total = args.warmup + args.steps
+    spec = {
+        "model": str(model),
+        "prompts": prompts,
+        "prompts_per_step": PROMPTS_PER_STEP,
+        "n": SAMPLES_PER_PROMPT,
+        "max_new_tokens": NEW_TOKENS,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "lr": args.lr,
+        "weight_decay": WEIGHT_DECAY,
+        "seed": 1,
+        "threads": args.threads,
+        "reward_file": str(REWARD_FILE),
+        "reward_name": REWARD_NAME,
+        "output_dir": str(work / "trl-run"),
+    }
+    spec_file = work / "trl-spec.json"
+    spec_file.write_text(json.dumps(spec))
+    log(f"TRL: {total} steps ({args.warmup} warm-up), log in {work / 'trl.log'}")
+    t0 = time.perf_counter()
+    result: dict = {}
+
+    def show(line: str) -> bool:
+        if line.startswith("BENCH_RESULT "):
+            result.update(json.loads(line[len("BENCH_RESULT ") :]))
+            return False
+        return line.startswith("[trl]") or "Error" in line
+
+    rc = run_streaming(
+        [str(py), str(WORKER), str(spec_file)], thread_env(args.threads), work / "trl.log", show
+    )
+    if rc != 0 or not result:
+        sys.exit(f"the TRL worker failed (exit {rc}); see {work / 'trl.log'}")
+    log(f"TRL done in {time.perf_counter() - t0:.0f} s (start-up included)")
+    return result
+
+
+# -- report ---------------------------------------------------------------------------------------
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def summary(steps: list[dict], warmup: int) -> dict:
+    timed = steps[warmup:]
+    secs = [s["step_s"] for s in timed]
+    gen = sum(s["generated_tokens"] for s in timed) / len(timed)
+    trained = sum(s["trained_tokens"] for s in timed) / len(timed)
+    return {
+        "steps": len(timed),
+        "generated": gen,
+        "trained": trained,
+        "s_per_step": sum(secs) / len(secs),
+        "s_median": _median(secs),
+        "tokens_per_s": (gen + trained) * len(secs) / sum(secs),
+        "tokens_per_s_median": (gen + trained) / _median(secs),
+    }
+
+
+def _phase_table(title: str, timed: list[dict], keys: list[str]) -> None:
+    print(f"\n{title} phases over the timed steps, s/step:")
+    print(f"  {'':36} {'mean':>8} {'median':>8}")
+    for k in keys:
+        vals = [s[k] for s in timed if k in s]
+        if vals:
+            print(f"  {k:36} {sum(vals) / len(vals):8.3f} {_median(vals):8.3f}")
+
+
+def print_report(args, results: dict[str, dict]) -> None:
+    rows = {name: summary(r["steps"], args.warmup) for name, r in results.items()}
+    print()
+    print(
+        f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples x up to "
+        f"{NEW_TOKENS} new tokens, tiny Qwen2 (vocab 151,936), fp32, {args.threads} threads, "
+        f"{args.warmup} warm-up + {args.steps} timed steps"
+    )
+    header = (
+        f"{'':7} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
+        f"{'tokens/s':>9} {'median s/step':>13} {'tokens/s@median':>15} {'load 1m':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, s in rows.items():
+        load = "{:.1f}->{:.1f}".format(*results[name]["load"])
+        print(
+            f"{name:7} {s['steps']:>5} {s['generated']:>12.1f} {s['trained']:>16.1f} "
+            f"{s['s_per_step']:>8.3f} {s['tokens_per_s']:>9.1f} {s['s_median']:>13.3f} "
+            f"{s['tokens_per_s_median']:>15.1f} {load:>11}"
+        )
+    print(
+        "(tokens/s = (generated + trained) tokens / seconds, summed over the timed steps; "
+        "@median: per-step tokens / median step time, less sensitive to other load)"
+    )
+    if "megarl" in rows and "trl" in rows:
+        ratio = rows["megarl"]["tokens_per_s"] / rows["trl"]["tokens_per_s"]
+        ratio_med = rows["megarl"]["tokens_per_s_median"] / rows["trl"]["tokens_per_s_median"]
+        print(
+            f"\nratio megarl/TRL (tokens/s): {ratio:.2f}x  (at the median step: {ratio_med:.2f}x)"
+            "  target >= 3"
+        )
+        mine = [s["trained_tokens"] for s in results["megarl"]["steps"]]
+        theirs = [s["trained_tokens"] for s in results["trl"]["steps"]]
+        if mine != theirs:
+            print(f"note: trained tokens per step differ (prompts differ?): {mine} vs {theirs}")
+    if "megarl" in results:
+        timed = results["megarl"]["steps"][args.warmup :]
+        keys = sorted({k for s in timed for k in s["phases"]})
+        _phase_table("megarl", [s["phases"] for s in timed], keys)
+        lens = [s["response_length_mean"] for s in timed]
+        print(f"  response length mean: {sum(lens) / len(lens):.2f} tokens")
+    if "trl" in results:
+        timed = results["trl"]["steps"][args.warmup :]
+        _phase_table("TRL", timed, ["generate_s", "rollout_s", "update_s", "step_s"])
+        print("  (rollout_s: generate + rewards + advantages; update_s: the rest of the step)")
+        lens = [s["generated_tokens"] / s["sequences"] for s in timed]
+        print(f"  completion length mean: {sum(lens) / len(lens):.2f} tokens")
+        v = results["trl"].get("versions", {})
+        print(f"  versions: {', '.join(f'{k} {x}' for k, x in v.items())}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--workdir", default="~/.cache/megarl/bench-grpo-step")
+    ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
+    ap.add_argument("--only", choices=("megarl", "trl"), default=None)
+    args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+
+    work = Path(args.workdir).expanduser()
+    work.mkdir(parents=True, exist_ok=True)
+    total = args.warmup + args.steps
+    log(f"workdir {work}; load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
+    model = build_model(work / "model")
+    train = build_data(work / "data", total * PROMPTS_PER_STEP)
+    prompts = read_prompts(train)
+    log(f"model {model}, {len(prompts)} prompts in {train}")
+
+    results: dict[str, dict] = {}
+    if args.only in (None, "megarl"):
+        load0 = os.getloadavg()[0]
+        results["megarl"] = run_megarl(args, work, model, train)
+        results["megarl"]["load"] = (load0, os.getloadavg()[0])
+    if args.only in (None, "trl"):
+        load0 = os.getloadavg()[0]
+        results["trl"] = run_trl(args, work, model, prompts)
+        results["trl"]["load"] = (load0, os.getloadavg()[0])
+    log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
+    print_report(args, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -283,30 +283,51 @@ class HybridEngine:
         )
         batch = RolloutBatch(prompts=mine, output=output)
         if score_with_actor:
-            batch.actor_logprobs = self.actor_logprobs(batch.sequences())
+            starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
+            batch.actor_logprobs = self.actor_logprobs(batch.sequences(), starts=starts)
             batch.metrics = self.logprob_mismatch(batch)
             self.metrics.update(batch.metrics)
         return batch
 
     @torch.no_grad()
-    def actor_logprobs(self, sequences: list[list[int]], pad_id: int = 0) -> torch.Tensor:
-        """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, on every rank."""
+    def actor_logprobs(
+        self, sequences: list[list[int]], pad_id: int = 0, starts: list[int] | None = None
+    ) -> torch.Tensor:
+        """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, ``[N, L-1]``, on
+        every rank. With ``starts`` only positions ``starts[i]..`` of row i are computed (the
+        response: the output layer skips the prompt); the others are 0."""
         from megatron.core import parallel_state as ps
 
-        from megarl.models.forward import forward_logits
+        from megarl.algos import vocab_parallel_log_probs
+        from megarl.models.forward import run_schedule
 
         length = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
         for row, s in enumerate(sequences):
             ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        first = torch.tensor(starts if starts is not None else [0] * len(sequences))
+        width = length - 1 - int(first.min())
+        positions = (first.unsqueeze(1) + torch.arange(width)).clamp(max=length - 2)
+        targets = ids.gather(1, positions + 1)
         device = next(self.actor.parameters()).device
-        ids = ids.to(device)
-        logits = forward_logits([self.actor], ids)
-        out = torch.empty(len(sequences), length - 1, dtype=torch.float32, device=device)
-        if logits is not None:
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            out.copy_(logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1))
-            del logits, logp
+        tp_group = ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
+
+        def logprobs(logits_shard, batch):
+            # chunked over the vocabulary shard: no gathered or log-softmaxed [b, P, V] copy
+            logp = vocab_parallel_log_probs(
+                logits_shard, targets.to(device), tp_group, vocab_size=self.dims.vocab_size
+            )
+            return logits_shard.new_zeros(()), {"logp": logp.float()}
+
+        outs = run_schedule(
+            [self.actor],
+            [{"input_ids": ids.to(device), "positions": positions}],
+            logprobs,
+            forward_only=True,
+        )
+        out = torch.zeros(len(sequences), length - 1, dtype=torch.float32, device=device)
+        if outs:
+            out.scatter_(1, positions.to(device), outs[0]["logp"])
         if self.layout.pp > 1:
             group = ps.get_pipeline_model_parallel_group()
             last = ps.get_pipeline_model_parallel_last_rank()

@@ -22,6 +22,35 @@ def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _select_hook(module, args, kwargs):
+    """Forward pre-hook of the output layer: keep only the hidden states at the chosen positions."""
+    index = getattr(module, "_megarl_positions", None)
+    if index is None:
+        return None
+    hidden = args[0]  # [s, b, h]
+    rows = index.t().to(hidden.device)  # [P, b]
+    picked = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return (picked, *args[1:]), kwargs
+
+
+def select_output_positions(model, positions: torch.Tensor | None) -> None:
+    """Make the model's output layer (LM head or scalar head) project only ``positions``
+    (``[b, P]`` sequence positions per row) in its next forward, so the output is ``[b, P, ...]``.
+
+    RL losses need the outputs at response positions only; projecting every prompt position onto a
+    150k vocabulary dominates a step's time and memory. ``None`` restores all positions.
+    """
+    from megarl.models.loading import unwrap
+
+    layer = getattr(unwrap(model), "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        return
+    if not getattr(layer, "_megarl_select_hook", False):
+        layer.register_forward_pre_hook(_select_hook, with_kwargs=True)
+        layer._megarl_select_hook = True
+    layer._megarl_positions = positions
+
+
 def run_schedule(
     model,
     micro_batches: Sequence[dict[str, Any]],
@@ -30,6 +59,9 @@ def run_schedule(
     forward_only: bool,
 ) -> list[dict[str, Any]]:
     """Run megatron's forward(-backward) schedule; returns loss_fn's metrics (last stage, else []).
+
+    A micro-batch may carry ``positions`` ([b, P]): the last stage then computes its output at
+    those sequence positions only (see :func:`select_output_positions`).
 
     The loss returned by ``loss_fn`` is back-propagated as is: megatron divides each micro-batch
     loss by the number of micro-batches, so it is multiplied back here and the caller decides the
@@ -43,6 +75,7 @@ def run_schedule(
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
         ids = batch["input_ids"]
+        select_output_positions(model_chunk, batch.get("positions"))
         output = model_chunk(
             input_ids=ids, position_ids=position_ids_like(ids), attention_mask=None
         )

@@ -74,21 +74,6 @@ class Samples:
         )
 
 
-def positions_to_response(
-    per_position: torch.Tensor, starts: torch.Tensor, response_len: int
-) -> torch.Tensor:
-    """``[N, L-1]`` per-position values -> ``[N, R]`` per response token (padding: 0)."""
-    positions = per_position.shape[1]
-    index = starts.to(per_position.device).unsqueeze(1) + torch.arange(
-        response_len, device=per_position.device
-    )
-    valid = index < positions
-    gathered = per_position.gather(1, index.clamp(max=positions - 1))
-    return torch.where(
-        valid, gathered, torch.zeros((), dtype=per_position.dtype, device=per_position.device)
-    )
-
-
 def micro_batches(
     samples: Samples, rows: Sequence[int], micro_batch_size: int, max_tokens: int | None = None
 ) -> list[tuple[list[int], Samples]]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megarl.errors import MegarlError
 from megarl.models.forward import run_schedule
-from megarl.trainer.batch import Samples, micro_batches, positions_to_response
+from megarl.trainer.batch import Samples, micro_batches
 
 
 @dataclass(frozen=True)
@@ -29,30 +29,37 @@ def _tp_group():
     return group if dist.get_world_size(group) > 1 else None
 
 
+def response_positions(mb: Samples) -> torch.Tensor:
+    """``[b, R]`` sequence positions whose outputs predict (or value) response token j of each row
+    (``prompt_len - 1 + j``); past a row's end they repeat its last position (masked later)."""
+    resp = mb.response_mask.shape[1]
+    index = mb.starts.unsqueeze(1) + torch.arange(resp)
+    return index.clamp(max=mb.input_ids.shape[1] - 1)
+
+
 def response_log_probs(
     logits_shard: torch.Tensor, mb: Samples, vocab_size: int, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Response-space logprobs (and entropy) from vocab-parallel logits of one micro-batch."""
-    ids = mb.input_ids.to(logits_shard.device)
-    logits = logits_shard[:, :-1]
-    targets = ids[:, 1:]
+    """Response-space ``[b, R]`` logprobs (and entropy) of one micro-batch from vocab-parallel
+    logits computed at :func:`response_positions` (``[b, R, vocab/tp]``)."""
+    positions = response_positions(mb)
+    targets = mb.input_ids.gather(1, (positions + 1).clamp(max=mb.input_ids.shape[1] - 1))
+    targets = targets.to(logits_shard.device)
     if with_entropy:
         logp, ent = vocab_parallel_log_probs_and_entropy(
-            logits, targets, _tp_group(), vocab_size=vocab_size
+            logits_shard, targets, _tp_group(), vocab_size=vocab_size
         )
     else:
         logp, ent = (
-            vocab_parallel_log_probs(logits, targets, _tp_group(), vocab_size=vocab_size),
+            vocab_parallel_log_probs(logits_shard, targets, _tp_group(), vocab_size=vocab_size),
             None,
         )
-    resp = mb.response_mask.shape[1]
-    logp = positions_to_response(logp, mb.starts, resp)
-    return logp, (positions_to_response(ent, mb.starts, resp) if ent is not None else None)
+    return logp, ent
 
 
 def response_values(output: torch.Tensor, mb: Samples) -> torch.Tensor:
-    """Response-space values from the critic's [b, s, 1] output (value of each prefix)."""
-    return positions_to_response(output[:, :-1, 0].float(), mb.starts, mb.response_mask.shape[1])
+    """Response-space ``[b, R]`` values from the critic's output at :func:`response_positions`."""
+    return output[..., 0].float()
 
 
 def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,8 +86,11 @@ def forward_response_tensor(
     mbs = micro_batches(samples, range(samples.size), batching.size, batching.max_tokens)
     outputs = run_schedule(
         [model],
-        [{"input_ids": mb.input_ids, "mb": mb} for _, mb in mbs],
-        lambda out, batch: (out.sum() * 0.0, {"value": extract(out, batch["mb"]).float()}),
+        [
+            {"input_ids": mb.input_ids, "mb": mb, "positions": response_positions(mb)}
+            for _, mb in mbs
+        ],
+        lambda out, batch: (out.new_zeros(()), {"value": extract(out, batch["mb"]).float()}),
         forward_only=True,
     )
     for (rows, mb), out in zip(mbs, outputs, strict=False):
@@ -168,7 +178,12 @@ def ppo_update(
             outs = run_schedule(
                 [ddp],
                 [
-                    {"input_ids": mb.input_ids, "mb": mb, "weight": w}
+                    {
+                        "input_ids": mb.input_ids,
+                        "mb": mb,
+                        "weight": w,
+                        "positions": response_positions(mb),
+                    }
                     for (_, mb), w in zip(mbs, weights, strict=True)
                 ],
                 scaled,

@@ -99,6 +99,20 @@ def run_schedule(
     )
 
 
+def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the last pipeline stage holds it, on every stage (in place; collective)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            tensor,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+    return tensor
+
+
 def gather_vocab(logits_shard: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits from this rank's vocab-parallel shard (for tests and export)."""
     from megatron.core import tensor_parallel

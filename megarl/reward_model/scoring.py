@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 def last_token_scores(output: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -13,25 +12,13 @@ def last_token_scores(output: torch.Tensor, seq_lens: torch.Tensor) -> torch.Ten
     return output[rows, seq_lens.to(output.device) - 1, 0].float()
 
 
-def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(
-            tensor,
-            src=ps.get_pipeline_model_parallel_last_rank(),
-            group=ps.get_pipeline_model_parallel_group(),
-        )
-    return tensor
-
-
 @torch.no_grad()
 def score_sequences(
     model, input_ids: torch.Tensor, seq_lens: torch.Tensor, micro_batch_size: int
 ) -> torch.Tensor:
     """``[N]`` scores of right-padded sequences, forward-only through the pipeline schedule; the
     same tensor on every rank of the model-parallel group. Collective over TP and PP."""
-    from megarl.models.forward import run_schedule
+    from megarl.models.forward import broadcast_from_last_stage, run_schedule
 
     n = int(input_ids.shape[0])
     order = sorted(range(n), key=lambda i: (int(seq_lens[i]), i))
@@ -50,4 +37,4 @@ def score_sequences(
     scores = torch.zeros(n, dtype=torch.float32)
     for chunk, out in zip(chunks, outs, strict=False):  # outputs exist on the last stage only
         scores[torch.as_tensor(chunk, dtype=torch.long)] = out["score"].cpu()
-    return _broadcast_from_last_stage(scores)
+    return broadcast_from_last_stage(scores)

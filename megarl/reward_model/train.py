@@ -120,7 +120,7 @@ def evaluate(model, cfg: RunConfig, dataset, pad_id: int) -> dict[str, float]:
     """Accuracy, loss and mean gap over one pass of ``dataset``; the same dict on every rank."""
     from megatron.core import parallel_state as ps
 
-    from megarl.models.forward import run_schedule
+    from megarl.models.forward import broadcast_from_last_stage, run_schedule
 
     loss_fn = _pair_loss(cfg.reward_model.margin)
     totals = torch.zeros(4, dtype=torch.float64)  # pairs, correct, loss sum, gap sum
@@ -132,12 +132,7 @@ def evaluate(model, cfg: RunConfig, dataset, pad_id: int) -> dict[str, float]:
             totals += torch.tensor(
                 [n, m["accuracy"] * n, m["loss"] * n, m["gap_mean"] * n], dtype=torch.float64
             )
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(
-            totals,
-            src=ps.get_pipeline_model_parallel_last_rank(),
-            group=ps.get_pipeline_model_parallel_group(),
-        )
+    broadcast_from_last_stage(totals)
     dist.all_reduce(totals, group=ps.get_data_parallel_group())
     pairs = max(float(totals[0]), 1.0)
     return {

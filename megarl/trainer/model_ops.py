@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megarl.errors import MegarlError
-from megarl.models.forward import run_schedule
+from megarl.models.forward import broadcast_from_last_stage, run_schedule
 from megarl.trainer.batch import Samples, micro_batches
 
 
@@ -62,18 +62,6 @@ def response_values(output: torch.Tensor, mb: Samples) -> torch.Tensor:
     return output[..., 0].float()
 
 
-def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(
-            tensor,
-            src=ps.get_pipeline_model_parallel_last_rank(),
-            group=ps.get_pipeline_model_parallel_group(),
-        )
-    return tensor
-
-
 @torch.no_grad()
 def forward_response_tensor(
     model,
@@ -96,7 +84,7 @@ def forward_response_tensor(
     for (rows, mb), out in zip(mbs, outputs, strict=False):
         width = mb.response_mask.shape[1]
         result[rows, :width] = out["value"]
-    return _broadcast_from_last_stage(result)
+    return broadcast_from_last_stage(result)
 
 
 class NonFiniteError(MegarlError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,7 +114,10 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir):
             workdir, "full", "trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=2"
         )
     )
-    train(workdir, "resumed", "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2")
+    # resume from a copy of the uninterrupted run's step-2 checkpoint, as if it had stopped there
+    ckpts = workdir / "resumed" / "checkpoints"
+    shutil.copytree(workdir / "full" / "checkpoints" / "step_00000002", ckpts / "step_00000002")
+    (ckpts / "latest").write_text("step_00000002\n")
     resumed = by_step(
         train(
             workdir,
@@ -123,6 +127,7 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir):
             "trainer.test_freq=2",
         )
     )
+    assert min(resumed) == 3  # it resumed
     for step in (3, 4):
         for key in (
             "reward/mean",

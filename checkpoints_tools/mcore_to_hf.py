@@ -197,8 +197,9 @@ def _pad_token_id(hf_src: Path) -> int | None:
         return None
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(hf_src)
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    from megarl.data.chat import pad_token_id
+
+    return pad_token_id(AutoTokenizer.from_pretrained(hf_src))
 
 
 def _write_side_files(tmp: Path, hf_src: Path, cfg: dict, role: str, dtype: torch.dtype) -> None:

@@ -39,6 +39,13 @@ def to_messages(value: Any, *, where: str, column: str, role: str = "user") -> M
     )
 
 
+def pad_token_id(tokenizer: Any) -> int | None:
+    """The id that pads a batch: the tokenizer's pad token, else its eos (None when it has neither).
+
+    It is also where transformers' sequence classifiers stop reading a row."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def _require_template(tokenizer: Any) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(

@@ -147,6 +147,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     """Run a reward-model config to ``trainer.total_steps`` (resuming when asked)."""
     from transformers import AutoTokenizer
 
+    from megarl.data.chat import pad_token_id
     from megarl.launch import init_distributed
     from megarl.models.build import build_model
     from megarl.models.distributed import wrap_for_training
@@ -162,10 +163,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     initialize_model_parallel(layout, seed=cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    pad_id = pad_id or 0
+    pad_id = pad_token_id(tokenizer) or 0
     train_data = _dataset(
         cfg,
         cfg.data.train_files,

@@ -192,6 +192,7 @@ def setup_run(cfg: RunConfig) -> RunState:
     from transformers import AutoTokenizer
 
     from megarl.algos import make_kl_controller
+    from megarl.data.chat import pad_token_id
     from megarl.hybrid_engine.engine import HybridEngine
     from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
     from megarl.launch import init_distributed
@@ -212,11 +213,7 @@ def setup_run(cfg: RunConfig) -> RunState:
     initialize_model_parallel(layout, seed=cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    pad_id = (
-        tokenizer.pad_token_id
-        if tokenizer.pad_token_id is not None
-        else (tokenizer.eos_token_id or 0)
-    )
+    pad_id = pad_token_id(tokenizer) or 0
     dataset = _dataset(
         cfg,
         cfg.data.train_files,

@@ -9,6 +9,8 @@ import torch
 
 from megarl.errors import ConfigError
 
+_KINDS = {"actor": "causal LM", "reference": "causal LM", "critic": "value model (critic)"}
+
 
 def megarl_checkpoint(path: Path) -> Path | None:
     """The reward-model checkpoint ``path`` names: a checkpoint folder, a trainer step folder
@@ -48,7 +50,7 @@ def check_reward_model(path: str, policy_vocab_size: int) -> None:
         role, dims = hf_folder_role(cfg), ModelDims.from_hf_config(cfg)
     if role != "reward":
         raise ConfigError(
-            f"reward.model_path={path} is a {role} model, not a reward model (a one-label "
+            f"reward.model_path={path} is a {_KINDS.get(role, role)}, not a reward model (a one-label "
             "*ForSequenceClassification, or a `megarl train-rm` checkpoint)"
         )
     if dims.vocab_size != policy_vocab_size:

@@ -110,3 +110,16 @@ def test_reward_model_config_is_checked_on_its_own_terms():
         load_config(overrides=[*base[:2], "trainer.kind=dpo"])
     with pytest.raises(ConfigError, match="rule_weight=0 leaves no reward"):
         load_config(overrides=[*base[:2], "reward.rule_weight=0"])
+
+
+def test_reward_model_path_errors_name_the_fix(tmp_path):
+    from megarl.reward_model.policy_reward import check_reward_model
+    from tests.assets import tiny_qwen2_dir
+
+    check_reward_model(str(tiny_qwen2_reward_dir()), policy_vocab_size=512)  # fine
+    with pytest.raises(ConfigError, match="does not exist; train one with `megarl train-rm`"):
+        check_reward_model(str(tmp_path / "nothing"), 512)
+    with pytest.raises(ConfigError, match="is a causal LM, not a reward model"):
+        check_reward_model(str(tiny_qwen2_dir()), 512)
+    with pytest.raises(ConfigError, match=r"a vocabulary of 512 tokens, the policy 128"):
+        check_reward_model(str(tiny_qwen2_reward_dir()), 128)

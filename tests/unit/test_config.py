@@ -65,3 +65,14 @@ def test_choices_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="must look like"):
         load_config(overrides=["model.path"])
+
+
+def test_profile_steps_are_numbered_from_one():
+    with pytest.raises(
+        ConfigError, match=r"trainer\.profile_steps=\[0, 3\]: steps are numbered from 1"
+    ):
+        load_config(overrides=[*BASE, "trainer.profile_steps=[0,3]"])
+    assert load_config(overrides=[*BASE, "trainer.profile_steps=[1,3]"]).trainer.profile_steps == [
+        1,
+        3,
+    ]

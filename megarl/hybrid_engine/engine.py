@@ -7,7 +7,7 @@ The trainer's loop reads as two transitions around generation::
     batch = engine.generate(prompts, sampling)
     engine.to_train()                    # vLLM sleeps, training memory comes back
 
-Resharding follows a pure plan (:mod:`megarl.hybrid_engine.plan`) computed identically on every
+Resharding follows a pure plan (:mod:`megarl.hybrid_engine.reshard_plan`) computed identically on every
 rank; the executor (:mod:`megarl.hybrid_engine.execute`) moves each bucket and hands it to vLLM in
 Hugging Face layout. Rollout prompts: each training DP rank passes its own prompts; they are spread
 over the ``world / infer_tp`` vLLM engines and every rank gets back the responses of its DP rank,
@@ -30,7 +30,7 @@ from megarl.hybrid_engine.execute import (
     hf_output_shapes,
     local_spec_tensors,
 )
-from megarl.hybrid_engine.plan import actor_tensor_specs, plan_reshard
+from megarl.hybrid_engine.reshard_plan import actor_tensor_specs, plan_reshard
 from megarl.hybrid_engine.vllm_rollout import (
     EngineConfig,
     RolloutOutput,

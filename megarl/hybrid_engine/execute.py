@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megarl.hybrid_engine.plan import RankBucket, ReshardPlan, TensorSpec
+from megarl.hybrid_engine.reshard_plan import RankBucket, ReshardPlan, TensorSpec
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import NameIndex, split_qkv
 

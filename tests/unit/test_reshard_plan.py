@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from megarl.hybrid_engine.plan import actor_tensor_specs, need_range, plan_reshard
+from megarl.hybrid_engine.reshard_plan import actor_tensor_specs, need_range, plan_reshard
 from megarl.models.dims import ModelDims
 
 DIMS = ModelDims(

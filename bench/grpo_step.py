@@ -65,7 +65,7 @@ def build_model(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.offline_assets import (
+    from megarl.testing.assets import (
         QWEN25_VOCAB_SIZE,
         qwen25_tokenizer_dir,
         randomize_,

@@ -121,7 +121,7 @@ def worker(rank: int, world: int, model_dir: str, cases: list[dict], bucket_byte
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the gloo spawn helper in tests/
-    from megarl.offline_assets import smollm2_dir
+    from megarl.testing.assets import smollm2_dir
     from tests.mp import run_gloo
 
     ap = argparse.ArgumentParser()

@@ -51,9 +51,9 @@ def main() -> None:
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.models.forward import run_schedule
-    from megarl.offline_assets import smollm2_dir
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
+    from megarl.testing.assets import smollm2_dir
 
     adapt_megatron_for_cpu()
     model_dir = smollm2_dir()

@@ -16,12 +16,12 @@ MODELS = ("tiny-qwen2", "tiny-llama", "smollm2")
 
 
 def resolve_model(name: str) -> str:
-    from megarl import offline_assets
+    from megarl.testing import assets
 
     builders = {
-        "tiny-qwen2": offline_assets.tiny_qwen2_dir,
-        "tiny-llama": offline_assets.tiny_llama_dir,
-        "smollm2": offline_assets.smollm2_dir,
+        "tiny-qwen2": assets.tiny_qwen2_dir,
+        "tiny-llama": assets.tiny_llama_dir,
+        "smollm2": assets.smollm2_dir,
     }
     return str(builders[name]()) if name in builders else name
 

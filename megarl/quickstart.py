@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def prepare(out: Path) -> None:
-    from megarl.offline_assets import tiny_char_llama_dir
+    from megarl.testing.assets import tiny_char_llama_dir
 
     model = out / "model"
     if not model.is_dir():

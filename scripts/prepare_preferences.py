@@ -32,7 +32,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from megarl.data.errors import DataError
-from megarl.data.preference_sources import (
+from megarl.data_prep.common import write_parquet_atomic
+from megarl.data_prep.preference_sources import (
     SOURCES,
     SYNTHETIC_SIZES,
     PairFilter,
@@ -41,7 +42,6 @@ from megarl.data.preference_sources import (
     describe_drops,
     pairs_table,
 )
-from megarl.data.prepare_common import write_parquet_atomic
 
 
 def prepare(

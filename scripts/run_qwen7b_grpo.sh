@@ -71,7 +71,7 @@ fi
 # --- model: a local Hugging Face folder, downloaded from the hub when none is given -----------
 if [[ "$SMOKE" == 1 ]]; then
   # A tiny random Llama over a character vocabulary, built offline and cached (as the quickstart).
-  MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.offline_assets import tiny_char_llama_dir; print(tiny_char_llama_dir())')}"
+  MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.testing.assets import tiny_char_llama_dir; print(tiny_char_llama_dir())')}"
 elif [[ -z "${MODEL_PATH:-}" ]]; then
   MODEL_ID="${MODEL_ID:-Qwen/Qwen2.5-7B-Instruct}"
   MODEL_PATH="${MODEL_DIR:-$ROOT/models/${MODEL_ID##*/}}"

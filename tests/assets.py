@@ -1,6 +1,6 @@
-"""Test assets (built once per machine and cached): see megarl.offline_assets."""
+"""Test assets (built once per machine and cached): see megarl.testing.assets."""
 
-from megarl.offline_assets import (  # noqa: F401
+from megarl.testing.assets import (  # noqa: F401
     QWEN25_SPECIAL_TOKENS,
     QWEN25_VOCAB_SIZE,
     qwen25_tokenizer_dir,

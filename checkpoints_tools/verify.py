@@ -164,8 +164,8 @@ def compare_outputs(
     same weights in float32.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
+    from megarl import parallel
     from megarl.checkpoint.store import build_model_from_checkpoint
     from megarl.models.build import ModelOptions
     from megarl.models.forward import gather_vocab, run_schedule
@@ -201,7 +201,7 @@ def compare_outputs(
             forward_only=True,
         )
         result = None
-        if outs and ps.get_tensor_model_parallel_rank() == 0:
+        if outs and parallel.tp_rank() == 0:
             mine = outs[0]["out"].float()
             ref = _hf_model(hf_dir)(ids).logits.float()
             result = {

@@ -27,9 +27,9 @@ def resolve_model(name: str) -> str:
 
 
 def _rank_report(model_dir: str, tp: int, pp: int, seq: int) -> dict:
-    from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
+    from megarl import parallel
     from megarl.models.build import build_model
     from megarl.models.forward import forward_logits
     from megarl.parallel import ParallelLayout, initialize_model_parallel
@@ -39,7 +39,7 @@ def _rank_report(model_dir: str, tp: int, pp: int, seq: int) -> dict:
     t0 = time.perf_counter()
     model, dims = build_model(model_dir, layout)
     load_s = time.perf_counter() - t0
-    gen = torch.Generator().manual_seed(ps.get_data_parallel_rank())
+    gen = torch.Generator().manual_seed(parallel.dp_rank())
     ids = torch.randint(0, dims.vocab_size, (2, seq), generator=gen)
     t0 = time.perf_counter()
     logits = forward_logits([model], ids)

@@ -1,15 +1,22 @@
 """The 3D layout (TP x PP x DP) of a run, its validation against a model, and its process groups.
 
-Rank-group math here is pure; only :func:`initialize_model_parallel` and
-:func:`destroy_model_parallel` touch megatron's ``parallel_state`` (the one global megarl uses).
+This module is the one door to megatron's ``parallel_state`` (the one global megarl uses): it
+creates and destroys the groups, and every other module asks it for this process's ranks, sizes
+and groups (:func:`tp_group`, :func:`dp_rank`, :func:`is_last_stage`, ...) instead of importing
+``parallel_state`` itself (a unit test holds every other module to that). The layout's rank-group
+math (:class:`ParallelLayout`) is pure.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megarl.errors import LayoutError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def _divisors(n: int) -> list[int]:
@@ -248,8 +255,9 @@ def _example_split(num_layers: int, pp: int) -> list[int]:
 def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
     """Create megatron's TP/PP/DP groups over the already initialised default process group."""
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
+    parallel_state = _ps()
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised before the model-parallel groups")
     layout.check_world_size(dist.get_world_size())
@@ -262,20 +270,83 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
 
 
 def destroy_model_parallel() -> None:
+    _ps().destroy_model_parallel()
+
+
+def model_parallel_is_initialized() -> bool:
+    return _ps().model_parallel_is_initialized()
+
+
+def _ps():
     from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
+    return parallel_state
+
+
+def tp_rank() -> int:
+    """This process's tensor-parallel rank."""
+    return _ps().get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    return _ps().get_tensor_model_parallel_world_size()
+
+
+def tp_group() -> ProcessGroup:
+    return _ps().get_tensor_model_parallel_group()
+
+
+def tp_group_if_split() -> ProcessGroup | None:
+    """The tensor-parallel group, or None when TP is 1 (nothing to reduce over)."""
+    return tp_group() if tp_size() > 1 else None
+
+
+def pp_rank() -> int:
+    """This process's pipeline stage."""
+    return _ps().get_pipeline_model_parallel_rank()
+
+
+def pp_size() -> int:
+    return _ps().get_pipeline_model_parallel_world_size()
+
+
+def pp_group() -> ProcessGroup:
+    return _ps().get_pipeline_model_parallel_group()
+
+
+def pp_last_rank() -> int:
+    """Global rank of the last pipeline stage of this process's pipeline."""
+    return _ps().get_pipeline_model_parallel_last_rank()
+
+
+def is_first_stage() -> bool:
+    return _ps().is_pipeline_first_stage()
+
+
+def is_last_stage() -> bool:
+    return _ps().is_pipeline_last_stage()
+
+
+def dp_rank() -> int:
+    """This process's data-parallel rank."""
+    return _ps().get_data_parallel_rank()
+
+
+def dp_size() -> int:
+    return _ps().get_data_parallel_world_size()
+
+
+def dp_group() -> ProcessGroup:
+    return _ps().get_data_parallel_group()
 
 
 def current_ranks() -> dict[str, int]:
-    """This process's (tp, pp, dp) ranks and sizes from megatron's parallel_state."""
-    from megatron.core import parallel_state as ps
-
+    """This process's (tp, pp, dp) ranks and sizes."""
     return {
-        "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "tp_size": ps.get_tensor_model_parallel_world_size(),
-        "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "pp_size": ps.get_pipeline_model_parallel_world_size(),
-        "dp_rank": ps.get_data_parallel_rank(),
-        "dp_size": ps.get_data_parallel_world_size(),
+        "tp_rank": tp_rank(),
+        "tp_size": tp_size(),
+        "pp_rank": pp_rank(),
+        "pp_size": pp_size(),
+        "dp_rank": dp_rank(),
+        "dp_size": dp_size(),
     }

@@ -1,6 +1,6 @@
 """Device and backend choice, and the ONE place that adapts megatron-core to a CPU-only torch.
 
-megatron-core 0.16 calls CUDA-only torch APIs in five groups (see shared FINDINGS):
+megatron-core 0.16 calls CUDA-only torch APIs in five groups:
   1. ``torch.cuda.current_device()`` used as a device, ``torch.cuda.synchronize()``;
   2. the model-parallel RNG tracker built on the CUDA generator;
   3. hard-coded ``device="cuda"`` / ``.cuda()``;

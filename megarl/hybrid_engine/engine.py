@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl import parallel
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -105,8 +106,6 @@ class HybridEngine:
         bucket_bytes: int = 256 << 20,
         rollout: VLLMRollout | None = None,
     ):
-        from megatron.core import parallel_state as ps
-
         from megarl.models.build import layer_offset
 
         layout.check_rollout()
@@ -115,8 +114,8 @@ class HybridEngine:
         self.actor = actor
         self.optimizer = optimizer
         self.rank = dist.get_rank()
-        self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.dp_rank = ps.get_data_parallel_rank()
+        self.pp_rank = parallel.pp_rank()
+        self.dp_rank = parallel.dp_rank()
         self._layer_offset = layer_offset(dims, layout, self.pp_rank)
         itemsize = next(actor.parameters()).element_size()
         specs = actor_tensor_specs(dims, layout.layers_per_stage(dims.num_layers), itemsize)
@@ -296,43 +295,17 @@ class HybridEngine:
         """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, ``[N, L-1]``, on
         every rank. With ``starts`` only positions ``starts[i]..`` of row i are computed (the
         response: the output layer skips the prompt); the others are 0."""
-        from megatron.core import parallel_state as ps
+        from megarl.models.logprobs import pad_right, positions_from, teacher_forced_log_probs
 
-        from megarl.algos import vocab_parallel_log_probs
-        from megarl.models.forward import run_schedule
-
-        length = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-        for row, s in enumerate(sequences):
-            ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids = pad_right(sequences, pad_id)
+        length = ids.shape[1]
         first = torch.tensor(starts if starts is not None else [0] * len(sequences))
-        width = length - 1 - int(first.min())
-        positions = (first.unsqueeze(1) + torch.arange(width)).clamp(max=length - 2)
-        targets = ids.gather(1, positions + 1)
-        device = next(self.actor.parameters()).device
-        tp_group = ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
-
-        def logprobs(logits_shard, batch):
-            # chunked over the vocabulary shard: no gathered or log-softmaxed [b, P, V] copy
-            logp = vocab_parallel_log_probs(
-                logits_shard, targets.to(device), tp_group, vocab_size=self.dims.vocab_size
-            )
-            return logits_shard.new_zeros(()), {"logp": logp.float()}
-
-        outs = run_schedule(
-            [self.actor],
-            [{"input_ids": ids.to(device), "positions": positions}],
-            logprobs,
-            forward_only=True,
-        )
-        out = torch.zeros(len(sequences), length - 1, dtype=torch.float32, device=device)
-        if outs:
-            out.scatter_(1, positions.to(device), outs[0]["logp"])
-        if self.layout.pp > 1:
-            group = ps.get_pipeline_model_parallel_group()
-            last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(out, src=last, group=group)
-        return out
+        positions = positions_from(first, length - 1 - int(first.min()), length)
+        logp = teacher_forced_log_probs(self.actor, ids, positions, self.dims.vocab_size)
+        # column L-1 collects the positions clamped past a sequence's end; it is dropped
+        out = torch.zeros(len(sequences), length, dtype=torch.float32, device=logp.device)
+        out.scatter_(1, positions.to(logp.device), logp)
+        return out[:, :-1].contiguous()
 
     def logprob_mismatch(self, batch: RolloutBatch) -> dict[str, float]:
         """Mean and max |vLLM - actor| logprob over response tokens, over the whole world."""

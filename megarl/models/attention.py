@@ -12,9 +12,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from megarl import parallel
 
 
 class SDPACoreAttention(MegatronModule):
@@ -32,7 +33,7 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp = parallel.tp_size()
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout

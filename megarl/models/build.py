@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import parallel
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
 from megarl.parallel import ParallelLayout
@@ -41,7 +42,8 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
         num_query_groups=dims.num_kv_heads,
         kv_channels=dims.head_dim,
         # Megatron's TransformerConfig calls the TP/PP sizes by these names; they must agree with
-        # parallel_state or every stage silently builds all layers (see FINDINGS).
+        # parallel_state or every stage silently builds all layers (megatron-core 0.16 reads the
+        # stage's layer count from the config, not from the groups).
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         normalization="RMSNorm",
@@ -132,13 +134,12 @@ def build_gpt_model(
     dims: ModelDims, layout: ParallelLayout, role: str = "actor", opts: ModelOptions | None = None
 ):
     """An unloaded (zero-initialised) GPTModel for this rank's pipeline stage."""
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     if role not in ROLES:
         raise ValueError(f"unknown model role {role!r}; known: {ROLES}")
     config = transformer_config(dims, layout, opts)
-    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    pre, post = parallel.is_first_stage(), parallel.is_last_stage()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(),

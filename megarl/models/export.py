@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megarl import parallel
 from megarl.models.dims import ModelDims
 from megarl.models.heads import has_scalar_head
 from megarl.models.hf_map import NameIndex, megatron_shards_to_hf
@@ -16,9 +17,7 @@ from megarl.parallel import ParallelLayout
 
 def gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
     """All TP shards of a tensor, in TP-rank order (one all-gather over the TP group)."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
+    group = parallel.tp_group()
     size = dist.get_world_size(group)
     if size == 1:
         return [tensor]
@@ -42,11 +41,9 @@ def iter_stage_hf_tensors(
     last stage is skipped when the first stage already exports ``model.embed_tokens.weight``.
     A critic's or reward model's scalar head is included (as ``score``) for those roles.
     """
-    from megatron.core import parallel_state as ps
-
     from megarl.models.build import layer_offset
 
-    pp_rank = ps.get_pipeline_model_parallel_rank()
+    pp_rank = parallel.pp_rank()
     index = NameIndex(dims, layer_offset(dims, layout, pp_rank), role=role)
     params = mapped_parameters(model)
     if has_scalar_head(role):

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from megarl import parallel
+
 # loss_fn(output, micro_batch) -> (loss, metrics). ``output`` is the last stage's model output
 # (vocab-parallel logits [b, s, v/tp] for the actor, values [b, s, 1] for the critic).
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
@@ -102,14 +104,9 @@ def run_schedule(
 def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the last pipeline stage holds it, on every stage (in place; collective)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(
-            tensor,
-            src=ps.get_pipeline_model_parallel_last_rank(),
-            group=ps.get_pipeline_model_parallel_group(),
-        )
+    if parallel.pp_size() > 1:
+        dist.broadcast(tensor, src=parallel.pp_last_rank(), group=parallel.pp_group())
     return tensor
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import parallel
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import NameIndex, hf_to_megatron_shard
@@ -38,17 +39,12 @@ def load_hf_into_model(
     A scalar head (critic, reward) is loaded too when ``hf_dir`` is a folder of that role;
     otherwise it keeps its fresh start.
     """
-    from megatron.core import parallel_state as ps
-
     from megarl.models.build import layer_offset
     from megarl.models.dims import read_hf_config
     from megarl.models.heads import has_scalar_head, hf_folder_role
 
-    tp_rank, tp_size = (
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_tensor_model_parallel_world_size(),
-    )
-    pp_rank = ps.get_pipeline_model_parallel_rank()
+    tp_rank, tp_size = parallel.tp_rank(), parallel.tp_size()
+    pp_rank = parallel.pp_rank()
     index = NameIndex(dims, layer_offset(dims, layout, pp_rank), role=role)
     reader = SafetensorsReader(hf_dir)
     params = mapped_parameters(model)

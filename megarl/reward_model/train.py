@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import parallel
 from megarl.algos import bradley_terry_loss
 from megarl.config import RunConfig
 from megarl.config import validate as validate_config
@@ -53,8 +54,6 @@ def _pair_loss(margin: float):
 
 
 def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, *, shuffle: bool, setting: str):
-    from megatron.core import parallel_state as ps
-
     from megarl.data import PreferenceDataset
 
     return PreferenceDataset(
@@ -62,7 +61,7 @@ def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, *, shuffle: b
         tokenizer,
         batch_size_per_rank=batch // layout.dp,
         max_length=cfg.reward_model.max_length,
-        dp_rank=ps.get_data_parallel_rank(),
+        dp_rank=parallel.dp_rank(),
         dp_size=layout.dp,
         seed=cfg.data.seed,
         shuffle=shuffle,
@@ -118,8 +117,6 @@ def _update(model, cfg: RunConfig, items, pad_id: int, loss_fn) -> dict[str, flo
 @torch.no_grad()
 def evaluate(model, cfg: RunConfig, dataset, pad_id: int) -> dict[str, float]:
     """Accuracy, loss and mean gap over one pass of ``dataset``; the same dict on every rank."""
-    from megatron.core import parallel_state as ps
-
     from megarl.models.forward import broadcast_from_last_stage, run_schedule
 
     loss_fn = _pair_loss(cfg.reward_model.margin)
@@ -133,7 +130,7 @@ def evaluate(model, cfg: RunConfig, dataset, pad_id: int) -> dict[str, float]:
                 [n, m["accuracy"] * n, m["loss"] * n, m["gap_mean"] * n], dtype=torch.float64
             )
     broadcast_from_last_stage(totals)
-    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    dist.all_reduce(totals, group=parallel.dp_group())
     pairs = max(float(totals[0]), 1.0)
     return {
         "val/rm_accuracy": float(totals[1]) / pairs,

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import parallel
 from megarl.algos import apply_kl_in_reward, compute_advantages, compute_tis_weights, masked_mean
 from megarl.config import RunConfig
 from megarl.rewards.manager import RewardManager, RewardSample
@@ -98,11 +99,9 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def _dp_mean(value: float) -> float:
-    from megatron.core import parallel_state as ps
-
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return float(t.item() / dist.get_world_size(ps.get_data_parallel_group()))
+    dist.all_reduce(t, group=parallel.dp_group())
+    return float(t.item() / parallel.dp_size())
 
 
 def compute_experience(

@@ -1,4 +1,4 @@
-"""The PPO/GRPO training loop. Every rank runs it (SPMD); see shared/DESIGN.md for the data flow."""
+"""The PPO/GRPO training loop. Every rank runs it (SPMD); see docs/architecture.md for the data flow."""
 
 from __future__ import annotations
 

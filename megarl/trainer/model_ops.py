@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megarl.errors import MegarlError
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
+from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.trainer.batch import Samples, micro_batches
 
 
@@ -22,19 +22,10 @@ class MicroBatching:
     max_tokens: int | None = None
 
 
-def _tp_group():
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    return group if dist.get_world_size(group) > 1 else None
-
-
 def response_positions(mb: Samples) -> torch.Tensor:
     """``[b, R]`` sequence positions whose outputs predict (or value) response token j of each row
     (``prompt_len - 1 + j``); past a row's end they repeat its last position (masked later)."""
-    resp = mb.response_mask.shape[1]
-    index = mb.starts.unsqueeze(1) + torch.arange(resp)
-    return index.clamp(max=mb.input_ids.shape[1] - 1)
+    return positions_from(mb.starts, mb.response_mask.shape[1], mb.input_ids.shape[1])
 
 
 def response_log_probs(
@@ -42,19 +33,9 @@ def response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response-space ``[b, R]`` logprobs (and entropy) of one micro-batch from vocab-parallel
     logits computed at :func:`response_positions` (``[b, R, vocab/tp]``)."""
-    positions = response_positions(mb)
-    targets = mb.input_ids.gather(1, (positions + 1).clamp(max=mb.input_ids.shape[1] - 1))
-    targets = targets.to(logits_shard.device)
-    if with_entropy:
-        logp, ent = vocab_parallel_log_probs_and_entropy(
-            logits_shard, targets, _tp_group(), vocab_size=vocab_size
-        )
-    else:
-        logp, ent = (
-            vocab_parallel_log_probs(logits_shard, targets, _tp_group(), vocab_size=vocab_size),
-            None,
-        )
-    return logp, ent
+    return log_probs_at(
+        logits_shard, mb.input_ids, response_positions(mb), vocab_size, with_entropy
+    )
 
 
 def response_values(output: torch.Tensor, mb: Samples) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import parallel
 from megarl.config import RunConfig
 from megarl.config import validate as validate_config
 from megarl.errors import ConfigError
@@ -146,8 +147,6 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, seed: int, setting: str):
-    from megatron.core import parallel_state as ps
-
     from megarl.data import PromptDataset
 
     return PromptDataset(
@@ -155,7 +154,7 @@ def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, seed: int, se
         tokenizer,
         batch_size_per_rank=batch // layout.dp,
         max_prompt_length=cfg.data.max_prompt_length,
-        dp_rank=ps.get_data_parallel_rank(),
+        dp_rank=parallel.dp_rank(),
         dp_size=layout.dp,
         seed=seed,
         shuffle=cfg.data.shuffle,

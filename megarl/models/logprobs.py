@@ -1,0 +1,74 @@
+"""Teacher-forced logprobs of given tokens, the one path used by the rollout scoring of the hybrid
+engine and by the trainer (old, reference and current logprobs).
+
+Sequences are right padded ``[b, L]``; position ``p`` predicts token ``p + 1``. Callers pick the
+positions whose outputs they need (``[b, P]``, usually a response: ``start - 1 + j``), the output
+layer projects only those (:func:`megarl.models.forward.select_output_positions`), and the
+logprobs are computed chunk by chunk on the vocabulary shard, without a gathered ``[b, P, V]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl import parallel
+from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+from megarl.models.forward import broadcast_from_last_stage, run_schedule
+
+
+def pad_right(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    """``[N, max_len]`` token ids, each sequence left-aligned and padded with ``pad_id``."""
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids
+
+
+def positions_from(starts: torch.Tensor, width: int, seq_len: int) -> torch.Tensor:
+    """``[b, width]`` positions ``starts[i] + j``; past the sequence they repeat its last position
+    (their values are garbage for the caller to mask or drop)."""
+    return (starts.unsqueeze(1) + torch.arange(width)).clamp(max=seq_len - 1)
+
+
+def targets_at(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The token each position predicts (``input_ids[p + 1]``, clamped to the last column)."""
+    return input_ids.gather(1, (positions + 1).clamp(max=input_ids.shape[1] - 1))
+
+
+def log_probs_at(
+    logits_shard: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_size: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[b, P]`` logprobs (and entropies) of the targets of ``positions`` from vocab-parallel
+    logits computed at those positions (``[b, P, vocab/tp]``)."""
+    targets = targets_at(input_ids, positions).to(logits_shard.device)
+    group = parallel.tp_group_if_split()
+    if with_entropy:
+        return vocab_parallel_log_probs_and_entropy(
+            logits_shard, targets, group, vocab_size=vocab_size
+        )
+    return vocab_parallel_log_probs(logits_shard, targets, group, vocab_size=vocab_size), None
+
+
+@torch.no_grad()
+def teacher_forced_log_probs(
+    model, input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """``[b, P]`` logprobs at ``positions`` in one forward-only pass through the pipeline, the
+    same tensor on every stage (collective over TP and PP)."""
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+
+    def logprobs(logits_shard: torch.Tensor, batch):
+        logp, _ = log_probs_at(logits_shard, ids, positions, vocab_size)
+        return logits_shard.new_zeros(()), {"logp": logp.float()}
+
+    outs = run_schedule(
+        [model], [{"input_ids": ids, "positions": positions}], logprobs, forward_only=True
+    )
+    out = outs[0]["logp"] if outs else torch.zeros(positions.shape, device=device)
+    return broadcast_from_last_stage(out.contiguous())

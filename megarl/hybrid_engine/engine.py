@@ -106,7 +106,7 @@ class HybridEngine:
         bucket_bytes: int = 256 << 20,
         rollout: VLLMRollout | None = None,
     ):
-        from megarl.models.build import layer_offset
+        from megarl.models.dims import layer_offset
 
         layout.check_rollout()
         self.layout = layout

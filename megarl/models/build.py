@@ -14,6 +14,7 @@ import torch
 from megarl import parallel
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
+from megarl.models.value_head import ValueHead
 from megarl.parallel import ParallelLayout
 
 ROLES = ("actor", "critic", "reference", "reward")
@@ -101,35 +102,6 @@ def layer_spec():
     return spec
 
 
-class ValueHead(torch.nn.Module):
-    """One scalar per token; replaces the LM output layer of a critic or a reward model
-    (replicated across TP; see :mod:`megarl.models.heads`).
-
-    Its signature matches megatron's output layer call ``(hidden, weight=, runtime_gather_output=)``
-    and it returns ``(scalars, None)`` like a ColumnParallelLinear.
-    """
-
-    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = True):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
-
-    def forward(self, hidden, weight=None, runtime_gather_output=None):
-        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
-
-    @torch.no_grad()
-    def fresh_init(self, head) -> None:
-        """The start of a head the checkpoint does not hold: zeros, or a seeded normal."""
-        if head.fresh_init == "normal":
-            gen = torch.Generator().manual_seed(head.init_seed)
-            w = torch.randn(self.weight.shape, generator=gen, dtype=torch.float32) * head.init_std
-            self.weight.copy_(w.to(self.weight.dtype))
-        else:
-            self.weight.zero_()
-        if self.bias is not None:
-            self.bias.zero_()
-
-
 def build_gpt_model(
     dims: ModelDims, layout: ParallelLayout, role: str = "actor", opts: ModelOptions | None = None
 ):
@@ -193,11 +165,6 @@ def _mark_tensor_parallel_params(model, dims: ModelDims) -> None:
         tm, _ = index.lookup(name)
         if tm.tp_dim is not None and not getattr(param, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=tm.tp_dim, stride=1)
-
-
-def layer_offset(dims: ModelDims, layout: ParallelLayout, pp_rank: int) -> int:
-    """Global index of the first layer held by pipeline stage ``pp_rank``."""
-    return sum(layout.layers_per_stage(dims.num_layers)[:pp_rank])
 
 
 def build_model(

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import CheckpointError, UnsupportedModelError
-from megarl.parallel import ModelShape
+from megarl.parallel import ModelShape, ParallelLayout
 
 # HF architecture name -> megarl family. Each family has a name map in megarl.models.hf_map.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -138,3 +138,8 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{cfg_file} is not valid JSON ({e}); re-download or re-export the model"
         ) from e
+
+
+def layer_offset(dims: ModelDims, layout: ParallelLayout, pp_rank: int) -> int:
+    """Global index of the first layer held by pipeline stage ``pp_rank``."""
+    return sum(layout.layers_per_stage(dims.num_layers)[:pp_rank])

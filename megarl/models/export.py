@@ -41,7 +41,7 @@ def iter_stage_hf_tensors(
     last stage is skipped when the first stage already exports ``model.embed_tokens.weight``.
     A critic's or reward model's scalar head is included (as ``score``) for those roles.
     """
-    from megarl.models.build import layer_offset
+    from megarl.models.dims import layer_offset
 
     pp_rank = parallel.pp_rank()
     index = NameIndex(dims, layer_offset(dims, layout, pp_rank), role=role)

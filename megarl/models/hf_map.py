@@ -46,7 +46,7 @@ class TensorMap:
         return "{layer}" in self.megatron
 
 
-# The critic's value head (megarl.models.build.ValueHead, replicated over TP) in Hugging Face
+# The critic's value head (megarl.models.value_head.ValueHead, replicated over TP) in Hugging Face
 # token-classification naming (``Qwen2ForTokenClassification`` / ``LlamaForTokenClassification``
 # with ``num_labels=1``): its ``score`` linear layer, with bias.
 VALUE_HEAD_MAPS: tuple[TensorMap, ...] = (

@@ -11,6 +11,7 @@ from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import NameIndex, hf_to_megatron_shard
 from megarl.models.safetensors_io import SafetensorsReader
+from megarl.models.value_head import ValueHead
 from megarl.parallel import ParallelLayout
 
 
@@ -23,8 +24,6 @@ def unwrap(model):
 
 def mapped_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """The trunk's parameters and the LM head; a scalar head (critic, reward) is left out."""
-    from megarl.models.build import ValueHead
-
     gpt = unwrap(model)
     skip = "output_layer." if isinstance(getattr(gpt, "output_layer", None), ValueHead) else None
     return [(n, p) for n, p in gpt.named_parameters() if not (skip and n.startswith(skip))]
@@ -39,8 +38,7 @@ def load_hf_into_model(
     A scalar head (critic, reward) is loaded too when ``hf_dir`` is a folder of that role;
     otherwise it keeps its fresh start.
     """
-    from megarl.models.build import layer_offset
-    from megarl.models.dims import read_hf_config
+    from megarl.models.dims import layer_offset, read_hf_config
     from megarl.models.heads import has_scalar_head, hf_folder_role
 
     tp_rank, tp_size = parallel.tp_rank(), parallel.tp_size()

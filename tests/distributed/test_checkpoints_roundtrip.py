@@ -75,7 +75,7 @@ def _key_mismatches(model, dims, layout) -> list[str]:
     from megatron.core import parallel_state as ps
 
     from megarl.checkpoint.keys import dist_checkpoint_key
-    from megarl.models.build import layer_offset
+    from megarl.models.dims import layer_offset
     from megarl.models.hf_map import NameIndex
 
     index = NameIndex(dims, layer_offset(dims, layout, ps.get_pipeline_model_parallel_rank()))

@@ -34,13 +34,13 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.config import load_config, validate
     from megarl.launch import run_torchrun, under_launcher
     from megarl.parallel import ParallelLayout
-    from megarl.trainer.run_state import check_inputs
+    from megarl.run.checks import check_inputs
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
     module_args = [args.config, *overrides]
     if under_launcher():  # already one of torchrun's / srun's ranks
-        from megarl.trainer.run import main as rank_main
+        from megarl.entry import main as rank_main
 
         return rank_main(module_args)
     nproc = args.nproc_per_node or cfg.parallel.tp * cfg.parallel.pp
@@ -48,7 +48,7 @@ def _train(args: argparse.Namespace) -> int:
     p = cfg.parallel
     layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files
-    return run_torchrun("megarl.trainer.run", module_args, nproc)
+    return run_torchrun("megarl.entry", module_args, nproc)
 
 
 def _plan(args: argparse.Namespace) -> int:

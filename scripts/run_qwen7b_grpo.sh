@@ -159,4 +159,4 @@ run "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
   --nproc-per-node "$GPUS_PER_NODE" \
-  -m megarl.trainer.run "$CONFIG" "${overrides[@]}"
+  -m megarl.entry "$CONFIG" "${overrides[@]}"

@@ -17,10 +17,15 @@ from megarl.algos.kl import (
     make_kl_controller,
 )
 from megarl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from megarl.algos.policy_loss import POLICY_LOSSES, compute_policy_loss, register_policy_loss
+from megarl.algos.policy_loss import (
+    POLICY_LOSS_REDUCTIONS,
+    POLICY_LOSSES,
+    compute_policy_loss,
+    register_policy_loss,
+)
 from megarl.algos.preference import bradley_terry_loss
 from megarl.algos.registry import DuplicateNameError, Registry, UnknownNameError
-from megarl.algos.tis import compute_tis_weights, rollout_mismatch_metrics
+from megarl.algos.tis import TIS_REDUCTIONS, compute_tis_weights, rollout_mismatch_metrics
 from megarl.algos.value_loss import compute_entropy_loss, compute_value_loss, entropy_bonus
 from megarl.algos.vocab_parallel import (
     entropy_from_logits,
@@ -36,6 +41,8 @@ __all__ = [
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "POLICY_LOSS_REDUCTIONS",
+    "TIS_REDUCTIONS",
     "AdaptiveKLController",
     "DuplicateNameError",
     "FixedKLController",

@@ -28,9 +28,13 @@ from megarl.algos.masked import (
     zero_masked,
 )
 from megarl.algos.registry import Registry
+from megarl.metrics import Reduce
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 register_policy_loss = POLICY_LOSSES.register
+
+# How compute_policy_loss's metrics combine over ranks and micro-batches' ranks (the rest: mean).
+POLICY_LOSS_REDUCTIONS = {"ratio_min": Reduce.MIN, "ratio_max": Reduce.MAX}
 
 # exp() of a log-ratio beyond this is an overflow in fp32, not a policy-gradient signal.
 LOG_RATIO_CLAMP = 20.0

@@ -22,6 +22,10 @@ from megarl.algos.masked import (
     masked_sum,
     zero_masked,
 )
+from megarl.metrics import Reduce
+
+# How compute_tis_weights's metrics combine over ranks (the rest: mean).
+TIS_REDUCTIONS = {"mismatch/abs_diff_max": Reduce.MAX, "tis/raw_weight_max": Reduce.MAX}
 
 TIS_LEVELS = ("token", "sequence")
 _LOG_RATIO_CLAMP = 20.0

@@ -39,8 +39,13 @@ from megarl.hybrid_engine.vllm_rollout import (
     VLLMRollout,
     checkpoint_shapes,
 )
+from megarl.metrics import Reduce
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
+
+# How the metrics of :meth:`HybridEngine.logprob_mismatch` combine over ranks (the rest: mean);
+# they are world-wide already, so every rank reports the same values.
+LOGPROB_MISMATCH_REDUCTIONS = {"rollout/logprob_diff_max": Reduce.MAX}
 
 
 @dataclass

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,22 +20,31 @@ import torch.distributed as dist
 from megarl import parallel
 from megarl.algos import bradley_terry_loss
 from megarl.config import RunConfig
-from megarl.config import validate as validate_config
+from megarl.data import PreferenceDataset, PreferenceItem
+from megarl.metrics import StepMetrics, declare, mean
+from megarl.models.dims import ModelDims
+from megarl.models.forward import broadcast_from_last_stage, run_schedule
+from megarl.parallel import ParallelLayout
 from megarl.reward_model.pairs import PairMicroBatch, pair_micro_batches
-from megarl.reward_model.scoring import last_token_scores
-from megarl.trainer import checkpointing
-from megarl.trainer.model_ops import NonFiniteError, all_finite
-from megarl.trainer.roles import Trainable, model_options, optim_settings
-from megarl.trainer.run_state import check_inputs, reduce_metrics
-from megarl.trainer.tracking import Tracker
+from megarl.rewards.model import last_token_scores
+from megarl.run.epochs import EpochBatches
+from megarl.run.finite import NonFiniteError, all_finite
+from megarl.run.resume import resume, save, save_due
+from megarl.run.startup import Startup, start
+from megarl.run.steps import log_step, summary
+from megarl.run.tracking import Tracker
+from megarl.run.trainable import Trainable, build_trainable, model_options, optim_settings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardModelRoles:
     """What the trainer checkpoints: one trainable reward model."""
 
     reward: Trainable
-    dims: Any
+    dims: ModelDims
 
     def trainables(self) -> dict[str, Trainable]:
         return {"reward": self.reward}
@@ -53,9 +61,16 @@ def _pair_loss(margin: float):
     return loss_fn
 
 
-def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, *, shuffle: bool, setting: str):
-    from megarl.data import PreferenceDataset
-
+def _dataset(
+    cfg: RunConfig,
+    files: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    batch: int,
+    layout: ParallelLayout,
+    *,
+    shuffle: bool,
+    setting: str,
+) -> PreferenceDataset:
     return PreferenceDataset(
         files,
         tokenizer,
@@ -70,7 +85,9 @@ def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, *, shuffle: b
     )
 
 
-def _micro_batches(cfg: RunConfig, items, pad_id: int) -> list[dict[str, Any]]:
+def _micro_batches(
+    cfg: RunConfig, items: list[PreferenceItem], pad_id: int
+) -> list[dict[str, Any]]:
     mbs = pair_micro_batches(items, cfg.reward_model.micro_batch_size, pad_id)
     total = sum(mb.pairs for mb in mbs)
     return [{"input_ids": mb.input_ids, "mb": mb, "weight": mb.pairs / total} for mb in mbs]
@@ -83,9 +100,9 @@ def _sum_metrics(outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return {k: float(sum(o[k] for o in outs)) for k in outs[0]}
 
 
-def _update(model, cfg: RunConfig, items, pad_id: int, loss_fn) -> dict[str, float]:
-    from megarl.models.forward import run_schedule
-
+def _update(
+    model: Trainable, cfg: RunConfig, items: list[PreferenceItem], pad_id: int, loss_fn: Any
+) -> dict[str, float]:
     model.ddp.zero_grad_buffer()
     model.optimizer.zero_grad()
     outs = run_schedule(
@@ -115,10 +132,10 @@ def _update(model, cfg: RunConfig, items, pad_id: int, loss_fn) -> dict[str, flo
 
 
 @torch.no_grad()
-def evaluate(model, cfg: RunConfig, dataset, pad_id: int) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, cfg: RunConfig, dataset: PreferenceDataset, pad_id: int
+) -> dict[str, float]:
     """Accuracy, loss and mean gap over one pass of ``dataset``; the same dict on every rank."""
-    from megarl.models.forward import broadcast_from_last_stage, run_schedule
-
     loss_fn = _pair_loss(cfg.reward_model.margin)
     totals = torch.zeros(4, dtype=torch.float64)  # pairs, correct, loss sum, gap sum
     for items in dataset:
@@ -142,111 +159,83 @@ def evaluate(model, cfg: RunConfig, dataset, pad_id: int) -> dict[str, float]:
 
 def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     """Run a reward-model config to ``trainer.total_steps`` (resuming when asked)."""
-    from transformers import AutoTokenizer
-
-    from megarl.data.chat import pad_token_id
-    from megarl.launch import init_distributed
-    from megarl.models.build import build_model
-    from megarl.models.distributed import wrap_for_training
-    from megarl.parallel import ParallelLayout, initialize_model_parallel
-
-    _, world = init_distributed()
-    p = cfg.parallel
-    layout = ParallelLayout.for_world(
-        world, tp=p.tp, pp=p.pp, pp_layers=tuple(p.pp_layers) if p.pp_layers else None
-    )
-    validate_config(cfg, world)
-    check_inputs(cfg, layout)
-    initialize_model_parallel(layout, seed=cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    pad_id = pad_token_id(tokenizer) or 0
+    startup = start(cfg, with_rollout=False)
+    layout, pad_id = startup.layout, startup.pad_id
     train_data = _dataset(
         cfg,
         cfg.data.train_files,
-        tokenizer,
+        startup.tokenizer,
         cfg.data.train_batch_size,
         layout,
         shuffle=cfg.data.shuffle,
         setting="data.train_files",
     )
-    model, dims = build_model(cfg.model.path, layout, "reward", model_options(cfg))
-    ddp, optimizer, scheduler = wrap_for_training(
-        model, optim_settings(cfg.reward_model.optim, cfg.trainer.total_steps)
+    reward, dims = build_trainable(
+        cfg.model.path,
+        layout,
+        "reward",
+        model_options(cfg),
+        optim_settings(cfg.reward_model.optim, cfg.trainer.total_steps),
     )
-    roles = RewardModelRoles(Trainable(model, ddp, optimizer, scheduler), dims)
-    start, history, run_id = 0, [], None
-    ckpt_root = Path(cfg.trainer.output_dir) / "checkpoints"
-    path = checkpointing.latest(ckpt_root) if cfg.trainer.resume == "auto" else None
-    if path is not None:
-        state = checkpointing.load(path, roles)
-        start, history, run_id = state["step"], list(state["history"]), state["mlflow_run_id"]
-        train_data.load_state_dict(state["data"])
-        if dist.get_rank() == 0:
-            print(f"resumed from {path} at step {start}", flush=True)
-    tracker = Tracker(cfg, dist.get_rank(), run_id=run_id)
+    roles = RewardModelRoles(reward, dims)
+    resumed = resume(cfg, roles, startup.rank)
+    if resumed.state:
+        train_data.load_state_dict(resumed.state["data"])
+    first, history = resumed.step, list(resumed.history)
+    tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id)
+    validating = bool(cfg.data.val_files and cfg.trainer.test_freq)
+    if first == 0 and validating:  # before training
+        tracker.log_metrics(_validation(roles, startup), 0)
+    batches = EpochBatches(
+        train_data, "the training data yields no batch: fewer pairs than data.train_batch_size"
+    )
     loss_fn = _pair_loss(cfg.reward_model.margin)
-    if start == 0 and cfg.data.val_files and cfg.trainer.test_freq:
-        tracker.log_metrics(
-            _validation(roles, cfg, tokenizer, layout, pad_id), 0
-        )  # before training
-    batches = iter(train_data)
     last: dict[str, float] = {}
-    for step in range(start, cfg.trainer.total_steps):
+    for step in range(first, cfg.trainer.total_steps):
         t0 = time.perf_counter()
-        try:
-            items = next(batches)
-        except StopIteration:  # next epoch
-            batches = iter(train_data)
-            items = next(batches)
-        m = _update(roles.reward, cfg, items, pad_id, loss_fn)
-        m.update(train_data.metrics())
-        m["perf/step_s"] = time.perf_counter() - t0
-        tokens = sum(
-            len(it.prompt_ids) * 2 + len(it.chosen_ids) + len(it.rejected_ids) for it in items
-        )
-        m["perf/tokens_per_s"] = tokens * layout.dp / m["perf/step_s"]
-        last = reduce_metrics(m)
-        tracker.log_metrics(last, step + 1)
-        tracker.progress(step, cfg.trainer.total_steps, last, start)
-        history.append(last)
-        if cfg.data.val_files and cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
-            val = _validation(roles, cfg, tokenizer, layout, pad_id)
+        items = batches.next()
+        m: StepMetrics = declare(_update(roles.reward, cfg, items, pad_id, loss_fn))
+        m.update(declare(train_data.metrics()))
+        m["perf/step_s"] = mean(time.perf_counter() - t0)
+        m["perf/tokens_per_s"] = mean(_tokens(items) * layout.dp / m["perf/step_s"].value)
+        last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
+        if validating and (step + 1) % cfg.trainer.test_freq == 0:
+            val = _validation(roles, startup)
             tracker.log_metrics(val, step + 1)
             last.update(val)
-        final = step + 1 == cfg.trainer.total_steps
-        if (cfg.trainer.save_freq and (step + 1) % cfg.trainer.save_freq == 0) or final:
-            checkpointing.save(
-                ckpt_root,
+        if save_due(cfg, step + 1):
+            save(
+                cfg,
                 step + 1,
                 roles,
-                cfg.model.path,
-                {
-                    "step": step + 1,
-                    "data": train_data.state_dict(),
-                    "mlflow_run_id": tracker.run_id,
-                    "history": history,
-                },
+                data=train_data.state_dict(),
+                tracker_run_id=tracker.run_id,
+                history=history,
             )
-    if dist.get_rank() == 0 and history:
-        first, end = history[0].get("rm/accuracy", float("nan")), last.get("rm/accuracy")
-        print(f"rm/accuracy: first step {first:.4f}, last step {end:.4f} over {len(history)} steps")
+    if startup.rank == 0 and history:
+        print(summary(history, "rm/accuracy", last), flush=True)
     tracker.close()
     train_data.close()
     return last
 
 
-def _validation(roles: RewardModelRoles, cfg: RunConfig, tokenizer, layout, pad_id: int):
+def _tokens(items: list[PreferenceItem]) -> int:
+    """Tokens of a step's pairs: the prompt twice, both responses."""
+    return sum(len(it.prompt_ids) * 2 + len(it.chosen_ids) + len(it.rejected_ids) for it in items)
+
+
+def _validation(roles: RewardModelRoles, startup: Startup) -> dict[str, float]:
+    cfg = startup.cfg
     val_data = _dataset(
         cfg,
         cfg.data.val_files,
-        tokenizer,
+        startup.tokenizer,
         cfg.data.val_batch_size,
-        layout,
+        startup.layout,
         shuffle=False,
         setting="data.val_files",
     )
     try:
-        return evaluate(roles.reward.model, cfg, val_data, pad_id)
+        return evaluate(roles.reward.model, cfg, val_data, startup.pad_id)
     finally:
         val_data.close()

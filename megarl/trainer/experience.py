@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megarl import parallel
-from megarl.algos import apply_kl_in_reward, compute_advantages, compute_tis_weights, masked_mean
-from megarl.config import RunConfig
+from megarl.algos import (
+    TIS_REDUCTIONS,
+    apply_kl_in_reward,
+    compute_advantages,
+    compute_tis_weights,
+    masked_mean,
+)
+from megarl.algos.kl import KLController
+from megarl.config import RewardConfig, RunConfig
+from megarl.data import PromptItem
+from megarl.hybrid_engine.engine import RolloutBatch
+from megarl.metrics import StepMetrics, declare, mean
 from megarl.rewards.manager import RewardManager, RewardSample
+from megarl.rewards.model import combine_scores, score_sequences
 from megarl.trainer.batch import Samples
 from megarl.trainer.hparams import advantage_inputs, advantage_kwargs
 from megarl.trainer.model_ops import (
@@ -19,13 +32,40 @@ from megarl.trainer.model_ops import (
     response_log_probs,
     response_values,
 )
+from megarl.trainer.roles import Roles
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PreTrainedTokenizerBase
 
 
-def decode_responses(batch, tokenizer) -> list[str]:
+@dataclass(frozen=True)
+class RewardSources:
+    """The outcome reward of a rollout: ``rule_weight * rules + model_weight * model``."""
+
+    rules: RewardManager  # rule scorers by data_source (or a custom function)
+    model: GPTModel | None  # a frozen reward model (reward.model_path), colocated
+    rule_weight: float
+    model_weight: float
+
+    @classmethod
+    def from_config(cls, r: RewardConfig, model: GPTModel | None) -> RewardSources:
+        rules = RewardManager(
+            custom_fn=r.custom_fn, num_workers=r.num_workers, timeout_s=r.timeout_s, strict=r.strict
+        )
+        return cls(rules, model, r.rule_weight, r.model_weight)
+
+    def close(self) -> None:
+        self.rules.close()
+
+
+def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     return tokenizer.batch_decode(batch.output.token_ids, skip_special_tokens=True)
 
 
-def rule_scores(rewards: RewardManager, items, batch, texts: list[str]):
+def rule_scores(
+    rewards: RewardManager, items: Sequence[PromptItem], batch: RolloutBatch, texts: list[str]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """One rule score per sample (the reward manager's scorers) and their metrics."""
     samples = [
         RewardSample(
@@ -41,29 +81,29 @@ def rule_scores(rewards: RewardManager, items, batch, texts: list[str]):
 
 
 def score_rollout(
-    run, items, batch, batching: MicroBatching
+    rewards: RewardSources,
+    tokenizer: PreTrainedTokenizerBase,
+    pad_id: int,
+    items: Sequence[PromptItem],
+    batch: RolloutBatch,
+    batching: MicroBatching,
 ) -> tuple[Samples, torch.Tensor, dict[str, float], list[str]]:
     """Samples of a rollout with their outcome scores: rule scorers, a reward model, or both
-    (``reward.rule_weight * rule + reward.model_weight * model``); also the decoded responses."""
-    from megarl.reward_model.policy_reward import combine_scores
-    from megarl.reward_model.scoring import score_sequences
-
-    r = run.cfg.reward
-    texts = decode_responses(batch, run.tokenizer)
-    samples = build_samples(items, batch, run.pad_id)
+    (``reward.rule_weight * rule + reward.model_weight * model``); also the decoded responses.
+    The metrics are this rank's means."""
+    texts = decode_responses(batch, tokenizer)
+    samples = build_samples(items, batch, pad_id)
     metrics: dict[str, float] = {}
     rule = torch.zeros(samples.size)
-    if r.rule_weight != 0:
-        rule, metrics = rule_scores(run.rewards, items, batch, texts)
+    if rewards.rule_weight != 0:
+        rule, metrics = rule_scores(rewards.rules, items, batch, texts)
         metrics["reward/rule_mean"] = float(rule.mean())
     model = None
-    if run.reward_model is not None:
-        model = score_sequences(
-            run.reward_model, samples.input_ids, samples.seq_lens(), batching.size
-        )
+    if rewards.model is not None:
+        model = score_sequences(rewards.model, samples.input_ids, samples.seq_lens(), batching.size)
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
-    scores = combine_scores(rule, model, r.rule_weight, r.model_weight)
+    scores = combine_scores(rule, model, rewards.rule_weight, rewards.model_weight)
     set_outcome_scores(samples, scores)
     return samples, scores, metrics, texts
 
@@ -76,7 +116,7 @@ def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
     samples.tensors["token_level_scores"] = token_scores
 
 
-def build_samples(items, batch, pad_id: int) -> Samples:
+def build_samples(items: Sequence[PromptItem], batch: RolloutBatch, pad_id: int) -> Samples:
     responses = batch.output.token_ids
     prompts = [batch.prompts[i] for i in batch.output.prompt_index]
     groups = [items[i].uid for i in batch.output.prompt_index]
@@ -105,10 +145,14 @@ def _dp_mean(value: float) -> float:
 
 
 def compute_experience(
-    cfg: RunConfig, roles, samples: Samples, kl_ctrl, batching: MicroBatching
-) -> dict[str, Any]:
+    cfg: RunConfig,
+    roles: Roles,
+    samples: Samples,
+    kl_ctrl: KLController | None,
+    batching: MicroBatching,
+) -> StepMetrics:
     """Fill ``samples.tensors`` with ref_log_prob, values, token_level_rewards, advantages, returns."""
-    metrics: dict[str, float] = {}
+    metrics: StepMetrics = {}
     t, mask = samples.tensors, samples.response_mask
     vocab = roles.dims.vocab_size
     if roles.reference is not None:
@@ -123,7 +167,7 @@ def compute_experience(
             roles.critic.model, samples, response_values, batching
         )
     rewards = t["token_level_scores"]
-    if cfg.algorithm.use_kl_in_reward:
+    if kl_ctrl is not None:  # algorithm.use_kl_in_reward
         rewards, kl_metrics = apply_kl_in_reward(
             rewards,
             t["old_log_prob"],
@@ -134,7 +178,7 @@ def compute_experience(
         )
         kl = _dp_mean(float(kl_metrics["kl"]))
         kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size)
-        metrics.update({"actor/reward_kl": kl, "actor/kl_coef": float(kl_ctrl.value)})
+        metrics.update({"actor/reward_kl": mean(kl), "actor/kl_coef": mean(kl_ctrl.value)})
     t["token_level_rewards"] = rewards
     inputs = advantage_inputs(cfg.algorithm)
     extra = {}
@@ -153,8 +197,8 @@ def compute_experience(
         t["tis_weights"], tis_metrics = compute_tis_weights(
             t["old_log_prob"], t["rollout_log_prob"], mask, cap=cfg.algorithm.tis_cap
         )
-        metrics.update({f"rollout/{k}": float(v) for k, v in tis_metrics.items()})
+        metrics.update(declare(tis_metrics, TIS_REDUCTIONS, prefix="rollout/"))
     if "values" in t:
-        metrics["critic/values_mean"] = float(masked_mean(t["values"], mask))
-    metrics["actor/advantages_mean"] = float(masked_mean(t["advantages"], mask))
+        metrics["critic/values_mean"] = mean(masked_mean(t["values"], mask))
+    metrics["actor/advantages_mean"] = mean(masked_mean(t["advantages"], mask))
     return metrics

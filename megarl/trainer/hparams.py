@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from megarl.algos import ADV_ESTIMATORS, POLICY_LOSSES
+from megarl.algos import ADV_ESTIMATORS, KL_CONTROLLERS, POLICY_LOSSES
 from megarl.config import AlgorithmConfig
 
 
@@ -37,6 +37,13 @@ def policy_loss_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
 def advantage_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
     accepted = _accepted(ADV_ESTIMATORS.get(cfg.adv_estimator))
     return {k: v for k, v in _candidates(cfg).items() if k in accepted}
+
+
+def kl_controller_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
+    """The settings the configured KL controller (``algorithm.kl_ctrl``) takes."""
+    candidates = {"kl_coef": cfg.kl_coef, "target_kl": cfg.target_kl, "horizon": cfg.kl_horizon}
+    accepted = _accepted(KL_CONTROLLERS.get(cfg.kl_ctrl))
+    return {k: v for k, v in candidates.items() if k in accepted}
 
 
 def advantage_inputs(cfg: AlgorithmConfig) -> set[str]:

@@ -10,9 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.errors import MegarlError
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
 from megarl.models.logprobs import log_probs_at, positions_from
+from megarl.run.finite import NonFiniteError, all_finite
+from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples, micro_batches
 
 
@@ -68,20 +69,6 @@ def forward_response_tensor(
     return broadcast_from_last_stage(result)
 
 
-class NonFiniteError(MegarlError):
-    """The loss or the gradients of an update were NaN or inf."""
-
-
-def all_finite(ddp, outputs: list[dict[str, torch.Tensor]]) -> bool:
-    """Whether every rank saw finite losses and gradients (one all-reduce over the world)."""
-    bad = any(not torch.isfinite(v).all() for out in outputs for v in out.values())
-    for buffer in getattr(ddp, "buffers", []):
-        bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
-    flag = torch.tensor([1.0 if bad else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0.0
-
-
 def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     """Whether every rank's rollout has finite actor logprobs on its response tokens.
 
@@ -115,9 +102,8 @@ def _weight(mb: Samples, mini_tokens: float, mini_seqs: int, token_level: bool) 
 
 
 def ppo_update(
-    ddp,
-    optimizer,
-    scheduler,
+    trainable: Trainable,
+    role: str,
     samples: Samples,
     mini_batches: Sequence[Sequence[int]],
     epochs: int,
@@ -126,11 +112,13 @@ def ppo_update(
     token_level: bool,
     skip_non_finite: bool = False,
 ) -> list[dict[str, float]]:
-    """``epochs`` x mini-batches x micro-batches of optimizer steps; returns per-step metrics.
+    """``epochs`` x mini-batches x micro-batches of optimizer steps; returns per-step metrics
+    (the loss function's, and ``<role>/grad_norm``, ``lr``, ``update_ok``, ``skipped_non_finite``).
 
     megatron's DDP averages gradients over data-parallel ranks, so the loss is the mean of each
     rank's mini-batch loss (token- or sequence-weighted within the rank).
     """
+    ddp, optimizer, scheduler = trainable.ddp, trainable.optimizer, trainable.scheduler
     history = []
     for _ in range(epochs):
         for rows in mini_batches:
@@ -166,16 +154,16 @@ def ppo_update(
                         "(the last checkpoint is kept). Lower the learning rate, or set "
                         "trainer.nan_policy=skip to skip such steps"
                     )
-                history.append({"skipped_non_finite": 1.0})
+                history.append({f"{role}/skipped_non_finite": 1.0})
                 continue
             ok, grad_norm, _ = optimizer.step()
             scheduler.step(increment=1)
             step_metrics = {
-                "grad_norm": float(grad_norm if grad_norm is not None else float("nan"))
+                f"{role}/grad_norm": float(grad_norm if grad_norm is not None else float("nan")),
+                f"{role}/update_ok": float(bool(ok)),
+                f"{role}/skipped_non_finite": 0.0,
+                f"{role}/lr": float(optimizer.param_groups[0]["lr"]),
             }
-            step_metrics["update_ok"] = float(bool(ok))
-            step_metrics["skipped_non_finite"] = 0.0
-            step_metrics["lr"] = float(optimizer.param_groups[0]["lr"])
             if outs:
                 for key in outs[0]:
                     vals = torch.stack(

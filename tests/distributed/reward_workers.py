@@ -51,8 +51,8 @@ def _hf_reference(model_dir: str, items, pad_id: int):
 def reward_model_worker(rank: int, world: int, model_dir: str) -> dict[str, float]:
     adapt_megatron_for_cpu()
     from megarl.reward_model.pairs import pad_sequences
-    from megarl.reward_model.scoring import score_sequences
     from megarl.reward_model.train import _micro_batches, _pair_loss
+    from megarl.rewards.model import score_sequences
 
     layout = ParallelLayout.for_world(world, tp=2, pp=2)
     initialize_model_parallel(layout)

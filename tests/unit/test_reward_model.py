@@ -16,8 +16,7 @@ from megarl.models.dims import ModelDims
 from megarl.models.heads import causal_architecture, head_architecture, hf_folder_role
 from megarl.models.hf_map import NameIndex, tensor_maps
 from megarl.reward_model.pairs import pair_micro_batches
-from megarl.reward_model.policy_reward import combine_scores
-from megarl.reward_model.scoring import last_token_scores
+from megarl.rewards.model import combine_scores, last_token_scores
 from tests.assets import tiny_qwen2_reward_dir
 
 
@@ -113,7 +112,7 @@ def test_reward_model_config_is_checked_on_its_own_terms():
 
 
 def test_reward_model_path_errors_name_the_fix(tmp_path):
-    from megarl.reward_model.policy_reward import check_reward_model
+    from megarl.rewards.model import check_reward_model
     from tests.assets import tiny_qwen2_dir
 
     check_reward_model(str(tiny_qwen2_reward_dir()), policy_vocab_size=512)  # fine

@@ -1,5 +1,8 @@
-"""A trained reward model inside PPO/GRPO: built colocated at the policy's TP/PP layout, frozen,
-and run forward-only through the pipeline on each rollout (prompt + response)."""
+"""A trained reward model as a reward source beside the rule scorers: built colocated at the
+policy's TP/PP layout, frozen, and run forward-only through the pipeline on each rollout
+(prompt + response). A sequence's score is the scalar head read at its last token (as
+transformers' ``*ForSequenceClassification`` reads it at the last non-pad token); the
+reward-model trainer (:mod:`megarl.reward_model`) reads its scores the same way."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megarl.errors import ConfigError
+from megarl.models.forward import broadcast_from_last_stage, run_schedule
 
 _KINDS = {"actor": "causal LM", "reference": "causal LM", "critic": "value model (critic)"}
 
@@ -86,3 +90,35 @@ def combine_scores(
     if model is not None:
         out = out + model_weight * model
     return out
+
+
+def last_token_scores(output: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """``[b, s, 1]`` head output -> ``[b]`` scores at positions ``seq_lens - 1``."""
+    rows = torch.arange(output.shape[0], device=output.device)
+    return output[rows, seq_lens.to(output.device) - 1, 0].float()
+
+
+@torch.no_grad()
+def score_sequences(
+    model, input_ids: torch.Tensor, seq_lens: torch.Tensor, micro_batch_size: int
+) -> torch.Tensor:
+    """``[N]`` scores of right-padded sequences, forward-only through the pipeline schedule; the
+    same tensor on every rank of the model-parallel group. Collective over TP and PP."""
+    n = int(input_ids.shape[0])
+    order = sorted(range(n), key=lambda i: (int(seq_lens[i]), i))
+    chunks = [order[s : s + micro_batch_size] for s in range(0, n, micro_batch_size)]
+    batches = []
+    for chunk in chunks:
+        idx = torch.as_tensor(chunk, dtype=torch.long)
+        width = int(seq_lens[idx].max())
+        batches.append({"input_ids": input_ids[idx, :width], "lens": seq_lens[idx]})
+    outs = run_schedule(
+        [model],
+        batches,
+        lambda out, b: (out.sum() * 0.0, {"score": last_token_scores(out, b["lens"])}),
+        forward_only=True,
+    )
+    scores = torch.zeros(n, dtype=torch.float32)
+    for chunk, out in zip(chunks, outs, strict=False):  # outputs exist on the last stage only
+        scores[torch.as_tensor(chunk, dtype=torch.long)] = out["score"].cpu()
+    return broadcast_from_last_stage(scores)

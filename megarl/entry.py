@@ -1,27 +1,34 @@
-"""Rank entry point of ``megarl train``: ``python -m megarl.trainer.run CONFIG.yaml [key=value ...]``
+"""Rank entry point of ``megarl train``: ``python -m megarl.entry CONFIG.yaml [key=value ...]``
 under torchrun or Slurm srun (``megarl train --nproc-per-node N`` starts torchrun itself)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from megarl.errors import MegarlError
 
+if TYPE_CHECKING:
+    from megarl.config import RunConfig
 
-def _policy():
+Trainer = Callable[["RunConfig"], dict[str, float]]
+
+
+def _policy() -> Trainer:
     from megarl.trainer.loop import train
 
     return train
 
 
-def _reward_model():
+def _reward_model() -> Trainer:
     from megarl.reward_model.train import train_reward_model
 
     return train_reward_model
 
 
 # trainer.kind -> the function that runs such a config (imported lazily: each pulls in megatron)
-TRAINERS = {"policy": _policy, "reward_model": _reward_model}
+TRAINERS: dict[str, Callable[[], Trainer]] = {"policy": _policy, "reward_model": _reward_model}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(
-            "usage: python -m megarl.trainer.run CONFIG.yaml [section.key=value ...]",
+            "usage: python -m megarl.entry CONFIG.yaml [section.key=value ...]",
             file=sys.stderr,
         )
         return 2

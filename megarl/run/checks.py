@@ -1,0 +1,28 @@
+"""The cheap checks of a run's inputs (model folders, layout, data files), made before launch by
+the CLI and again on every rank before any heavy work."""
+
+from __future__ import annotations
+
+from megarl.config import RunConfig
+from megarl.parallel import ParallelLayout
+
+
+def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
+    """Model folder, layout against it, reward model, data files (footers only)."""
+    from megarl.data.parquet_source import inspect_files, resolve_files
+    from megarl.models.dims import ModelDims
+
+    dims = ModelDims.from_pretrained(cfg.model.path)
+    layout.check_model(dims.shape)
+    if cfg.model.critic_path:
+        ModelDims.from_pretrained(cfg.model.critic_path)
+    if cfg.reward.model_path:
+        from megarl.rewards.model import check_reward_model
+
+        check_reward_model(cfg.reward.model_path, dims.vocab_size)
+    for files, what in (
+        (cfg.data.train_files, "data.train_files"),
+        (cfg.data.val_files, "data.val_files"),
+    ):
+        if files:  # unreadable files fail here
+            inspect_files(*resolve_files(files, what=what))

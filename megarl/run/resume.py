@@ -1,0 +1,75 @@
+"""Where a run continues from: its latest checkpoint (``trainer.resume: auto``) or the start.
+
+The trainer state saved beside the models is a dict per rank; both trainers store ``step``,
+``data`` (the data position), ``mlflow_run_id`` and ``history`` (the logged metrics of every step
+so far), the policy trainer also its KL controller and rollout count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.config import RunConfig
+from megarl.run import checkpointing
+from megarl.run.trainable import TrainedModels
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A fresh run (step 0) or what a checkpoint restored: models, optimizers, schedulers and RNG
+    are already loaded; the rest of this rank's trainer state is in ``state``."""
+
+    step: int = 0
+    history: tuple[dict[str, float], ...] = ()
+    tracker_run_id: str | None = None
+    state: Mapping[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_root(cfg: RunConfig) -> Path:
+    return Path(cfg.trainer.output_dir) / "checkpoints"
+
+
+def resume(cfg: RunConfig, models: TrainedModels, rank: int) -> Resumed:
+    """Load the latest checkpoint into ``models`` when the run asks for it and one exists."""
+    path = checkpointing.latest(checkpoint_root(cfg)) if cfg.trainer.resume == "auto" else None
+    if path is None:
+        return Resumed()
+    state = checkpointing.load(path, models)
+    if rank == 0:
+        print(f"resumed from {path} at step {state['step']}", flush=True)
+    return Resumed(
+        step=state["step"],
+        history=tuple(state.get("history", [])),
+        tracker_run_id=state.get("mlflow_run_id"),
+        state=state,
+    )
+
+
+def save_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the run saves after ``step`` (1-based): every ``save_freq`` steps and at the end."""
+    every = cfg.trainer.save_freq
+    return bool(every and step % every == 0) or step == cfg.trainer.total_steps
+
+
+def save(
+    cfg: RunConfig,
+    step: int,
+    models: TrainedModels,
+    *,
+    data: Mapping[str, Any],
+    tracker_run_id: str | None,
+    history: list[dict[str, float]],
+    **extra: Any,
+) -> Path:
+    """Checkpoint ``step`` with the trainer state both trainers keep (and ``extra`` entries)."""
+    state = {
+        "step": step,
+        "data": data,
+        **extra,
+        "mlflow_run_id": tracker_run_id,
+        "history": history,
+    }
+    return checkpointing.save(checkpoint_root(cfg), step, models, cfg.model.path, state)

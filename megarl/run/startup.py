@@ -1,0 +1,58 @@
+"""Start-up of a rank: process group, layout, config and input checks, model-parallel groups,
+seed and tokenizer; the same for both trainers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from megarl.config import RunConfig
+from megarl.config import validate as validate_config
+from megarl.parallel import ParallelLayout
+from megarl.run.checks import check_inputs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Startup:
+    """A started rank: its layout, its global rank, and the policy's tokenizer."""
+
+    cfg: RunConfig
+    layout: ParallelLayout
+    rank: int
+    tokenizer: PreTrainedTokenizerBase
+    pad_id: int
+
+
+def layout_for(cfg: RunConfig, world: int, *, with_rollout: bool) -> ParallelLayout:
+    """The training layout of ``cfg`` over ``world`` ranks (with the rollout's TP when it rolls out)."""
+    p = cfg.parallel
+    return ParallelLayout.for_world(
+        world,
+        tp=p.tp,
+        pp=p.pp,
+        pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
+        infer_tp=p.infer_tp if with_rollout else None,
+    )
+
+
+def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
+    """Everything before the first model is built; the cheap checks come before any heavy work."""
+    from transformers import AutoTokenizer
+
+    from megarl.data.chat import pad_token_id
+    from megarl.launch import init_distributed
+    from megarl.parallel import initialize_model_parallel
+
+    rank, world = init_distributed()
+    layout = layout_for(cfg, world, with_rollout=with_rollout)
+    validate_config(cfg, world)
+    check_inputs(cfg, layout)
+    initialize_model_parallel(layout, seed=cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)

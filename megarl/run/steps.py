@@ -1,0 +1,45 @@
+"""The per-step bookkeeping of both trainers: reduce the step's metrics, log them, keep history."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from megarl.metrics import Metric, StepMetrics, mean, reduce_metrics
+from megarl.run.tracking import Tracker
+
+
+@contextmanager
+def timed(metrics: StepMetrics, phase: str) -> Iterator[None]:
+    """``timing/<phase>_s``: the wall time of the body (mean over ranks)."""
+    t0 = time.perf_counter()
+    yield
+    metrics[f"timing/{phase}_s"] = mean(time.perf_counter() - t0)
+
+
+def log_step(
+    tracker: Tracker,
+    history: list[dict[str, float]],
+    metrics: Mapping[str, Metric],
+    step: int,
+    total: int,
+    first_step: int,
+) -> dict[str, float]:
+    """Reduce ``metrics`` over ranks, log them as step ``step + 1``, print progress; collective."""
+    reduced = reduce_metrics(metrics)
+    tracker.log_metrics(reduced, step + 1)
+    tracker.progress(step, total, reduced, first_step)
+    history.append(reduced)
+    return reduced
+
+
+def summary(
+    history: list[dict[str, float]], key: str, last: Mapping[str, float] | None = None
+) -> str:
+    """``key``'s value at the first and last step (``last``: the last step's metrics if given)."""
+    if not history:
+        return "no steps run"
+    end = (last if last is not None else history[-1]).get(key, float("nan"))
+    first = history[0].get(key, float("nan"))
+    return f"{key}: first step {first:.4f}, last step {end:.4f} over {len(history)} steps"

@@ -1,0 +1,71 @@
+"""A trained model with its megatron DDP wrapper, optimizer and scheduler, and how one is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from megarl.config import OptimConfig, RunConfig
+from megarl.models.build import ModelOptions, build_model
+from megarl.models.dims import ModelDims
+from megarl.models.distributed import OptimSettings, wrap_for_training
+from megarl.parallel import ParallelLayout
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+@dataclass(frozen=True)
+class Trainable:
+    model: GPTModel
+    ddp: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+
+class TrainedModels(Protocol):
+    """What a checkpoint saves and restores: the trained models by role, and their dims."""
+
+    @property
+    def dims(self) -> ModelDims: ...
+
+    def trainables(self) -> dict[str, Trainable]: ...
+
+
+def optim_settings(o: OptimConfig, total_updates: int) -> OptimSettings:
+    return OptimSettings(
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        warmup_steps=o.warmup_steps,
+        total_steps=total_updates,
+        lr_decay_style=o.lr_decay_style,
+    )
+
+
+def model_options(cfg: RunConfig) -> ModelOptions:
+    return ModelOptions(
+        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
+        recompute=cfg.model.recompute,
+    )
+
+
+def build_trainable(
+    path: str | Path,
+    layout: ParallelLayout,
+    role: str,
+    opts: ModelOptions,
+    settings: OptimSettings,
+) -> tuple[Trainable, ModelDims]:
+    """This rank's shard of a model loaded from ``path``, wrapped for training."""
+    model, dims = build_model(path, layout, role, opts)
+    ddp, optimizer, scheduler = wrap_for_training(model, settings)
+    return Trainable(model, ddp, optimizer, scheduler), dims

@@ -1,0 +1,176 @@
+"""The run assembly of ``megarl train``: small builders, each returning a frozen, typed part of
+the run, and :func:`setup_run` putting them together in order (the cheap checks first).
+
+A :class:`PolicyRun` holds what the loop needs; its parts own their state (models, data position,
+KL coefficient, tracker), the run object itself is never rebound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megarl import parallel
+from megarl.algos.kl import KLController
+from megarl.config import RunConfig
+from megarl.data import PromptDataset, PromptItem
+from megarl.hybrid_engine.engine import HybridEngine
+from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
+from megarl.models.dims import ModelDims
+from megarl.run.epochs import EpochBatches
+from megarl.run.resume import Resumed, resume
+from megarl.run.startup import Startup, start
+from megarl.run.tracking import Tracker
+from megarl.run.trainable import model_options
+from megarl.trainer.experience import RewardSources
+from megarl.trainer.model_ops import MicroBatching
+from megarl.trainer.roles import Roles, build_roles
+from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """The colocated rollout engine and how it samples (training and validation rollouts)."""
+
+    engine: HybridEngine
+    sampling: SamplingConfig
+    val_sampling: SamplingConfig
+
+
+@dataclass(frozen=True)
+class PolicyData:
+    train: PromptDataset
+    val: PromptDataset | None
+    batches: EpochBatches[list[PromptItem]]  # the training prompts, epoch after epoch
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    cfg: RunConfig
+    startup: Startup  # layout, rank, tokenizer
+    spec: AlgorithmSpec
+    models: Roles
+    rollout: Rollout
+    data: PolicyData
+    rewards: RewardSources
+    kl_ctrl: KLController | None
+    batching: MicroBatching
+    tracker: Tracker
+    resumed: Resumed
+
+    def mini_batches(self, size: int) -> list[list[int]]:
+        """Rows of each mini-batch of a rollout of ``size`` rows on this rank: whole prompt
+        groups, in rollout order."""
+        per_rank_prompts = self.cfg.actor.ppo_mini_batch_size // self.startup.layout.dp
+        rows = per_rank_prompts * self.cfg.rollout.n
+        return [list(range(s, min(s + rows, size))) for s in range(0, size, rows)]
+
+    def close(self) -> None:
+        self.tracker.close()
+        self.rewards.close()
+
+
+def build_data(cfg: RunConfig, startup: Startup) -> PolicyData:
+    def dataset(files: list[str], batch: int, setting: str) -> PromptDataset:
+        return PromptDataset(
+            files,
+            startup.tokenizer,
+            batch_size_per_rank=batch // startup.layout.dp,
+            max_prompt_length=cfg.data.max_prompt_length,
+            dp_rank=parallel.dp_rank(),
+            dp_size=startup.layout.dp,
+            seed=cfg.data.seed,
+            shuffle=cfg.data.shuffle,
+            overlong_prompts=cfg.data.overlong_prompts,
+            require_ground_truth=False,
+            setting=setting,
+        )
+
+    train = dataset(cfg.data.train_files, cfg.data.train_batch_size, "data.train_files")
+    val = None
+    if cfg.data.val_files:
+        val = dataset(cfg.data.val_files, cfg.data.val_batch_size, "data.val_files")
+    empty = "the training data yields no batch: fewer prompts than data.train_batch_size"
+    return PolicyData(train, val, EpochBatches(train, empty))
+
+
+def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
+    """Rule scorers, and the frozen reward model of ``reward.model_path`` when one is set."""
+    model: GPTModel | None = None
+    if cfg.reward.model_path:
+        from megarl.rewards.model import build_reward_model
+
+        model = build_reward_model(cfg.reward.model_path, startup.layout, model_options(cfg))
+    return RewardSources.from_config(cfg.reward, model)
+
+
+def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    r = cfg.rollout
+    engine = HybridEngine(
+        cfg.model.path,
+        startup.layout,
+        models.dims,
+        models.actor.ddp,
+        models.actor.optimizer,
+        engine_config=EngineConfig(
+            max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+            kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
+            dtype=cfg.model.dtype,
+            seed=cfg.trainer.seed,
+        ),
+    )
+    sampling = SamplingConfig(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_response_length,
+        n=r.n,
+        seed=cfg.trainer.seed,
+    )
+    val_sampling = SamplingConfig(
+        temperature=r.val_temperature,
+        max_new_tokens=r.max_response_length,
+        n=1,
+        seed=cfg.trainer.seed,
+    )
+    return Rollout(engine, sampling, val_sampling)
+
+
+def restore(
+    resumed: Resumed, data: PolicyData, kl_ctrl: KLController | None, rollout: Rollout
+) -> None:
+    """Put the resumed data position, KL coefficient and rollout count back (models are loaded)."""
+    if not resumed.state:
+        return
+    data.train.load_state_dict(resumed.state["data"])
+    if kl_ctrl is not None and resumed.state["kl_ctrl"] is not None:
+        kl_ctrl.load_state_dict(resumed.state["kl_ctrl"])
+    rollout.engine.rollout_count = resumed.state["rollouts"]
+
+
+def setup_run(cfg: RunConfig) -> PolicyRun:
+    startup = start(cfg, with_rollout=True)
+    spec = resolve_algorithm(cfg, ModelDims.from_pretrained(cfg.model.path).vocab_size)
+    data = build_data(cfg, startup)
+    models = build_roles(cfg, startup.layout, spec)
+    rewards = build_rewards(cfg, startup)
+    rollout = build_rollout(cfg, startup, models)
+    kl_ctrl = make_kl_in_reward_controller(cfg)
+    resumed = resume(cfg, models, startup.rank)
+    restore(resumed, data, kl_ctrl, rollout)
+    return PolicyRun(
+        cfg=cfg,
+        startup=startup,
+        spec=spec,
+        models=models,
+        rollout=rollout,
+        data=data,
+        rewards=rewards,
+        kl_ctrl=kl_ctrl,
+        batching=MicroBatching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch),
+        tracker=Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id),
+        resumed=resumed,
+    )

@@ -1,0 +1,55 @@
+"""The algorithm choices of a PPO/GRPO run, resolved once from the config into a typed spec.
+
+Everything that depends on the algorithm's config words (which models exist, the loss functions,
+how their metrics combine over ranks, the KL controller) is decided here by looking up the
+registered functions, never by branching on a name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megarl.algos import POLICY_LOSS_REDUCTIONS, make_kl_controller
+from megarl.algos.kl import KLController
+from megarl.config import RunConfig
+from megarl.metrics import Reduce
+from megarl.trainer.hparams import advantage_inputs, kl_controller_kwargs
+from megarl.trainer.losses import make_actor_loss, make_critic_loss
+from megarl.trainer.model_ops import LossFn
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    needs_reference: bool  # a KL term (loss or reward) compares against the reference model
+    needs_critic: bool  # the advantage estimator takes values
+    advantage_inputs: frozenset[str]
+    actor_loss: LossFn
+    critic_loss: LossFn
+    token_level: bool  # token-mean loss aggregation: micro-batches weigh by tokens, not rows
+    kl_in_reward: bool
+    # how the actor's and critic's update metrics combine over ranks (the rest: mean)
+    update_reductions: Mapping[str, Reduce]
+
+
+def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
+    a = cfg.algorithm
+    inputs = frozenset(advantage_inputs(a))
+    return AlgorithmSpec(
+        needs_reference=a.use_kl_loss or a.use_kl_in_reward,
+        needs_critic="values" in inputs,
+        advantage_inputs=inputs,
+        actor_loss=make_actor_loss(a, vocab_size),
+        critic_loss=make_critic_loss(cfg.critic, a.loss_agg_mode),
+        token_level=a.loss_agg_mode == "token-mean",
+        kl_in_reward=a.use_kl_in_reward,
+        update_reductions={f"actor/{k}": r for k, r in POLICY_LOSS_REDUCTIONS.items()},
+    )
+
+
+def make_kl_in_reward_controller(cfg: RunConfig) -> KLController | None:
+    """The KL coefficient's controller of a run with a KL penalty in the reward (None without)."""
+    a = cfg.algorithm
+    if not a.use_kl_in_reward:
+        return None
+    return make_kl_controller(a.kl_ctrl, **kl_controller_kwargs(a))

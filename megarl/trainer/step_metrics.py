@@ -1,0 +1,44 @@
+"""The metrics of a rollout (rewards, response lengths, data, throughput), each with the
+reduction over ranks it needs."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.data import PromptDataset
+from megarl.hybrid_engine.engine import LOGPROB_MISMATCH_REDUCTIONS, RolloutBatch
+from megarl.metrics import StepMetrics, declare, maximum, mean, minimum
+from megarl.trainer.batch import Samples
+
+
+def rollout_metrics(
+    samples: Samples,
+    scores: torch.Tensor,
+    batch: RolloutBatch,
+    reward_metrics: dict[str, float],
+    dataset: PromptDataset,
+) -> StepMetrics:
+    """Rewards and response lengths of this rank's rollout, the reward scorers' and the data's
+    counters, and the engine's logprob mismatch."""
+    lens = samples.response_lens.float()
+    clipped = [r == "length" for r in batch.output.finish_reasons]
+    out = declare(batch.metrics, LOGPROB_MISMATCH_REDUCTIONS)
+    out.update(
+        {
+            "reward/mean": mean(scores.mean()),
+            "reward/std": mean(scores.std()) if scores.numel() > 1 else mean(0.0),
+            "reward/max": maximum(scores.max()),
+            "reward/min": minimum(scores.min()),
+            "response/length_mean": mean(lens.mean()),
+            "response/length_max": maximum(lens.max()),
+            "response/clip_ratio": mean(sum(clipped) / max(len(clipped), 1)),
+        }
+    )
+    out.update(declare({k: v for k, v in reward_metrics.items() if k != "reward/mean"}))
+    out.update(declare(dataset.metrics()))
+    return out
+
+
+def tokens_in(samples: Samples, dp: int) -> float:
+    """Generated + trained tokens of the whole step (all DP ranks)."""
+    return float(samples.response_lens.sum() + samples.seq_lens().sum()) * dp

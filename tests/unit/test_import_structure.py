@@ -1,0 +1,56 @@
+"""The shape of the code base: no import cycles (imports inside functions count), and one module,
+megarl.parallel, talks to megatron's parallel_state."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.import_graph import Import, cycles, imports, module_graph, modules, package_graph
+
+pytestmark = pytest.mark.unit
+
+PARALLEL_STATE_DOOR = "megarl.parallel"
+
+
+def _describe(components: list[list[str]], graph: dict[str, set[str]]) -> str:
+    lines = []
+    for component in components:
+        members = set(component)
+        lines += [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+    return "\n".join(lines)
+
+
+def test_cycle_finder_sees_a_cycle_and_a_clean_chain():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_module_cycles():
+    graph = module_graph(modules())
+    found = cycles(graph)
+    assert not found, "import cycles between modules:\n" + _describe(found, graph)
+
+
+def test_no_package_cycles():
+    graph = package_graph(module_graph(modules()))
+    found = cycles(graph)
+    assert not found, "import cycles between packages:\n" + _describe(found, graph)
+
+
+def _parallel_state_imports() -> list[Import]:
+    return [
+        imp
+        for module, path in modules().items()
+        for imp in imports(module, path)
+        if imp.target.startswith("megatron.core.parallel_state")
+    ]
+
+
+def test_parallel_state_only_through_megarl_parallel():
+    found = _parallel_state_imports()
+    assert any(imp.module == PARALLEL_STATE_DOOR for imp in found)  # the check sees imports
+    others = [f"{i.module}:{i.line}" for i in found if i.module != PARALLEL_STATE_DOOR]
+    assert not others, (
+        "import megatron's parallel_state only in megarl/parallel.py and ask it for ranks, sizes "
+        f"and groups (megarl.parallel.dp_rank(), tp_group(), ...): {others}"
+    )

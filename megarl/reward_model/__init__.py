@@ -1,1 +1,2 @@
-"""Reward models: Bradley-Terry training on preference pairs, and scoring of sequences."""
+"""The reward-model trainer (``megarl train-rm``): Bradley-Terry training on preference pairs.
+Scoring with a trained reward model is a reward source: :mod:`megarl.rewards.model`."""

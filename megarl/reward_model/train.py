@@ -23,7 +23,7 @@ from megarl.config import RunConfig
 from megarl.data import PreferenceDataset, PreferenceItem
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.models.dims import ModelDims
-from megarl.models.forward import broadcast_from_last_stage, run_schedule
+from megarl.models.forward import LossFn, broadcast_from_last_stage, run_schedule
 from megarl.parallel import ParallelLayout
 from megarl.reward_model.pairs import PairMicroBatch, pair_micro_batches
 from megarl.rewards.model import last_token_scores
@@ -101,7 +101,7 @@ def _sum_metrics(outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 
 def _update(
-    model: Trainable, cfg: RunConfig, items: list[PreferenceItem], pad_id: int, loss_fn: Any
+    model: Trainable, cfg: RunConfig, items: list[PreferenceItem], pad_id: int, loss_fn: LossFn
 ) -> dict[str, float]:
     model.ddp.zero_grad_buffer()
     model.optimizer.zero_grad()

@@ -18,7 +18,7 @@ from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
 from megarl.models.dims import ModelDims
 from megarl.run.epochs import EpochBatches
-from megarl.run.resume import Resumed, resume
+from megarl.run.resume import Resumed, resume, save
 from megarl.run.startup import Startup, start
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
@@ -67,6 +67,19 @@ class PolicyRun:
         per_rank_prompts = self.cfg.actor.ppo_mini_batch_size // self.startup.layout.dp
         rows = per_rank_prompts * self.cfg.rollout.n
         return [list(range(s, min(s + rows, size))) for s in range(0, size, rows)]
+
+    def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> None:
+        """Models, optimizers and this rank's trainer state after ``step`` (collective)."""
+        save(
+            self.cfg,
+            step,
+            self.models,
+            data=self.data.train.state_dict(),
+            tracker_run_id=self.tracker.run_id,
+            history=history,
+            kl_ctrl=self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+            rollouts=self.rollout.engine.rollout_count,
+        )
 
     def close(self) -> None:
         self.tracker.close()

@@ -25,7 +25,6 @@ from megarl.metrics import StepMetrics, declare, mean
 from megarl.rewards.manager import RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.trainer.batch import Samples
-from megarl.trainer.hparams import advantage_inputs, advantage_kwargs
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
@@ -33,6 +32,7 @@ from megarl.trainer.model_ops import (
     response_values,
 )
 from megarl.trainer.roles import Roles
+from megarl.trainer.spec import AlgorithmSpec
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -146,6 +146,7 @@ def _dp_mean(value: float) -> float:
 
 def compute_experience(
     cfg: RunConfig,
+    spec: AlgorithmSpec,
     roles: Roles,
     samples: Samples,
     kl_ctrl: KLController | None,
@@ -174,28 +175,27 @@ def compute_experience(
             t["ref_log_prob"],
             mask,
             kl_coef=kl_ctrl.value,
-            estimator=cfg.algorithm.kl_in_reward_estimator,
+            estimator=spec.kl_in_reward_estimator,
         )
         kl = _dp_mean(float(kl_metrics["kl"]))
         kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size)
         metrics.update({"actor/reward_kl": mean(kl), "actor/kl_coef": mean(kl_ctrl.value)})
     t["token_level_rewards"] = rewards
-    inputs = advantage_inputs(cfg.algorithm)
     extra = {}
-    if "values" in inputs:
+    if "values" in spec.advantage_inputs:
         extra["values"] = t["values"]
-    if "group_ids" in inputs:
+    if "group_ids" in spec.advantage_inputs:
         extra["group_ids"] = samples.group_ids
     t["advantages"], t["returns"] = compute_advantages(
-        cfg.algorithm.adv_estimator,
+        spec.adv_estimator,
         token_level_rewards=rewards,
         response_mask=mask,
         **extra,
-        **advantage_kwargs(cfg.algorithm),
+        **spec.advantage_kwargs,
     )
-    if cfg.algorithm.tis_cap is not None:
+    if spec.tis_cap is not None:
         t["tis_weights"], tis_metrics = compute_tis_weights(
-            t["old_log_prob"], t["rollout_log_prob"], mask, cap=cfg.algorithm.tis_cap
+            t["old_log_prob"], t["rollout_log_prob"], mask, cap=spec.tis_cap
         )
         metrics.update(declare(tis_metrics, TIS_REDUCTIONS, prefix="rollout/"))
     if "values" in t:

@@ -6,7 +6,7 @@ import time
 
 from megarl.config import RunConfig
 from megarl.metrics import StepMetrics, declare, mean
-from megarl.run.resume import save, save_due
+from megarl.run.resume import save_due
 from megarl.run.steps import log_step, summary, timed
 from megarl.trainer.assembly import PolicyRun, setup_run
 from megarl.trainer.batch import Samples
@@ -62,7 +62,11 @@ def train(cfg: RunConfig) -> dict[str, float]:
             )
         if rollout_is_finite(samples, cfg.trainer.nan_policy == "skip"):
             with timed(m, "experience"):
-                m.update(compute_experience(cfg, run.models, samples, run.kl_ctrl, run.batching))
+                m.update(
+                    compute_experience(
+                        cfg, run.spec, run.models, samples, run.kl_ctrl, run.batching
+                    )
+                )
             m.update(update_models(run, samples, m))
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
             m["actor/skipped_non_finite"] = mean(1.0)
@@ -75,16 +79,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
             tracker.log_metrics(validation_rollout(run, step + 1), step + 1)
         if save_due(cfg, step + 1):
-            save(
-                cfg,
-                step + 1,
-                run.models,
-                data=run.data.train.state_dict(),
-                tracker_run_id=tracker.run_id,
-                history=history,
-                kl_ctrl=run.kl_ctrl.state_dict() if run.kl_ctrl is not None else None,
-                rollouts=engine.rollout_count,
-            )
+            run.save_checkpoint(step + 1, history)
     if run.startup.rank == 0:
         print(main_loop_summary(history), flush=True)
     run.close()

@@ -14,7 +14,7 @@ from megarl.algos import POLICY_LOSS_REDUCTIONS, make_kl_controller
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig
 from megarl.metrics import Reduce
-from megarl.trainer.hparams import advantage_inputs, kl_controller_kwargs
+from megarl.trainer.hparams import advantage_inputs, advantage_kwargs, kl_controller_kwargs
 from megarl.trainer.losses import make_actor_loss, make_critic_loss
 from megarl.trainer.model_ops import LossFn
 
@@ -23,11 +23,15 @@ from megarl.trainer.model_ops import LossFn
 class AlgorithmSpec:
     needs_reference: bool  # a KL term (loss or reward) compares against the reference model
     needs_critic: bool  # the advantage estimator takes values
-    advantage_inputs: frozenset[str]
+    adv_estimator: str
+    advantage_inputs: frozenset[str]  # which of values / group_ids the estimator takes
+    advantage_kwargs: Mapping[str, float | bool]  # the hyperparameters it takes
     actor_loss: LossFn
     critic_loss: LossFn
     token_level: bool  # token-mean loss aggregation: micro-batches weigh by tokens, not rows
     kl_in_reward: bool
+    kl_in_reward_estimator: str
+    tis_cap: float | None  # truncated importance sampling of the rollout; None: off
     # how the actor's and critic's update metrics combine over ranks (the rest: mean)
     update_reductions: Mapping[str, Reduce]
 
@@ -38,11 +42,15 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
     return AlgorithmSpec(
         needs_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_critic="values" in inputs,
+        adv_estimator=a.adv_estimator,
         advantage_inputs=inputs,
+        advantage_kwargs=advantage_kwargs(a),
         actor_loss=make_actor_loss(a, vocab_size),
         critic_loss=make_critic_loss(cfg.critic, a.loss_agg_mode),
         token_level=a.loss_agg_mode == "token-mean",
         kl_in_reward=a.use_kl_in_reward,
+        kl_in_reward_estimator=a.kl_in_reward_estimator,
+        tis_cap=a.tis_cap,
         update_reductions={f"actor/{k}": r for k, r in POLICY_LOSS_REDUCTIONS.items()},
     )
 

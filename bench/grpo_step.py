@@ -18,7 +18,7 @@ after the other, never at the same time, with the same thread count (--threads, 
 
 Tokens per step are counted the same way for both: generated = completion tokens (up to and
 including EOS), trained = prompt + completion tokens of the 16 sequences (megarl:
-``RunState.tokens_in``; TRL: lengths of the prompt and completion ids it trains on). A random model
+``megarl.trainer.step_metrics.tokens_in``; TRL: lengths of the prompt and completion ids it trains on). A random model
 practically never samples EOS, so responses are 32 tokens on both sides (the mean is printed).
 tokens/s = (generated + trained) tokens / seconds over the timed steps; the median step is printed
 too, since other work on the machine (printed as the 1-minute load) skews single steps. Prints a

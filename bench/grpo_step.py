@@ -208,7 +208,7 @@ def run_megarl(args, work: Path, model: Path, train: Path) -> dict:
     steps = []
     for step in sorted(by_step):
         m = by_step[step]
-        tokens = m["perf/tokens_per_s"] * m["timing/step_s"]  # trainer.step_metrics.tokens_in, 1 DP rank
+        tokens = m["perf/tokens_per_s"] * m["timing/step_s"]  # step_metrics.tokens_in, 1 DP rank
         generated = m["response/length_mean"] * PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
         steps.append(
             {

@@ -61,14 +61,17 @@ def teacher_forced_log_probs(
     """``[b, P]`` logprobs at ``positions`` in one forward-only pass through the pipeline, the
     same tensor on every stage (collective over TP and PP)."""
     device = next(model.parameters()).device
-    ids = input_ids.to(device)
 
     def logprobs(logits_shard: torch.Tensor, batch):
-        logp, _ = log_probs_at(logits_shard, ids, positions, vocab_size)
+        # targets are gathered where ids and positions live, then moved to the logits' device
+        logp, _ = log_probs_at(logits_shard, input_ids, positions, vocab_size)
         return logits_shard.new_zeros(()), {"logp": logp.float()}
 
     outs = run_schedule(
-        [model], [{"input_ids": ids, "positions": positions}], logprobs, forward_only=True
+        [model],
+        [{"input_ids": input_ids.to(device), "positions": positions}],
+        logprobs,
+        forward_only=True,
     )
     out = outs[0]["logp"] if outs else torch.zeros(positions.shape, device=device)
     return broadcast_from_last_stage(out.contiguous())

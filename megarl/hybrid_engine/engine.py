@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -226,7 +227,7 @@ class HybridEngine:
     def _onload_optimizer(self) -> None:
         if not self._optimizer_offloaded:
             return
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = platform.device()
         for state, key in self._optimizer_state_tensors():
             state[key] = state[key].to(device, non_blocking=True)
         torch.cuda.synchronize()
@@ -301,33 +302,33 @@ class HybridEngine:
         from megarl.algos import vocab_parallel_log_probs
         from megarl.models.forward import run_schedule
 
-        length = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-        for row, s in enumerate(sequences):
-            ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
-        first = torch.tensor(starts if starts is not None else [0] * len(sequences))
-        width = length - 1 - int(first.min())
-        positions = (first.unsqueeze(1) + torch.arange(width)).clamp(max=length - 2)
-        targets = ids.gather(1, positions + 1)
         device = next(self.actor.parameters()).device
+        length = max(len(s) for s in sequences)
+        rows = [list(s) + [pad_id] * (length - len(s)) for s in sequences]
+        ids = torch.tensor(rows, dtype=torch.long, device=device)
+        first_rows = starts if starts is not None else [0] * len(sequences)
+        first = torch.tensor(first_rows, dtype=torch.long, device=device)
+        width = length - 1 - min(first_rows)
+        positions = (first.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=length - 2)
+        targets = ids.gather(1, positions + 1)
         tp_group = ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
 
         def logprobs(logits_shard, batch):
             # chunked over the vocabulary shard: no gathered or log-softmaxed [b, P, V] copy
             logp = vocab_parallel_log_probs(
-                logits_shard, targets.to(device), tp_group, vocab_size=self.dims.vocab_size
+                logits_shard, targets, tp_group, vocab_size=self.dims.vocab_size
             )
             return logits_shard.new_zeros(()), {"logp": logp.float()}
 
         outs = run_schedule(
             [self.actor],
-            [{"input_ids": ids.to(device), "positions": positions}],
+            [{"input_ids": ids, "positions": positions}],
             logprobs,
             forward_only=True,
         )
         out = torch.zeros(len(sequences), length - 1, dtype=torch.float32, device=device)
         if outs:
-            out.scatter_(1, positions.to(device), outs[0]["logp"])
+            out.scatter_(1, positions, outs[0]["logp"])
         if self.layout.pp > 1:
             group = ps.get_pipeline_model_parallel_group()
             last = ps.get_pipeline_model_parallel_last_rank()
@@ -337,12 +338,14 @@ class HybridEngine:
     def logprob_mismatch(self, batch: RolloutBatch) -> dict[str, float]:
         """Mean and max |vLLM - actor| logprob over response tokens, over the whole world."""
         diffs = [
-            (torch.tensor(v, dtype=torch.float32) - a.float().cpu()).abs()
+            (torch.tensor(v, dtype=torch.float32, device=a.device) - a.float()).abs()
             for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
         ]
-        flat = torch.cat(diffs) if diffs else torch.zeros(0)
-        sums = torch.tensor([flat.sum().item(), float(flat.numel())], dtype=torch.float64)
-        peak = torch.tensor([flat.max().item() if flat.numel() else 0.0], dtype=torch.float64)
+        flat = torch.cat(diffs) if diffs else torch.zeros(0, device=platform.device())
+        total, peak_value = (flat.sum().item(), flat.max().item()) if flat.numel() else (0.0, 0.0)
+        device = platform.collective_device()
+        sums = torch.tensor([total, float(flat.numel())], dtype=torch.float64, device=device)
+        peak = torch.tensor([peak_value], dtype=torch.float64, device=device)
         dist.all_reduce(sums)  # every rank counts its DP rank's tokens tp*pp times: still a mean
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.hybrid_engine.plan import RankBucket, ReshardPlan, TensorSpec
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import NameIndex, split_qkv
@@ -208,11 +209,7 @@ class ReshardExecutor:
     def _device(self, local: dict[int, torch.Tensor]) -> torch.device:
         if local:
             return next(iter(local.values())).device
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        return platform.device()
 
     def _to_hf(
         self, members: list[int], dest: dict[int, torch.Tensor], stats: ReshardStats

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import platform
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
 from megarl.parallel import ParallelLayout
@@ -107,10 +108,12 @@ class ValueHead(torch.nn.Module):
     and it returns ``(scalars, None)`` like a ColumnParallelLinear.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = True):
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, device: torch.device, bias: bool = True
+    ):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias else None
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
@@ -119,8 +122,10 @@ class ValueHead(torch.nn.Module):
     def fresh_init(self, head) -> None:
         """The start of a head the checkpoint does not hold: zeros, or a seeded normal."""
         if head.fresh_init == "normal":
+            # A CPU generator gives the same start on every machine (and every TP rank).
             gen = torch.Generator().manual_seed(head.init_seed)
-            w = torch.randn(self.weight.shape, generator=gen, dtype=torch.float32) * head.init_std
+            w = torch.randn(self.weight.shape, generator=gen, dtype=torch.float32, device="cpu")
+            w = w * head.init_std
             self.weight.copy_(w.to(self.weight.dtype))
         else:
             self.weight.zero_()
@@ -155,9 +160,15 @@ def build_gpt_model(
     )
     _mark_tensor_parallel_params(model, dims)
     _cast_params(model, config.params_dtype)
+    # megatron makes its linear weights on the current CUDA device, but the local spec's norms
+    # and a few buffers on the CPU: the whole model goes to the process device.
+    device = platform.device()
+    model.to(device)
     if has_scalar_head(role) and post:
         head = SCALAR_HEADS[role]
-        model.output_layer = ValueHead(dims.hidden_size, config.params_dtype, bias=head.bias)
+        model.output_layer = ValueHead(
+            dims.hidden_size, config.params_dtype, device=device, bias=head.bias
+        )
         model.output_layer.fresh_init(head)
     if role == "reference":
         model.requires_grad_(False)

@@ -80,7 +80,8 @@ def _restore_adam_steps(trainable, steps: list[float | None]) -> None:
             continue
         for state in inner.state.values():
             if "step" in state:
-                state["step"] = torch.tensor(step, dtype=state["step"].dtype)
+                old = state["step"]
+                state["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)
 
 
 def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any]) -> Path:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megarl.errors import MegarlError
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
@@ -33,7 +34,7 @@ def response_positions(mb: Samples) -> torch.Tensor:
     """``[b, R]`` sequence positions whose outputs predict (or value) response token j of each row
     (``prompt_len - 1 + j``); past a row's end they repeat its last position (masked later)."""
     resp = mb.response_mask.shape[1]
-    index = mb.starts.unsqueeze(1) + torch.arange(resp)
+    index = mb.starts.unsqueeze(1) + torch.arange(resp, device=mb.starts.device)
     return index.clamp(max=mb.input_ids.shape[1] - 1)
 
 
@@ -96,7 +97,7 @@ def all_finite(ddp, outputs: list[dict[str, torch.Tensor]]) -> bool:
     bad = any(not torch.isfinite(v).all() for out in outputs for v in out.values())
     for buffer in getattr(ddp, "buffers", []):
         bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
-    flag = torch.tensor([1.0 if bad else 0.0])
+    flag = torch.tensor([1.0 if bad else 0.0], device=platform.collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0.0
 
@@ -110,7 +111,7 @@ def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     mask = samples.response_mask.bool()
     old = samples.tensors.get("old_log_prob")
     bad = old is not None and not bool(torch.isfinite(old[mask]).all())
-    flag = torch.tensor([1.0 if bad else 0.0])
+    flag = torch.tensor([1.0 if bad else 0.0], device=platform.collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0.0:
         return True

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.config import RunConfig
 from megarl.config import validate as validate_config
 from megarl.errors import ConfigError
@@ -123,7 +124,11 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, sorted(metrics))
     keys = sorted(set().union(*names))
-    values = torch.tensor([float(metrics.get(k, float("nan"))) for k in keys], dtype=torch.float64)
+    values = torch.tensor(
+        [float(metrics.get(k, float("nan"))) for k in keys],
+        dtype=torch.float64,
+        device=platform.collective_device(),
+    )
     finite = torch.isfinite(values)
     safe = torch.where(finite, values, torch.zeros_like(values))
     summed = safe.clone()

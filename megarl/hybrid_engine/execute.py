@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.hybrid_engine.plan import RankBucket, ReshardPlan, TensorSpec
 from megarl.models.dims import ModelDims
-from megarl.models.hf_map import NameIndex, split_qkv
+from megarl.models.hf_map import NameIndex, split_qkv, to_naming
 
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -60,13 +60,17 @@ def _nbytes(t: torch.Tensor) -> int:
 def local_spec_tensors(
     model, dims: ModelDims, layer_offset: int, specs: Sequence[TensorSpec]
 ) -> dict[int, torch.Tensor]:
-    """This rank's training shard of every spec it holds (views of the model's parameters)."""
+    """This rank's training shard of every spec it holds (views of the model's parameters).
+
+    The plan names tensors in the local spec's naming; a Transformer Engine model's parameter
+    names are converted to it first."""
     from megarl.models.loading import mapped_parameters
 
     index = {s.name: i for i, s in enumerate(specs)}
     local = NameIndex(dims, layer_offset)
     out: dict[int, torch.Tensor] = {}
-    for name, param in mapped_parameters(model):
+    for spec_name, param in mapped_parameters(model):
+        name = to_naming(spec_name, "local")
         tm, _ = local.lookup(name)
         global_name = _global_name(name, layer_offset) if tm.per_layer else name
         data = param.detach()

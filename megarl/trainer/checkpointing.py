@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import load_checkpoint, save_checkpoint
-from megarl.checkpoint.store import step_name, write_latest
+from megarl.checkpoint.store import model_sharded_state_dict, step_name, write_latest
 from megarl.errors import CheckpointError
 
 
@@ -48,7 +48,7 @@ def _optimizer_state(trainable, is_loading: bool):
             if not opt.optimizer.state:
                 with torch.no_grad():
                     opt._init_optimizer_states_with_dummy_values()
-    model_sd = trainable.model.sharded_state_dict()
+    model_sd = model_sharded_state_dict(trainable.model)
     # "dp_reshardable": each rank writes and reads its own optimizer shard, no gather; a resume
     # uses the same TP/PP anyway (per-rank RNG and data state).
     return trainable.optimizer.sharded_state_dict(

@@ -83,7 +83,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         with timed(m, "rollout"):
             m.update(run.engine.to_rollout())
             batch = run.engine.generate([it.input_ids for it in items], run.sampling)
-            run.engine.to_train()
+            m.update(run.engine.to_train())
         with timed(m, "reward"):
             samples, scores, reward_metrics, _ = score_rollout(run, items, batch, batching)
         if rollout_is_finite(samples, skip_nan):

@@ -172,9 +172,11 @@ def _dataset(cfg: RunConfig, files, tokenizer, batch: int, layout, seed: int, se
 
 def check_inputs(cfg: RunConfig, layout) -> None:
     """The cheap checks: model folder, layout against it, data files; before any heavy work."""
+    from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
 
+    check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
     if cfg.model.critic_path:
@@ -265,7 +267,10 @@ def setup_run(cfg: RunConfig) -> RunState:
             kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
             dtype=cfg.model.dtype,
             seed=cfg.trainer.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            sleep_level=r.sleep_level,
         ),
+        backend=r.backend,
     )
     sampling = SamplingConfig(
         temperature=r.temperature,

@@ -6,8 +6,9 @@ or goes to NCCL (which takes CUDA tensors only). This lint reads megarl/ and che
 and fails on:
 
 1. a call of a torch tensor factory (``torch.tensor``, ``zeros``, ``arange`` ...) without a
-   ``device=`` argument, outside :data:`CPU_BY_DESIGN` (functions whose tensors stay on the
-   host on purpose, each with its reason);
+   ``device=`` argument (or with ``device=None``), outside :data:`CPU_BY_DESIGN` (functions whose
+   tensors stay on the host on purpose, each with its reason); and a factory imported by its bare
+   name (``from torch import zeros``), which would hide its calls from this lint;
 2. a collective call (``dist.all_reduce``, ``broadcast`` ...) at a site not in
    :data:`COLLECTIVE_SITES`, each listed with where its tensor comes from; a new site fails
    until someone has checked its tensor is made on the backend's device and listed it.
@@ -128,6 +129,11 @@ class _Finder(ast.NodeVisitor):
         self.stack: list[str] = []
         self.factories: list[tuple[str, int, str]] = []  # (qualname, line, call)
         self.collectives: list[tuple[str, int, str]] = []
+        self.bare_imports: list[tuple[int, str]] = []
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.module == "torch":
+            self.bare_imports += [(node.lineno, a.name) for a in node.names if a.name in FACTORIES]
 
     def _scoped(self, node) -> None:
         self.stack.append(node.name)
@@ -140,11 +146,9 @@ class _Finder(ast.NodeVisitor):
         name = _dotted(node.func)
         where = ".".join(self.stack) or "<module>"
         head, _, leaf = name.rpartition(".")
-        if (
-            head == "torch"
-            and leaf in FACTORIES
-            and not any(kw.arg == "device" for kw in node.keywords)
-        ):
+        device = next((kw.value for kw in node.keywords if kw.arg == "device"), None)
+        no_device = device is None or (isinstance(device, ast.Constant) and device.value is None)
+        if head == "torch" and leaf in FACTORIES and no_device:
             self.factories.append((where, node.lineno, name))
         if head in ("dist", "torch.distributed") and leaf in COLLECTIVES:
             self.collectives.append((where, node.lineno, name))
@@ -180,6 +184,15 @@ def test_every_tensor_factory_names_its_device(scan: dict[str, _Finder]) -> None
     )
 
 
+def test_no_factory_is_imported_by_its_bare_name(scan: dict[str, _Finder]) -> None:
+    bad = [
+        f"{file}:{line} from torch import {name}"
+        for file, f in scan.items()
+        for line, name in f.bare_imports
+    ]
+    assert not bad, f"call torch factories as torch.NAME(..., device=...): {bad}"
+
+
 def test_cpu_by_design_entries_still_exist(scan: dict[str, _Finder]) -> None:
     present = {(file, where) for file, f in scan.items() for where, _, _ in f.factories}
     stale = sorted(set(CPU_BY_DESIGN) - present)
@@ -209,7 +222,10 @@ def test_the_lint_sees_a_missing_device() -> None:
             "    a = torch.zeros(3)\n"
             "    b = torch.tensor([1], device=x.device)\n"
             "    dist.all_reduce(a)\n"
+            "    c = torch.ones(2, device=None)\n"
+            "from torch import empty\n"
         )
     )
-    assert finder.factories == [("f", 4, "torch.zeros")]
+    assert finder.factories == [("f", 4, "torch.zeros"), ("f", 7, "torch.ones")]
+    assert finder.bare_imports == [(8, "empty")]
     assert finder.collectives == [("f", 6, "dist.all_reduce")]

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from checkpoints_tools.mcore_to_hf import plan_groups
+from megarl import platform
 from megarl.checkpoint.hf_assets import read_json
 from megarl.checkpoint.reader import DistCheckpointReader
 from megarl.checkpoint.store import (
@@ -183,7 +184,8 @@ def compare_outputs(
                 p.copy_(p.to(hf_dtype).float())
         model.eval()
         gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, dims.vocab_size, (batch, seq), generator=gen)
+        # Drawn on the CPU generator (the same batch on every machine), then on the model's device.
+        ids = torch.randint(0, dims.vocab_size, (batch, seq), generator=gen, device="cpu")
         pad = read_json(hf_dir / "config.json").get("pad_token_id")
         if pad is not None:  # a sequence classifier stops at the first pad token
             ids[ids == pad] = (pad + 1) % dims.vocab_size
@@ -196,13 +198,13 @@ def compare_outputs(
 
         outs = run_schedule(
             [model],
-            [{"input_ids": ids}],
+            [{"input_ids": ids.to(platform.device())}],
             lambda out, b: (out.sum() * 0.0, {"out": pick(out)}),
             forward_only=True,
         )
         result = None
         if outs and parallel.tp_rank() == 0:
-            mine = outs[0]["out"].float()
+            mine = outs[0]["out"].float().cpu()
             ref = _hf_model(hf_dir)(ids).logits.float()
             result = {
                 "what": {"critic": "values", "reward": "scores"}.get(meta.role, "logits"),

@@ -24,6 +24,8 @@ class ModelConfig:
     critic_path: str | None = None  # PPO critic trunk; None: same as path
     dtype: str = "float32"  # float32 | bfloat16
     recompute: bool = False  # full activation recomputation
+    # auto: Transformer Engine layers where CUDA and TE are present, else megatron's local spec
+    transformer_impl: str = "auto"  # auto | local | transformer_engine
 
 
 @dataclass
@@ -55,6 +57,11 @@ class RolloutConfig:
     max_response_length: int = 512
     val_temperature: float = 0.0  # greedy validation
     kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
+    backend: str = "vllm"  # vllm | hf (Hugging Face generate: no vLLM needed; for debugging)
+    gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
+    # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
+    # reshard reloads them); both free the KV cache
+    sleep_level: int = 1
 
 
 @dataclass
@@ -168,6 +175,9 @@ class RunConfig:
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
+    "model.transformer_impl": ("auto", "local", "transformer_engine"),
+    "rollout.backend": ("vllm", "hf"),
+    "rollout.sleep_level": (1, 2),
     "data.overlong_prompts": ("filter", "error"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.resume": ("auto", "never"),
@@ -241,6 +251,11 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    if not 0.0 < cfg.rollout.gpu_memory_utilization <= 1.0:
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in "
+            "(0, 1]: the share of each GPU's memory vLLM may take (e.g. 0.5)"
+        )
     bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
     if bad_steps:
         raise ConfigError(

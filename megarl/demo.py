@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megarl import platform
+
 MODELS = ("tiny-qwen2", "tiny-llama", "smollm2")
 
 
@@ -40,15 +42,16 @@ def _rank_report(model_dir: str, tp: int, pp: int, seq: int) -> dict:
     model, dims = build_model(model_dir, layout)
     load_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(parallel.dp_rank())
-    ids = torch.randint(0, dims.vocab_size, (2, seq), generator=gen)
+    ids = torch.randint(0, dims.vocab_size, (2, seq), generator=gen, device="cpu")
     t0 = time.perf_counter()
-    logits = forward_logits([model], ids)
+    logits = forward_logits([model], ids.to(platform.device()))
     fwd_s = time.perf_counter() - t0
     report = {"rank": dist.get_rank(), "layout": str(layout), "load_s": load_s, "forward_s": fwd_s}
     if logits is not None:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             ref = hf(ids).logits
+        logits = logits.float().cpu()
         report["max_abs_logit_diff"] = (logits - ref).abs().max().item()
         report["max_abs_logit"] = ref.abs().max().item()
         report["greedy_token_agreement"] = (

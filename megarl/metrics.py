@@ -70,6 +70,8 @@ def reduce_metrics(metrics: Mapping[str, Metric]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from megarl import platform
+
     for key, metric in metrics.items():
         if not isinstance(metric, Metric):
             raise TypeError(
@@ -89,7 +91,9 @@ def reduce_metrics(metrics: Mapping[str, Metric]) -> dict[str, float]:
                 )
     keys = sorted(declared)
     values = torch.tensor(
-        [metrics[k].value if k in metrics else float("nan") for k in keys], dtype=torch.float64
+        [metrics[k].value if k in metrics else float("nan") for k in keys],
+        dtype=torch.float64,
+        device=platform.collective_device(),
     )
     finite = torch.isfinite(values)
     summed = torch.where(finite, values, torch.zeros_like(values))

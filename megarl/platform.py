@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import types
 import warnings
 from collections.abc import Iterator
@@ -86,10 +87,26 @@ for _message in (
 
 
 def device() -> torch.device:
-    """The device this process computes on: its local CUDA device, or the CPU."""
+    """The one device this process computes on: ``cuda:LOCAL_RANK`` where CUDA is present (the
+    launcher's local rank; the current CUDA device outside a launcher), else the CPU.
+
+    Every tensor megarl makes for a model or a collective is created on it (or on the tensor it
+    combines with); ``tests/unit/test_device_discipline.py`` holds the code to that.
+    """
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        local = os.environ.get("LOCAL_RANK")
+        return torch.device(
+            "cuda", int(local) if local is not None else torch.cuda.current_device()
+        )
     return _CPU
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device a collective's tensors must be on: CUDA for NCCL, the CPU for gloo."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group) if dist.is_initialized() else distributed_backend()
+    return device() if str(backend) == "nccl" else _CPU
 
 
 def distributed_backend() -> str:

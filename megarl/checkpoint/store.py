@@ -312,6 +312,19 @@ def _unwrap(model):
     return unwrap(model)
 
 
+def model_sharded_state_dict(model) -> dict[str, Any]:
+    """megatron's sharded state of ``model``, the same whichever layer spec built it.
+
+    Tensor keys already agree between the local and the Transformer Engine spec (megatron saves
+    the local spec's norm weights under TE's names, see :mod:`megarl.checkpoint.keys`). TE modules
+    add ``_extra_state`` objects (FP8 scaling metadata megarl never uses) that a local-spec model
+    neither writes nor reads: they are left out of every save and load, so a checkpoint written
+    on a CPU box (local spec) loads on a GPU box (TE spec) and back.
+    """
+    sharded = _unwrap(model).sharded_state_dict()
+    return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
+
+
 def _layout_dict() -> dict[str, int]:
     from megarl.parallel import current_ranks
 
@@ -344,7 +357,7 @@ def save_checkpoint(
     if role not in ROLES:
         raise ConfigError(f"unknown role {role!r}; choose one of {ROLES}")
     gpt = _unwrap(model)
-    state = {"model": gpt.sharded_state_dict(), **(extra or {})}
+    state = {"model": model_sharded_state_dict(gpt), **(extra or {})}
     dtype = next(gpt.parameters()).dtype
     with staged_output(path, overwrite=overwrite) as tmp:
         mcore = tmp / MCORE_SUBDIR
@@ -421,7 +434,7 @@ def load_checkpoint(
     ckpt = resolve_checkpoint(path)
     meta = check_compatible(ckpt, dims, role)
     gpt = _unwrap(model)
-    model_sd = gpt.sharded_state_dict()
+    model_sd = model_sharded_state_dict(gpt)
     trunk_only = has_scalar_head(role) and meta.role != role
     if trunk_only:
         model_sd = {k: v for k, v in model_sd.items() if not k.startswith("output_layer.")}

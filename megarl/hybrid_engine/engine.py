@@ -17,14 +17,15 @@ rollout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from megarl import parallel
+from megarl import parallel, platform
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -96,6 +97,72 @@ def check_rollout_model(
         raise ValueError(f"reshard plan does not produce the rollout model's tensor {missing[0]!r}")
 
 
+class RolloutEngine(Protocol):
+    """The seam between the trainer and a rollout backend (vLLM, or transformers' generate)."""
+
+    infer_tp: int
+
+    def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None: ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def after_weight_update(self) -> None: ...
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, seed_offset: int
+    ) -> RolloutOutput: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+
+
+def _vllm_rollout(*args) -> RolloutEngine:
+    return VLLMRollout(*args)
+
+
+def _hf_rollout(*args) -> RolloutEngine:
+    from megarl.hybrid_engine.hf_rollout import HFRollout
+
+    return HFRollout(*args)
+
+
+# rollout.backend -> engine constructor (model_dir, infer_tp, EngineConfig, expected shapes)
+ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {
+    "vllm": _vllm_rollout,
+    "hf": _hf_rollout,
+}
+
+
+def make_rollout(
+    backend: str,
+    model_dir: str | Path,
+    infer_tp: int,
+    config: EngineConfig | None,
+    expected_shapes: dict[str, tuple[int, ...]],
+) -> RolloutEngine:
+    """The rollout engine ``rollout.backend`` names, over this rank's inference-TP group."""
+    from megarl.backends import check_rollout_backend
+
+    check_rollout_backend(backend)
+    return ROLLOUT_BACKENDS[backend](model_dir, infer_tp, config, expected_shapes)
+
+
+def gpu_memory_metrics(moment: str) -> dict[str, float]:
+    """GPU memory of this process at ``moment`` (GiB): torch's allocated and reserved, and the
+    whole device's use (vLLM's sleep-mode pool is outside torch's allocator). Empty on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    device = platform.device()
+    free, total = torch.cuda.mem_get_info(device)
+    gib = float(1 << 30)
+    return {
+        f"memory/allocated_gib_{moment}": torch.cuda.memory_allocated(device) / gib,
+        f"memory/reserved_gib_{moment}": torch.cuda.memory_reserved(device) / gib,
+        f"memory/device_used_gib_{moment}": (total - free) / gib,
+    }
+
+
 class HybridEngine:
     """Owns the actor's rollout engine and the transitions between training and rollout."""
 
@@ -109,7 +176,8 @@ class HybridEngine:
         *,
         engine_config: EngineConfig | None = None,
         bucket_bytes: int = 256 << 20,
-        rollout: VLLMRollout | None = None,
+        rollout: RolloutEngine | None = None,
+        backend: str = "vllm",
     ):
         from megarl.models.dims import layer_offset
 
@@ -140,8 +208,8 @@ class HybridEngine:
                 f"{layout.rollout_tp}"
             )
         # One engine per process: a later HybridEngine (e.g. another training layout) reuses it.
-        self.rollout = rollout or VLLMRollout(
-            model_dir, layout.rollout_tp, engine_config, expected_shapes=expected
+        self.rollout = rollout or make_rollout(
+            backend, model_dir, layout.rollout_tp, engine_config, expected
         )
         self.last_reshard: ReshardStats | None = None
         self._grads_freed = False
@@ -160,7 +228,9 @@ class HybridEngine:
 
     # -- transitions ---------------------------------------------------------------------------
     def to_rollout(self) -> dict[str, float]:
-        """Free training-only memory, reshard the actor into vLLM, wake vLLM up."""
+        """Free training-only memory, wake the rollout engine's weights, reshard the actor into
+        them bucket by bucket, then wake its KV cache (so the reshard's buckets never share the
+        GPU with a KV cache)."""
         self.rollout.validate(list(self.hf_shapes.items()))  # before anything is loaded
         freed = self._free_grads()
         self._offload_optimizer()
@@ -171,14 +241,20 @@ class HybridEngine:
         self.rollout.after_weight_update()
         self.rollout.wake_up(["kv_cache"])
         self.last_reshard = stats
-        self.metrics = {**stats.as_metrics(), "hybrid/grad_bytes_freed": float(freed)}
+        self.metrics = {
+            **stats.as_metrics(),
+            "hybrid/grad_bytes_freed": float(freed),
+            **gpu_memory_metrics("after_wake"),
+        }
         return dict(self.metrics)
 
-    def to_train(self) -> None:
-        """Put vLLM to sleep and bring grads (and optimizer state) back."""
+    def to_train(self) -> dict[str, float]:
+        """Put the rollout engine to sleep and bring grads (and optimizer state) back; returns
+        the GPU memory in use once it sleeps (empty on CPU)."""
         self.rollout.sleep()
         self._restore_grads()
         self._onload_optimizer()
+        return gpu_memory_metrics("after_sleep")
 
     def _grad_buffers(self):
         return list(getattr(self.actor, "buffers", [])) + list(
@@ -230,7 +306,7 @@ class HybridEngine:
     def _onload_optimizer(self) -> None:
         if not self._optimizer_offloaded:
             return
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = platform.device()
         for state, key in self._optimizer_state_tensors():
             state[key] = state[key].to(device, non_blocking=True)
         torch.cuda.synchronize()
@@ -302,10 +378,12 @@ class HybridEngine:
         response: the output layer skips the prompt); the others are 0."""
         from megarl.models.logprobs import pad_right, positions_from, teacher_forced_log_probs
 
-        ids = pad_right(sequences, pad_id)
+        device = next(self.actor.parameters()).device
+        ids = pad_right(sequences, pad_id, device)
         length = ids.shape[1]
-        first = torch.tensor(starts if starts is not None else [0] * len(sequences))
-        positions = positions_from(first, length - 1 - int(first.min()), length)
+        first_rows = starts if starts is not None else [0] * len(sequences)
+        first = torch.tensor(first_rows, dtype=torch.long, device=device)
+        positions = positions_from(first, length - 1 - min(first_rows), length)
         logp = teacher_forced_log_probs(self.actor, ids, positions, self.dims.vocab_size)
         # column L-1 collects the positions clamped past a sequence's end; it is dropped
         out = torch.zeros(len(sequences), length, dtype=torch.float32, device=logp.device)
@@ -315,12 +393,14 @@ class HybridEngine:
     def logprob_mismatch(self, batch: RolloutBatch) -> dict[str, float]:
         """Mean and max |vLLM - actor| logprob over response tokens, over the whole world."""
         diffs = [
-            (torch.tensor(v, dtype=torch.float32) - a.float().cpu()).abs()
+            (torch.tensor(v, dtype=torch.float32, device=a.device) - a.float()).abs()
             for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
         ]
-        flat = torch.cat(diffs) if diffs else torch.zeros(0)
-        sums = torch.tensor([flat.sum().item(), float(flat.numel())], dtype=torch.float64)
-        peak = torch.tensor([flat.max().item() if flat.numel() else 0.0], dtype=torch.float64)
+        flat = torch.cat(diffs) if diffs else torch.zeros(0, device=platform.device())
+        total, peak_value = (flat.sum().item(), flat.max().item()) if flat.numel() else (0.0, 0.0)
+        device = platform.collective_device()
+        sums = torch.tensor([total, float(flat.numel())], dtype=torch.float64, device=device)
+        peak = torch.tensor([peak_value], dtype=torch.float64, device=device)
         dist.all_reduce(sums)  # every rank counts its DP rank's tokens tp*pp times: still a mean
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {

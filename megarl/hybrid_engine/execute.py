@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.hybrid_engine.reshard_plan import RankBucket, ReshardPlan, TensorSpec
 from megarl.models.dims import ModelDims
-from megarl.models.hf_map import NameIndex, split_qkv
+from megarl.models.hf_map import NameIndex, split_qkv, to_naming
 
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -59,13 +60,17 @@ def _nbytes(t: torch.Tensor) -> int:
 def local_spec_tensors(
     model, dims: ModelDims, layer_offset: int, specs: Sequence[TensorSpec]
 ) -> dict[int, torch.Tensor]:
-    """This rank's training shard of every spec it holds (views of the model's parameters)."""
+    """This rank's training shard of every spec it holds (views of the model's parameters).
+
+    The plan names tensors in the local spec's naming; a Transformer Engine model's parameter
+    names are converted to it first."""
     from megarl.models.loading import mapped_parameters
 
     index = {s.name: i for i, s in enumerate(specs)}
     local = NameIndex(dims, layer_offset)
     out: dict[int, torch.Tensor] = {}
-    for name, param in mapped_parameters(model):
+    for spec_name, param in mapped_parameters(model):
+        name = to_naming(spec_name, "local")
         tm, _ = local.lookup(name)
         global_name = _global_name(name, layer_offset) if tm.per_layer else name
         data = param.detach()
@@ -208,11 +213,7 @@ class ReshardExecutor:
     def _device(self, local: dict[int, torch.Tensor]) -> torch.device:
         if local:
             return next(iter(local.values())).device
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        return platform.device()
 
     def _to_hf(
         self, members: list[int], dest: dict[int, torch.Tensor], stats: ReshardStats

@@ -1,6 +1,7 @@
 """The rollout engine: one vLLM engine per inference-TP group, inside the training processes.
 
-The seam to the trainer is narrow: :meth:`VLLMRollout.update_weights` (HF-named tensors),
+``rollout.backend=hf`` swaps in :class:`megarl.hybrid_engine.hf_rollout.HFRollout` behind the
+same seam. The seam to the trainer is narrow: :meth:`VLLMRollout.update_weights` (HF-named tensors),
 :meth:`VLLMRollout.generate` (token ids in; response ids, per-token logprobs and finish reasons
 out), :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up`.
 
@@ -45,7 +46,8 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     max_num_seqs: int = 256
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU for vLLM's weights + KV cache
+    sleep_level: int = 1  # CUDA: 1 keeps the weights in host memory while asleep, 2 drops them
 
 
 @dataclass
@@ -168,20 +170,7 @@ class VLLMRollout:
 
     # -- weights -------------------------------------------------------------------------------
     def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None:
-        """Raise naming the first tensor whose name or shape the engine's model does not have."""
-        for name, t in weights:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
-            want = self.expected_shapes.get(name)
-            if want is None:
-                raise ValueError(
-                    f"weight update: tensor {name!r} is not a parameter of the rollout model "
-                    f"({self.model_dir}); nothing was loaded"
-                )
-            if want != shape:
-                raise ValueError(
-                    f"weight update: tensor {name!r} has shape {list(shape)} but the rollout "
-                    f"model expects {list(want)}; nothing was loaded"
-                )
+        check_weight_update(self.expected_shapes, weights, self.model_dir)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors in place (validated first: nothing loads on a mismatch).
@@ -257,9 +246,11 @@ class VLLMRollout:
 
     # -- memory --------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """GPU: drop weights and KV cache (level 1 keeps weights on host). CPU: no-op."""
+        """GPU: free the KV cache and the weights' GPU memory (``sleep_level`` 1 copies the
+        weights to host memory first, 2 drops them: the next reshard reloads every tensor).
+        CPU: no-op (vLLM's CPU build has no sleep mode)."""
         if self.cuda and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.config.sleep_level)
         self.asleep = True
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -268,6 +259,27 @@ class VLLMRollout:
             self.llm.wake_up(tags=list(tags) if tags else None)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
+
+
+def check_weight_update(
+    expected_shapes: dict[str, tuple[int, ...]],
+    weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]],
+    model_dir: str,
+) -> None:
+    """Raise naming the first tensor whose name or shape the rollout model does not have."""
+    for name, t in weights:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
+        want = expected_shapes.get(name)
+        if want is None:
+            raise ValueError(
+                f"weight update: tensor {name!r} is not a parameter of the rollout model "
+                f"({model_dir}); nothing was loaded"
+            )
+        if tuple(want) != shape:
+            raise ValueError(
+                f"weight update: tensor {name!r} has shape {list(shape)} but the rollout "
+                f"model expects {list(want)}; nothing was loaded"
+            )
 
 
 def _rebuild_cpu_lm_head(worker) -> None:

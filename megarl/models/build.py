@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megarl import parallel
+from megarl import parallel, platform
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
 from megarl.models.value_head import ValueHead
@@ -24,6 +24,7 @@ ROLES = ("actor", "critic", "reference", "reward")
 class ModelOptions:
     dtype: torch.dtype = torch.float32
     recompute: bool = False
+    transformer_impl: str = "auto"  # auto | local | transformer_engine (megarl.backends)
     # Dropout stays off: RL losses compare logprobs of the same tokens across passes.
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -83,18 +84,18 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
     return TransformerConfig(**kwargs)
 
 
-def layer_spec():
-    """Transformer Engine layer spec where TE and CUDA are present; otherwise megatron's local spec
-    with torch SDPA as core attention (see megarl.models.attention)."""
+def layer_spec(transformer_impl: str = "auto"):
+    """Transformer Engine's layer spec, or megatron's local spec with torch SDPA as core attention
+    (see megarl.models.attention), as ``transformer_impl`` resolves on this machine
+    (:func:`megarl.backends.resolve_transformer_impl`; ``auto``: TE where CUDA and TE are
+    present). The two name a layer's norm weights differently; megarl.models.hf_map knows both."""
+    from megarl.backends import resolve_transformer_impl
+
+    impl = resolve_transformer_impl(transformer_impl)  # errors before megatron's specs import
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if torch.cuda.is_available():
-        try:
-            import transformer_engine  # noqa: F401
-
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+    if impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     from megarl.models.attention import SDPACoreAttention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -110,11 +111,12 @@ def build_gpt_model(
 
     if role not in ROLES:
         raise ValueError(f"unknown model role {role!r}; known: {ROLES}")
+    opts = opts or ModelOptions()
     config = transformer_config(dims, layout, opts)
     pre, post = parallel.is_first_stage(), parallel.is_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(opts.transformer_impl),
         vocab_size=dims.vocab_size,
         max_sequence_length=dims.max_position_embeddings,
         pre_process=pre,
@@ -128,9 +130,15 @@ def build_gpt_model(
     )
     _mark_tensor_parallel_params(model, dims)
     _cast_params(model, config.params_dtype)
+    # megatron makes its linear weights on the current CUDA device, but the local spec's norms
+    # and a few buffers on the CPU: the whole model goes to the process device.
+    device = platform.device()
+    model.to(device)
     if has_scalar_head(role) and post:
         head = SCALAR_HEADS[role]
-        model.output_layer = ValueHead(dims.hidden_size, config.params_dtype, bias=head.bias)
+        model.output_layer = ValueHead(
+            dims.hidden_size, config.params_dtype, device=device, bias=head.bias
+        )
         model.output_layer.fresh_init(head)
     if role == "reference":
         model.requires_grad_(False)

@@ -10,7 +10,11 @@ loader, checkpoints_tools and the hybrid engine. Transforms work on tensor-paral
                ``[gate_r; up_r]`` (its row slices of gate and of up, stacked).
 
 Megatron names are those of the local (non-Transformer-Engine) layer spec, with the layer index
-local to the pipeline stage, as ``GPTModel.named_parameters()`` reports them.
+local to the pipeline stage, as ``GPTModel.named_parameters()`` reports them. Transformer
+Engine's layer spec fuses each layer's two norms into the linear layer after them and names their
+weights after it (:data:`TE_NORM_NAMES`); :func:`to_naming` converts between the two namings and
+:class:`NameIndex` accepts both, so loading, export, the reshard and the checkpoints work with
+either spec.
 """
 
 from __future__ import annotations
@@ -121,8 +125,40 @@ def tensor_maps(dims: ModelDims, role: str = "actor") -> list[TensorMap]:
     return maps
 
 
+# The two layer specs megarl builds (megarl.models.build) name a layer's norm weights differently.
+NAMINGS = ("local", "transformer_engine")
+# local spec -> Transformer Engine spec, within ``decoder.layers.<i>.``
+TE_NORM_NAMES: dict[str, str] = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+_LAYER_PREFIX = re.compile(r"^(.*decoder\.layers\.(?:\d+|\{layer\})\.)(.*)$")
+
+
+def to_naming(name: str, naming: str) -> str:
+    """A megatron parameter name (or name-map template) as the ``naming`` layer spec spells it."""
+    if naming not in NAMINGS:
+        raise ValueError(f"unknown megatron naming {naming!r}; known: {NAMINGS}")
+    m = _LAYER_PREFIX.match(name)
+    if m is None:
+        return name
+    prefix, rest = m.groups()
+    table = (
+        TE_NORM_NAMES
+        if naming == "transformer_engine"
+        else {te: local for local, te in TE_NORM_NAMES.items()}
+    )
+    return prefix + table.get(rest, rest)
+
+
+def state_dict_to_naming(state: dict[str, torch.Tensor], naming: str) -> dict[str, torch.Tensor]:
+    """The same tensors under ``naming``'s parameter names (order kept)."""
+    return {to_naming(k, naming): v for k, v in state.items()}
+
+
 class NameIndex:
-    """Resolves a megatron parameter name (stage-local layer index) to its map and HF names."""
+    """Resolves a megatron parameter name (stage-local layer index), in either naming
+    (:data:`NAMINGS`), to its map and HF names."""
 
     def __init__(self, dims: ModelDims, layer_offset: int = 0, role: str = "actor"):
         self.dims = dims
@@ -133,8 +169,9 @@ class NameIndex:
         ]
 
     def lookup(self, megatron_name: str) -> tuple[TensorMap, tuple[str, ...]]:
+        local_name = to_naming(megatron_name, "local")
         for pattern, tm in self._patterns:
-            m = pattern.match(megatron_name)
+            m = pattern.match(local_name)
             if m:
                 layer = int(m.group(1)) + self.layer_offset if tm.per_layer else None
                 return tm, tuple(h.format(layer=layer) for h in tm.hf)

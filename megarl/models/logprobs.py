@@ -16,19 +16,18 @@ from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
 
 
-def pad_right(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
-    """``[N, max_len]`` token ids, each sequence left-aligned and padded with ``pad_id``."""
+def pad_right(sequences: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """``[N, max_len]`` token ids on ``device``, each sequence left-aligned and padded with
+    ``pad_id``."""
     length = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    for row, s in enumerate(sequences):
-        ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return ids
+    rows = [list(s) + [pad_id] * (length - len(s)) for s in sequences]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def positions_from(starts: torch.Tensor, width: int, seq_len: int) -> torch.Tensor:
     """``[b, width]`` positions ``starts[i] + j``; past the sequence they repeat its last position
     (their values are garbage for the caller to mask or drop)."""
-    return (starts.unsqueeze(1) + torch.arange(width)).clamp(max=seq_len - 1)
+    return (starts.unsqueeze(1) + torch.arange(width, device=starts.device)).clamp(max=seq_len - 1)
 
 
 def targets_at(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -69,7 +68,7 @@ def teacher_forced_log_probs(
 
     outs = run_schedule(
         [model],
-        [{"input_ids": input_ids.to(device), "positions": positions}],
+        [{"input_ids": input_ids.to(device), "positions": positions.to(device)}],
         logprobs,
         forward_only=True,
     )

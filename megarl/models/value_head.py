@@ -13,10 +13,12 @@ class ValueHead(torch.nn.Module):
     and it returns ``(scalars, None)`` like a ColumnParallelLinear.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = True):
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, device: torch.device, bias: bool = True
+    ):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias else None
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
@@ -25,8 +27,10 @@ class ValueHead(torch.nn.Module):
     def fresh_init(self, head) -> None:
         """The start of a head the checkpoint does not hold: zeros, or a seeded normal."""
         if head.fresh_init == "normal":
+            # A CPU generator gives the same start on every machine (and every TP rank).
             gen = torch.Generator().manual_seed(head.init_seed)
-            w = torch.randn(self.weight.shape, generator=gen, dtype=torch.float32) * head.init_std
+            w = torch.randn(self.weight.shape, generator=gen, dtype=torch.float32, device="cpu")
+            w = w * head.init_std
             self.weight.copy_(w.to(self.weight.dtype))
         else:
             self.weight.zero_()

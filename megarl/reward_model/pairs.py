@@ -24,20 +24,25 @@ class PairMicroBatch:
 
 
 def pad_sequences(
-    sequences: Sequence[Sequence[int]], pad_id: int
+    sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``[N, max_len]`` ids and the ``[N]`` lengths."""
-    lens = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-    if int(lens.min()) < 1:
+    """Right-padded ``[N, max_len]`` ids and the ``[N]`` lengths, on ``device``."""
+    lens = [len(s) for s in sequences]
+    if min(lens) < 1:
         raise ValueError("every sequence needs at least one token")
-    ids = torch.full((len(sequences), int(lens.max())), pad_id, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-    return ids, lens
+    width = max(lens)
+    rows = [list(s) + [pad_id] * (width - len(s)) for s in sequences]
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(lens, dtype=torch.long, device=device),
+    )
 
 
-def pair_micro_batches(items, pairs_per_micro_batch: int, pad_id: int) -> list[PairMicroBatch]:
-    """``items`` (PreferenceItem: prompt_ids, chosen_ids, rejected_ids) -> micro-batches."""
+def pair_micro_batches(
+    items, pairs_per_micro_batch: int, pad_id: int, device: torch.device | str
+) -> list[PairMicroBatch]:
+    """``items`` (PreferenceItem: prompt_ids, chosen_ids, rejected_ids) -> micro-batches on
+    ``device`` (the model's)."""
     seqs = [
         (list(it.prompt_ids) + list(it.chosen_ids), list(it.prompt_ids) + list(it.rejected_ids))
         for it in items
@@ -46,6 +51,6 @@ def pair_micro_batches(items, pairs_per_micro_batch: int, pad_id: int) -> list[P
     out = []
     for start in range(0, len(order), pairs_per_micro_batch):
         chunk = order[start : start + pairs_per_micro_batch]
-        ids, lens = pad_sequences([s for i in chunk for s in seqs[i]], pad_id)
+        ids, lens = pad_sequences([s for i in chunk for s in seqs[i]], pad_id, device)
         out.append(PairMicroBatch(ids, lens))
     return out

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megarl import parallel
+from megarl import parallel, platform
 from megarl.algos import bradley_terry_loss
 from megarl.config import RunConfig
 from megarl.data import PreferenceDataset, PreferenceItem
@@ -88,7 +88,7 @@ def _dataset(
 def _micro_batches(
     cfg: RunConfig, items: list[PreferenceItem], pad_id: int
 ) -> list[dict[str, Any]]:
-    mbs = pair_micro_batches(items, cfg.reward_model.micro_batch_size, pad_id)
+    mbs = pair_micro_batches(items, cfg.reward_model.micro_batch_size, pad_id, platform.device())
     total = sum(mb.pairs for mb in mbs)
     return [{"input_ids": mb.input_ids, "mb": mb, "weight": mb.pairs / total} for mb in mbs]
 
@@ -137,14 +137,17 @@ def evaluate(
 ) -> dict[str, float]:
     """Accuracy, loss and mean gap over one pass of ``dataset``; the same dict on every rank."""
     loss_fn = _pair_loss(cfg.reward_model.margin)
-    totals = torch.zeros(4, dtype=torch.float64)  # pairs, correct, loss sum, gap sum
+    # pairs, correct, loss sum, gap sum
+    totals = torch.zeros(4, dtype=torch.float64, device=platform.collective_device())
     for items in dataset:
         outs = run_schedule([model], _micro_batches(cfg, items, pad_id), loss_fn, forward_only=True)
         if outs:
             m = _sum_metrics(outs)
             n = len(items)
             totals += torch.tensor(
-                [n, m["accuracy"] * n, m["loss"] * n, m["gap_mean"] * n], dtype=torch.float64
+                [n, m["accuracy"] * n, m["loss"] * n, m["gap_mean"] * n],
+                dtype=torch.float64,
+                device=totals.device,
             )
     broadcast_from_last_stage(totals)
     dist.all_reduce(totals, group=parallel.dp_group())

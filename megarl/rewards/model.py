@@ -102,15 +102,18 @@ def last_token_scores(output: torch.Tensor, seq_lens: torch.Tensor) -> torch.Ten
 def score_sequences(
     model, input_ids: torch.Tensor, seq_lens: torch.Tensor, micro_batch_size: int
 ) -> torch.Tensor:
-    """``[N]`` scores of right-padded sequences, forward-only through the pipeline schedule; the
-    same tensor on every rank of the model-parallel group. Collective over TP and PP."""
+    """``[N]`` scores of right-padded sequences (on the model's device, as ``input_ids`` must be),
+    forward-only through the pipeline schedule; the same tensor on every rank of the
+    model-parallel group. Collective over TP and PP."""
     n = int(input_ids.shape[0])
-    order = sorted(range(n), key=lambda i: (int(seq_lens[i]), i))
+    device = input_ids.device
+    lens = seq_lens.tolist()
+    order = sorted(range(n), key=lambda i: (lens[i], i))
     chunks = [order[s : s + micro_batch_size] for s in range(0, n, micro_batch_size)]
     batches = []
     for chunk in chunks:
-        idx = torch.as_tensor(chunk, dtype=torch.long)
-        width = int(seq_lens[idx].max())
+        idx = torch.as_tensor(chunk, dtype=torch.long, device=device)
+        width = max(lens[i] for i in chunk)
         batches.append({"input_ids": input_ids[idx, :width], "lens": seq_lens[idx]})
     outs = run_schedule(
         [model],
@@ -118,7 +121,7 @@ def score_sequences(
         lambda out, b: (out.sum() * 0.0, {"score": last_token_scores(out, b["lens"])}),
         forward_only=True,
     )
-    scores = torch.zeros(n, dtype=torch.float32)
+    scores = torch.zeros(n, dtype=torch.float32, device=device)
     for chunk, out in zip(chunks, outs, strict=False):  # outputs exist on the last stage only
-        scores[torch.as_tensor(chunk, dtype=torch.long)] = out["score"].cpu()
+        scores[torch.as_tensor(chunk, dtype=torch.long, device=device)] = out["score"]
     return broadcast_from_last_stage(scores)

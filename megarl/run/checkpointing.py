@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import load_checkpoint, save_checkpoint
-from megarl.checkpoint.store import step_name, write_latest
+from megarl.checkpoint.store import model_sharded_state_dict, step_name, write_latest
 from megarl.errors import CheckpointError
 
 
@@ -48,7 +48,7 @@ def _optimizer_state(trainable, is_loading: bool):
             if not opt.optimizer.state:
                 with torch.no_grad():
                     opt._init_optimizer_states_with_dummy_values()
-    model_sd = trainable.model.sharded_state_dict()
+    model_sd = model_sharded_state_dict(trainable.model)
     # "dp_reshardable": each rank writes and reads its own optimizer shard, no gather; a resume
     # uses the same TP/PP anyway (per-rank RNG and data state).
     return trainable.optimizer.sharded_state_dict(
@@ -80,7 +80,8 @@ def _restore_adam_steps(trainable, steps: list[float | None]) -> None:
             continue
         for state in inner.state.values():
             if "step" in state:
-                state["step"] = torch.tensor(step, dtype=state["step"].dtype)
+                old = state["step"]
+                state["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)
 
 
 def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any]) -> Path:

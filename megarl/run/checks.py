@@ -8,10 +8,12 @@ from megarl.parallel import ParallelLayout
 
 
 def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
-    """Model folder, layout against it, reward model, data files (footers only)."""
+    """Backends, model folder, layout against it, reward model, data files (footers only)."""
+    from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
 
+    check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
     if cfg.model.critic_path:

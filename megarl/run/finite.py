@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.errors import MegarlError
 
 if TYPE_CHECKING:
@@ -22,6 +23,6 @@ def all_finite(ddp: DistributedDataParallel, outputs: list[dict[str, torch.Tenso
     bad = any(not torch.isfinite(v).all() for out in outputs for v in out.values())
     for buffer in getattr(ddp, "buffers", []):
         bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
-    flag = torch.tensor([1.0 if bad else 0.0])
+    flag = torch.tensor([1.0 if bad else 0.0], device=platform.collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0.0

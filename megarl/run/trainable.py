@@ -55,6 +55,7 @@ def model_options(cfg: RunConfig) -> ModelOptions:
     return ModelOptions(
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
         recompute=cfg.model.recompute,
+        transformer_impl=cfg.model.transformer_impl,
     )
 
 

@@ -133,7 +133,10 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
             kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
             dtype=cfg.model.dtype,
             seed=cfg.trainer.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            sleep_level=r.sleep_level,
         ),
+        backend=r.backend,
     )
     sampling = SamplingConfig(
         temperature=r.temperature,

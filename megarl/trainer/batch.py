@@ -42,26 +42,30 @@ class Samples:
         responses: Sequence[Sequence[int]],
         group_ids: Sequence[Hashable],
         pad_id: int,
+        device: torch.device | str,
     ) -> Samples:
+        """Padded on the host as lists, then made on ``device`` (the model's) in one copy each."""
         lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
         max_len = max(lens)
         max_resp = max(1, max(len(r) for r in responses))
-        ids = torch.full((len(lens), max_len), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(lens), max_resp)
-        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-            ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-            mask[i, : len(r)] = 1.0
+        rows = [
+            [*p, *r] + [pad_id] * (max_len - n)
+            for p, r, n in zip(prompts, responses, lens, strict=True)
+        ]
+        mask = [[1.0] * len(r) + [0.0] * (max_resp - len(r)) for r in responses]
         return cls(
-            input_ids=ids,
-            prompt_lens=torch.tensor([len(p) for p in prompts]),
-            response_lens=torch.tensor([len(r) for r in responses]),
+            input_ids=torch.tensor(rows, dtype=torch.long, device=device),
+            prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device),
+            response_lens=torch.tensor(
+                [len(r) for r in responses], dtype=torch.long, device=device
+            ),
             group_ids=list(group_ids),
-            response_mask=mask,
+            response_mask=torch.tensor(mask, dtype=torch.float32, device=device),
         )
 
     def select(self, rows: Sequence[int]) -> Samples:
         """A subset of samples, trimmed to its own longest sequence and response."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.input_ids.device)
         seq_len = int(self.seq_lens()[idx].max())
         resp_len = max(1, int(self.response_lens[idx].max()))
         return Samples(
@@ -82,8 +86,8 @@ def micro_batches(
     By count (``micro_batch_size``) or, with ``max_tokens``, by a padded-token budget per
     micro-batch (at least one sample each).
     """
-    lens = samples.seq_lens()
-    ordered = sorted(rows, key=lambda r: (int(lens[r]), r))
+    lens = samples.seq_lens().tolist()  # one device-to-host copy, not one per row
+    ordered = sorted(rows, key=lambda r: (lens[r], r))
     groups: list[list[int]] = []
     current: list[int] = []
     for r in ordered:

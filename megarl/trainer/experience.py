@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megarl import parallel
+from megarl import parallel, platform
 from megarl.algos import (
     TIS_REDUCTIONS,
     apply_kl_in_reward,
@@ -64,9 +64,13 @@ def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def rule_scores(
-    rewards: RewardManager, items: Sequence[PromptItem], batch: RolloutBatch, texts: list[str]
+    rewards: RewardManager,
+    items: Sequence[PromptItem],
+    batch: RolloutBatch,
+    texts: list[str],
+    device: torch.device,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One rule score per sample (the reward manager's scorers) and their metrics."""
+    """One rule score per sample (the reward manager's scorers, on ``device``) and their metrics."""
     samples = [
         RewardSample(
             data_source=items[i].data_source,
@@ -77,7 +81,7 @@ def rule_scores(
         for i, text in zip(batch.output.prompt_index, texts, strict=True)
     ]
     result = rewards.score(samples)
-    return torch.tensor(result.scores, dtype=torch.float32), dict(result.metrics)
+    return torch.tensor(result.scores, dtype=torch.float32, device=device), dict(result.metrics)
 
 
 def score_rollout(
@@ -92,11 +96,12 @@ def score_rollout(
     (``reward.rule_weight * rule + reward.model_weight * model``); also the decoded responses.
     The metrics are this rank's means."""
     texts = decode_responses(batch, tokenizer)
-    samples = build_samples(items, batch, pad_id)
+    samples = build_samples(items, batch, pad_id, platform.device())
+    device = samples.input_ids.device
     metrics: dict[str, float] = {}
-    rule = torch.zeros(samples.size)
+    rule = torch.zeros(samples.size, device=device)
     if rewards.rule_weight != 0:
-        rule, metrics = rule_scores(rewards.rules, items, batch, texts)
+        rule, metrics = rule_scores(rewards.rules, items, batch, texts, device)
         metrics["reward/rule_mean"] = float(rule.mean())
     model = None
     if rewards.model is not None:
@@ -112,34 +117,39 @@ def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
     """The outcome reward of each sample, on its last response token."""
     token_scores = torch.zeros_like(samples.response_mask)
     last = (samples.response_lens - 1).clamp(min=0)
-    token_scores[torch.arange(samples.size), last] = scores * (samples.response_lens > 0)
+    rows = torch.arange(samples.size, device=token_scores.device)
+    token_scores[rows, last] = scores.to(token_scores.device) * (samples.response_lens > 0)
     samples.tensors["token_level_scores"] = token_scores
 
 
-def build_samples(items: Sequence[PromptItem], batch: RolloutBatch, pad_id: int) -> Samples:
+def build_samples(
+    items: Sequence[PromptItem], batch: RolloutBatch, pad_id: int, device: torch.device
+) -> Samples:
+    """The rollout as padded training tensors on ``device`` (the models')."""
     responses = batch.output.token_ids
     prompts = [batch.prompts[i] for i in batch.output.prompt_index]
     groups = [items[i].uid for i in batch.output.prompt_index]
-    samples = Samples.from_sequences(prompts, responses, groups, pad_id)
+    samples = Samples.from_sequences(prompts, responses, groups, pad_id, device)
+    width = samples.response_mask.shape[1]
     if batch.actor_logprobs is not None:  # validation rollouts are not scored by the actor
         old = batch.response_actor_logprobs()
-        samples.tensors["old_log_prob"] = _pad_rows(old, samples.response_mask.shape[1])
-    samples.tensors["rollout_log_prob"] = _pad_rows(
-        [torch.tensor(lp, dtype=torch.float32) for lp in batch.output.logprobs],
-        samples.response_mask.shape[1],
-    )
+        samples.tensors["old_log_prob"] = _pad_rows(old, width, device)
+    rollout = [lp + [0.0] * (width - len(lp)) for lp in batch.output.logprobs]
+    samples.tensors["rollout_log_prob"] = torch.tensor(
+        rollout, dtype=torch.float32, device=device
+    ).reshape(len(rollout), width)
     return samples
 
 
-def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
+def _pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, device=device)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = r.float().cpu()
+        out[i, : len(r)] = r.float()
     return out
 
 
 def _dp_mean(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
     dist.all_reduce(t, group=parallel.dp_group())
     return float(t.item() / parallel.dp_size())
 

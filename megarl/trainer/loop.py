@@ -55,7 +55,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         with timed(m, "rollout"):
             m.update(declare(engine.to_rollout()))
             batch = engine.generate([it.input_ids for it in items], run.rollout.sampling)
-            engine.to_train()
+            m.update(declare(engine.to_train()))
         with timed(m, "reward"):
             samples, scores, reward_metrics, _ = score_rollout(
                 run.rewards, run.startup.tokenizer, run.startup.pad_id, items, batch, run.batching

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
 from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.run.finite import NonFiniteError, all_finite
@@ -78,7 +79,7 @@ def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     mask = samples.response_mask.bool()
     old = samples.tensors.get("old_log_prob")
     bad = old is not None and not bool(torch.isfinite(old[mask]).all())
-    flag = torch.tensor([1.0 if bad else 0.0])
+    flag = torch.tensor([1.0 if bad else 0.0], device=platform.collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0.0:
         return True

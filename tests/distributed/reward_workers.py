@@ -40,7 +40,7 @@ def _hf_reference(model_dir: str, items, pad_id: int):
     seqs = [
         s for it in items for s in (it.prompt_ids + it.chosen_ids, it.prompt_ids + it.rejected_ids)
     ]
-    ids, _ = pad_sequences(seqs, pad_id)
+    ids, _ = pad_sequences(seqs, pad_id, "cpu")
     scores = hf(input_ids=ids).logits[:, 0]
     loss = -F.logsigmoid(scores[0::2] - scores[1::2] - MARGIN).mean()
     loss.backward()
@@ -78,7 +78,7 @@ def reward_model_worker(rank: int, world: int, model_dir: str) -> dict[str, floa
     seqs = [
         s for it in items for s in (it.prompt_ids + it.chosen_ids, it.prompt_ids + it.rejected_ids)
     ]
-    ids, lens = pad_sequences(seqs, pad_id)
+    ids, lens = pad_sequences(seqs, pad_id, "cpu")
     scores = score_sequences(model, ids, lens, micro_batch_size=3)
     out["score_diff"] = (scores - ref_scores).abs().max().item()
     # bf16: every parameter in one dtype (megatron's local RMSNorm would stay float32, which the

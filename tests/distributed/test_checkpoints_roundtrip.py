@@ -175,6 +175,102 @@ def _critic_checks(hf_dir, work: Path, out):
     )
 
 
+_TE_LINEARS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+
+
+def _te_extra_state(dims, layout) -> dict:
+    """The ``_extra_state`` objects a Transformer Engine model adds to its sharded state (FP8
+    metadata of each TE linear, per layer and TP rank), as megatron's TE layers shard them."""
+    import io
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megarl.models.build import layer_offset
+
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    first = layer_offset(dims, layout, pp_rank)
+    count = layout.layers_per_stage(dims.num_layers)[pp_rank]
+    return {
+        f"decoder.layers.{i}.{linear}._extra_state": ShardedObject(
+            f"decoder.layers.{linear}._extra_state",
+            io.BytesIO(b"te-fp8-metadata"),
+            (dims.num_layers, layout.tp),
+            (first + i, tp_rank),
+            replica_id=(0, 0, ps.get_data_parallel_rank()),
+        )
+        for i in range(count)
+        for linear in _TE_LINEARS
+    }
+
+
+def _te_checks(hf_dir, work: Path, out):
+    """The two megatron namings (local and Transformer Engine layer specs) on a real model:
+    its parameters renamed to TE's names and back; the HF tensors exported from TE-named
+    parameters; a checkpoint holding TE's ``_extra_state`` objects loaded into the local spec, and
+    a local-spec checkpoint loaded into a model that asks for them (as a TE model does)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megarl.checkpoint import build_model_from_checkpoint, load_checkpoint, save_checkpoint
+    from megarl.models.build import build_gpt_model, build_model
+    from megarl.models.export import iter_stage_hf_tensors
+    from megarl.models.hf_map import state_dict_to_naming
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    layout = ParallelLayout(tp=2, pp=2)
+    initialize_model_parallel(layout)
+    model, dims = build_model(hf_dir, layout)
+    params = dict(model.named_parameters())
+    te = state_dict_to_naming(params, "transformer_engine")
+    back = state_dict_to_naming(te, "local")
+    stage_layers = layout.layers_per_stage(dims.num_layers)[0]
+    out["te:renamed_norms"] = sum(a != b for a, b in zip(params, te, strict=True))
+    out["te:expected_norms"] = 2 * stage_layers
+    out["te:round_trip_equal"] = list(back) == list(params) and all(
+        torch.equal(back[k], params[k]) for k in params
+    )
+
+    class TeNamed:  # the actor as a TE-spec model names its parameters
+        output_layer = getattr(model, "output_layer", None)
+
+        def named_parameters(self):
+            return iter(te.items())
+
+    local_hf = list(iter_stage_hf_tensors(model, dims, layout))
+    te_hf = list(iter_stage_hf_tensors(TeNamed(), dims, layout))
+    out["te:export_equal"] = [n for n, _ in local_hf] == [n for n, _ in te_hf] and all(
+        torch.equal(a, b) for (_, a), (_, b) in zip(local_hf, te_hf, strict=True)
+    )
+    save_checkpoint(
+        work / "te_ckpt",
+        model,
+        role="actor",
+        hf_assets=hf_dir,
+        extra={"te": _te_extra_state(dims, layout)},
+    )
+    destroy_model_parallel()
+    keys = FileSystemReader(str(work / "te_ckpt" / "mcore")).read_metadata().state_dict_metadata
+    out["te:checkpoint_has_extra_state"] = any("_extra_state" in k for k in keys)
+
+    layout = ParallelLayout.for_world(4, tp=1)
+    initialize_model_parallel(layout)
+    from_te, _, _ = build_model_from_checkpoint(work / "te_ckpt", layout)
+    reference, _ = build_model(hf_dir, layout)
+    out["te:te_checkpoint_into_local_equal"] = _same_weights(from_te, reference)
+    asks_extra = build_gpt_model(dims, layout, "actor")
+    plain = asks_extra.sharded_state_dict
+    extras = _te_extra_state(dims, layout)
+    asks_extra.sharded_state_dict = lambda *a, **k: {**plain(*a, **k), **extras}
+    load_checkpoint(work / "qwen2" / "ckpt", asks_extra, dims=dims, role="actor")
+    out["te:local_checkpoint_into_te_equal"] = _same_weights(asks_extra, reference)
+    destroy_model_parallel()
+
+
 # Layout each model is saved at (on 4 ranks: SmolLM2 runs TP1xPP2xDP2, the DP replica writes
 # nothing), the layouts it is reloaded at, and the largest exported file.
 SAVE_AT = {"qwen2": (2, 2), "llama": (2, 2), "vllm-qwen2": (2, 2), "smollm2": (1, 2)}
@@ -201,6 +297,7 @@ def roundtrip_worker(rank: int, world: int, work: str, models: dict[str, str]) -
         export_to_hf(ckpt, work_dir / name / "hf", max_shard_bytes=shard_bytes, progress=False)
         if name == "qwen2":
             _critic_checks(hf_dir, work_dir, out)
+            _te_checks(hf_dir, work_dir, out)
     return out
 
 
@@ -220,7 +317,7 @@ def tiny(tmp_path_factory):
     merged: dict = {}
     for r in results:
         for k, v in r.items():
-            if k.endswith("_equal") or k.endswith("trunk_from_actor"):
+            if k.endswith(("_equal", "trunk_from_actor", "has_extra_state")):
                 merged[k] = merged.get(k, True) and v
             else:
                 merged.setdefault(k, v)
@@ -297,6 +394,17 @@ def test_critic_round_trips_as_token_classification(tiny):
         values = model.eval()(fixed_batch(model.config.vocab_size)).logits
     assert values.shape[-1] == 1
     assert (values - merged["critic:values"]).abs().max().item() < 1e-5
+
+
+def test_both_megatron_namings_and_cross_spec_checkpoints(tiny):
+    """Local spec <-> Transformer Engine spec (no TE here: its names and checkpoint objects)."""
+    _, _, merged = tiny
+    assert merged["te:renamed_norms"] == merged["te:expected_norms"] > 0
+    assert merged["te:round_trip_equal"] is True
+    assert merged["te:export_equal"] is True
+    assert merged["te:checkpoint_has_extra_state"] is True
+    assert merged["te:te_checkpoint_into_local_equal"] is True
+    assert merged["te:local_checkpoint_into_te_equal"] is True
 
 
 def test_export_in_bfloat16_rounds_each_tensor_once(tiny, tmp_path):

@@ -5,7 +5,9 @@ training layouts (TP2xPP2, TP1xPP2xDP2) beside the same engine. Per layout: afte
 vLLM's greedy output equals transformers' (token for token) and its logprobs equal the megatron
 actor's teacher-forced ones (< 1e-4, fp32); after an optimizer step and another ``to_rollout`` the
 output equals transformers on the new weights; a plan/model shape mismatch raises naming the
-tensor and leaves vLLM's weights untouched.
+tensor and leaves vLLM's weights untouched. The Hugging Face rollout backend (``rollout.backend=
+hf``) runs beside vLLM in the same processes, resharded from the same actor: its greedy output
+equals vLLM's, its logprobs equal the actor's (< 1e-5, fp32), before and after the step.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from megarl.hybrid_engine.engine import HybridEngine
+    from megarl.hybrid_engine.hf_rollout import HFRollout
     from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -79,6 +82,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
 
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
     rollout = None
+    hf_rollout = None
     out: dict = {}
     for spec in LAYOUTS:
         layout = ParallelLayout.for_world(world, infer_tp=infer_tp, **spec)
@@ -98,6 +102,10 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
             rollout=rollout,
         )
         rollout = engine.rollout
+        hf_rollout = hf_rollout or HFRollout(model_dir, layout.rollout_tp)
+        hf_engine = HybridEngine(
+            model_dir, layout, dims, ddp, optimizer, bucket_bytes=96 << 10, rollout=hf_rollout
+        )
         dp = ps.get_data_parallel_rank()
         prompts = _prompts(dp, dims.vocab_size)
         res: dict = {"dp": dp, "prompts": prompts}
@@ -112,6 +120,11 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         batch = engine.generate(prompts, greedy)
         res["before"] = batch.output.token_ids
         res["before_metrics"] = dict(batch.metrics)
+        hf_engine.to_rollout()  # the HF backend, resharded from the same actor
+        hf_batch = hf_engine.generate(prompts, greedy)
+        hf_engine.to_train()
+        res["hf_before"] = hf_batch.output.token_ids
+        res["hf_before_metrics"] = dict(hf_batch.metrics)
 
         # one optimizer step on the rollout sequences, then roll out again
         engine.to_train()
@@ -129,6 +142,11 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         res["after"] = batch.output.token_ids
         res["after_metrics"] = dict(batch.metrics)
         res["metrics_keys"] = sorted(engine.metrics)
+        hf_engine.to_rollout()
+        hf_batch = hf_engine.generate(prompts, greedy)
+        hf_engine.to_train()
+        res["hf_after"] = hf_batch.output.token_ids
+        res["hf_after_metrics"] = dict(hf_batch.metrics)
 
         # a plan/model mismatch is refused before anything is loaded
         name = "model.layers.1.mlp.down_proj.weight"
@@ -177,6 +195,9 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
         for res in per_rank:
             assert res["before"] == _hf_greedy(hf, res["prompts"]), key
             assert res["before_metrics"]["rollout/logprob_diff_max"] < 1e-4, key
+            # the HF backend: vLLM's greedy output, the actor's logprobs
+            assert res["hf_before"] == res["before"], key
+            assert res["hf_before_metrics"]["rollout/logprob_diff_max"] < 1e-5, key
             assert res["recv_bytes"] == res["min_recv_bytes"], key
             assert res["buckets"] > 3
             # peak transient memory: the bucket plus at most one tensor in flight
@@ -196,6 +217,9 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
         for res in per_rank:
             assert res["after"] == _hf_greedy(hf, res["prompts"]), key
             assert res["after_metrics"]["rollout/logprob_diff_max"] < 1e-4, key
+            # the HF backend followed the weight update
+            assert res["hf_after"] == res["after"] != res["before"], key
+            assert res["hf_after_metrics"]["rollout/logprob_diff_max"] < 1e-5, key
             err = res["mismatch_error"]
             assert err is not None and "model.layers.1.mlp.down_proj.weight" in err, err
             assert res["after_mismatch"] == res["after"], key

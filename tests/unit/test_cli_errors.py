@@ -54,7 +54,9 @@ def test_srun_tasks_run_in_place_with_slurm_ranks(monkeypatch):
     from megarl.launch import under_launcher
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        # set, then delete: monkeypatch then removes what under_launcher() sets, after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")

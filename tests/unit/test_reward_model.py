@@ -45,7 +45,7 @@ def test_pairs_share_micro_batches_sorted_by_length():
         SimpleNamespace(prompt_ids=[1] * p, chosen_ids=[2] * c, rejected_ids=[3] * r)
         for p, c, r in [(5, 9, 1), (2, 1, 1), (3, 2, 4), (1, 1, 1), (4, 4, 4)]
     ]
-    mbs = pair_micro_batches(items, pairs_per_micro_batch=2, pad_id=0)
+    mbs = pair_micro_batches(items, pairs_per_micro_batch=2, pad_id=0, device="cpu")
     assert [mb.pairs for mb in mbs] == [2, 2, 1]
     seen = []
     for mb in mbs:

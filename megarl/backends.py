@@ -1,0 +1,68 @@
+"""Which optional engines a run uses on this machine, decided (and refused) before launch.
+
+- ``model.transformer_impl``: ``transformer_engine`` layers need CUDA and Transformer Engine;
+  ``local`` is megatron's own spec (any device); ``auto`` takes TE where both are present.
+- ``rollout.backend``: ``vllm`` needs vLLM installed (``megarl[cpu]`` or ``megarl[gpu]``); ``hf``
+  generates with Hugging Face transformers (no extra package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megarl.config import CHOICES
+from megarl.errors import ConfigError
+
+TRANSFORMER_IMPLS = CHOICES["model.transformer_impl"]
+ROLLOUT_BACKENDS = CHOICES["rollout.backend"]
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported here (without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def resolve_transformer_impl(requested: str) -> str:
+    """``local`` or ``transformer_engine`` for ``model.transformer_impl``; raises when TE is
+    requested where it cannot run."""
+    if requested not in TRANSFORMER_IMPLS:
+        raise ConfigError(
+            f"model.transformer_impl={requested!r} is not one of {list(TRANSFORMER_IMPLS)}"
+        )
+    cuda = torch.cuda.is_available()
+    te = installed("transformer_engine")
+    if requested == "transformer_engine":
+        if not cuda:
+            raise ConfigError(
+                "model.transformer_impl=transformer_engine needs CUDA, and this machine has no "
+                "GPU; use model.transformer_impl=local (or auto) on CPU"
+            )
+        if not te:
+            raise ConfigError(
+                "model.transformer_impl=transformer_engine, but Transformer Engine is not "
+                "installed; install megarl[gpu] (transformer-engine[pytorch]) or use "
+                "model.transformer_impl=local"
+            )
+        return "transformer_engine"
+    if requested == "auto" and cuda and te:
+        return "transformer_engine"
+    return "local"
+
+
+def check_rollout_backend(backend: str) -> None:
+    if backend not in ROLLOUT_BACKENDS:
+        raise ConfigError(f"rollout.backend={backend!r} is not one of {list(ROLLOUT_BACKENDS)}")
+    if backend == "vllm" and not installed("vllm"):
+        raise ConfigError(
+            "rollout.backend=vllm, but vLLM is not installed; install megarl[gpu] (CUDA) or "
+            "megarl[cpu] (CPU), or set rollout.backend=hf to generate with transformers"
+        )
+
+
+def check_backends(cfg) -> None:
+    """Every engine ``cfg`` (a RunConfig) asks for can run here; before any process starts."""
+    resolve_transformer_impl(cfg.model.transformer_impl)
+    if cfg.trainer.kind == "policy":
+        check_rollout_backend(cfg.rollout.backend)

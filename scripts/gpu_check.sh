@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# megarl's GPU check in one command; prints a table and exits non-zero when a check fails.
+#
+#   bash scripts/gpu_check.sh [--wheels DIR] [--cpu] [--workdir DIR]
+#
+# --wheels DIR: offline packages the machine lacks (megatron-core, omegaconf, antlr4 ...), as
+#               wheels or sdists; installed with pip --no-index into a temporary folder.
+# --cpu:        the same checks at tiny sizes on the CPU (what CI runs).
+# PYTHON:       the interpreter (default python3). The check itself is megarl/gpu_check.py.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+WHEELS=""
+ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels) WHEELS="$2"; shift 2 ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+if [ -n "$WHEELS" ]; then
+  DEPS="$(mktemp -d "${TMPDIR:-/tmp}/megarl-gpu-check-deps.XXXXXX")"
+  trap 'rm -rf "$DEPS"' EXIT
+  shopt -s nullglob
+  PACKAGES=("$WHEELS"/*.whl "$WHEELS"/*.tar.gz)
+  if [ ${#PACKAGES[@]} -eq 0 ]; then
+    echo "gpu_check: no .whl or .tar.gz in $WHEELS" >&2
+    exit 2
+  fi
+  "$PY" -m pip install --quiet --no-index --no-deps --no-build-isolation \
+    --target "$DEPS" "${PACKAGES[@]}"
+  export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+cd "$ROOT"
+"$PY" -m megarl.gpu_check "${ARGS[@]}"

@@ -187,7 +187,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         train_data.load_state_dict(state["data"])
         if dist.get_rank() == 0:
             print(f"resumed from {path} at step {start}", flush=True)
-    tracker = Tracker(cfg, dist.get_rank(), run_id=run_id)
+    tracker = Tracker(cfg, dist.get_rank(), run_id=run_id, start_step=start)
     loss_fn = _pair_loss(cfg.reward_model.margin)
     if start == 0 and cfg.data.val_files and cfg.trainer.test_freq:
         tracker.log_metrics(

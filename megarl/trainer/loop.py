@@ -12,6 +12,7 @@ from megarl.config import RunConfig
 from megarl.trainer import checkpointing
 from megarl.trainer.experience import compute_experience, score_rollout
 from megarl.trainer.losses import make_actor_loss, make_critic_loss
+from megarl.trainer.memory_metrics import memory_metrics
 from megarl.trainer.model_ops import MicroBatching, ppo_update, rollout_is_finite
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.run_state import RunState, reduce_metrics, setup_run, validate
@@ -96,6 +97,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         m.update(run.batch_metrics(samples, scores, batch, reward_metrics))
         m["timing/step_s"] = m["perf/step_s"] = time.perf_counter() - t_step
         m["perf/tokens_per_s"] = run.tokens_in(samples) / m["timing/step_s"]
+        m.update(memory_metrics())
         last = reduce_metrics(m)
         run.tracker.log_metrics(last, step + 1)
         run.tracker.progress(step, cfg.trainer.total_steps, last, run.start_step)

@@ -26,7 +26,9 @@ TRAINERS = {"policy": _policy, "reward_model": _reward_model}
 
 def main(argv: list[str] | None = None) -> int:
     from megarl.config import load_config
+    from megarl.console import quiet_rank_console
 
+    quiet_rank_console()  # before torch, megatron or vLLM are imported
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(

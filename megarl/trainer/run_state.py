@@ -315,7 +315,7 @@ def setup_run(cfg: RunConfig) -> RunState:
         mlflow_run = state.get("mlflow_run_id")
         if dist.get_rank() == 0:
             print(f"resumed from {path} at step {run.start_step}", flush=True)
-    run.tracker = Tracker(cfg, dist.get_rank(), run_id=mlflow_run)
+    run.tracker = Tracker(cfg, dist.get_rank(), run_id=mlflow_run, start_step=run.start_step)
     return run
 
 

@@ -2,13 +2,14 @@
 chatter hidden unless ``--verbose`` (``MEGARL_VERBOSE=1`` in the ranks' environment).
 
 Hidden when quiet: vLLM's INFO/WARNING log lines (engine start-up, "Successfully reset prefix
-cache" at every rollout; its errors still show), torch's C++ warnings, tqdm progress bars of
-weight loading, and the deprecation warnings listed in ``KNOWN_WARNINGS``, which come from
+cache" at every rollout; its errors still show), torch's C++ warnings, vLLM's weight-loading progress bar,
+W&B's advertisement for Weave, and the deprecation warnings listed in ``KNOWN_WARNINGS``, which come from
 libraries megarl calls, not from anything a user can change.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -18,7 +19,7 @@ VERBOSE_ENV = "MEGARL_VERBOSE"
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
     "TORCH_CPP_LOG_LEVEL": "ERROR",
-    "TQDM_DISABLE": "1",
+    "WANDB_DISABLE_WEAVE": "true",  # W&B's hint to install Weave, printed at every start
 }
 
 # (category, message regex): warnings raised inside libraries on every run, harmless to megarl.
@@ -48,5 +49,7 @@ def quiet_rank_console() -> None:
         return
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    # vLLM logs a few warnings at import, before it applies VLLM_LOGGING_LEVEL to its loggers.
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     for category, message in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)

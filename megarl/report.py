@@ -95,6 +95,7 @@ def plot_png(panel: Panel, keys: list[str], series: Series) -> bytes:
 
     matplotlib.use("Agg")  # no display; safe in any process
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6.4, 3.6), dpi=100)
     ax = fig.add_subplot()
@@ -103,6 +104,7 @@ def plot_png(panel: Panel, keys: list[str], series: Series) -> bytes:
         ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
     ax.set_title(panel.title)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(panel.ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")

@@ -52,5 +52,7 @@ class ConsoleLogger(Logger):
         first = rows[0]
         example = "  ".join(f"{k}={_short(v, 60)}" for k, v in first.items() if k != "step")
         print(
-            f"  {len(rows)} generations at step {step}, e.g. {example}", file=self.out, flush=True
+            f"validation at step {step}: {len(rows)} generations, e.g. {example}",
+            file=self.out,
+            flush=True,
         )

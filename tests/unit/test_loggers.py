@@ -119,7 +119,7 @@ def test_console_shows_progress_and_validation_and_jsonl_has_everything(tmp_path
     assert len(progress) == STEPS
     assert progress[-1].startswith("[####################] step 3/3  mean=0.75  pg_loss=2.5")
     assert "validation at step 2: val/reward_mean=0.75" in err
-    assert any(line.startswith("  2 generations at step 2") for line in err)
+    assert any(line.startswith("validation at step 2: 2 generations, e.g. prompt=") for line in err)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [1, 2, 2, 3]
     assert records[0]["reward/mean"] == 0.25 and math.isnan(records[0]["actor/grad_norm"])

@@ -68,6 +68,14 @@ def _plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's and torch's log lines, known library warnings and torchrun's failure report",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl", description="Megatron-core 3D-parallel RLHF engine"
@@ -92,11 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
-    train.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show vLLM's and torch's log lines, known library warnings and torchrun's failure report",
-    )
+    _add_verbose(train)
     train.set_defaults(func=_train)
     train_rm = sub.add_parser(
         "train-rm",
@@ -110,11 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_rm.add_argument(
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
-    train_rm.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show vLLM's and torch's log lines, known library warnings and torchrun's failure report",
-    )
+    _add_verbose(train_rm)
     train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
     from checkpoints_tools.cli import add_verbs
 

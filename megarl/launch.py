@@ -58,8 +58,9 @@ def run_torchrun(
     threads_per_rank: int | None = None,
     verbose: bool = False,
 ) -> int:
-    """Run ``python -m module args`` on ``nproc`` local ranks via torch.distributed.run, with a
-    quiet console unless ``verbose`` (see megarl/console.py); returns the failed rank's exit code."""
+    """Run ``python -m module args`` on ``nproc`` local ranks with torchrun (through
+    megarl.quiet_torchrun), quiet unless ``verbose`` (megarl/console.py); returns the exit code
+    of the rank that failed, or 0."""
     env = dict(os.environ, **rank_env(verbose))
     if threads_per_rank is None:
         threads_per_rank = (

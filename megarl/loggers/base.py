@@ -40,7 +40,9 @@ class Progress:
 class Logger:
     """One destination of the run's metrics. Subclasses override what they support."""
 
-    run_id: str | None = None  # kept in checkpoints so that a resumed run continues the same run
+    # Recorded in OUTPUT/tracking_ids.json (MLflow's also in checkpoints): a resumed run continues
+    # the same run of the tracking service.
+    run_id: str | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megarl.errors import MegarlError
@@ -40,21 +41,39 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)  # config errors before any process starts
     module_args = [args.config, *overrides]
     if under_launcher():  # already one of torchrun's / srun's ranks
+        from megarl.console import rank_env
         from megarl.entry import main as rank_main
 
+        os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
     nproc = args.nproc_per_node or cfg.parallel.tp * cfg.parallel.pp
     validate(cfg, nproc)
     p = cfg.parallel
     layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files
-    return run_torchrun("megarl.entry", module_args, nproc)
+    return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from megarl.report import write_report
+
+    out = write_report(args.run_dir, args.out)
+    print(f"report written to {out}")
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     from megarl.plan.cli import run
 
     return run(args)
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's and torch's log lines, known library warnings and torchrun's failure report",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
+    _add_verbose(train)
     train.set_defaults(func=_train)
     train_rm = sub.add_parser(
         "train-rm",
@@ -94,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_rm.add_argument(
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
+    _add_verbose(train_rm)
     train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
     from checkpoints_tools.cli import add_verbs
 
@@ -109,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plan_arguments(plan)
     plan.set_defaults(func=_plan)
+    report = sub.add_parser(
+        "report",
+        help="plots of a run's metrics (OUTPUT/metrics.jsonl) as one HTML page, no server needed",
+    )
+    report.add_argument("run_dir", help="the run's trainer.output_dir")
+    report.add_argument("--out", default=None, help="HTML file (default: RUN_DIR/report.html)")
+    report.set_defaults(func=_report)
     return parser
 
 

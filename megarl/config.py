@@ -16,6 +16,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from megarl.errors import ConfigError
+from megarl.loggers import check_loggers
 
 
 @dataclass
@@ -153,9 +154,12 @@ class TrainerConfig:
     resume: str = "auto"  # auto | never
     seed: int = 1
     nan_policy: str = "stop"  # stop | skip
-    mlflow_tracking_uri: str | None = None  # None: sqlite:///./mlflow.db
+    # Where metrics go, besides OUTPUT/metrics.jsonl: any of console, mlflow, tensorboard, wandb.
+    loggers: list[str] = field(default_factory=lambda: ["console", "mlflow"])
+    mlflow_tracking_uri: str | None = None  # None: sqlite:///./mlflow.db; "none": MLflow off
     experiment: str = "megarl"
     run_name: str | None = None
+    wandb_mode: str | None = None  # online | offline | disabled; None: WANDB_MODE, else online
     profile_steps: list[int] = field(default_factory=list)
 
 
@@ -185,6 +189,9 @@ CHOICES = {
     "trainer.kind": ("policy", "reward_model"),
     "reward_model.truncation": ("error", "filter", "truncate"),
 }
+
+
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
@@ -256,6 +263,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in "
             "(0, 1]: the share of each GPU's memory vLLM may take (e.g. 0.5)"
         )
+    _validate_tracking(cfg)
     bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
     if bad_steps:
         raise ConfigError(
@@ -299,6 +307,16 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                 "data.train_batch_size": data.train_batch_size,
                 "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
             },
+        )
+
+
+def _validate_tracking(cfg: RunConfig) -> None:
+    t = cfg.trainer
+    check_loggers(t.loggers, t.mlflow_tracking_uri)
+    if t.wandb_mode is not None and t.wandb_mode not in WANDB_MODES:
+        raise ConfigError(
+            f"trainer.wandb_mode={t.wandb_mode!r} is not one of {list(WANDB_MODES)} "
+            "(or null: W&B's own default)"
         )
 
 

@@ -33,7 +33,9 @@ TRAINERS: dict[str, Callable[[], Trainer]] = {"policy": _policy, "reward_model":
 
 def main(argv: list[str] | None = None) -> int:
     from megarl.config import load_config
+    from megarl.console import quiet_rank_console
 
+    quiet_rank_console()  # before torch, megatron or vLLM are imported
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
+from megarl.console import rank_env
 from megarl.errors import ConfigError
 
 
@@ -51,10 +52,16 @@ def _free_port() -> int:
 
 
 def run_torchrun(
-    module: str, args: Sequence[str], nproc: int, threads_per_rank: int | None = None
+    module: str,
+    args: Sequence[str],
+    nproc: int,
+    threads_per_rank: int | None = None,
+    verbose: bool = False,
 ) -> int:
-    """Run ``python -m module args`` on ``nproc`` local ranks via torch.distributed.run."""
-    env = dict(os.environ)
+    """Run ``python -m module args`` on ``nproc`` local ranks with torchrun (through
+    megarl.quiet_torchrun), quiet unless ``verbose`` (megarl/console.py); returns the exit code
+    of the rank that failed, or 0."""
+    env = dict(os.environ, **rank_env(verbose))
     if threads_per_rank is None:
         threads_per_rank = (
             max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else 4
@@ -63,7 +70,7 @@ def run_torchrun(
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "megarl.quiet_torchrun",
         f"--nproc-per-node={nproc}",
         "--master-port",
         env.get("MASTER_PORT") or str(_free_port()),

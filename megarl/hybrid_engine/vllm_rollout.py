@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.console import is_verbose
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -130,6 +132,7 @@ class VLLMRollout:
             tensor_parallel_size=infer_tp,
             skip_tokenizer_init=not has_tokenizer(model_dir),
             max_num_seqs=self.config.max_num_seqs,
+            use_tqdm_on_load=is_verbose(),  # the weight-loading bar, hidden on a quiet console
         )
         if not self.cuda:
             # A prompt prefilled in chunks has its first sampled token discarded, and vLLM then

@@ -185,7 +185,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     if resumed.state:
         train_data.load_state_dict(resumed.state["data"])
     first, history = resumed.step, list(resumed.history)
-    tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id)
+    tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=first)
     validating = bool(cfg.data.val_files and cfg.trainer.test_freq)
     if first == 0 and validating:  # before training
         tracker.log_metrics(_validation(roles, startup), 0)

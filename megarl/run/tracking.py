@@ -1,91 +1,100 @@
-"""Run tracking: MLflow (params, per-step metrics, validation tables) and a console progress line.
+"""Run tracking: each step's metrics to ``OUTPUT/metrics.jsonl`` and to the loggers named in
+``trainer.loggers`` (console, MLflow, TensorBoard, W&B; see megarl/loggers/).
 
-Only global rank 0 talks to MLflow; every metric it logs is already reduced over ranks.
+Only global rank 0 writes; every metric it gets is already reduced over ranks. metrics.jsonl is
+always written (``megarl report`` draws from it), whatever the loggers.
 """
 
 from __future__ import annotations
 
-import math
-import sys
+import json
 import time
 from pathlib import Path
-from typing import Any
 
 from megarl.config import RunConfig, to_flat_dict
+from megarl.console import is_verbose
+from megarl.loggers import (
+    Logger,
+    Progress,
+    Row,
+    TrackingSettings,
+    active_loggers,
+    build_loggers,
+    check_loggers,
+)
+
+RUN_IDS_FILE = "tracking_ids.json"  # logger name -> run id, so that a resumed run continues it
+
+
+def table_step(rows: list[Row], name: str) -> int:
+    """The step a table belongs to: its rows' ``step`` column (validation tables have one)."""
+    step = rows[0].get("step", 0) if rows else 0
+    return int(step) if isinstance(step, (int, float)) else 0
 
 
 class Tracker:
-    def __init__(self, cfg: RunConfig, rank: int, run_id: str | None = None):
+    def __init__(self, cfg: RunConfig, rank: int, run_id: str | None = None, start_step: int = 0):
         self.enabled = rank == 0
         self.cfg = cfg
-        self.run_id = run_id
+        self.run_id = run_id  # MLflow's run id (kept in checkpoints as mlflow_run_id)
         self.t_start = time.perf_counter()
+        self.output_dir = Path(cfg.trainer.output_dir)
+        self.loggers: dict[str, Logger] = {}
         if not self.enabled:
             return
-        import mlflow
+        t = cfg.trainer
+        check_loggers(t.loggers, t.mlflow_tracking_uri)
+        run_ids = self._saved_run_ids() if start_step or run_id else {}
+        if run_id is not None:
+            run_ids["mlflow"] = run_id
+        settings = TrackingSettings(
+            output_dir=self.output_dir,
+            experiment=t.experiment,
+            run_name=t.run_name,
+            params={k: str(v) for k, v in to_flat_dict(cfg).items()},
+            mlflow_tracking_uri=t.mlflow_tracking_uri,
+            wandb_mode=t.wandb_mode,
+            verbose=is_verbose(),
+            resume_step=start_step,
+            run_ids=run_ids,
+        )
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = build_loggers(active_loggers(t.loggers, t.mlflow_tracking_uri), settings)
+        if "mlflow" in self.loggers:
+            self.run_id = self.loggers["mlflow"].run_id
+        ids = {name: lg.run_id for name, lg in self.loggers.items() if lg.run_id is not None}
+        (self.output_dir / RUN_IDS_FILE).write_text(json.dumps(ids) + "\n")
 
-        # MLflow's file store is frozen; a local SQLite file is its recommended default.
-        uri = cfg.trainer.mlflow_tracking_uri or f"sqlite:///{Path('mlflow.db').absolute()}"
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(cfg.trainer.experiment)
-        run = mlflow.start_run(run_id=run_id, run_name=cfg.trainer.run_name)
-        self.run_id = run.info.run_id
-        if run_id is None:
-            params = {k: str(v)[:500] for k, v in to_flat_dict(cfg).items()}
-            mlflow.log_params(params)
+    def _saved_run_ids(self) -> dict[str, str]:
+        path = self.output_dir / RUN_IDS_FILE
+        return dict(json.loads(path.read_text())) if path.is_file() else {}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        import json
-
-        import mlflow
-
-        out = Path(self.cfg.trainer.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "metrics.jsonl", "a") as f:
+        with open(self.output_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        for logger in self.loggers.values():
+            logger.log_metrics(metrics, step)
 
-        clean = {
-            k.replace("@", "_"): float(v)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and math.isfinite(float(v))
-        }
-        mlflow.log_metrics(clean, step=step)
-
-    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+    def log_table(self, rows: list[Row], name: str, step: int | None = None) -> None:
         if not self.enabled or not rows:
             return
-        import mlflow
-
-        columns = {k: [r[k] for r in rows] for k in rows[0]}
-        mlflow.log_table(columns, artifact_file=name)
+        at = table_step(rows, name) if step is None else step
+        for logger in self.loggers.values():
+            logger.log_table(rows, name, at)
 
     def progress(self, step: int, total: int, metrics: dict[str, float], first_step: int) -> None:
+        """``step`` is 0-based here (the loop's index); the console shows it 1-based."""
         if not self.enabled:
             return
         done = step - first_step + 1
         elapsed = time.perf_counter() - self.t_start
         eta = elapsed / max(done, 1) * (total - step - 1)
-        keys = (
-            "reward/mean",
-            "actor/pg_loss",
-            "actor/kl_loss",
-            "critic/vf_loss",
-            "rm/loss",
-            "rm/accuracy",
-            "perf/step_s",
-        )
-        shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in keys if k in metrics)
-        bar_len = 20
-        filled = int(bar_len * (step + 1) / total)
-        bar = "#" * filled + "." * (bar_len - filled)
-        print(
-            f"[{bar}] step {step + 1}/{total}  {shown}  eta {eta:.0f}s", file=sys.stderr, flush=True
-        )
+        p = Progress(step=step + 1, total=total, metrics=metrics, eta_s=eta)
+        for logger in self.loggers.values():
+            logger.progress(p)
 
     def close(self) -> None:
-        if self.enabled:
-            import mlflow
-
-            mlflow.end_run()
+        for logger in self.loggers.values():
+            logger.close()

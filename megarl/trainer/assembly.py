@@ -187,6 +187,6 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
         rewards=rewards,
         kl_ctrl=kl_ctrl,
         batching=MicroBatching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch),
-        tracker=Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id),
+        tracker=Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=resumed.step),
         resumed=resumed,
     )

@@ -11,6 +11,7 @@ from megarl.run.steps import log_step, summary, timed
 from megarl.trainer.assembly import PolicyRun, setup_run
 from megarl.trainer.batch import Samples
 from megarl.trainer.experience import compute_experience, score_rollout
+from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
 from megarl.trainer.model_ops import ppo_update, rollout_is_finite
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
@@ -75,6 +76,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         m["perf/tokens_per_s"] = mean(
             tokens_in(samples, run.startup.layout.dp) / m["timing/step_s"].value
         )
+        m.update(declare(memory_metrics(), MEMORY_REDUCTIONS))
         last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
         if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
             tracker.log_metrics(validation_rollout(run, step + 1), step + 1)

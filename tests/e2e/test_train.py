@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,8 +61,11 @@ def workdir(tmp_path_factory) -> Path:
     return work
 
 
-def train(work: Path, out: str, *overrides: str, nproc: int = 1) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def train(
+    work: Path, out: str, *overrides: str, nproc: int = 1, env_extra: dict | None = None
+) -> list[dict]:
+    """Run `megarl train` as a user does; its console output is kept in OUT/console.log."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     env.pop("MASTER_PORT", None)
     cmd = [
         sys.executable,
@@ -76,6 +80,7 @@ def train(work: Path, out: str, *overrides: str, nproc: int = 1) -> list[dict]:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=1200)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    (work / out / "console.log").write_text(proc.stdout + proc.stderr)
     lines = (work / out / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
@@ -108,12 +113,28 @@ def test_user_errors_stop_before_any_process(workdir, capsys):
     assert "broken.parquet" in capsys.readouterr().err
 
 
-def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir):
-    full = by_step(
+ALL_LOGGERS = "trainer.loggers=[console,mlflow,tensorboard,wandb]"
+
+
+@pytest.fixture(scope="module")
+def full_run(workdir) -> dict[int, dict]:
+    """4 GRPO steps, checkpoints at 2 and 4, validation at 2 and 4, every logger (W&B offline):
+    the uninterrupted reference of the resume test, and the run the tracking tests read."""
+    return by_step(
         train(
-            workdir, "full", "trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=2"
+            workdir,
+            "full",
+            "trainer.total_steps=4",
+            "trainer.save_freq=2",
+            "trainer.test_freq=2",
+            ALL_LOGGERS,
+            env_extra={"WANDB_MODE": "offline"},
         )
     )
+
+
+def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir, full_run):
+    full = full_run
     # resume from a copy of the uninterrupted run's step-2 checkpoint, as if it had stopped there
     ckpts = workdir / "resumed" / "checkpoints"
     shutil.copytree(workdir / "full" / "checkpoints" / "step_00000002", ckpts / "step_00000002")
@@ -168,6 +189,117 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir):
     }
     assert expected <= logged, sorted(expected - logged)
     assert any(r.data.params.get("algorithm.adv_estimator") == "grpo" for r in runs)
+
+
+TRACKED = (
+    "reward/mean",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "response/length_mean",
+    "timing/rollout_s",
+    "memory/host_rss_gib",
+)
+
+
+def test_full_run_is_in_tensorboard_and_wandb(workdir, full_run):
+    """The metrics of metrics.jsonl, read back from TensorBoard's event files (its own reader)
+    and from the offline W&B run file, with the validation generations in both."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.wandb_records import history
+
+    acc = EventAccumulator(str(workdir / "full" / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    for key in TRACKED:
+        logged = {e.step: e.value for e in acc.Scalars(key)}
+        assert sorted(logged) == [1, 2, 3, 4], key
+        for step, value in logged.items():  # TensorBoard stores float32
+            assert value == pytest.approx(full_run[step][key], rel=1e-6, abs=1e-7), (key, step)
+    assert sorted(e.step for e in acc.Scalars("val/reward_mean")) == [2, 4]
+    tables = acc.Tensors("validation/generations/text_summary")
+    assert [t.step for t in tables] == [2, 4]
+    assert "| step | prompt | response | score |" in tables[0].tensor_proto.string_val[0].decode()
+
+    [run_dir] = (workdir / "full" / "wandb").glob("offline-run-*")
+    [run_file] = run_dir.glob("run-*.wandb")
+    steps = history(run_file)
+    assert sorted(steps) == [1, 2, 3, 4]
+    for key in TRACKED:
+        for step in steps:
+            assert steps[step][key] == pytest.approx(full_run[step][key], rel=1e-9), (key, step)
+    assert steps[2]["val/reward_mean"] == pytest.approx(full_run[2]["val/reward_mean"])
+    assert steps[4]["validation/generations/nrows"] == 4  # data.val_batch_size prompts
+    assert len(list((run_dir / "files" / "media" / "table" / "validation").glob("*.json"))) == 2
+    assert "is offline in" in (workdir / "full" / "console.log").read_text()
+
+
+def test_report_of_the_full_run(workdir, full_run):
+    import base64
+
+    out = workdir / "reports" / "full.html"
+    assert cli_main(["report", str(workdir / "full"), "--out", str(out)]) == 0
+    page = out.read_text()
+    found = re.findall(r"<img alt='([^']+)' src='data:image/png;base64,([^']+)'>", page)
+    pngs = {alt: base64.b64decode(data) for alt, data in found}
+    assert set(pngs) == {
+        "Reward and validation score",
+        "KL",
+        "Entropy",
+        "Response length",
+        "Clip fraction",
+        "Gradient norm",
+        "Losses",
+        "Phase timings",
+        "Throughput",
+        "Memory",
+    }
+    for title, png in pngs.items():
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000, title
+    assert "Reward-model accuracy: skipped, the run logged none of" in page  # a GRPO run
+    assert "4 steps logged (1 to 4)" in page
+
+
+def test_console_is_quiet_by_default(workdir, full_run):
+    """The full run's whole output: megarl's lines, no vLLM/MLflow INFO lines, no known
+    deprecation warnings, no weight-loading progress bars."""
+    lines = (workdir / "full" / "console.log").read_text().splitlines()
+    text = "\n".join(lines)
+    assert "Successfully reset prefix cache" not in text
+    assert not [line for line in lines if re.search(r"\bINFO\b", line)]
+    assert "FutureWarning" not in text and "Loading safetensors checkpoint shards" not in text
+    assert len([line for line in lines if re.match(r"\[[#.]{20}\] step [1-4]/4 ", line)]) == 4
+    assert len(lines) < 15, text
+
+
+def test_a_settings_error_on_a_rank_ends_the_output(workdir):
+    """reward.custom_fn is loaded inside the ranks (setup_run): its error must be the last line
+    the user sees, without torchrun's report, and the exit code must be the rank's (2)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "train",
+            str(workdir / "run.yaml"),
+            f"trainer.output_dir={workdir / 'bad_scorer'}",
+            "reward.custom_fn=megarl.rewards.toy:no_such_scorer",
+            "--nproc-per-node",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=workdir,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("megarl: error: scorer 'megarl.rewards.toy:no_such_scorer'"), lines
+    assert "ChildFailedError" not in proc.stdout and "Traceback" not in proc.stdout
 
 
 def test_grpo_tp2_pp2_matches_one_process(workdir):

@@ -1,0 +1,55 @@
+"""A quiet console by default: megarl's own lines, warnings and errors; the libraries' routine
+chatter hidden unless ``--verbose`` (``MEGARL_VERBOSE=1`` in the ranks' environment).
+
+Hidden when quiet: vLLM's INFO/WARNING log lines (engine start-up, "Successfully reset prefix
+cache" at every rollout; its errors still show), torch's C++ warnings, vLLM's weight-loading progress bar,
+W&B's advertisement for Weave, and the deprecation warnings listed in ``KNOWN_WARNINGS``, which come from
+libraries megarl calls, not from anything a user can change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+VERBOSE_ENV = "MEGARL_VERBOSE"
+
+# Environment of the ranks when quiet; a value the user has set already wins.
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "WANDB_DISABLE_WEAVE": "true",  # W&B's hint to install Weave, printed at every start
+}
+
+# (category, message regex): warnings raised inside libraries on every run, harmless to megarl.
+KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    # megatron-core and vLLM call torch.distributed APIs that torch 2.13 renamed.
+    (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),
+    # megatron-core's optimizer probes .grad of non-leaf tensors (main_grad bookkeeping).
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor"),
+)
+
+
+def is_verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "0") == "1"
+
+
+def rank_env(verbose: bool) -> dict[str, str]:
+    """Variables to add to the ranks' environment (before they import torch or vLLM)."""
+    env = {VERBOSE_ENV: "1" if verbose else "0"}
+    if not verbose:
+        env.update({k: v for k, v in QUIET_ENV.items() if k not in os.environ})
+    return env
+
+
+def quiet_rank_console() -> None:
+    """Call first in a rank's entry point: applies the quiet defaults unless verbose."""
+    if is_verbose():
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    # vLLM logs a few warnings at import, before it applies VLLM_LOGGING_LEVEL to its loggers.
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    for category, message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -1,0 +1,61 @@
+"""torchrun for megarl's own launches: ``python -m megarl.quiet_torchrun [torchrun args]``.
+
+When a rank fails, torchrun's own report (a traceback of ``ChildFailedError`` and a table of
+failures, ~30 lines) would follow the rank's message. megarl's ranks print their error
+themselves (``megarl: error: ...`` for user errors, a traceback otherwise), so this launcher ends
+with that output and exits with the rank's exit code. ``MEGARL_VERBOSE=1`` keeps torchrun's report.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from megarl.console import is_verbose
+from megarl.errors import MegarlError
+
+
+def exit_code_of(rank_exit_code: int) -> int:
+    """The launcher's exit code for a rank's: the same, or 128 + N for a rank killed by signal N
+    (torchrun reports those as -N), as a shell would."""
+    return 128 - rank_exit_code if rank_exit_code < 0 else rank_exit_code
+
+
+def failure_note(rank: int, rank_exit_code: int) -> str | None:
+    """The one line added after a failed rank's output, or None when the rank's own message
+    (a megarl user error) must stay the last line."""
+    if rank_exit_code == MegarlError.exit_code:
+        return None
+    if rank_exit_code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-rank_exit_code).name}"
+        except ValueError:
+            how = f"was killed by signal {-rank_exit_code}"
+    else:
+        how = f"exited with code {rank_exit_code}"
+    return f"megarl: rank {rank} {how}; its output is above (--verbose shows torchrun's report)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    verbose = is_verbose()
+    if not verbose:  # torchrun's own log lines: failures, "closing signal SIGTERM" to other ranks
+        logging.disable(logging.ERROR)
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as e:
+        if verbose:
+            raise
+        rank, failure = e.get_first_failure()
+        note = failure_note(rank, failure.exitcode)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        return exit_code_of(failure.exitcode)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""The loggers of trainer.loggers fed a fake metrics stream, read back with each tool's own reader
+(TensorBoard's EventAccumulator; W&B's offline run file, parsed without a network)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megarl.config import RunConfig, TrainerConfig, load_config
+from megarl.errors import ConfigError
+from megarl.loggers import active_loggers, check_loggers
+from megarl.loggers import base as logger_base
+from megarl.run.tracking import RUN_IDS_FILE, Tracker
+from tests.wandb_records import history
+
+pytestmark = pytest.mark.unit
+
+STEPS = 3
+TABLE = [
+    {"step": 2, "prompt": "What is 2 | 3?", "response": "five\nor so", "score": 1.0},
+    {"step": 2, "prompt": "Name a vowel", "response": "e", "score": 0.5},
+]
+
+
+def step_metrics(step: int) -> dict[str, float]:
+    return {
+        "reward/mean": 0.25 * step,
+        "actor/pg_loss": -0.5 + step,
+        "timing/rollout_s": 1.5,
+        "pass@1": 0.5,  # '@' is refused by MLflow, kept by the others
+        "actor/grad_norm": float("nan"),  # non-finite values are not logged
+    }
+
+
+def feed(tracker: Tracker, first: int = 0) -> None:
+    """What the training loop sends: metrics + progress per step, validation at step 2."""
+    for step in range(first, STEPS):
+        m = step_metrics(step + 1)
+        tracker.log_metrics(m, step + 1)
+        tracker.progress(step, STEPS, m, first)
+        if step + 1 == 2:
+            tracker.log_metrics({"val/reward_mean": 0.75}, 2)
+            tracker.log_table(TABLE, "validation/step_000002.json")
+    tracker.close()
+
+
+def config(tmp_path, *loggers: str) -> RunConfig:
+    return RunConfig(
+        trainer=TrainerConfig(
+            output_dir=str(tmp_path / "run"), loggers=list(loggers), wandb_mode="offline"
+        )
+    )
+
+
+def test_tensorboard_event_files_hold_every_metric_and_the_table(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    feed(Tracker(config(tmp_path, "tensorboard"), rank=0))
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert {"reward/mean", "actor/pg_loss", "timing/rollout_s", "pass@1", "val/reward_mean"} <= set(
+        scalars
+    )
+    assert "actor/grad_norm" not in scalars  # NaN at every step: nothing logged
+    reward = [(e.step, e.value) for e in acc.Scalars("reward/mean")]
+    assert reward == [(s, pytest.approx(0.25 * s)) for s in range(1, STEPS + 1)]
+    assert [(e.step, e.value) for e in acc.Scalars("val/reward_mean")] == [(2, 0.75)]
+    # text summaries are tensors: the generations table at step 2, the settings at step 0
+    [table] = acc.Tensors("validation/generations/text_summary")
+    assert table.step == 2
+    text = table.tensor_proto.string_val[0].decode()
+    assert "| step | prompt | response | score |" in text and "What is 2 \\| 3?" in text
+    [settings] = acc.Tensors("config/text_summary")
+    assert "trainer.wandb_mode" in settings.tensor_proto.string_val[0].decode()
+
+
+def test_wandb_offline_run_holds_every_metric_and_the_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    feed(Tracker(config(tmp_path, "wandb"), rank=0))
+    [run_dir] = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    [run_file] = run_dir.glob("run-*.wandb")
+    steps = history(run_file)
+    assert sorted(steps) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert steps[step]["reward/mean"] == pytest.approx(0.25 * step)
+        assert steps[step]["actor/pg_loss"] == pytest.approx(-0.5 + step)
+        assert steps[step]["pass@1"] == 0.5
+        assert "actor/grad_norm" not in steps[step]
+    assert steps[2]["val/reward_mean"] == 0.75
+    assert steps[2]["validation/generations/nrows"] == 2
+    [table_file] = (run_dir / "files" / "media" / "table" / "validation").glob("*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["step", "prompt", "response", "score"]
+    assert table["data"][1] == [2, "Name a vowel", "e", 0.5]
+
+
+def test_wandb_run_continues_on_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = config(tmp_path, "wandb")
+    first = Tracker(cfg, rank=0)
+    first.log_metrics(step_metrics(1), 1)
+    first.close()
+    saved = json.loads((tmp_path / "run" / RUN_IDS_FILE).read_text())
+    resumed = Tracker(cfg, rank=0, start_step=1)
+    assert resumed.loggers["wandb"].run_id == saved["wandb"] == first.loggers["wandb"].run_id
+    resumed.close()
+    fresh = Tracker(cfg, rank=0)  # not a resume: a new W&B run
+    assert fresh.loggers["wandb"].run_id != saved["wandb"]
+    fresh.close()
+
+
+def test_console_shows_progress_and_validation_and_jsonl_has_everything(tmp_path, capsys):
+    feed(Tracker(config(tmp_path, "console"), rank=0))
+    err = capsys.readouterr().err.splitlines()
+    progress = [line for line in err if line.startswith("[")]
+    assert len(progress) == STEPS
+    assert progress[-1].startswith("[####################] step 3/3  mean=0.75  pg_loss=2.5")
+    assert "validation at step 2: val/reward_mean=0.75" in err
+    assert any(line.startswith("validation at step 2: 2 generations, e.g. prompt=") for line in err)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2, 2, 3]
+    assert records[0]["reward/mean"] == 0.25 and math.isnan(records[0]["actor/grad_norm"])
+
+
+def test_only_rank_zero_writes(tmp_path):
+    tracker = Tracker(config(tmp_path, "console", "tensorboard"), rank=1)
+    feed(tracker)
+    assert tracker.loggers == {} and not (tmp_path / "run").exists()
+
+
+def test_logger_list_is_checked_and_mlflow_uri_none_turns_mlflow_off(monkeypatch):
+    assert active_loggers(["console", "mlflow", "console"], None) == ["console", "mlflow"]
+    assert active_loggers(["console", "mlflow"], "none") == ["console"]
+    assert active_loggers(["mlflow"], "None") == []
+    with pytest.raises(ConfigError, match=r"unknown logger 'tensorbord'; choose from"):
+        check_loggers(["console", "tensorbord"], None)
+    missing = logger_base._Entry(lambda s: logger_base.Logger(), "megarl_no_such_package")
+    monkeypatch.setitem(logger_base._REGISTRY, "wandb", missing)
+    with pytest.raises(ConfigError, match=r"megarl_no_such_package package is not installed"):
+        check_loggers(["console", "wandb"], None)
+    check_loggers(["console"], None)  # not asked for: its package does not matter
+
+
+REQUIRED = ["model.path=x", "data.train_files=[x.parquet]"]
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ConfigError, match="unknown logger 'tb'"):
+        load_config(None, [*REQUIRED, "trainer.loggers=[console,tb]"])
+    with pytest.raises(ConfigError, match=r"trainer.wandb_mode='local' is not one of"):
+        load_config(None, [*REQUIRED, "trainer.wandb_mode=local"])
+    cfg = load_config(None, [*REQUIRED, "trainer.loggers=[console,tensorboard,wandb]"])
+    assert cfg.trainer.loggers == ["console", "tensorboard", "wandb"]
+    assert RunConfig().trainer.loggers == ["console", "mlflow"]

@@ -21,7 +21,12 @@ from megarl.algos.policy_loss import POLICY_LOSSES, compute_policy_loss, registe
 from megarl.algos.preference import bradley_terry_loss
 from megarl.algos.registry import DuplicateNameError, Registry, UnknownNameError
 from megarl.algos.tis import compute_tis_weights, rollout_mismatch_metrics
-from megarl.algos.value_loss import compute_entropy_loss, compute_value_loss, entropy_bonus
+from megarl.algos.value_loss import (
+    compute_entropy_loss,
+    compute_value_loss,
+    entropy_bonus,
+    explained_variance,
+)
 from megarl.algos.vocab_parallel import (
     entropy_from_logits,
     log_probs_from_logits,
@@ -51,6 +56,7 @@ __all__ = [
     "compute_value_loss",
     "entropy_bonus",
     "entropy_from_logits",
+    "explained_variance",
     "kl_loss",
     "kl_penalty",
     "log_probs_from_logits",

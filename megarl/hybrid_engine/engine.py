@@ -284,18 +284,28 @@ class HybridEngine:
         batch = RolloutBatch(prompts=mine, output=output)
         if score_with_actor:
             starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
-            batch.actor_logprobs = self.actor_logprobs(batch.sequences(), starts=starts)
+            # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
+            # the actor scores the same one, so the mismatch compares like with like.
+            temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+            batch.actor_logprobs = self.actor_logprobs(
+                batch.sequences(), starts=starts, temperature=temperature
+            )
             batch.metrics = self.logprob_mismatch(batch)
             self.metrics.update(batch.metrics)
         return batch
 
     @torch.no_grad()
     def actor_logprobs(
-        self, sequences: list[list[int]], pad_id: int = 0, starts: list[int] | None = None
+        self,
+        sequences: list[list[int]],
+        pad_id: int = 0,
+        starts: list[int] | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, ``[N, L-1]``, on
-        every rank. With ``starts`` only positions ``starts[i]..`` of row i are computed (the
-        response: the output layer skips the prompt); the others are 0."""
+        every rank, under ``softmax(logits / temperature)``. With ``starts`` only positions
+        ``starts[i]..`` of row i are computed (the response: the output layer skips the prompt);
+        the others are 0."""
         from megatron.core import parallel_state as ps
 
         from megarl.algos import vocab_parallel_log_probs
@@ -314,6 +324,8 @@ class HybridEngine:
 
         def logprobs(logits_shard, batch):
             # chunked over the vocabulary shard: no gathered or log-softmaxed [b, P, V] copy
+            if temperature != 1.0:
+                logits_shard = logits_shard / temperature
             logp = vocab_parallel_log_probs(
                 logits_shard, targets.to(device), tp_group, vocab_size=self.dims.vocab_size
             )

@@ -128,6 +128,9 @@ class VLLMRollout:
             tensor_parallel_size=infer_tp,
             skip_tokenizer_init=not has_tokenizer(model_dir),
             max_num_seqs=self.config.max_num_seqs,
+            # logprobs of the distribution sampled from (after temperature, top-k, top-p), which
+            # the trainer reproduces (logits / temperature); raw ones would be the untempered model
+            logprobs_mode="processed_logprobs",
         )
         if not self.cuda:
             # A prompt prefilled in chunks has its first sampled token discarded, and vLLM then

@@ -41,10 +41,13 @@ class RewardModelRoles:
         return {"reward": self.reward}
 
 
-def _pair_loss(margin: float):
+def _pair_loss(margin: float, pad_id: int | None = None):
+    """Bradley-Terry loss of a micro-batch of pairs, each sequence read at its last non-pad token
+    (where transformers reads the exported model)."""
+
     def loss_fn(out: torch.Tensor, batch: dict[str, Any]):
         mb: PairMicroBatch = batch["mb"]
-        scores = last_token_scores(out, mb.seq_lens)
+        scores = last_token_scores(out, mb.seq_lens, mb.input_ids, pad_id)
         loss, metrics = bradley_terry_loss(scores[0::2], scores[1::2], margin)
         metrics["loss"] = loss.detach()
         return loss * batch["weight"], {k: v * batch["weight"] for k, v in metrics.items()}
@@ -122,7 +125,7 @@ def evaluate(model, cfg: RunConfig, dataset, pad_id: int) -> dict[str, float]:
 
     from megarl.models.forward import broadcast_from_last_stage, run_schedule
 
-    loss_fn = _pair_loss(cfg.reward_model.margin)
+    loss_fn = _pair_loss(cfg.reward_model.margin, pad_id)
     totals = torch.zeros(4, dtype=torch.float64)  # pairs, correct, loss sum, gap sum
     for items in dataset:
         outs = run_schedule([model], _micro_batches(cfg, items, pad_id), loss_fn, forward_only=True)
@@ -188,7 +191,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         if dist.get_rank() == 0:
             print(f"resumed from {path} at step {start}", flush=True)
     tracker = Tracker(cfg, dist.get_rank(), run_id=run_id)
-    loss_fn = _pair_loss(cfg.reward_model.margin)
+    loss_fn = _pair_loss(cfg.reward_model.margin, pad_id)
     if start == 0 and cfg.data.val_files and cfg.trainer.test_freq:
         tracker.log_metrics(
             _validation(roles, cfg, tokenizer, layout, pad_id), 0

@@ -7,11 +7,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.algos import apply_kl_in_reward, compute_advantages, compute_tis_weights, masked_mean
+from megarl.algos import (
+    apply_kl_in_reward,
+    compute_advantages,
+    compute_tis_weights,
+    explained_variance,
+    masked_mean,
+)
 from megarl.config import RunConfig
 from megarl.rewards.manager import RewardManager, RewardSample
+from megarl.rewards.overlong import overlong_penalty
 from megarl.trainer.batch import Samples
 from megarl.trainer.hparams import advantage_inputs, advantage_kwargs
+from megarl.trainer.losses import sampling_temperature
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
@@ -58,11 +66,20 @@ def score_rollout(
     model = None
     if run.reward_model is not None:
         model = score_sequences(
-            run.reward_model, samples.input_ids, samples.seq_lens(), batching.size
+            run.reward_model, samples.input_ids, samples.seq_lens(), batching.size, run.pad_id
         )
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
     scores = combine_scores(rule, model, r.rule_weight, r.model_weight)
+    if r.overlong_buffer.len > 0:
+        penalty = overlong_penalty(
+            samples.response_lens,
+            max_length=run.cfg.rollout.max_response_length,
+            buffer_length=r.overlong_buffer.len,
+            penalty_factor=r.overlong_buffer.penalty_factor,
+        )
+        scores = scores + penalty
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
     set_outcome_scores(samples, scores)
     return samples, scores, metrics, texts
 
@@ -112,11 +129,12 @@ def compute_experience(
     metrics: dict[str, float] = {}
     t, mask = samples.tensors, samples.response_mask
     vocab = roles.dims.vocab_size
+    temperature = sampling_temperature(cfg)
     if roles.reference is not None:
         t["ref_log_prob"] = forward_response_tensor(
             roles.reference,
             samples,
-            lambda out, mb: response_log_probs(out, mb, vocab)[0],
+            lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
             batching,
         )
     if roles.critic is not None:
@@ -137,7 +155,7 @@ def compute_experience(
         kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size)
         metrics.update({"actor/reward_kl": kl, "actor/kl_coef": float(kl_ctrl.value)})
     t["token_level_rewards"] = rewards
-    inputs = advantage_inputs(cfg.algorithm)
+    inputs = advantage_inputs(cfg)
     extra = {}
     if "values" in inputs:
         extra["values"] = t["values"]
@@ -148,7 +166,7 @@ def compute_experience(
         token_level_rewards=rewards,
         response_mask=mask,
         **extra,
-        **advantage_kwargs(cfg.algorithm),
+        **advantage_kwargs(cfg),
     )
     if cfg.algorithm.tis_cap is not None:
         t["tis_weights"], tis_metrics = compute_tis_weights(
@@ -157,5 +175,7 @@ def compute_experience(
         metrics.update({f"rollout/{k}": float(v) for k, v in tis_metrics.items()})
     if "values" in t:
         metrics["critic/values_mean"] = float(masked_mean(t["values"], mask))
+        # how much of the returns' variance the critic (before this step's update) explains
+        metrics["critic/explained_var"] = float(explained_variance(t["values"], t["returns"], mask))
     metrics["actor/advantages_mean"] = float(masked_mean(t["advantages"], mask))
     return metrics

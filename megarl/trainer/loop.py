@@ -68,8 +68,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
     batching = MicroBatching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch)
     skip_nan = cfg.trainer.nan_policy == "skip"
     updates = Updates(
-        actor_loss=make_actor_loss(cfg.algorithm, run.roles.dims.vocab_size),
-        critic_loss=make_critic_loss(cfg.critic, cfg.algorithm.loss_agg_mode),
+        actor_loss=make_actor_loss(cfg, run.roles.dims.vocab_size),
+        critic_loss=make_critic_loss(cfg),
         token_level=cfg.algorithm.loss_agg_mode == "token-mean",
         batching=batching,
         skip_non_finite=skip_nan,

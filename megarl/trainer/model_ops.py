@@ -37,11 +37,23 @@ def response_positions(mb: Samples) -> torch.Tensor:
     return index.clamp(max=mb.input_ids.shape[1] - 1)
 
 
+def tempered(logits_shard: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``: the distribution the rollout sampled from (a new tensor, so the
+    gradient flows through it to the logits)."""
+    return logits_shard if temperature == 1.0 else logits_shard / temperature
+
+
 def response_log_probs(
-    logits_shard: torch.Tensor, mb: Samples, vocab_size: int, with_entropy: bool = False
+    logits_shard: torch.Tensor,
+    mb: Samples,
+    vocab_size: int,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response-space ``[b, R]`` logprobs (and entropy) of one micro-batch from vocab-parallel
-    logits computed at :func:`response_positions` (``[b, R, vocab/tp]``)."""
+    logits computed at :func:`response_positions` (``[b, R, vocab/tp]``), of the distribution
+    ``softmax(logits / temperature)``."""
+    logits_shard = tempered(logits_shard, temperature)
     positions = response_positions(mb)
     targets = mb.input_ids.gather(1, (positions + 1).clamp(max=mb.input_ids.shape[1] - 1))
     targets = targets.to(logits_shard.device)

@@ -40,7 +40,7 @@ def needs_reference(cfg: RunConfig) -> bool:
 
 
 def needs_critic(cfg: RunConfig) -> bool:
-    return "values" in advantage_inputs(cfg.algorithm)
+    return "values" in advantage_inputs(cfg)
 
 
 def updates_per_step(cfg: RunConfig, epochs: int) -> int:

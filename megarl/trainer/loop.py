@@ -10,7 +10,8 @@ from pathlib import Path
 
 from megarl.config import RunConfig
 from megarl.trainer import checkpointing
-from megarl.trainer.experience import compute_experience, score_rollout
+from megarl.trainer.dynamic_sampling import collect_step_batch
+from megarl.trainer.experience import compute_experience
 from megarl.trainer.losses import make_actor_loss, make_critic_loss
 from megarl.trainer.model_ops import MicroBatching, ppo_update, rollout_is_finite
 from megarl.trainer.profiling import StepProfiler
@@ -79,13 +80,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
     for step in profiler.iterate(range(run.start_step, cfg.trainer.total_steps)):
         m: dict[str, float] = {}
         t_step = time.perf_counter()
-        items = run.next_prompts()
-        with timed(m, "rollout"):
-            m.update(run.engine.to_rollout())
-            batch = run.engine.generate([it.input_ids for it in items], run.sampling)
-            run.engine.to_train()
-        with timed(m, "reward"):
-            samples, scores, reward_metrics, _ = score_rollout(run, items, batch, batching)
+        # rollout + rewards; with algorithm.filter_groups, several draws (dynamic sampling)
+        samples, scores, reward_metrics, batch = collect_step_batch(run, batching, m)
         if rollout_is_finite(samples, skip_nan):
             with timed(m, "experience"):
                 m.update(compute_experience(cfg, run.roles, samples, run.kl_ctrl, batching))

@@ -169,6 +169,7 @@ def collect_step_batch(
     else:  # some rank kept nothing: the last draw as it is (zero advantages under grpo)
         reasons = list(batch.output.finish_reasons)
         stats["dynamic_sampling/groups_trained"] = float(len(dict.fromkeys(samples.group_ids)))
+    stats["dynamic_sampling/unfiltered"] = float(groups == 0)
     _dp_sums(stats, [k for k in stats if k.startswith("dynamic_sampling/groups")])
     stats["dynamic_sampling/filled"] = float(groups >= pool.target_groups)
     m.update(stats)

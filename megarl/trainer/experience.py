@@ -48,10 +48,11 @@ def rule_scores(rewards: RewardManager, items, batch, texts: list[str]):
 
 
 def score_rollout(
-    run, items, batch, batching: MicroBatching
+    run, items, batch, batching: MicroBatching, shaping: bool = True
 ) -> tuple[Samples, torch.Tensor, dict[str, float], list[str]]:
     """Samples of a rollout with their outcome scores: rule scorers, a reward model, or both
-    (``reward.rule_weight * rule + reward.model_weight * model``); also the decoded responses."""
+    (``reward.rule_weight * rule + reward.model_weight * model``), plus the overlong penalty
+    (``reward.overlong_buffer``) with ``shaping``; also the decoded responses."""
     from megarl.reward_model.policy_reward import combine_scores
     from megarl.reward_model.scoring import score_sequences
 
@@ -71,7 +72,7 @@ def score_rollout(
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
     scores = combine_scores(rule, model, r.rule_weight, r.model_weight)
-    if r.overlong_buffer.len > 0:
+    if shaping and r.overlong_buffer.len > 0:
         penalty = overlong_penalty(
             samples.response_lens,
             max_length=run.cfg.rollout.max_response_length,

@@ -15,7 +15,8 @@ from megarl.trainer.experience import compute_experience
 from megarl.trainer.losses import make_actor_loss, make_critic_loss
 from megarl.trainer.model_ops import MicroBatching, ppo_update, rollout_is_finite
 from megarl.trainer.profiling import StepProfiler
-from megarl.trainer.run_state import RunState, reduce_metrics, setup_run, validate
+from megarl.trainer.run_state import RunState, reduce_metrics, setup_run
+from megarl.trainer.validation import validate
 
 
 @contextmanager
@@ -76,6 +77,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
         skip_non_finite=skip_nan,
     )
     last: dict[str, float] = {}
+    if cfg.trainer.val_before_train and run.start_step == 0:
+        run.tracker.log_metrics(validate(run, 0), 0)
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
     for step in profiler.iterate(range(run.start_step, cfg.trainer.total_steps)):
         m: dict[str, float] = {}

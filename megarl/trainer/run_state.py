@@ -198,6 +198,7 @@ def setup_run(cfg: RunConfig) -> RunState:
     from megarl.launch import init_distributed
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.rewards.manager import RewardManager
+    from megarl.trainer.validation import build_val_dataset, val_sampling_config
 
     _, world = init_distributed()
     p = cfg.parallel
@@ -223,17 +224,7 @@ def setup_run(cfg: RunConfig) -> RunState:
         cfg.data.seed,
         "data.train_files",
     )
-    val_dataset = None
-    if cfg.data.val_files:
-        val_dataset = _dataset(
-            cfg,
-            cfg.data.val_files,
-            tokenizer,
-            cfg.data.val_batch_size,
-            layout,
-            cfg.data.seed,
-            "data.val_files",
-        )
+    val_dataset = build_val_dataset(cfg, tokenizer, layout)  # the whole set, in order
     rewards = RewardManager(
         custom_fn=cfg.reward.custom_fn,
         num_workers=cfg.reward.num_workers,
@@ -270,12 +261,7 @@ def setup_run(cfg: RunConfig) -> RunState:
         n=r.n,
         seed=cfg.trainer.seed,
     )
-    val_sampling = SamplingConfig(
-        temperature=r.val_temperature,
-        max_new_tokens=r.max_response_length,
-        n=1,
-        seed=cfg.trainer.seed,
-    )
+    val_sampling = val_sampling_config(cfg)
     a = cfg.algorithm
     kl_ctrl = None
     if a.use_kl_in_reward:
@@ -317,32 +303,3 @@ def setup_run(cfg: RunConfig) -> RunState:
             print(f"resumed from {path} at step {run.start_step}", flush=True)
     run.tracker = Tracker(cfg, dist.get_rank(), run_id=mlflow_run)
     return run
-
-
-def validate(run: RunState, step: int) -> dict[str, float]:
-    """Greedy rollouts on one validation batch: val/reward mean and a table of generations."""
-    from megarl.trainer.experience import score_rollout
-    from megarl.trainer.model_ops import MicroBatching
-
-    if run.val_dataset is None:
-        return {}
-    items = next(iter(run.val_dataset))
-    run.engine.to_rollout()
-    batch = run.engine.generate(
-        [it.input_ids for it in items], run.val_sampling, score_with_actor=False
-    )
-    run.engine.to_train()
-    batching = MicroBatching(run.cfg.actor.micro_batch_size)
-    _, scores, _, texts = score_rollout(run, items, batch, batching)
-    metrics = reduce_metrics({"val/reward_mean": float(scores.mean())})
-    rows = [
-        {
-            "step": step,
-            "prompt": str(items[i].prompt)[:500],
-            "response": text[:1000],
-            "score": float(s),
-        }
-        for i, text, s in zip(batch.output.prompt_index, texts, scores.tolist(), strict=True)
-    ]
-    run.tracker.log_table(rows, f"validation/step_{step:06d}.json")
-    return metrics

@@ -44,6 +44,7 @@ QWEN25_72B = {
 # config file -> (world size it is written for, model config or None for the CPU configs)
 INTENDED = {
     "quickstart_cpu.yaml": (1, None),
+    "dapo_quickstart_cpu.yaml": (1, None),
     "grpo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "grpo_qwen2_5_72b.yaml": (32, QWEN25_72B),

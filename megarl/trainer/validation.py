@@ -1,0 +1,135 @@
+"""Validation over the whole validation set: rollouts of every prompt (greedy, or
+``rollout.val_n`` samples at ``rollout.val_temperature``), scored by the run's reward, reported
+per ``data_source``:
+
+- ``val/<source>/mean@k``: mean score over all k samples of all prompts;
+- ``val/<source>/best@k``: mean over prompts of the best of its k scores;
+- ``val/<source>/pass@k``: share of prompts with at least one sample scoring
+  ``>= trainer.val_pass_score`` (1.0: a correct GSM8K answer);
+
+plus ``val/reward_mean`` over all sources, and a table of sample generations.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megarl.config import RunConfig
+
+MAX_TABLE_ROWS = 32
+
+
+@dataclass(frozen=True)
+class ValRecord:
+    data_source: str
+    prompt: Hashable  # one prompt of the validation set (its samples share it)
+    score: float
+
+
+def validation_metrics(records: Sequence[ValRecord], k: int, pass_score: float) -> dict[str, float]:
+    """Per-source mean@k, best@k, pass@k over ``records`` (k samples per prompt), and the mean."""
+    by_prompt: dict[tuple[str, Hashable], list[float]] = defaultdict(list)
+    for r in records:
+        by_prompt[(r.data_source, r.prompt)].append(r.score)
+    per_source: dict[str, list[list[float]]] = defaultdict(list)
+    for (source, _), scores in by_prompt.items():
+        per_source[source].append(scores)
+    out: dict[str, float] = {}
+    for source, prompts in sorted(per_source.items()):
+        flat = [s for scores in prompts for s in scores]
+        out[f"val/{source}/mean@{k}"] = sum(flat) / len(flat)
+        out[f"val/{source}/best@{k}"] = sum(max(s) for s in prompts) / len(prompts)
+        out[f"val/{source}/pass@{k}"] = sum(max(s) >= pass_score for s in prompts) / len(prompts)
+        out[f"val/{source}/prompts"] = float(len(prompts))
+    if records:
+        out["val/reward_mean"] = sum(r.score for r in records) / len(records)
+    return out
+
+
+def build_val_dataset(cfg: RunConfig, tokenizer, layout):
+    """Every validation prompt once per pass, in file order (no shuffling, no dropped rows)."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.data import PromptDataset
+
+    if not cfg.data.val_files:
+        return None
+    return PromptDataset(
+        cfg.data.val_files,
+        tokenizer,
+        batch_size_per_rank=max(1, cfg.data.val_batch_size // layout.dp),
+        max_prompt_length=cfg.data.max_prompt_length,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=layout.dp,
+        seed=cfg.data.seed,
+        shuffle=False,
+        drop_last=False,
+        overlong_prompts=cfg.data.overlong_prompts,
+        require_ground_truth=False,
+        setting="data.val_files",
+    )
+
+
+def val_sampling_config(cfg: RunConfig):
+    from megarl.hybrid_engine.vllm_rollout import SamplingConfig
+
+    r = cfg.rollout
+    return SamplingConfig(
+        temperature=r.val_temperature,
+        max_new_tokens=r.max_response_length,
+        n=r.val_n,
+        seed=cfg.trainer.seed,
+    )
+
+
+def _gather_dp(records: list[ValRecord]) -> list[ValRecord]:
+    """All data-parallel ranks' records, on every rank."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, records, group=group)
+    return [r for part in parts for r in part]
+
+
+def validate(run, step: int) -> dict[str, float]:
+    """One pass over the validation set; its metrics (the same on every rank) and, on rank 0,
+    a table of generations logged as ``validation/step_<step>.json``."""
+    from megarl.trainer.experience import score_rollout
+    from megarl.trainer.model_ops import MicroBatching
+
+    if run.val_dataset is None:
+        return {}
+    cfg = run.cfg
+    batching = MicroBatching(cfg.actor.micro_batch_size)
+    records: list[ValRecord] = []
+    table: list[dict] = []
+    run.engine.to_rollout()
+    for items in run.val_dataset:  # the same number of batches on every rank (maybe empty)
+        batch = run.engine.generate(
+            [it.input_ids for it in items], run.val_sampling, score_with_actor=False
+        )
+        if not batch.output.token_ids:
+            continue
+        _, scores, _, texts = score_rollout(run, items, batch, batching, shaping=False)
+        for i, text, s in zip(batch.output.prompt_index, texts, scores.tolist(), strict=True):
+            item = items[i]
+            records.append(ValRecord(item.data_source, item.uid, float(s)))
+            if len(table) < MAX_TABLE_ROWS:
+                table.append(
+                    {
+                        "step": step,
+                        "data_source": item.data_source,
+                        "prompt": str(item.prompt)[:500],
+                        "response": text[:1000],
+                        "score": float(s),
+                    }
+                )
+    run.engine.to_train()
+    metrics = validation_metrics(_gather_dp(records), cfg.rollout.val_n, cfg.trainer.val_pass_score)
+    run.tracker.log_table(table, f"validation/step_{step:06d}.json")
+    return metrics

@@ -299,7 +299,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
         )
     _validate_sampling(cfg)
-    algorithm_kwargs(cfg)  # names and settings of the chosen algorithms, through the registries
+    algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
     if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
         raise ConfigError(
             "reward.rule_weight=0 leaves no reward: set reward.model_path to a reward model, "
@@ -326,9 +326,10 @@ class AlgorithmKwargs:
     adv_inputs: frozenset[str]  # which of values / group_ids the estimator takes
 
 
-def algorithm_kwargs(cfg: RunConfig) -> AlgorithmKwargs:
+def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
     """Resolve every algorithm choice of ``cfg`` through its registry; ConfigError naming the fix
-    for an unknown name, a setting the chosen function does not take, or a value it refuses."""
+    for an unknown name or a setting the chosen function does not take. ``try_them`` also calls
+    the chosen policy loss and estimator once on a tiny batch (a value they refuse fails here)."""
     from megarl.algos import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES
     from megarl.algos.settings import (
         Choice,
@@ -388,7 +389,8 @@ def algorithm_kwargs(cfg: RunConfig) -> AlgorithmKwargs:
             loss_agg=loss_agg,
             adv_inputs=frozenset(positional_inputs(lookup(estimator)) & {"values", "group_ids"}),
         )
-        try_on_tiny_batch(policy, out.policy_loss, estimator, out.adv_estimator)
+        if try_them:
+            try_on_tiny_batch(policy, out.policy_loss, estimator, out.adv_estimator)
     except SettingError as e:
         raise ConfigError(str(e)) from None
     if "group_ids" in out.adv_inputs and cfg.rollout.n < 2:

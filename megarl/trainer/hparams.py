@@ -6,6 +6,7 @@ config validation; the trainer calls the same function, so what was checked is w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megarl.algos import AGG_MODES
@@ -26,14 +27,17 @@ def advantage_inputs(cfg: RunConfig) -> frozenset[str]:
     return algorithm_kwargs(cfg).adv_inputs
 
 
-def loss_agg_kwargs(cfg: RunConfig, micro_batch_rows: int) -> dict[str, Any]:
-    """Options of the loss aggregation for one micro-batch of ``micro_batch_rows`` sequences.
+def loss_agg_options(cfg: RunConfig) -> Callable[[int], dict[str, Any]]:
+    """Options of the loss aggregation for a micro-batch of ``rows`` sequences: ``fn(rows)``.
 
     Sequence-level modes divide by the micro-batch's row count (padding rows included): the
     trainer weighs each micro-batch by its share of the mini-batch's rows, so the sum over
     micro-batches is the mini-batch's loss whatever the micro-batching.
     """
-    out = dict(algorithm_kwargs(cfg).loss_agg)
-    if "num_seqs" in keyword_parameters(AGG_MODES.get(cfg.algorithm.loss_agg_mode)):
-        out["num_seqs"] = micro_batch_rows
-    return out
+    static = dict(algorithm_kwargs(cfg).loss_agg)
+    per_rows = "num_seqs" in keyword_parameters(AGG_MODES.get(cfg.algorithm.loss_agg_mode))
+
+    def options(rows: int) -> dict[str, Any]:
+        return {**static, "num_seqs": rows} if per_rows else dict(static)
+
+    return options

@@ -9,7 +9,7 @@ import torch
 from megarl.algos import compute_policy_loss, compute_value_loss, entropy_bonus, kl_loss
 from megarl.config import RunConfig
 from megarl.trainer.batch import Samples
-from megarl.trainer.hparams import loss_agg_kwargs, policy_loss_kwargs
+from megarl.trainer.hparams import loss_agg_options, policy_loss_kwargs
 from megarl.trainer.model_ops import response_log_probs, response_values
 
 Metrics = dict[str, torch.Tensor]
@@ -30,11 +30,12 @@ def make_actor_policy_terms(
     its response logprobs (and entropy): the actor loss once the logits are reduced."""
     a = cfg.algorithm
     hparams = policy_loss_kwargs(cfg)
+    agg_options = loss_agg_options(cfg)
     want_entropy = a.entropy_coef != 0.0
 
     def terms(logp: torch.Tensor, entropy: torch.Tensor | None, mb: Samples):
         t = mb.tensors
-        agg = loss_agg_kwargs(cfg, mb.size)
+        agg = agg_options(mb.size)
         loss, metrics = compute_policy_loss(
             a.policy_loss,
             old_log_prob=t["old_log_prob"],
@@ -94,6 +95,8 @@ def make_actor_loss(cfg: RunConfig, vocab_size: int):
 
 
 def make_critic_loss(cfg: RunConfig):
+    agg_options = loss_agg_options(cfg)
+
     def loss_fn(output: torch.Tensor, mb: Samples):
         values = response_values(output, mb)
         loss, metrics = compute_value_loss(
@@ -103,7 +106,7 @@ def make_critic_loss(cfg: RunConfig):
             mb.response_mask,
             cfg.critic.cliprange_value,
             cfg.algorithm.loss_agg_mode,
-            loss_agg_kwargs(cfg, mb.size),
+            agg_options(mb.size),
         )
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/vf_loss"] = loss.detach()

@@ -18,7 +18,7 @@ from megarl.algos import POLICY_LOSSES, register_policy_loss
 from megarl.cli import main as cli_main
 from megarl.config import algorithm_kwargs, load_config
 from megarl.errors import ConfigError
-from megarl.trainer.hparams import loss_agg_kwargs
+from megarl.trainer.hparams import loss_agg_options
 
 pytestmark = pytest.mark.unit
 
@@ -114,12 +114,12 @@ def test_dr_grpo_norm_length_defaults_to_the_response_limit():
     cfg = cfg_with(
         "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_response_length=96"
     )
-    assert loss_agg_kwargs(cfg, 3) == {"norm_length": 96, "num_seqs": 3}
+    assert loss_agg_options(cfg)(3) == {"norm_length": 96, "num_seqs": 3}
     cfg = cfg_with(
         "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_agg_norm_length=40"
     )
-    assert loss_agg_kwargs(cfg, 2) == {"norm_length": 40, "num_seqs": 2}
-    assert loss_agg_kwargs(cfg_with(), 2) == {}  # token-mean: the trainer weighs by tokens
+    assert loss_agg_options(cfg)(2) == {"norm_length": 40, "num_seqs": 2}
+    assert loss_agg_options(cfg_with())(2) == {}  # token-mean: the trainer weighs by tokens
 
 
 def test_sampling_and_validation_settings_are_checked():

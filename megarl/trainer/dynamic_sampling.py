@@ -7,8 +7,10 @@ data-parallel rank holds its share of ``data.train_batch_size`` prompt groups; t
 (whole groups, in draw order). When the limit is reached first, the step trains on the groups
 every rank has (the smallest count over ranks, so ranks take the same number of optimizer steps);
 when some rank kept none, the step trains on the last draw as it is (under a group estimator its
-advantages are 0: only the KL and entropy terms act). ``dynamic_sampling/*`` metrics log what
-was drawn and kept.
+advantages are 0: only the KL and entropy terms act; logged as ``dynamic_sampling/unfiltered``).
+``dynamic_sampling/*`` metrics log what was drawn, kept and trained (group counts summed over
+data-parallel ranks). Every draw reshards the (unchanged) weights into the rollout engine again
+through ``to_rollout``: simple, and on CPU cheap; on GPUs it costs one reshard per extra draw.
 """
 
 from __future__ import annotations

@@ -288,6 +288,36 @@ def test_grpo_reward_rises(workdir):
     assert last > first + 0.08, rewards
 
 
+def test_ppo_with_a_critic_raises_the_reward(workdir):
+    """PPO (GAE with a critic from the same tiny model, fresh value head) on the vowel reward,
+    one process, 12 steps: the mean reward of the last 4 steps beats the first 4 by more than 0.25
+    (measured 0.44 -> 0.94). The critic's explained variance is logged each step; on this task
+    (gamma = lam = 1, one outcome reward) it stays near 0, so no rise is asserted."""
+    records = by_step(
+        train(
+            workdir,
+            "ppo_learn",
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_kl_loss=false",
+            "trainer.total_steps=12",
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8",
+            "actor.micro_batch_size=16",
+            "actor.optim.lr=5e-3",
+            "critic.optim.lr=3e-3",
+            "critic.ppo_epochs=2",
+            "rollout.max_response_length=32",
+        )
+    )
+    rewards = [records[s]["reward/mean"] for s in range(1, 13)]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.25, rewards
+    ev = [records[s].get("critic/explained_var", float("nan")) for s in range(1, 13)]
+    assert ev[0] == pytest.approx(0.0, abs=1e-6)  # a zero head predicts nothing
+    assert all(v <= 1.0 for v in ev if v == v), ev
+    assert all(records[s]["critic/update_ok"] == 1.0 for s in range(1, 13))
+
+
 def test_non_finite_weights_stop_or_skip_as_configured(workdir):
     """lr=1e30 blows the weights up after the first update: from then on the rollout's logprobs
     are not finite. nan_policy=stop ends the run with a clear message and saves nothing bad;

@@ -57,6 +57,7 @@ class RolloutConfig:
     top_k: int = -1
     max_response_length: int = 512
     val_temperature: float = 0.0  # greedy validation
+    val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
     kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
     backend: str = "vllm"  # vllm | hf (Hugging Face generate: no vLLM needed; for debugging)
     gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
@@ -67,15 +68,26 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo
+    """Algorithm choices by registered name (megarl/algos). Settings left None take the chosen
+    function's own default; a setting given for a function that does not take it is an error."""
+
+    adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus | any registered
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | any registered
     loss_agg_mode: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    gamma: float = 0.99
-    lam: float = 0.95
-    norm_adv_by_std: bool = True
+    # Parameters of the chosen functions. Named ones; None: the function's default.
+    clip_ratio_low: float | None = None  # ppo_clip, gspo
+    clip_ratio_high: float | None = None  # ppo_clip, gspo (DAPO's clip-higher: > clip_ratio_low)
+    clip_ratio_c: float | None = None  # ppo_clip's dual-clip bound for negative advantages
+    gamma: float | None = None  # gae, reinforce_plus_plus
+    lam: float | None = None  # gae
+    norm_adv_by_std: bool | None = None  # grpo (False: Dr. GRPO)
+    # Any other keyword parameter of the chosen policy loss / advantage estimator, by its name,
+    # e.g. {clip_ratio_c: null} turns ppo_clip's dual clip off, {whiten: false} for gae.
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    adv_estimator_kwargs: dict[str, Any] = field(default_factory=dict)
+    # seq-mean-token-sum-norm (Dr. GRPO): the constant each sequence's token sum is divided by;
+    # None: rollout.max_response_length.
+    loss_agg_norm_length: int | None = None
     entropy_coef: float = 0.0
     use_kl_loss: bool = True  # GRPO: KL to the reference as a loss term
     kl_loss_coef: float = 0.001
@@ -87,6 +99,11 @@ class AlgorithmConfig:
     target_kl: float = 0.02
     kl_horizon: int = 10000
     tis_cap: float | None = None  # truncated importance sampling cap; None: off
+    # DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no advantage signal)
+    # and draw further batches, at most filter_groups_max_batches per step, until the step's
+    # data.train_batch_size prompts are filled (else the step trains on the groups it kept).
+    filter_groups: bool = False
+    filter_groups_max_batches: int = 4
 
 
 @dataclass
@@ -117,6 +134,12 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    len: int = 0  # tokens; 0: off
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     custom_fn: str | None = None  # "module:function" or "path.py:function"
     num_workers: int = 0
@@ -129,6 +152,9 @@ class RewardConfig:
     model_path: str | None = None
     rule_weight: float = 1.0
     model_weight: float = 1.0
+    # DAPO overlong reward shaping: responses longer than rollout.max_response_length - len get
+    # a penalty rising linearly to -penalty_factor at max_response_length.
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -149,7 +175,9 @@ class TrainerConfig:
     kind: str = "policy"  # policy (PPO/GRPO) | reward_model (Bradley-Terry)
     total_steps: int = 100
     save_freq: int = 0  # 0: only at the end
-    test_freq: int = 0  # 0: never
+    test_freq: int = 0  # 0: never; validation runs over the whole data.val_files
+    val_before_train: bool = False  # validate once before the first step
+    val_pass_score: float = 1.0  # a validation sample "passes" (pass@k) when it scores >= this
     output_dir: str = "outputs/run"
     resume: str = "auto"  # auto | never
     seed: int = 1
@@ -183,7 +211,6 @@ CHOICES = {
     "rollout.backend": ("vllm", "hf"),
     "rollout.sleep_level": (1, 2),
     "data.overlong_prompts": ("filter", "error"),
-    "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.resume": ("auto", "never"),
     "trainer.nan_policy": ("stop", "skip"),
     "trainer.kind": ("policy", "reward_model"),
@@ -294,6 +321,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"data.train_batch_size={data.train_batch_size} is not a multiple of "
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
         )
+    _validate_sampling(cfg)
+    algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
     if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
         raise ConfigError(
             "reward.rule_weight=0 leaves no reward: set reward.model_path to a reward model, "
@@ -317,6 +346,130 @@ def _validate_tracking(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.wandb_mode={t.wandb_mode!r} is not one of {list(WANDB_MODES)} "
             "(or null: W&B's own default)"
+        )
+
+
+@dataclass(frozen=True)
+class AlgorithmKwargs:
+    """The configured algorithms' keyword arguments, resolved against their signatures."""
+
+    policy_loss: dict[str, Any]
+    adv_estimator: dict[str, Any]
+    loss_agg: dict[str, Any]  # static options of the loss aggregation mode (e.g. norm_length)
+    adv_inputs: frozenset[str]  # which of values / group_ids the estimator takes
+
+
+def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
+    """Resolve every algorithm choice of ``cfg`` through its registry; ConfigError naming the fix
+    for an unknown name or a setting the chosen function does not take. ``try_them`` also calls
+    the chosen policy loss and estimator once on a tiny batch (a value they refuse fails here)."""
+    from megarl.algos import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES
+    from megarl.algos.settings import (
+        Choice,
+        SettingError,
+        keyword_parameters,
+        lookup,
+        positional_inputs,
+        resolve_kwargs,
+        try_on_tiny_batch,
+    )
+
+    a = cfg.algorithm
+
+    def named(*pairs: tuple[str, str]) -> dict[str, tuple[str, Any]]:
+        return {param: (f"algorithm.{key}", getattr(a, key)) for key, param in pairs}
+
+    policy = Choice(
+        "algorithm.policy_loss",
+        POLICY_LOSSES,
+        a.policy_loss,
+        named(
+            ("clip_ratio_low", "clip_ratio_low"),
+            ("clip_ratio_high", "clip_ratio_high"),
+            ("clip_ratio_c", "clip_ratio_c"),
+        ),
+        dict(a.policy_loss_kwargs),
+        "algorithm.policy_loss_kwargs",
+    )
+    estimator = Choice(
+        "algorithm.adv_estimator",
+        ADV_ESTIMATORS,
+        a.adv_estimator,
+        named(("gamma", "gamma"), ("lam", "lam"), ("norm_adv_by_std", "norm_by_std")),
+        dict(a.adv_estimator_kwargs),
+        "algorithm.adv_estimator_kwargs",
+    )
+    agg = Choice(
+        "algorithm.loss_agg_mode",
+        AGG_MODES,
+        a.loss_agg_mode,
+        named(("loss_agg_norm_length", "norm_length")),
+        supplied=frozenset({"num_tokens", "num_seqs"}),
+    )
+    try:
+        for key, registry in (
+            ("kl_loss_estimator", KL_ESTIMATORS),
+            ("kl_in_reward_estimator", KL_ESTIMATORS),
+            ("kl_ctrl", KL_CONTROLLERS),
+        ):
+            lookup(Choice(f"algorithm.{key}", registry, getattr(a, key)))
+        loss_agg = resolve_kwargs(agg)
+        if "norm_length" in keyword_parameters(lookup(agg)) and "norm_length" not in loss_agg:
+            loss_agg["norm_length"] = cfg.rollout.max_response_length
+        out = AlgorithmKwargs(
+            policy_loss=resolve_kwargs(policy),
+            adv_estimator=resolve_kwargs(estimator),
+            loss_agg=loss_agg,
+            adv_inputs=frozenset(positional_inputs(lookup(estimator)) & {"values", "group_ids"}),
+        )
+        if try_them:
+            try_on_tiny_batch(policy, out.policy_loss, estimator, out.adv_estimator)
+    except SettingError as e:
+        raise ConfigError(str(e)) from None
+    if "group_ids" in out.adv_inputs and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator!r} compares the samples of a prompt with "
+            f"each other, so rollout.n={cfg.rollout.n} gives every sample advantage 0; set "
+            "rollout.n >= 2, or adv_estimator=gae (with a critic) / reinforce_plus_plus"
+        )
+    return out
+
+
+def _validate_sampling(cfg: RunConfig) -> None:
+    r, a, trainer = cfg.rollout, cfg.algorithm, cfg.trainer
+    if r.temperature < 0 or r.val_temperature < 0:
+        raise ConfigError(
+            "rollout.temperature and rollout.val_temperature must be >= 0 (0: greedy)"
+        )
+    _check_positive({"rollout.val_n": r.val_n})
+    if r.val_n > 1 and r.val_temperature == 0:
+        raise ConfigError(
+            f"rollout.val_n={r.val_n} greedy samples are all the same answer; set "
+            "rollout.val_temperature > 0 (e.g. 0.6) or val_n=1"
+        )
+    if trainer.val_before_train and not cfg.data.val_files:
+        raise ConfigError("trainer.val_before_train=true needs data.val_files")
+    if a.loss_agg_norm_length is not None and a.loss_agg_norm_length < 1:
+        raise ConfigError(
+            f"algorithm.loss_agg_norm_length must be >= 1 (or null: rollout.max_response_length), "
+            f"got {a.loss_agg_norm_length}"
+        )
+    if a.filter_groups:
+        _check_positive({"algorithm.filter_groups_max_batches": a.filter_groups_max_batches})
+        if r.n < 2:
+            raise ConfigError(
+                f"algorithm.filter_groups keeps groups whose rewards differ, which needs "
+                f"rollout.n >= 2 samples per prompt (got {r.n})"
+            )
+    buf = cfg.reward.overlong_buffer
+    if not 0 <= buf.len < r.max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer.len={buf.len} must be in [0, rollout.max_response_length="
+            f"{r.max_response_length}); 0 turns the overlong penalty off"
+        )
+    if buf.penalty_factor < 0:
+        raise ConfigError(
+            f"reward.overlong_buffer.penalty_factor must be >= 0, got {buf.penalty_factor}"
         )
 
 

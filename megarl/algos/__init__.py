@@ -26,7 +26,12 @@ from megarl.algos.policy_loss import (
 from megarl.algos.preference import bradley_terry_loss
 from megarl.algos.registry import DuplicateNameError, Registry, UnknownNameError
 from megarl.algos.tis import TIS_REDUCTIONS, compute_tis_weights, rollout_mismatch_metrics
-from megarl.algos.value_loss import compute_entropy_loss, compute_value_loss, entropy_bonus
+from megarl.algos.value_loss import (
+    compute_entropy_loss,
+    compute_value_loss,
+    entropy_bonus,
+    explained_variance,
+)
 from megarl.algos.vocab_parallel import (
     entropy_from_logits,
     log_probs_from_logits,
@@ -58,6 +63,7 @@ __all__ = [
     "compute_value_loss",
     "entropy_bonus",
     "entropy_from_logits",
+    "explained_variance",
     "kl_loss",
     "kl_penalty",
     "log_probs_from_logits",

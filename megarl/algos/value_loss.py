@@ -14,6 +14,7 @@ from megarl.algos.masked import (
     check_finite,
     check_same_shape,
     masked_mean,
+    masked_var,
     zero_masked,
 )
 
@@ -82,3 +83,17 @@ def entropy_bonus(
     entropy), and ``metrics["entropy"]`` = the aggregated entropy."""
     h = compute_entropy_loss(entropy, response_mask, loss_agg_mode, loss_agg_kwargs)
     return -entropy_coef * h, {"entropy": h.detach()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor) -> Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over the valid tokens: 1 when the critic
+    predicts the returns exactly, 0 when it is no better than their mean, negative when worse.
+    NaN when the returns do not vary."""
+    check_same_shape(values=values, returns=returns, response_mask=response_mask)
+    mask = as_bool_mask(response_mask)
+    if int(mask.sum()) < 2:
+        return torch.tensor(float("nan"), device=values.device)
+    with torch.no_grad():
+        var_returns = masked_var(returns, mask)
+        var_residual = masked_var(returns - values, mask)
+        return 1.0 - var_residual / var_returns

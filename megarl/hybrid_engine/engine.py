@@ -364,18 +364,28 @@ class HybridEngine:
         batch = RolloutBatch(prompts=mine, output=output)
         if score_with_actor:
             starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
-            batch.actor_logprobs = self.actor_logprobs(batch.sequences(), starts=starts)
+            # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
+            # the actor scores the same one, so the mismatch compares like with like.
+            temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+            batch.actor_logprobs = self.actor_logprobs(
+                batch.sequences(), starts=starts, temperature=temperature
+            )
             batch.metrics = self.logprob_mismatch(batch)
             self.metrics.update(batch.metrics)
         return batch
 
     @torch.no_grad()
     def actor_logprobs(
-        self, sequences: list[list[int]], pad_id: int = 0, starts: list[int] | None = None
+        self,
+        sequences: list[list[int]],
+        pad_id: int = 0,
+        starts: list[int] | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, ``[N, L-1]``, on
-        every rank. With ``starts`` only positions ``starts[i]..`` of row i are computed (the
-        response: the output layer skips the prompt); the others are 0."""
+        every rank, under ``softmax(logits / temperature)``. With ``starts`` only positions
+        ``starts[i]..`` of row i are computed (the response: the output layer skips the prompt);
+        the others are 0."""
         from megarl.models.logprobs import pad_right, positions_from, teacher_forced_log_probs
 
         device = next(self.actor.parameters()).device
@@ -384,7 +394,9 @@ class HybridEngine:
         first_rows = starts if starts is not None else [0] * len(sequences)
         first = torch.tensor(first_rows, dtype=torch.long, device=device)
         positions = positions_from(first, length - 1 - min(first_rows), length)
-        logp = teacher_forced_log_probs(self.actor, ids, positions, self.dims.vocab_size)
+        logp = teacher_forced_log_probs(
+            self.actor, ids, positions, self.dims.vocab_size, temperature
+        )
         # column L-1 collects the positions clamped past a sequence's end; it is dropped
         out = torch.zeros(len(sequences), length, dtype=torch.float32, device=logp.device)
         out.scatter_(1, positions.to(logp.device), logp)

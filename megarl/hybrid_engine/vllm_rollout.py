@@ -133,6 +133,9 @@ class VLLMRollout:
             skip_tokenizer_init=not has_tokenizer(model_dir),
             max_num_seqs=self.config.max_num_seqs,
             use_tqdm_on_load=is_verbose(),  # the weight-loading bar, hidden on a quiet console
+            # logprobs of the distribution sampled from (after temperature, top-k, top-p), which
+            # the trainer reproduces (logits / temperature); raw ones would be the untempered model
+            logprobs_mode="processed_logprobs",
         )
         if not self.cuda:
             # A prompt prefilled in chunks has its first sampled token discarded, and vLLM then

@@ -41,9 +41,13 @@ def log_probs_at(
     positions: torch.Tensor,
     vocab_size: int,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[b, P]`` logprobs (and entropies) of the targets of ``positions`` from vocab-parallel
-    logits computed at those positions (``[b, P, vocab/tp]``)."""
+    logits computed at those positions (``[b, P, vocab/tp]``), under ``softmax(logits /
+    temperature)``: the distribution a rollout at that temperature sampled from."""
+    if temperature != 1.0:  # a new tensor: the gradient flows through it to the logits
+        logits_shard = logits_shard / temperature
     targets = targets_at(input_ids, positions).to(logits_shard.device)
     group = parallel.tp_group_if_split()
     if with_entropy:
@@ -55,15 +59,22 @@ def log_probs_at(
 
 @torch.no_grad()
 def teacher_forced_log_probs(
-    model, input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int
+    model,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``[b, P]`` logprobs at ``positions`` in one forward-only pass through the pipeline, the
-    same tensor on every stage (collective over TP and PP)."""
+    """``[b, P]`` logprobs at ``positions`` (of ``softmax(logits / temperature)``) in one
+    forward-only pass through the pipeline, the same tensor on every stage (collective over TP
+    and PP)."""
     device = next(model.parameters()).device
 
     def logprobs(logits_shard: torch.Tensor, batch):
         # targets are gathered where ids and positions live, then moved to the logits' device
-        logp, _ = log_probs_at(logits_shard, input_ids, positions, vocab_size)
+        logp, _ = log_probs_at(
+            logits_shard, input_ids, positions, vocab_size, temperature=temperature
+        )
         return logits_shard.new_zeros(()), {"logp": logp.float()}
 
     outs = run_schedule(

@@ -50,10 +50,13 @@ class RewardModelRoles:
         return {"reward": self.reward}
 
 
-def _pair_loss(margin: float):
+def _pair_loss(margin: float, pad_id: int | None = None):
+    """Bradley-Terry loss of a micro-batch of pairs, each sequence read at its last non-pad token
+    (where transformers reads the exported model)."""
+
     def loss_fn(out: torch.Tensor, batch: dict[str, Any]):
         mb: PairMicroBatch = batch["mb"]
-        scores = last_token_scores(out, mb.seq_lens)
+        scores = last_token_scores(out, mb.seq_lens, mb.input_ids, pad_id)
         loss, metrics = bradley_terry_loss(scores[0::2], scores[1::2], margin)
         metrics["loss"] = loss.detach()
         return loss * batch["weight"], {k: v * batch["weight"] for k, v in metrics.items()}
@@ -136,7 +139,7 @@ def evaluate(
     model: torch.nn.Module, cfg: RunConfig, dataset: PreferenceDataset, pad_id: int
 ) -> dict[str, float]:
     """Accuracy, loss and mean gap over one pass of ``dataset``; the same dict on every rank."""
-    loss_fn = _pair_loss(cfg.reward_model.margin)
+    loss_fn = _pair_loss(cfg.reward_model.margin, pad_id)
     # pairs, correct, loss sum, gap sum
     totals = torch.zeros(4, dtype=torch.float64, device=platform.collective_device())
     for items in dataset:
@@ -192,7 +195,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     batches = EpochBatches(
         train_data, "the training data yields no batch: fewer pairs than data.train_batch_size"
     )
-    loss_fn = _pair_loss(cfg.reward_model.margin)
+    loss_fn = _pair_loss(cfg.reward_model.margin, pad_id)
     last: dict[str, float] = {}
     for step in range(first, cfg.trainer.total_steps):
         t0 = time.perf_counter()

@@ -19,3 +19,12 @@ def vowel_rate(
     if not letters:
         return 0.0
     return sum(c in _VOWELS for c in letters) / len(letters)
+
+
+def vowel_majority(
+    data_source: str, solution_str: str, ground_truth: Any = None, extra_info: Any = None
+) -> float:
+    """1.0 when more than half of the response's letters are vowels, else 0.0: a pass/fail
+    version of :func:`vowel_rate`, so that whole groups of samples often score alike (what
+    DAPO's dynamic sampling filters) and pass@k means something."""
+    return 1.0 if vowel_rate(data_source, solution_str) > 0.5 else 0.0

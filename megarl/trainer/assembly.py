@@ -87,25 +87,29 @@ class PolicyRun:
 
 
 def build_data(cfg: RunConfig, startup: Startup) -> PolicyData:
-    def dataset(files: list[str], batch: int, setting: str) -> PromptDataset:
+    """The training prompts (sharded over DP ranks, shuffled as configured) and the validation
+    set (every prompt once per pass, in file order, no row dropped)."""
+
+    def dataset(files: list[str], batch: int, setting: str, validation: bool) -> PromptDataset:
         return PromptDataset(
             files,
             startup.tokenizer,
-            batch_size_per_rank=batch // startup.layout.dp,
+            batch_size_per_rank=max(1, batch // startup.layout.dp),
             max_prompt_length=cfg.data.max_prompt_length,
             dp_rank=parallel.dp_rank(),
             dp_size=startup.layout.dp,
             seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle,
+            shuffle=cfg.data.shuffle and not validation,
+            drop_last=not validation,
             overlong_prompts=cfg.data.overlong_prompts,
             require_ground_truth=False,
             setting=setting,
         )
 
-    train = dataset(cfg.data.train_files, cfg.data.train_batch_size, "data.train_files")
+    train = dataset(cfg.data.train_files, cfg.data.train_batch_size, "data.train_files", False)
     val = None
     if cfg.data.val_files:
-        val = dataset(cfg.data.val_files, cfg.data.val_batch_size, "data.val_files")
+        val = dataset(cfg.data.val_files, cfg.data.val_batch_size, "data.val_files", True)
     empty = "the training data yields no batch: fewer prompts than data.train_batch_size"
     return PolicyData(train, val, EpochBatches(train, empty))
 
@@ -117,7 +121,7 @@ def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
         from megarl.rewards.model import build_reward_model
 
         model = build_reward_model(cfg.reward.model_path, startup.layout, model_options(cfg))
-    return RewardSources.from_config(cfg.reward, model)
+    return RewardSources.from_config(cfg, model)
 
 
 def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
@@ -149,7 +153,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
     val_sampling = SamplingConfig(
         temperature=r.val_temperature,
         max_new_tokens=r.max_response_length,
-        n=1,
+        n=r.val_n,
         seed=cfg.trainer.seed,
     )
     return Rollout(engine, sampling, val_sampling)

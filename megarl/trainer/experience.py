@@ -15,15 +15,17 @@ from megarl.algos import (
     apply_kl_in_reward,
     compute_advantages,
     compute_tis_weights,
+    explained_variance,
     masked_mean,
 )
 from megarl.algos.kl import KLController
-from megarl.config import RewardConfig, RunConfig
+from megarl.config import OverlongBufferConfig, RunConfig
 from megarl.data import PromptItem
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.rewards.manager import RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
+from megarl.rewards.overlong import overlong_penalty
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import (
     MicroBatching,
@@ -47,13 +49,23 @@ class RewardSources:
     model: GPTModel | None  # a frozen reward model (reward.model_path), colocated
     rule_weight: float
     model_weight: float
+    overlong: OverlongBufferConfig  # DAPO's overlong shaping (len 0: off)
+    max_response_length: int
 
     @classmethod
-    def from_config(cls, r: RewardConfig, model: GPTModel | None) -> RewardSources:
+    def from_config(cls, cfg: RunConfig, model: GPTModel | None) -> RewardSources:
+        r = cfg.reward
         rules = RewardManager(
             custom_fn=r.custom_fn, num_workers=r.num_workers, timeout_s=r.timeout_s, strict=r.strict
         )
-        return cls(rules, model, r.rule_weight, r.model_weight)
+        return cls(
+            rules,
+            model,
+            r.rule_weight,
+            r.model_weight,
+            r.overlong_buffer,
+            cfg.rollout.max_response_length,
+        )
 
     def close(self) -> None:
         self.rules.close()
@@ -91,10 +103,12 @@ def score_rollout(
     items: Sequence[PromptItem],
     batch: RolloutBatch,
     batching: MicroBatching,
+    shaping: bool = True,
 ) -> tuple[Samples, torch.Tensor, dict[str, float], list[str]]:
     """Samples of a rollout with their outcome scores: rule scorers, a reward model, or both
-    (``reward.rule_weight * rule + reward.model_weight * model``); also the decoded responses.
-    The metrics are this rank's means."""
+    (``reward.rule_weight * rule + reward.model_weight * model``), plus the overlong penalty
+    (``reward.overlong_buffer``) with ``shaping``; also the decoded responses. The metrics are
+    this rank's means."""
     texts = decode_responses(batch, tokenizer)
     samples = build_samples(items, batch, pad_id, platform.device())
     device = samples.input_ids.device
@@ -105,10 +119,22 @@ def score_rollout(
         metrics["reward/rule_mean"] = float(rule.mean())
     model = None
     if rewards.model is not None:
-        model = score_sequences(rewards.model, samples.input_ids, samples.seq_lens(), batching.size)
+        model = score_sequences(
+            rewards.model, samples.input_ids, samples.seq_lens(), batching.size, pad_id
+        )
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
     scores = combine_scores(rule, model, rewards.rule_weight, rewards.model_weight)
+    buf = rewards.overlong
+    if shaping and buf.len > 0:
+        penalty = overlong_penalty(
+            samples.response_lens,
+            max_length=rewards.max_response_length,
+            buffer_length=buf.len,
+            penalty_factor=buf.penalty_factor,
+        )
+        scores = scores + penalty.to(scores.device)
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
     set_outcome_scores(samples, scores)
     return samples, scores, metrics, texts
 
@@ -166,11 +192,12 @@ def compute_experience(
     metrics: StepMetrics = {}
     t, mask = samples.tensors, samples.response_mask
     vocab = roles.dims.vocab_size
+    temperature = spec.temperature
     if roles.reference is not None:
         t["ref_log_prob"] = forward_response_tensor(
             roles.reference,
             samples,
-            lambda out, mb: response_log_probs(out, mb, vocab)[0],
+            lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
             batching,
         )
     if roles.critic is not None:
@@ -210,5 +237,7 @@ def compute_experience(
         metrics.update(declare(tis_metrics, TIS_REDUCTIONS, prefix="rollout/"))
     if "values" in t:
         metrics["critic/values_mean"] = mean(masked_mean(t["values"], mask))
+        # how much of the returns' variance the critic (before this step's update) explains
+        metrics["critic/explained_var"] = mean(explained_variance(t["values"], t["returns"], mask))
     metrics["actor/advantages_mean"] = mean(masked_mean(t["advantages"], mask))
     return metrics

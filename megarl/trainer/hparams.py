@@ -1,51 +1,51 @@
-"""Config -> keyword arguments of a registered algorithm, by the function's own signature.
+"""Config -> keyword arguments of the registered algorithms, by each function's own signature.
 
-Registered losses and estimators accept only the hyperparameters they use (an unknown one is a
-TypeError), so the trainer passes each the subset of the config it names; a user-registered
-function gets its settings the same way, with no branch per algorithm name.
+The resolution itself (:func:`megarl.config.algorithm_kwargs`) runs before launch as part of the
+config validation; the trainer calls the same function, so what was checked is what runs.
 """
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 from typing import Any
 
-from megarl.algos import ADV_ESTIMATORS, KL_CONTROLLERS, POLICY_LOSSES
-from megarl.config import AlgorithmConfig
+from megarl.algos import AGG_MODES, KL_CONTROLLERS
+from megarl.algos.settings import keyword_parameters
+from megarl.config import RunConfig, algorithm_kwargs
 
 
-def _candidates(cfg: AlgorithmConfig) -> dict[str, Any]:
-    return {
-        "gamma": cfg.gamma,
-        "lam": cfg.lam,
-        "norm_by_std": cfg.norm_adv_by_std,
-        "clip_ratio_low": cfg.clip_ratio_low,
-        "clip_ratio_high": cfg.clip_ratio_high,
-        "clip_ratio_c": cfg.clip_ratio_c,
-    }
+def policy_loss_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    return dict(algorithm_kwargs(cfg).policy_loss)
 
 
-def _accepted(fn) -> set[str]:
-    return set(inspect.signature(fn).parameters)
+def advantage_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    return dict(algorithm_kwargs(cfg).adv_estimator)
 
 
-def policy_loss_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
-    accepted = _accepted(POLICY_LOSSES.get(cfg.policy_loss))
-    return {k: v for k, v in _candidates(cfg).items() if k in accepted}
-
-
-def advantage_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
-    accepted = _accepted(ADV_ESTIMATORS.get(cfg.adv_estimator))
-    return {k: v for k, v in _candidates(cfg).items() if k in accepted}
-
-
-def kl_controller_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
+def kl_controller_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """The settings the configured KL controller (``algorithm.kl_ctrl``) takes."""
-    candidates = {"kl_coef": cfg.kl_coef, "target_kl": cfg.target_kl, "horizon": cfg.kl_horizon}
-    accepted = _accepted(KL_CONTROLLERS.get(cfg.kl_ctrl))
+    a = cfg.algorithm
+    candidates = {"kl_coef": a.kl_coef, "target_kl": a.target_kl, "horizon": a.kl_horizon}
+    accepted = keyword_parameters(KL_CONTROLLERS.get(a.kl_ctrl))
     return {k: v for k, v in candidates.items() if k in accepted}
 
 
-def advantage_inputs(cfg: AlgorithmConfig) -> set[str]:
+def advantage_inputs(cfg: RunConfig) -> frozenset[str]:
     """Which of ``values`` / ``group_ids`` the configured estimator takes."""
-    return _accepted(ADV_ESTIMATORS.get(cfg.adv_estimator)) & {"values", "group_ids"}
+    return algorithm_kwargs(cfg).adv_inputs
+
+
+def loss_agg_options(cfg: RunConfig) -> Callable[[int], dict[str, Any]]:
+    """Options of the loss aggregation for a micro-batch of ``rows`` sequences: ``fn(rows)``.
+
+    Sequence-level modes divide by the micro-batch's row count (padding rows included): the
+    trainer weighs each micro-batch by its share of the mini-batch's rows, so the sum over
+    micro-batches is the mini-batch's loss whatever the micro-batching.
+    """
+    static = dict(algorithm_kwargs(cfg).loss_agg)
+    per_rows = "num_seqs" in keyword_parameters(AGG_MODES.get(cfg.algorithm.loss_agg_mode))
+
+    def options(rows: int) -> dict[str, Any]:
+        return {**static, "num_seqs": rows} if per_rows else dict(static)
+
+    return options

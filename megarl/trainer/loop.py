@@ -10,7 +10,8 @@ from megarl.run.resume import save_due
 from megarl.run.steps import log_step, summary, timed
 from megarl.trainer.assembly import PolicyRun, setup_run
 from megarl.trainer.batch import Samples
-from megarl.trainer.experience import compute_experience, score_rollout
+from megarl.trainer.dynamic_sampling import collect_step_batch
+from megarl.trainer.experience import compute_experience
 from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
 from megarl.trainer.model_ops import ppo_update, rollout_is_finite
 from megarl.trainer.profiling import StepProfiler
@@ -46,21 +47,16 @@ def train(cfg: RunConfig) -> dict[str, float]:
     """Run ``cfg`` to ``trainer.total_steps`` (resuming from the latest checkpoint when asked)."""
     profiler = StepProfiler.from_config(cfg.trainer)  # bad profile_steps fail before setup
     run = setup_run(cfg)
-    engine, tracker, first = run.rollout.engine, run.tracker, run.resumed.step
+    tracker, first = run.tracker, run.resumed.step
     history, last = list(run.resumed.history), {}
+    if cfg.trainer.val_before_train and first == 0:
+        tracker.log_metrics(validation_rollout(run, 0), 0)
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
     for step in profiler.iterate(range(first, cfg.trainer.total_steps)):
         m: StepMetrics = {}
         t_step = time.perf_counter()
-        items = run.data.batches.next()
-        with timed(m, "rollout"):
-            m.update(declare(engine.to_rollout()))
-            batch = engine.generate([it.input_ids for it in items], run.rollout.sampling)
-            m.update(declare(engine.to_train()))
-        with timed(m, "reward"):
-            samples, scores, reward_metrics, _ = score_rollout(
-                run.rewards, run.startup.tokenizer, run.startup.pad_id, items, batch, run.batching
-            )
+        # rollout + rewards; with algorithm.filter_groups, several draws (dynamic sampling)
+        samples, scores, reward_metrics, batch = collect_step_batch(run, m)
         if rollout_is_finite(samples, cfg.trainer.nan_policy == "skip"):
             with timed(m, "experience"):
                 m.update(

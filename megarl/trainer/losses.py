@@ -2,46 +2,62 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megarl.algos import compute_policy_loss, compute_value_loss, entropy_bonus, kl_loss
-from megarl.config import AlgorithmConfig, CriticConfig
+from megarl.config import RunConfig
 from megarl.trainer.batch import Samples
-from megarl.trainer.hparams import policy_loss_kwargs
+from megarl.trainer.hparams import loss_agg_options, policy_loss_kwargs
 from megarl.trainer.model_ops import response_log_probs, response_values
 
+Metrics = dict[str, torch.Tensor]
 
-def make_actor_loss(cfg: AlgorithmConfig, vocab_size: int):
-    """Policy loss (+ KL to the reference as a loss term, + entropy bonus) on vocab-parallel logits.
 
-    Samples need ``old_log_prob`` and ``advantages`` (and ``ref_log_prob`` with use_kl_loss).
-    """
+def sampling_temperature(cfg: RunConfig) -> float:
+    """The temperature the rollout sampled at, which every trainer logprob is computed with
+    (logits / temperature, as vLLM's processed logprobs); greedy (0) samples the untempered
+    distribution's argmax and is scored at 1."""
+    t = cfg.rollout.temperature
+    return t if t > 0 else 1.0
+
+
+def make_actor_policy_terms(
+    cfg: RunConfig,
+) -> Callable[[torch.Tensor, torch.Tensor | None, Samples], tuple[torch.Tensor, Metrics]]:
+    """Policy loss (+ KL to the reference as a loss term, + entropy bonus) of one micro-batch from
+    its response logprobs (and entropy): the actor loss once the logits are reduced."""
+    a = cfg.algorithm
     hparams = policy_loss_kwargs(cfg)
-    want_entropy = cfg.entropy_coef != 0.0
+    agg_options = loss_agg_options(cfg)
+    want_entropy = a.entropy_coef != 0.0
 
-    def loss_fn(logits_shard: torch.Tensor, mb: Samples):
-        logp, entropy = response_log_probs(logits_shard, mb, vocab_size, with_entropy=True)
+    def terms(logp: torch.Tensor, entropy: torch.Tensor | None, mb: Samples):
         t = mb.tensors
+        agg = agg_options(mb.size)
         loss, metrics = compute_policy_loss(
-            cfg.policy_loss,
+            a.policy_loss,
             old_log_prob=t["old_log_prob"],
             log_prob=logp,
             advantages=t["advantages"],
             response_mask=mb.response_mask,
-            loss_agg_mode=cfg.loss_agg_mode,
+            loss_agg_mode=a.loss_agg_mode,
+            loss_agg_kwargs=agg,
             rollout_is_weights=t.get("tis_weights"),
             **hparams,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = loss.detach()
-        if cfg.use_kl_loss:
+        if a.use_kl_loss:
             kl, kl_metrics = kl_loss(
                 logp,
                 t["ref_log_prob"],
                 mb.response_mask,
-                kl_coef=cfg.kl_loss_coef,
-                estimator=cfg.kl_loss_estimator,
-                loss_agg_mode=cfg.loss_agg_mode,
+                kl_coef=a.kl_loss_coef,
+                estimator=a.kl_loss_estimator,
+                loss_agg_mode=a.loss_agg_mode,
+                loss_agg_kwargs=agg,
             )
             loss = loss + kl
             metrics["actor/kl_loss"] = kl_metrics["kl_loss"]
@@ -49,18 +65,38 @@ def make_actor_loss(cfg: AlgorithmConfig, vocab_size: int):
             bonus, ent_metrics = entropy_bonus(
                 entropy,
                 mb.response_mask,
-                entropy_coef=cfg.entropy_coef,
-                loss_agg_mode=cfg.loss_agg_mode,
+                entropy_coef=a.entropy_coef,
+                loss_agg_mode=a.loss_agg_mode,
+                loss_agg_kwargs=agg,
             )
             if want_entropy:
                 loss = loss + bonus
             metrics["actor/entropy"] = ent_metrics["entropy"]
         return loss, metrics
 
+    return terms
+
+
+def make_actor_loss(cfg: RunConfig, vocab_size: int):
+    """The actor loss on vocab-parallel logits (divided by the sampling temperature).
+
+    Samples need ``old_log_prob`` and ``advantages`` (and ``ref_log_prob`` with use_kl_loss).
+    """
+    terms = make_actor_policy_terms(cfg)
+    temperature = sampling_temperature(cfg)
+
+    def loss_fn(logits_shard: torch.Tensor, mb: Samples):
+        logp, entropy = response_log_probs(
+            logits_shard, mb, vocab_size, with_entropy=True, temperature=temperature
+        )
+        return terms(logp, entropy, mb)
+
     return loss_fn
 
 
-def make_critic_loss(cfg: CriticConfig, loss_agg_mode: str):
+def make_critic_loss(cfg: RunConfig):
+    agg_options = loss_agg_options(cfg)
+
     def loss_fn(output: torch.Tensor, mb: Samples):
         values = response_values(output, mb)
         loss, metrics = compute_value_loss(
@@ -68,8 +104,9 @@ def make_critic_loss(cfg: CriticConfig, loss_agg_mode: str):
             mb.tensors["values"],
             mb.tensors["returns"],
             mb.response_mask,
-            cfg.cliprange_value,
-            loss_agg_mode,
+            cfg.critic.cliprange_value,
+            cfg.algorithm.loss_agg_mode,
+            agg_options(mb.size),
         )
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/vf_loss"] = loss.detach()

@@ -31,12 +31,22 @@ def response_positions(mb: Samples) -> torch.Tensor:
 
 
 def response_log_probs(
-    logits_shard: torch.Tensor, mb: Samples, vocab_size: int, with_entropy: bool = False
+    logits_shard: torch.Tensor,
+    mb: Samples,
+    vocab_size: int,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response-space ``[b, R]`` logprobs (and entropy) of one micro-batch from vocab-parallel
-    logits computed at :func:`response_positions` (``[b, R, vocab/tp]``)."""
+    logits computed at :func:`response_positions` (``[b, R, vocab/tp]``), of the distribution
+    ``softmax(logits / temperature)``."""
     return log_probs_at(
-        logits_shard, mb.input_ids, response_positions(mb), vocab_size, with_entropy
+        logits_shard,
+        mb.input_ids,
+        response_positions(mb),
+        vocab_size,
+        with_entropy,
+        temperature=temperature,
     )
 
 

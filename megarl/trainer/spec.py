@@ -15,7 +15,7 @@ from megarl.algos.kl import KLController
 from megarl.config import RunConfig
 from megarl.metrics import Reduce
 from megarl.trainer.hparams import advantage_inputs, advantage_kwargs, kl_controller_kwargs
-from megarl.trainer.losses import make_actor_loss, make_critic_loss
+from megarl.trainer.losses import make_actor_loss, make_critic_loss, sampling_temperature
 from megarl.trainer.model_ops import LossFn
 
 
@@ -32,25 +32,29 @@ class AlgorithmSpec:
     kl_in_reward: bool
     kl_in_reward_estimator: str
     tis_cap: float | None  # truncated importance sampling of the rollout; None: off
+    # every actor/reference logprob is of softmax(logits / temperature), the distribution the
+    # rollout sampled from (1 for greedy rollouts)
+    temperature: float
     # how the actor's and critic's update metrics combine over ranks (the rest: mean)
     update_reductions: Mapping[str, Reduce]
 
 
 def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
     a = cfg.algorithm
-    inputs = frozenset(advantage_inputs(a))
+    inputs = advantage_inputs(cfg)
     return AlgorithmSpec(
         needs_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_critic="values" in inputs,
         adv_estimator=a.adv_estimator,
         advantage_inputs=inputs,
-        advantage_kwargs=advantage_kwargs(a),
-        actor_loss=make_actor_loss(a, vocab_size),
-        critic_loss=make_critic_loss(cfg.critic, a.loss_agg_mode),
+        advantage_kwargs=advantage_kwargs(cfg),
+        actor_loss=make_actor_loss(cfg, vocab_size),
+        critic_loss=make_critic_loss(cfg),
         token_level=a.loss_agg_mode == "token-mean",
         kl_in_reward=a.use_kl_in_reward,
         kl_in_reward_estimator=a.kl_in_reward_estimator,
         tis_cap=a.tis_cap,
+        temperature=sampling_temperature(cfg),
         update_reductions={f"actor/{k}": r for k, r in POLICY_LOSS_REDUCTIONS.items()},
     )
 
@@ -60,4 +64,4 @@ def make_kl_in_reward_controller(cfg: RunConfig) -> KLController | None:
     a = cfg.algorithm
     if not a.use_kl_in_reward:
         return None
-    return make_kl_controller(a.kl_ctrl, **kl_controller_kwargs(a))
+    return make_kl_controller(a.kl_ctrl, **kl_controller_kwargs(cfg))

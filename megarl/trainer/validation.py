@@ -1,37 +1,98 @@
-"""Validation rollouts (``trainer.test_freq``): greedy responses to one validation batch, scored
-like training rollouts; their mean reward and a table of generations go to the tracker.
-(Checks of the config itself are :func:`megarl.config.validate`.)"""
+"""Validation over the whole validation set: rollouts of every prompt (greedy, or
+``rollout.val_n`` samples at ``rollout.val_temperature``), scored by the run's reward, reported
+per ``data_source``:
+
+- ``val/<source>/mean@k``: mean score over all k samples of all prompts;
+- ``val/<source>/best@k``: mean over prompts of the best of its k scores;
+- ``val/<source>/pass@k``: share of prompts with at least one sample scoring
+  ``>= trainer.val_pass_score`` (1.0: a correct GSM8K answer);
+
+plus ``val/reward_mean`` over all sources, and a table of sample generations. (Checks of the
+config itself are :func:`megarl.config.validate`.)
+"""
 
 from __future__ import annotations
 
-from megarl.metrics import mean, reduce_metrics
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megarl import parallel
 from megarl.trainer.assembly import PolicyRun
 from megarl.trainer.experience import score_rollout
 
+MAX_TABLE_ROWS = 32
+
+
+@dataclass(frozen=True)
+class ValRecord:
+    data_source: str
+    prompt: Hashable  # one prompt of the validation set (its samples share it)
+    score: float
+
+
+def validation_metrics(records: Sequence[ValRecord], k: int, pass_score: float) -> dict[str, float]:
+    """Per-source mean@k, best@k, pass@k over ``records`` (k samples per prompt), and the mean."""
+    by_prompt: dict[tuple[str, Hashable], list[float]] = defaultdict(list)
+    for r in records:
+        by_prompt[(r.data_source, r.prompt)].append(r.score)
+    per_source: dict[str, list[list[float]]] = defaultdict(list)
+    for (source, _), scores in by_prompt.items():
+        per_source[source].append(scores)
+    out: dict[str, float] = {}
+    for source, prompts in sorted(per_source.items()):
+        flat = [s for scores in prompts for s in scores]
+        out[f"val/{source}/mean@{k}"] = sum(flat) / len(flat)
+        out[f"val/{source}/best@{k}"] = sum(max(s) for s in prompts) / len(prompts)
+        out[f"val/{source}/pass@{k}"] = sum(max(s) >= pass_score for s in prompts) / len(prompts)
+        out[f"val/{source}/prompts"] = float(len(prompts))
+    if records:
+        out["val/reward_mean"] = sum(r.score for r in records) / len(records)
+    return out
+
+
+def _gather_dp(records: list[ValRecord]) -> list[ValRecord]:
+    """All data-parallel ranks' records, on every rank."""
+    group = parallel.dp_group()
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, records, group=group)
+    return [r for part in parts for r in part]
+
 
 def validation_rollout(run: PolicyRun, step: int) -> dict[str, float]:
-    """``val/reward_mean`` over one validation batch (the same on every rank; collective)."""
+    """One pass over the validation set; its metrics (the same on every rank; collective) and, on
+    rank 0, a table of generations logged as ``validation/step_<step>.json``."""
     if run.data.val is None:
         return {}
-    items = next(iter(run.data.val))
-    engine = run.rollout.engine
+    cfg, engine, s = run.cfg, run.rollout.engine, run.startup
+    records: list[ValRecord] = []
+    table: list[dict[str, str | float | int]] = []
     engine.to_rollout()
-    batch = engine.generate(
-        [it.input_ids for it in items], run.rollout.val_sampling, score_with_actor=False
-    )
+    for items in run.data.val:  # the same number of batches on every rank (maybe empty)
+        batch = engine.generate(
+            [it.input_ids for it in items], run.rollout.val_sampling, score_with_actor=False
+        )
+        if not batch.output.token_ids:
+            continue
+        _, scores, _, texts = score_rollout(
+            run.rewards, s.tokenizer, s.pad_id, items, batch, run.batching, shaping=False
+        )
+        for i, text, score in zip(batch.output.prompt_index, texts, scores.tolist(), strict=True):
+            item = items[i]
+            records.append(ValRecord(item.data_source, item.uid, float(score)))
+            if len(table) < MAX_TABLE_ROWS:
+                table.append(
+                    {
+                        "step": step,
+                        "data_source": item.data_source,
+                        "prompt": str(item.prompt)[:500],
+                        "response": text[:1000],
+                        "score": float(score),
+                    }
+                )
     engine.to_train()
-    _, scores, _, texts = score_rollout(
-        run.rewards, run.startup.tokenizer, run.startup.pad_id, items, batch, run.batching
-    )
-    metrics = reduce_metrics({"val/reward_mean": mean(scores.mean())})
-    rows = [
-        {
-            "step": step,
-            "prompt": str(items[i].prompt)[:500],
-            "response": text[:1000],
-            "score": float(s),
-        }
-        for i, text, s in zip(batch.output.prompt_index, texts, scores.tolist(), strict=True)
-    ]
-    run.tracker.log_table(rows, f"validation/step_{step:06d}.json")
+    metrics = validation_metrics(_gather_dp(records), cfg.rollout.val_n, cfg.trainer.val_pass_score)
+    run.tracker.log_table(table, f"validation/step_{step:06d}.json")
     return metrics

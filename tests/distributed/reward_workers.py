@@ -79,8 +79,21 @@ def reward_model_worker(rank: int, world: int, model_dir: str) -> dict[str, floa
         s for it in items for s in (it.prompt_ids + it.chosen_ids, it.prompt_ids + it.rejected_ids)
     ]
     ids, lens = pad_sequences(seqs, pad_id, "cpu")
-    scores = score_sequences(model, ids, lens, micro_batch_size=3)
+    scores = score_sequences(model, ids, lens, micro_batch_size=3, pad_id=pad_id)
     out["score_diff"] = (scores - ref_scores).abs().max().item()
+    # pad == EOS: responses that end with the EOS token; transformers reads the last non-pad token
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    assert hf.config.pad_token_id == pad_id
+    eos_ids, eos_lens = pad_sequences([[*s, pad_id] for s in seqs], pad_id, "cpu")
+    with torch.no_grad():
+        hf_eos = hf(input_ids=eos_ids).logits[:, 0]
+    eos_scores = score_sequences(model, eos_ids, eos_lens, micro_batch_size=3, pad_id=pad_id)
+    out["eos_score_diff"] = (eos_scores - hf_eos).abs().max().item()
+    # reading the EOS position instead (the previous behaviour) would differ from transformers
+    at_eos = score_sequences(model, eos_ids, eos_lens, micro_batch_size=3)
+    out["at_eos_diff"] = (at_eos - hf_eos).abs().max().item()
     # bf16: every parameter in one dtype (megatron's local RMSNorm would stay float32, which the
     # weight reshard's buffers, sized by dtype, cannot mix)
     from megarl.models.build import ModelOptions

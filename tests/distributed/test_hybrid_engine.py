@@ -3,11 +3,13 @@
 Two spawns (one vLLM engine per process each: infer_tp 2, then infer_tp 1), each running two
 training layouts (TP2xPP2, TP1xPP2xDP2) beside the same engine. Per layout: after ``to_rollout``
 vLLM's greedy output equals transformers' (token for token) and its logprobs equal the megatron
-actor's teacher-forced ones (< 1e-4, fp32); after an optimizer step and another ``to_rollout`` the
-output equals transformers on the new weights; a plan/model shape mismatch raises naming the
-tensor and leaves vLLM's weights untouched. The Hugging Face rollout backend (``rollout.backend=
-hf``) runs beside vLLM in the same processes, resharded from the same actor: its greedy output
-equals vLLM's, its logprobs equal the actor's (< 1e-5, fp32), before and after the step.
+actor's teacher-forced ones (< 1e-4, fp32); sampled at temperature 0.7, vLLM's logprobs equal
+transformers' log_softmax(logits / 0.7) and the actor's tempered ones (mean <= 1e-4); after an
+optimizer step and another ``to_rollout`` the output equals transformers on the new weights; a
+plan/model shape mismatch raises naming the tensor and leaves vLLM's weights untouched. The
+Hugging Face rollout backend (``rollout.backend=hf``) runs beside vLLM in the same processes,
+resharded from the same actor: its greedy output equals vLLM's, its logprobs equal the actor's
+(< 1e-5, fp32), before and after the step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megarl.testing.assets import _cached, _save_tiny, tiny_qwen2_config
 from tests.mp import run_gloo
 
 MAX_NEW = 8
+TEMPERATURE = 0.7
 LAYOUTS = [dict(tp=2, pp=2), dict(tp=1, pp=2)]
 
 
@@ -125,6 +128,21 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         hf_engine.to_train()
         res["hf_before"] = hf_batch.output.token_ids
         res["hf_before_metrics"] = dict(hf_batch.metrics)
+        # sampled at temperature 0.7: vLLM's logprobs are those of softmax(logits / 0.7), and the
+        # actor scores the same distribution (the mismatch metric compares like with like)
+        sampled = engine.generate(
+            prompts, SamplingConfig(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, n=2, seed=3)
+        )
+        res["sampled"] = [
+            (prompts[i], ids, lps)
+            for i, ids, lps in zip(
+                sampled.output.prompt_index,
+                sampled.output.token_ids,
+                sampled.output.logprobs,
+                strict=True,
+            )
+        ]
+        res["sampled_metrics"] = dict(sampled.metrics)
 
         # one optimizer step on the rollout sequences, then roll out again
         engine.to_train()
@@ -179,6 +197,23 @@ def _hf_greedy(model, prompts):
     return outs
 
 
+def _tempered_diff(model, sampled) -> float:
+    """Mean |vLLM - transformers| logprob of the sampled tokens under softmax(logits / T)."""
+    diffs, untempered = [], []
+    with torch.no_grad():
+        for prompt, ids, lps in sampled:
+            seq = torch.tensor([prompt + ids])
+            logits = model(seq).logits[0, len(prompt) - 1 : -1].float()
+            target = torch.tensor(ids).unsqueeze(1)
+            hf_lp = torch.log_softmax(logits / TEMPERATURE, -1).gather(1, target).squeeze(1)
+            raw_lp = torch.log_softmax(logits, -1).gather(1, target).squeeze(1)
+            diffs.append((hf_lp - torch.tensor(lps)).abs())
+            untempered.append((raw_lp - torch.tensor(lps)).abs())
+    # the comparison can fail: the untempered logprobs are far from what vLLM returned
+    assert torch.cat(untempered).mean() > 1e-2
+    return float(torch.cat(diffs).mean())
+
+
 @pytest.mark.parametrize("infer_tp", [2, 1])
 def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
     from transformers import AutoModelForCausalLM
@@ -198,6 +233,10 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
             # the HF backend: vLLM's greedy output, the actor's logprobs
             assert res["hf_before"] == res["before"], key
             assert res["hf_before_metrics"]["rollout/logprob_diff_max"] < 1e-5, key
+            # temperature 0.7: vLLM's (processed) logprobs equal transformers' log_softmax of
+            # logits / 0.7, and the megatron actor's (the trainer's) within 1e-4 on average
+            assert _tempered_diff(hf, res["sampled"]) <= 1e-4, key
+            assert res["sampled_metrics"]["rollout/logprob_diff_mean"] <= 1e-4, key
             assert res["recv_bytes"] == res["min_recv_bytes"], key
             assert res["buckets"] > 3
             # peak transient memory: the bucket plus at most one tensor in flight

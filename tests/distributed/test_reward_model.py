@@ -1,5 +1,6 @@
 """Reward model at TP2xPP2 on 4 gloo ranks against transformers' Qwen2ForSequenceClassification
-with the same weights: Bradley-Terry loss, every gradient, and the scores used in RL."""
+with the same weights: Bradley-Terry loss, every gradient, and the scores used in RL (also with
+responses ending in an EOS token equal to the pad token)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,6 @@ def test_bradley_terry_loss_grads_and_scores_equal_transformers_at_tp2_pp2():
         assert r["grad_ref_max"] > 1e-4, r  # a real gradient, not zeros
         assert r["grad_diff"] < 1e-5, r
         assert r["score_diff"] < 1e-5, r  # every rank gets the scores
+        assert r["eos_score_diff"] < 1e-5, r  # pad == EOS: scored where transformers reads
+        assert r["at_eos_diff"] > 1e-3, r  # and that is not the EOS position
         assert r["bf16_dtypes"] == 1.0, r  # a bf16 model is bf16 throughout

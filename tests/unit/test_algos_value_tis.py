@@ -195,3 +195,23 @@ def test_tis_errors():
     rollout[~mask] = float("nan")
     w, m = compute_tis_weights(old, rollout, mask)
     assert bool(torch.isfinite(w).all()) and all(bool(torch.isfinite(v)) for v in m.values())
+
+
+def test_explained_variance_against_numpy():
+    import numpy as np
+
+    from megarl.algos import explained_variance
+
+    gen = torch.Generator().manual_seed(0)
+    returns = torch.randn(4, 6, generator=gen)
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    values = returns + 0.5 * torch.randn(4, 6, generator=gen)
+    valid = mask.bool().numpy()
+    r, v = returns.numpy()[valid], values.numpy()[valid]
+    expected = 1 - np.var(r - v, ddof=1) / np.var(r, ddof=1)
+    assert float(explained_variance(values, returns, mask)) == pytest.approx(expected, rel=1e-5)
+    assert float(explained_variance(returns, returns, mask)) == pytest.approx(1.0)
+    zeros = torch.zeros_like(returns)  # a fresh critic head: no better than a constant
+    assert float(explained_variance(zeros, returns, mask)) < 0.1

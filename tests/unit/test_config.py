@@ -14,7 +14,7 @@ def test_defaults_overrides_and_yaml(tmp_path):
     cfg = load_config(overrides=[*BASE, "actor.optim.lr=3e-6", "parallel.tp=2"])
     assert isinstance(cfg, RunConfig)
     assert cfg.actor.optim.lr == 3e-6 and cfg.parallel.tp == 2
-    assert cfg.algorithm.clip_ratio_c == 3.0 and cfg.rollout.n == 5
+    assert cfg.algorithm.clip_ratio_c is None and cfg.rollout.n == 5  # None: the loss's default
     yaml = tmp_path / "run.yaml"
     yaml.write_text(
         "model:\n  path: /m\ndata:\n  train_files: [t.parquet]\n  train_batch_size: 8\nactor:\n  ppo_mini_batch_size: 4\n"

@@ -75,6 +75,9 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("checkpoints_tools/safetensors_writer.py", "nbytes"): (
         "a 0-d tensor only to learn a dtype's element size"
     ),
+    ("megarl/algos/settings.py", "try_on_tiny_batch"): (
+        "the pre-launch config check calls the chosen loss and estimator on a tiny host batch"
+    ),
     ("megarl/testing/assets.py", "randomize_"): (
         "fills CPU-built Hugging Face test models before they are saved to disk"
     ),
@@ -99,6 +102,10 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/trainer/model_ops.py": {
         "rollout_is_finite": "flag made on platform.collective_device()",
+    },
+    "megarl/trainer/dynamic_sampling.py": {
+        "_world_min": "made on platform.collective_device()",
+        "_dp_sums": "made on platform.collective_device()",
     },
     "megarl/models/export.py": {
         "gather_tp": "shards are empty_like the model parameter",

@@ -44,6 +44,7 @@ QWEN25_72B = {
 # config file -> (world size it is written for, model config or None for the CPU configs)
 INTENDED = {
     "quickstart_cpu.yaml": (1, None),
+    "dapo_quickstart_cpu.yaml": (1, None),
     "grpo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "grpo_qwen2_5_72b.yaml": (32, QWEN25_72B),
@@ -75,17 +76,18 @@ def test_recipe_settings(name):
     assert (cfg.model.dtype, cfg.model.recompute) == ("bfloat16", True)
     a = cfg.algorithm
     assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.2, 3.0)
-    assert (a.gamma, a.lam) == (0.99, 0.95)
     assert cfg.reward.custom_fn is None  # the GSM8K rule scorer, by data_source
     assert (cfg.data.train_batch_size, cfg.data.max_prompt_length) == (1024, 512)
     assert cfg.rollout.max_response_length == 1024
     if a.adv_estimator == "grpo":
         assert cfg.rollout.n == 5
         assert (a.use_kl_loss, a.kl_loss_coef, a.use_kl_in_reward) == (True, 0.001, False)
+        assert (a.gamma, a.lam) == (None, None)  # grpo takes neither: giving them is an error
     else:
         assert a.adv_estimator == "gae" and cfg.model.critic_path is None
         assert (a.use_kl_loss, a.use_kl_in_reward, a.kl_ctrl) == (False, True, "adaptive")
         assert (a.target_kl, a.kl_coef) == (0.02, 0.001)
+        assert (a.gamma, a.lam) == (0.99, 0.95)
 
 
 def _check_planned_memory(text: str, cfg) -> None:

@@ -62,6 +62,10 @@ def test_pairs_share_micro_batches_sorted_by_length():
 def test_last_token_scores_and_combination():
     out = torch.arange(24.0).reshape(2, 4, 3)[..., :1]  # [b=2, s=4, 1]
     assert last_token_scores(out, torch.tensor([2, 4])).tolist() == [3.0, 21.0]
+    # pad == EOS (0): a row ending with EOS is read at the token before it, padding is skipped
+    ids = torch.tensor([[5, 6, 0, 0], [5, 6, 7, 0]])
+    lens = torch.tensor([3, 4])  # row 0: [5, 6, EOS] + pad; row 1: [5, 6, 7, EOS]
+    assert last_token_scores(out, lens, ids, pad_id=0).tolist() == [3.0, 18.0]
     rule, model = torch.tensor([1.0, 0.0]), torch.tensor([0.5, -0.5])
     assert combine_scores(rule, model, 0.5, 2.0).tolist() == [1.5, -1.0]
     assert combine_scores(rule, None, 1.0, 2.0).tolist() == [1.0, 0.0]

@@ -1,0 +1,197 @@
+"""A step's training batch: one rollout, or DAPO's dynamic sampling (``algorithm.filter_groups``).
+
+Dynamic sampling (Yu et al. 2025) drops the prompt groups whose samples all got the same reward:
+under a group estimator their advantages are all 0, so they only dilute the batch. Further batches
+of prompts are drawn, at most ``algorithm.filter_groups_max_batches`` per step, until every
+data-parallel rank holds its share of ``data.train_batch_size`` prompt groups; the surplus is cut
+(whole groups, in draw order). When the limit is reached first, the step trains on the groups
+every rank has (the smallest count over ranks, so ranks take the same number of optimizer steps);
+when some rank kept none, the step trains on the last draw as it is (under a group estimator its
+advantages are 0: only the KL and entropy terms act; logged as ``dynamic_sampling/unfiltered``).
+``dynamic_sampling/*`` metrics log what was drawn, kept and trained (group counts summed over
+data-parallel ranks). Every draw reshards the (unchanged) weights into the rollout engine again
+through ``to_rollout``: simple, and on CPU cheap; on GPUs it costs one reshard per extra draw.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megarl import parallel, platform
+from megarl.hybrid_engine.engine import LOGPROB_MISMATCH_REDUCTIONS, RolloutBatch
+from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+from megarl.metrics import Reduce, StepMetrics, declare, mean
+from megarl.trainer.assembly import PolicyRun
+from megarl.trainer.batch import Samples
+from megarl.trainer.experience import score_rollout
+
+
+def varied_groups(group_ids: Sequence[Hashable], scores: torch.Tensor) -> list[Hashable]:
+    """The groups, in order of first appearance, whose scores are not all equal."""
+    seen: dict[Hashable, tuple[float, bool]] = {}
+    for g, s in zip(group_ids, scores.tolist(), strict=True):
+        first, varied = seen.get(g, (s, False))
+        seen[g] = (first, varied or s != first)
+    return [g for g, (_, varied) in seen.items() if varied]
+
+
+def rows_of(group_ids: Sequence[Hashable], groups: Sequence[Hashable]) -> list[int]:
+    wanted = set(groups)
+    return [i for i, g in enumerate(group_ids) if g in wanted]
+
+
+def concat_samples(pieces: Sequence[Samples], pad_id: int) -> Samples:
+    """Rows of several Samples in one, padded to the longest sequence and response."""
+    width = max(int(p.input_ids.shape[1]) for p in pieces)
+    resp = max(int(p.response_mask.shape[1]) for p in pieces)
+
+    def pad(t: torch.Tensor, to: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, to - t.shape[1]), value=value)
+
+    keys = set(pieces[0].tensors)
+    return Samples(
+        input_ids=torch.cat([pad(p.input_ids, width, pad_id) for p in pieces]),
+        prompt_lens=torch.cat([p.prompt_lens for p in pieces]),
+        response_lens=torch.cat([p.response_lens for p in pieces]),
+        group_ids=[g for p in pieces for g in p.group_ids],
+        response_mask=torch.cat([pad(p.response_mask, resp, 0.0) for p in pieces]),
+        tensors={k: torch.cat([pad(p.tensors[k], resp, 0.0) for p in pieces]) for k in keys},
+    )
+
+
+@dataclass
+class GroupPool:
+    """The kept groups of one rank's draws so far, and the counts dynamic sampling logs."""
+
+    target_groups: int
+    pieces: list[Samples] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    draws: int = 0
+    groups_drawn: int = 0
+    groups_kept: int = 0
+    drawn_score_sum: float = 0.0
+    drawn_samples: int = 0
+
+    def add(self, samples: Samples, scores: torch.Tensor, finish_reasons: Sequence[str]) -> None:
+        """One draw: keep its groups whose scores vary. Group ids become ``(draw, id)`` so a
+        prompt drawn twice (a new epoch) forms two groups."""
+        draw = self.draws
+        self.draws += 1
+        self.groups_drawn += len(dict.fromkeys(samples.group_ids))
+        self.drawn_score_sum += float(scores.sum())
+        self.drawn_samples += int(scores.numel())
+        keep = varied_groups(samples.group_ids, scores)
+        self.groups_kept += len(keep)
+        if not keep:
+            return
+        rows = rows_of(samples.group_ids, keep)
+        piece = samples.select(rows)
+        piece.group_ids = [(draw, g) for g in piece.group_ids]
+        self.pieces.append(piece)
+        self.scores.append(scores[rows])
+        self.finish_reasons += [finish_reasons[r] for r in rows]
+
+    def take(self, groups: int, pad_id: int) -> tuple[Samples, torch.Tensor, list[str]]:
+        """The first ``groups`` kept groups (all rows of each), in draw order."""
+        merged = concat_samples(self.pieces, pad_id)
+        order = list(dict.fromkeys(merged.group_ids))[:groups]
+        rows = rows_of(merged.group_ids, order)
+        scores = torch.cat(self.scores)[rows]
+        return merged.select(rows), scores, [self.finish_reasons[r] for r in rows]
+
+    def metrics(self, trained_groups: int) -> dict[str, float]:
+        return {
+            "dynamic_sampling/batches": float(self.draws),
+            "dynamic_sampling/groups_drawn": float(self.groups_drawn),
+            "dynamic_sampling/groups_kept": float(self.groups_kept),
+            "dynamic_sampling/groups_trained": float(trained_groups),
+            "dynamic_sampling/reward_mean_drawn": self.drawn_score_sum / max(self.drawn_samples, 1),
+        }
+
+
+def _world_min(value: int) -> int:
+    t = torch.tensor([float(value)], device=platform.collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _dp_sums(metrics: dict[str, float], keys: Sequence[str]) -> None:
+    """Counts summed over data-parallel ranks (every rank of a DP rank holds the same)."""
+    t = torch.tensor(
+        [metrics[k] for k in keys], dtype=torch.float64, device=platform.collective_device()
+    )
+    dist.all_reduce(t, group=parallel.dp_group())
+    metrics.update({k: float(v) for k, v in zip(keys, t.tolist(), strict=True)})
+
+
+def _add_time(m: StepMetrics, key: str, seconds: float) -> None:
+    m[key] = mean((m[key].value if key in m else 0.0) + seconds)
+
+
+def _draw(
+    run: PolicyRun, m: StepMetrics
+) -> tuple[Samples, torch.Tensor, dict[str, float], RolloutBatch]:
+    """One batch of prompts rolled out and scored; its rollout and reward seconds go into ``m``."""
+    items = run.data.batches.next()
+    engine = run.rollout.engine
+    t0 = time.perf_counter()
+    m.update(declare(engine.to_rollout()))
+    batch = engine.generate([it.input_ids for it in items], run.rollout.sampling)
+    m.update(declare(engine.to_train()))
+    t1 = time.perf_counter()
+    s = run.startup
+    samples, scores, reward_metrics, _ = score_rollout(
+        run.rewards, s.tokenizer, s.pad_id, items, batch, run.batching
+    )
+    _add_time(m, "timing/rollout_s", t1 - t0)
+    _add_time(m, "timing/reward_s", time.perf_counter() - t1)
+    return samples, scores, reward_metrics, batch
+
+
+def collect_step_batch(
+    run: PolicyRun, m: StepMetrics
+) -> tuple[Samples, torch.Tensor, dict[str, float], RolloutBatch]:
+    """This rank's samples of the step with their scores and reward metrics, and the rollout
+    (for its metrics). Timings and dynamic-sampling counts go into ``m``."""
+    a = run.cfg.algorithm
+    if not a.filter_groups:
+        return _draw(run, m)
+    pool = GroupPool(target_groups=run.cfg.data.train_batch_size // run.startup.layout.dp)
+    sums: dict[str, float] = {}  # reward and rollout metrics, averaged over the draws
+    peaks: dict[str, float] = {}
+    while True:
+        samples, scores, reward_metrics, batch = _draw(run, m)
+        pool.add(samples, scores, batch.output.finish_reasons)
+        for k, v in {**reward_metrics, **batch.metrics}.items():
+            if LOGPROB_MISMATCH_REDUCTIONS.get(k) is Reduce.MAX:
+                peaks[k] = max(peaks.get(k, float(v)), float(v))
+            else:
+                sums[k] = sums.get(k, 0.0) + float(v)
+        have = _world_min(pool.groups_kept)
+        if have >= pool.target_groups or pool.draws >= a.filter_groups_max_batches:
+            break
+    groups = min(have, pool.target_groups)
+    stats = pool.metrics(groups)
+    if groups > 0:
+        samples, scores, reasons = pool.take(groups, run.startup.pad_id)
+    else:  # some rank kept nothing: the last draw as it is (zero advantages under grpo)
+        reasons = list(batch.output.finish_reasons)
+        stats["dynamic_sampling/groups_trained"] = float(len(dict.fromkeys(samples.group_ids)))
+    stats["dynamic_sampling/unfiltered"] = float(groups == 0)
+    _dp_sums(stats, [k for k in stats if k.startswith("dynamic_sampling/groups")])
+    stats["dynamic_sampling/filled"] = float(groups >= pool.target_groups)
+    m.update(declare(stats))
+    averaged = {k: v / pool.draws for k, v in sums.items()} | peaks
+    merged = RolloutBatch(
+        prompts=[],
+        output=RolloutOutput(finish_reasons=reasons),
+        metrics={k: v for k, v in averaged.items() if k in batch.metrics},
+    )
+    reward_metrics = {k: v for k, v in averaged.items() if k not in batch.metrics}
+    return samples, scores, reward_metrics, merged

@@ -35,7 +35,9 @@ def merge_rank_states(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for part in parts:
             by_rank.setdefault(int(part["dp_rank"]), part)
     if len(sizes) != 1:
-        raise DataError(f"data states of different data-parallel sizes {sorted(sizes)} cannot merge")
+        raise DataError(
+            f"data states of different data-parallel sizes {sorted(sizes)} cannot merge"
+        )
     size = sizes.pop()
     missing = [r for r in range(size) if r not in by_rank]
     if missing:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.config import RunConfig
-from megarl.trainer import checkpointing
+from megarl.trainer import checkpointing, watchdog
 from megarl.trainer.experience import compute_experience, score_rollout
+from megarl.trainer.guards import RunGuards
 from megarl.trainer.losses import make_actor_loss, make_critic_loss
 from megarl.trainer.model_ops import MicroBatching, ppo_update, rollout_is_finite
 from megarl.trainer.profiling import StepProfiler
@@ -20,7 +21,8 @@ from megarl.trainer.run_state import RunState, reduce_metrics, setup_run, valida
 @contextmanager
 def timed(metrics: dict[str, float], phase: str):
     t0 = time.perf_counter()
-    yield
+    with watchdog.phase(phase):
+        yield
     metrics[f"timing/{phase}_s"] = time.perf_counter() - t0
 
 
@@ -64,7 +66,9 @@ def update_models(run: RunState, samples, u: Updates, m: dict[str, float]) -> di
 def train(cfg: RunConfig) -> dict[str, float]:
     """Run ``cfg`` to ``trainer.total_steps`` (resuming from the latest checkpoint when asked)."""
     profiler = StepProfiler.from_config(cfg.trainer)  # bad profile_steps fail before setup
+    guards = RunGuards()  # preemption signals, hang watchdog
     run: RunState = setup_run(cfg)
+    guards.start(cfg.trainer.hang_timeout_s)
     batching = MicroBatching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch)
     skip_nan = cfg.trainer.nan_policy == "skip"
     updates = Updates(
@@ -77,6 +81,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     last: dict[str, float] = {}
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
     for step in profiler.iterate(range(run.start_step, cfg.trainer.total_steps)):
+        guards.begin_step(step)
         m: dict[str, float] = {}
         t_step = time.perf_counter()
         items = run.next_prompts()
@@ -102,15 +107,22 @@ def train(cfg: RunConfig) -> dict[str, float]:
         run.history.append(last)
         if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
             run.tracker.log_metrics(validate(run, step + 1), step + 1)
+        stop = guards.should_stop(step)
         final = step + 1 == cfg.trainer.total_steps
-        if (cfg.trainer.save_freq and (step + 1) % cfg.trainer.save_freq == 0) or final:
-            checkpointing.save(
+        if (cfg.trainer.save_freq and (step + 1) % cfg.trainer.save_freq == 0) or final or stop:
+            saved = checkpointing.save(
                 Path(cfg.trainer.output_dir) / "checkpoints",
                 step + 1,
                 run.roles,
                 cfg.model.path,
                 run.trainer_state(step + 1),
+                keep_last=cfg.trainer.keep_last,
+                keep_every=cfg.trainer.keep_every,
             )
+        if stop:
+            guards.report_stop(step + 1, str(saved))
+            break
+    guards.close()
     run.finish()
     return last
 

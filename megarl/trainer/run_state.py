@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -198,8 +197,9 @@ def setup_run(cfg: RunConfig) -> RunState:
     from megarl.launch import init_distributed
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.rewards.manager import RewardManager
+    from megarl.trainer.watchdog import collective_timeout_s
 
-    _, world = init_distributed()
+    _, world = init_distributed(collective_timeout_s(cfg.trainer.hang_timeout_s))
     p = cfg.parallel
     layout = ParallelLayout.for_world(
         world,
@@ -210,6 +210,7 @@ def setup_run(cfg: RunConfig) -> RunState:
     )
     validate_config(cfg, world)
     check_inputs(cfg, layout)
+    resume_from = checkpointing.resume_point(cfg)  # checked before any model is built
     initialize_model_parallel(layout, seed=cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -302,8 +303,7 @@ def setup_run(cfg: RunConfig) -> RunState:
         reward_model=reward_model,
     )  # type: ignore[arg-type]
     mlflow_run = None
-    ckpt_root = Path(cfg.trainer.output_dir) / "checkpoints"
-    path = checkpointing.latest(ckpt_root) if cfg.trainer.resume == "auto" else None
+    path = resume_from
     if path is not None:
         state = checkpointing.load(path, roles)
         run.start_step = state["step"]

@@ -1,7 +1,8 @@
 """Test-only fault injection, driven by the ``MEGARL_FAULT`` environment variable.
 
 Never set it in a real run. The fault tests use it to fail at an exact point instead of relying
-on timing: ``MEGARL_FAULT="ACTION@POINT[:rank=R][:step=S]"``, several separated by ``,``.
+on timing: ``MEGARL_FAULT="ACTION@POINT[:rank=R][:step=S]"``, several separated by ``,``; steps
+count from 1, as logged.
 
 Points: ``step`` (start of a step), ``sync`` (before the step-boundary agreement, a collective),
 ``save`` (a checkpoint save, after the models are written, before the trainer state).

@@ -22,12 +22,12 @@ class RunGuards:
 
     def begin_step(self, step: int) -> None:
         watchdog.beat("step", step)
-        faults.inject("step", step)
+        faults.inject("step", step + 1)  # fault specs count steps from 1, as logged
 
     def should_stop(self, step: int) -> bool:
         """Whether any rank was asked to stop; collective, at the end of every step."""
         with watchdog.phase("sync", step):
-            faults.inject("sync", step)
+            faults.inject("sync", step + 1)
             return self.preemption.requested()
 
     def report_stop(self, step: int, checkpoint: str) -> None:

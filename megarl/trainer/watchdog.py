@@ -23,7 +23,7 @@ HANG_EXIT_CODE = 3
 def collective_timeout_s(hang_timeout_s: float) -> float:
     """torch.distributed's collective timeout: a little longer than the watchdog's, so that the
     watchdog reports first (with stacks) and the collective timeout is the backstop."""
-    return hang_timeout_s + max(30.0, 0.1 * hang_timeout_s)
+    return hang_timeout_s + max(60.0, 0.25 * hang_timeout_s)
 
 
 class Watchdog:
@@ -41,9 +41,12 @@ class Watchdog:
         if step is not None:
             self.step = step
 
+    @property
+    def _interval(self) -> float:
+        return min(5.0, self.timeout_s / 10)
+
     def _watch(self) -> None:
-        interval = min(5.0, self.timeout_s / 10)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self._interval):
             idle = time.monotonic() - self.since
             if idle > self.timeout_s:
                 self._report(idle)
@@ -64,6 +67,9 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
+        # The other ranks' watchdogs fire within about one check interval: give them time to
+        # report before this exit makes the launcher end them.
+        time.sleep(2 * self._interval + 1.0)
         os._exit(HANG_EXIT_CODE)  # the main thread is stuck: only a hard exit ends the process
 
     def start(self) -> Watchdog:

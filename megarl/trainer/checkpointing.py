@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.checkpoint import load_checkpoint, save_checkpoint
 from megarl.checkpoint.store import step_name, write_latest
 from megarl.config import RunConfig
@@ -137,7 +138,7 @@ def _restore_adam_steps(trainable, steps: list[float | None]) -> None:
 def _agree_on_failure(error: BaseException | None) -> str | None:
     """Every rank learns whether any rank failed (one all-reduce), so none waits for the others;
     on a failure, the first failing rank's message."""
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    flag = torch.tensor([0.0 if error is None else 1.0], device=platform.device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0.0:
         return None

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.algos import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megarl.errors import MegarlError
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
@@ -131,7 +132,7 @@ def _data_parallel_mean(value: float) -> float:
     size = dist.get_world_size(group)
     if size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=platform.device())
     dist.all_reduce(t, group=group)
     return float(t.item()) / size
 

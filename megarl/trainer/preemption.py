@@ -20,6 +20,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from megarl import platform
+
 LAUNCHER_ENV = "MEGARL_LAUNCHER_PID"
 
 
@@ -54,7 +56,7 @@ class Preemption:
 
     def requested(self) -> bool:
         """Whether any rank got a signal; collective (call at the same point on every rank)."""
-        flag = torch.tensor([0.0 if self.received is None else 1.0])
+        flag = torch.tensor([0.0 if self.received is None else 1.0], device=platform.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() > 0
 

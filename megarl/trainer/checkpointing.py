@@ -135,6 +135,29 @@ def _restore_adam_steps(trainable, steps: list[float | None]) -> None:
                 state["step"] = torch.tensor(step, dtype=state["step"].dtype)
 
 
+@torch.no_grad()  # it copies into views of the (leaf) parameters
+def _load_optimizer(trainable, loaded: dict) -> None:
+    """Load a ``fully_reshardable`` optimizer state into this rank's distributed optimizer.
+
+    megatron 0.16 copies every per-parameter state key of torch Adam back from the checkpoint,
+    "step" included, which that format does not store (KeyError 'step'): load the common part,
+    then the parameter states with "step" set aside, then put it back (the count itself is
+    restored from the trainer state by :func:`_restore_adam_steps`).
+    """
+    opts = getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])
+    parts = [loaded] if len(opts) == 1 else [v for _, v in sorted(loaded.items())]
+    for opt, part in zip(opts, parts, strict=True):
+        part = dict(part)
+        param_state = part.pop("param_state")
+        part.pop("param_state_sharding_type", None)
+        opt.load_state_dict(part)
+        inner = opt.optimizer.state
+        steps = {p: s.pop("step") for p, s in inner.items() if "step" in s}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            inner[p]["step"] = step
+
+
 def _agree_on_failure(error: BaseException | None) -> str | None:
     """Every rank learns whether any rank failed (one all-reduce), so none waits for the others;
     on a failure, the first failing rank's message."""
@@ -310,8 +333,7 @@ def load(path: Path, roles) -> dict[str, Any]:
             role=name,
             extra={"optimizer": _optimizer_state(trainable, is_loading=True)},
         )
-        with torch.no_grad():  # it copies into views of the (leaf) parameters
-            trainable.optimizer.load_state_dict(loaded["optimizer"])
+        _load_optimizer(trainable, loaded["optimizer"])
     for name, trainable in roles.trainables().items():
         trainable.scheduler.load_state_dict(state["schedulers"][name])
         _restore_adam_steps(trainable, state["adam_steps"][name])

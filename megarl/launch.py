@@ -81,8 +81,14 @@ def run_torchrun(
     # only through _forwarding_signals: otherwise torchrun would end the ranks on SIGTERM itself
     # (after 30 s) and exit non-zero, where megarl wants them to finish the step and exit 0.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    with _forwarding_signals(proc):
-        return proc.wait()
+    try:
+        with _forwarding_signals(proc):
+            return proc.wait()
+    finally:
+        # Helpers a rank started (e.g. megatron's checkpoint-writer Manager) outlive a rank that
+        # was killed or hung; they are in torchrun's process group: end them with the job.
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:

@@ -80,6 +80,7 @@ def run_torchrun(
     # torchrun runs in its own session so that a terminal's or a scheduler's signal reaches it
     # only through _forwarding_signals: otherwise torchrun would end the ranks on SIGTERM itself
     # (after 30 s) and exit non-zero, where megarl wants them to finish the step and exit 0.
+    segments_before = _vllm_shm_segments()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         with _forwarding_signals(proc):
@@ -89,6 +90,25 @@ def run_torchrun(
         # was killed or hung; they are in torchrun's process group: end them with the job.
         with suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode != 0:
+            _remove_leftover_segments(_vllm_shm_segments() - segments_before)
+
+
+_SHM = Path("/dev/shm")
+
+
+def _vllm_shm_segments() -> set[str]:
+    """vLLM's CPU shared-memory segments (``...-cpushm_N``) present now."""
+    return {p.name for p in _SHM.glob("*cpushm*")} if _SHM.is_dir() else set()
+
+
+def _remove_leftover_segments(names: set[str]) -> None:
+    """A killed or crashed job leaves the shared-memory segments its vLLM ranks created; vLLM
+    names them after the TP group (not the job), so the next run on this machine - the resume -
+    would fail to create them ("create shm in SHMManager failed. errno: 17")."""
+    for name in names:
+        with suppress(OSError):
+            (_SHM / name).unlink()
 
 
 def _children(pid: int) -> list[int]:

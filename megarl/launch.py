@@ -82,14 +82,21 @@ def run_torchrun(
     # (after 30 s) and exit non-zero, where megarl wants them to finish the step and exit 0.
     segments_before = _vllm_shm_segments()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    ranks: set[int] = set()
     try:
         with _forwarding_signals(proc):
-            return proc.wait()
+            while True:
+                try:
+                    return proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    ranks.update(_children(proc.pid))
     finally:
         # Helpers a rank started (e.g. megatron's checkpoint-writer Manager) outlive a rank that
-        # was killed or hung; they are in torchrun's process group: end them with the job.
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        # was killed or hung; torchrun starts each rank in its own session, and the helpers
+        # stay in the rank's process group: end those groups with the job.
+        for group in (proc.pid, *ranks):
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
         if proc.returncode != 0:
             _remove_leftover_segments(_vllm_shm_segments() - segments_before)
 

@@ -189,6 +189,11 @@ class TrainerConfig:
     run_name: str | None = None
     wandb_mode: str | None = None  # online | offline | disabled; None: WANDB_MODE, else online
     profile_steps: list[int] = field(default_factory=list)
+    keep_last: int = 2  # newest checkpoints kept; older ones are removed once a newer is complete
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
+    # A step phase (rollout, reward, update, save ...) without progress for this long: every rank
+    # prints its stacks and the job stops; torch.distributed collective timeouts derive from it.
+    hang_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -297,6 +302,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"trainer.profile_steps={list(cfg.trainer.profile_steps)}: steps are numbered from 1, "
             "as logged; remove or fix these"
         )
+    _validate_reliability(cfg)
     if cfg.trainer.kind == "reward_model":
         _validate_reward_model(cfg, world_size)
         return
@@ -470,6 +476,24 @@ def _validate_sampling(cfg: RunConfig) -> None:
     if buf.penalty_factor < 0:
         raise ConfigError(
             f"reward.overlong_buffer.penalty_factor must be >= 0, got {buf.penalty_factor}"
+        )
+
+
+def _validate_reliability(cfg: RunConfig) -> None:
+    t = cfg.trainer
+    if t.keep_last < 1:
+        raise ConfigError(
+            f"trainer.keep_last={t.keep_last}: at least the newest checkpoint must be kept; "
+            "set trainer.keep_last >= 1"
+        )
+    if t.keep_every < 0:
+        raise ConfigError(
+            f"trainer.keep_every={t.keep_every} must be >= 0 (0 keeps no extra checkpoints)"
+        )
+    if not t.hang_timeout_s > 0:
+        raise ConfigError(
+            f"trainer.hang_timeout_s={t.hang_timeout_s} must be > 0 seconds; set it above the "
+            "longest step phase (rollout, update, checkpoint save) of the run, e.g. 1800"
         )
 
 

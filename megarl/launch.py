@@ -4,9 +4,13 @@ launched (torchrun or Slurm ``srun`` set RANK/WORLD_SIZE)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,16 +82,103 @@ def run_torchrun(
         module,
         *args,
     ]
-    return subprocess.call(cmd, env=env)
+    # The ranks learn that the launcher forwards preemption signals (megarl.run.preemption).
+    env["MEGARL_LAUNCHER_PID"] = str(os.getpid())
+    # torchrun runs in its own session so that a terminal's or a scheduler's signal reaches it
+    # only through _forwarding_signals: otherwise torchrun would end the ranks on SIGTERM itself
+    # (after 30 s) and exit non-zero, where megarl wants them to finish the step and exit 0.
+    segments_before = _vllm_shm_segments()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    ranks: set[int] = set()
+    try:
+        with _forwarding_signals(proc):
+            while True:
+                try:
+                    return proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    ranks.update(_children(proc.pid))
+    finally:
+        # Helpers a rank started (e.g. megatron's checkpoint-writer Manager) outlive a rank that
+        # was killed or hung; torchrun starts each rank in its own session, and the helpers
+        # stay in the rank's process group: end those groups with the job.
+        for group in (proc.pid, *ranks):
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+        if proc.returncode != 0:
+            _remove_leftover_segments(_vllm_shm_segments() - segments_before)
 
 
-def init_distributed() -> tuple[int, int]:
-    """Initialise the default process group from the launcher's environment; returns (rank, world)."""
+_SHM = Path("/dev/shm")
+
+
+def _vllm_shm_segments() -> set[str]:
+    """vLLM's CPU shared-memory segments (``...-cpushm_N``) present now."""
+    return {p.name for p in _SHM.glob("*cpushm*")} if _SHM.is_dir() else set()
+
+
+def _remove_leftover_segments(names: set[str]) -> None:
+    """A killed or crashed job leaves the shared-memory segments its vLLM ranks created; vLLM
+    names them after the TP group (not the job), so the next run on this machine - the resume -
+    would fail to create them ("create shm in SHMManager failed. errno: 17")."""
+    for name in names:
+        with suppress(OSError):
+            (_SHM / name).unlink()
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@contextmanager
+def _forwarding_signals(proc: subprocess.Popen) -> Iterator[None]:
+    """SIGTERM/SIGUSR1 to the launcher -> SIGUSR1 to every rank (finish the step, checkpoint,
+    exit 0; a second one stops them at once); SIGINT -> torchrun's process group."""
+
+    def preempt(signum, frame) -> None:
+        ranks = _children(proc.pid)
+        print(
+            f"megarl: {signal.Signals(signum).name} received: asking the {len(ranks)} ranks to "
+            "finish the current step and save a checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in ranks:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+
+    def interrupt(signum, frame) -> None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    handlers = {signal.SIGTERM: preempt, signal.SIGUSR1: preempt, signal.SIGINT: interrupt}
+    old = {s: signal.signal(s, h) for s, h in handlers.items()}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Initialise the default process group from the launcher's environment; returns (rank, world).
+
+    ``timeout_s``: how long a collective may wait for the other ranks (None: torch's default).
+    """
     _adopt_slurm_env()
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(platform.distributed_backend())
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        dist.init_process_group(platform.distributed_backend(), timeout=timeout)
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and not torch.cuda.is_available():
         torch.set_num_threads(int(threads))

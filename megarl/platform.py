@@ -67,6 +67,11 @@ TENSOR_METHOD_FUNCTIONS: tuple[tuple[str, str], ...] = (
         "megatron.core.optimizer.distrib_optimizer",
         "DistributedOptimizer._build_model_and_main_param_groups",
     ),
+    # layout-independent optimizer checkpoints (``fully_reshardable``) gather through it
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer.get_parameter_state_dp_zero",
+    ),
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
     (
         "megatron.core.models.common.language_module.language_module",

@@ -8,6 +8,7 @@ chunks, so memory holds one window of Arrow data plus one chunk of Python rows.
 from __future__ import annotations
 
 import bisect
+import copy
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -73,6 +74,14 @@ class ShardReader:
         """'path: row N' of a uid, for error messages."""
         i = bisect.bisect_right(self._file_base, uid) - 1
         return f"{self.files[i].path}: row {uid - self._file_base[i]}"
+
+    def for_rank(self, dp_rank: int, dp_size: int) -> ShardReader:
+        """The same files and settings, read as rank ``dp_rank`` of ``dp_size``."""
+        share_bounds(self.total_rows, dp_rank, dp_size)  # validates the rank
+        other = copy.copy(self)
+        other.dp_rank, other.dp_size = dp_rank, dp_size
+        other._open, other._plans = OrderedDict(), {}
+        return other
 
     def set_seed(self, seed: int) -> None:
         self.seed = seed

@@ -29,7 +29,7 @@ from megarl.reward_model.pairs import PairMicroBatch, pair_micro_batches
 from megarl.rewards.model import last_token_scores
 from megarl.run.epochs import EpochBatches
 from megarl.run.finite import NonFiniteError, all_finite
-from megarl.run.resume import resume, save, save_due
+from megarl.run.resume import resume, resume_point, save, save_due
 from megarl.run.startup import Startup, start
 from megarl.run.steps import log_step, summary
 from megarl.run.tracking import Tracker
@@ -167,6 +167,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     """Run a reward-model config to ``trainer.total_steps`` (resuming when asked)."""
     startup = start(cfg, with_rollout=False)
     layout, pad_id = startup.layout, startup.pad_id
+    resume_from = resume_point(cfg, {"reward": cfg.model.path})  # before any model is built
     train_data = _dataset(
         cfg,
         cfg.data.train_files,
@@ -184,7 +185,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         optim_settings(cfg.reward_model.optim, cfg.trainer.total_steps),
     )
     roles = RewardModelRoles(reward, dims)
-    resumed = resume(cfg, roles, startup.rank)
+    resumed = resume(resume_from, roles, startup.rank)
     if resumed.state:
         train_data.load_state_dict(resumed.state["data"])
     first, history = resumed.step, list(resumed.history)

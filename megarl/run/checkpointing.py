@@ -1,10 +1,17 @@
 """Training checkpoints: models + optimizers (megatron dist checkpoints), schedulers, KL
-controller, data position and RNG states, written atomically.
+controller, data position and RNG streams, written atomically and loadable at any layout.
 
 Layout: ``OUT/checkpoints/step_NNNNNNNN/{actor,critic,reward}/`` (megarl checkpoints, which
-checkpoints_tools exports) and ``trainer/rank_R.pt``; ``OUT/checkpoints/latest`` names the newest
-complete one. Everything is first written under ``step_NNNNNNNN.partial`` and renamed at the end,
-so a crash mid-save leaves the previous checkpoint as the latest.
+checkpoints_tools exports) and ``trainer/trainer_state.pt`` (plain data, written by rank 0, see
+:mod:`megarl.run.trainer_state`); ``OUT/checkpoints/latest`` names the newest complete one.
+Everything is first written under the hidden ``.step_NNNNNNNN.partial`` and renamed at the end,
+so a crash or a failed write mid-save leaves the previous checkpoint as the latest and nothing
+half-written under a visible name. Older checkpoints are then removed as ``trainer.keep_last`` /
+``keep_every`` say (:mod:`megarl.run.retention`).
+
+Models and optimizer states are megatron dist checkpoints in model space (the distributed
+optimizer.s ``fully_reshardable`` format): one global tensor per parameter and state,
+whatever the TP x PP x DP layout, so they load at any other.
 """
 
 from __future__ import annotations
@@ -16,9 +23,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl import platform
 from megarl.checkpoint import load_checkpoint, save_checkpoint
 from megarl.checkpoint.store import model_sharded_state_dict, step_name, write_latest
+from megarl.config import RunConfig
+from megarl.data.global_state import merge_rank_states
 from megarl.errors import CheckpointError
+from megarl.run import faults, retention, watchdog
+from megarl.run import trainer_state as state_file
+
+OPTIMIZER_FORMAT = "fully_reshardable"
+
+
+def _coords() -> tuple[int, int, int]:
+    from megarl.parallel import current_ranks
+
+    r = current_ranks()
+    return r["tp_rank"], r["pp_rank"], r["dp_rank"]
+
+
+def _sizes() -> list[int]:
+    from megarl.parallel import current_ranks
+
+    r = current_ranks()
+    return [r["tp_size"], r["pp_size"], r["dp_size"]]
+
+
+def _rng_key(tp: int, pp: int, dp: int) -> str:
+    return f"tp{tp}.pp{pp}.dp{dp}"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -30,13 +62,34 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _gathered_rng() -> dict[str, Any]:
+    """Every rank's RNG streams, keyed by its (tp, pp, dp) coordinates."""
+    mine = (_rng_key(*_coords()), _rng_state())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"layout": _sizes(), "ranks": dict(everyone)}
+
+
+def _restore_rng(saved: dict[str, Any]) -> None:
+    """This rank's own streams when the layout is the same; otherwise the streams that exist in
+    both layouts: the default generator of rank (0, 0, 0) and the tensor-parallel tracker stream
+    of the same TP rank (a TP rank the old layout lacked keeps its fresh seeding)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    tp, pp, dp = _coords()
+    ranks = saved["ranks"]
+    if list(saved["layout"]) == _sizes():
+        own = ranks[_rng_key(tp, pp, dp)]
+        tracker = own["tracker"]
+    else:
+        own = ranks[_rng_key(0, 0, 0)]
+        same_tp = ranks.get(_rng_key(tp, 0, 0))
+        tracker = same_tp["tracker"] if same_tp is not None else None
+    torch.set_rng_state(own["torch"])
+    if tracker is not None:
+        get_cuda_rng_tracker().set_states(tracker)
+    if "cuda" in own and torch.cuda.is_available():
+        torch.cuda.set_rng_state(own["cuda"])
 
 
 def _optimizer_state(trainable, is_loading: bool):
@@ -49,10 +102,8 @@ def _optimizer_state(trainable, is_loading: bool):
                 with torch.no_grad():
                     opt._init_optimizer_states_with_dummy_values()
     model_sd = model_sharded_state_dict(trainable.model)
-    # "dp_reshardable": each rank writes and reads its own optimizer shard, no gather; a resume
-    # uses the same TP/PP anyway (per-rank RNG and data state).
     return trainable.optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
     )
 
 
@@ -73,8 +124,8 @@ def _adam_steps(trainable) -> list[float | None]:
 
 
 def _restore_adam_steps(trainable, steps: list[float | None]) -> None:
-    """megatron 0.16's dp_reshardable load leaves torch Adam's per-parameter ``step`` wrong (it
-    keeps the placeholder's); bias correction depends on it, so set it from our own record."""
+    """megatron 0.16's load can leave torch Adam's per-parameter ``step`` at the placeholder's;
+    bias correction depends on it, so set it from our own record."""
     for inner, step in zip(_inner_optimizers(trainable), steps, strict=True):
         if step is None:
             continue
@@ -84,15 +135,78 @@ def _restore_adam_steps(trainable, steps: list[float | None]) -> None:
                 state["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)
 
 
-def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any]) -> Path:
-    """Save everything for ``step``; collective over all ranks."""
-    root.mkdir(parents=True, exist_ok=True)
+@torch.no_grad()  # it copies into views of the (leaf) parameters
+def _load_optimizer(trainable, loaded: dict) -> None:
+    """Load a ``fully_reshardable`` optimizer state into this rank's distributed optimizer.
+
+    megatron 0.16 copies every per-parameter state key of torch Adam back from the checkpoint,
+    "step" included, which that format does not store (KeyError 'step'): load the common part,
+    then the parameter states with "step" set aside, then put it back (the count itself is
+    restored from the trainer state by :func:`_restore_adam_steps`).
+    """
+    opts = getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])
+    parts = [loaded] if len(opts) == 1 else [v for _, v in sorted(loaded.items())]
+    for opt, part in zip(opts, parts, strict=True):
+        part = dict(part)
+        param_state = part.pop("param_state")
+        part.pop("param_state_sharding_type", None)
+        opt.load_state_dict(part)
+        inner = opt.optimizer.state
+        steps = {p: s.pop("step") for p, s in inner.items() if "step" in s}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            inner[p]["step"] = step
+
+
+def _agree_on_failure(error: BaseException | None) -> str | None:
+    """Every rank learns whether any rank failed (one all-reduce), so none waits for the others;
+    on a failure, the first failing rank's message."""
+    flag = torch.tensor([0.0 if error is None else 1.0], device=platform.collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0.0:
+        return None
+    messages: list = [None] * dist.get_world_size()
+    mine = f"{type(error).__name__}: {error}" if error is not None else None
+    dist.all_gather_object(messages, mine)
+    return next(m for m in messages if m is not None)
+
+
+def save(
+    root: Path,
+    step: int,
+    roles,
+    hf_dir: str,
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+    keep_every: int = 0,
+) -> Path:
+    """Save everything for ``step``; collective over all ranks.
+
+    ``state``: the loop's state (step, data position of this rank, ...), plain data.
+    With ``keep_last``, older checkpoints are removed afterwards (see :mod:`retention`).
+    """
+    with watchdog.phase("save", step):
+        return _save(root, step, roles, hf_dir, state, keep_last, keep_every)
+
+
+def _save(root, step, roles, hf_dir, state_in, keep_last, keep_every) -> Path:
     final = root / step_name(step)
-    stage = root / (final.name + ".partial")
+    stage = root / f".{final.name}.partial"
     rank = dist.get_rank()
-    if rank == 0 and stage.exists():
-        shutil.rmtree(stage)
-    dist.barrier()
+    error: BaseException | None = None
+    try:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            retention.remove_stale_partials(root)
+    except OSError as e:
+        error = e
+    failed = _agree_on_failure(error)
+    if failed is not None:
+        raise CheckpointError(
+            f"cannot create the checkpoint folder {root} ({failed}); fix its permissions or "
+            "choose another trainer.output_dir"
+        )
     trainables = roles.trainables()
     for name, trainable in trainables.items():
         save_checkpoint(
@@ -103,20 +217,51 @@ def save(root: Path, step: int, roles, hf_dir: str, trainer_state: dict[str, Any
             step=step,
             extra={"optimizer": _optimizer_state(trainable, is_loading=False)},
         )
-    (stage / "trainer").mkdir(parents=True, exist_ok=True)
-    state = dict(trainer_state)
-    state["rng"] = _rng_state()
-    state["schedulers"] = {n: t.scheduler.state_dict() for n, t in trainables.items()}
-    state["adam_steps"] = {n: _adam_steps(t) for n, t in trainables.items()}
-    torch.save(state, stage / "trainer" / f"rank_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        stage.rename(final)
-        write_latest(root, final.name)
+    try:
+        faults.inject("save", step)  # test-only: a failure or a kill in the middle of the save
+    except OSError as e:
+        error = e
+    _raise_if_failed(_agree_on_failure(error), root, stage, step)
+    data_reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(data_reports, state_in.get("data"))
+    rng = _gathered_rng()
+    try:
+        if rank == 0:
+            state = dict(state_in)
+            if state.get("data") is not None:
+                state["data"] = merge_rank_states(data_reports)
+            state["roles"] = sorted(trainables)
+            state["rng"] = rng
+            state["schedulers"] = {n: t.scheduler.state_dict() for n, t in trainables.items()}
+            state["adam_steps"] = {n: _adam_steps(t) for n, t in trainables.items()}
+            (stage / "trainer").mkdir(parents=True, exist_ok=True)
+            state_file.write(stage / "trainer", state)
+            replaced = root / f".{final.name}.replaced"
+            if final.exists():  # the same step saved again: `latest` never names a missing folder
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
+            stage.rename(final)
+            write_latest(root, final.name)
+            shutil.rmtree(replaced, ignore_errors=True)
+    except (OSError, TypeError) as e:
+        error = e
+    _raise_if_failed(_agree_on_failure(error), root, stage, step)
+    if rank == 0 and keep_last is not None:
+        retention.prune(root, keep_last=keep_last, keep_every=keep_every)
     dist.barrier()
     return final
+
+
+def _raise_if_failed(failed: str | None, root: Path, stage: Path, step: int) -> None:
+    if failed is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(stage, ignore_errors=True)
+    raise CheckpointError(
+        f"saving the checkpoint of step {step} into {root} failed ({failed}); nothing of it was "
+        f"kept and `latest` still names the previous checkpoint. Free space or fix the "
+        f"permissions of {root}, then run again to resume"
+    )
 
 
 def latest(root: Path) -> Path | None:
@@ -131,8 +276,49 @@ def latest(root: Path) -> Path | None:
     return path
 
 
+def check_resume(path: Path, roles: list[str], model_paths: dict[str, str]) -> dict[str, Any]:
+    """Cheap checks before any model is built: the trainer state is plain data, the checkpoint
+    trains the same roles (e.g. a critic, or none) and holds the same model. Returns the state."""
+    from megarl.checkpoint.store import checkpoint_dims
+    from megarl.models.dims import ModelDims
+
+    state = state_file.read(path)
+    saved = sorted(state.get("roles", []))
+    if saved != sorted(roles):
+        raise CheckpointError(
+            f"checkpoint {path} trains {saved}, this run trains {sorted(roles)}: it was saved by "
+            "a run with another algorithm (e.g. a critic for GAE, none for GRPO); resume with "
+            "the settings it was saved with, or use another trainer.output_dir"
+        )
+    for role, model_path in model_paths.items():
+        want, have = ModelDims.from_pretrained(model_path), checkpoint_dims(path / role)
+        if have.shape != want.shape or have.hidden_size != want.hidden_size:
+            raise CheckpointError(
+                f"checkpoint {path} holds another {role} model ({have.architecture}, hidden "
+                f"{have.hidden_size}, {have.shape}) than {model_path} ({want.architecture}, hidden "
+                f"{want.hidden_size}, {want.shape}); resume with the model it was saved with, or "
+                "use another trainer.output_dir"
+            )
+    return state
+
+
+def resume_point(cfg: RunConfig, model_paths: dict[str, str]) -> Path | None:
+    """The checkpoint a run resumes from (``trainer.resume=auto``: the latest), after the cheap
+    checks of :func:`check_resume` against the roles the run trains (role -> its HF folder);
+    None to start afresh."""
+    if cfg.trainer.resume != "auto":
+        return None
+    path = latest(Path(cfg.trainer.output_dir) / "checkpoints")
+    if path is None:
+        return None
+    check_resume(path, sorted(model_paths), model_paths)
+    return path
+
+
 def load(path: Path, roles) -> dict[str, Any]:
-    """Restore models, optimizers, schedulers and RNG; returns this rank's trainer state."""
+    """Restore models, optimizers, schedulers and RNG at this run's layout (any layout); returns
+    the trainer state, with ``data`` the global data position (datasets pick their part)."""
+    state = state_file.read(path)
     for name, trainable in roles.trainables().items():
         if not (path / name).is_dir():
             raise CheckpointError(
@@ -145,17 +331,9 @@ def load(path: Path, roles) -> dict[str, Any]:
             role=name,
             extra={"optimizer": _optimizer_state(trainable, is_loading=True)},
         )
-        with torch.no_grad():  # it copies into views of the (leaf) parameters
-            trainable.optimizer.load_state_dict(loaded["optimizer"])
-    file = path / "trainer" / f"rank_{dist.get_rank()}.pt"
-    if not file.is_file():
-        raise CheckpointError(
-            f"{file} is missing: the checkpoint was saved with a different number of processes; "
-            "resume with the same world size"
-        )
-    state = torch.load(file, weights_only=False)
+        _load_optimizer(trainable, loaded["optimizer"])
     for name, trainable in roles.trainables().items():
         trainable.scheduler.load_state_dict(state["schedulers"][name])
         _restore_adam_steps(trainable, state["adam_steps"][name])
-    _set_rng_state(state["rng"])
+    _restore_rng(state["rng"])
     return state

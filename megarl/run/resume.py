@@ -1,8 +1,10 @@
 """Where a run continues from: its latest checkpoint (``trainer.resume: auto``) or the start.
 
-The trainer state saved beside the models is a dict per rank; both trainers store ``step``,
-``data`` (the data position), ``mlflow_run_id`` and ``history`` (the logged metrics of every step
-so far), the policy trainer also its KL controller and rollout count.
+The trainer state saved beside the models is plain data written once (rank 0, see
+:mod:`megarl.run.trainer_state`); both trainers store ``step``, ``data`` (the global data
+position), ``mlflow_run_id`` and ``history`` (the logged metrics of every step so far), the policy
+trainer also its KL controller and rollout count. The checkpoint to resume from is found and
+checked (same roles, same models) before any model is built: :func:`resume_point`.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ def checkpoint_root(cfg: RunConfig) -> Path:
     return Path(cfg.trainer.output_dir) / "checkpoints"
 
 
-def resume(cfg: RunConfig, models: TrainedModels, rank: int) -> Resumed:
-    """Load the latest checkpoint into ``models`` when the run asks for it and one exists."""
-    path = checkpointing.latest(checkpoint_root(cfg)) if cfg.trainer.resume == "auto" else None
+def resume_point(cfg: RunConfig, model_paths: Mapping[str, str]) -> Path | None:
+    """The checkpoint to resume from (the latest, with ``trainer.resume: auto``), checked against
+    the roles the run trains (role -> its Hugging Face folder) before any model is built."""
+    return checkpointing.resume_point(cfg, dict(model_paths))
+
+
+def resume(path: Path | None, models: TrainedModels, rank: int) -> Resumed:
+    """Load checkpoint ``path`` (from :func:`resume_point`) into ``models``; a fresh start
+    without one."""
     if path is None:
         return Resumed()
     state = checkpointing.load(path, models)
@@ -72,4 +80,12 @@ def save(
         "mlflow_run_id": tracker_run_id,
         "history": history,
     }
-    return checkpointing.save(checkpoint_root(cfg), step, models, cfg.model.path, state)
+    return checkpointing.save(
+        checkpoint_root(cfg),
+        step,
+        models,
+        cfg.model.path,
+        state,
+        keep_last=cfg.trainer.keep_last,
+        keep_every=cfg.trainer.keep_every,
+    )

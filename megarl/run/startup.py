@@ -47,8 +47,9 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     from megarl.data.chat import pad_token_id
     from megarl.launch import init_distributed
     from megarl.parallel import initialize_model_parallel
+    from megarl.run.watchdog import collective_timeout_s
 
-    rank, world = init_distributed()
+    rank, world = init_distributed(collective_timeout_s(cfg.trainer.hang_timeout_s))
     layout = layout_for(cfg, world, with_rollout=with_rollout)
     validate_config(cfg, world)
     check_inputs(cfg, layout)

@@ -7,14 +7,17 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from megarl.metrics import Metric, StepMetrics, mean, reduce_metrics
+from megarl.run import watchdog
 from megarl.run.tracking import Tracker
 
 
 @contextmanager
 def timed(metrics: StepMetrics, phase: str) -> Iterator[None]:
-    """``timing/<phase>_s``: the wall time of the body (mean over ranks)."""
+    """``timing/<phase>_s``: the wall time of the body (mean over ranks); the hang watchdog
+    watches the body as ``phase``."""
     t0 = time.perf_counter()
-    yield
+    with watchdog.phase(phase):
+        yield
     metrics[f"timing/{phase}_s"] = mean(time.perf_counter() - t0)
 
 

@@ -8,6 +8,7 @@ KL coefficient, tracker), the run object itself is never rebound.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megarl import parallel
@@ -18,7 +19,7 @@ from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
 from megarl.models.dims import ModelDims
 from megarl.run.epochs import EpochBatches
-from megarl.run.resume import Resumed, resume, save
+from megarl.run.resume import Resumed, resume, resume_point, save
 from megarl.run.startup import Startup, start
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
@@ -68,9 +69,9 @@ class PolicyRun:
         rows = per_rank_prompts * self.cfg.rollout.n
         return [list(range(s, min(s + rows, size))) for s in range(0, size, rows)]
 
-    def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> None:
-        """Models, optimizers and this rank's trainer state after ``step`` (collective)."""
-        save(
+    def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> Path:
+        """Models, optimizers and the trainer state after ``step`` (collective); its folder."""
+        return save(
             self.cfg,
             step,
             self.models,
@@ -174,12 +175,16 @@ def restore(
 def setup_run(cfg: RunConfig) -> PolicyRun:
     startup = start(cfg, with_rollout=True)
     spec = resolve_algorithm(cfg, ModelDims.from_pretrained(cfg.model.path).vocab_size)
+    trained = {"actor": cfg.model.path}
+    if spec.needs_critic:
+        trained["critic"] = cfg.model.critic_path or cfg.model.path
+    resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
     data = build_data(cfg, startup)
     models = build_roles(cfg, startup.layout, spec)
     rewards = build_rewards(cfg, startup)
     rollout = build_rollout(cfg, startup, models)
     kl_ctrl = make_kl_in_reward_controller(cfg)
-    resumed = resume(cfg, models, startup.rank)
+    resumed = resume(resume_from, models, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)
     return PolicyRun(
         cfg=cfg,

@@ -6,6 +6,7 @@ import time
 
 from megarl.config import RunConfig
 from megarl.metrics import StepMetrics, declare, mean
+from megarl.run.guards import RunGuards
 from megarl.run.resume import save_due
 from megarl.run.steps import log_step, summary, timed
 from megarl.trainer.assembly import PolicyRun, setup_run
@@ -46,13 +47,16 @@ def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetri
 def train(cfg: RunConfig) -> dict[str, float]:
     """Run ``cfg`` to ``trainer.total_steps`` (resuming from the latest checkpoint when asked)."""
     profiler = StepProfiler.from_config(cfg.trainer)  # bad profile_steps fail before setup
+    guards = RunGuards()  # preemption signals (honoured at step ends), hang watchdog
     run = setup_run(cfg)
+    guards.start(cfg.trainer.hang_timeout_s)
     tracker, first = run.tracker, run.resumed.step
     history, last = list(run.resumed.history), {}
     if cfg.trainer.val_before_train and first == 0:
         tracker.log_metrics(validation_rollout(run, 0), 0)
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
     for step in profiler.iterate(range(first, cfg.trainer.total_steps)):
+        guards.begin_step(step)
         m: StepMetrics = {}
         t_step = time.perf_counter()
         # rollout + rewards; with algorithm.filter_groups, several draws (dynamic sampling)
@@ -76,8 +80,13 @@ def train(cfg: RunConfig) -> dict[str, float]:
         last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
         if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
             tracker.log_metrics(validation_rollout(run, step + 1), step + 1)
-        if save_due(cfg, step + 1):
-            run.save_checkpoint(step + 1, history)
+        stop = guards.should_stop(step)  # SIGTERM / SIGUSR1 on any rank: save, then exit 0
+        if save_due(cfg, step + 1) or stop:
+            saved = run.save_checkpoint(step + 1, history)
+        if stop:
+            guards.report_stop(step + 1, str(saved))
+            break
+    guards.close()
     if run.startup.rank == 0:
         print(main_loop_summary(history), flush=True)
     run.close()

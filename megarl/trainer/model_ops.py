@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl import platform
+from megarl import parallel, platform
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
 from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.run.finite import NonFiniteError, all_finite
@@ -102,6 +102,17 @@ def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     return False
 
 
+def _data_parallel_mean(value: float) -> float:
+    """The mean of ``value`` over this rank's data-parallel group (a collective)."""
+    group = parallel.dp_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
+    dist.all_reduce(t, group=group)
+    return float(t.item()) / size
+
+
 LossFn = Callable[[torch.Tensor, Samples], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -126,8 +137,10 @@ def ppo_update(
     """``epochs`` x mini-batches x micro-batches of optimizer steps; returns per-step metrics
     (the loss function's, and ``<role>/grad_norm``, ``lr``, ``update_ok``, ``skipped_non_finite``).
 
-    megatron's DDP averages gradients over data-parallel ranks, so the loss is the mean of each
-    rank's mini-batch loss (token- or sequence-weighted within the rank).
+    megatron's DDP averages gradients over data-parallel ranks. Token-level losses are weighted
+    by the tokens of the whole mini-batch (all data-parallel ranks), sequence-level ones by its
+    sequences (the same count on every rank): either way the update and its metrics are those of
+    the global mini-batch, whatever the data-parallel size.
     """
     ddp, optimizer, scheduler = trainable.ddp, trainable.optimizer, trainable.scheduler
     history = []
@@ -135,6 +148,8 @@ def ppo_update(
         for rows in mini_batches:
             mbs = micro_batches(samples, rows, batching.size, batching.max_tokens)
             mini_tokens = float(samples.response_mask[list(rows)].sum())
+            if token_level:
+                mini_tokens = _data_parallel_mean(mini_tokens)
             weights = [_weight(mb, mini_tokens, len(rows), token_level) for _, mb in mbs]
 
             def scaled(out: torch.Tensor, batch: dict[str, Any]):

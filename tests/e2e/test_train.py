@@ -61,12 +61,20 @@ def workdir(tmp_path_factory) -> Path:
     return work
 
 
-def train(
-    work: Path, out: str, *overrides: str, nproc: int = 1, env_extra: dict | None = None
-) -> list[dict]:
-    """Run `megarl train` as a user does; its console output is kept in OUT/console.log."""
+def launch(
+    work: Path,
+    out: str,
+    *overrides: str,
+    nproc: int = 1,
+    fault: str | None = None,
+    env_extra: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """``megarl train`` as a user starts it; ``fault``: a test-only MEGARL_FAULT spec."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     env.pop("MASTER_PORT", None)
+    env.pop("MEGARL_FAULT", None)
+    if fault is not None:
+        env["MEGARL_FAULT"] = fault
     cmd = [
         sys.executable,
         "-m",
@@ -78,11 +86,22 @@ def train(
         "--nproc-per-node",
         str(nproc),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    (work / out / "console.log").write_text(proc.stdout + proc.stderr)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=1200)
+
+
+def metrics(work: Path, out: str) -> list[dict]:
     lines = (work / out / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def train(
+    work: Path, out: str, *overrides: str, nproc: int = 1, env_extra: dict | None = None
+) -> list[dict]:
+    """Run `megarl train` as a user does; its console output is kept in OUT/console.log."""
+    proc = launch(work, out, *overrides, nproc=nproc, env_extra=env_extra)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    (work / out / "console.log").write_text(proc.stdout + proc.stderr)
+    return metrics(work, out)
 
 
 def by_step(records: list[dict]) -> dict[int, dict]:
@@ -115,6 +134,7 @@ def test_user_errors_stop_before_any_process(workdir, capsys):
 
 ALL_LOGGERS = "trainer.loggers=[console,mlflow,tensorboard,wandb]"
 VALIDATION = ("trainer.val_before_train=true", "rollout.val_n=2", "rollout.val_temperature=0.7")
+FULL = ("trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=2", *VALIDATION)
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +142,7 @@ def full_run(workdir) -> dict[int, dict]:
     """4 GRPO steps, checkpoints at 2 and 4, validation before training and at 2 and 4 (2 samples
     per prompt), every logger (W&B offline): the uninterrupted reference of the resume test, and
     the run the validation and tracking tests read."""
-    return by_step(
-        train(
-            workdir,
-            "full",
-            "trainer.total_steps=4",
-            "trainer.save_freq=2",
-            "trainer.test_freq=2",
-            ALL_LOGGERS,
-            *VALIDATION,
-            env_extra={"WANDB_MODE": "offline"},
-        )
-    )
+    return by_step(train(workdir, "full", *FULL, ALL_LOGGERS, env_extra={"WANDB_MODE": "offline"}))
 
 
 def test_full_run_validates_the_whole_set_per_source(full_run):
@@ -232,10 +241,11 @@ def test_full_run_is_in_tensorboard_and_wandb(workdir, full_run):
         assert sorted(logged) == [1, 2, 3, 4], key
         for step, value in logged.items():  # TensorBoard stores float32
             assert value == pytest.approx(full_run[step][key], rel=1e-6, abs=1e-7), (key, step)
-    assert sorted(e.step for e in acc.Scalars("val/reward_mean")) == [2, 4]
+    assert sorted(e.step for e in acc.Scalars("val/reward_mean")) == [0, 2, 4]
     tables = acc.Tensors("validation/generations/text_summary")
-    assert [t.step for t in tables] == [2, 4]
-    assert "| step | prompt | response | score |" in tables[0].tensor_proto.string_val[0].decode()
+    assert [t.step for t in tables] == [0, 2, 4]
+    header = "| step | data_source | prompt | response | score |"
+    assert header in tables[0].tensor_proto.string_val[0].decode()
 
     [run_dir] = (workdir / "full" / "wandb").glob("offline-run-*")
     [run_file] = run_dir.glob("run-*.wandb")
@@ -318,36 +328,132 @@ def test_a_settings_error_on_a_rank_ends_the_output(workdir):
     assert "ChildFailedError" not in proc.stdout and "Traceback" not in proc.stdout
 
 
-def test_grpo_tp2_pp2_matches_one_process(workdir):
+def assert_layout_invariant(sharded: dict, single: dict, step: int) -> None:
+    """The layout-invariance tolerances: fp32 sums in another order."""
+    assert sharded["reward/mean"] == pytest.approx(single["reward/mean"], abs=1e-6), step
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert sharded[key] == pytest.approx(single[key], abs=1e-4), (step, key)
+    assert sharded["actor/grad_norm"] == pytest.approx(single["actor/grad_norm"], rel=1e-4), step
+
+
+SAMPLED = "rollout.temperature=0.7"
+
+
+@pytest.fixture(scope="module")
+def tp2pp2_run(workdir) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
+    """GRPO at TP2xPP2 (4 ranks), sampled at temperature 0.7, 2 steps, a checkpoint every step;
+    rank 1 is SIGKILLed in the middle of the step-2 save (test-only fault point). Both steps ran
+    and logged their metrics before that save, so they are an uninterrupted run's; the step-1
+    checkpoint is complete."""
+    proc = launch(
+        workdir,
+        "tp2pp2",
+        "trainer.total_steps=2",
+        "trainer.save_freq=1",
+        SAMPLED,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.infer_tp=2",
+        nproc=4,
+        fault="kill@save:rank=1:step=2",
+    )
+    return proc, by_step(metrics(workdir, "tp2pp2"))
+
+
+def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
     """At sampling temperature 0.7, one process (TP1) and TP2xPP2 alike: the trainer's logprobs
     of the sampled tokens (old: the actor's scoring of the rollout; new: the update's forward)
     equal vLLM's processed logprobs, i.e. those of softmax(logits / 0.7)."""
-    single = by_step(train(workdir, "single", "trainer.total_steps=2", "rollout.temperature=0.7"))
-    sharded = by_step(
-        train(
-            workdir,
-            "tp2pp2",
-            "trainer.total_steps=2",
-            "rollout.temperature=0.7",
-            "parallel.tp=2",
-            "parallel.pp=2",
-            "parallel.infer_tp=2",
-            nproc=4,
-        )
-    )
+    single = by_step(train(workdir, "single", "trainer.total_steps=2", SAMPLED))
+    sharded = tp2pp2_run[1]
     for step in (1, 2):
-        assert sharded[step]["reward/mean"] == pytest.approx(single[step]["reward/mean"], abs=1e-6)
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-            assert sharded[step][key] == pytest.approx(single[step][key], abs=1e-4), (step, key)
-        assert sharded[step]["actor/grad_norm"] == pytest.approx(
-            single[step]["actor/grad_norm"], rel=1e-4
-        )
+        assert_layout_invariant(sharded[step], single[step], step)
         assert sharded[step]["rollout/logprob_diff_max"] < 1e-3
         for run in (single, sharded):
             assert run[step]["rollout/logprob_diff_mean"] <= 1e-4, (step, run[step])
             # one mini-batch, one epoch: the update's forward is at the rollout's weights
             assert abs(run[step]["actor/ratio_max"] - 1.0) < 1e-4
             assert abs(run[step]["actor/ratio_min"] - 1.0) < 1e-4
+
+
+def copy_checkpoint(workdir: Path, source: str, step: int, out: str) -> None:
+    """Start ``out`` from ``source``'s checkpoint of ``step``, as if it had stopped there."""
+    name = f"step_{step:08d}"
+    ckpts = workdir / out / "checkpoints"
+    shutil.copytree(workdir / source / "checkpoints" / name, ckpts / name)
+    (ckpts / "latest").write_text(name + "\n")
+
+
+def test_rank_killed_mid_save_keeps_latest_and_the_run_resumes_at_other_layouts(
+    workdir, tp2pp2_run
+):
+    """SIGKILL of one of 4 ranks during a checkpoint write: `latest` stays on the previous
+    complete checkpoint, nothing half-written is visible; that checkpoint (TP2xPP2) resumes at
+    1 process and at TP1xPP2xDP2 with step-2 metrics equal to the uninterrupted run's."""
+    proc, uninterrupted = tp2pp2_run
+    assert proc.returncode != 0
+    ckpts = workdir / "tp2pp2" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == [
+        "latest",
+        "step_00000001",
+    ]
+    for out, extra, nproc in (
+        ("resume_1proc", (), 1),
+        ("resume_pp2dp2", ("parallel.pp=2", "parallel.infer_tp=2"), 4),
+    ):
+        copy_checkpoint(workdir, "tp2pp2", 1, out)
+        resumed = by_step(
+            train(workdir, out, "trainer.total_steps=2", SAMPLED, *extra, nproc=nproc)
+        )
+        assert sorted(resumed) == [2], out  # it resumed after step 1
+        assert_layout_invariant(resumed[2], uninterrupted[2], 2)
+
+
+def test_sigterm_checkpoints_and_exits_0_then_resume_continues_exactly(workdir, full_run):
+    """SIGTERM to `megarl train` during step 1: the step finishes, a checkpoint is written, exit
+    0 with where to resume. The resumed run (keep_last=1) continues exactly like the uninterrupted
+    run; a disk-full error injected in its step-4 save stops it with a clear error naming the
+    folder, `latest` stays on step 2, step 1 was removed by retention, nothing half-written."""
+    proc = launch(workdir, "preempted", *FULL, fault="sigterm@step:step=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpts = workdir / "preempted" / "checkpoints"
+    assert "preempted: stopped after step 1" in proc.stderr
+    assert str(ckpts / "step_00000001") in proc.stderr and "resume" in proc.stderr
+    assert (ckpts / "latest").read_text().strip() == "step_00000001"
+    first = by_step(metrics(workdir, "preempted"))
+    assert sorted(first) == [1]
+    proc = launch(workdir, "preempted", *FULL, "trainer.keep_last=1", fault="enospc@save:step=4")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert f"saving the checkpoint of step 4 into {ckpts} failed" in proc.stderr
+    assert "No space left on device" in proc.stderr
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002"]
+    resumed = by_step(metrics(workdir, "preempted"))
+    for step in (1, 2, 3, 4):
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert resumed[step][key] == pytest.approx(full_run[step][key], abs=1e-6), (step, key)
+    assert resumed[4]["val/reward_mean"] == pytest.approx(full_run[4]["val/reward_mean"], abs=1e-6)
+
+
+def test_a_rank_stuck_while_the_others_wait_in_a_collective_ends_the_job(workdir):
+    """Rank 1 sleeps before the step-boundary all-reduce that rank 0 waits in: each rank's
+    watchdog reports (phase, step, Python stacks) after trainer.hang_timeout_s and the job ends."""
+    proc = launch(
+        workdir,
+        "hang",
+        "trainer.total_steps=2",
+        "trainer.hang_timeout_s=8",
+        nproc=2,
+        fault="sleep@sync:rank=1:step=1",
+    )
+    assert proc.returncode != 0
+    err = proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: no progress for" in err, err[-3000:]
+        assert f"megarl: error: rank {rank} hung in phase 'sync' of step 1" in err
+    assert "most recent call first" in err
+    assert "megarl/run/faults.py" in err  # rank 1's stack shows where it is stuck
 
 
 def test_ppo_with_critic_and_dapo_dynamic_sampling_tp1_pp2_dp2(workdir):

@@ -102,6 +102,13 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/trainer/model_ops.py": {
         "rollout_is_finite": "flag made on platform.collective_device()",
+        "_data_parallel_mean": "made on platform.collective_device()",
+    },
+    "megarl/run/checkpointing.py": {
+        "_agree_on_failure": "flag made on platform.collective_device()",
+    },
+    "megarl/run/preemption.py": {
+        "Preemption.requested": "flag made on platform.collective_device()",
     },
     "megarl/trainer/dynamic_sampling.py": {
         "_world_min": "made on platform.collective_device()",

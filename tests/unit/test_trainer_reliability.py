@@ -1,0 +1,104 @@
+"""Settings checks of the reliability features, the fault-injection spec, the hang watchdog and
+the preemption signal handlers (in small subprocesses, without torch.distributed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config
+from megarl.errors import ConfigError
+from megarl.run import faults
+from megarl.run.watchdog import HANG_EXIT_CODE, collective_timeout_s
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["model.path=/m", "data.train_files=[/d.parquet]"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.keep_last=0", "trainer.keep_last=0: at least the newest"),
+        ("trainer.keep_every=-1", "trainer.keep_every=-1 must be >= 0"),
+        ("trainer.hang_timeout_s=0", "trainer.hang_timeout_s=0.0 must be > 0"),
+        ("trainer.hang_timeout_s=-5", "trainer.hang_timeout_s=-5.0 must be > 0"),
+    ],
+)
+def test_bad_reliability_settings_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(None, [*BASE, override])
+
+
+def test_defaults_are_valid():
+    t = load_config(None, BASE).trainer
+    assert t.keep_last >= 1 and t.keep_every == 0 and t.hang_timeout_s > 0
+
+
+def test_fault_spec_parses_and_rejects_typos():
+    assert faults.parse("kill@save:rank=1:step=2, sleep@sync") == [
+        ("kill", "save", {"rank": 1, "step": 2}),
+        ("sleep", "sync", {}),
+    ]
+    with pytest.raises(ValueError, match="bad entry"):
+        faults.parse("explode@save")
+
+
+def test_collective_timeout_exceeds_the_watchdogs():
+    assert collective_timeout_s(10) > 10 and collective_timeout_s(3600) > 3600
+
+
+def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_watchdog_prints_stacks_and_exits_when_a_phase_hangs():
+    t0 = time.monotonic()
+    proc = run_python(
+        """
+        import time
+        from megarl.run import watchdog
+        watchdog.start(1.0, rank=7)
+        watchdog.beat("step", 4)
+        with watchdog.phase("update_actor"):
+            time.sleep(0.5)  # progress within the timeout
+        with watchdog.phase("rollout"):
+            time.sleep(60)  # a hang
+        """
+    )
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    err = proc.stderr
+    assert "rank 7: no progress for" in err and "phase 'rollout' of step 5" in err
+    assert "most recent call first" in err and "time.sleep(60)" not in err  # faulthandler frames
+    assert '<string>", line 9' in err  # the stuck line of the main thread
+    assert "megarl: error: rank 7 hung" in err and "trainer.hang_timeout_s" in err
+
+
+def test_first_signal_asks_to_stop_and_second_stops_at_once():
+    proc = run_python(
+        """
+        import os, signal, sys
+        from megarl.run.preemption import Preemption
+        p = Preemption(rank=0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("after first:", p.received.name, flush=True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("not reached", flush=True)
+        """
+    )
+    assert "after first: SIGTERM" in proc.stdout and "not reached" not in proc.stdout
+    assert proc.returncode == -15 or proc.returncode == -10, proc.returncode
+    assert "second SIGUSR1: stopping now" in proc.stderr

@@ -45,9 +45,9 @@ def test_smollm2_tp3_equals_transformers():
     assert rel < 1e-4, rel
 
 
-@pytest.mark.parametrize("model", ["qwen2", "llama"])
+@pytest.mark.parametrize("model", ["qwen2", "llama", "qwen3"])
 def test_grads_and_adam_step_equal_single_process(model):
-    model_dir = str(tiny_qwen2_dir() if model == "qwen2" else tiny_llama_dir())
+    model_dir = str(TINY[model]())
     layouts = [dict(tp=2, pp=2), dict(tp=2), dict(tp=1, pp=2)]
     results = run_gloo(w.train_step_worker, 4, model_dir, layouts)
     merged: dict[str, float] = {}

@@ -22,6 +22,7 @@ from megarl.models.hf_map import (
 from megarl.models.safetensors_io import SafetensorsReader
 from megarl.models.specs import families, supported_architectures
 from megarl.plan.known_models import resolve_model
+from megarl.plan.params import layer_params
 from tests import fake_family
 from tests.assets import tiny_qwen2_dir, tiny_qwen3_dir, tiny_qwen3_tied_dir
 from tests.import_graph import imports, modules
@@ -85,8 +86,8 @@ def _round_trip(model_dir: Path, dims: ModelDims, tp: int) -> set[str]:
             assert tm2 == tm
             shards = [hf_to_megatron_shard(tm, hf_names, reader, dims, r, tp) for r in range(tp)]
             # The spec's shapes are what the HF files give, whole and per TP rank.
-            assert tuple(torch.cat(shards, tm.tp_dim).shape if tm.tp_dim is not None and tp > 1
-                         else shards[0].shape) == tm.shape, tm.megatron  # fmt: skip
+            full = shards[0] if tm.tp_dim is None else torch.cat(shards, tm.tp_dim)
+            assert tuple(full.shape) == tm.shape, tm.megatron
             assert all(tuple(s.shape) == tm.shard_shape(tp) for s in shards), tm.megatron
             for hf_name, tensor in megatron_shards_to_hf(tm, hf_names, shards, dims):
                 assert torch.equal(tensor, reader.read(hf_name)), hf_name
@@ -116,6 +117,10 @@ def test_known_qwen3_models_plan_with_their_published_sizes():
     assert 8.1e9 < dims.num_parameters < 8.3e9  # published: 8.2B
     _, small = resolve_model("Qwen3-0.6B")
     assert small.tie_word_embeddings and 0.58e9 < small.num_parameters < 0.61e9  # 0.6B
+    # The planner's per-layer count includes the q/k norms: layers + embeddings = the whole.
+    split, replicated, _ = layer_params(dims, 1)
+    embed = dims.vocab_size * dims.hidden_size * 2
+    assert dims.num_layers * (split + replicated) + embed + dims.hidden_size == dims.num_parameters
 
 
 # -- a family added through a spec alone ---------------------------------------------------------

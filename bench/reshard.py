@@ -74,7 +74,8 @@ def worker(rank: int, world: int, model_dir: str, cases: list[dict], bucket_byte
     from megatron.core import parallel_state as ps
 
     from megarl.hybrid_engine.execute import ReshardExecutor, local_spec_tensors
-    from megarl.hybrid_engine.reshard_plan import actor_tensor_specs, plan_reshard
+    from megarl.hybrid_engine.reshard_plan import plan_reshard
+    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
     from megarl.models.build import build_model
     from megarl.models.dims import layer_offset
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel

@@ -13,4 +13,7 @@ from megarl.testing.assets import (  # noqa: F401
     tiny_qwen2_config,
     tiny_qwen2_dir,
     tiny_qwen2_reward_dir,
+    tiny_qwen3_config,
+    tiny_qwen3_dir,
+    tiny_qwen3_tied_dir,
 )

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import CheckpointError
-from megarl.models.dims import SUPPORTED_ARCHITECTURES, ModelDims
+from megarl.models.dims import ModelDims
 from megarl.models.heads import (
     causal_architecture,
     has_scalar_head,
     head_architecture,
     hf_folder_role,
 )
+from megarl.models.specs import supported_architectures
 
 # Files copied from a Hugging Face folder: its config and everything a tokenizer may consist of.
 # Weights (*.safetensors, *.bin) and anything else (optimizer states, READMEs, images) stay behind.
@@ -97,7 +98,7 @@ def export_config(
     """
     out = causal_lm_config(cfg)
     archs = out.get("architectures") or []
-    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    known = [a for a in archs if a in supported_architectures()]
     if role == "reward" and out.get("pad_token_id") is None and pad_token_id is not None:
         out["pad_token_id"] = pad_token_id
     if has_scalar_head(role):

@@ -5,11 +5,7 @@ torch.distributed; ``vllm_rollout`` is the rollout engine seam; ``engine`` holds
 Import the heavy parts from their modules (``megarl.hybrid_engine.engine.HybridEngine``).
 """
 
-from megarl.hybrid_engine.reshard_plan import (
-    ReshardPlan,
-    TensorSpec,
-    actor_tensor_specs,
-    plan_reshard,
-)
+from megarl.hybrid_engine.reshard_plan import ReshardPlan, TensorSpec, plan_reshard
+from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 
 __all__ = ["ReshardPlan", "TensorSpec", "actor_tensor_specs", "plan_reshard"]

@@ -32,7 +32,8 @@ from megarl.hybrid_engine.execute import (
     hf_output_shapes,
     local_spec_tensors,
 )
-from megarl.hybrid_engine.reshard_plan import actor_tensor_specs, plan_reshard
+from megarl.hybrid_engine.reshard_plan import plan_reshard
+from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.hybrid_engine.vllm_rollout import (
     EngineConfig,
     RolloutOutput,

@@ -1,7 +1,8 @@
 """Build actor, critic and reference megatron-core GPT models from a Hugging Face checkpoint.
 
 Parallelism comes from megatron's parallel_state (set up by :mod:`megarl.parallel`); the model
-definition itself is the small spec in :mod:`megarl.models.dims` + :mod:`megarl.models.hf_map`.
+definition itself is the family spec (:mod:`megarl.models.specs`) read through
+:mod:`megarl.models.dims` and :mod:`megarl.models.hf_map`.
 """
 
 from __future__ import annotations
@@ -37,23 +38,15 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
     opts = opts or ModelOptions()
     cuda = torch.cuda.is_available()
     kwargs = dict(
-        num_layers=dims.num_layers,
-        hidden_size=dims.hidden_size,
-        ffn_hidden_size=dims.ffn_hidden_size,
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_kv_heads,
-        kv_channels=dims.head_dim,
+        # Family-specific: sizes, norm, gated MLP, biases, q/k norm (megarl.models.specs).
+        **dims.spec.megatron_options(dims),
         # Megatron's TransformerConfig calls the TP/PP sizes by these names; they must agree with
         # parallel_state or every stage silently builds all layers (megatron-core 0.16 reads the
         # stage's layer count from the config, not from the groups).
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
-        normalization="RMSNorm",
         layernorm_epsilon=dims.rms_norm_eps,
-        gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=dims.qkv_bias,
         attention_dropout=opts.attention_dropout,
         hidden_dropout=opts.hidden_dropout,
         params_dtype=opts.dtype,
@@ -84,7 +77,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(transformer_impl: str = "auto"):
+def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None):
     """Transformer Engine's layer spec, or megatron's local spec with torch SDPA as core attention
     (see megarl.models.attention), as ``transformer_impl`` resolves on this machine
     (:func:`megarl.backends.resolve_transformer_impl`; ``auto``: TE where CUDA and TE are
@@ -94,11 +87,12 @@ def layer_spec(transformer_impl: str = "auto"):
     impl = resolve_transformer_impl(transformer_impl)  # errors before megatron's specs import
     from megatron.core.models.gpt import gpt_layer_specs
 
+    family_opts = dims.spec.layer_spec_options() if dims is not None else {}
     if impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**family_opts)
     from megarl.models.attention import SDPACoreAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **family_opts)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
@@ -116,7 +110,7 @@ def build_gpt_model(
     pre, post = parallel.is_first_stage(), parallel.is_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(opts.transformer_impl),
+        transformer_layer_spec=layer_spec(opts.transformer_impl, dims),
         vocab_size=dims.vocab_size,
         max_sequence_length=dims.max_position_embeddings,
         pre_process=pre,

@@ -11,13 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import CheckpointError, UnsupportedModelError
+from megarl.models.specs import FamilySpec, family, family_for_architectures
 from megarl.parallel import ModelShape, ParallelLayout
-
-# HF architecture name -> megarl family. Each family has a name map in megarl.models.hf_map.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "Qwen2ForCausalLM": "qwen2",
-    "LlamaForCausalLM": "llama",
-}
 
 
 @dataclass(frozen=True)
@@ -38,6 +33,13 @@ class ModelDims:
     qkv_bias: bool
     # llama3-style rope scaling factor (None: no scaling).
     rope_scaling_factor: float | None = None
+    # Per-head RMSNorm on queries and keys (Qwen3).
+    qk_layernorm: bool = False
+
+    @property
+    def spec(self) -> FamilySpec:
+        """The family's spec (megarl.models.specs): name map, megatron options, roles."""
+        return family(self.family)
 
     @property
     def shape(self) -> ModelShape:
@@ -55,6 +57,7 @@ class ModelDims:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.qk_layernorm else 0
         per_layer = attn + 3 * h * f + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
@@ -64,18 +67,8 @@ class ModelDims:
         from megarl.models.heads import causal_architecture
 
         archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; megarl supports "
-                f"{sorted(SUPPORTED_ARCHITECTURES)} (Qwen2/Qwen2.5 and the Llama family)"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
-        if cfg.get("use_sliding_window"):
-            raise UnsupportedModelError(
-                "sliding-window attention (use_sliding_window=true) is not supported; "
-                "set it to false in config.json (Qwen2.5 checkpoints ship it disabled)"
-            )
+        arch, spec = family_for_architectures(archs, cfg.get("model_type"))
+        spec.check_config(cfg)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(
@@ -83,7 +76,7 @@ class ModelDims:
             )
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError(
-                "mlp_bias=true is not supported (no Qwen2 or Llama checkpoint uses it)"
+                "mlp_bias=true is not supported (no checkpoint of a supported family uses it)"
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -97,9 +90,8 @@ class ModelDims:
             raise UnsupportedModelError(
                 f"rope scaling type {rope_type!r} is not supported; supported: 'default', 'llama3'"
             )
-        qkv_bias = family == "qwen2" or bool(cfg.get("attention_bias", False))
         return cls(
-            family=family,
+            family=spec.name,
             architecture=arch,
             hidden_size=hidden,
             num_layers=int(cfg["num_hidden_layers"]),
@@ -112,8 +104,9 @@ class ModelDims:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
+            qkv_bias=spec.qkv_bias(cfg),
             rope_scaling_factor=scaling,
+            qk_layernorm=spec.qk_layernorm,
         )
 
     @classmethod

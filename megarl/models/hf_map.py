@@ -1,7 +1,7 @@
 """The declarative map between Hugging Face tensors and megatron-core parameters, and its transforms.
 
-One table per model (Qwen2 and Llama share it; biases depend on the dims), used by the model
-loader, checkpoints_tools and the hybrid engine. Transforms work on tensor-parallel *shards*:
+The table of each architecture comes from its family spec (:mod:`megarl.models.specs`); this
+module applies it. Used by the model loader, checkpoints_tools and the hybrid engine. Transforms work on tensor-parallel *shards*:
 
 - ``copy``:    one HF tensor, split along ``tp_dim`` (or replicated when ``tp_dim`` is None).
 - ``qkv``:     HF q, k, v -> megatron's fused ``linear_qkv``: per query group ``[q_g; k_g; v_g]``
@@ -20,12 +20,13 @@ either spec.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from megarl.models.dims import ModelDims
+from megarl.models.specs.base import TensorMap
+from megarl.models.specs.dense import SCORE_BIAS, SCORE_WEIGHT
 
 
 class SliceReader(Protocol):
@@ -38,91 +39,24 @@ class SliceReader(Protocol):
     ) -> torch.Tensor: ...
 
 
-@dataclass(frozen=True)
-class TensorMap:
-    megatron: str  # template, "{layer}" = layer index local to the pipeline stage
-    hf: tuple[str, ...]  # templates, "{layer}" = global layer index
-    kind: str  # "copy" | "qkv" | "gate_up"
-    tp_dim: int | None  # dimension split over TP ranks in megatron (None: replicated)
-
-    @property
-    def per_layer(self) -> bool:
-        return "{layer}" in self.megatron
-
-
-# The critic's value head (megarl.models.value_head.ValueHead, replicated over TP) in Hugging Face
-# token-classification naming (``Qwen2ForTokenClassification`` / ``LlamaForTokenClassification``
-# with ``num_labels=1``): its ``score`` linear layer, with bias.
-VALUE_HEAD_MAPS: tuple[TensorMap, ...] = (
-    TensorMap("output_layer.weight", ("score.weight",), "copy", None),
-    TensorMap("output_layer.bias", ("score.bias",), "copy", None),
-)
-# The reward model's head in sequence-classification naming (``*ForSequenceClassification`` with
-# ``num_labels=1``): ``score`` without bias.
-REWARD_HEAD_MAPS: tuple[TensorMap, ...] = (
-    TensorMap("output_layer.weight", ("score.weight",), "copy", None),
-)
+# The scalar heads' HF tensors (the critic's ``score`` has a bias, the reward model's not).
 HEAD_MAPS: dict[str, tuple[TensorMap, ...]] = {
-    "critic": VALUE_HEAD_MAPS,
-    "reward": REWARD_HEAD_MAPS,
+    "critic": (
+        TensorMap("output_layer.weight", (SCORE_WEIGHT,), "copy", None),
+        TensorMap("output_layer.bias", (SCORE_BIAS,), "copy", None),
+    ),
+    "reward": (TensorMap("output_layer.weight", (SCORE_WEIGHT,), "copy", None),),
 }
 
 
 def tensor_maps(dims: ModelDims, role: str = "actor") -> list[TensorMap]:
-    """Every parameter of the model, in HF order.
-
-    Actor and reference: ``output_layer`` is the LM head, listed even when tied (its HF name is
-    then ``model.embed_tokens.weight``). Critic and reward model: the same trunk, and the scalar
-    head as ``score``.
-    """
-    L = "model.layers.{layer}."
-    M = "decoder.layers.{layer}."
-    maps = [
-        TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", 0),
-        TensorMap(M + "input_layernorm.weight", (L + "input_layernorm.weight",), "copy", None),
-        TensorMap(
-            M + "self_attention.linear_qkv.weight",
-            tuple(L + f"self_attn.{p}_proj.weight" for p in "qkv"),
-            "qkv",
-            0,
-        ),
-    ]
-    if dims.qkv_bias:
-        maps.append(
-            TensorMap(
-                M + "self_attention.linear_qkv.bias",
-                tuple(L + f"self_attn.{p}_proj.bias" for p in "qkv"),
-                "qkv",
-                0,
-            )
-        )
-    maps += [
-        TensorMap(
-            M + "self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), "copy", 1
-        ),
-        TensorMap(
-            M + "pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",), "copy", None
-        ),
-        TensorMap(
-            M + "mlp.linear_fc1.weight",
-            (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"),
-            "gate_up",
-            0,
-        ),
-        TensorMap(M + "mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "copy", 1),
-        TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
-    ]
-    if role in HEAD_MAPS:
-        return maps + list(HEAD_MAPS[role])
-    maps.append(
-        TensorMap(
-            "output_layer.weight",
-            ("model.embed_tokens.weight",) if dims.tie_word_embeddings else ("lm_head.weight",),
-            "copy",
-            0,
-        )
-    )
-    return maps
+    """Every parameter of ``role``'s model, in HF order, from the family's spec
+    (:mod:`megarl.models.specs`). Actor and reference: ``output_layer`` is the LM head, listed
+    even when tied (its HF name is then the embedding's). Critic and reward model: the same
+    trunk, and the scalar head as ``score``."""
+    spec = dims.spec
+    spec.check_role(role)
+    return spec.tensor_maps(dims, role)
 
 
 # The two layer specs megarl builds (megarl.models.build) name a layer's norm weights differently.

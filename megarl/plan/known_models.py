@@ -1,9 +1,9 @@
 """Model shapes the planner knows by name, and reading a shape from a ``config.json``.
 
-The table holds the numbers of each model's public Hugging Face ``config.json`` that decide memory
-and layout (nothing else is needed to plan): hidden size, layers, attention and KV heads, FFN
-size, vocabulary, tied embeddings; QKV bias follows from the architecture (Qwen2 has it, Llama
-not). Instruct and base checkpoints of a size share these numbers.
+Each family spec (:mod:`megarl.models.specs`) lists the numbers of its models' public Hugging Face
+``config.json`` that decide memory and layout (hidden size, layers, attention and KV heads, FFN
+size, vocabulary, tied embeddings); the rest (QKV bias, q/k norm) follows from the architecture.
+Instruct and base checkpoints of a size share these numbers.
 """
 
 from __future__ import annotations
@@ -14,75 +14,15 @@ from typing import Any
 
 from megarl.errors import ConfigError, UnsupportedModelError
 from megarl.models.dims import ModelDims
+from megarl.models.specs import families
 
 
-def _qwen2(hidden, layers, heads, kv, ffn, vocab, tied) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "intermediate_size": ffn,
-        "vocab_size": vocab,
-        "tie_word_embeddings": tied,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "use_sliding_window": False,
-    }
+def _collect() -> dict[str, dict[str, Any]]:
+    """Canonical name -> config.json subset, from every family spec's ``known_models``."""
+    return {name: dict(cfg) for spec in families() for name, cfg in spec.known_models.items()}
 
 
-def _llama(
-    hidden, layers, heads, kv, ffn, vocab, tied, *, rope_theta, llama31=False, head_dim=None
-):
-    cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "intermediate_size": ffn,
-        "vocab_size": vocab,
-        "tie_word_embeddings": tied,
-        "max_position_embeddings": 131072 if llama31 else 8192,
-        "rope_theta": rope_theta,
-        "rms_norm_eps": 1e-5,
-    }
-    if llama31:
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
-    if head_dim is not None:
-        cfg["head_dim"] = head_dim
-    return cfg
-
-
-# Canonical name -> config.json subset (values from each model's public config.json).
-KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
-    "Qwen2.5-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, True),
-    "Qwen2.5-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
-    "Qwen2.5-14B": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
-    "Qwen2.5-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
-    "Qwen2.5-72B": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
-    "Llama-3-8B": _llama(4096, 32, 32, 8, 14336, 128256, False, rope_theta=500000.0),
-    "Llama-3-70B": _llama(8192, 80, 64, 8, 28672, 128256, False, rope_theta=500000.0),
-    "Llama-3.1-8B": _llama(
-        4096, 32, 32, 8, 14336, 128256, False, rope_theta=500000.0, llama31=True
-    ),
-    "Llama-3.1-70B": _llama(
-        8192, 80, 64, 8, 28672, 128256, False, rope_theta=500000.0, llama31=True
-    ),
-    "Llama-3.1-405B": _llama(
-        16384, 126, 128, 8, 53248, 128256, False, rope_theta=500000.0, llama31=True
-    ),
-    "SmolLM2-135M": _llama(576, 30, 9, 3, 1536, 49152, True, rope_theta=100000.0, head_dim=64),
-}
+KNOWN_MODELS: dict[str, dict[str, Any]] = _collect()
 
 
 def _key(name: str) -> str:
@@ -155,6 +95,6 @@ def _dims(cfg: dict[str, Any], source: str) -> ModelDims:
         raise ConfigError(f"{source}: {e}") from e
     except KeyError as e:
         raise ConfigError(
-            f"{source} lacks {e.args[0]!r}; a Hugging Face config.json of a Qwen2 or Llama model "
-            f"has it"
+            f"{source} lacks {e.args[0]!r}; a Hugging Face config.json of a supported "
+            f"architecture has it"
         ) from e

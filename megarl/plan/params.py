@@ -33,6 +33,7 @@ def layer_params(dims: ModelDims, tp: int) -> tuple[int, int, int]:
     qkv = h * (q + 2 * kv)
     split = (qkv + (q + 2 * kv if dims.qkv_bias else 0) + q * h + 3 * h * f) // tp
     replicated = 2 * h  # input and post-attention RMSNorm weights
+    replicated += 2 * dims.head_dim if dims.qk_layernorm else 0  # per-head q/k norms (Qwen3)
     largest = max(qkv, q * h, 2 * h * f, h * f) // tp
     return split, replicated, largest
 

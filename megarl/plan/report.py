@@ -193,6 +193,8 @@ def to_json(result: PlanResult) -> dict[str, Any]:
             "vocab_size": d.vocab_size,
             "tie_word_embeddings": d.tie_word_embeddings,
             "qkv_bias": d.qkv_bias,
+            "family": d.family,
+            "qk_layernorm": d.qk_layernorm,
         },
         "cluster": {
             "gpus": c.gpus,

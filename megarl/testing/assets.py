@@ -157,6 +157,40 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kw)
 
 
+def tiny_qwen3_config(**overrides):
+    """A tiny Qwen3: q/k norm, head_dim 32 (not hidden/heads = 16, and the least vLLM's CPU
+    attention takes), no q/k/v bias, 4 query heads over 2 KV heads."""
+    from transformers import Qwen3Config
+
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def tiny_qwen3_dir() -> Path:
+    return _cached("tiny-qwen3", lambda out: _save_tiny(out, tiny_qwen3_config(), seed=14))
+
+
+def tiny_qwen3_tied_dir() -> Path:
+    """The tiny Qwen3 with tied embeddings (as Qwen3-0.6B to 4B ship)."""
+    config = tiny_qwen3_config(tie_word_embeddings=True)
+    return _cached("tiny-qwen3-tied", lambda out: _save_tiny(out, config, seed=15))
+
+
 def tiny_qwen2_dir() -> Path:
     return _cached("tiny-qwen2", lambda out: _save_tiny(out, tiny_qwen2_config(), seed=11))
 

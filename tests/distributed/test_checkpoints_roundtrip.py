@@ -20,7 +20,16 @@ import torch
 from safetensors import safe_open
 
 from megarl.models.safetensors_io import SafetensorsReader
-from tests.assets import randomize_, smollm2_dir, tiny_llama_dir, tiny_qwen2_config, tiny_qwen2_dir
+from tests import fake_family
+from tests.assets import (
+    randomize_,
+    smollm2_dir,
+    tiny_llama_dir,
+    tiny_qwen2_config,
+    tiny_qwen2_dir,
+    tiny_qwen3_dir,
+    tiny_qwen3_tied_dir,
+)
 from tests.mp import run_gloo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +184,35 @@ def _critic_checks(hf_dir, work: Path, out):
     )
 
 
+def _reshard_checks(name, hf_dir, out):
+    """Built from HF at TP2xPP2, then resharded by the hybrid engine's planner and executor into
+    full HF tensors on every rank (inference TP2): each equals the HF file's tensor."""
+    from megarl.hybrid_engine.execute import ReshardExecutor, local_spec_tensors
+    from megarl.hybrid_engine.reshard_plan import plan_reshard
+    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+    from megarl.models.build import build_model
+    from megarl.models.dims import layer_offset
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    layout = ParallelLayout(tp=2, pp=2)
+    initialize_model_parallel(layout)
+    model, dims = build_model(hf_dir, layout)
+    rank = torch.distributed.get_rank()
+    specs = actor_tensor_specs(dims, layout.layers_per_stage(dims.num_layers))
+    plan = plan_reshard(specs, 2, 2, 1, 2, bucket_bytes=64 << 10)
+    offset = layer_offset(dims, layout, rank // (layout.tp * layout.dp))
+    received: dict[str, torch.Tensor] = {}
+    ReshardExecutor(plan, dims, rank).run(
+        local_spec_tensors(model, dims, offset, plan.specs),
+        lambda pairs: received.update((n, t.clone()) for n, t in pairs),
+    )
+    reader = SafetensorsReader(hf_dir)
+    out[f"{name}:reshard_equal"] = sorted(received) == sorted(reader.names()) and all(
+        torch.equal(received[n], reader.read(n)) for n in received
+    )
+    destroy_model_parallel()
+
+
 _TE_LINEARS = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
@@ -191,7 +229,7 @@ def _te_extra_state(dims, layout) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megarl.models.build import layer_offset
+    from megarl.models.dims import layer_offset
 
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     first = layer_offset(dims, layout, pp_rank)
@@ -273,8 +311,24 @@ def _te_checks(hf_dir, work: Path, out):
 
 # Layout each model is saved at (on 4 ranks: SmolLM2 runs TP1xPP2xDP2, the DP replica writes
 # nothing), the layouts it is reloaded at, and the largest exported file.
-SAVE_AT = {"qwen2": (2, 2), "llama": (2, 2), "vllm-qwen2": (2, 2), "smollm2": (1, 2)}
-RELOAD_AT = {"qwen2": [dict(tp=1), dict(pp=4)], "llama": [dict(tp=1), dict(pp=4), dict(tp=4)]}
+SAVE_AT = {
+    "qwen2": (2, 2),
+    "llama": (2, 2),
+    "vllm-qwen2": (2, 2),
+    "smollm2": (1, 2),
+    "qwen3": (2, 2),
+    "qwen3-tied": (2, 2),
+    "fakedense": (2, 2),
+}
+RELOAD_AT = {
+    "qwen2": [dict(tp=1), dict(pp=4)],
+    "llama": [dict(tp=1), dict(pp=4), dict(tp=4)],
+    "qwen3": [dict(tp=1)],
+    "qwen3-tied": [dict(tp=1)],
+    "fakedense": [dict(tp=1)],
+}
+# Families whose HF -> megatron load is also checked through the hybrid engine's reshard.
+RESHARD = ("qwen3", "fakedense")
 SHARD_BYTES = {"smollm2": 200 * 2**20}
 
 
@@ -285,6 +339,7 @@ def roundtrip_worker(rank: int, world: int, work: str, models: dict[str, str]) -
     from megarl.platform import adapt_megatron_for_cpu
 
     adapt_megatron_for_cpu()
+    fake_family.register()  # a family known through its spec alone (tests/fake_family.py)
     work_dir = Path(work)
     out: dict = {}
     for name, hf_dir in models.items():
@@ -293,6 +348,8 @@ def roundtrip_worker(rank: int, world: int, work: str, models: dict[str, str]) -
         save_layout = ParallelLayout.for_world(world, tp=tp, pp=pp)
         hf_to_mcore(check_hf_source(hf_dir, save_layout), ckpt, save_layout)
         _reload_checks(name, hf_dir, ckpt, RELOAD_AT.get(name, []), out)
+        if name in RESHARD:
+            _reshard_checks(name, hf_dir, out)
         shard_bytes = SHARD_BYTES.get(name, SMALL_SHARDS)
         export_to_hf(ckpt, work_dir / name / "hf", max_shard_bytes=shard_bytes, progress=False)
         if name == "qwen2":
@@ -312,6 +369,9 @@ def tiny(tmp_path_factory):
         "llama": str(tiny_llama_dir()),
         "vllm-qwen2": str(_vllm_friendly_qwen2(work / "vllm-qwen2-src")),
         "smollm2": str(smollm2_dir()),
+        "qwen3": str(tiny_qwen3_dir()),
+        "qwen3-tied": str(tiny_qwen3_tied_dir()),
+        "fakedense": str(fake_family.fake_dense_dir(work / "fakedense-src", tiny_qwen2_dir())),
     }
     results = run_gloo(roundtrip_worker, 4, str(work), models)
     merged: dict = {}
@@ -337,12 +397,17 @@ def _assert_bit_identical(original: Path, exported: Path) -> int:
 # -- tests --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
+# HF tensors: Qwen2 has biases and lm_head; Llama is tied (no head); Qwen3 has q/k norms, no
+# biases; the fake family is the tiny Qwen2 under other names.
+TENSORS = {"qwen2": 51, "llama": 38, "qwen3": 47, "qwen3-tied": 46, "fakedense": 51}
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
 def test_hf_to_tp2pp2_to_hf_is_bit_identical(tiny, name):
     work, models, _ = tiny
     exported = work / name / "hf"
     n = _assert_bit_identical(Path(models[name]), exported)
-    assert n == (51 if name == "qwen2" else 38)  # Qwen2: biases, lm_head; Llama: tied, no head
+    assert n == TENSORS[name]
     index = json.loads((exported / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and sorted(p.name for p in exported.glob("*.safetensors")) == files
@@ -356,6 +421,9 @@ def test_tp2pp2_checkpoint_loads_at_tp1_pp4_tp4_identically(tiny):
     expected = {
         "qwen2": ["TP1xPP1xDP4", "TP1xPP4xDP1"],
         "llama": ["TP1xPP1xDP4", "TP1xPP4xDP1", "TP4xPP1xDP1"],
+        "qwen3": ["TP1xPP1xDP4"],
+        "qwen3-tied": ["TP1xPP1xDP4"],
+        "fakedense": ["TP1xPP1xDP4"],
     }
     for name, layouts in expected.items():
         for layout in layouts:
@@ -365,7 +433,14 @@ def test_tp2pp2_checkpoint_loads_at_tp1_pp4_tp4_identically(tiny):
             assert merged[f"{name}:{layout}:keys_equal"] is True, (name, layout)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_models_load_through_the_hybrid_engine_reshard(tiny):
+    """Qwen3 and the spec-only family: HF -> megatron (TP2xPP2) -> reshard -> the HF tensors."""
+    _, _, merged = tiny
+    for name in RESHARD:
+        assert merged[f"{name}:reshard_equal"] is True, name
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "qwen3-tied"])
 def test_exported_folder_in_transformers_matches_megatron(tiny, name):
     from transformers import AutoModelForCausalLM
 
@@ -431,11 +506,12 @@ print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
-def test_exported_folder_in_vllm_generates_what_transformers_does(tiny):
+@pytest.mark.parametrize("name", ["vllm-qwen2", "qwen3"])  # Qwen3: q/k norm, head_dim 32
+def test_exported_folder_in_vllm_generates_what_transformers_does(tiny, name):
     from transformers import AutoModelForCausalLM
 
     work, _, _ = tiny
-    exported = work / "vllm-qwen2" / "hf"
+    exported = work / name / "hf"
     prompts = [[1, 99, 28, 57, 314], [3, 504, 35, 282, 7, 7, 400]]
     new = 12
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")

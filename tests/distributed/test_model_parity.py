@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.assets import smollm2_dir, tiny_llama_dir, tiny_qwen2_dir
+from tests.assets import smollm2_dir, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir
 from tests.distributed import parity_workers as w
 from tests.mp import run_gloo
 
@@ -16,9 +16,13 @@ from tests.mp import run_gloo
 LAYOUTS = [dict(tp=1), dict(tp=2), dict(pp=2), dict(tp=2, pp=2)]
 
 
-@pytest.mark.parametrize("model", ["qwen2", "llama"])
+TINY = {"qwen2": tiny_qwen2_dir, "llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}
+
+
+@pytest.mark.parametrize("model", ["qwen2", "llama", "qwen3"])
 def test_logits_equal_transformers_on_every_layout(model):
-    model_dir = str(tiny_qwen2_dir() if model == "qwen2" else tiny_llama_dir())
+    """Qwen3 against transformers' Qwen3ForCausalLM: q/k norm, head_dim 32 != hidden/heads."""
+    model_dir = str(TINY[model]())
     results = run_gloo(w.logits_worker, 4, model_dir, LAYOUTS)
     merged: dict[str, float] = {}
     for r in results:
@@ -41,9 +45,9 @@ def test_smollm2_tp3_equals_transformers():
     assert rel < 1e-4, rel
 
 
-@pytest.mark.parametrize("model", ["qwen2", "llama"])
+@pytest.mark.parametrize("model", ["qwen2", "llama", "qwen3"])
 def test_grads_and_adam_step_equal_single_process(model):
-    model_dir = str(tiny_qwen2_dir() if model == "qwen2" else tiny_llama_dir())
+    model_dir = str(TINY[model]())
     layouts = [dict(tp=2, pp=2), dict(tp=2), dict(tp=1, pp=2)]
     results = run_gloo(w.train_step_worker, 4, model_dir, layouts)
     merged: dict[str, float] = {}

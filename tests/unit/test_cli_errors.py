@@ -39,7 +39,9 @@ def test_unsupported_architecture_and_missing_model(tmp_path, capsys):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (model / "config.json").write_text(json.dumps(cfg))
     assert main(["demo", "--model", str(model), "--nproc", "1", "--tp", "1", "--pp", "1"]) == 2
-    assert "supports ['LlamaForCausalLM', 'Qwen2ForCausalLM']" in capsys.readouterr().err
+    assert "supports ['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']" in (
+        capsys.readouterr().err
+    )
     assert (
         main(
             ["demo", "--model", str(tmp_path / "missing"), "--nproc", "1", "--tp", "1", "--pp", "1"]

@@ -158,7 +158,7 @@ class _NamedParams:
 
 def test_reshard_takes_te_named_parameters():
     from megarl.hybrid_engine.execute import local_spec_tensors
-    from megarl.hybrid_engine.reshard_plan import actor_tensor_specs
+    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 
     dims, local = _local_state_dict(tiny_qwen2_dir())
     specs = actor_tensor_specs(dims, [dims.num_layers])

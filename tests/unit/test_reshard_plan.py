@@ -7,7 +7,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from megarl.hybrid_engine.reshard_plan import actor_tensor_specs, need_range, plan_reshard
+from megarl.hybrid_engine.reshard_plan import need_range, plan_reshard
+from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.models.dims import ModelDims
 
 DIMS = ModelDims(

@@ -1,0 +1,67 @@
+"""The reshard planner's tensor list for an actor model, from its family spec's tensor map.
+
+The planner (:mod:`megarl.hybrid_engine.reshard_plan`) receives these :class:`TensorSpec` and knows
+nothing of models; shapes, TP split dimensions and HF order come from the family spec
+(:mod:`megarl.models.specs`) through :func:`megarl.models.hf_map.tensor_maps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megarl.hybrid_engine.reshard_plan import TensorSpec
+from megarl.models.dims import ModelDims
+from megarl.models.hf_map import tensor_maps
+from megarl.models.specs import TensorMap
+
+
+def megatron_global_name(template: str, layer: int | None) -> str:
+    return template.format(layer=layer) if layer is not None else template
+
+
+def actor_tensor_specs(
+    dims: ModelDims, layers_per_stage: Sequence[int], itemsize: int = 4
+) -> list[TensorSpec]:
+    """Every actor tensor that the rollout engine needs, in HF order, as planner specs.
+
+    Names are megatron names with *global* layer indices (the fused gate/up weight as
+    ``...linear_fc1.weight#0`` (gate) and ``#1`` (up), so each part splits as one contiguous range
+    per TP rank). The tied output layer is left out (vLLM ties it to the embedding).
+    """
+    pp = len(layers_per_stage)
+    stage_of_layer = [s for s, n in enumerate(layers_per_stage) for _ in range(n)]
+    if len(stage_of_layer) != dims.num_layers:
+        raise ValueError(
+            f"layers per stage {list(layers_per_stage)} do not sum to {dims.num_layers} layers"
+        )
+    maps = tensor_maps(dims)
+    specs: list[TensorSpec] = []
+
+    def add(tm: TensorMap, layer: int | None, stage: int) -> None:
+        name = megatron_global_name(tm.megatron, layer)
+        # One group per module (weight and bias, gate and up): vLLM must get a whole module in one
+        # weight update, or it processes the module half loaded.
+        module = name.rsplit(".", 1)[0]
+        if tm.kind == "gate_up":
+            rows, *rest = tm.shape
+            part_shape = (rows // 2, *rest)
+            for part in (0, 1):
+                specs.append(
+                    TensorSpec(f"{name}#{part}", part_shape, tm.tp_dim, stage, itemsize, module)
+                )
+        else:
+            specs.append(TensorSpec(name, tm.shape, tm.tp_dim, stage, itemsize, module))
+
+    # HF order: embeddings, layer by layer, final norm, head.
+    for tm in maps:
+        if tm.megatron == "embedding.word_embeddings.weight":
+            add(tm, None, 0)
+    for layer in range(dims.num_layers):
+        for tm in maps:
+            if tm.per_layer:
+                add(tm, layer, stage_of_layer[layer])
+    for tm in maps:
+        head = tm.megatron == "output_layer.weight" and not dims.tie_word_embeddings
+        if tm.megatron == "decoder.final_layernorm.weight" or head:
+            add(tm, None, pp - 1)
+    return specs

@@ -1,0 +1,172 @@
+"""What megarl knows of one model architecture: a :class:`FamilySpec`, and the registry of them.
+
+A family (``qwen2``, ``llama``, ``qwen3``, ...) is one module in this package that builds a
+:class:`FamilySpec` and registers it. Everything else reads the spec: the dims parser
+(:mod:`megarl.models.dims`: which HF architectures map here, family-specific flags), the model
+builder (megatron ``TransformerConfig`` options and layer-spec options), the name map (loading,
+export, verify, checkpoints tools), the reshard tensor list and the planner's known models.
+
+Pure: no torch, no megatron, and nothing of the rest of :mod:`megarl.models` (the specs sit
+below it), so a spec reads the dims through the :class:`Dims` protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from megarl.errors import UnsupportedModelError
+
+ROLES_ALL = ("actor", "reference", "critic", "reward")
+
+
+class Dims(Protocol):
+    """The model numbers a spec reads (:class:`megarl.models.dims.ModelDims` has them)."""
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One megatron parameter and the HF tensors it is made of.
+
+    ``kind`` names the transform (``copy``, ``qkv``, ``gate_up``: see :mod:`megarl.models.hf_map`);
+    ``shape`` is the full (unsharded) megatron shape, ``tp_dim`` the dimension split over TP.
+    """
+
+    megatron: str  # template, "{layer}" = layer index local to the pipeline stage
+    hf: tuple[str, ...]  # templates, "{layer}" = global layer index
+    kind: str  # "copy" | "qkv" | "gate_up"
+    tp_dim: int | None  # dimension split over TP ranks in megatron (None: replicated)
+    shape: tuple[int, ...] = field(default=(), compare=False)
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.megatron
+
+    def shard_shape(self, tp: int) -> tuple[int, ...]:
+        """The shape one TP rank holds (the full shape when replicated)."""
+        if self.tp_dim is None or tp == 1:
+            return self.shape
+        if self.shape[self.tp_dim] % tp:
+            raise ValueError(
+                f"{self.megatron}: dimension {self.tp_dim} of {self.shape} does not split over "
+                f"tp={tp}"
+            )
+        out = list(self.shape)
+        out[self.tp_dim] //= tp
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One architecture family.
+
+    - ``architectures``: the HF ``*ForCausalLM`` names it reads (heads map to the same trunk).
+    - ``qkv_bias(cfg)``: whether q/k/v projections carry a bias in this HF config.
+    - ``qk_layernorm``: per-head RMSNorm on queries and keys before rope (megatron
+      ``qk_layernorm``).
+    - ``tensor_maps(dims, role)``: every megatron parameter of ``role`` with its HF names, transform
+      and full shape, in HF order.
+    - ``check_config(cfg)``: raises :class:`UnsupportedModelError` for options of this family that
+      megarl does not implement.
+    - ``roles``: the model roles (LM head or scalar heads) it supports.
+    - ``known_models``: public configs by canonical name, for ``megarl plan``.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    tensor_maps: Callable[[Dims, str], list[TensorMap]]
+    qkv_bias: Callable[[Mapping[str, Any]], bool]
+    qk_layernorm: bool = False
+    check_config: Callable[[Mapping[str, Any]], None] = lambda cfg: None
+    roles: tuple[str, ...] = ROLES_ALL
+    known_models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    description: str = ""
+
+    def megatron_options(self, dims: Dims) -> dict[str, Any]:
+        """The ``TransformerConfig`` options that depend on the family (the rest are common)."""
+        return {
+            "num_layers": dims.num_layers,
+            "hidden_size": dims.hidden_size,
+            "ffn_hidden_size": dims.ffn_hidden_size,
+            "num_attention_heads": dims.num_attention_heads,
+            "num_query_groups": dims.num_kv_heads,
+            "kv_channels": dims.head_dim,
+            "normalization": "RMSNorm",
+            "gated_linear_unit": True,
+            "add_bias_linear": False,
+            "add_qkv_bias": dims.qkv_bias,
+            "qk_layernorm": dims.qk_layernorm,
+        }
+
+    def layer_spec_options(self) -> dict[str, Any]:
+        """Keyword arguments of megatron's ``get_gpt_layer_*_spec`` for this family."""
+        return {"qk_layernorm": self.qk_layernorm}
+
+    def check_role(self, role: str) -> None:
+        if role not in self.roles:
+            raise UnsupportedModelError(
+                f"the {self.name} family supports the roles {list(self.roles)}, not {role!r}"
+            )
+
+
+_FAMILIES: dict[str, FamilySpec] = {}
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Add a family; its architectures must not already belong to another one."""
+    for other in _FAMILIES.values():
+        clash = set(other.architectures) & set(spec.architectures)
+        if other.name != spec.name and clash:
+            raise ValueError(f"architectures {sorted(clash)} already belong to {other.name!r}")
+    _FAMILIES[spec.name] = spec
+    return spec
+
+
+def unregister_family(name: str) -> None:
+    _FAMILIES.pop(name, None)
+
+
+def family(name: str) -> FamilySpec:
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"unknown model family {name!r}; known: {sorted(_FAMILIES)}"
+        ) from None
+
+
+def families() -> list[FamilySpec]:
+    return list(_FAMILIES.values())
+
+
+def supported_architectures() -> dict[str, str]:
+    """HF architecture name -> family name, for every registered family."""
+    return {arch: spec.name for spec in _FAMILIES.values() for arch in spec.architectures}
+
+
+def family_for_architectures(
+    archs: list[str], model_type: str | None = None
+) -> tuple[str, FamilySpec]:
+    """``(architecture, family)`` of the first supported name in ``archs``; else an error naming
+    the supported ones."""
+    table = supported_architectures()
+    for arch in archs:
+        if arch in table:
+            return arch, _FAMILIES[table[arch]]
+    raise UnsupportedModelError(
+        f"unsupported architecture {archs or model_type!r}; megarl supports "
+        f"{sorted(table)} (families: {', '.join(sorted(_FAMILIES))})"
+    )

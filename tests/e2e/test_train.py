@@ -250,13 +250,14 @@ def test_full_run_is_in_tensorboard_and_wandb(workdir, full_run):
     [run_dir] = (workdir / "full" / "wandb").glob("offline-run-*")
     [run_file] = run_dir.glob("run-*.wandb")
     steps = history(run_file)
-    assert sorted(steps) == [1, 2, 3, 4]
+    assert sorted(steps) == [0, 1, 2, 3, 4]  # 0: the validation before training
     for key in TRACKED:
-        for step in steps:
+        for step in (1, 2, 3, 4):
             assert steps[step][key] == pytest.approx(full_run[step][key], rel=1e-9), (key, step)
     assert steps[2]["val/reward_mean"] == pytest.approx(full_run[2]["val/reward_mean"])
-    assert steps[4]["validation/generations/nrows"] == 4  # data.val_batch_size prompts
-    assert len(list((run_dir / "files" / "media" / "table" / "validation").glob("*.json"))) == 2
+    # the table holds the first 32 generations of the pass: 16 prompts x 2 samples
+    assert steps[4]["validation/generations/nrows"] == 32
+    assert len(list((run_dir / "files" / "media" / "table" / "validation").glob("*.json"))) == 3
     assert "is offline in" in (workdir / "full" / "console.log").read_text()
 
 
@@ -283,7 +284,7 @@ def test_report_of_the_full_run(workdir, full_run):
     for title, png in pngs.items():
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000, title
     assert "Reward-model accuracy: skipped, the run logged none of" in page  # a GRPO run
-    assert "4 steps logged (1 to 4)" in page
+    assert "5 steps logged (0 to 4)" in page  # 0: the validation before training
 
 
 def test_console_is_quiet_by_default(workdir, full_run):
@@ -422,7 +423,7 @@ def test_sigterm_checkpoints_and_exits_0_then_resume_continues_exactly(workdir, 
     assert str(ckpts / "step_00000001") in proc.stderr and "resume" in proc.stderr
     assert (ckpts / "latest").read_text().strip() == "step_00000001"
     first = by_step(metrics(workdir, "preempted"))
-    assert sorted(first) == [1]
+    assert sorted(first) == [0, 1]  # 0: the validation before training
     proc = launch(workdir, "preempted", *FULL, "trainer.keep_last=1", fault="enospc@save:step=4")
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert f"saving the checkpoint of step 4 into {ckpts} failed" in proc.stderr

@@ -24,7 +24,10 @@ class ModelConfig:
     path: str = MISSING  # local Hugging Face folder of the actor (and reference)
     critic_path: str | None = None  # PPO critic trunk; None: same as path
     dtype: str = "float32"  # float32 | bfloat16
-    recompute: bool = False  # full activation recomputation
+    # Activation recomputation: none | selective (megatron's core-attention recompute) | full
+    # (whole layers, recompute_num_layers per checkpoint)
+    recompute: str = "none"
+    recompute_num_layers: int = 1
     # auto: Transformer Engine layers where CUDA and TE are present, else megatron's local spec
     transformer_impl: str = "auto"  # auto | local | transformer_engine
 
@@ -35,6 +38,9 @@ class ParallelConfig:
     pp: int = 1
     pp_layers: list[int] | None = None  # uneven split over pipeline stages
     infer_tp: int | None = None  # vLLM tensor parallel size; None: same as tp
+    # Megatron sequence parallelism (activations split along the sequence over the TP group);
+    # None: on when tp > 1
+    sequence_parallel: bool | None = None
 
 
 @dataclass
@@ -180,6 +186,7 @@ class RunConfig:
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.transformer_impl": ("auto", "local", "transformer_engine"),
+    "model.recompute": ("none", "selective", "full"),
     "rollout.backend": ("vllm", "hf"),
     "rollout.sleep_level": (1, 2),
     "data.overlong_prompts": ("filter", "error"),
@@ -253,6 +260,7 @@ def load_config(
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     """Cross-setting checks; with ``world_size`` also the batch split over data-parallel ranks."""
+    _validate_recompute(cfg.model)
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -264,6 +272,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "(0, 1]: the share of each GPU's memory vLLM may take (e.g. 0.5)"
         )
     _validate_tracking(cfg)
+    _validate_parallel(cfg.parallel)
     bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
     if bad_steps:
         raise ConfigError(
@@ -317,6 +326,27 @@ def _validate_tracking(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.wandb_mode={t.wandb_mode!r} is not one of {list(WANDB_MODES)} "
             "(or null: W&B's own default)"
+        )
+
+
+def _validate_recompute(model: ModelConfig) -> None:
+    if model.recompute in ("True", "False", "true", "false"):
+        raise ConfigError(
+            f"model.recompute={model.recompute} is the old on/off form; it now names the kind: "
+            "none | selective | full (the old true is full)"
+        )
+    if model.recompute_num_layers < 1:
+        raise ConfigError(
+            f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1 "
+            "(layers per recomputed checkpoint with model.recompute=full)"
+        )
+
+
+def _validate_parallel(par: ParallelConfig) -> None:
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp > 1, or "
+            "parallel.sequence_parallel=false (unset, it is on exactly when tp > 1)"
         )
 
 

@@ -44,7 +44,7 @@ def _row(i: int, e: Evaluated) -> list[str]:
         str(i),
         _layout_name(e.layout),
         str(e.layout.rollout_tp),
-        _yes(e.options.recompute),
+        e.options.recompute,
         _yes(e.options.optimizer_offload),
         fmt_gib(train.get("weights", 0)),
         fmt_gib(train.get("grads", 0)),
@@ -140,7 +140,7 @@ def _knob_words(e: Evaluated | None) -> str:
     words = [
         w
         for w, on in (
-            ("recompute", e.options.recompute),
+            (f"{e.options.recompute} recompute", e.options.recompute != "none"),
             ("optimizer offload", e.options.optimizer_offload),
         )
         if on

@@ -55,7 +55,9 @@ def model_options(cfg: RunConfig) -> ModelOptions:
     return ModelOptions(
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
         recompute=cfg.model.recompute,
+        recompute_num_layers=cfg.model.recompute_num_layers,
         transformer_impl=cfg.model.transformer_impl,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
 
 

@@ -61,8 +61,29 @@ def check_rollout_backend(backend: str) -> None:
         )
 
 
+def check_context_parallel(cp: int, transformer_impl: str) -> None:
+    """``parallel.cp > 1`` is refused before launch: without Transformer Engine (CPU) there is no
+    context-parallel attention; with it, megarl does not build context parallelism yet."""
+    if cp == 1:
+        return
+    if resolve_transformer_impl(transformer_impl) != "transformer_engine":
+        raise ConfigError(
+            f"parallel.cp={cp}: context parallelism needs Transformer Engine (its attention "
+            "exchanges key/value chunks between ranks), which needs CUDA and megarl[gpu]; "
+            "this run uses megatron's local spec. Set parallel.cp=1; for long sequences use "
+            "parallel.tp > 1 (sequence parallelism is on by default there) and "
+            "model.recompute=selective or full"
+        )
+    raise ConfigError(
+        f"parallel.cp={cp}: megarl does not build context-parallel models yet; set "
+        "parallel.cp=1 and use parallel.tp > 1 (with sequence parallelism) and "
+        "model.recompute for long sequences"
+    )
+
+
 def check_backends(cfg) -> None:
     """Every engine ``cfg`` (a RunConfig) asks for can run here; before any process starts."""
     resolve_transformer_impl(cfg.model.transformer_impl)
+    check_context_parallel(cfg.parallel.cp, cfg.model.transformer_impl)
     if cfg.trainer.kind == "policy":
         check_rollout_backend(cfg.rollout.backend)

@@ -41,6 +41,8 @@ class ParallelConfig:
     # Megatron sequence parallelism (activations split along the sequence over the TP group);
     # None: on when tp > 1
     sequence_parallel: bool | None = None
+    # Context parallel size (sequence split over GPUs in attention); needs Transformer Engine
+    cp: int = 1
 
 
 @dataclass
@@ -273,6 +275,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     _validate_tracking(cfg)
     _validate_parallel(cfg.parallel)
+    _validate_context_parallel(cfg)
     bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
     if bad_steps:
         raise ConfigError(
@@ -347,6 +350,34 @@ def _validate_parallel(par: ParallelConfig) -> None:
         raise ConfigError(
             "parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp > 1, or "
             "parallel.sequence_parallel=false (unset, it is on exactly when tp > 1)"
+        )
+
+
+def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
+    """The longest sequence a run trains on, and the settings that make it up."""
+    if cfg.trainer.kind == "reward_model":
+        return cfg.reward_model.max_length, "reward_model.max_length"
+    return (
+        cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        "data.max_prompt_length + rollout.max_response_length",
+    )
+
+
+def _validate_context_parallel(cfg: RunConfig) -> None:
+    """The pure part of the parallel.cp checks (Transformer Engine's presence is checked with the
+    other backends, megarl.backends)."""
+    cp = cfg.parallel.cp
+    if cp < 1:
+        raise ConfigError(f"parallel.cp={cp} must be >= 1 (1: no context parallelism)")
+    if cp == 1:
+        return
+    budget, what = sequence_budget(cfg)
+    # Megatron's causal context parallelism cuts each sequence into 2 * cp chunks (each rank
+    # takes one early and one late chunk, to even out the causal attention's work).
+    if budget % (2 * cp):
+        raise ConfigError(
+            f"parallel.cp={cp} does not divide the sequence budget: {what} = {budget} must be a "
+            f"multiple of 2 * cp = {2 * cp}; change the lengths or parallel.cp"
         )
 
 

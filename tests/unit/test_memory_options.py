@@ -104,3 +104,31 @@ def test_planner_uses_the_config_recompute_names_and_follows_sequence_parallel()
     assert full < none
     # Sequence parallelism (the default at tp 2) splits the hidden-size activations.
     assert activations(recompute="none", sequence_parallel=False) > none
+
+
+def test_context_parallel_refused_on_cpu_and_when_it_does_not_divide_the_budget(monkeypatch):
+    from megarl import backends
+
+    cfg = load_config(overrides=[*BASE, "parallel.cp=2"])  # 512 + 512 is a multiple of 4
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2: context parallelism needs Transformer"):
+        backends.check_backends(cfg)
+    backends.check_backends(load_config(overrides=BASE))  # cp=1 passes
+    with pytest.raises(ConfigError, match=r"parallel.cp=3 does not divide the sequence budget.*"):
+        load_config(overrides=[*BASE, "parallel.cp=3", "rollout.max_response_length=500"])
+    with pytest.raises(ConfigError, match=r"reward_model.max_length = 1000 must be a multiple"):
+        load_config(
+            overrides=[
+                *BASE,
+                "parallel.cp=8",
+                "trainer.kind=reward_model",
+                "reward_model.max_length=1000",
+            ]
+        )
+    with pytest.raises(ConfigError, match=r"parallel.cp=0 must be >= 1"):
+        load_config(overrides=[*BASE, "parallel.cp=0"])
+    # Where Transformer Engine could run it, megarl still refuses: it does not build CP yet.
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "installed", lambda package: True)
+    with pytest.raises(ConfigError, match=r"does not build context-parallel models yet"):
+        backends.check_context_parallel(2, "auto")

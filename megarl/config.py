@@ -115,6 +115,9 @@ class ActorConfig:
     ppo_epochs: int = 1
     micro_batch_size: int = 4  # sequences per micro-batch per rank
     max_tokens_per_micro_batch: int | None = None  # token budget instead of a count
+    # Share of the actor's optimizer states (and Adam's step) held and run on the host instead
+    # of the GPU (megatron's optimizer CPU offload); 0: none. CUDA only.
+    optimizer_offload: float = 0.0
 
 
 @dataclass
@@ -276,6 +279,11 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_tracking(cfg)
     _validate_parallel(cfg.parallel)
     _validate_context_parallel(cfg)
+    if not 0.0 <= cfg.actor.optimizer_offload <= 1.0:
+        raise ConfigError(
+            f"actor.optimizer_offload={cfg.actor.optimizer_offload} must be in [0, 1]: the share "
+            "of the optimizer states kept on the host (0: none, 1: all)"
+        )
     bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
     if bad_steps:
         raise ConfigError(

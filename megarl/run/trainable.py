@@ -38,8 +38,11 @@ class TrainedModels(Protocol):
     def trainables(self) -> dict[str, Trainable]: ...
 
 
-def optim_settings(o: OptimConfig, total_updates: int) -> OptimSettings:
+def optim_settings(
+    o: OptimConfig, total_updates: int, optimizer_offload: float = 0.0
+) -> OptimSettings:
     return OptimSettings(
+        optimizer_offload=optimizer_offload,
         lr=o.lr,
         min_lr=o.min_lr,
         weight_decay=o.weight_decay,

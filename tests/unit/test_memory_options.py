@@ -132,3 +132,18 @@ def test_context_parallel_refused_on_cpu_and_when_it_does_not_divide_the_budget(
     monkeypatch.setattr(backends, "installed", lambda package: True)
     with pytest.raises(ConfigError, match=r"does not build context-parallel models yet"):
         backends.check_context_parallel(2, "auto")
+
+
+def test_optimizer_offload_range_and_cpu_refusal(monkeypatch):
+    from megarl import backends
+
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(
+            ConfigError, match=rf"actor.optimizer_offload={bad} must be in \[0, 1\]"
+        ):
+            load_config(overrides=[*BASE, f"actor.optimizer_offload={bad}"])
+    cfg = load_config(overrides=[*BASE, "actor.optimizer_offload=0.5"])
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"needs CUDA.*set actor.optimizer_offload=0"):
+        backends.check_backends(cfg)
+    backends.check_optimizer_offload(0.0)

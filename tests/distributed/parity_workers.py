@@ -155,6 +155,24 @@ def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSetting
     return loss.item(), grads, weights
 
 
+def _offload_round_trip(ddp, optimizer, dims, layout) -> float:
+    """1.0 when moving the DDP model's and megatron optimizer's storage to the host and back
+    released every storage and restored every weight, grad and Adam state bit for bit."""
+    from megarl.models.offload import model_tensors, offload, onload
+
+    tensors = model_tensors(ddp, optimizer)
+    before = [t.detach().clone() for t in tensors]
+    weights = {n: w.clone() for n, w in iter_stage_hf_tensors(ddp, dims, layout)}
+    moved = offload(tensors)
+    released = all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    onload(moved)
+    exact = all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    exact = exact and all(
+        torch.equal(w, weights[n]) for n, w in iter_stage_hf_tensors(ddp, dims, layout)
+    )
+    return float(released and exact and moved.bytes_moved > 0)
+
+
 def train_step_worker(
     rank: int, world: int, model_dir: str, layouts: list[dict]
 ) -> dict[str, float]:
@@ -184,6 +202,7 @@ def train_step_worker(
             grad_diff = max((g - ref_grads[name]).abs().max().item() for name, g in grads.items())
             grads_by_layout[key] = {name: g.clone() for name, g in grads.items()}
         ok, grad_norm, _ = optimizer.step()
+        out[key + ":offload_exact"] = _offload_round_trip(ddp, optimizer, dims, layout)
         diffs = {
             name: (w - ref_weights[name]).abs().max().item()
             for name, w in iter_stage_hf_tensors(ddp, dims, layout)

@@ -86,6 +86,8 @@ def test_grads_and_adam_step_equal_single_process(model):
         "TP2xPP2xDP1+SP+full2",
     ):
         assert merged[f"{layout}:step_ok"] == 1.0
+        # min over ranks: every rank's model + optimizer storage went to the host and back exactly
+        assert min(r[f"{layout}:offload_exact"] for r in results) == 1.0, layout
         assert merged[f"{layout}:loss"] < 1e-6, (layout, merged)
         assert merged[f"{layout}:grad"] < 1e-6, (layout, merged)
         assert merged[f"{layout}:weight"] < 1e-6, (layout, merged)

@@ -63,3 +63,17 @@ def test_imbalance_metric_and_errors():
     with pytest.raises(ValueError, match="multiple of the data-parallel size"):
         balance_groups([1, 2, 3], 2)
     assert balance_groups([5, 1, 4, 2], 1).ranks == ((0, 1, 2, 3),)
+
+
+def test_step_reports_the_dp_token_imbalance_after_reduction():
+    from megarl.run.steps import derived_metrics
+
+    # After the reduction over ranks: max and mean of the ranks' trained tokens.
+    assert derived_metrics({"perf/dp_tokens_max": 300.0, "perf/dp_tokens_mean": 300.0}) == {
+        "perf/dp_token_imbalance": 0.0
+    }
+    two_ranks = {"perf/dp_tokens_max": 450.0, "perf/dp_tokens_mean": 300.0}  # ranks 450 and 150
+    assert derived_metrics(two_ranks)["perf/dp_token_imbalance"] == pytest.approx(
+        imbalance([450, 150])
+    )
+    assert derived_metrics({"reward/mean": 1.0}) == {}

@@ -41,7 +41,9 @@ def model_tensors(model: torch.nn.Module, optimizer=None) -> list[torch.Tensor]:
         for grad in (p.grad, getattr(p, "main_grad", None)):
             if grad is not None:
                 out.append(grad)
-    out.extend(model.buffers())
+    # Module.buffers explicitly: megatron's DDP names its list of grad buffers ``buffers``
+    # (the parameters and main grads above are views into those).
+    out.extend(torch.nn.Module.buffers(model))
     for holder in _optimizers(optimizer):
         for group in holder.param_groups:  # megatron's fp32 main params / shards
             out.extend(group["params"])

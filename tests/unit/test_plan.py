@@ -236,6 +236,17 @@ def test_json_output_is_complete():
     ):
         assert key in top
     assert top["peak_gib"] <= 80
+    # The overrides build this layout: they pass the run config's checks and say the same.
+    from megarl.config import load_config
+
+    cfg = load_config(overrides=["model.path=/m", "data.train_files=[t]", *top["overrides"]])
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.infer_tp) == (
+        top["tp"],
+        top["pp"],
+        top["infer_tp"],
+    )
+    assert cfg.model.recompute == top["recompute"]
+    assert (cfg.actor.optimizer_offload == 1.0) == top["optimizer_offload"]
     assert data["infeasible"] and all(g["reason"] and g["layouts"] for g in data["infeasible"])
     assert data["nothing_fits"] is False
 

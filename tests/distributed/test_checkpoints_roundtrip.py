@@ -191,7 +191,7 @@ def _te_extra_state(dims, layout) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megarl.models.build import layer_offset
+    from megarl.models.dims import layer_offset
 
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     first = layer_offset(dims, layout, pp_rank)

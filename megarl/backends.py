@@ -61,8 +61,42 @@ def check_rollout_backend(backend: str) -> None:
         )
 
 
+def check_context_parallel(cp: int, transformer_impl: str) -> None:
+    """``parallel.cp > 1`` is refused before launch: without Transformer Engine (CPU) there is no
+    context-parallel attention; with it, megarl does not build context parallelism yet."""
+    if cp == 1:
+        return
+    if resolve_transformer_impl(transformer_impl) != "transformer_engine":
+        raise ConfigError(
+            f"parallel.cp={cp}: context parallelism needs Transformer Engine (its attention "
+            "exchanges key/value chunks between ranks), which needs CUDA and megarl[gpu]; "
+            "this run uses megatron's local spec. Set parallel.cp=1; for long sequences use "
+            "parallel.tp > 1 (sequence parallelism is on by default there) and "
+            "model.recompute=selective or full"
+        )
+    raise ConfigError(
+        f"parallel.cp={cp}: megarl does not build context-parallel models yet; set "
+        "parallel.cp=1 and use parallel.tp > 1 (with sequence parallelism) and "
+        "model.recompute for long sequences"
+    )
+
+
+def check_optimizer_offload(fraction: float) -> None:
+    """megatron's optimizer CPU offload (HybridDeviceOptimizer) moves states from the GPU to the
+    host; on a CPU-only machine they are on the host already, and megatron-core 0.16's offload
+    asks for CUDA streams at construction."""
+    if fraction > 0 and not torch.cuda.is_available():
+        raise ConfigError(
+            f"actor.optimizer_offload={fraction}: optimizer offload moves optimizer states from "
+            "GPU to host memory and needs CUDA; on CPU the states are in host memory already: "
+            "set actor.optimizer_offload=0"
+        )
+
+
 def check_backends(cfg) -> None:
     """Every engine ``cfg`` (a RunConfig) asks for can run here; before any process starts."""
     resolve_transformer_impl(cfg.model.transformer_impl)
+    check_context_parallel(cfg.parallel.cp, cfg.model.transformer_impl)
+    check_optimizer_offload(cfg.actor.optimizer_offload)
     if cfg.trainer.kind == "policy":
         check_rollout_backend(cfg.rollout.backend)

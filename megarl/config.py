@@ -24,7 +24,10 @@ class ModelConfig:
     path: str = MISSING  # local Hugging Face folder of the actor (and reference)
     critic_path: str | None = None  # PPO critic trunk; None: same as path
     dtype: str = "float32"  # float32 | bfloat16
-    recompute: bool = False  # full activation recomputation
+    # Activation recomputation: none | selective (megatron's core-attention recompute) | full
+    # (whole layers, recompute_num_layers per checkpoint)
+    recompute: str = "none"
+    recompute_num_layers: int = 1
     # auto: Transformer Engine layers where CUDA and TE are present, else megatron's local spec
     transformer_impl: str = "auto"  # auto | local | transformer_engine
 
@@ -35,6 +38,11 @@ class ParallelConfig:
     pp: int = 1
     pp_layers: list[int] | None = None  # uneven split over pipeline stages
     infer_tp: int | None = None  # vLLM tensor parallel size; None: same as tp
+    # Megatron sequence parallelism (activations split along the sequence over the TP group);
+    # None: on when tp > 1
+    sequence_parallel: bool | None = None
+    # Context parallel size (sequence split over GPUs in attention); needs Transformer Engine
+    cp: int = 1
 
 
 @dataclass
@@ -124,6 +132,9 @@ class ActorConfig:
     ppo_epochs: int = 1
     micro_batch_size: int = 4  # sequences per micro-batch per rank
     max_tokens_per_micro_batch: int | None = None  # token budget instead of a count
+    # Share of the actor's optimizer states (and Adam's step) held and run on the host instead
+    # of the GPU (megatron's optimizer CPU offload); 0: none. CUDA only.
+    optimizer_offload: float = 0.0
 
 
 @dataclass
@@ -213,6 +224,7 @@ class RunConfig:
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.transformer_impl": ("auto", "local", "transformer_engine"),
+    "model.recompute": ("none", "selective", "full"),
     "rollout.backend": ("vllm", "hf"),
     "rollout.sleep_level": (1, 2),
     "data.overlong_prompts": ("filter", "error"),
@@ -285,6 +297,7 @@ def load_config(
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     """Cross-setting checks; with ``world_size`` also the batch split over data-parallel ranks."""
+    _validate_recompute(cfg.model)
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -296,6 +309,13 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "(0, 1]: the share of each GPU's memory vLLM may take (e.g. 0.5)"
         )
     _validate_tracking(cfg)
+    _validate_parallel(cfg.parallel)
+    _validate_context_parallel(cfg)
+    if not 0.0 <= cfg.actor.optimizer_offload <= 1.0:
+        raise ConfigError(
+            f"actor.optimizer_offload={cfg.actor.optimizer_offload} must be in [0, 1]: the share "
+            "of the optimizer states kept on the host (0: none, 1: all)"
+        )
     bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
     if bad_steps:
         raise ConfigError(
@@ -494,6 +514,55 @@ def _validate_reliability(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.hang_timeout_s={t.hang_timeout_s} must be > 0 seconds; set it above the "
             "longest step phase (rollout, update, checkpoint save) of the run, e.g. 1800"
+        )
+
+
+def _validate_recompute(model: ModelConfig) -> None:
+    if model.recompute in ("True", "False", "true", "false"):
+        raise ConfigError(
+            f"model.recompute={model.recompute} is the old on/off form; it now names the kind: "
+            "none | selective | full (the old true is full)"
+        )
+    if model.recompute_num_layers < 1:
+        raise ConfigError(
+            f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1 "
+            "(layers per recomputed checkpoint with model.recompute=full)"
+        )
+
+
+def _validate_parallel(par: ParallelConfig) -> None:
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp > 1, or "
+            "parallel.sequence_parallel=false (unset, it is on exactly when tp > 1)"
+        )
+
+
+def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
+    """The longest sequence a run trains on, and the settings that make it up."""
+    if cfg.trainer.kind == "reward_model":
+        return cfg.reward_model.max_length, "reward_model.max_length"
+    return (
+        cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        "data.max_prompt_length + rollout.max_response_length",
+    )
+
+
+def _validate_context_parallel(cfg: RunConfig) -> None:
+    """The pure part of the parallel.cp checks (Transformer Engine's presence is checked with the
+    other backends, megarl.backends)."""
+    cp = cfg.parallel.cp
+    if cp < 1:
+        raise ConfigError(f"parallel.cp={cp} must be >= 1 (1: no context parallelism)")
+    if cp == 1:
+        return
+    budget, what = sequence_budget(cfg)
+    # Megatron's causal context parallelism cuts each sequence into 2 * cp chunks (each rank
+    # takes one early and one late chunk, to even out the causal attention's work).
+    if budget % (2 * cp):
+        raise ConfigError(
+            f"parallel.cp={cp} does not divide the sequence budget: {what} = {budget} must be a "
+            f"multiple of 2 * cp = {2 * cp}; change the lengths or parallel.cp"
         )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megarl import parallel, platform
+from megarl.errors import LayoutError
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
 from megarl.models.value_head import ValueHead
@@ -24,11 +25,27 @@ ROLES = ("actor", "critic", "reference", "reward")
 @dataclass(frozen=True)
 class ModelOptions:
     dtype: torch.dtype = torch.float32
-    recompute: bool = False
+    recompute: str = "none"  # none | selective | full (see RECOMPUTE)
+    recompute_num_layers: int = 1  # layers per checkpoint with full recompute
     transformer_impl: str = "auto"  # auto | local | transformer_engine (megarl.backends)
+    # Megatron sequence parallelism (norms, dropout and residuals split along the sequence over
+    # the TP group); None: on when tp > 1.
+    sequence_parallel: bool | None = None
     # Dropout stays off: RL losses compare logprobs of the same tokens across passes.
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+
+
+def resolve_sequence_parallel(setting: bool | None, tp: int) -> bool:
+    """Whether sequence parallelism is on for this TP size (``None``: on when tp > 1)."""
+    if setting is None:
+        return tp > 1
+    if setting and tp == 1:
+        raise LayoutError(
+            "parallel.sequence_parallel=true needs tensor parallelism (parallel.tp > 1): "
+            "set parallel.tp > 1 or parallel.sequence_parallel=false (or leave it unset)"
+        )
+    return bool(setting)
 
 
 def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptions | None = None):
@@ -68,20 +85,49 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
         # Dense models have no MoE dispatcher, but the config check for variable_seq_lengths
         # rejects the default ("allgather") regardless.
         moe_token_dispatcher_type="alltoall",
+        sequence_parallel=resolve_sequence_parallel(opts.sequence_parallel, layout.tp),
         **layout.megatron_stage_kwargs(dims.num_layers),
     )
-    if opts.recompute:
-        kwargs.update(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
+    kwargs.update(recompute_settings(opts.recompute, opts.recompute_num_layers))
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None):
+def _no_recompute(num_layers: int) -> dict[str, object]:
+    return {}
+
+
+def _selective_recompute(num_layers: int) -> dict[str, object]:
+    # megatron's default selective module list is the core attention (scores and softmax).
+    return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+
+
+def _full_recompute(num_layers: int) -> dict[str, object]:
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": num_layers,
+    }
+
+
+# model.recompute kind -> TransformerConfig settings (layers per checkpoint for "full").
+RECOMPUTE = {"none": _no_recompute, "selective": _selective_recompute, "full": _full_recompute}
+
+
+def recompute_settings(kind: str, num_layers: int = 1) -> dict[str, object]:
+    """megatron's recompute settings for a ``model.recompute`` kind."""
+    if kind not in RECOMPUTE:
+        raise ValueError(f"unknown recompute kind {kind!r}; known: {sorted(RECOMPUTE)}")
+    return RECOMPUTE[kind](num_layers)
+
+
+def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None, config=None):
     """Transformer Engine's layer spec, or megatron's local spec with torch SDPA as core attention
     (see megarl.models.attention), as ``transformer_impl`` resolves on this machine
     (:func:`megarl.backends.resolve_transformer_impl`; ``auto``: TE where CUDA and TE are
-    present). The two name a layer's norm weights differently; megarl.models.hf_map knows both."""
+    present). The two name a layer's norm weights differently; megarl.models.hf_map knows both.
+
+    With ``config`` (this stage's TransformerConfig) the local spec comes as a whole block whose
+    norms, the final one included, accept sequence parallelism (:mod:`megarl.models.norm`)."""
     from megarl.backends import resolve_transformer_impl
 
     impl = resolve_transformer_impl(transformer_impl)  # errors before megatron's specs import
@@ -90,11 +136,30 @@ def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None):
     family_opts = dims.spec.layer_spec_options() if dims is not None else {}
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**family_opts)
+    from megatron.core.transformer.identity_op import IdentityOp
+
     from megarl.models.attention import SDPACoreAttention
+    from megarl.models.norm import SequenceParallelTorchNorm
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **family_opts)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
+    if config is None:
+        return spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    attention = spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):  # Qwen3's per-head q/k norms, where present
+        if getattr(attention, name, None) not in (None, IdentityOp):
+            setattr(attention, name, SequenceParallelTorchNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=parallel.pp_rank()),
+        layer_norm=SequenceParallelTorchNorm,
+    )
 
 
 def build_gpt_model(
@@ -110,7 +175,7 @@ def build_gpt_model(
     pre, post = parallel.is_first_stage(), parallel.is_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(opts.transformer_impl, dims),
+        transformer_layer_spec=layer_spec(opts.transformer_impl, dims, config),
         vocab_size=dims.vocab_size,
         max_sequence_length=dims.max_position_embeddings,
         pre_process=pre,

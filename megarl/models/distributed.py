@@ -18,6 +18,8 @@ class OptimSettings:
     warmup_steps: int = 0
     total_steps: int = 1
     lr_decay_style: str = "constant"  # constant | linear | cosine
+    # Share of optimizer states on the host (megatron's optimizer CPU offload; CUDA only)
+    optimizer_offload: float = 0.0
 
 
 def wrap_for_training(model, settings: OptimSettings):
@@ -56,6 +58,8 @@ def wrap_for_training(model, settings: OptimSettings):
         bf16=config.bf16,
         fp16=config.fp16,
         params_dtype=config.params_dtype,
+        optimizer_cpu_offload=settings.optimizer_offload > 0,
+        optimizer_offload_fraction=settings.optimizer_offload,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     scheduler = OptimizerParamScheduler(

@@ -25,14 +25,41 @@ def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _select_hook(module, args, kwargs):
-    """Forward pre-hook of the output layer: keep only the hidden states at the chosen positions."""
+    """Forward pre-hook of the output layer: gather the sequence-parallel hidden states (if the
+    model splits them along the sequence), then keep only those at the chosen positions."""
+    hidden = args[0]  # [s, b, h]; [s / tp, b, h] under sequence parallelism
+    if getattr(module, "_megarl_gather_sequence", False):
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        # Backward only splits: the TP reduction of the input gradient is the output layer's own
+        # (ColumnParallelLinear, now run without sequence parallelism, all-reduces it), and a
+        # replicated scalar head gives every TP rank the whole gradient already.
+        hidden = gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False, group=parallel.tp_group()
+        )
     index = getattr(module, "_megarl_positions", None)
-    if index is None:
-        return None
-    hidden = args[0]  # [s, b, h]
-    rows = index.t().to(hidden.device)  # [P, b]
-    picked = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return (picked, *args[1:]), kwargs
+    if index is not None:
+        rows = index.t().to(hidden.device)  # [P, b]
+        hidden = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return (hidden, *args[1:]), kwargs
+
+
+def _sequence_parallel(model) -> bool:
+    from megarl.models.loading import unwrap
+
+    config = getattr(unwrap(model), "config", None)
+    return bool(getattr(config, "sequence_parallel", False)) and parallel.tp_size() > 1
+
+
+def _install_select_hook(layer, sequence_parallel: bool) -> None:
+    """Under sequence parallelism megatron's output layer all-gathers the sequence itself, after
+    any pre-hook: the hook takes that gather over (positions are chosen on the whole sequence)
+    and the layer runs as a plain column-parallel linear."""
+    layer.register_forward_pre_hook(_select_hook, with_kwargs=True)
+    layer._megarl_select_hook = True
+    layer._megarl_gather_sequence = sequence_parallel
+    if sequence_parallel and hasattr(layer, "sequence_parallel"):
+        layer.sequence_parallel = False
 
 
 def select_output_positions(model, positions: torch.Tensor | None) -> None:
@@ -48,8 +75,7 @@ def select_output_positions(model, positions: torch.Tensor | None) -> None:
     if layer is None:  # not the last pipeline stage
         return
     if not getattr(layer, "_megarl_select_hook", False):
-        layer.register_forward_pre_hook(_select_hook, with_kwargs=True)
-        layer._megarl_select_hook = True
+        _install_select_hook(layer, _sequence_parallel(model))
     layer._megarl_positions = positions
 
 
@@ -73,22 +99,30 @@ def run_schedule(
 
     n = len(micro_batches)
     it = iter(micro_batches)
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    multiple = parallel.tp_size() if _sequence_parallel(chunks[0]) else 1
 
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
         ids = batch["input_ids"]
+        seq = ids.shape[1]
+        padded = pad_to_multiple(ids, multiple)
         select_output_positions(model_chunk, batch.get("positions"))
         output = model_chunk(
-            input_ids=ids, position_ids=position_ids_like(ids), attention_mask=None
+            input_ids=padded, position_ids=position_ids_like(padded), attention_mask=None
         )
+        all_positions = batch.get("positions") is None
 
         def loss_func(out: torch.Tensor):
+            if all_positions and out.shape[1] != seq:
+                out = out[:, :seq]
             loss, metrics = loss_fn(out, batch)
             return loss * n, metrics
 
         return output, loss_func
 
     seq_len = max(int(b["input_ids"].shape[1]) for b in micro_batches)
+    seq_len = -(-seq_len // multiple) * multiple
     mbs = max(int(b["input_ids"].shape[0]) for b in micro_batches)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -99,6 +133,18 @@ def run_schedule(
         micro_batch_size=mbs,
         forward_only=forward_only,
     )
+
+
+def pad_to_multiple(input_ids: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``input_ids`` right-padded (token 0) to a length divisible by ``multiple``.
+
+    Sequence parallelism splits the sequence evenly over the TP ranks. Padding at the end is
+    exact under the causal mask: no real token attends to it, and its outputs are dropped.
+    """
+    extra = -input_ids.shape[1] % multiple
+    if extra == 0:
+        return input_ids
+    return torch.nn.functional.pad(input_ids, (0, extra), value=0)
 
 
 def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:

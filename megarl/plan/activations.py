@@ -15,8 +15,9 @@ b * h bytes are left out.
 
 Full recomputation (megatron ``recompute_granularity=full``, uniform, 1 layer per checkpoint)
 stores only each layer's input and re-runs one layer at a time in the backward pass, so the
-stage holds ``layers * input + one layer's full activations``. Selective recomputation drops
-only the score term, which flash attention never stores, so it is not a separate option here.
+stage holds ``layers * input + one layer's full activations``. Selective recomputation
+(megatron's core-attention recompute, ``recompute_granularity=selective``) drops only the score
+term, which flash attention never stores: with flash attention it equals no recomputation.
 """
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ def _per_token_elements(p: ActivationProfile, dims: ModelDims, tp: int) -> float
     )
 
 
-def layer_bytes(p: ActivationProfile, dims: ModelDims, tp: int, batch: int, seq: int) -> int:
-    """Bytes one layer stores for one micro-batch without recomputation."""
+def layer_bytes(
+    p: ActivationProfile, dims: ModelDims, tp: int, batch: int, seq: int, scores: bool = True
+) -> int:
+    """Bytes one layer stores for one micro-batch without recomputation (``scores=False``: under
+    selective recomputation, which recomputes the attention scores instead of storing them)."""
     stored = batch * seq * _per_token_elements(p, dims, tp) * p.bytes
-    if not p.flash_attention:
+    if scores and not p.flash_attention:
         stored += 5 * dims.num_attention_heads * seq * seq * batch / tp * (p.bytes / 2)
     return int(stored)
 

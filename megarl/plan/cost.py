@@ -75,7 +75,9 @@ def step_time(
     m = workload.micro_batches(dp)
     q = dims.num_attention_heads * dims.head_dim
     per_pass = 2 * (flops_params(dims) + s * q * dims.num_layers)  # forward FLOPs per token
-    update = 3 + (1 if options.recompute else 0)  # forward + backward (+ recompute), in passes
+    # forward + backward (+ a second forward under full recompute), in passes; selective
+    # recompute re-runs only the core attention, left out of these per-token FLOPs
+    update = 3 + (1 if options.recompute == "full" else 0)
     passes = update + 1 + (1 if workload.reference else 0)
     if workload.critic:
         passes += update + 1

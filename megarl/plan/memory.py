@@ -108,7 +108,10 @@ CPU_FP32 = Numerics(
 class Options:
     """Knobs of one candidate beyond its layout."""
 
-    recompute: bool = False
+    recompute: str = "none"  # none | selective | full, as config's model.recompute
+    # as config's parallel.sequence_parallel: None is on when tp > 1 (splits the hidden-size
+    # activations along the sequence over the TP group)
+    sequence_parallel: bool | None = None
     optimizer_offload: bool = False
     param_offload: bool = False
 
@@ -215,7 +218,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Per-stage, per-phase peak memory of one rank (see the module doc for what is counted)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    act = numerics.activations
+    sp = options.sequence_parallel if options.sequence_parallel is not None else tp > 1
+    act = replace(numerics.activations, sequence_parallel=sp)
     b, s = workload.micro_batch, workload.seq_len
     m = workload.micro_batches(dp)
     pb = numerics.param_bytes
@@ -227,7 +231,11 @@ def estimate_memory(
     )
     vllm_weights, kv, workspace, kv_tokens = rollout
     per_layer = layer_bytes(act, dims, tp, b, s)
-    stored_layer = checkpoint_bytes(act, dims, tp, b, s) if options.recompute else per_layer
+    stored_layer = {
+        "none": per_layer,
+        "selective": layer_bytes(act, dims, tp, b, s, scores=False),
+        "full": checkpoint_bytes(act, dims, tp, b, s),
+    }[options.recompute]
     hid = hidden_bytes(act, dims, tp, b, s)
     _, _, largest_layer_weight = layer_params(dims, tp)
     stages = []
@@ -253,7 +261,12 @@ def estimate_memory(
         if last:
             one_mb += int(act.final_hidden * hid)
         in_flight = min(pp - k, m)
-        recompute_extra = per_layer if options.recompute and layers[k] else 0
+        # The backward re-runs one layer's forward (full) or its core attention (selective).
+        recompute_extra = 0
+        if layers[k] and options.recompute == "full":
+            recompute_extra = per_layer
+        elif layers[k] and options.recompute == "selective":
+            recompute_extra = per_layer - stored_layer
         held = in_flight * one_mb + recompute_extra
         vocab_shard = dims.vocab_size // tp
         vocab_weight = vocab_shard * dims.hidden_size * pb  # one embedding/output-layer shard

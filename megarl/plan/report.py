@@ -44,7 +44,7 @@ def _row(i: int, e: Evaluated) -> list[str]:
         str(i),
         _layout_name(e.layout),
         str(e.layout.rollout_tp),
-        _yes(e.options.recompute),
+        e.options.recompute,
         _yes(e.options.optimizer_offload),
         fmt_gib(train.get("weights", 0)),
         fmt_gib(train.get("grads", 0)),
@@ -140,7 +140,7 @@ def _knob_words(e: Evaluated | None) -> str:
     words = [
         w
         for w, on in (
-            ("recompute", e.options.recompute),
+            (f"{e.options.recompute} recompute", e.options.recompute != "none"),
             ("optimizer offload", e.options.optimizer_offload),
         )
         if on
@@ -150,6 +150,23 @@ def _knob_words(e: Evaluated | None) -> str:
 
 def _gib(n: float) -> float:
     return round(n / GIB, 3)
+
+
+def config_overrides(e: Evaluated) -> list[str]:
+    """The ``megarl train`` overrides that build this candidate (the plan's optimizer offload
+    moves all of it: ``actor.optimizer_offload=1.0``). Parameter offload has no setting yet."""
+    out = [
+        f"parallel.tp={e.layout.tp}",
+        f"parallel.pp={e.layout.pp}",
+        f"parallel.infer_tp={e.layout.rollout_tp}",
+        f"model.recompute={e.options.recompute}",
+        f"actor.optimizer_offload={1.0 if e.options.optimizer_offload else 0.0}",
+    ]
+    if e.layout.pp_layers:
+        out.append(f"parallel.pp_layers=[{','.join(map(str, e.layout.pp_layers))}]")
+    if e.options.sequence_parallel is not None:
+        out.append(f"parallel.sequence_parallel={str(e.options.sequence_parallel).lower()}")
+    return out
 
 
 def _evaluated_json(e: Evaluated) -> dict[str, Any]:
@@ -164,6 +181,7 @@ def _evaluated_json(e: Evaluated) -> dict[str, Any]:
         "recompute": e.options.recompute,
         "optimizer_offload": e.options.optimizer_offload,
         "param_offload": e.options.param_offload,
+        "overrides": config_overrides(e),
         "peak_gib": _gib(worst.peak),
         "peak_stage": worst.stage,
         "peak_phase": worst.phase,

@@ -79,7 +79,7 @@ class Filters:
     tp: int | None = None
     pp: int | None = None
     infer_tp: int | None = None
-    recompute: bool | None = None
+    recompute: str | None = None  # none | selective | full
     optimizer_offload: bool | None = None
     param_offload: bool = False
 
@@ -130,8 +130,10 @@ def _fits(memory: MemoryEstimate, cluster: Cluster, workload: Workload) -> bool:
     return kv is None or kv >= workload.seq_len
 
 
-def _knobs(filters: Filters) -> list[Options]:
-    rcs = [filters.recompute] if filters.recompute is not None else [False, True]
+def _knobs(filters: Filters, flash_attention: bool) -> list[Options]:
+    # With flash attention selective recompute saves nothing (no stored scores): not tried.
+    kinds = ["none", "full"] if flash_attention else ["none", "selective", "full"]
+    rcs = [filters.recompute] if filters.recompute is not None else kinds
     offs = [filters.optimizer_offload] if filters.optimizer_offload is not None else [False, True]
     return [
         Options(recompute=rc, optimizer_offload=off, param_offload=filters.param_offload)
@@ -182,7 +184,7 @@ def search(
                 except LayoutError as e:
                     infer_notes[str(e)].add(itp or tp)
                     continue
-                for opts in _knobs(filters):
+                for opts in _knobs(filters, numerics.activations.flash_attention):
                     evaluated.append(_evaluate(dims, layout, workload, numerics, opts, cluster))
             fitting = [e for e in evaluated if e.fits]
             if fitting:
@@ -244,7 +246,7 @@ def _suggestions(result: PlanResult, filters: Filters) -> list[str]:
     knobs = [
         k
         for k, on in (
-            ("recompute", best.options.recompute),
+            (f"{best.options.recompute} recompute", best.options.recompute != "none"),
             ("optimizer offload", best.options.optimizer_offload),
         )
         if on

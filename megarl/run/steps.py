@@ -31,10 +31,21 @@ def log_step(
 ) -> dict[str, float]:
     """Reduce ``metrics`` over ranks, log them as step ``step + 1``, print progress; collective."""
     reduced = reduce_metrics(metrics)
+    reduced.update(derived_metrics(reduced))
     tracker.log_metrics(reduced, step + 1)
     tracker.progress(step, total, reduced, first_step)
     history.append(reduced)
     return reduced
+
+
+def derived_metrics(reduced: Mapping[str, float]) -> dict[str, float]:
+    """Metrics that exist only after the reduction over ranks: ``perf/dp_token_imbalance``, the
+    heaviest data-parallel rank's trained tokens over the mean, minus one (0: even)."""
+    out: dict[str, float] = {}
+    top, avg = reduced.get("perf/dp_tokens_max"), reduced.get("perf/dp_tokens_mean")
+    if top is not None and avg:
+        out["perf/dp_token_imbalance"] = top / avg - 1.0
+    return out
 
 
 def summary(

@@ -38,8 +38,11 @@ class TrainedModels(Protocol):
     def trainables(self) -> dict[str, Trainable]: ...
 
 
-def optim_settings(o: OptimConfig, total_updates: int) -> OptimSettings:
+def optim_settings(
+    o: OptimConfig, total_updates: int, optimizer_offload: float = 0.0
+) -> OptimSettings:
     return OptimSettings(
+        optimizer_offload=optimizer_offload,
         lr=o.lr,
         min_lr=o.min_lr,
         weight_decay=o.weight_decay,
@@ -55,7 +58,9 @@ def model_options(cfg: RunConfig) -> ModelOptions:
     return ModelOptions(
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
         recompute=cfg.model.recompute,
+        recompute_num_layers=cfg.model.recompute_num_layers,
         transformer_impl=cfg.model.transformer_impl,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
 
 

@@ -41,7 +41,11 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
         layout,
         "actor",
         opts,
-        optim_settings(cfg.actor.optim, total * updates_per_step(cfg, cfg.actor.ppo_epochs)),
+        optim_settings(
+            cfg.actor.optim,
+            total * updates_per_step(cfg, cfg.actor.ppo_epochs),
+            cfg.actor.optimizer_offload,
+        ),
     )
     reference = None
     if spec.needs_reference:

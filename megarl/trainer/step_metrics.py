@@ -32,6 +32,10 @@ def rollout_metrics(
             "response/length_mean": mean(lens.mean()),
             "response/length_max": maximum(lens.max()),
             "response/clip_ratio": mean(sum(clipped) / max(len(clipped), 1)),
+            # This rank's trained tokens, heaviest and mean over ranks: their ratio is the
+            # step's DP token imbalance (perf/dp_token_imbalance, megarl.run.steps).
+            "perf/dp_tokens_max": maximum(samples.seq_lens().sum()),
+            "perf/dp_tokens_mean": mean(samples.seq_lens().sum()),
         }
     )
     out.update(declare({k: v for k, v in reward_metrics.items() if k != "reward/mean"}))

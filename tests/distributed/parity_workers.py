@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.models.build import build_model
+from megarl.models.build import ModelOptions, build_model
 from megarl.models.distributed import OptimSettings, wrap_for_training
 from megarl.models.export import iter_stage_hf_tensors
 from megarl.models.forward import forward_logits, run_schedule
@@ -13,7 +13,8 @@ from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_m
 from megarl.platform import adapt_megatron_for_cpu
 
 
-def batch_for(dp_rank: int, vocab: int, batch: int = 2, seq: int = 12) -> torch.Tensor:
+def batch_for(dp_rank: int, vocab: int, batch: int = 2, seq: int = 13) -> torch.Tensor:
+    """A random batch; the odd length makes sequence parallelism pad it (TP2 splits it evenly)."""
     gen = torch.Generator().manual_seed(1000 + dp_rank)
     return torch.randint(0, vocab, (batch, seq), generator=gen)
 
@@ -24,6 +25,24 @@ def _hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def _setup(world: int, spec: dict) -> tuple[ParallelLayout, ModelOptions, str]:
+    """Layout and model options of a layout spec (``sequence_parallel`` and ``recompute`` are
+    model options; unset, SP takes the default, on at tp > 1); the key names all three."""
+    spec = dict(spec)
+    opts = ModelOptions(
+        sequence_parallel=spec.pop("sequence_parallel", None),
+        recompute=spec.pop("recompute", "none"),
+        recompute_num_layers=spec.pop("recompute_num_layers", 1),
+    )
+    layout = ParallelLayout.for_world(world, **spec)
+    initialize_model_parallel(layout)
+    sp = opts.sequence_parallel if opts.sequence_parallel is not None else layout.tp > 1
+    key = str(layout) + ("+SP" if sp else "")
+    if opts.recompute != "none":
+        key += f"+{opts.recompute}{opts.recompute_num_layers}"
+    return layout, opts, key
+
+
 def logits_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) -> dict[str, float]:
     """Max |megatron - HF| logits on each layout (reported by last-stage ranks only)."""
     adapt_megatron_for_cpu()
@@ -32,28 +51,28 @@ def logits_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) ->
     hf = _hf(model_dir)
     out: dict[str, float] = {}
     for spec in layouts:
-        layout = ParallelLayout.for_world(world, **spec)
-        initialize_model_parallel(layout)
-        model, dims = build_model(model_dir, layout)
+        layout, opts, key = _setup(world, spec)
+        model, dims = build_model(model_dir, layout, opts=opts)
         ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
         logits = forward_logits([model], ids)
         if logits is not None:
             with torch.no_grad():
                 ref = hf(ids).logits
             diff = (logits - ref).abs().max().item()
-            out[str(layout)] = max(diff, out.get(str(layout), 0.0))
-            out[str(layout) + ":rel"] = diff / ref.abs().max().item()
+            out[key] = max(diff, out.get(key, 0.0))
+            out[key + ":rel"] = diff / ref.abs().max().item()
         if layout.tp > 1 and layout.pp > 1:
-            out.update(_critic_and_reference(model_dir, layout, hf, ids, logits))
+            out.update(_critic_and_reference(model_dir, layout, hf, ids, logits, opts))
         destroy_model_parallel()
     return out
 
 
-def _critic_and_reference(model_dir, layout, hf, ids, actor_logits) -> dict[str, float]:
-    """Critic values = value head over HF's final hidden states; reference logits = actor's."""
+def _critic_and_reference(model_dir, layout, hf, ids, actor_logits, opts) -> dict[str, float]:
+    """Critic values = value head over HF's final hidden states; reference logits = actor's.
+    The critic also scores chosen positions only (as the PPO update does)."""
     from megarl.models.forward import run_schedule
 
-    critic, dims = build_model(model_dir, layout, role="critic")
+    critic, dims = build_model(model_dir, layout, role="critic", opts=opts)
     head = torch.Generator().manual_seed(7)
     w_head = torch.randn(1, dims.hidden_size, generator=head)
     b_head = torch.randn(1, generator=head)
@@ -65,7 +84,14 @@ def _critic_and_reference(model_dir, layout, hf, ids, actor_logits) -> dict[str,
     values = run_schedule(
         [critic], [{"input_ids": ids}], lambda o, b: (o.sum() * 0, {"v": o}), forward_only=True
     )
-    reference, _ = build_model(model_dir, layout, role="reference")
+    positions = torch.tensor([[3, 7, 12], [0, 5, 11]], device=ids.device)
+    picked = run_schedule(
+        [critic],
+        [{"input_ids": ids, "positions": positions}],
+        lambda o, b: (o.sum() * 0, {"v": o}),
+        forward_only=True,
+    )
+    reference, _ = build_model(model_dir, layout, role="reference", opts=opts)
     out["reference_trainable_params"] = float(sum(p.requires_grad for p in reference.parameters()))
     out["reference_in_eval"] = float(not reference.training)
     ref_logits = forward_logits([reference], ids)
@@ -74,6 +100,8 @@ def _critic_and_reference(model_dir, layout, hf, ids, actor_logits) -> dict[str,
             hidden = hf(ids, output_hidden_states=True).hidden_states[-1]
         expected = hidden @ w_head.T + b_head
         out["critic"] = (values[0]["v"] - expected).abs().max().item()
+        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        out["critic_positions"] = (picked[0]["v"] - expected[rows, positions]).abs().max().item()
         out["reference_vs_actor"] = (ref_logits - actor_logits).abs().max().item()
     return out
 
@@ -127,6 +155,24 @@ def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSetting
     return loss.item(), grads, weights
 
 
+def _offload_round_trip(ddp, optimizer, dims, layout) -> float:
+    """1.0 when moving the DDP model's and megatron optimizer's storage to the host and back
+    released every storage and restored every weight, grad and Adam state bit for bit."""
+    from megarl.models.offload import model_tensors, offload, onload
+
+    tensors = model_tensors(ddp, optimizer)
+    before = [t.detach().clone() for t in tensors]
+    weights = {n: w.clone() for n, w in iter_stage_hf_tensors(ddp, dims, layout)}
+    moved = offload(tensors)
+    released = all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    onload(moved)
+    exact = all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    exact = exact and all(
+        torch.equal(w, weights[n]) for n, w in iter_stage_hf_tensors(ddp, dims, layout)
+    )
+    return float(released and exact and moved.bytes_moved > 0)
+
+
 def train_step_worker(
     rank: int, world: int, model_dir: str, layouts: list[dict]
 ) -> dict[str, float]:
@@ -136,10 +182,10 @@ def train_step_worker(
 
     settings = OptimSettings(lr=1e-2, weight_decay=0.1, adam_eps=1e-3, clip_grad=0.5)
     out: dict[str, float] = {}
+    grads_by_layout: dict[str, dict[str, torch.Tensor]] = {}
     for spec in layouts:
-        layout = ParallelLayout.for_world(world, **spec)
-        initialize_model_parallel(layout)
-        model, dims = build_model(model_dir, layout)
+        layout, opts, key = _setup(world, spec)
+        model, dims = build_model(model_dir, layout, opts=opts)
         ref_loss, ref_grads, ref_weights = _reference_step(
             model_dir, layout.dp, dims.vocab_size, settings
         )
@@ -152,11 +198,11 @@ def train_step_worker(
         # rank hold whole reduced grads to compare.
         grad_diff = 0.0
         if layout.dp == 1:
-            grad_diff = max(
-                (g - ref_grads[name]).abs().max().item()
-                for name, g in iter_stage_hf_tensors(ddp, dims, layout, use_main_grad=True)
-            )
+            grads = dict(iter_stage_hf_tensors(ddp, dims, layout, use_main_grad=True))
+            grad_diff = max((g - ref_grads[name]).abs().max().item() for name, g in grads.items())
+            grads_by_layout[key] = {name: g.clone() for name, g in grads.items()}
         ok, grad_norm, _ = optimizer.step()
+        out[key + ":offload_exact"] = _offload_round_trip(ddp, optimizer, dims, layout)
         diffs = {
             name: (w - ref_weights[name]).abs().max().item()
             for name, w in iter_stage_hf_tensors(ddp, dims, layout)
@@ -173,7 +219,6 @@ def train_step_worker(
                 flush=True,
             )
         weight_diff = max(diffs.values())
-        key = str(layout)
         out[key + ":grad"] = grad_diff
         out[key + ":weight"] = weight_diff
         out[key + ":step_ok"] = float(bool(ok))
@@ -182,4 +227,7 @@ def train_step_worker(
             dist.all_reduce(loss, group=ps.get_data_parallel_group())
             out[key + ":loss"] = abs(loss.item() / layout.dp - ref_loss)
         destroy_model_parallel()
+    sp, no_sp = grads_by_layout.get("TP2xPP2xDP1+SP"), grads_by_layout.get("TP2xPP2xDP1")
+    if sp is not None and no_sp is not None:
+        out["sp_vs_no_sp:grad"] = max((sp[n] - no_sp[n]).abs().max().item() for n in sp)
     return out

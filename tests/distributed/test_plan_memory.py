@@ -33,15 +33,16 @@ TOLERANCE = 0.15
 WORLD = 2
 STEPS = 2
 
-# (model, layout, seq, micro-batch, recompute). On 2 ranks TP1 is DP2 (Adam sharded over DP, the
+# (model, layout, seq, micro-batch, model.recompute kind). On 2 ranks TP1 is DP2 (Adam sharded over DP, the
 # whole model with its loss on each rank), PP2 is two stages with a tied embedding split across
 # them (here with full recomputation), TP2 splits Qwen2.5-0.5B (14 heads, 2 KV heads) over both;
-# SmolLM2's 9 heads allow TP 1 or 3 only. Sequence lengths make activations a real share of
+# SmolLM2's 9 heads allow TP 1 or 3 only. TP2 runs with sequence parallelism (the default at
+# tp > 1), in the engine and in the plan. Sequence lengths make activations a real share of
 # SmolLM2's peak and keep the 0.5B model fast; the CI budget allows these three.
 CASES = [
-    ("smollm2", dict(tp=1), 128, 2, False),
-    ("smollm2", dict(pp=2), 128, 2, True),
-    ("qwen2.5-0.5b", dict(tp=2), 32, 1, False),
+    ("smollm2", dict(tp=1), 128, 2, "none"),
+    ("smollm2", dict(pp=2), 128, 2, "full"),
+    ("qwen2.5-0.5b", dict(tp=2), 32, 1, "selective"),
 ]
 
 
@@ -132,7 +133,7 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load) -> 
     }
 
 
-def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: bool):
+def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: str):
     _, dims = resolve_model(model_dir)
     layout = ParallelLayout.for_world(WORLD, **spec)
     workload = Workload(
@@ -166,7 +167,7 @@ def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
             fb_pred = stage.phases["forward-backward"]
             err = (stage.peak - m["peak"]) / m["peak"]
             fb_err = (fb_pred - fb_meas) / fb_meas
-            label = f"{name} {layout}{' recompute' if rc else ''} s{seq} b{batch} rank {rank}"
+            label = f"{name} {layout}{'' if rc == 'none' else f' {rc} recompute'} s{seq} b{batch} rank {rank}"
             rows.append(
                 f"{label}: peak predicted {stage.peak / mib:.0f} MiB ({stage.phase}), measured "
                 f"{m['peak'] / mib:.0f} MiB ({err:+.1%}); forward-backward {fb_pred / mib:.0f} vs "

@@ -68,4 +68,4 @@ def test_smoke_mode_runs_the_grpo_recipe(tmp_path):
     history = client.get_metric_history(run.info.run_id, "reward/mean")
     assert sorted(m.step for m in history) == [1, 2]
     assert run.data.params["algorithm.adv_estimator"] == "grpo"
-    assert run.data.params["model.recompute"] == "True"
+    assert run.data.params["model.recompute"] == "full"

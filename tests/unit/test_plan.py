@@ -156,7 +156,7 @@ def test_activations_formula_recompute_and_pipeline_in_flight():
         == layer_bytes(GPU_TE_BF16, dims, 1, 1, 4096) // 4
     )
     plain = _mem(seq_len=4096).worst.phase_items["forward-backward"]["activations"]
-    rc = _mem(seq_len=4096, options=Options(recompute=True))
+    rc = _mem(seq_len=4096, options=Options(recompute="full"))
     assert rc.worst.phase_items["forward-backward"]["activations"] < plain / 4
     # 1F1B: stage 0 of PP4 keeps 4 micro-batches of its 7 layers, the last stage one.
     pp4 = _mem(layout=ParallelLayout(tp=1, pp=4, dp=2), seq_len=4096, global_batch=64)
@@ -204,7 +204,7 @@ def test_70b_on_32x80gb_fits_some_layouts_and_explains_tp1_by_memory():
     memory = {str(r.layout): r for r in result.rejected if r.reason.startswith("memory")}
     tp1 = memory["TP1xPP1xDP32"]
     assert "> 80.0 GiB" in tp1.detail and tp1.evaluated.memory.peak > 300 * GIB
-    assert tp1.evaluated.options.recompute and tp1.evaluated.options.optimizer_offload
+    assert tp1.evaluated.options.recompute == "full" and tp1.evaluated.options.optimizer_offload
 
 
 def test_nothing_fits_says_so_and_what_to_change():
@@ -236,6 +236,17 @@ def test_json_output_is_complete():
     ):
         assert key in top
     assert top["peak_gib"] <= 80
+    # The overrides build this layout: they pass the run config's checks and say the same.
+    from megarl.config import load_config
+
+    cfg = load_config(overrides=["model.path=/m", "data.train_files=[t]", *top["overrides"]])
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.infer_tp) == (
+        top["tp"],
+        top["pp"],
+        top["infer_tp"],
+    )
+    assert cfg.model.recompute == top["recompute"]
+    assert (cfg.actor.optimizer_offload == 1.0) == top["optimizer_offload"]
     assert data["infeasible"] and all(g["reason"] and g["layouts"] for g in data["infeasible"])
     assert data["nothing_fits"] is False
 

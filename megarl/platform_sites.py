@@ -13,7 +13,7 @@ _CUDA_TYPE_NAMES = ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor", "torch.cu
 _SAFE_ON_CPU = ("torch.cuda.is_available",)
 
 
-def _dotted(node: ast.AST) -> str:
+def dotted_name(node: ast.AST) -> str:
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -39,7 +39,7 @@ class _SiteFinder(ast.NodeVisitor):
         self.sites.add((".".join(self.stack) or "<module>", kind))
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
-        dotted = _dotted(node)
+        dotted = dotted_name(node)
         if (
             dotted.startswith("torch.cuda.")
             and dotted.count(".") == 2

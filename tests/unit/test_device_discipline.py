@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from megarl.platform_sites import dotted_name  # "torch.cuda.foo" from an attribute chain
+
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("megarl", "checkpoints_tools")
 
@@ -129,16 +131,6 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
 }
 
 
-def _dotted(node: ast.AST) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-    return ".".join(reversed(parts))
-
-
 class _Finder(ast.NodeVisitor):
     def __init__(self) -> None:
         self.stack: list[str] = []
@@ -158,7 +150,7 @@ class _Finder(ast.NodeVisitor):
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
 
     def visit_Call(self, node: ast.Call) -> None:
-        name = _dotted(node.func)
+        name = dotted_name(node.func)
         where = ".".join(self.stack) or "<module>"
         head, _, leaf = name.rpartition(".")
         device = next((kw.value for kw in node.keywords if kw.arg == "device"), None)

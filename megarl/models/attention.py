@@ -4,10 +4,16 @@ megatron's own ``DotProductAttention`` materialises the [b*heads, s, s] score ma
 per layer and a separate softmax; on CPU torch's SDPA kernel does the same maths fused (and with
 grouped-query attention natively), which makes a training step faster than eager transformers'
 instead of slower. Same inputs and output layout as ``DotProductAttention``; causal only.
+
+Packed sequences (``PackedSeqParams`` in the THD layout, see :mod:`megarl.models.packing`) come as
+``[t, heads, d]`` with cumulative sequence lengths: each sequence of the pack attends causally to
+itself only (a block-diagonal causal mask), computed as one causal SDPA per sequence so the cost
+is ``sum(len_i^2)``, not ``t^2``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -50,14 +56,10 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if (
-            attention_mask is not None
-            or attention_bias is not None
-            or packed_seq_params is not None
-        ):
-            raise ValueError(
-                "SDPACoreAttention takes no attention mask, bias or packed sequences (causal only)"
-            )
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes no attention mask or bias (causal only)")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -72,3 +74,26 @@ class SDPACoreAttention(MegatronModule):
         )
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        """``[t, heads * d]`` attention of a THD pack ``[t, heads, d]``, sequence by sequence."""
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed sequences must be THD, got {packed_seq_params.qkv_format}")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        lengths = [end - start for start, end in itertools.pairwise(bounds)]
+        pieces = []
+        for q, k, v in zip(
+            query.split(lengths), key.split(lengths), value.split(lengths), strict=True
+        ):
+            # [len, heads, d] -> [heads, len, d]
+            context = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=True,
+                scale=self.softmax_scale,
+                enable_gqa=self.groups != self.heads,
+            )
+            pieces.append(context.transpose(0, 1))
+        return torch.cat(pieces).reshape(query.shape[0], -1)

@@ -38,7 +38,10 @@ def _select_hook(module, args, kwargs):
             hidden, tensor_parallel_output_grad=False, group=parallel.tp_group()
         )
     index = getattr(module, "_megarl_positions", None)
-    if index is not None:
+    if index is not None and hidden.shape[1] == 1 and index.shape[0] != 1:
+        # A pack ([T, 1, h], see megarl.models.packing): ``index`` holds [b, P] pack positions.
+        hidden = hidden[:, 0][index.to(hidden.device)].transpose(0, 1)  # [P, b, h]
+    elif index is not None:
         rows = index.t().to(hidden.device)  # [P, b]
         hidden = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     return (hidden, *args[1:]), kwargs
@@ -89,7 +92,10 @@ def run_schedule(
     """Run megatron's forward(-backward) schedule; returns loss_fn's metrics (last stage, else []).
 
     A micro-batch may carry ``positions`` ([b, P]): the last stage then computes its output at
-    those sequence positions only (see :func:`select_output_positions`).
+    those sequence positions only (see :func:`select_output_positions`). A micro-batch carrying
+    ``seq_lens`` ([b] real lengths of its right-padded rows) runs packed: its rows end to end in
+    one sequence, attention and rotary positions per row (:mod:`megarl.models.packing`); the
+    output keeps the padded run's ``[b, P or L, ...]`` shape.
 
     The loss returned by ``loss_fn`` is back-propagated as is: megatron divides each micro-batch
     loss by the number of micro-batches, so it is multiplied back here and the caller decides the
@@ -106,12 +112,16 @@ def run_schedule(
         batch = next(data_iterator)
         ids = batch["input_ids"]
         seq = ids.shape[1]
-        padded = pad_to_multiple(ids, multiple)
-        select_output_positions(model_chunk, batch.get("positions"))
-        output = model_chunk(
-            input_ids=padded, position_ids=position_ids_like(padded), attention_mask=None
-        )
         all_positions = batch.get("positions") is None
+        if "seq_lens" in batch:
+            output = _packed_forward(model_chunk, batch, multiple)
+            all_positions = False  # the pack's outputs come at [b, L] positions already
+        else:
+            padded = pad_to_multiple(ids, multiple)
+            select_output_positions(model_chunk, batch.get("positions"))
+            output = model_chunk(
+                input_ids=padded, position_ids=position_ids_like(padded), attention_mask=None
+            )
 
         def loss_func(out: torch.Tensor):
             if all_positions and out.shape[1] != seq:
@@ -121,9 +131,9 @@ def run_schedule(
 
         return output, loss_func
 
-    seq_len = max(int(b["input_ids"].shape[1]) for b in micro_batches)
+    seq_len = max(_tokens_in(b) for b in micro_batches)
     seq_len = -(-seq_len // multiple) * multiple
-    mbs = max(int(b["input_ids"].shape[0]) for b in micro_batches)
+    mbs = max(1 if "seq_lens" in b else int(b["input_ids"].shape[0]) for b in micro_batches)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=it,
@@ -132,6 +142,32 @@ def run_schedule(
         seq_length=seq_len,
         micro_batch_size=mbs,
         forward_only=forward_only,
+    )
+
+
+def _tokens_in(batch: dict[str, Any]) -> int:
+    """The sequence length the model sees for this micro-batch (one row when packed)."""
+    if "seq_lens" in batch:
+        return int(batch["seq_lens"].sum())
+    return int(batch["input_ids"].shape[1])
+
+
+def _packed_forward(model_chunk, batch: dict[str, Any], multiple: int) -> torch.Tensor:
+    """The model's output for a micro-batch run as one pack, at ``positions`` (or at every
+    position) of the padded rows."""
+    from megarl.models.packing import all_positions, pack, packed_positions
+
+    ids = batch["input_ids"]
+    packed = pack(ids, batch["seq_lens"], multiple)
+    positions = batch.get("positions")
+    if positions is None:
+        positions = all_positions(ids)
+    select_output_positions(model_chunk, packed_positions(packed, positions))
+    return model_chunk(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        packed_seq_params=packed.seq_params(),
     )
 
 

@@ -132,9 +132,19 @@ class ActorConfig:
     ppo_epochs: int = 1
     micro_batch_size: int = 4  # sequences per micro-batch per rank
     max_tokens_per_micro_batch: int | None = None  # token budget instead of a count
+    # Sequence packing (remove padding): each micro-batch runs as one row of its sequences end to
+    # end, attention and positions per sequence, in every forward and backward of the actor,
+    # reference, critic and reward model; the budget above then counts real tokens.
+    packing: bool = True
+    # After the rollout, whole prompt groups are re-dealt over the data-parallel ranks so each
+    # trains about the same tokens (perf/dp_token_imbalance; as drawn: ..._rollout).
+    balance_dp_tokens: bool = True
     # Share of the actor's optimizer states (and Adam's step) held and run on the host instead
     # of the GPU (megatron's optimizer CPU offload); 0: none. CUDA only.
     optimizer_offload: float = 0.0
+    # The actor's weights, grads and optimizer states in host memory during the rollout's
+    # generation (after the reshard into the rollout engine, back before the actor scores it).
+    param_offload: bool = False
 
 
 @dataclass
@@ -142,6 +152,14 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = 0.5
     ppo_epochs: int = 1
+    # The critic's weights, grads and optimizer states in host memory while the rollout runs.
+    param_offload: bool = False
+
+
+@dataclass
+class RefConfig:
+    # The reference model's weights in host memory while the rollout runs.
+    param_offload: bool = False
 
 
 @dataclass
@@ -216,6 +234,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

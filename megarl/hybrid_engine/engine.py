@@ -179,6 +179,8 @@ class HybridEngine:
         bucket_bytes: int = 256 << 20,
         rollout: RolloutEngine | None = None,
         backend: str = "vllm",
+        packing: bool = True,
+        param_offload: bool = False,
     ):
         from megarl.models.dims import layer_offset
 
@@ -187,6 +189,11 @@ class HybridEngine:
         self.dims = dims
         self.actor = actor
         self.optimizer = optimizer
+        self.packing = packing  # actor.packing: the rollout is scored as one pack
+        # actor.param_offload: the actor's memory on the host while the rollout engine generates
+        self.param_offload = param_offload
+        self._actor_moved = None
+        self._onload_metrics: dict[str, float] = {}
         self.rank = dist.get_rank()
         self.pp_rank = parallel.pp_rank()
         self.dp_rank = parallel.dp_rank()
@@ -234,17 +241,20 @@ class HybridEngine:
         GPU with a KV cache)."""
         self.rollout.validate(list(self.hf_shapes.items()))  # before anything is loaded
         freed = self._free_grads()
-        self._offload_optimizer()
+        if not self.param_offload:  # with it, the optimizer leaves with the weights below
+            self._offload_optimizer()
         self.rollout.wake_up(["weights"])
         local = local_spec_tensors(self.actor, self.dims, self._layer_offset, self.plan.specs)
         stats = self.executor.run(local, self.rollout.update_weights)
         del local
         self.rollout.after_weight_update()
+        offloaded = self._offload_actor()
         self.rollout.wake_up(["kv_cache"])
         self.last_reshard = stats
         self.metrics = {
             **stats.as_metrics(),
             "hybrid/grad_bytes_freed": float(freed),
+            **offloaded,
             **gpu_memory_metrics("after_wake"),
         }
         return dict(self.metrics)
@@ -253,9 +263,36 @@ class HybridEngine:
         """Put the rollout engine to sleep and bring grads (and optimizer state) back; returns
         the GPU memory in use once it sleeps (empty on CPU)."""
         self.rollout.sleep()
+        self._onload_actor()
+        onloaded, self._onload_metrics = self._onload_metrics, {}
         self._restore_grads()
         self._onload_optimizer()
-        return gpu_memory_metrics("after_sleep")
+        return {**onloaded, **gpu_memory_metrics("after_sleep")}
+
+    def _offload_actor(self) -> dict[str, float]:
+        """With ``param_offload``: the actor's weights and optimizer states (its grads are freed
+        already) to host memory; bytes moved and seconds."""
+        if not self.param_offload or self._actor_moved is not None:
+            return {}
+        from megarl.models.offload import model_tensors, offload
+
+        self._actor_moved = offload(model_tensors(self.actor, self.optimizer))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {
+            "offload/actor_bytes": float(self._actor_moved.bytes_moved),
+            "offload/actor_offload_s": self._actor_moved.seconds,
+        }
+
+    def _onload_actor(self) -> None:
+        """The actor's offloaded memory back on its device (before it scores the rollout); the
+        seconds are reported by :meth:`to_train`."""
+        if self._actor_moved is None:
+            return
+        from megarl.models.offload import onload
+
+        self._onload_metrics = {"offload/actor_onload_s": onload(self._actor_moved)}
+        self._actor_moved = None
 
     def _grad_buffers(self):
         return list(getattr(self.actor, "buffers", [])) + list(
@@ -364,6 +401,7 @@ class HybridEngine:
         )
         batch = RolloutBatch(prompts=mine, output=output)
         if score_with_actor:
+            self._onload_actor()
             starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
             # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
             # the actor scores the same one, so the mismatch compares like with like.
@@ -395,8 +433,11 @@ class HybridEngine:
         first_rows = starts if starts is not None else [0] * len(sequences)
         first = torch.tensor(first_rows, dtype=torch.long, device=device)
         positions = positions_from(first, length - 1 - min(first_rows), length)
+        seq_lens = None
+        if self.packing:
+            seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
         logp = teacher_forced_log_probs(
-            self.actor, ids, positions, self.dims.vocab_size, temperature
+            self.actor, ids, positions, self.dims.vocab_size, temperature, seq_lens=seq_lens
         )
         # column L-1 collects the positions clamped past a sequence's end; it is dropped
         out = torch.zeros(len(sequences), length, dtype=torch.float32, device=logp.device)

@@ -64,10 +64,12 @@ def teacher_forced_log_probs(
     positions: torch.Tensor,
     vocab_size: int,
     temperature: float = 1.0,
+    seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[b, P]`` logprobs at ``positions`` (of ``softmax(logits / temperature)``) in one
     forward-only pass through the pipeline, the same tensor on every stage (collective over TP
-    and PP)."""
+    and PP). With ``seq_lens`` (the rows' real lengths) the batch runs as one pack
+    (:mod:`megarl.models.packing`)."""
     device = next(model.parameters()).device
 
     def logprobs(logits_shard: torch.Tensor, batch):
@@ -77,9 +79,12 @@ def teacher_forced_log_probs(
         )
         return logits_shard.new_zeros(()), {"logp": logp.float()}
 
+    batch = {"input_ids": input_ids.to(device), "positions": positions.to(device)}
+    if seq_lens is not None:
+        batch["seq_lens"] = seq_lens.to(device)
     outs = run_schedule(
         [model],
-        [{"input_ids": input_ids.to(device), "positions": positions.to(device)}],
+        [batch],
         logprobs,
         forward_only=True,
     )

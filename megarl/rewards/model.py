@@ -130,10 +130,12 @@ def score_sequences(
     seq_lens: torch.Tensor,
     micro_batch_size: int,
     pad_id: int | None = None,
+    packing: bool = False,
 ) -> torch.Tensor:
     """``[N]`` scores of right-padded sequences (on the model's device, as ``input_ids`` must be),
     forward-only through the pipeline schedule; the same tensor on every rank of the
-    model-parallel group. Collective over TP and PP."""
+    model-parallel group. Collective over TP and PP. With ``packing`` each micro-batch runs as one
+    pack of its sequences (:mod:`megarl.models.packing`)."""
     n = int(input_ids.shape[0])
     device = input_ids.device
     lens = seq_lens.tolist()
@@ -143,7 +145,10 @@ def score_sequences(
     for chunk in chunks:
         idx = torch.as_tensor(chunk, dtype=torch.long, device=device)
         width = max(lens[i] for i in chunk)
-        batches.append({"input_ids": input_ids[idx, :width], "lens": seq_lens[idx]})
+        batch = {"input_ids": input_ids[idx, :width], "lens": seq_lens[idx]}
+        if packing:
+            batch["seq_lens"] = seq_lens[idx]
+        batches.append(batch)
     outs = run_schedule(
         [model],
         batches,

@@ -7,7 +7,7 @@ KL coefficient, tracker), the run object itself is never rebound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
 from megarl.trainer.roles import Roles, build_roles
+from megarl.trainer.rollout_offload import RoleOffload, build_role_offload
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class Rollout:
     engine: HybridEngine
     sampling: SamplingConfig
     val_sampling: SamplingConfig
+    # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
+    roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
             sleep_level=r.sleep_level,
         ),
         backend=r.backend,
+        packing=cfg.actor.packing,
+        param_offload=cfg.actor.param_offload,
     )
     sampling = SamplingConfig(
         temperature=r.temperature,
@@ -157,7 +162,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         n=r.val_n,
         seed=cfg.trainer.seed,
     )
-    return Rollout(engine, sampling, val_sampling)
+    return Rollout(engine, sampling, val_sampling, build_role_offload(cfg, models))
 
 
 def restore(
@@ -195,7 +200,9 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
         data=data,
         rewards=rewards,
         kl_ctrl=kl_ctrl,
-        batching=MicroBatching(cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch),
+        batching=MicroBatching(
+            cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch, cfg.actor.packing
+        ),
         tracker=Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=resumed.step),
         resumed=resumed,
     )

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.models.packing import token_counts
+
 
 @dataclass
 class Samples:
@@ -79,12 +81,17 @@ class Samples:
 
 
 def micro_batches(
-    samples: Samples, rows: Sequence[int], micro_batch_size: int, max_tokens: int | None = None
+    samples: Samples,
+    rows: Sequence[int],
+    micro_batch_size: int,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> list[tuple[list[int], Samples]]:
     """Split ``rows`` into micro-batches after sorting by length, so padding stays small.
 
-    By count (``micro_batch_size``) or, with ``max_tokens``, by a padded-token budget per
-    micro-batch (at least one sample each).
+    By count (``micro_batch_size``) or, with ``max_tokens``, by a token budget per micro-batch
+    (at least one sample each): padded tokens (rows x longest), or with ``packed`` the real
+    tokens the pack holds.
     """
     lens = samples.seq_lens().tolist()  # one device-to-host copy, not one per row
     ordered = sorted(rows, key=lambda r: (lens[r], r))
@@ -93,7 +100,10 @@ def micro_batches(
     for r in ordered:
         candidate = [*current, r]
         too_many = len(candidate) > micro_batch_size if max_tokens is None else False
-        too_long = max_tokens is not None and len(candidate) * int(lens[r]) > max_tokens
+        too_long = (
+            max_tokens is not None
+            and token_counts([int(lens[c]) for c in candidate], packed) > max_tokens
+        )
         if current and (too_many or too_long):
             groups.append(current)
             candidate = [r]

@@ -141,9 +141,11 @@ def _draw(
     items = run.data.batches.next()
     engine = run.rollout.engine
     t0 = time.perf_counter()
+    m.update(declare(run.rollout.roles_offload.offload()))
     m.update(declare(engine.to_rollout()))
     batch = engine.generate([it.input_ids for it in items], run.rollout.sampling)
     m.update(declare(engine.to_train()))
+    m.update(declare(run.rollout.roles_offload.onload()))
     t1 = time.perf_counter()
     s = run.startup
     samples, scores, reward_metrics, _ = score_rollout(

@@ -120,7 +120,12 @@ def score_rollout(
     model = None
     if rewards.model is not None:
         model = score_sequences(
-            rewards.model, samples.input_ids, samples.seq_lens(), batching.size, pad_id
+            rewards.model,
+            samples.input_ids,
+            samples.seq_lens(),
+            batching.size,
+            pad_id,
+            packing=batching.packing,
         )
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0

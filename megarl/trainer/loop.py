@@ -11,6 +11,7 @@ from megarl.run.resume import save_due
 from megarl.run.steps import log_step, summary, timed
 from megarl.trainer.assembly import PolicyRun, setup_run
 from megarl.trainer.batch import Samples
+from megarl.trainer.dp_balance import balance_over_data_parallel
 from megarl.trainer.dynamic_sampling import collect_step_batch
 from megarl.trainer.experience import compute_experience
 from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
@@ -61,6 +62,11 @@ def train(cfg: RunConfig) -> dict[str, float]:
         t_step = time.perf_counter()
         # rollout + rewards; with algorithm.filter_groups, several draws (dynamic sampling)
         samples, scores, reward_metrics, batch = collect_step_batch(run, m)
+        if cfg.actor.balance_dp_tokens:
+            samples, scores, balance = balance_over_data_parallel(
+                samples, scores, run.startup.pad_id
+            )
+            m.update(declare(balance))
         if rollout_is_finite(samples, cfg.trainer.nan_policy == "skip"):
             with timed(m, "experience"):
                 m.update(

@@ -22,6 +22,18 @@ from megarl.trainer.batch import Samples, micro_batches
 class MicroBatching:
     size: int = 4
     max_tokens: int | None = None
+    packing: bool = True  # actor.packing: each micro-batch as one pack of its sequences
+
+    def split(self, samples: Samples, rows: Sequence[int]) -> list[tuple[list[int], Samples]]:
+        return micro_batches(samples, rows, self.size, self.max_tokens, self.packing)
+
+    def inputs(self, mb: Samples) -> dict[str, Any]:
+        """What :func:`megarl.models.forward.run_schedule` takes for this micro-batch: its ids,
+        the response positions, and with packing the rows' real lengths."""
+        batch = {"input_ids": mb.input_ids, "mb": mb, "positions": response_positions(mb)}
+        if self.packing:
+            batch["seq_lens"] = mb.seq_lens()
+        return batch
 
 
 def response_positions(mb: Samples) -> torch.Tensor:
@@ -64,13 +76,10 @@ def forward_response_tensor(
 ) -> torch.Tensor:
     """``extract(output, micro_batch)`` for every sample, as [N, R], on every pipeline stage."""
     result = torch.zeros_like(samples.response_mask, dtype=torch.float32)
-    mbs = micro_batches(samples, range(samples.size), batching.size, batching.max_tokens)
+    mbs = batching.split(samples, range(samples.size))
     outputs = run_schedule(
         [model],
-        [
-            {"input_ids": mb.input_ids, "mb": mb, "positions": response_positions(mb)}
-            for _, mb in mbs
-        ],
+        [batching.inputs(mb) for _, mb in mbs],
         lambda out, batch: (out.new_zeros(()), {"value": extract(out, batch["mb"]).float()}),
         forward_only=True,
     )
@@ -146,7 +155,7 @@ def ppo_update(
     history = []
     for _ in range(epochs):
         for rows in mini_batches:
-            mbs = micro_batches(samples, rows, batching.size, batching.max_tokens)
+            mbs = batching.split(samples, rows)
             mini_tokens = float(samples.response_mask[list(rows)].sum())
             if token_level:
                 mini_tokens = _data_parallel_mean(mini_tokens)
@@ -161,12 +170,7 @@ def ppo_update(
             outs = run_schedule(
                 [ddp],
                 [
-                    {
-                        "input_ids": mb.input_ids,
-                        "mb": mb,
-                        "weight": w,
-                        "positions": response_positions(mb),
-                    }
+                    {**batching.inputs(mb), "weight": w}
                     for (_, mb), w in zip(mbs, weights, strict=True)
                 ],
                 scaled,

@@ -48,7 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--param-offload",
         action="store_true",
-        help="weights leave the GPU during rollout (not in megarl's trainer yet)",
+        help="weights leave the GPU during rollout (actor/ref/critic.param_offload)",
+    )
+    p.add_argument(
+        "--mean-seq-len",
+        type=int,
+        default=None,
+        help="mean real tokens per sequence: with packing (actor.packing) the models compute on "
+        "these only (default: --seq-len, no gain)",
     )
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--reserve", default="4GiB", help="per GPU: CUDA context, NCCL, fragmentation")
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         response_len=args.response_len,
         rollout_seqs=args.rollout_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        mean_seq_len=args.mean_seq_len,
     )
     numerics = with_grad_bytes(GPU_BF16, 4 if args.grad_dtype == "fp32" else 2)
     filters = Filters(

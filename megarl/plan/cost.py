@@ -70,7 +70,7 @@ def step_time(
     in vLLM's fraction mode, which caps how many sequences decode at once)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     n_gpus = layout.world_size
-    s, b = workload.seq_len, workload.micro_batch
+    s, b = workload.tokens_per_sequence(options.packing), workload.micro_batch
     tokens = workload.global_batch * s
     m = workload.micro_batches(dp)
     q = dims.num_attention_heads * dims.head_dim

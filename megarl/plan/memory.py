@@ -7,7 +7,8 @@ What a rank holds, for its pipeline stage (P = that stage's parameters on this T
 - optimizer: P / DP x (main-param bytes + 8): the distributed optimizer shards Adam's m and v
   (fp32) and, for 16-bit params, an fp32 master copy over data-parallel ranks. Offloaded: 0;
 - activations: micro-batches in flight x stored bytes per micro-batch (see
-  :mod:`megarl.plan.activations`); 1F1B keeps ``min(PP - stage, micro-batches)`` in flight, so
+  :mod:`megarl.plan.activations`; with packing, of the micro-batch's real tokens: micro-batch x
+  the workload's mean sequence length); 1F1B keeps ``min(PP - stage, micro-batches)`` in flight, so
   stage 0 holds PP of them; plus the loss's vocabulary tensors on the last stage and the
   temporaries of the backward pass (below);
 - reference: its weights only (forward only, frozen);
@@ -114,6 +115,10 @@ class Options:
     sequence_parallel: bool | None = None
     optimizer_offload: bool = False
     param_offload: bool = False
+    # as config's actor.packing: a micro-batch is one pack of its sequences' real tokens, so
+    # activations scale with the workload's mean sequence length (the loss's outputs keep the
+    # padded batch's shape)
+    packing: bool = True
 
 
 ITEMS = (
@@ -221,6 +226,7 @@ def estimate_memory(
     sp = options.sequence_parallel if options.sequence_parallel is not None else tp > 1
     act = replace(numerics.activations, sequence_parallel=sp)
     b, s = workload.micro_batch, workload.seq_len
+    s_act = workload.tokens_per_sequence(options.packing)  # what the layers see per sequence
     m = workload.micro_batches(dp)
     pb = numerics.param_bytes
     layers = layout.layers_per_stage(dims.num_layers)
@@ -230,13 +236,13 @@ def estimate_memory(
         else (0, 0, 0, None)
     )
     vllm_weights, kv, workspace, kv_tokens = rollout
-    per_layer = layer_bytes(act, dims, tp, b, s)
+    per_layer = layer_bytes(act, dims, tp, b, s_act)
     stored_layer = {
         "none": per_layer,
-        "selective": layer_bytes(act, dims, tp, b, s, scores=False),
-        "full": checkpoint_bytes(act, dims, tp, b, s),
+        "selective": layer_bytes(act, dims, tp, b, s_act, scores=False),
+        "full": checkpoint_bytes(act, dims, tp, b, s_act),
     }[options.recompute]
-    hid = hidden_bytes(act, dims, tp, b, s)
+    hid = hidden_bytes(act, dims, tp, b, s_act)
     _, _, largest_layer_weight = layer_params(dims, tp)
     stages = []
     for k in range(pp):

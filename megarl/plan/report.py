@@ -154,14 +154,18 @@ def _gib(n: float) -> float:
 
 def config_overrides(e: Evaluated) -> list[str]:
     """The ``megarl train`` overrides that build this candidate (the plan's optimizer offload
-    moves all of it: ``actor.optimizer_offload=1.0``). Parameter offload has no setting yet."""
+    moves all of it: ``actor.optimizer_offload=1.0``; its parameter offload is the actor's, the
+    reference's and the critic's)."""
     out = [
         f"parallel.tp={e.layout.tp}",
         f"parallel.pp={e.layout.pp}",
         f"parallel.infer_tp={e.layout.rollout_tp}",
         f"model.recompute={e.options.recompute}",
         f"actor.optimizer_offload={1.0 if e.options.optimizer_offload else 0.0}",
+        f"actor.packing={str(e.options.packing).lower()}",
     ]
+    if e.options.param_offload:
+        out += [f"{role}.param_offload=true" for role in ("actor", "ref", "critic")]
     if e.layout.pp_layers:
         out.append(f"parallel.pp_layers=[{','.join(map(str, e.layout.pp_layers))}]")
     if e.options.sequence_parallel is not None:
@@ -181,6 +185,7 @@ def _evaluated_json(e: Evaluated) -> dict[str, Any]:
         "recompute": e.options.recompute,
         "optimizer_offload": e.options.optimizer_offload,
         "param_offload": e.options.param_offload,
+        "packing": e.options.packing,
         "overrides": config_overrides(e),
         "peak_gib": _gib(worst.peak),
         "peak_stage": worst.stage,

@@ -82,6 +82,7 @@ class Filters:
     recompute: str | None = None  # none | selective | full
     optimizer_offload: bool | None = None
     param_offload: bool = False
+    packing: bool | None = None  # actor.packing
 
 
 def uneven_split(layers: int, pp: int) -> tuple[int, ...] | None:
@@ -135,9 +136,15 @@ def _knobs(filters: Filters, flash_attention: bool) -> list[Options]:
     kinds = ["none", "full"] if flash_attention else ["none", "selective", "full"]
     rcs = [filters.recompute] if filters.recompute is not None else kinds
     offs = [filters.optimizer_offload] if filters.optimizer_offload is not None else [False, True]
+    packs = [filters.packing] if filters.packing is not None else [True, False]
     return [
-        Options(recompute=rc, optimizer_offload=off, param_offload=filters.param_offload)
-        for rc, off in itertools.product(rcs, offs)
+        Options(
+            recompute=rc,
+            optimizer_offload=off,
+            param_offload=filters.param_offload,
+            packing=pack,
+        )
+        for rc, off, pack in itertools.product(rcs, offs, packs)
     ]
 
 

@@ -29,6 +29,9 @@ class Workload:
     response_len: int | None = None  # None: half of seq_len
     rollout_seqs: int = 64  # concurrent sequences per vLLM engine the KV cache must hold
     gpu_memory_utilization: float | None = None  # vLLM's fraction mode instead of rollout_seqs
+    # mean real tokens per sequence (prompt + response); with packing (actor.packing) the models
+    # compute on these only. None: every sequence is seq_len long (packing gains nothing).
+    mean_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "global_batch", "rollout_seqs"):
@@ -46,6 +49,12 @@ class Workload:
                 f"--response-len {self.response_len} must be between 1 and --seq-len - 1 "
                 f"({self.seq_len - 1}): a sequence is prompt + response"
             )
+        m = self.mean_seq_len
+        if m is not None and not 0 < m <= self.seq_len:
+            raise ConfigError(
+                f"--mean-seq-len {m} must be between 1 and --seq-len ({self.seq_len}): the mean "
+                "real length of a sequence (prompt + response)"
+            )
         u = self.gpu_memory_utilization
         if u is not None and not 0.0 < u < 1.0:
             raise ConfigError(
@@ -59,6 +68,13 @@ class Workload:
     @property
     def response_tokens(self) -> int:
         return self.response_len if self.response_len is not None else self.seq_len // 2
+
+    def tokens_per_sequence(self, packing: bool) -> int:
+        """Tokens the models compute per sequence: its mean real length when packed, the padded
+        length (``seq_len``) otherwise."""
+        if packing and self.mean_seq_len is not None:
+            return self.mean_seq_len
+        return self.seq_len
 
     def micro_batches(self, dp: int) -> int:
         """Micro-batches per DP rank per optimizer step (rounded up)."""

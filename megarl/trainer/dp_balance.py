@@ -63,8 +63,9 @@ def balance_over_data_parallel(
     """This rank's token-balanced share of its DP group's samples and scores, and the token
     imbalance (heaviest rank / mean - 1) of the rollout as drawn. Collective over the DP group.
 
-    Left as it is (metrics still reported) when the groups cannot be dealt evenly: a group count
-    not divisible by the DP size, or groups of unequal sizes (a rank would train more samples)."""
+    Left as it is (metrics still reported) when the groups cannot be dealt evenly (a group count
+    not divisible by the DP size, or groups of unequal sizes: a rank would train more samples),
+    or when the deal would not lower the heaviest rank."""
     group = parallel.dp_group()
     size = dist.get_world_size(group)
     if size == 1:
@@ -86,6 +87,8 @@ def balance_over_data_parallel(
         return samples, scores, {BEFORE: before}
     group_tokens = [sum(int(rows[i]["ids"].numel()) for i in members[k]) for k in keys]
     plan = balance_groups(group_tokens, size)
+    if max(plan.tokens) >= max(rank_tokens):  # no better than as drawn: nothing moves
+        return samples, scores, {BEFORE: before}
     mine = [i for g in plan.ranks[parallel.dp_rank()] for i in members[keys[g]]]
     device = samples.input_ids.device
     balanced = _from_rows([rows[i] for i in mine], pad_id, device)

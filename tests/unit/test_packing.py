@@ -3,11 +3,15 @@ parameter offload of the roles around the rollout."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from megarl.config import RunConfig
+from megarl.errors import ConfigError
 from megarl.models.packing import pack, packed_positions, token_counts
+from megarl.parallel import ParallelLayout
 from megarl.trainer.batch import Samples, micro_batches
 from megarl.trainer.rollout_offload import RoleOffload
 
@@ -101,3 +105,54 @@ def test_param_offload_settings_default_off():
     assert not cfg.actor.param_offload and not cfg.critic.param_offload
     assert not cfg.ref.param_offload
     assert cfg.actor.packing and cfg.actor.balance_dp_tokens
+
+
+def test_plan_sizes_packed_activations_by_the_mean_length():
+    """The planner's memory follows packing: the layers' activations scale with the mean real
+    sequence length; the loss's outputs keep the padded rows."""
+    from megarl.plan import GPU_BF16, Options, Workload, estimate_memory, resolve_model
+
+    _, dims = resolve_model("Qwen2.5-7B")
+    layout = ParallelLayout.for_world(8, tp=2)
+    workload = Workload(seq_len=4096, micro_batch=2, global_batch=64, mean_seq_len=1024)
+    padded = estimate_memory(dims, layout, workload, GPU_BF16, Options(packing=False))
+    packed = estimate_memory(dims, layout, workload, GPU_BF16, Options(packing=True))
+    fb = "forward-backward"
+    pad_act = padded.stages[0].phase_items[fb]["activations"]
+    pack_act = packed.stages[0].phase_items[fb]["activations"]
+    assert pack_act < pad_act / 2
+    # no mean length given: packing gains nothing in the plan
+    plain = Workload(seq_len=4096, micro_batch=2, global_batch=64)
+    same = [
+        estimate_memory(dims, layout, plain, GPU_BF16, Options(packing=p)).peak
+        for p in (True, False)
+    ]
+    assert same[0] == same[1]
+    with pytest.raises(ConfigError, match="--mean-seq-len"):
+        Workload(seq_len=128, mean_seq_len=200)
+
+
+def test_plan_json_overrides_name_packing_and_param_offload(capsys):
+    from megarl.cli import main
+
+    argv = [
+        "plan",
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--seq-len",
+        "4096",
+        "--mean-seq-len",
+        "1024",
+    ]
+    assert main([*argv, "--param-offload", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    best = plan["feasible"][0]
+    assert best["packing"] is True  # packing never costs memory or time in the plan
+    for setting in ("actor.packing=true", "actor.param_offload=true", "ref.param_offload=true"):
+        assert setting in best["overrides"], best["overrides"]
+    cfg = RunConfig()
+    for override in best["overrides"]:  # every override names a real setting
+        section, _, rest = override.partition(".")
+        assert hasattr(getattr(cfg, section), rest.split("=")[0]), override

@@ -111,6 +111,12 @@ def _check_planned_memory(text: str, cfg) -> None:
     with contextlib.redirect_stdout(out):
         assert cli_main([*args, "--json"]) == 0
     [variants] = json.loads(out.getvalue())["variants"].values()
-    [ours] = [v for v in variants if v["recompute"] == "full" and not v["optimizer_offload"]]
+    [ours] = [
+        v
+        for v in variants
+        if v["recompute"] == "full"
+        and not v["optimizer_offload"]
+        and v["packing"] == cfg.actor.packing
+    ]
     assert float(planned.group(1)) == round(ours["peak_gib"], 1)
     assert ours["peak_gib"] < 80

@@ -7,7 +7,8 @@
 2. one training step (forward, backward, optimizer) of a Qwen2.5-1.5B-shaped random model at
    sequence 2048 in bf16: tokens/s of megarl (megatron DDP + distributed Adam) and of
    transformers (AdamW) on the same device, and megarl's MFU against a bf16 matmul peak measured
-   in the same run;
+   in the same run; then the trained model's weights, grads and Adam states moved to host memory
+   and back (the parameter offload around the rollout): bit-exact, bytes and seconds;
 3. ``megarl plan``'s predicted peak memory of that step against the measured peak
    (``torch.cuda.max_memory_allocated``);
 4. five GRPO steps end to end (rollout.backend=hf, so no vLLM is needed), stopped after three and
@@ -264,8 +265,23 @@ def _flops_per_token(dims, seq: int) -> float:
     return 6.0 * flops_params(dims) + 6.0 * dims.num_layers * dims.hidden_size * seq
 
 
-def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, Any, int]:
-    """(seconds per step, dims, measured peak bytes) of megarl's training step."""
+def _offload_round_trip(ddp, optimizer) -> tuple[bool, int, float, float]:
+    """(exact, bytes moved, offload s, onload s): the trained model's weights, grads and Adam
+    states to host memory and back (actor/ref/critic.param_offload around the rollout)."""
+    from megarl.models.offload import model_tensors, offload, onload
+
+    tensors = model_tensors(ddp, optimizer)
+    before = [t.detach().clone() for t in tensors]
+    moved = offload(tensors)
+    released = all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    onload_s = onload(moved)
+    exact = released and all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    return exact, moved.bytes_moved, moved.seconds, onload_s
+
+
+def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, Any, int, tuple]:
+    """(seconds per step, dims, measured peak bytes, offload round trip) of megarl's training
+    step."""
     from megarl.algos import vocab_parallel_log_probs
     from megarl.models.build import ModelOptions, build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -305,8 +321,9 @@ def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, Any, in
         step()
         _sync()
     seconds = _median_seconds(step, size.iters, warmup=0)  # timed outside the memory tracker
+    round_trip = _offload_round_trip(ddp, optimizer)
     destroy_model_parallel()  # the model and optimizer go with this frame
-    return seconds, dims, peak["bytes"]
+    return seconds, dims, peak["bytes"], round_trip
 
 
 def _hf_step(folder: Path, size: Size) -> float:
@@ -371,7 +388,17 @@ def training_step(report: Report, size: Size, root: Path) -> None:
         f"{label} matmul peak ({size.matmul_n}^3)",
         f"{peak_flops / 1e12:.2f} TFLOP/s",
     )
-    seconds, dims, measured = _megarl_step(folder, size, _CudaPeak if cuda else _HostPeak)
+    seconds, dims, measured, round_trip = _megarl_step(
+        folder, size, _CudaPeak if cuda else _HostPeak
+    )
+    exact, moved, off_s, on_s = round_trip
+    report.add(
+        "2 train step",
+        "param offload round trip (weights, grads, Adam states)",
+        f"{moved / 2**30:.2f} GiB: to host {off_s:.2f} s, back {on_s:.2f} s",
+        "bit-exact",
+        exact,
+    )
     tokens = size.batch * size.seq
     mine = tokens / seconds
     if cuda:

@@ -1,0 +1,34 @@
+"""``bench/packing.py --smoke`` runs both modes (padded, packed) end to end in seconds and reports
+what it measures; the speed figure itself is the benchmark's to print, not a test's to assert."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_packing_bench_smoke():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "packing.py"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(proc.stdout)
+    rows = dict(
+        re.findall(r"^\s+(padded|packed)\s.*?(\d+) tokens through the model", proc.stdout, re.M)
+    )
+    assert set(rows) == {"padded", "packed"}, proc.stdout
+    # the long-tailed lengths leave padding that packing removes
+    assert int(rows["packed"]) < int(rows["padded"]), proc.stdout
+    assert re.search(r"^RATIO packed/padded tokens/s = \d+\.\d+", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^MEMORY packed/padded peak = \d+\.\d+", proc.stdout, re.M), proc.stdout

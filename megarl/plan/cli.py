@@ -57,6 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="mean real tokens per sequence: with packing (actor.packing) the models compute on "
         "these only (default: --seq-len, no gain)",
     )
+    p.add_argument(
+        "--packing",
+        choices=("on", "off"),
+        default=None,
+        help="only with / without sequence packing (actor.packing; default: both tried)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        choices=("on", "off"),
+        default=None,
+        help="parallel.sequence_parallel at tp > 1 (default: on, as the engine)",
+    )
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--reserve", default="4GiB", help="per GPU: CUDA context, NCCL, fragmentation")
     p.add_argument("--tflops", type=float, default=989.0, help="peak dense bf16 TFLOPS per GPU")
@@ -88,7 +100,14 @@ def run(args: argparse.Namespace) -> int:
     )
     numerics = with_grad_bytes(GPU_BF16, 4 if args.grad_dtype == "fp32" else 2)
     filters = Filters(
-        tp=args.tp, pp=args.pp, infer_tp=args.infer_tp, param_offload=args.param_offload
+        tp=args.tp,
+        pp=args.pp,
+        infer_tp=args.infer_tp,
+        param_offload=args.param_offload,
+        packing=None if args.packing is None else args.packing == "on",
+        sequence_parallel=None
+        if args.sequence_parallel is None
+        else args.sequence_parallel == "on",
     )
     result = search(name, dims, cluster, workload, numerics, filters)
     print(format_json(result) if args.json else format_text(result, top=args.top))

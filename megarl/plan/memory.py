@@ -223,7 +223,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Per-stage, per-phase peak memory of one rank (see the module doc for what is counted)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    sp = options.sequence_parallel if options.sequence_parallel is not None else tp > 1
+    # SP needs TP: "on" at tp 1 is what the engine does with the setting unset there (nothing)
+    sp = (options.sequence_parallel is not False) and tp > 1
     act = replace(numerics.activations, sequence_parallel=sp)
     b, s = workload.micro_batch, workload.seq_len
     s_act = workload.tokens_per_sequence(options.packing)  # what the layers see per sequence

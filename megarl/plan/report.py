@@ -168,7 +168,7 @@ def config_overrides(e: Evaluated) -> list[str]:
         out += [f"{role}.param_offload=true" for role in ("actor", "ref", "critic")]
     if e.layout.pp_layers:
         out.append(f"parallel.pp_layers=[{','.join(map(str, e.layout.pp_layers))}]")
-    if e.options.sequence_parallel is not None:
+    if e.options.sequence_parallel is not None and e.layout.tp > 1:
         out.append(f"parallel.sequence_parallel={str(e.options.sequence_parallel).lower()}")
     return out
 

@@ -83,6 +83,7 @@ class Filters:
     optimizer_offload: bool | None = None
     param_offload: bool = False
     packing: bool | None = None  # actor.packing
+    sequence_parallel: bool | None = None  # parallel.sequence_parallel (None: on when tp > 1)
 
 
 def uneven_split(layers: int, pp: int) -> tuple[int, ...] | None:
@@ -143,6 +144,7 @@ def _knobs(filters: Filters, flash_attention: bool) -> list[Options]:
             optimizer_offload=off,
             param_offload=filters.param_offload,
             packing=pack,
+            sequence_parallel=filters.sequence_parallel,
         )
         for rc, off, pack in itertools.product(rcs, offs, packs)
     ]

@@ -156,3 +156,18 @@ def test_plan_json_overrides_name_packing_and_param_offload(capsys):
     for override in best["overrides"]:  # every override names a real setting
         section, _, rest = override.partition(".")
         assert hasattr(getattr(cfg, section), rest.split("=")[0]), override
+
+
+def test_plan_filters_sequence_parallel_and_packing_by_config_words(capsys):
+    from megarl.cli import main
+
+    argv = ["plan", "--model", "Qwen2.5-7B", "--gpus", "8", "--tp", "2", "--pp", "1", "--json"]
+    assert main([*argv, "--sequence-parallel", "off", "--packing", "off"]) == 0
+    off = json.loads(capsys.readouterr().out)["feasible"][0]
+    assert "parallel.sequence_parallel=false" in off["overrides"]
+    assert "actor.packing=false" in off["overrides"] and off["packing"] is False
+    assert main([*argv, "--sequence-parallel", "on"]) == 0
+    on = json.loads(capsys.readouterr().out)["feasible"][0]
+    assert "parallel.sequence_parallel=true" in on["overrides"]
+    # sequence parallelism splits the hidden-size activations over TP: less memory
+    assert on["items_gib"]["activations"] < off["items_gib"]["activations"]

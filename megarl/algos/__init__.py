@@ -31,6 +31,8 @@ from megarl.algos.value_loss import (
     compute_value_loss,
     entropy_bonus,
     explained_variance,
+    explained_variance_from_sums,
+    explained_variance_sums,
 )
 from megarl.algos.vocab_parallel import (
     entropy_from_logits,
@@ -64,6 +66,8 @@ __all__ = [
     "entropy_bonus",
     "entropy_from_logits",
     "explained_variance",
+    "explained_variance_from_sums",
+    "explained_variance_sums",
     "kl_loss",
     "kl_penalty",
     "log_probs_from_logits",

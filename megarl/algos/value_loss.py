@@ -97,3 +97,31 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor) -
         var_returns = masked_var(returns, mask)
         var_residual = masked_var(returns - values, mask)
         return 1.0 - var_residual / var_returns
+
+
+def explained_variance_sums(values: Tensor, returns: Tensor, response_mask: Tensor) -> Tensor:
+    """The float64 sums ``[n, sum R, sum R^2, sum D, sum D^2]`` (``D = R - V``) over the valid
+    tokens, from which :func:`explained_variance_from_sums` gives the explained variance. Sums
+    add up over data-parallel ranks, so the whole batch's explained variance is that of the
+    summed sums, not a mean of per-rank ratios."""
+    check_same_shape(values=values, returns=returns, response_mask=response_mask)
+    mask = as_bool_mask(response_mask)
+    with torch.no_grad():
+        r = returns[mask].double()
+        d = r - values[mask].double()
+        return torch.stack(
+            [r.new_tensor(float(r.numel())), r.sum(), r.square().sum(), d.sum(), d.square().sum()]
+        )
+
+
+def explained_variance_from_sums(sums: Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` from :func:`explained_variance_sums` (of one rank or summed
+    over ranks); NaN with fewer than 2 tokens or returns that do not vary."""
+    n, sum_r, sum_r2, sum_d, sum_d2 = (float(x) for x in sums.tolist())
+    if n < 2:
+        return float("nan")
+    var_r = sum_r2 / n - (sum_r / n) ** 2
+    var_d = sum_d2 / n - (sum_d / n) ** 2
+    if var_r <= 0.0:
+        return float("nan")
+    return 1.0 - var_d / var_r

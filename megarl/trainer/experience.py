@@ -15,7 +15,8 @@ from megarl.algos import (
     apply_kl_in_reward,
     compute_advantages,
     compute_tis_weights,
-    explained_variance,
+    explained_variance_from_sums,
+    explained_variance_sums,
     masked_mean,
 )
 from megarl.algos.kl import KLController
@@ -185,6 +186,16 @@ def _dp_mean(value: float) -> float:
     return float(t.item() / parallel.dp_size())
 
 
+def _dp_explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """The explained variance of the whole batch (all data-parallel ranks' tokens; a collective),
+    the same on every rank."""
+    sums = explained_variance_sums(values, returns, mask).to(platform.collective_device())
+    dist.all_reduce(sums, group=parallel.dp_group())
+    return explained_variance_from_sums(sums)
+
+
 def compute_experience(
     cfg: RunConfig,
     spec: AlgorithmSpec,
@@ -241,8 +252,14 @@ def compute_experience(
         )
         metrics.update(declare(tis_metrics, TIS_REDUCTIONS, prefix="rollout/"))
     if "values" in t:
+        # the critic before this step's update, on a batch it has not seen: the mean of its
+        # values and of the returns, its squared error, and how much of the returns' variance
+        # around their mean it explains
         metrics["critic/values_mean"] = mean(masked_mean(t["values"], mask))
-        # how much of the returns' variance the critic (before this step's update) explains
-        metrics["critic/explained_var"] = mean(explained_variance(t["values"], t["returns"], mask))
+        metrics["critic/returns_mean"] = mean(masked_mean(t["returns"], mask))
+        metrics["critic/value_mse"] = mean(masked_mean((t["values"] - t["returns"]).square(), mask))
+        metrics["critic/explained_var"] = mean(
+            _dp_explained_variance(t["values"], t["returns"], mask)
+        )
     metrics["actor/advantages_mean"] = mean(masked_mean(t["advantages"], mask))
     return metrics

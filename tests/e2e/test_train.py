@@ -214,6 +214,17 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir, fu
     }
     assert expected <= logged, sorted(expected - logged)
     assert any(r.data.params.get("algorithm.adv_estimator") == "grpo" for r in runs)
+    # the validation generations: one MLflow table artifact per pass (before training, 2, 4)
+    [run] = [r for r in runs if r.data.params.get("trainer.output_dir") == str(workdir / "full")]
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "validation")}
+    assert names == {f"validation/step_{s:06d}.json" for s in (0, 2, 4)}, names
+    local = client.download_artifacts(run.info.run_id, "validation/step_000004.json", workdir)
+    table = json.loads(Path(local).read_text())
+    assert table["columns"] == ["step", "data_source", "prompt", "response", "score"]
+    assert len(table["data"]) == 32  # 16 prompts x 2 samples
+    scores = [row[4] for row in table["data"]]
+    assert all(row[0] == 4 and row[1] == "openai/gsm8k" for row in table["data"])
+    assert sum(scores) / len(scores) == pytest.approx(full[4]["val/openai/gsm8k/mean@2"])
 
 
 TRACKED = (

@@ -151,9 +151,17 @@ def test_bad_algorithm_settings_exit_2_from_the_cli_before_any_process(tmp_path,
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert elapsed < 20, elapsed  # measured ~4 s on 2 busy cores, imports included
     cases = [
+        # unknown names: the known ones in the message
+        (["algorithm.adv_estimator=grpoo"], "known: gae, grpo, reinforce_plus_plus, rloo"),
+        (["algorithm.loss_agg_mode=token_mean"], "known: seq-mean-token-mean"),
+        # a setting the chosen function does not take
         (["algorithm.gamma=0.9"], "remove the setting, or choose another advantage estimator"),
-        (["rollout.n=1"], "set rollout.n >= 2"),
         (["algorithm.adv_estimator_kwargs.lamda=0.9"], "remove it or fix its name"),
+        (["algorithm.policy_loss_kwargs.clip_ratio=0.3"], "remove it or fix its name"),
+        (["algorithm.loss_agg_norm_length=64"], "does not take"),
+        # a group estimator with one sample per prompt
+        (["rollout.n=1"], "set rollout.n >= 2"),
+        (["algorithm.adv_estimator=rloo", "rollout.n=1"], "set rollout.n >= 2"),
     ]
     for extra, message in cases:
         t0 = time.perf_counter()

@@ -215,3 +215,38 @@ def test_explained_variance_against_numpy():
     assert float(explained_variance(returns, returns, mask)) == pytest.approx(1.0)
     zeros = torch.zeros_like(returns)  # a fresh critic head: no better than a constant
     assert float(explained_variance(zeros, returns, mask)) < 0.1
+
+
+def test_explained_variance_of_summed_rank_sums_is_the_whole_batch():
+    """Two data-parallel ranks' sums add up to the whole batch's explained variance (what the
+    trainer logs), which a mean of the two ranks' own ratios is not."""
+    import numpy as np
+
+    from megarl.algos import (
+        explained_variance,
+        explained_variance_from_sums,
+        explained_variance_sums,
+    )
+
+    gen = torch.Generator().manual_seed(1)
+    returns = torch.randn(6, 5, generator=gen)
+    returns[3:] += 2.0  # the second rank's returns sit elsewhere
+    values = returns + 0.7 * torch.randn(6, 5, generator=gen)
+    mask = torch.ones(6, 5)
+    mask[2, 3:] = 0
+    whole = float(explained_variance(values, returns, mask))
+    valid = mask.bool().numpy()
+    r, v = returns.numpy()[valid], values.numpy()[valid]
+    assert whole == pytest.approx(1 - np.var(r - v, ddof=1) / np.var(r, ddof=1), rel=1e-5)
+    halves = [slice(0, 3), slice(3, 6)]
+    sums = sum(explained_variance_sums(values[h], returns[h], mask[h]) for h in halves)
+    assert explained_variance_from_sums(sums) == pytest.approx(whole, rel=1e-4)
+    per_rank = [
+        explained_variance_from_sums(explained_variance_sums(values[h], returns[h], mask[h]))
+        for h in halves
+    ]
+    assert abs(sum(per_rank) / 2 - whole) > 0.05  # why the sums, not the ratios, are reduced
+    zeros = torch.zeros_like(returns)  # a fresh zero head: exactly 0
+    assert explained_variance_from_sums(explained_variance_sums(zeros, returns, mask)) == 0.0
+    flat = torch.ones_like(returns)  # returns that do not vary: undefined
+    assert np.isnan(explained_variance_from_sums(explained_variance_sums(values, flat, mask)))

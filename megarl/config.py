@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from megarl.errors import ConfigError
 from megarl.loggers import check_loggers
+from megarl.lora_settings import check_lora_settings
 
 
 @dataclass
@@ -126,6 +127,18 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (megarl.models.lora); the critic always trains every weight."""
+
+    rank: int = 0  # 0: off (every actor weight trains)
+    alpha: float = 16.0  # adapters scale by alpha / rank, as peft's
+    dropout: float = 0.0  # on the adapters' input, in training passes only
+    # "all-linear" or HF projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    # down_proj) and/or megatron modules (linear_qkv, linear_proj, linear_fc1, linear_fc2)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 256  # prompts per mini-batch, global
@@ -135,6 +148,7 @@ class ActorConfig:
     # Share of the actor's optimizer states (and Adam's step) held and run on the host instead
     # of the GPU (megatron's optimizer CPU offload); 0: none. CUDA only.
     optimizer_offload: float = 0.0
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -250,6 +264,11 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key_error(key: str) -> ConfigError:
+    if key.startswith("critic.lora"):
+        return ConfigError(
+            f"unknown setting {key!r}: LoRA is for the actor only (actor.lora.*); the critic "
+            "trains all its weights"
+        )
     close = difflib.get_close_matches(key, _all_keys(RunConfig), n=3, cutoff=0.6)
     hint = (
         f"; did you mean {', '.join(close)}?"
@@ -298,6 +317,8 @@ def load_config(
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     """Cross-setting checks; with ``world_size`` also the batch split over data-parallel ranks."""
     _validate_recompute(cfg.model)
+    lora = cfg.actor.lora
+    check_lora_settings(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

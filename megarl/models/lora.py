@@ -37,17 +37,9 @@ from torch import nn
 
 from megarl import parallel
 from megarl.errors import ConfigError
+from megarl.lora_settings import ALL_LINEAR, MEGATRON_MODULES, resolve_targets
 from megarl.models.dims import ModelDims
 
-# megatron module (local layer spec) -> the Hugging Face projections fused in it, in row order.
-MEGATRON_MODULES: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-HF_PROJECTIONS: tuple[str, ...] = tuple(p for parts in MEGATRON_MODULES.values() for p in parts)
-ALL_LINEAR = "all-linear"
 LORA_MARK = ".lora."
 
 
@@ -64,51 +56,6 @@ class LoraSettings:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-
-def valid_target_names() -> list[str]:
-    return [ALL_LINEAR, *HF_PROJECTIONS, *MEGATRON_MODULES]
-
-
-def check_lora_settings(rank: int, alpha: float, dropout: float, targets: Sequence[str]) -> None:
-    """Refuse settings no adapter can be built from, naming the fix (before launch)."""
-    if rank < 0:
-        raise ConfigError(f"actor.lora.rank must be >= 0 (0: LoRA off), got {rank}")
-    if rank == 0:
-        return
-    if not alpha > 0:
-        raise ConfigError(
-            f"actor.lora.alpha must be > 0 with actor.lora.rank={rank}, got {alpha} "
-            "(adapters scale by alpha / rank; peft and verl's guide use e.g. alpha 16 at rank 64)"
-        )
-    if not 0.0 <= dropout < 1.0:
-        raise ConfigError(f"actor.lora.dropout must be in [0, 1), got {dropout}")
-    resolve_targets(targets)
-
-
-def resolve_targets(targets: str | Sequence[str]) -> frozenset[str]:
-    """The Hugging Face projections named by ``actor.lora.target_modules``: ``all-linear`` (every
-    projection of the decoder layers, the LM head excluded, as in peft), or a list of HF names
-    (``q_proj`` ...) and/or megatron module names (``linear_qkv`` = q, k and v ...)."""
-    names = [targets] if isinstance(targets, str) else list(targets)
-    if not names:
-        raise ConfigError(
-            f"actor.lora.target_modules is empty; name some of {valid_target_names()}"
-        )
-    out: set[str] = set()
-    for name in names:
-        if name == ALL_LINEAR:
-            out.update(HF_PROJECTIONS)
-        elif name in MEGATRON_MODULES:
-            out.update(MEGATRON_MODULES[name])
-        elif name in HF_PROJECTIONS:
-            out.add(name)
-        else:
-            raise ConfigError(
-                f"actor.lora.target_modules: unknown module {name!r}; valid names: "
-                f"{valid_target_names()}"
-            )
-    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -388,3 +335,24 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for a, was in zip(found, before, strict=True):
             a.enabled = was
+
+
+def add_lora_for_layout(model: nn.Module, dims: ModelDims, layout, settings: LoraSettings) -> int:
+    """:func:`add_lora` on this rank's pipeline stage of ``layout``."""
+    from megarl.models.dims import layer_offset
+
+    return add_lora(model, dims, layer_offset(dims, layout, parallel.pp_rank()), settings)
+
+
+def lora_record(model: nn.Module) -> dict[str, object] | None:
+    """The adapters' settings as a checkpoint records them (None without adapters)."""
+    found = [a for _, a in adapters(model)]
+    if not found:
+        return None
+    first = found[0]
+    return {
+        "rank": first.rank,
+        "alpha": first.scale * first.rank,
+        "dropout": first.dropout,
+        "target_modules": sorted({t for a in found for t in a.targeted}),
+    }

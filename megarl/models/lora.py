@@ -143,7 +143,9 @@ class LoraAdapter(nn.Module):
             # on the whole matrix (the same at any TP size), B zero: the adapted model starts equal
             # to its base.
             bound = 1.0 / math.sqrt(p.in_features)
-            a_full = torch.empty(r, p.in_features).uniform_(-bound, bound, generator=gen)
+            # drawn on the host with a CPU generator: the same numbers on any device
+            a_full = torch.empty(r, p.in_features, device="cpu")
+            a_full.uniform_(-bound, bound, generator=gen)
             if parallel_mode == "row":
                 step = p.in_features // tp
                 a_full = a_full[:, tp_rank * step : (tp_rank + 1) * step]

@@ -109,3 +109,87 @@ def lora_parity_worker(
         out[key + ":adapter_tensors"] = float(len(grads))
         destroy_model_parallel()
     return out
+
+
+def _dp_sum(value: float) -> float:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return t.item()
+
+
+def lora_roles_worker(rank: int, world: int, model_dir: str, spec: dict) -> dict[str, float]:
+    """The run's models with ``actor.lora`` on (GRPO with a KL loss): no reference model is
+    built, the reference logprobs come from the actor's base, and the distributed optimizer
+    holds the adapters alone (parameters and Adam state bytes, summed over the DP shards)."""
+    adapt_megatron_for_cpu()
+    from megatron.core import parallel_state as ps
+
+    from megarl.config import load_config
+    from megarl.models.lora import adapters
+    from megarl.trainer.roles import build_roles
+    from megarl.trainer.spec import resolve_algorithm
+
+    layout, _, key = _setup(world, spec)
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "data.train_files=[unused.parquet]",
+            "algorithm.use_kl_loss=true",
+            "actor.lora.rank=4",
+            "actor.lora.alpha=8",
+            f"parallel.tp={layout.tp}",
+            f"parallel.pp={layout.pp}",
+        ],
+    )
+    from megarl.models.dims import ModelDims
+
+    dims = ModelDims.from_pretrained(model_dir)
+    roles = build_roles(cfg, layout, resolve_algorithm(cfg, dims.vocab_size))
+    actor = roles.actor
+    adapter_numel = sum(
+        p.numel() for _, a in adapters(actor.model) for p in a.parameters()
+    )  # this rank's shards
+    stage_numel = sum(p.numel() for p in actor.model.parameters())
+    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
+    inner = actor.optimizer.optimizer  # the torch Adam over this DP rank's shard
+    in_optimizer = sum(p.numel() for g in inner.param_groups for p in g["params"])
+    actor.optimizer._init_optimizer_states_with_dummy_values()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in inner.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
+    with roles.reference_model() as ref:
+        ref_logits = forward_logits([ref], ids)
+    out = {
+        f"{key}:reference_built": float(roles.reference is not None),
+        f"{key}:has_reference": float(roles.has_reference),
+        f"{key}:trainable_is_adapters": float(trainable == adapter_numel > 0),
+        f"{key}:adapter_share": adapter_numel / stage_numel,
+        # the DP shards of the distributed optimizer together hold every adapter element once
+        f"{key}:optimizer_params_over_adapters": _dp_sum(in_optimizer) / adapter_numel,
+        # Adam's two fp32 moments per adapter element, nothing for the frozen base
+        f"{key}:adam_bytes_over_adapters": _dp_sum(state_bytes) / (8 * adapter_numel),
+    }
+    if ref_logits is not None:
+        base = _hf(model_dir)
+        with torch.no_grad():
+            out[f"{key}:reference_vs_base"] = (ref_logits - base(ids).logits).abs().max().item()
+    destroy_model_parallel()
+    return out
+
+
+def lora_checks_worker(
+    rank: int, world: int, model_dir: str, layouts: list[dict], roles_layout: dict
+) -> dict[str, float]:
+    """Both checks in one launch: peft parity on ``layouts``, the run's models on
+    ``roles_layout``."""
+    out = lora_parity_worker(rank, world, model_dir, layouts)
+    out.update(lora_roles_worker(rank, world, model_dir, roles_layout))
+    return out

@@ -29,6 +29,9 @@ class Workload:
     response_len: int | None = None  # None: half of seq_len
     rollout_seqs: int = 64  # concurrent sequences per vLLM engine the KV cache must hold
     gpu_memory_utilization: float | None = None  # vLLM's fraction mode instead of rollout_seqs
+    # actor.lora.rank (all-linear): only adapters train and sit in the optimizer, and the KL's
+    # reference is the actor's own base (no reference copy); 0: full fine-tuning
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "global_batch", "rollout_seqs"):
@@ -46,6 +49,8 @@ class Workload:
                 f"--response-len {self.response_len} must be between 1 and --seq-len - 1 "
                 f"({self.seq_len - 1}): a sequence is prompt + response"
             )
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0 (0: no LoRA), got {self.lora_rank!r}")
         u = self.gpu_memory_utilization
         if u is not None and not 0.0 < u < 1.0:
             raise ConfigError(

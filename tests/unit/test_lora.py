@@ -98,3 +98,33 @@ def test_merged_local_tensors_merge_on_read_and_release_per_bucket():
     local[0]
     assert len(calls) == 2
     assert torch.equal(base[0], torch.ones(2, 2))  # the base is never modified
+
+
+def test_plan_counts_the_adapters_alone_and_no_reference_copy():
+    """At LoRA rank r the planner's grads and optimizer states are the adapters' (counted here
+    from the shapes megarl.models.lora gives A and B), and the reference costs nothing."""
+    from megarl.parallel import ParallelLayout
+    from megarl.plan.known_models import resolve_model
+    from megarl.plan.lora import lora_layer_params
+    from megarl.plan.memory import GPU_BF16, estimate_memory
+    from megarl.plan.workload import Workload
+
+    _, dims = resolve_model("Qwen2.5-7B")
+    h, hd, ffn = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
+    q, kv, r, tp = dims.num_attention_heads * hd, dims.num_kv_heads * hd, 64, 2
+    # column: A [r, h] whole, B [out/tp, r]; row: A [r, in/tp], B [h, r]
+    per_layer = sum(r * h + o // tp * r for o in (q, kv, kv, ffn, ffn)) + (
+        r * q // tp + h * r + r * ffn // tp + h * r
+    )
+    assert lora_layer_params(dims, tp, r) == per_layer
+    layout = ParallelLayout(tp=tp, pp=1, dp=4)
+    full = estimate_memory(dims, layout, Workload(seq_len=1536), GPU_BF16).worst
+    lora = estimate_memory(dims, layout, Workload(seq_len=1536, lora_rank=r), GPU_BF16).worst
+    adapters = dims.num_layers * per_layer
+    fwd = lora.phase_items["forward-backward"]
+    assert fwd["grads"] == adapters * GPU_BF16.grad_bytes
+    assert fwd["optimizer"] == -(-adapters * GPU_BF16.main_param_bytes // 4) + -(
+        -adapters * GPU_BF16.adam_bytes // 4
+    )
+    assert fwd["reference"] == 0 and full.phase_items["forward-backward"]["reference"] > 0
+    assert lora.peak < full.peak

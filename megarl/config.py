@@ -319,6 +319,11 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_recompute(cfg.model)
     lora = cfg.actor.lora
     check_lora_settings(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    if lora.rank and cfg.model.transformer_impl == "transformer_engine":
+        raise ConfigError(
+            "actor.lora adapts megatron's own parallel linears, not Transformer Engine's: set "
+            "model.transformer_impl=local (or auto, which takes the local spec with LoRA)"
+        )
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

@@ -42,6 +42,10 @@ def test_lora_is_off_by_default_and_takes_peft_like_settings():
         ),
         (("actor.lora.rank=8", "actor.lora.target_modules=[]"), "target_modules is empty"),
         (("critic.lora.rank=8",), "LoRA is for the actor only"),
+        (
+            ("actor.lora.rank=8", "model.transformer_impl=transformer_engine"),
+            "set model.transformer_impl=local",
+        ),
     ],
 )
 def test_bad_lora_settings_are_refused_with_the_fix(overrides, message):

@@ -77,7 +77,7 @@ def test_lora_exports_merged_and_as_a_peft_adapter(workdir, lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    ckpt = workdir / "lora" / "checkpoints" / "step_00000003"
+    ckpt = workdir / "lora" / "checkpoints" / "step_00000003" / "actor"
     refused = _convert(ckpt, workdir / "no_lora_flag")
     assert refused.returncode == 2 and "--lora merged" in refused.stderr, refused.stderr
     for kind in ("merged", "adapter"):

@@ -155,15 +155,20 @@ def lora_roles_worker(rank: int, world: int, model_dir: str, spec: dict) -> dict
     )  # this rank's shards
     stage_numel = sum(p.numel() for p in actor.model.parameters())
     trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
-    inner = actor.optimizer.optimizer  # the torch Adam over this DP rank's shard
-    in_optimizer = sum(p.numel() for g in inner.param_groups for p in g["params"])
-    actor.optimizer._init_optimizer_states_with_dummy_values()
-    state_bytes = sum(
-        t.numel() * t.element_size()
-        for s in inner.state.values()
-        for t in s.values()
-        if torch.is_tensor(t) and t.dim() > 0
-    )
+    # megatron chains one distributed optimizer per parameter group; each wraps a torch Adam
+    # over this DP rank's shard of its parameters
+    chained = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    in_optimizer, state_bytes = 0, 0
+    for opt in chained:
+        opt._init_optimizer_states_with_dummy_values()
+        inner = opt.optimizer
+        in_optimizer += sum(p.numel() for g in inner.param_groups for p in g["params"])
+        state_bytes += sum(
+            t.numel() * t.element_size()
+            for s in inner.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
     ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
     with roles.reference_model() as ref:
         ref_logits = forward_logits([ref], ids)

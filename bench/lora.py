@@ -36,9 +36,12 @@ def _tensor_bytes(tensors) -> int:
 def _state_bytes(model, ddp, optimizer) -> dict[str, int]:
     import torch
 
-    inner = optimizer.optimizer
     moments = [
-        t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
+        t
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+        for s in opt.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
     ]
     grads = [b.grad_data for b in ddp.buffers]
     return {
@@ -88,8 +91,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
 
     def loss_fn(logits, batch):
         log_prob = vocab_parallel_log_probs(logits, labels, group=tp_group())
-        loss, _ = ppo_clip(log_prob.detach(), log_prob, advantages, mask)
-        return loss, {}
+        per_token, _ = ppo_clip(log_prob.detach(), log_prob, advantages, mask)
+        return (per_token * mask).sum() / mask.sum(), {}  # token-mean, as GRPO's default
 
     def step() -> None:
         ddp.zero_grad_buffer()

@@ -2,7 +2,7 @@
 
 Verbs:
   hf-to-mcore  --hf DIR --out DIR [--tp N --pp M] [--role actor|critic] [--dtype auto|...]
-  mcore-to-hf  --ckpt DIR --out DIR [--dtype float32|bfloat16] [--nproc N]
+  mcore-to-hf  --ckpt DIR --out DIR [--dtype float32|bfloat16] [--nproc N] [--lora merged|adapter]
   verify       --hf DIR --ckpt DIR [--tp N --pp M] [--no-logits]
 
 Everything a user can get wrong is checked here, before any process starts; errors print one
@@ -108,6 +108,7 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
+    from checkpoints_tools.lora_export import check_lora_export
     from checkpoints_tools.mcore_to_hf import export_to_hf
     from megarl.checkpoint.store import (
         check_destination,
@@ -119,6 +120,7 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from megarl.launch import under_launcher
 
     meta = read_meta(args.ckpt)  # missing / partial checkpoints fail here, before any work
+    check_lora_export(meta, args.lora, resolve_checkpoint(args.ckpt))
     check_not_inside(args.out, resolve_checkpoint(args.ckpt), "checkpoint")
     if args.dtype:
         dtype_from_name(args.dtype)
@@ -135,6 +137,7 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_size,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            lora=args.lora,
         )
         if _rank() == 0:
             kind = {
@@ -156,6 +159,7 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
         ["--overwrite"] if args.overwrite else []
     )
     argv += ["--quiet"] if args.quiet else []
+    argv += ["--lora", args.lora] if args.lora else []
     return _in_world(args.nproc, argv, body)
 
 
@@ -253,6 +257,14 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes sharing the files (torchrun)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--lora",
+        default=None,
+        choices=["merged", "adapter"],
+        help="a checkpoint with LoRA adapters: `merged` writes the model with the adapters "
+        "merged into its weights, `adapter` a peft adapter folder (adapter_config.json + "
+        "adapter_model.safetensors) for the base model",
+    )
     p.set_defaults(func=_cmd_mcore_to_hf)
 
     p = sub.add_parser(

@@ -23,6 +23,12 @@ from pathlib import Path
 
 import torch
 
+from checkpoints_tools.lora_export import (
+    MergeDeltas,
+    check_lora_export,
+    checkpoint_lora,
+    export_adapter,
+)
 from checkpoints_tools.safetensors_writer import SafetensorsStreamWriter, nbytes
 from megarl.checkpoint.hf_assets import ASSET_PATTERNS, export_config, has_tokenizer, read_json
 from megarl.checkpoint.keys import dist_checkpoint_key
@@ -161,6 +167,7 @@ def _write_shard(
     dims: ModelDims,
     dtype: torch.dtype,
     bar,
+    lora: MergeDeltas | None = None,
 ) -> None:
     entries = [(n, shape, dtype) for g in groups for n, shape in g.hf]
     with SafetensorsStreamWriter(path, entries) as writer:
@@ -175,6 +182,8 @@ def _write_shard(
             else:
                 full = g.read(reader)
                 for name, t in g.convert(full, dims):
+                    if lora is not None:
+                        t = lora.apply(name, t)
                     writer.write(name, t.to(dtype))
                     del t
                 del full
@@ -245,21 +254,32 @@ def export_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
+    lora: str | None = None,
 ) -> ExportResult:
     """Write the checkpoint ``ckpt`` as a Hugging Face folder ``out``.
 
     Actor and reference checkpoints become ``*ForCausalLM`` folders; a critic becomes
     ``*ForTokenClassification`` with one label (its value head is ``score``). Collective when
-    torch.distributed is initialised: ranks split the shard files.
+    torch.distributed is initialised: ranks split the shard files. A checkpoint with LoRA
+    adapters needs ``lora``: ``merged`` (base + scale * B @ A in every adapted weight) or
+    ``adapter`` (a peft adapter folder instead, :mod:`checkpoints_tools.lora_export`).
     """
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
+    check_lora_export(meta, lora, ckpt)
+    if lora == "adapter":
+        done = export_adapter(ckpt, out, dtype=dtype, overwrite=overwrite)
+        return ExportResult(
+            done.out, 1, done.tensors, done.bytes, done.seconds, meta.role, dtype or meta.dtype
+        )
     dims = checkpoint_dims(ckpt)
     cfg = read_json(ckpt / HF_SUBDIR / "config.json")
     out_dtype = dtype_from_name(dtype or meta.dtype)
     rank, world = _rank_world()
     with DistCheckpointReader(ckpt / MCORE_SUBDIR) as reader:
+        settings = checkpoint_lora(meta)
+        deltas = MergeDeltas(reader, dims, settings) if settings is not None else None
         groups = plan_groups(dims, meta.role, reader)
         shards = plan_shards(groups, out_dtype, max_shard_bytes)
         n = len(shards)
@@ -269,7 +289,7 @@ def export_to_hf(
             with _progress(total, progress and rank == 0) as bar:
                 for i in mine:
                     _write_shard(
-                        tmp / shard_file_name(i, n), shards[i], reader, dims, out_dtype, bar
+                        tmp / shard_file_name(i, n), shards[i], reader, dims, out_dtype, bar, deltas
                     )
             if rank == 0:
                 weight_map = {

@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from megarl.errors import ConfigError
 from megarl.loggers import check_loggers
+from megarl.lora_settings import check_lora_settings
 
 
 @dataclass
@@ -126,6 +127,18 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (megarl.models.lora); the critic always trains every weight."""
+
+    rank: int = 0  # 0: off (every actor weight trains)
+    alpha: float = 16.0  # adapters scale by alpha / rank, as peft's
+    dropout: float = 0.0  # on the adapters' input, in training passes only
+    # "all-linear" or HF projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    # down_proj) and/or megatron modules (linear_qkv, linear_proj, linear_fc1, linear_fc2)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 256  # prompts per mini-batch, global
@@ -145,6 +158,7 @@ class ActorConfig:
     # The actor's weights, grads and optimizer states in host memory during the rollout's
     # generation (after the reshard into the rollout engine, back before the actor scores it).
     param_offload: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -269,6 +283,11 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key_error(key: str) -> ConfigError:
+    if key.startswith("critic.lora"):
+        return ConfigError(
+            f"unknown setting {key!r}: LoRA is for the actor only (actor.lora.*); the critic "
+            "trains all its weights"
+        )
     close = difflib.get_close_matches(key, _all_keys(RunConfig), n=3, cutoff=0.6)
     hint = (
         f"; did you mean {', '.join(close)}?"
@@ -317,6 +336,13 @@ def load_config(
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     """Cross-setting checks; with ``world_size`` also the batch split over data-parallel ranks."""
     _validate_recompute(cfg.model)
+    lora = cfg.actor.lora
+    check_lora_settings(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    if lora.rank and cfg.model.transformer_impl == "transformer_engine":
+        raise ConfigError(
+            "actor.lora adapts megatron's own parallel linears, not Transformer Engine's: set "
+            "model.transformer_impl=local (or auto, which takes the local spec with LoRA)"
+        )
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

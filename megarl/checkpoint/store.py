@@ -69,6 +69,8 @@ class CheckpointMeta:
     step: int | None = None
     source: str | None = None
     megatron_core: str = ""
+    # LoRA adapters in the checkpoint: rank, alpha, dropout, target_modules (None: none)
+    lora: dict[str, Any] | None = None
     created_unix: float = field(default_factory=time.time)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -353,6 +355,7 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     from megarl.checkpoint.hf_assets import copy_hf_assets
+    from megarl.models.lora import lora_record
 
     if role not in ROLES:
         raise ConfigError(f"unknown role {role!r}; choose one of {ROLES}")
@@ -379,6 +382,7 @@ def save_checkpoint(
                 step=step,
                 source=source,
                 megatron_core=megatron_core_version(),
+                lora=lora_record(gpt),
             )
             (tmp / META_FILE).write_text(meta.to_json())
     return Path(path).absolute()

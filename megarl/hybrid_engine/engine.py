@@ -32,6 +32,7 @@ from megarl.hybrid_engine.execute import (
     hf_output_shapes,
     local_spec_tensors,
 )
+from megarl.hybrid_engine.lora_merge import merged_local_tensors
 from megarl.hybrid_engine.reshard_plan import plan_reshard
 from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.hybrid_engine.vllm_rollout import (
@@ -43,6 +44,7 @@ from megarl.hybrid_engine.vllm_rollout import (
 )
 from megarl.metrics import Reduce
 from megarl.models.dims import ModelDims
+from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
 
 # How the metrics of :meth:`HybridEngine.logprob_mismatch` combine over ranks (the rest: mean);
@@ -245,6 +247,8 @@ class HybridEngine:
             self._offload_optimizer()
         self.rollout.wake_up(["weights"])
         local = local_spec_tensors(self.actor, self.dims, self._layer_offset, self.plan.specs)
+        if has_lora(self.actor):
+            local = merged_local_tensors(self.actor, local, self.plan.specs, self._layer_offset)
         stats = self.executor.run(local, self.rollout.update_weights)
         del local
         self.rollout.after_weight_update()

@@ -193,6 +193,9 @@ class ReshardExecutor:
             sink(out)
             del out
             dest.clear()
+            release = getattr(local, "release", None)  # tensors made for this bucket on read
+            if release is not None:
+                release()
             stats.free(bucket_bytes)
             stats.buckets += 1
         stats.seconds += time.perf_counter() - t_start

@@ -23,10 +23,15 @@ def unwrap(model):
 
 
 def mapped_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
-    """The trunk's parameters and the LM head; a scalar head (critic, reward) is left out."""
+    """The trunk's parameters and the LM head; a scalar head (critic, reward) and LoRA adapters
+    (:mod:`megarl.models.lora`, no Hugging Face tensor of the base) are left out."""
     gpt = unwrap(model)
     skip = "output_layer." if isinstance(getattr(gpt, "output_layer", None), ValueHead) else None
-    return [(n, p) for n, p in gpt.named_parameters() if not (skip and n.startswith(skip))]
+    return [
+        (n, p)
+        for n, p in gpt.named_parameters()
+        if not (skip and n.startswith(skip)) and ".lora." not in n
+    ]
 
 
 @torch.no_grad()

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", choices=ALGOS, default="grpo", help="ppo adds a critic")
     p.add_argument("--no-reference", action="store_true", help="no KL term: no reference model")
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="actor.lora.rank (all-linear): only adapters train; the base is the reference",
+    )
+    p.add_argument(
         "--rollout-seqs",
         type=int,
         default=64,
@@ -93,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         algo=args.algo,
         reference=not args.no_reference,
+        lora_rank=args.lora_rank,
         response_len=args.response_len,
         rollout_seqs=args.rollout_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,

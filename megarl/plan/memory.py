@@ -54,6 +54,7 @@ from megarl.plan.activations import (
     hidden_bytes,
     layer_bytes,
 )
+from megarl.plan.lora import lora_layer_params
 from megarl.plan.params import StageParams, layer_params, stage_params
 from megarl.plan.units import GIB
 from megarl.plan.workload import Workload
@@ -182,12 +183,17 @@ def _loss_bytes(rows: int, vocab_shard: int, logits_bytes: int) -> tuple[int, in
     return 2 * logits + 2 * chunk_rows * vocab_shard * 4, logits
 
 
-def _model_static(p: StageParams, num: Numerics, dp: int, offload: bool) -> dict[str, int]:
+def _model_static(
+    p: StageParams, num: Numerics, dp: int, offload: bool, adapters: int | None = None
+) -> dict[str, int]:
+    """Weights, grads and optimizer state of a stage; with LoRA ``adapters`` (their elements)
+    only those have grads and optimizer state, beside the frozen weights."""
+    trained = p.total if adapters is None else adapters
     return {
-        "weights": p.total * num.param_bytes,
-        "grads": p.total * num.grad_bytes,
-        "main": 0 if offload else -(-p.total * num.main_param_bytes // dp),
-        "moments": 0 if offload else -(-p.total * num.adam_bytes // dp),
+        "weights": (p.total + (adapters or 0)) * num.param_bytes,
+        "grads": trained * num.grad_bytes,
+        "main": 0 if offload else -(-trained * num.main_param_bytes // dp),
+        "moments": 0 if offload else -(-trained * num.adam_bytes // dp),
     }
 
 
@@ -249,10 +255,11 @@ def estimate_memory(
     for k in range(pp):
         first, last = k == 0, k == pp - 1
         actor_p = stage_params(dims, tp, pp, k, layers[k], "actor")
-        actor = _model_static(actor_p, numerics, dp, options.optimizer_offload)
+        lora = layers[k] * lora_layer_params(dims, tp, workload.lora_rank) or None
+        actor = _model_static(actor_p, numerics, dp, options.optimizer_offload, lora)
         ref = (
             stage_params(dims, tp, pp, k, layers[k], "reference").total * pb
-            if workload.reference
+            if workload.reference and lora is None  # a LoRA actor's base is its reference
             else 0
         )
         critic_total = 0
@@ -300,19 +307,21 @@ def estimate_memory(
         # live), or later what megarl builds after it (megarl.trainer.roles: actor, reference,
         # critic): fp32 master params, the reference, the critic's own wrap.
         wrap = {"weights": actor["weights"], "grads": actor["grads"], "reserve": res}
+        trained_weights = (lora or actor_p.total) * pb  # what DDP's param buffer copies
         phase_items["setup"] = max(
             (
-                {**wrap, "transient": actor["weights"]},
+                {**wrap, "transient": trained_weights},
                 {**wrap, "optimizer": actor["main"], "reference": ref, "critic": critic_wrap},
             ),
             key=lambda d: sum(d.values()),
         )
         phase_items["forward-backward"] = {**train_base, "activations": activations}
         if numerics.gloo:
-            bucket = _largest_bucket(actor_p, numerics.grad_bytes)
+            bucket = _largest_bucket(actor_p, numerics.grad_bytes) if lora is None else 0
+            bucket = bucket or (lora or 0) * numerics.grad_bytes
             phase_items["grad-sync"] = {**train_base, "transient": bucket}
         if not numerics.fused_adam and not options.optimizer_offload:
-            shard = min(actor_p.largest, -(-actor_p.total // dp))
+            shard = min(actor_p.largest, -(-(lora or actor_p.total) // dp))
             phase_items["optimizer-step"] = {**train_base, "transient": 2 * shard * 4}
         if workload.rollout:
             vllm = vllm_weights + kv + workspace

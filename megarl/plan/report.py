@@ -76,9 +76,9 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def _roles(result: PlanResult) -> str:
     w = result.workload
-    roles = ["actor"]
+    roles = [f"LoRA actor (rank {w.lora_rank}, all-linear)" if w.lora_rank else "actor"]
     if w.reference:
-        roles.append("reference")
+        roles.append("reference (the LoRA actor's base)" if w.lora_rank else "reference")
     if w.critic:
         roles.append("critic")
     if w.rollout:
@@ -232,6 +232,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
             "micro_batch": w.micro_batch,
             "global_batch": w.global_batch,
             "reference": w.reference,
+            "lora_rank": w.lora_rank,
             "critic": w.critic,
             "rollout": w.rollout,
             "rollout_seqs": w.rollout_seqs,

@@ -32,6 +32,9 @@ class Workload:
     # mean real tokens per sequence (prompt + response); with packing (actor.packing) the models
     # compute on these only. None: every sequence is seq_len long (packing gains nothing).
     mean_seq_len: int | None = None
+    # actor.lora.rank (all-linear): only adapters train and sit in the optimizer, and the KL's
+    # reference is the actor's own base (no reference copy); 0: full fine-tuning
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "global_batch", "rollout_seqs"):
@@ -55,6 +58,8 @@ class Workload:
                 f"--mean-seq-len {m} must be between 1 and --seq-len ({self.seq_len}): the mean "
                 "real length of a sequence (prompt + response)"
             )
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0 (0: no LoRA), got {self.lora_rank!r}")
         u = self.gpu_memory_utilization
         if u is not None and not 0.0 < u < 1.0:
             raise ConfigError(

@@ -315,6 +315,20 @@ def resume_point(cfg: RunConfig, model_paths: dict[str, str]) -> Path | None:
     return path
 
 
+def _check_same_lora(ckpt: Path, model) -> None:
+    """A LoRA checkpoint resumes only into the same adapters, a full one only without them."""
+    from megarl.checkpoint.store import read_meta
+    from megarl.models.lora import lora_record
+
+    saved, wanted = read_meta(ckpt).lora, lora_record(model)
+    if saved != wanted:
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds LoRA adapters {saved or 'none'}, this run's actor "
+            f"{wanted or 'none'}: resume with the actor.lora settings it was saved with, or use "
+            "another trainer.output_dir"
+        )
+
+
 def load(path: Path, roles) -> dict[str, Any]:
     """Restore models, optimizers, schedulers and RNG at this run's layout (any layout); returns
     the trainer state, with ``data`` the global data position (datasets pick their part)."""
@@ -324,6 +338,7 @@ def load(path: Path, roles) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {path} has no {name}; it was saved by a run with other settings"
             )
+        _check_same_lora(path / name, trainable.model)
         loaded = load_checkpoint(
             path / name,
             trainable.ddp,

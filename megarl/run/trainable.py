@@ -12,6 +12,7 @@ from megarl.config import OptimConfig, RunConfig
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims
 from megarl.models.distributed import OptimSettings, wrap_for_training
+from megarl.models.lora import LoraSettings, add_lora_for_layout
 from megarl.parallel import ParallelLayout
 
 if TYPE_CHECKING:
@@ -54,12 +55,29 @@ def optim_settings(
     )
 
 
+def lora_settings(cfg: RunConfig) -> LoraSettings | None:
+    """The actor's LoRA adapters (None: LoRA off, every weight trains)."""
+    lora = cfg.actor.lora
+    if lora.rank == 0:
+        return None
+    return LoraSettings(
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=tuple(lora.target_modules),
+        seed=cfg.trainer.seed,
+    )
+
+
 def model_options(cfg: RunConfig) -> ModelOptions:
+    impl = cfg.model.transformer_impl
+    if cfg.actor.lora.rank and impl == "auto":
+        impl = "local"  # LoRA adapts megatron's own parallel linears (not Transformer Engine's)
     return ModelOptions(
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
         recompute=cfg.model.recompute,
         recompute_num_layers=cfg.model.recompute_num_layers,
-        transformer_impl=cfg.model.transformer_impl,
+        transformer_impl=impl,
         sequence_parallel=cfg.parallel.sequence_parallel,
     )
 
@@ -70,8 +88,12 @@ def build_trainable(
     role: str,
     opts: ModelOptions,
     settings: OptimSettings,
+    lora: LoraSettings | None = None,
 ) -> tuple[Trainable, ModelDims]:
-    """This rank's shard of a model loaded from ``path``, wrapped for training."""
+    """This rank's shard of a model loaded from ``path``, wrapped for training; with ``lora``
+    the loaded weights are frozen and only LoRA adapters train (and enter the optimizer)."""
     model, dims = build_model(path, layout, role, opts)
+    if lora is not None:
+        add_lora_for_layout(model, dims, layout, lora)
     ddp, optimizer, scheduler = wrap_for_training(model, settings)
     return Trainable(model, ddp, optimizer, scheduler), dims

@@ -209,13 +209,14 @@ def compute_experience(
     t, mask = samples.tensors, samples.response_mask
     vocab = roles.dims.vocab_size
     temperature = spec.temperature
-    if roles.reference is not None:
-        t["ref_log_prob"] = forward_response_tensor(
-            roles.reference,
-            samples,
-            lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
-            batching,
-        )
+    if roles.has_reference:
+        with roles.reference_model() as reference:
+            t["ref_log_prob"] = forward_response_tensor(
+                reference,
+                samples,
+                lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
+                batching,
+            )
     if roles.critic is not None:
         t["values"] = forward_response_tensor(
             roles.critic.model, samples, response_values, batching

@@ -3,14 +3,23 @@ KL term needs it), critic (only for estimators that take values)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl.config import RunConfig
 from megarl.models.build import build_model
 from megarl.models.dims import ModelDims
+from megarl.models.lora import adapters_disabled
 from megarl.parallel import ParallelLayout
-from megarl.run.trainable import Trainable, build_trainable, model_options, optim_settings
+from megarl.run.trainable import (
+    Trainable,
+    build_trainable,
+    lora_settings,
+    model_options,
+    optim_settings,
+)
 from megarl.trainer.spec import AlgorithmSpec
 
 if TYPE_CHECKING:
@@ -27,6 +36,23 @@ class Roles:
     dims: ModelDims
     reference: GPTModel | None
     critic: Trainable | None
+    # LoRA: the reference policy is the actor's frozen base (its adapters disabled), no model
+    reference_is_actor_base: bool = False
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or self.reference_is_actor_base
+
+    @contextmanager
+    def reference_model(self) -> Iterator[GPTModel]:
+        """The model whose logprobs are the reference's: the frozen reference model, or a LoRA
+        actor with its adapters disabled for the block."""
+        if self.reference_is_actor_base:
+            with adapters_disabled(self.actor.model) as base:
+                yield base
+        else:
+            assert self.reference is not None, "this run has no reference model"
+            yield self.reference
 
     def trainables(self) -> dict[str, Trainable]:
         """The models the run trains (and checkpoints with their optimizers), by role."""
@@ -46,9 +72,11 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
             total * updates_per_step(cfg, cfg.actor.ppo_epochs),
             cfg.actor.optimizer_offload,
         ),
+        lora=lora_settings(cfg),
     )
     reference = None
-    if spec.needs_reference:
+    base_is_reference = spec.needs_reference and lora_settings(cfg) is not None
+    if spec.needs_reference and not base_is_reference:
         reference, _ = build_model(cfg.model.path, layout, "reference", opts)
     critic = None
     if spec.needs_critic:
@@ -59,4 +87,10 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
             opts,
             optim_settings(cfg.critic.optim, total * updates_per_step(cfg, cfg.critic.ppo_epochs)),
         )
-    return Roles(actor=actor, dims=dims, reference=reference, critic=critic)
+    return Roles(
+        actor=actor,
+        dims=dims,
+        reference=reference,
+        critic=critic,
+        reference_is_actor_base=base_is_reference,
+    )

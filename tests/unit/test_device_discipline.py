@@ -117,6 +117,9 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
         "_world_min": "made on platform.collective_device()",
         "_dp_sums": "made on platform.collective_device()",
     },
+    "megarl/models/lora_peft.py": {
+        "_gather": "LoRA adapter parameter shards (or their main_grad), on the model's device",
+    },
     "megarl/models/export.py": {
         "gather_tp": "shards are empty_like the model parameter",
     },

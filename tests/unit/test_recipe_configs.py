@@ -46,6 +46,7 @@ INTENDED = {
     "quickstart_cpu.yaml": (1, None),
     "dapo_quickstart_cpu.yaml": (1, None),
     "grpo_qwen2_5_7b.yaml": (8, QWEN25_7B),
+    "grpo_qwen2_5_7b_lora.yaml": (8, QWEN25_7B),
     "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "grpo_qwen2_5_72b.yaml": (32, QWEN25_72B),
 }
@@ -104,6 +105,8 @@ def _check_planned_memory(text: str, cfg) -> None:
     args = shlex.split(command.group(1))
     for flag, value in (("--tp", cfg.parallel.tp), ("--pp", cfg.parallel.pp)):
         assert args[args.index(flag) + 1] == str(value), (flag, "differs from the config")
+    lora = args[args.index("--lora-rank") + 1] if "--lora-rank" in args else "0"
+    assert lora == str(cfg.actor.lora.rank), "--lora-rank differs from the config"
     import contextlib
     import io
 

@@ -38,12 +38,18 @@ STEPS = 2
 # them (here with full recomputation), TP2 splits Qwen2.5-0.5B (14 heads, 2 KV heads) over both;
 # SmolLM2's 9 heads allow TP 1 or 3 only. TP2 runs with sequence parallelism (the default at
 # tp > 1), in the engine and in the plan. Sequence lengths make activations a real share of
-# SmolLM2's peak and keep the 0.5B model fast; the CI budget allows these three.
+# SmolLM2's peak and keep the 0.5B model fast. The fourth case packs (actor.packing) 4 sequences
+# of very unequal lengths (mean 64 of 128): the plan sizes its activations by the mean length.
 CASES = [
     ("smollm2", dict(tp=1), 128, 2, "none"),
     ("smollm2", dict(pp=2), 128, 2, "full"),
     ("qwen2.5-0.5b", dict(tp=2), 32, 1, "selective"),
+    ("smollm2", dict(tp=1), 128, 4, "none", (128, 64, 40, 24)),
 ]
+
+
+def _packed_lens(case: tuple) -> tuple[int, ...] | None:
+    return case[5] if len(case) > 5 else None
 
 
 def _qwen05_dir(root: Path) -> Path:
@@ -64,7 +70,7 @@ def measure_worker(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     return [_measure_case(rank, world, *case) for case in cases]
 
 
-def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load) -> dict:
+def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load, packed=None) -> dict:
     import torch
     from megatron.core import parallel_state as ps
 
@@ -115,7 +121,10 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load) -> 
             tracker.phase(f"forward-backward{n}")
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
+            micro_batch = {"input_ids": ids}
+            if packed is not None:  # one pack of the rows' first packed[i] tokens
+                micro_batch["seq_lens"] = torch.tensor(packed)
+            run_schedule([ddp], [micro_batch], loss_fn, forward_only=False)
             tracker.phase(f"optimizer-step{n}")
             optimizer.step()
         tracker.phase(None)
@@ -133,7 +142,7 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load) -> 
     }
 
 
-def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: str):
+def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: str, packed=None):
     _, dims = resolve_model(model_dir)
     layout = ParallelLayout.for_world(WORLD, **spec)
     workload = Workload(
@@ -142,24 +151,22 @@ def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: str):
         global_batch=batch * layout.dp,  # one micro-batch per rank, as measured
         reference=False,
         rollout=False,
+        mean_seq_len=sum(packed) // len(packed) if packed else None,
     )
-    return layout, estimate_memory(
-        dims, layout, workload, CPU_FP32, Options(recompute=recompute), reserve=0
-    )
+    options = Options(recompute=recompute, packing=packed is not None)
+    return layout, estimate_memory(dims, layout, workload, CPU_FP32, options, reserve=0)
 
 
 @pytest.mark.timeout(300)
 def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
     dirs = {"smollm2": str(smollm2_dir()), "qwen2.5-0.5b": str(_qwen05_dir(tmp_path))}
-    cases = [
-        (dirs[name], spec, seq, batch, rc, name != "qwen2.5-0.5b")
-        for name, spec, seq, batch, rc in CASES
-    ]
+    cases = [(dirs[c[0]], *c[1:5], c[0] != "qwen2.5-0.5b", _packed_lens(c)) for c in CASES]
     measured = run_gloo(measure_worker, WORLD, cases)
     mib = 1 << 20
     rows, failures = [], []
-    for i, (name, spec, seq, batch, rc) in enumerate(CASES):
-        layout, estimate = _predict(cases[i][0], spec, seq, batch, rc)
+    for i, (name, spec, seq, batch, rc, *_) in enumerate(CASES):
+        packed = _packed_lens(CASES[i])
+        layout, estimate = _predict(cases[i][0], spec, seq, batch, rc, packed)
         for rank in range(WORLD):
             m = measured[rank][i]
             stage = estimate.stages[m["stage"]]
@@ -168,6 +175,8 @@ def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
             err = (stage.peak - m["peak"]) / m["peak"]
             fb_err = (fb_pred - fb_meas) / fb_meas
             label = f"{name} {layout}{'' if rc == 'none' else f' {rc} recompute'} s{seq} b{batch} rank {rank}"
+            if packed:
+                label += f" packed {list(packed)}"
             rows.append(
                 f"{label}: peak predicted {stage.peak / mib:.0f} MiB ({stage.phase}), measured "
                 f"{m['peak'] / mib:.0f} MiB ({err:+.1%}); forward-backward {fb_pred / mib:.0f} vs "

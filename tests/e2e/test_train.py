@@ -460,7 +460,9 @@ def test_a_rank_stuck_while_the_others_wait_in_a_collective_ends_the_job(workdir
 def test_ppo_with_critic_and_dapo_dynamic_sampling_tp1_pp2_dp2(workdir):
     """PPO with a critic at TP1xPP2xDP2, with DAPO's dynamic sampling and overlong shaping on a
     pass/fail reward: groups whose 4 samples all pass or all fail are dropped and more prompts
-    drawn (at most 3 batches a step) to fill the step's 4 prompts."""
+    drawn (at most 3 batches a step) to fill the step's 4 prompts. Packed micro-batches and the
+    DP token balance (both default on), and the actor's and critic's memory offloaded to the
+    host around each rollout."""
     records = by_step(
         train(
             workdir,
@@ -474,10 +476,16 @@ def test_ppo_with_critic_and_dapo_dynamic_sampling_tp1_pp2_dp2(workdir):
             "reward.overlong_buffer.len=8",
             "parallel.pp=2",
             "parallel.infer_tp=2",
+            "actor.param_offload=true",
+            "critic.param_offload=true",
             nproc=4,
         )
     )
     last = records[2]
+    for role in ("actor", "critic"):
+        assert last[f"offload/{role}_bytes"] > 0, last
+        assert last[f"offload/{role}_onload_s"] >= 0.0, last
+    assert last["perf/dp_token_imbalance_rollout"] >= last["perf/dp_token_imbalance"] - 1e-9
     for key in (
         "critic/vf_loss",
         "critic/grad_norm",

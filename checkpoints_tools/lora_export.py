@@ -27,7 +27,7 @@ from megarl.checkpoint.store import (
     staged_output,
 )
 from megarl.errors import CheckpointError
-from megarl.lora_settings import MEGATRON_MODULES
+from megarl.lora_settings import MEGATRON_MODULES, resolve_targets
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import NameIndex
 from megarl.models.lora import LoraSettings
@@ -81,8 +81,6 @@ def adapter_pairs(
     dims: ModelDims, reader: DistCheckpointReader, settings: LoraSettings
 ) -> Iterator[AdapterPair]:
     """Every adapter of the checkpoint, layer by layer, in the name map's HF names."""
-    from megarl.lora_settings import resolve_targets
-
     targets = resolve_targets(settings.target_modules)
     index = NameIndex(dims, 0)
     for layer in range(dims.num_layers):

@@ -224,7 +224,7 @@ def _lora_sharded_state_dict(original, adapter: LoraAdapter):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         out = original(prefix, sharded_offsets, metadata)
-        own = {k: v for k, v in adapter.state_dict(prefix="", keep_vars=True).items()}
+        own = adapter.state_dict(prefix="", keep_vars=True)
         axes = {
             k: d
             for k in own

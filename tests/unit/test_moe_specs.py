@@ -1,0 +1,144 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral): dims from their HF configs, the tensor map
+with per-expert weights against the HF files at every expert-TP x EP split, megatron's MoE
+options, published sizes, and the errors for layouts and configs megarl refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.errors import LayoutError, UnsupportedModelError
+from megarl.models.dims import ModelDims, expert_offset, read_hf_config
+from megarl.models.hf_map import NameIndex, hf_to_megatron_shard, megatron_shards_to_hf
+from megarl.models.safetensors_io import SafetensorsReader
+from megarl.parallel import ParallelLayout
+from megarl.plan.known_models import resolve_model
+from tests.assets import tiny_mixtral_dir, tiny_qwen3_dir, tiny_qwen3_moe_dir
+
+pytestmark = pytest.mark.unit
+
+MOE_DIRS = [tiny_qwen3_moe_dir, tiny_mixtral_dir]
+
+
+@pytest.mark.parametrize("make_dir", MOE_DIRS)
+def test_moe_dims_and_megatron_options(make_dir):
+    dims = ModelDims.from_pretrained(make_dir())
+    assert dims.is_moe and dims.num_experts == 4 and dims.moe_topk == 2
+    assert dims.moe_ffn_hidden_size == 32
+    # Qwen3-MoE's tiny config keeps transformers' default norm_topk_prob=False; Mixtral always
+    # renormalises: megatron's pre-softmax router is the un-renormalised one.
+    qwen = dims.family == "qwen3_moe"
+    assert dims.moe_norm_topk is not qwen and dims.qk_layernorm is qwen
+    opts = dims.spec.megatron_options(dims)
+    assert opts["num_moe_experts"] == 4 and opts["moe_router_topk"] == 2
+    assert opts["moe_ffn_hidden_size"] == 32
+    assert opts["moe_router_pre_softmax"] is qwen
+    assert opts["moe_expert_capacity_factor"] is None  # no token dropping
+    assert dims.spec.layer_spec_options(dims) == {
+        "qk_layernorm": qwen,
+        "num_experts": 4,
+        "moe_grouped_gemm": False,
+    }
+    reader = SafetensorsReader(make_dir())
+    assert dims.num_parameters == sum(reader.read(n).numel() for n in reader.names())
+
+
+@pytest.mark.parametrize("make_dir", MOE_DIRS)
+@pytest.mark.parametrize(("etp", "ep"), [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)])
+def test_moe_tensor_map_round_trips_every_expert(make_dir, etp, ep):
+    """Each EP rank's experts (local index -> global) and their expert-TP shards, from the HF
+    files and back: bit-identical, and every HF tensor seen exactly once per layer and expert."""
+    model_dir = make_dir()
+    dims = ModelDims.from_pretrained(model_dir)
+    reader = SafetensorsReader(model_dir)
+    local = dims.num_experts // ep
+    seen: list[str] = []
+    for ep_rank in range(ep):
+        index = NameIndex(dims, expert_offset=expert_offset(dims, ep_rank, ep))
+        for tm in dims.spec.tensor_maps(dims, "actor"):
+            experts = range(local) if tm.per_expert else [None]
+            layers = range(dims.num_layers) if tm.per_layer else [None]
+            if not tm.per_expert and ep_rank > 0:
+                continue  # the dense part: every EP rank holds the same
+            for layer in layers:
+                for e in experts:
+                    name = tm.megatron.format(layer=layer, expert=e)
+                    tm2, hf_names = index.lookup(name)
+                    assert tm2 == tm
+                    tp = etp if tm.per_expert else 1
+                    shards = [
+                        hf_to_megatron_shard(tm, hf_names, reader, dims, r, tp) for r in range(tp)
+                    ]
+                    assert all(tuple(s.shape) == tm.shard_shape(tp) for s in shards), name
+                    for hf_name, tensor in megatron_shards_to_hf(tm, hf_names, shards, dims):
+                        assert torch.equal(tensor, reader.read(hf_name)), hf_name
+                        seen.append(hf_name)
+    assert sorted(seen) == sorted(reader.names())
+
+
+def test_expert_names_map_local_to_global_indices():
+    dims = ModelDims.from_pretrained(tiny_mixtral_dir())
+    index = NameIndex(dims, layer_offset=2, expert_offset=expert_offset(dims, 1, 2))
+    _, hf = index.lookup("decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight")
+    assert hf == (
+        "model.layers.3.block_sparse_moe.experts.3.w1.weight",
+        "model.layers.3.block_sparse_moe.experts.3.w3.weight",
+    )
+    _, hf = index.lookup("decoder.layers.0.mlp.router.weight")
+    assert hf == ("model.layers.2.block_sparse_moe.gate.weight",)
+
+
+def test_known_moe_models_plan_with_their_published_sizes():
+    name, dims = resolve_model("Qwen/Qwen3-30B-A3B")
+    assert name == "Qwen3-30B-A3B" and dims.family == "qwen3_moe" and dims.num_experts == 128
+    assert 30.3e9 < dims.num_parameters < 30.7e9  # published: 30.5B
+    _, mixtral = resolve_model("Mixtral-8x7B")
+    assert 46.5e9 < mixtral.num_parameters < 46.9e9  # published: 46.7B
+
+
+# -- bad input, refused before launch ---------------------------------------------------------
+
+
+def test_ep_must_divide_the_experts():
+    shape = ModelDims.from_pretrained(tiny_qwen3_moe_dir()).shape  # 4 experts
+    ParallelLayout(dp=4, ep=4).check_model(shape)
+    with pytest.raises(LayoutError, match=r"does not divide the model's 4 experts.*valid ep"):
+        ParallelLayout(dp=3, ep=3).check_model(shape)
+
+
+def test_ep_must_divide_dp():
+    with pytest.raises(LayoutError, match="must divide the data-parallel size dp=3"):
+        ParallelLayout(dp=3, ep=2)
+
+
+def test_ep_on_a_dense_model_is_refused():
+    shape = ModelDims.from_pretrained(tiny_qwen3_dir()).shape
+    with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
+        ParallelLayout(dp=2, ep=2).check_model(shape)
+
+
+def test_unknown_architecture_lists_the_moe_families():
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelDims.from_hf_config({"architectures": ["DeepseekV3ForCausalLM"]})
+    for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mlp_only_layers": [1]}, "decoder_sparse_step=1 and mlp_only_layers"),
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step=1 and mlp_only_layers"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok <= the number of experts"),
+    ],
+)
+def test_unsupported_qwen3_moe_configs(change, message):
+    cfg = {**read_hf_config(tiny_qwen3_moe_dir()), **change}
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelDims.from_hf_config(cfg)
+
+
+def test_mixtral_router_jitter_is_refused():
+    cfg = {**read_hf_config(tiny_mixtral_dir()), "router_jitter_noise": 0.1}
+    with pytest.raises(UnsupportedModelError, match="router_jitter_noise"):
+        ModelDims.from_hf_config(cfg)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megarl import parallel, platform
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
+from megarl.models.moe_metrics import router_loss_metrics
 from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
@@ -190,6 +191,9 @@ def ppo_update(
                 f"{role}/skipped_non_finite": 0.0,
                 f"{role}/lr": float(optimizer.param_groups[0]["lr"]),
             }
+            step_metrics.update(
+                router_loss_metrics(role, len(mbs), trainable.model.config.num_layers)
+            )
             if outs:
                 for key in outs[0]:
                     vals = torch.stack(

@@ -252,4 +252,28 @@ def logits_and_step_worker(
     """Both checks in one launch: logits against HF, then one training step (MoE tests)."""
     out = logits_worker(rank, world, model_dir, layouts)
     out.update(train_step_worker(rank, world, model_dir, layouts))
+    out.update(_router_losses(world, model_dir))
     return out
+
+
+def _router_losses(world: int, model_dir: str, ep: int = 2) -> dict[str, float]:
+    """With both router-loss coefficients set (EP2), one training step records the load-balancing
+    loss and the z-loss, and megarl's metrics read them (``actor/moe_*``): reported as values."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.moe_metrics import router_loss_metrics
+
+    layout = ParallelLayout.for_world(world, ep=ep)
+    initialize_model_parallel(layout)
+    opts = ModelOptions(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    model, dims = build_model(model_dir, layout, opts=opts)
+    ddp, optimizer, _ = wrap_for_training(model, OptimSettings(lr=1e-3))
+    ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
+    run_schedule([ddp], [{"input_ids": ids}] * 2, _ce_loss, forward_only=False)
+    optimizer.step()
+    metrics = router_loss_metrics("actor", 2, dims.num_layers)
+    again = router_loss_metrics("actor", 2, dims.num_layers)  # cleared: zeros now
+    destroy_model_parallel()
+    return {"router:" + k.split("/", 1)[1]: v for k, v in metrics.items()} | {
+        "router:cleared": float(all(v == 0.0 for v in again.values()))
+    }

@@ -8,7 +8,8 @@ One 4-rank gloo launch per family checks, on the tiny random models (4 experts, 
   torch AdamW: loss (relative) and the updated weights within 1e-6 at the same layouts, and the
   gradients themselves at TP2xPP2 (DP1: each rank holds whole reduced grads).
 Both routers are covered: Qwen3-MoE's tiny config does not renormalise the top-k
-probabilities, Mixtral does.
+probabilities, Mixtral does. Last, with the router-loss coefficients set, a training step's
+load-balancing loss and z-loss reach megarl's metrics.
 """
 
 from __future__ import annotations
@@ -42,3 +43,9 @@ def test_moe_logits_and_one_step_equal_transformers(model):
     assert merged["TP2xPP2xDP1+SP:grad_checked"] > 0.0
     assert merged["TP2xPP2xDP1+SP:grad"] < 1e-6, merged
     assert merged["critic"] < 1e-5 and merged["reference_vs_actor"] == 0.0, merged
+    # Router losses (coefficients set, EP2): recorded, read as metrics, cleared after reading.
+    # The switch load-balancing loss is 1 for perfectly balanced routing and at most E/k = 2
+    # here; the z-loss (mean squared logsumexp of the router logits) is positive.
+    assert 0.5 < merged["router:moe_load_balancing_loss"] <= 2.0, merged
+    assert merged["router:moe_z_loss"] > 0.0, merged
+    assert min(r["router:cleared"] for r in results) == 1.0

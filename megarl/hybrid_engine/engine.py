@@ -180,7 +180,7 @@ class HybridEngine:
         rollout: RolloutEngine | None = None,
         backend: str = "vllm",
     ):
-        from megarl.models.dims import layer_offset
+        from megarl.models.dims import expert_offset, layer_offset
 
         layout.check_rollout()
         self.layout = layout
@@ -191,13 +191,28 @@ class HybridEngine:
         self.pp_rank = parallel.pp_rank()
         self.dp_rank = parallel.dp_rank()
         self._layer_offset = layer_offset(dims, layout, self.pp_rank)
+        self._expert_offset = expert_offset(dims, parallel.ep_rank(), layout.ep)
+        if dims.is_moe and parallel.ep_rank() != self.dp_rank % layout.ep:
+            raise RuntimeError(
+                f"expert-parallel rank {parallel.ep_rank()} of DP replica {self.dp_rank}: the "
+                "reshard plan assumes megatron's layout (EP rank = DP rank % ep)"
+            )
         itemsize = next(actor.parameters()).element_size()
-        specs = actor_tensor_specs(dims, layout.layers_per_stage(dims.num_layers), itemsize)
+        specs = actor_tensor_specs(
+            dims, layout.layers_per_stage(dims.num_layers), itemsize, ep=layout.ep
+        )
         # vLLM's CPU and CUDA builds both load HF-layout tensors: full mode (every rank gets whole
         # tensors, vLLM cuts its shard). "shard" mode plans the zero-redundancy transition for
         # engines that accept pre-sharded tensors.
         self.plan = plan_reshard(
-            specs, layout.tp, layout.pp, layout.dp, layout.rollout_tp, bucket_bytes, mode="full"
+            specs,
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.rollout_tp,
+            bucket_bytes,
+            mode="full",
+            ep=layout.ep,
         )
         self.executor = ReshardExecutor(self.plan, dims, self.rank)
         self.hf_shapes = hf_output_shapes(self.plan, dims)
@@ -236,7 +251,9 @@ class HybridEngine:
         freed = self._free_grads()
         self._offload_optimizer()
         self.rollout.wake_up(["weights"])
-        local = local_spec_tensors(self.actor, self.dims, self._layer_offset, self.plan.specs)
+        local = local_spec_tensors(
+            self.actor, self.dims, self._layer_offset, self.plan.specs, self._expert_offset
+        )
         stats = self.executor.run(local, self.rollout.update_weights)
         del local
         self.rollout.after_weight_update()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megarl import platform
+from megarl.hybrid_engine.hf_saved_names import saved_tensor_index
 from megarl.hybrid_engine.vllm_rollout import (
     EngineConfig,
     RolloutOutput,
@@ -28,8 +29,6 @@ from megarl.hybrid_engine.vllm_rollout import (
     checkpoint_shapes,
     eos_token_ids,
 )
-
-from megarl.hybrid_engine.hf_saved_names import saved_tensor_index
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

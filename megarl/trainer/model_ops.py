@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megarl import parallel, platform
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
-from megarl.models.moe_metrics import router_loss_metrics
 from megarl.models.logprobs import log_probs_at, positions_from
+from megarl.models.moe_metrics import router_loss_metrics
 from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples, micro_batches

@@ -7,6 +7,7 @@ from megarl.testing.assets import (  # noqa: F401
     randomize_,
     smollm2_dir,
     tiny_char_llama_dir,
+    tiny_char_qwen3_moe_dir,
     tiny_chat_llama_dir,
     tiny_llama_config,
     tiny_llama_dir,

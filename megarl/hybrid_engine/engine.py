@@ -47,7 +47,12 @@ from megarl.parallel import ParallelLayout
 
 # How the metrics of :meth:`HybridEngine.logprob_mismatch` combine over ranks (the rest: mean);
 # they are world-wide already, so every rank reports the same values.
-LOGPROB_MISMATCH_REDUCTIONS = {"rollout/logprob_diff_max": Reduce.MAX}
+# An MoE model reports them again under ``rollout/moe_*``: a router choice that flips between the
+# rollout and the trainer moves a token's logprob far more than a dense model's rounding does.
+LOGPROB_MISMATCH_REDUCTIONS = {
+    "rollout/logprob_diff_max": Reduce.MAX,
+    "rollout/moe_logprob_diff_max": Reduce.MAX,
+}
 
 
 @dataclass
@@ -433,7 +438,10 @@ class HybridEngine:
         peak = torch.tensor([peak_value], dtype=torch.float64, device=device)
         dist.all_reduce(sums)  # every rank counts its DP rank's tokens tp*pp times: still a mean
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return {
+        out = {
             "rollout/logprob_diff_mean": float(sums[0] / max(sums[1].item(), 1.0)),
             "rollout/logprob_diff_max": float(peak.item()),
         }
+        if self.dims.is_moe:
+            out |= {k.replace("rollout/", "rollout/moe_"): v for k, v in out.items()}
+        return out

@@ -344,6 +344,29 @@ def _build_tiny_char_llama(out: Path) -> None:
     tok.save_pretrained(out)
 
 
+def _build_tiny_char_qwen3_moe(out: Path) -> None:
+    tok = _char_tokenizer()
+    config = tiny_qwen3_moe_config(
+        vocab_size=CHAR_VOCAB_SIZE,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=2048,
+        norm_topk_prob=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    _save_tiny(out, config, seed=18)
+    tok.save_pretrained(out)
+
+
+def tiny_char_qwen3_moe_dir() -> Path:
+    """A tiny random Qwen3-MoE (4 experts, top-2, renormalised) with the character tokenizer:
+    end-to-end RL runs of a mixture-of-experts model."""
+    return _cached("tiny-char-qwen3-moe", _build_tiny_char_qwen3_moe)
+
+
 def tiny_char_llama_dir() -> Path:
     """Tiny random Llama over a 128-symbol character vocabulary: every character is one token,
     so a text-level toy reward is learnable in a few GRPO steps on a CPU."""

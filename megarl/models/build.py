@@ -94,6 +94,9 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
     kwargs.update(recompute_settings(opts.recompute, opts.recompute_num_layers))
     if dims.is_moe:
         kwargs.update(moe_loss_settings(opts))
+        # As with TP/PP: megatron reads the expert layout from the config too (which parameters
+        # skip the data-parallel all-reduce, how the optimizer shards them).
+        kwargs.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp)
     return TransformerConfig(**kwargs)
 
 

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=None, help="only this PP")
     p.add_argument("--infer-tp", type=int, default=None, help="only this rollout TP")
     p.add_argument(
+        "--ep", type=int, default=None, help="MoE models: only this expert parallel size"
+    )
+    p.add_argument(
         "--param-offload",
         action="store_true",
         help="weights leave the GPU during rollout (not in megarl's trainer yet)",
@@ -80,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
     )
     numerics = with_grad_bytes(GPU_BF16, 4 if args.grad_dtype == "fp32" else 2)
     filters = Filters(
-        tp=args.tp, pp=args.pp, infer_tp=args.infer_tp, param_offload=args.param_offload
+        tp=args.tp,
+        pp=args.pp,
+        infer_tp=args.infer_tp,
+        ep=args.ep,
+        param_offload=args.param_offload,
     )
     result = search(name, dims, cluster, workload, numerics, filters)
     print(format_json(result) if args.json else format_text(result, top=args.top))

@@ -177,12 +177,21 @@ def _loss_bytes(rows: int, vocab_shard: int, logits_bytes: int) -> tuple[int, in
     return 2 * logits + 2 * chunk_rows * vocab_shard * 4, logits
 
 
-def _model_static(p: StageParams, num: Numerics, dp: int, offload: bool) -> dict[str, int]:
+def _model_static(
+    p: StageParams, num: Numerics, dp: int, offload: bool, ep: int = 1
+) -> dict[str, int]:
+    # The distributed optimizer shards dense weights over DP, MoE experts over expert DP (dp/ep).
+    sharded = p.total - p.experts
+    expert_dp = max(1, dp // ep)
+
+    def shard(per_param: int) -> int:
+        return -(-sharded * per_param // dp) + -(-p.experts * per_param // expert_dp)
+
     return {
         "weights": p.total * num.param_bytes,
         "grads": p.total * num.grad_bytes,
-        "main": 0 if offload else -(-p.total * num.main_param_bytes // dp),
-        "moments": 0 if offload else -(-p.total * num.adam_bytes // dp),
+        "main": 0 if offload else shard(num.main_param_bytes),
+        "moments": 0 if offload else shard(num.adam_bytes),
     }
 
 
@@ -237,22 +246,22 @@ def estimate_memory(
         "full": checkpoint_bytes(act, dims, tp, b, s),
     }[options.recompute]
     hid = hidden_bytes(act, dims, tp, b, s)
-    _, _, largest_layer_weight = layer_params(dims, tp)
+    _, _, largest_layer_weight = layer_params(dims, tp, layout.ep)
     stages = []
     for k in range(pp):
         first, last = k == 0, k == pp - 1
-        actor_p = stage_params(dims, tp, pp, k, layers[k], "actor")
-        actor = _model_static(actor_p, numerics, dp, options.optimizer_offload)
+        actor_p = stage_params(dims, tp, pp, k, layers[k], "actor", layout.ep)
+        actor = _model_static(actor_p, numerics, dp, options.optimizer_offload, layout.ep)
         ref = (
-            stage_params(dims, tp, pp, k, layers[k], "reference").total * pb
+            stage_params(dims, tp, pp, k, layers[k], "reference", layout.ep).total * pb
             if workload.reference
             else 0
         )
         critic_total = 0
         critic_wrap = 0
         if workload.critic:
-            critic_p = stage_params(dims, tp, pp, k, layers[k], "critic")
-            c = _model_static(critic_p, numerics, dp, options.optimizer_offload)
+            critic_p = stage_params(dims, tp, pp, k, layers[k], "critic", layout.ep)
+            c = _model_static(critic_p, numerics, dp, options.optimizer_offload, layout.ep)
             critic_total = sum(c.values())
             critic_wrap = c["weights"] + c["grads"] + c["weights"]  # module + param buffer + grads
 

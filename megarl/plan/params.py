@@ -92,7 +92,7 @@ def flops_params(dims: ModelDims) -> int:
     """Parameters that take part in matmuls per token: every layer and the output projection
     (a tied embedding projects too; the embedding lookup itself is no matmul). An MoE layer
     counts its router and the ``topk`` experts a token goes to."""
-    split, replicated, _ = layer_params(dims, 1)
+    split, _, _ = layer_params(dims, 1)
     if dims.is_moe:  # only the top-k experts of each token, and the router
         split += (
             (dims.moe_topk - dims.num_experts) * 3 * dims.hidden_size * dims.moe_ffn_hidden_size

@@ -218,8 +218,10 @@ class DistCheckpointReader:
         leading = () if index is None else (index,) if isinstance(index, int) else tuple(index)
         for dim, i in enumerate(leading):
             if not 0 <= i < size[dim]:
-                what = "layers" if dim == 0 else "entries along dim 1 (experts)"
-                raise CheckpointError(f"{key!r} has {size[dim]} {what}; index {i} is missing")
+                what = ("layers", "layer") if dim == 0 else ("experts", "expert")
+                raise CheckpointError(
+                    f"{key!r} has {size[dim]} {what[0]}; {what[1]} {i} is missing"
+                )
             lo[dim], hi[dim] = i, i + 1
         region = [h - lo_ for lo_, h in zip(lo, hi, strict=True)]
         parts = []

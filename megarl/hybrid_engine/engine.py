@@ -306,15 +306,20 @@ class HybridEngine:
         self._grads_freed = False
 
     def _optimizer_state_tensors(self):
-        inner = getattr(self.optimizer, "optimizer", None)
-        if inner is None or not hasattr(inner, "state"):
-            return []
-        return [
-            (state, key)
-            for state in inner.state.values()
-            for key, value in state.items()
-            if isinstance(value, torch.Tensor)
-        ]
+        # megatron chains one optimizer per parameter kind (MoE: dense and expert parameters)
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        out = []
+        for opt in chained:
+            inner = getattr(opt, "optimizer", None)
+            if inner is None or not hasattr(inner, "state"):
+                continue
+            out += [
+                (state, key)
+                for state in inner.state.values()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            ]
+        return out
 
     def _offload_optimizer(self) -> None:
         """GPU: move Adam moments to host memory during rollout. CPU: nothing to gain."""

@@ -16,7 +16,8 @@ from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.models.moe_metrics import router_loss_metrics
 from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
-from megarl.trainer.batch import Samples, micro_batches
+from megarl.trainer.batch import Samples
+from megarl.trainer.ep_micro_batches import aligned_micro_batches
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def forward_response_tensor(
 ) -> torch.Tensor:
     """``extract(output, micro_batch)`` for every sample, as [N, R], on every pipeline stage."""
     result = torch.zeros_like(samples.response_mask, dtype=torch.float32)
-    mbs = micro_batches(samples, range(samples.size), batching.size, batching.max_tokens)
+    mbs = aligned_micro_batches(samples, range(samples.size), batching.size, batching.max_tokens)
     outputs = run_schedule(
         [model],
         [
@@ -147,7 +148,7 @@ def ppo_update(
     history = []
     for _ in range(epochs):
         for rows in mini_batches:
-            mbs = micro_batches(samples, rows, batching.size, batching.max_tokens)
+            mbs = aligned_micro_batches(samples, rows, batching.size, batching.max_tokens)
             mini_tokens = float(samples.response_mask[list(rows)].sum())
             if token_level:
                 mini_tokens = _data_parallel_mean(mini_tokens)

@@ -32,6 +32,9 @@ def test_grpo_qwen3_moe_ep2_with_hf_rollout(workdir):  # noqa: F811
             "rollout.backend=hf",
             f"trainer.total_steps={steps}",
             "model.moe_aux_loss_coeff=0.001",
+            # a token budget: each rank would form its own number of micro-batches; with EP the
+            # ranks agree on one (megarl.trainer.ep_micro_batches), or the all-to-alls hang
+            "actor.max_tokens_per_micro_batch=1400",
             nproc=4,
         )
     )

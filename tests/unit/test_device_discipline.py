@@ -123,6 +123,9 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/models/export.py": {
         "gather_group": "shards are empty_like the model parameter (or a stack of its shards)",
     },
+    "megarl/trainer/ep_micro_batches.py": {
+        "_dp_max": "made on platform.collective_device()",
+    },
     "megarl/platform.py": {
         "_adapt_moe.gather_first_dim": "pieces made on the device of megatron's token tensor",
     },

@@ -200,3 +200,17 @@ def test_hf_rollout_takes_per_expert_weights_into_fused_experts(make_config, tmp
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(rollout.model(ids).logits, target(ids).logits)
+
+
+def test_micro_batches_split_to_an_agreed_count():
+    """EP > 1: data-parallel ranks run as many micro-batches (their MoE all-to-alls pair up);
+    a rank with fewer splits its largest ones, order and rows kept."""
+    from megarl.trainer.ep_micro_batches import split_to_count
+
+    groups = [[0, 1, 2, 3], [4], [5, 6]]
+    assert split_to_count(groups, 3) == groups
+    out = split_to_count(groups, 5)
+    assert out == [[0], [1], [2, 3], [4], [5, 6]]
+    assert [r for g in out for r in g] == list(range(7))
+    with pytest.raises(ValueError, match="cannot make"):
+        split_to_count([[0], [1]], 3)

@@ -1,13 +1,13 @@
 """``python -m checkpoints_tools <verb>`` and ``megarl convert <verb>``.
 
 Verbs:
-  hf-to-mcore  --hf DIR --out DIR [--tp N --pp M] [--role actor|critic] [--dtype auto|...]
+  hf-to-mcore  --hf DIR --out DIR [--tp N --pp M --ep E] [--role actor|critic] [--dtype auto|...]
   mcore-to-hf  --ckpt DIR --out DIR [--dtype float32|bfloat16] [--nproc N] [--lora merged|adapter]
-  verify       --hf DIR --ckpt DIR [--tp N --pp M] [--no-logits]
+  verify       --hf DIR --ckpt DIR [--tp N --pp M --ep E] [--no-logits]
 
 Everything a user can get wrong is checked here, before any process starts; errors print one
 message naming the fix and exit with 2. ``verify`` exits with 1 when the folders differ.
-Verbs that need several processes re-launch this module under torchrun (``tp*pp`` ranks).
+Verbs that need several processes re-launch this module under torchrun (``tp*pp*ep`` ranks).
 """
 
 from __future__ import annotations
@@ -83,13 +83,14 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     from megarl.launch import under_launcher
     from megarl.parallel import ParallelLayout
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.ep, ep=args.ep)
     source = check_hf_source(args.hf, layout, args.role, args.dtype)
     check_not_inside(args.out, args.hf, "Hugging Face folder")
     if not under_launcher():
         check_destination(args.out, args.overwrite)
     argv = ["hf-to-mcore", "--hf", str(args.hf), "--out", str(args.out)]
-    argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--dtype", source.dtype]
+    argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
+    argv += ["--dtype", source.dtype]
     argv += ["--role", source.role] + (["--overwrite"] if args.overwrite else [])
 
     def body() -> int:
@@ -99,12 +100,12 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
         hf_to_mcore(
             source,
             args.out,
-            ParallelLayout.for_world(world, args.tp, args.pp),
+            ParallelLayout.for_world(world, args.tp, args.pp, ep=args.ep),
             overwrite=args.overwrite,
         )
         return 0
 
-    return _in_world(layout.tp * layout.pp, argv, body)
+    return _in_world(layout.world_size, argv, body)
 
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
@@ -169,7 +170,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from megarl.parallel import ParallelLayout
 
     report = start_report(args.hf, args.ckpt, args.rtol)
-    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.ep, ep=args.ep)
     layout.check_model(checkpoint_dims(report.ckpt).shape)
 
     def tensors() -> None:
@@ -179,7 +180,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         tensors()
     else:
         argv = ["verify", "--hf", str(args.hf), "--ckpt", str(args.ckpt)]
-        argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--rtol", str(args.rtol)]
+        argv += ["--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
+        argv += ["--rtol", str(args.rtol)]
         argv += ["--batch", str(args.batch), "--seq", str(args.seq)]
 
         def body() -> int:
@@ -190,7 +192,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             )
             return 0 if _rank() != 0 else _print(report)
 
-        return _in_world(layout.tp * layout.pp, argv, body)
+        return _in_world(layout.world_size, argv, body)
     return _print(report)
 
 
@@ -215,6 +217,9 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="checkpoint folder to create")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversion")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (MoE models; tp*pp*ep ranks)"
+    )
     p.add_argument(
         "--role",
         choices=["actor", "critic", "reference", "reward"],
@@ -276,6 +281,7 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint folder (or a root with `latest`)")
     p.add_argument("--tp", type=int, default=1, help="TP of the megatron model for the logits")
     p.add_argument("--pp", type=int, default=1, help="PP of the megatron model for the logits")
+    p.add_argument("--ep", type=int, default=1, help="EP of the megatron model (MoE models)")
     p.add_argument(
         "--rtol",
         type=float,

@@ -59,10 +59,11 @@ def check_hf_source(
     missing = []
     for tm in tensor_maps(dims, role):
         for layer in range(dims.num_layers) if tm.per_layer else [None]:
-            for name in tm.hf:
-                name = name.format(layer=layer)
-                if not reader.has(name) and not (source_role != role and name in head_names):
-                    missing.append(name)
+            for expert in range(dims.num_experts) if tm.per_expert else [None]:
+                for name in tm.hf:
+                    name = name.format(layer=layer, expert=expert)
+                    if not reader.has(name) and not (source_role != role and name in head_names):
+                        missing.append(name)
     if missing:
         raise CheckpointError(
             f"{hf_dir} lacks {len(missing)} tensors its config.json implies (e.g. "

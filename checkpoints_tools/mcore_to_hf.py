@@ -58,7 +58,8 @@ class Group:
 
     tm: TensorMap
     key: str  # dist-checkpoint key
-    index: int | None  # layer index into a stacked key (None: the whole tensor)
+    # layer index into a stacked key, (layer, expert) for an expert's weight (None: the whole tensor)
+    index: int | tuple[int, int] | None
     hf: tuple[tuple[str, tuple[int, ...]], ...]  # (hf name, shape), in write order
     source_shape: tuple[int, ...]
 
@@ -79,8 +80,9 @@ class Group:
         return megatron_shards_to_hf(self.tm, names, [full], dims)
 
 
-def _ordered_maps(dims: ModelDims, role: str) -> Iterator[tuple[TensorMap, int | None]]:
-    """(map, layer) in Hugging Face order: embeddings, layer 0..L-1, final norm, head."""
+def _ordered_maps(dims: ModelDims, role: str) -> Iterator[tuple[TensorMap, int | None, int | None]]:
+    """(map, layer, expert) in Hugging Face order: embeddings, layer 0..L-1 (an MoE layer's
+    experts one by one), final norm, head."""
     maps = tensor_maps(dims, role)
     if not has_scalar_head(role) and dims.tie_word_embeddings:
         # The tied LM head is the embedding: HF stores it once (model.embed_tokens.weight).
@@ -88,16 +90,18 @@ def _ordered_maps(dims: ModelDims, role: str) -> Iterator[tuple[TensorMap, int |
     first = [tm for tm in maps if not tm.per_layer and tm.megatron.startswith("embedding.")]
     layered = [tm for tm in maps if tm.per_layer]
     last = [tm for tm in maps if not tm.per_layer and tm not in first]
-    yield from ((tm, None) for tm in first)
+    yield from ((tm, None, None) for tm in first)
     for layer in range(dims.num_layers):
-        yield from ((tm, layer) for tm in layered)
-    yield from ((tm, None) for tm in last)
+        for tm in layered:
+            for expert in range(dims.num_experts) if tm.per_expert else [None]:
+                yield tm, layer, expert
+    yield from ((tm, None, None) for tm in last)
 
 
 def plan_groups(dims: ModelDims, role: str, reader: DistCheckpointReader) -> list[Group]:
     """Every checkpoint tensor to export, with its HF names and shapes (from metadata only)."""
     groups = []
-    for tm, layer in _ordered_maps(dims, role):
+    for tm, layer, expert in _ordered_maps(dims, role):
         key = dist_checkpoint_key(tm.megatron)
         if layer is None:
             index = None
@@ -106,7 +110,10 @@ def plan_groups(dims: ModelDims, role: str, reader: DistCheckpointReader) -> lis
         else:
             key, index = reader.layer_key(key, layer)
             shape = reader.shape(key)[1:] if index is not None else reader.shape(key)
-            names = tuple(h.format(layer=layer) for h in tm.hf)
+            if expert is not None:  # experts stacked along the next dim
+                index = (index, expert) if index is not None else expert
+                shape = shape[1:]
+            names = tuple(h.format(layer=layer, expert=expert) for h in tm.hf)
         try:
             meta = megatron_shards_to_hf(tm, names, [torch.empty(shape, device="meta")], dims)
         except RuntimeError as e:

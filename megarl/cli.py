@@ -49,7 +49,7 @@ def _train(args: argparse.Namespace) -> int:
     nproc = args.nproc_per_node or cfg.parallel.tp * cfg.parallel.pp
     validate(cfg, nproc)
     p = cfg.parallel
-    layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp)
+    layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files
     return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
 

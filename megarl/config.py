@@ -31,6 +31,10 @@ class ModelConfig:
     recompute_num_layers: int = 1
     # auto: Transformer Engine layers where CUDA and TE are present, else megatron's local spec
     transformer_impl: str = "auto"  # auto | local | transformer_engine
+    # Mixture-of-experts models only: router load-balancing loss and router z-loss coefficients
+    # (0: off; RL keeps the policy objective alone by default)
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
 
 @dataclass
@@ -44,6 +48,9 @@ class ParallelConfig:
     sequence_parallel: bool | None = None
     # Context parallel size (sequence split over GPUs in attention); needs Transformer Engine
     cp: int = 1
+    # Expert parallel size (MoE models): each MoE layer's experts split over ep ranks taken from
+    # the data-parallel ones; must divide dp and the number of experts
+    ep: int = 1
 
 
 @dataclass
@@ -356,6 +363,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_tracking(cfg)
     _validate_parallel(cfg.parallel)
     _validate_context_parallel(cfg)
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(cfg.model, name) < 0:
+            raise ConfigError(f"model.{name}={getattr(cfg.model, name)} must be >= 0 (0: off)")
     if not 0.0 <= cfg.actor.optimizer_offload <= 1.0:
         raise ConfigError(
             f"actor.optimizer_offload={cfg.actor.optimizer_offload} must be in [0, 1]: the share "

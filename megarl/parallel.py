@@ -36,11 +36,16 @@ class ModelShape:
     num_kv_heads: int
     vocab_size: int
     ffn_hidden_size: int
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
     """Tensor (tp), pipeline (pp) and data (dp) parallel sizes; world size = tp * pp * dp.
+
+    ``ep`` (expert parallel, mixture-of-experts models) splits each MoE layer's experts over
+    ``ep`` ranks taken from the data-parallel ones (megatron's layout: expert tensor parallel =
+    ``tp``, expert data parallel = ``dp / ep``), so it must divide ``dp``.
 
     ``pp_layers`` optionally gives an uneven split of the layers over pipeline stages
     (e.g. ``(6, 7, 7, 6)``); all middle stages must hold the same count, which is what
@@ -53,9 +58,10 @@ class ParallelLayout:
     dp: int = 1
     pp_layers: tuple[int, ...] | None = None
     infer_tp: int | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -65,6 +71,12 @@ class ParallelLayout:
             )
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(int(x) for x in self.pp_layers))
+        if self.dp % self.ep:
+            raise LayoutError(
+                f"parallel.ep={self.ep} must divide the data-parallel size dp={self.dp} (expert "
+                f"parallel ranks are taken from the data-parallel ones); valid ep: "
+                f"{_divisors(self.dp)}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -75,7 +87,7 @@ class ParallelLayout:
         return self.infer_tp if self.infer_tp is not None else self.tp
 
     def __str__(self) -> str:
-        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}"
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}" + (f"xEP{self.ep}" if self.ep > 1 else "")
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, **kw) -> ParallelLayout:
@@ -118,7 +130,25 @@ class ParallelLayout:
                 f"KV heads {kv}. Valid infer_tp for this model: {tp_ok}"
             )
         self._check_pipeline(shape.num_layers)
+        self._check_experts(shape)
         self.check_rollout()
+
+    def _check_experts(self, shape: ModelShape) -> None:
+        if self.ep > 1 and not shape.num_experts:
+            raise LayoutError(
+                f"parallel.ep={self.ep} needs a mixture-of-experts model; this model is dense: "
+                "set parallel.ep=1"
+            )
+        if shape.num_experts and shape.num_experts % self.ep:
+            raise LayoutError(
+                f"parallel.ep={self.ep} does not divide the model's {shape.num_experts} experts; "
+                f"valid ep: {[d for d in _divisors(shape.num_experts) if self.dp % d == 0]} "
+                f"(ep must also divide dp={self.dp})"
+            )
+
+    def experts_per_rank(self, num_experts: int) -> int:
+        """Experts of each MoE layer held by one expert-parallel rank."""
+        return num_experts // self.ep
 
     def _check_pipeline(self, num_layers: int) -> None:
         if self.pp > num_layers:
@@ -264,7 +294,9 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -338,6 +370,32 @@ def dp_size() -> int:
 
 def dp_group() -> ProcessGroup:
     return _ps().get_data_parallel_group()
+
+
+def ep_rank() -> int:
+    """This process's expert-parallel rank (which slice of each MoE layer's experts it holds)."""
+    return _ps().get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    return _ps().get_expert_model_parallel_world_size()
+
+
+def ep_group() -> ProcessGroup:
+    return _ps().get_expert_model_parallel_group()
+
+
+def etp_rank() -> int:
+    """This process's rank in the expert tensor-parallel group (experts' weights split like TP)."""
+    return _ps().get_expert_tensor_parallel_rank()
+
+
+def etp_size() -> int:
+    return _ps().get_expert_tensor_parallel_world_size()
+
+
+def etp_group() -> ProcessGroup:
+    return _ps().get_expert_tensor_parallel_group()
 
 
 def current_ranks() -> dict[str, int]:

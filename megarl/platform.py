@@ -56,6 +56,10 @@ ADAPTED_MODULES: tuple[str, ...] = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    # mixture of experts (Qwen3-MoE, Mixtral): router, all-to-all dispatcher, their helpers
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
 )
 
 # (module, attribute path) of functions that call CUDA-only *tensor methods*: they compare
@@ -311,6 +315,62 @@ def _adapt_rng_tracker() -> None:
     mrandom._set_cuda_rng_state = set_state
 
 
+def _adapt_moe() -> None:
+    """Mixture-of-experts paths on CPU/gloo, beyond the CPU view of torch:
+
+    - ``moe_utils`` refers to Transformer Engine's ``te_general_gemm`` in the router's linear
+      layer although it defines it only when TE imports: without TE it is None (the torch path).
+    - ``maybe_move_tensor_to_cpu`` turns split sizes into numpy only for CUDA tensors; the
+      all-to-all then gets CPU tensors as split sizes, which ``all_to_all_single`` refuses.
+    - gloo's all-gather takes equal pieces only; the dispatcher gathers uneven token counts over
+      the TP x EP group (TP>1 with EP>1): pad each piece to the largest, gather, strip.
+    """
+    import sys
+
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        tensor = original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return tensor
+
+    original_gather = mappings._gather_along_first_dim
+
+    def gather_first_dim(
+        input_: torch.Tensor,
+        group: Any,
+        output_split_sizes: Any = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if sizes is None or len(set(sizes)) == 1 or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        padded = torch.zeros(
+            (max(sizes), *input_.shape[1:]), dtype=input_.dtype, device=input_.device
+        )
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "")
+        if not name.startswith("megatron."):
+            continue
+        if getattr(module, "maybe_move_tensor_to_cpu", None) is original_move:
+            module.maybe_move_tensor_to_cpu = move_to_cpu
+        if getattr(module, "_gather_along_first_dim", None) is original_gather:
+            module._gather_along_first_dim = gather_first_dim
+
+
 def adapt_megatron_for_cpu() -> bool:
     """Apply the CPU adaptations once per process; a no-op (returns False) where CUDA exists."""
     global _applied
@@ -330,6 +390,7 @@ def adapt_megatron_for_cpu() -> bool:
     for module_name, path in TENSOR_METHOD_FUNCTIONS:
         _wrap_tensor_methods(module_name, path)
     _adapt_rng_tracker()
+    _adapt_moe()
     _applied = True
     return True
 

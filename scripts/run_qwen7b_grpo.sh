@@ -7,13 +7,15 @@
 # Environment (all optional):
 #   MODEL_PATH      local Hugging Face folder of the model. Unset: MODEL_ID is downloaded into
 #                   MODEL_DIR with huggingface_hub when a hub is reachable.
-#   MODEL_ID        hub id to download (default Qwen/Qwen2.5-7B-Instruct)
+#   MODEL_ID        hub id to download (default Qwen/Qwen2.5-7B-Instruct; Qwen/Qwen3-30B-A3B for
+#                   CONFIG=configs/grpo_qwen3_30b_a3b.yaml)
 #   MODEL_DIR       download target (default models/<name of MODEL_ID>)
 #   DATA_DIR        GSM8K parquet folder; prepared with scripts/prepare_gsm8k.py when it holds no
 #                   train.parquet (default data/gsm8k)
 #   DATA_SOURCE     prepare_gsm8k.py --source: hub | PATH to a GSM8K copy | gsm-symbolic
 #   CONFIG          the recipe (default configs/grpo_qwen2_5_7b.yaml; also ppo_qwen2_5_7b.yaml,
-#                   grpo_qwen2_5_72b.yaml with MODEL_PATH or MODEL_ID to match)
+#                   grpo_qwen2_5_72b.yaml with MODEL_PATH or MODEL_ID to match, and the
+#                   mixture-of-experts grpo_qwen3_30b_a3b.yaml)
 #   OUTPUT_DIR      trainer.output_dir (default: the config's); several nodes: shared storage
 #   MLFLOW_TRACKING_URI   trainer.mlflow_tracking_uri (default: the config's, ./mlflow.db)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE
@@ -23,7 +25,9 @@
 #
 # MEGARL_SMOKE=1 runs the very same script on a CPU: a tiny random model, GSM-Symbolic data
 # generated offline, 2 steps, fp32, 4 local ranks at TP1 x PP2 x DP2 with vLLM at TP2, output in
-# outputs/smoke (or OUTPUT_DIR).
+# outputs/smoke (or OUTPUT_DIR). A config with expert parallelism (parallel.ep > 1) smoke-runs a
+# tiny random Qwen3-MoE at EP2 instead, rolled out by the HF backend (vLLM's CPU build cannot
+# reload MoE weights in place).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,9 +75,18 @@ fi
 # --- model: a local Hugging Face folder, downloaded from the hub when none is given -----------
 if [[ "$SMOKE" == 1 ]]; then
   # A tiny random Llama over a character vocabulary, built offline and cached (as the quickstart).
-  MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.testing.assets import tiny_char_llama_dir; print(tiny_char_llama_dir())')}"
+  SMOKE_EP="$("$PYTHON" -c 'import sys; from megarl.config import load_config; print(load_config(sys.argv[1]).parallel.ep)' "$CONFIG")" ||
+    die "cannot read $CONFIG"
+  if [[ "$SMOKE_EP" -gt 1 ]]; then
+    MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.testing.assets import tiny_char_qwen3_moe_dir; print(tiny_char_qwen3_moe_dir())')}"
+  else
+    MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.testing.assets import tiny_char_llama_dir; print(tiny_char_llama_dir())')}"
+  fi
 elif [[ -z "${MODEL_PATH:-}" ]]; then
-  MODEL_ID="${MODEL_ID:-Qwen/Qwen2.5-7B-Instruct}"
+  case "$(basename "$CONFIG")" in
+    grpo_qwen3_30b_a3b.yaml) MODEL_ID="${MODEL_ID:-Qwen/Qwen3-30B-A3B}" ;;
+    *) MODEL_ID="${MODEL_ID:-Qwen/Qwen2.5-7B-Instruct}" ;;
+  esac
   MODEL_PATH="${MODEL_DIR:-$ROOT/models/${MODEL_ID##*/}}"
   if [[ ! -f "$MODEL_PATH/.download-complete" ]]; then # an interrupted download resumes
     say "downloading $MODEL_ID into $MODEL_PATH (huggingface_hub.snapshot_download)"
@@ -120,6 +133,9 @@ if [[ "$SMOKE" == 1 ]]; then
     trainer.total_steps=2 trainer.save_freq=0 trainer.test_freq=2
     trainer.experiment=smoke
   )
+  if [[ "$SMOKE_EP" -gt 1 ]]; then
+    overrides+=(parallel.ep=2 rollout.backend=hf) # 4 ranks: TP1 x PP2 x DP2, experts over EP2
+  fi
 fi
 overrides+=("$@")
 
@@ -138,7 +154,12 @@ try:
     validate(cfg, world)
     p = cfg.parallel
     layout = ParallelLayout.for_world(
-        world, tp=p.tp, pp=p.pp, pp_layers=p.pp_layers and tuple(p.pp_layers), infer_tp=p.infer_tp
+        world,
+        tp=p.tp,
+        pp=p.pp,
+        pp_layers=p.pp_layers and tuple(p.pp_layers),
+        infer_tp=p.infer_tp,
+        ep=p.ep,
     )
     layout.check_model(ModelDims.from_pretrained(cfg.model.path).shape)
 except MegarlError as e:

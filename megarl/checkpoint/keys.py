@@ -20,6 +20,12 @@ LOCAL_SPEC_KEYS_MAP: dict[str, str] = {
 }
 
 
+# megatron's sequential experts save each local expert under its global index, stacked along
+# dim 1 (after the layer): ``decoder.layers.mlp.experts.experts.<param>`` [layers, experts, ...]
+LOCAL_EXPERT = "mlp.experts.local_experts.{expert}."
+STACKED_EXPERT = "mlp.experts.experts."
+
+
 def dist_checkpoint_key(megatron_template: str) -> str:
     """The dist-checkpoint key of a name-map template (``TensorMap.megatron``).
 
@@ -30,7 +36,7 @@ def dist_checkpoint_key(megatron_template: str) -> str:
     if not megatron_template.startswith(LAYER_TEMPLATE):
         return megatron_template
     rest = megatron_template[len(LAYER_TEMPLATE) :]
-    for old, new in LOCAL_SPEC_KEYS_MAP.items():
+    for old, new in {**LOCAL_SPEC_KEYS_MAP, LOCAL_EXPERT: STACKED_EXPERT}.items():
         if rest.startswith(old):
             rest = new + rest[len(old) :]
             break

@@ -208,16 +208,21 @@ class DistCheckpointReader:
         for c in chunks:
             yield self._load_chunk(key, tuple(c.offsets))
 
-    def read(self, key: str, index: int | None = None) -> torch.Tensor:
-        """The global tensor ``key``, or its slice ``[index]`` along dim 0 (a stacked layer)."""
+    def read(self, key: str, index: int | tuple[int, ...] | None = None) -> torch.Tensor:
+        """The global tensor ``key``, or its slice ``[index]`` along dim 0 (a stacked layer);
+        a tuple indexes the leading dims (``(layer, expert)`` of a stacked expert weight)."""
         md = self._md_of(key)
         size = tuple(md.size)
         lo = [0] * len(size)
         hi = list(size)
-        if index is not None:
-            if not 0 <= index < size[0]:
-                raise CheckpointError(f"{key!r} has {size[0]} layers; layer {index} is missing")
-            lo[0], hi[0] = index, index + 1
+        leading = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        for dim, i in enumerate(leading):
+            if not 0 <= i < size[dim]:
+                what = ("layers", "layer") if dim == 0 else ("experts", "expert")
+                raise CheckpointError(
+                    f"{key!r} has {size[dim]} {what[0]}; {what[1]} {i} is missing"
+                )
+            lo[dim], hi[dim] = i, i + 1
         region = [h - lo_ for lo_, h in zip(lo, hi, strict=True)]
         parts = []
         for chunk in md.chunks:
@@ -256,4 +261,4 @@ class DistCheckpointReader:
             raise CheckpointError(
                 f"{key!r}: stored chunk has shape {tuple(out.shape)}, expected {region}"
             )
-        return out[0] if index is not None else out
+        return out[(0,) * len(leading)] if leading else out

@@ -49,7 +49,12 @@ from megarl.parallel import ParallelLayout
 
 # How the metrics of :meth:`HybridEngine.logprob_mismatch` combine over ranks (the rest: mean);
 # they are world-wide already, so every rank reports the same values.
-LOGPROB_MISMATCH_REDUCTIONS = {"rollout/logprob_diff_max": Reduce.MAX}
+# An MoE model reports them again under ``rollout/moe_*``: a router choice that flips between the
+# rollout and the trainer moves a token's logprob far more than a dense model's rounding does.
+LOGPROB_MISMATCH_REDUCTIONS = {
+    "rollout/logprob_diff_max": Reduce.MAX,
+    "rollout/moe_logprob_diff_max": Reduce.MAX,
+}
 
 
 @dataclass
@@ -184,7 +189,7 @@ class HybridEngine:
         packing: bool = True,
         param_offload: bool = False,
     ):
-        from megarl.models.dims import layer_offset
+        from megarl.models.dims import expert_offset, layer_offset
 
         layout.check_rollout()
         self.layout = layout
@@ -200,13 +205,28 @@ class HybridEngine:
         self.pp_rank = parallel.pp_rank()
         self.dp_rank = parallel.dp_rank()
         self._layer_offset = layer_offset(dims, layout, self.pp_rank)
+        self._expert_offset = expert_offset(dims, parallel.ep_rank(), layout.ep)
+        if dims.is_moe and parallel.ep_rank() != self.dp_rank % layout.ep:
+            raise RuntimeError(
+                f"expert-parallel rank {parallel.ep_rank()} of DP replica {self.dp_rank}: the "
+                "reshard plan assumes megatron's layout (EP rank = DP rank % ep)"
+            )
         itemsize = next(actor.parameters()).element_size()
-        specs = actor_tensor_specs(dims, layout.layers_per_stage(dims.num_layers), itemsize)
+        specs = actor_tensor_specs(
+            dims, layout.layers_per_stage(dims.num_layers), itemsize, ep=layout.ep
+        )
         # vLLM's CPU and CUDA builds both load HF-layout tensors: full mode (every rank gets whole
         # tensors, vLLM cuts its shard). "shard" mode plans the zero-redundancy transition for
         # engines that accept pre-sharded tensors.
         self.plan = plan_reshard(
-            specs, layout.tp, layout.pp, layout.dp, layout.rollout_tp, bucket_bytes, mode="full"
+            specs,
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.rollout_tp,
+            bucket_bytes,
+            mode="full",
+            ep=layout.ep,
         )
         self.executor = ReshardExecutor(self.plan, dims, self.rank)
         self.hf_shapes = hf_output_shapes(self.plan, dims)
@@ -246,7 +266,9 @@ class HybridEngine:
         if not self.param_offload:  # with it, the optimizer leaves with the weights below
             self._offload_optimizer()
         self.rollout.wake_up(["weights"])
-        local = local_spec_tensors(self.actor, self.dims, self._layer_offset, self.plan.specs)
+        local = local_spec_tensors(
+            self.actor, self.dims, self._layer_offset, self.plan.specs, self._expert_offset
+        )
         if has_lora(self.actor):
             local = merged_local_tensors(self.actor, local, self.plan.specs, self._layer_offset)
         stats = self.executor.run(local, self.rollout.update_weights)
@@ -325,15 +347,20 @@ class HybridEngine:
         self._grads_freed = False
 
     def _optimizer_state_tensors(self):
-        inner = getattr(self.optimizer, "optimizer", None)
-        if inner is None or not hasattr(inner, "state"):
-            return []
-        return [
-            (state, key)
-            for state in inner.state.values()
-            for key, value in state.items()
-            if isinstance(value, torch.Tensor)
-        ]
+        # megatron chains one optimizer per parameter kind (MoE: dense and expert parameters)
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        out = []
+        for opt in chained:
+            inner = getattr(opt, "optimizer", None)
+            if inner is None or not hasattr(inner, "state"):
+                continue
+            out += [
+                (state, key)
+                for state in inner.state.values()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            ]
+        return out
 
     def _offload_optimizer(self) -> None:
         """GPU: move Adam moments to host memory during rollout. CPU: nothing to gain."""
@@ -461,7 +488,10 @@ class HybridEngine:
         peak = torch.tensor([peak_value], dtype=torch.float64, device=device)
         dist.all_reduce(sums)  # every rank counts its DP rank's tokens tp*pp times: still a mean
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return {
+        out = {
             "rollout/logprob_diff_mean": float(sums[0] / max(sums[1].item(), 1.0)),
             "rollout/logprob_diff_max": float(peak.item()),
         }
+        if self.dims.is_moe:
+            out |= {k.replace("rollout/", "rollout/moe_"): v for k, v in out.items()}
+        return out

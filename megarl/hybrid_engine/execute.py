@@ -10,6 +10,7 @@ counted per rank (:class:`ReshardStats`).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,12 +59,17 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def local_spec_tensors(
-    model, dims: ModelDims, layer_offset: int, specs: Sequence[TensorSpec]
+    model,
+    dims: ModelDims,
+    layer_offset: int,
+    specs: Sequence[TensorSpec],
+    expert_offset: int = 0,
 ) -> dict[int, torch.Tensor]:
     """This rank's training shard of every spec it holds (views of the model's parameters).
 
     The plan names tensors in the local spec's naming; a Transformer Engine model's parameter
-    names are converted to it first."""
+    names are converted to it first. An expert's weight is named by its global expert index
+    (this rank's first expert is ``expert_offset``)."""
     from megarl.models.loading import mapped_parameters
 
     index = {s.name: i for i, s in enumerate(specs)}
@@ -73,6 +79,8 @@ def local_spec_tensors(
         name = to_naming(spec_name, "local")
         tm, _ = local.lookup(name)
         global_name = _global_name(name, layer_offset) if tm.per_layer else name
+        if tm.per_expert:
+            global_name = _global_expert_name(global_name, expert_offset)
         data = param.detach()
         if tm.kind == "gate_up":
             for part, half in enumerate(data.chunk(2, dim=0)):
@@ -88,6 +96,13 @@ def _global_name(name: str, offset: int) -> str:
     head, _, rest = name.partition("decoder.layers.")
     layer, _, tail = rest.partition(".")
     return f"{head}decoder.layers.{int(layer) + offset}.{tail}"
+
+
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)(\d+)\.")
+
+
+def _global_expert_name(name: str, offset: int) -> str:
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}.", name, count=1)
 
 
 class ReshardExecutor:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megarl import platform
+from megarl.hybrid_engine.hf_saved_names import saved_tensor_index
 from megarl.hybrid_engine.vllm_rollout import (
     EngineConfig,
     RolloutOutput,
@@ -58,6 +59,12 @@ class HFRollout:
         # setting comes from SamplingConfig.
         self.model.generation_config = GenerationConfig()
         self._params = dict(self.model.named_parameters())
+        # saved (checkpoint) names the model holds in another layout, e.g. fused MoE experts
+        self._saved = (
+            saved_tensor_index(self.model)
+            if any(n not in self._params for n in self.expected_shapes)
+            else {}
+        )
         self.asleep = False
 
     # -- weights -------------------------------------------------------------------------------
@@ -71,7 +78,10 @@ class HFRollout:
         batch = list(weights)
         self.validate(batch)
         for name, tensor in batch:
-            self._params[name].copy_(tensor)
+            if name in self._params:
+                self._params[name].copy_(tensor)
+            else:
+                self._saved[name].write(tensor)
 
     def after_weight_update(self) -> None:
         """Nothing computed from the old weights outlives a ``generate`` call here."""

@@ -14,7 +14,10 @@ Inputs
     from full HF tensors) or ``"shard"`` (each rank needs only its inference TP shard:
     HybridFlow's zero-redundancy transition, for engines that take pre-sharded tensors);
   - ``bucket_bytes``: the most bytes of destination tensors a rank assembles per bucket (a group
-    larger than that travels alone).
+    larger than that travels alone);
+  - ``ep`` (mixture of experts): an expert's weights live only on the data-parallel replicas of
+    its expert-parallel rank (``TensorSpec.expert_rank``; megatron's layout puts DP replica ``d``
+    on EP rank ``d % ep``), split over TP like the dense tensors (expert TP = TP).
 
 Output: buckets of ops. A ``recv`` on rank B from A always has the matching ``send`` on A to B in
 the same bucket, in the same relative order; ``copy`` takes a slice this rank already holds.
@@ -42,6 +45,7 @@ class TensorSpec:
     stage: int  # pipeline stage that holds it
     itemsize: int = 4
     group: str = ""  # specs of one group travel in the same bucket ("" = the name)
+    expert_rank: int | None = None  # MoE expert weight: the EP rank holding it (None: every DP)
 
     @property
     def numel(self) -> int:
@@ -111,6 +115,7 @@ class ReshardPlan:
     specs: tuple[TensorSpec, ...]
     buckets: list[list[int]]  # spec indices per bucket
     ranks: dict[int, list[RankBucket]]
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -150,13 +155,13 @@ def _rank_of(tp: int, dp: int, t: int, d: int, p: int) -> int:
 def _pieces(spec: TensorSpec, plan: ReshardPlan) -> dict[tuple[int, int], list[int]]:
     """Training pieces of a spec: ``(start, stop) -> ranks holding it`` (ordered)."""
     tp, dp, p = plan.tp, plan.dp, spec.stage
+    replicas = [d for d in range(dp) if spec.expert_rank is None or d % plan.ep == spec.expert_rank]
     if spec.tp_dim is None:
-        return {(0, 1): [_rank_of(tp, dp, t, d, p) for d in range(dp) for t in range(tp)]}
+        return {(0, 1): [_rank_of(tp, dp, t, d, p) for d in replicas for t in range(tp)]}
     n = spec.shape[spec.tp_dim]
     step = n // tp
     return {
-        (t * step, (t + 1) * step): [_rank_of(tp, dp, t, d, p) for d in range(dp)]
-        for t in range(tp)
+        (t * step, (t + 1) * step): [_rank_of(tp, dp, t, d, p) for d in replicas] for t in range(tp)
     }
 
 
@@ -170,7 +175,9 @@ def need_range(spec: TensorSpec, plan: ReshardPlan, rank: int) -> tuple[int, int
     return i * step, (i + 1) * step
 
 
-def check_specs(specs: Sequence[TensorSpec], tp: int, pp: int, infer_tp: int, mode: str) -> None:
+def check_specs(
+    specs: Sequence[TensorSpec], tp: int, pp: int, infer_tp: int, mode: str, ep: int = 1
+) -> None:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -178,6 +185,8 @@ def check_specs(specs: Sequence[TensorSpec], tp: int, pp: int, infer_tp: int, mo
     for s in specs:
         if not 0 <= s.stage < pp:
             raise ValueError(f"tensor {s.name}: stage {s.stage} outside the {pp} pipeline stages")
+        if s.expert_rank is not None and not 0 <= s.expert_rank < ep:
+            raise ValueError(f"tensor {s.name}: expert rank {s.expert_rank} outside ep={ep}")
         if s.tp_dim is None:
             continue
         n = s.shape[s.tp_dim]
@@ -223,6 +232,7 @@ def plan_reshard(
     infer_tp: int,
     bucket_bytes: int,
     mode: str = "full",
+    ep: int = 1,
 ) -> ReshardPlan:
     """Plan moving every spec from the training layout to the inference layout (see module doc)."""
     if mode not in MODES:
@@ -232,8 +242,10 @@ def plan_reshard(
         raise ValueError(f"infer_tp={infer_tp} does not divide the world size {world}")
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp}")
     specs = tuple(specs)
-    check_specs(specs, tp, pp, infer_tp, mode)
+    check_specs(specs, tp, pp, infer_tp, mode, ep)
     plan = ReshardPlan(
         tp=tp,
         pp=pp,
@@ -244,6 +256,7 @@ def plan_reshard(
         specs=specs,
         buckets=[],
         ranks={r: [] for r in range(world)},
+        ep=ep,
     )
 
     def cost(i: int) -> int:

@@ -15,18 +15,20 @@ from megarl.models.hf_map import tensor_maps
 from megarl.models.specs import TensorMap
 
 
-def megatron_global_name(template: str, layer: int | None) -> str:
-    return template.format(layer=layer) if layer is not None else template
+def megatron_global_name(template: str, layer: int | None, expert: int | None = None) -> str:
+    return template.format(layer=layer, expert=expert) if layer is not None else template
 
 
 def actor_tensor_specs(
-    dims: ModelDims, layers_per_stage: Sequence[int], itemsize: int = 4
+    dims: ModelDims, layers_per_stage: Sequence[int], itemsize: int = 4, ep: int = 1
 ) -> list[TensorSpec]:
     """Every actor tensor that the rollout engine needs, in HF order, as planner specs.
 
     Names are megatron names with *global* layer indices (the fused gate/up weight as
     ``...linear_fc1.weight#0`` (gate) and ``#1`` (up), so each part splits as one contiguous range
-    per TP rank). The tied output layer is left out (vLLM ties it to the embedding).
+    per TP rank). The tied output layer is left out (vLLM ties it to the embedding). An MoE
+    layer's expert weights appear once per expert, under the *global* expert index, held by the
+    expert-parallel rank ``expert // (experts / ep)``.
     """
     pp = len(layers_per_stage)
     stage_of_layer = [s for s, n in enumerate(layers_per_stage) for _ in range(n)]
@@ -37,8 +39,11 @@ def actor_tensor_specs(
     maps = tensor_maps(dims)
     specs: list[TensorSpec] = []
 
-    def add(tm: TensorMap, layer: int | None, stage: int) -> None:
-        name = megatron_global_name(tm.megatron, layer)
+    per_rank = dims.num_experts // ep if dims.is_moe else 1
+
+    def add(tm: TensorMap, layer: int | None, stage: int, expert: int | None = None) -> None:
+        name = megatron_global_name(tm.megatron, layer, expert)
+        holder = None if expert is None else expert // per_rank
         # One group per module (weight and bias, gate and up): vLLM must get a whole module in one
         # weight update, or it processes the module half loaded.
         module = name.rsplit(".", 1)[0]
@@ -47,10 +52,12 @@ def actor_tensor_specs(
             part_shape = (rows // 2, *rest)
             for part in (0, 1):
                 specs.append(
-                    TensorSpec(f"{name}#{part}", part_shape, tm.tp_dim, stage, itemsize, module)
+                    TensorSpec(
+                        f"{name}#{part}", part_shape, tm.tp_dim, stage, itemsize, module, holder
+                    )
                 )
         else:
-            specs.append(TensorSpec(name, tm.shape, tm.tp_dim, stage, itemsize, module))
+            specs.append(TensorSpec(name, tm.shape, tm.tp_dim, stage, itemsize, module, holder))
 
     # HF order: embeddings, layer by layer, final norm, head.
     for tm in maps:
@@ -59,7 +66,8 @@ def actor_tensor_specs(
     for layer in range(dims.num_layers):
         for tm in maps:
             if tm.per_layer:
-                add(tm, layer, stage_of_layer[layer])
+                for expert in range(dims.num_experts) if tm.per_expert else [None]:
+                    add(tm, layer, stage_of_layer[layer], expert)
     for tm in maps:
         head = tm.megatron == "output_layer.weight" and not dims.tie_word_embeddings
         if tm.megatron == "decoder.final_layernorm.weight" or head:

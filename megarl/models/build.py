@@ -34,6 +34,9 @@ class ModelOptions:
     # Dropout stays off: RL losses compare logprobs of the same tokens across passes.
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # MoE router losses (added to the gradients by megatron, reported by megarl.models.moe_metrics)
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
 
 def resolve_sequence_parallel(setting: bool | None, tp: int) -> bool:
@@ -89,7 +92,23 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
         **layout.megatron_stage_kwargs(dims.num_layers),
     )
     kwargs.update(recompute_settings(opts.recompute, opts.recompute_num_layers))
+    if dims.is_moe:
+        kwargs.update(moe_loss_settings(opts))
+        # As with TP/PP: megatron reads the expert layout from the config too (which parameters
+        # skip the data-parallel all-reduce, how the optimizer shards them).
+        kwargs.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp)
     return TransformerConfig(**kwargs)
+
+
+def moe_loss_settings(opts: ModelOptions) -> dict[str, object]:
+    """megatron's router-loss settings: the load-balancing loss only when its coefficient is set
+    (``none`` skips computing it), the z-loss likewise."""
+    aux = opts.moe_aux_loss_coeff
+    return {
+        "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
+        "moe_aux_loss_coeff": aux,
+        "moe_z_loss_coeff": opts.moe_z_loss_coeff or None,
+    }
 
 
 def _no_recompute(num_layers: int) -> dict[str, object]:
@@ -133,7 +152,7 @@ def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None, co
     impl = resolve_transformer_impl(transformer_impl)  # errors before megatron's specs import
     from megatron.core.models.gpt import gpt_layer_specs
 
-    family_opts = dims.spec.layer_spec_options() if dims is not None else {}
+    family_opts = dims.spec.layer_spec_options(dims) if dims is not None else {}
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**family_opts)
     from megatron.core.transformer.identity_op import IdentityOp

@@ -35,6 +35,16 @@ class ModelDims:
     rope_scaling_factor: float | None = None
     # Per-head RMSNorm on queries and keys (Qwen3).
     qk_layernorm: bool = False
+    # Mixture of experts (Qwen3-MoE, Mixtral): routed experts per layer (0: dense), each expert's
+    # FFN size, experts per token, and whether the top-k router probabilities are renormalised.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    moe_norm_topk: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def spec(self) -> FamilySpec:
@@ -48,7 +58,9 @@ class ModelDims:
             num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.num_kv_heads,
             vocab_size=self.vocab_size,
-            ffn_hidden_size=self.ffn_hidden_size,
+            # what TP (expert TP for an MoE model) splits
+            ffn_hidden_size=self.moe_ffn_hidden_size if self.is_moe else self.ffn_hidden_size,
+            num_experts=self.num_experts,
         )
 
     @property
@@ -58,7 +70,10 @@ class ModelDims:
         kv = self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.qk_layernorm else 0
-        per_layer = attn + 3 * h * f + 2 * h
+        mlp = (
+            self.num_experts * (3 * h * self.moe_ffn_hidden_size + h) if self.is_moe else 3 * h * f
+        )
+        per_layer = attn + mlp + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -107,11 +122,26 @@ class ModelDims:
             qkv_bias=spec.qkv_bias(cfg),
             rope_scaling_factor=scaling,
             qk_layernorm=spec.qk_layernorm,
+            **_moe_dims(spec, cfg),
         )
 
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path) -> ModelDims:
         return cls.from_hf_config(read_hf_config(hf_dir))
+
+
+def _moe_dims(spec: FamilySpec, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE numbers of an MoE family's config (empty for a dense family), validated."""
+    if spec.moe_dims is None:
+        return {}
+    moe = spec.moe_dims(cfg)
+    if moe["num_experts"] < 1 or not 1 <= moe["moe_topk"] <= moe["num_experts"]:
+        raise UnsupportedModelError(
+            f"{spec.name}: config.json gives {moe['num_experts']} experts with "
+            f"{moe['moe_topk']} per token; need at least one expert and 1 <= "
+            "num_experts_per_tok <= the number of experts"
+        )
+    return moe
 
 
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -136,3 +166,8 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
 def layer_offset(dims: ModelDims, layout: ParallelLayout, pp_rank: int) -> int:
     """Global index of the first layer held by pipeline stage ``pp_rank``."""
     return sum(layout.layers_per_stage(dims.num_layers)[:pp_rank])
+
+
+def expert_offset(dims: ModelDims, ep_rank: int, ep_size: int) -> int:
+    """Global index of the first routed expert held by expert-parallel rank ``ep_rank``."""
+    return ep_rank * (dims.num_experts // ep_size) if dims.is_moe else 0

@@ -94,24 +94,35 @@ class NameIndex:
     """Resolves a megatron parameter name (stage-local layer index), in either naming
     (:data:`NAMINGS`), to its map and HF names."""
 
-    def __init__(self, dims: ModelDims, layer_offset: int = 0, role: str = "actor"):
+    def __init__(
+        self, dims: ModelDims, layer_offset: int = 0, role: str = "actor", expert_offset: int = 0
+    ):
         self.dims = dims
         self.layer_offset = layer_offset
-        self._patterns = [
-            (re.compile("^" + re.escape(tm.megatron).replace(r"\{layer\}", r"(\d+)") + "$"), tm)
-            for tm in tensor_maps(dims, role)
-        ]
+        # global index of this expert-parallel rank's first expert (MoE models)
+        self.expert_offset = expert_offset
+        self._patterns = [(_template_pattern(tm.megatron), tm) for tm in tensor_maps(dims, role)]
 
     def lookup(self, megatron_name: str) -> tuple[TensorMap, tuple[str, ...]]:
         local_name = to_naming(megatron_name, "local")
         for pattern, tm in self._patterns:
             m = pattern.match(local_name)
             if m:
-                layer = int(m.group(1)) + self.layer_offset if tm.per_layer else None
-                return tm, tuple(h.format(layer=layer) for h in tm.hf)
+                found = m.groupdict()
+                layer = int(found["layer"]) + self.layer_offset if "layer" in found else None
+                expert = int(found["expert"]) + self.expert_offset if "expert" in found else None
+                return tm, tuple(h.format(layer=layer, expert=expert) for h in tm.hf)
         raise KeyError(
             f"megatron parameter {megatron_name!r} has no Hugging Face mapping for {self.dims.family}"
         )
+
+
+def _template_pattern(template: str) -> re.Pattern[str]:
+    """A regex matching a megatron name template, capturing ``{layer}`` and ``{expert}``."""
+    escaped = re.escape(template)
+    for key in ("layer", "expert"):
+        escaped = escaped.replace(r"\{" + key + r"\}", f"(?P<{key}>\\d+)")
+    return re.compile("^" + escaped + "$")
 
 
 def _shard_bounds(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -144,7 +155,8 @@ def hf_to_megatron_shard(
         v = reader.read(hf_names[2], 0, g0 * hd, (g0 + groups) * hd)
         return fuse_qkv(q, k, v, groups)
     if tm.kind == "gate_up":
-        start, stop = _shard_bounds(dims.ffn_hidden_size, tp_rank, tp_size)
+        # the gate's rows: the dense FFN size, or an expert's
+        start, stop = _shard_bounds(reader.shape(hf_names[0])[0], tp_rank, tp_size)
         gate = reader.read(hf_names[0], 0, start, stop)
         up = reader.read(hf_names[1], 0, start, stop)
         return torch.cat([gate, up], dim=0)

@@ -43,12 +43,19 @@ def load_hf_into_model(
     A scalar head (critic, reward) is loaded too when ``hf_dir`` is a folder of that role;
     otherwise it keeps its fresh start.
     """
-    from megarl.models.dims import layer_offset, read_hf_config
+    from megarl.models.dims import expert_offset, layer_offset, read_hf_config
     from megarl.models.heads import has_scalar_head, hf_folder_role
 
     tp_rank, tp_size = parallel.tp_rank(), parallel.tp_size()
     pp_rank = parallel.pp_rank()
-    index = NameIndex(dims, layer_offset(dims, layout, pp_rank), role=role)
+    index = NameIndex(
+        dims,
+        layer_offset(dims, layout, pp_rank),
+        role=role,
+        expert_offset=expert_offset(dims, parallel.ep_rank(), parallel.ep_size()),
+    )
+    # an expert's weights split over expert tensor parallelism, the rest over TP
+    etp_rank, etp_size = (parallel.etp_rank(), parallel.etp_size()) if dims.is_moe else (0, 1)
     reader = SafetensorsReader(hf_dir)
     params = mapped_parameters(model)
     if has_scalar_head(role) and hf_folder_role(read_hf_config(hf_dir)) == role:
@@ -56,7 +63,8 @@ def load_hf_into_model(
         params += [(n, p) for n, p in gpt.named_parameters() if n.startswith("output_layer.")]
     for name, param in params:
         tm, hf_names = index.lookup(name)
-        shard = hf_to_megatron_shard(tm, hf_names, reader, dims, tp_rank, tp_size)
+        rank, size = (etp_rank, etp_size) if tm.per_expert else (tp_rank, tp_size)
+        shard = hf_to_megatron_shard(tm, hf_names, reader, dims, rank, size)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{hf_names} in {hf_dir} give a shard of shape {tuple(shard.shape)} for megatron "

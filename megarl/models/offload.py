@@ -62,7 +62,12 @@ def _optimizers(optimizer) -> Iterable[torch.optim.Optimizer]:
         seen.add(id(opt))
         if isinstance(opt, torch.optim.Optimizer):
             yield opt
-        stack.extend(getattr(opt, "chained_optimizers", []))
+        chained = getattr(opt, "chained_optimizers", None)
+        if chained is not None:
+            # megatron's ChainedOptimizer (e.g. dense and MoE expert parameters apart) refuses
+            # ``.optimizer`` when it chains more than one
+            stack.extend(chained)
+            continue
         inner = getattr(opt, "optimizer", None)
         if inner is not None:
             stack.append(inner)

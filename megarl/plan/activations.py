@@ -82,13 +82,18 @@ CPU_LOCAL_FP32 = ActivationProfile(
 )
 
 
+def _ffn_per_token(dims: ModelDims) -> int:
+    """FFN width a token's activations span: an MoE token goes through ``topk`` experts."""
+    return dims.moe_topk * dims.moe_ffn_hidden_size if dims.is_moe else dims.ffn_hidden_size
+
+
 def _per_token_elements(p: ActivationProfile, dims: ModelDims, tp: int) -> float:
     q = dims.num_attention_heads * dims.head_dim
     kv = dims.num_kv_heads * dims.head_dim
     hidden_div = tp if p.sequence_parallel else 1
     return (
         p.hidden * dims.hidden_size / hidden_div
-        + (p.query * q + p.kv * kv + p.ffn * dims.ffn_hidden_size) / tp
+        + (p.query * q + p.kv * kv + p.ffn * _ffn_per_token(dims)) / tp
         + p.head_dim * dims.head_dim
     )
 

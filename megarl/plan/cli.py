@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=None, help="only this PP")
     p.add_argument("--infer-tp", type=int, default=None, help="only this rollout TP")
     p.add_argument(
+        "--ep", type=int, default=None, help="MoE models: only this expert parallel size"
+    )
+    p.add_argument(
         "--param-offload",
         action="store_true",
         help="weights leave the GPU during rollout (actor/ref/critic.param_offload)",
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         tp=args.tp,
         pp=args.pp,
         infer_tp=args.infer_tp,
+        ep=args.ep,
         param_offload=args.param_offload,
         packing=None if args.packing is None else args.packing == "on",
         sequence_parallel=None

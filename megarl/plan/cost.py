@@ -17,6 +17,10 @@ It is a ranking aid, not a benchmark: the absolute seconds are as good as the sp
 - dp_comm: reduce-scatter of the grads and all-gather of the weights once per step, over NVLink
   when the DP group stays in a node, else the network.
 - pp_comm: one activation forward and one gradient backward per micro-batch and stage boundary.
+- ep_comm (mixture of experts, EP > 1): each MoE layer sends every token's hidden state to its
+  ``topk`` experts and back (dispatch + combine all-to-alls, bf16) per forward pass, and the
+  same again backward; an all-to-all over EP ranks moves (EP - 1) / EP of those bytes, over
+  NVLink while the TP x EP group stays in a node, else the network.
 - offload: optimizer offload moves grads to host and weights back over the host link and runs
   Adam on the CPU (16 bytes of state per param read and written at ~20 GB/s per GPU's share);
   param offload moves actor and reference weights out and back once per step.
@@ -97,8 +101,14 @@ def step_time(
     layers_per_rank = max(stages)
     tp_comm = collectives * layers_per_rank * m * _ring(act_bytes, tp, cluster.link_gbps(tp), 2.0)
 
+    ep_comm = 0.0
+    if dims.is_moe and layout.ep > 1:
+        ep = layout.ep
+        a2a_bytes = b * s * dims.moe_topk * dims.hidden_size * 2 / tp
+        a2a = 2 * (ep - 1) / ep * a2a_bytes / (cluster.link_gbps(tp * ep) * 1e9)
+        ep_comm = collectives * layers_per_rank * m * a2a
     p_rank = max(
-        stage_params(dims, tp, pp, k, n, "actor").total
+        stage_params(dims, tp, pp, k, n, "actor", layout.ep).total
         for k, n in enumerate(layout.layers_per_stage(dims.num_layers))
     )
     dp_bytes = p_rank * (numerics.grad_bytes + numerics.param_bytes)
@@ -126,6 +136,7 @@ def step_time(
             "tp_comm": tp_comm,
             "dp_comm": dp_comm,
             "pp_comm": pp_comm,
+            "ep_comm": ep_comm,
             "offload": offload,
             "rollout": rollout,
         }

@@ -184,16 +184,30 @@ def _loss_bytes(rows: int, vocab_shard: int, logits_bytes: int) -> tuple[int, in
 
 
 def _model_static(
-    p: StageParams, num: Numerics, dp: int, offload: bool, adapters: int | None = None
+    p: StageParams,
+    num: Numerics,
+    dp: int,
+    offload: bool,
+    ep: int = 1,
+    adapters: int | None = None,
 ) -> dict[str, int]:
     """Weights, grads and optimizer state of a stage; with LoRA ``adapters`` (their elements)
-    only those have grads and optimizer state, beside the frozen weights."""
-    trained = p.total if adapters is None else adapters
+    only those have grads and optimizer state, beside the frozen weights. The distributed
+    optimizer shards dense weights over DP, MoE experts over expert DP (dp/ep)."""
+    if adapters is None:
+        dense, experts = p.total - p.experts, p.experts
+    else:
+        dense, experts = adapters, 0
+    expert_dp = max(1, dp // ep)
+
+    def shard(per_param: int) -> int:
+        return -(-dense * per_param // dp) + -(-experts * per_param // expert_dp)
+
     return {
         "weights": (p.total + (adapters or 0)) * num.param_bytes,
-        "grads": trained * num.grad_bytes,
-        "main": 0 if offload else -(-trained * num.main_param_bytes // dp),
-        "moments": 0 if offload else -(-trained * num.adam_bytes // dp),
+        "grads": (dense + experts) * num.grad_bytes,
+        "main": 0 if offload else shard(num.main_param_bytes),
+        "moments": 0 if offload else shard(num.adam_bytes),
     }
 
 
@@ -250,23 +264,23 @@ def estimate_memory(
         "full": checkpoint_bytes(act, dims, tp, b, s_act),
     }[options.recompute]
     hid = hidden_bytes(act, dims, tp, b, s_act)
-    _, _, largest_layer_weight = layer_params(dims, tp)
+    _, _, largest_layer_weight = layer_params(dims, tp, layout.ep)
     stages = []
     for k in range(pp):
         first, last = k == 0, k == pp - 1
-        actor_p = stage_params(dims, tp, pp, k, layers[k], "actor")
+        actor_p = stage_params(dims, tp, pp, k, layers[k], "actor", layout.ep)
         lora = layers[k] * lora_layer_params(dims, tp, workload.lora_rank) or None
-        actor = _model_static(actor_p, numerics, dp, options.optimizer_offload, lora)
+        actor = _model_static(actor_p, numerics, dp, options.optimizer_offload, layout.ep, lora)
         ref = (
-            stage_params(dims, tp, pp, k, layers[k], "reference").total * pb
+            stage_params(dims, tp, pp, k, layers[k], "reference", layout.ep).total * pb
             if workload.reference and lora is None  # a LoRA actor's base is its reference
             else 0
         )
         critic_total = 0
         critic_wrap = 0
         if workload.critic:
-            critic_p = stage_params(dims, tp, pp, k, layers[k], "critic")
-            c = _model_static(critic_p, numerics, dp, options.optimizer_offload)
+            critic_p = stage_params(dims, tp, pp, k, layers[k], "critic", layout.ep)
+            c = _model_static(critic_p, numerics, dp, options.optimizer_offload, layout.ep)
             critic_total = sum(c.values())
             critic_wrap = c["weights"] + c["grads"] + c["weights"]  # module + param buffer + grads
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from megarl.models.dims import ModelDims
 from megarl.plan.search import Evaluated, PlanResult
 from megarl.plan.units import GIB, fmt_gib
 
@@ -109,6 +110,8 @@ def format_text(result: PlanResult, top: int = 5) -> str:
                     f"* {e.layout}: uneven pipeline split, parallel.pp_layers = "
                     f"{list(e.layout.pp_layers)}"
                 )
+        if d.is_moe:
+            lines += [_moe_line(e, d) for e in shown]
     else:
         lines.append(
             f"NOTHING FITS: no layout of {result.model} runs on {c.gpus} x "
@@ -132,6 +135,22 @@ def format_text(result: PlanResult, top: int = 5) -> str:
     for reason, itps in result.infer_tp_rejected.items():
         lines.append(f"- rollout infer_tp {', '.join(map(str, itps))} not used: {reason}")
     return "\n".join(lines)
+
+
+def _moe_line(e: Evaluated, d: ModelDims) -> str:
+    """Experts per rank, their share of the worst stage's weights and the all-to-all time."""
+    from megarl.plan.params import stage_params
+
+    lay = e.layout
+    worst = e.memory.worst
+    layers = lay.layers_per_stage(d.num_layers)[worst.stage]
+    p = stage_params(d, lay.tp, lay.pp, worst.stage, layers, "actor", lay.ep)
+    share = p.experts / max(p.total, 1)
+    return (
+        f"  {lay}: {lay.experts_per_rank(d.num_experts)} of {d.num_experts} experts per rank "
+        f"({share:.0%} of its weights, {fmt_gib(p.experts * 2)} GiB bf16), all-to-all "
+        f"{e.time.parts.get('ep_comm', 0.0):.2f} s/step"
+    )
 
 
 def _knob_words(e: Evaluated | None) -> str:
@@ -166,6 +185,8 @@ def config_overrides(e: Evaluated) -> list[str]:
     ]
     if e.options.param_offload:
         out += [f"{role}.param_offload=true" for role in ("actor", "ref", "critic")]
+    if e.layout.ep > 1:
+        out.append(f"parallel.ep={e.layout.ep}")
     if e.layout.pp_layers:
         out.append(f"parallel.pp_layers=[{','.join(map(str, e.layout.pp_layers))}]")
     if e.options.sequence_parallel is not None and e.layout.tp > 1:
@@ -180,6 +201,7 @@ def _evaluated_json(e: Evaluated) -> dict[str, Any]:
         "tp": e.layout.tp,
         "pp": e.layout.pp,
         "dp": e.layout.dp,
+        "ep": e.layout.ep,
         "pp_layers": list(e.layout.pp_layers) if e.layout.pp_layers else None,
         "infer_tp": e.layout.rollout_tp,
         "recompute": e.options.recompute,
@@ -218,6 +240,9 @@ def to_json(result: PlanResult) -> dict[str, Any]:
             "qkv_bias": d.qkv_bias,
             "family": d.family,
             "qk_layernorm": d.qk_layernorm,
+            "num_experts": d.num_experts,
+            "moe_topk": d.moe_topk,
+            "moe_ffn_hidden_size": d.moe_ffn_hidden_size,
         },
         "cluster": {
             "gpus": c.gpus,
@@ -242,8 +267,8 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "nothing_fits": result.nothing_fits,
         "feasible": [_evaluated_json(e) for e in result.feasible],
         "variants": {
-            f"TP{tp}xPP{pp}": [_evaluated_json(e) for e in v]
-            for (tp, pp), v in result.variants.items()
+            f"TP{tp}xPP{pp}" + (f"xEP{ep}" if ep > 1 else ""): [_evaluated_json(e) for e in v]
+            for (tp, pp, ep), v in result.variants.items()
         },
         "infeasible": [
             {

@@ -56,7 +56,7 @@ class PlanResult:
     workload: Workload
     numerics: Numerics
     feasible: list[Evaluated]  # best setting per (TP, PP), fastest first
-    variants: dict[tuple[int, int], list[Evaluated]]  # every feasible setting per (TP, PP)
+    variants: dict[tuple[int, int, int], list[Evaluated]]  # every feasible setting per (TP, PP, EP)
     rejected: list[Rejected]  # training layouts with no feasible setting, and why
     infer_tp_rejected: dict[str, list[int]] = field(default_factory=dict)  # reason -> infer_tp
     suggestions: list[str] = field(default_factory=list)
@@ -79,11 +79,22 @@ class Filters:
     tp: int | None = None
     pp: int | None = None
     infer_tp: int | None = None
+    ep: int | None = None  # MoE models: expert parallel size (None: every divisor that fits)
     recompute: str | None = None  # none | selective | full
     optimizer_offload: bool | None = None
     param_offload: bool = False
     packing: bool | None = None  # actor.packing
     sequence_parallel: bool | None = None  # parallel.sequence_parallel (None: on when tp > 1)
+
+
+def _ep_choices(dims: ModelDims, dp: int, only: int | None) -> list[int]:
+    """Expert-parallel sizes to try: 1 for a dense model, else the divisors of the experts that
+    divide DP (or the one asked for; the layout check explains a bad one)."""
+    if only is not None:
+        return [only]
+    if not dims.is_moe:
+        return [1]
+    return [e for e in divisors(dims.num_experts) if dp % e == 0]
 
 
 def uneven_split(layers: int, pp: int) -> tuple[int, ...] | None:
@@ -166,7 +177,7 @@ def search(
         infer_choices = [None]
     elif filters.infer_tp is not None:
         infer_choices = [filters.infer_tp]
-    variants: dict[tuple[int, int], list[Evaluated]] = defaultdict(list)
+    variants: dict[tuple[int, int, int], list[Evaluated]] = defaultdict(list)
     rejected: list[Rejected] = []
     infer_notes: dict[str, set[int]] = defaultdict(set)
     tps = [filters.tp] if filters.tp is not None else cluster.tp_choices()
@@ -177,31 +188,32 @@ def search(
                 reason = f"tp*pp = {tp * pp} does not divide {n} GPUs"
                 rejected.append(Rejected(ParallelLayout(tp=tp, pp=pp), reason))
                 continue
-            base = ParallelLayout(
-                tp=tp, pp=pp, dp=n // (tp * pp), pp_layers=uneven_split(dims.num_layers, pp)
-            )
-            try:
-                base.check_model(dims.shape)
-            except LayoutError as e:
-                rejected.append(Rejected(base, str(e)))
-                continue
-            evaluated = []
-            for itp in infer_choices:
-                layout = replace(base, infer_tp=itp)
+            for ep in _ep_choices(dims, n // (tp * pp), filters.ep):
+                split = uneven_split(dims.num_layers, pp)
                 try:
-                    layout.check_model(dims.shape)
+                    base = ParallelLayout(tp=tp, pp=pp, dp=n // (tp * pp), pp_layers=split, ep=ep)
+                    base.check_model(dims.shape)
                 except LayoutError as e:
-                    infer_notes[str(e)].add(itp or tp)
+                    shown = ParallelLayout(tp=tp, pp=pp, dp=n // (tp * pp), pp_layers=split)
+                    rejected.append(Rejected(shown, str(e)))
                     continue
-                for opts in _knobs(filters, numerics.activations.flash_attention):
-                    evaluated.append(_evaluate(dims, layout, workload, numerics, opts, cluster))
-            fitting = [e for e in evaluated if e.fits]
-            if fitting:
-                variants[(tp, pp)].extend(fitting)
-            elif evaluated:
-                smallest = min(evaluated, key=lambda e: e.memory.peak)
-                reason, detail = _memory_reason(smallest, cluster, workload)
-                rejected.append(Rejected(smallest.layout, reason, detail, smallest))
+                evaluated = []
+                for itp in infer_choices:
+                    layout = replace(base, infer_tp=itp)
+                    try:
+                        layout.check_model(dims.shape)
+                    except LayoutError as e:
+                        infer_notes[str(e)].add(itp or tp)
+                        continue
+                    for opts in _knobs(filters, numerics.activations.flash_attention):
+                        evaluated.append(_evaluate(dims, layout, workload, numerics, opts, cluster))
+                fitting = [e for e in evaluated if e.fits]
+                if fitting:
+                    variants[(tp, pp, ep)].extend(fitting)
+                elif evaluated:
+                    smallest = min(evaluated, key=lambda e: e.memory.peak)
+                    reason, detail = _memory_reason(smallest, cluster, workload)
+                    rejected.append(Rejected(smallest.layout, reason, detail, smallest))
     for key in variants:
         variants[key].sort(key=lambda e: (e.time.total, e.memory.peak))
     feasible = sorted(

@@ -3,8 +3,13 @@ the CLI and again on every rank before any heavy work."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megarl.config import RunConfig
 from megarl.parallel import ParallelLayout
+
+if TYPE_CHECKING:
+    from megarl.models.dims import ModelDims
 
 
 def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
@@ -16,6 +21,7 @@ def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
     check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
+    _check_moe_options(cfg, dims)
     if cfg.model.critic_path:
         ModelDims.from_pretrained(cfg.model.critic_path)
     if cfg.reward.model_path:
@@ -28,3 +34,15 @@ def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
     ):
         if files:  # unreadable files fail here
             inspect_files(*resolve_files(files, what=what))
+
+
+def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
+    """Router-loss settings need a mixture-of-experts model."""
+    from megarl.errors import ConfigError
+
+    set_ = [n for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(cfg.model, n)]
+    if set_ and not dims.is_moe:
+        raise ConfigError(
+            f"model.{set_[0]}={getattr(cfg.model, set_[0])} applies to mixture-of-experts models; "
+            f"{cfg.model.path} is a dense {dims.family} model: remove it (or set it to 0)"
+        )

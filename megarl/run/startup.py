@@ -37,6 +37,7 @@ def layout_for(cfg: RunConfig, world: int, *, with_rollout: bool) -> ParallelLay
         pp=p.pp,
         pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
         infer_tp=p.infer_tp if with_rollout else None,
+        ep=p.ep,
     )
 
 

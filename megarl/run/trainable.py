@@ -79,6 +79,8 @@ def model_options(cfg: RunConfig) -> ModelOptions:
         recompute_num_layers=cfg.model.recompute_num_layers,
         transformer_impl=impl,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.model.moe_z_loss_coeff,
     )
 
 

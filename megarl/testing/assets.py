@@ -191,6 +191,69 @@ def tiny_qwen3_tied_dir() -> Path:
     return _cached("tiny-qwen3-tied", lambda out: _save_tiny(out, config, seed=15))
 
 
+def tiny_qwen3_moe_config(**overrides):
+    """A tiny Qwen3-MoE: the tiny Qwen3's attention, 4 experts of FFN 32 per layer, top-2, top-k
+    probabilities not renormalised (``norm_topk_prob=False``, transformers' default; the tiny
+    Mixtral covers the renormalised router)."""
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def tiny_qwen3_moe_dir() -> Path:
+    return _cached("tiny-qwen3-moe", lambda out: _save_tiny(out, tiny_qwen3_moe_config(), seed=16))
+
+
+def tiny_mixtral_config(**overrides):
+    """A tiny Mixtral: 4 experts of FFN 32 per layer, top-2 (renormalised), head_dim 32."""
+    from transformers import MixtralConfig
+
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        sliding_window=None,
+    )
+    kw.update(overrides)
+    return MixtralConfig(**kw)
+
+
+def tiny_mixtral_dir() -> Path:
+    return _cached("tiny-mixtral", lambda out: _save_tiny(out, tiny_mixtral_config(), seed=17))
+
+
 def tiny_qwen2_dir() -> Path:
     return _cached("tiny-qwen2", lambda out: _save_tiny(out, tiny_qwen2_config(), seed=11))
 
@@ -279,6 +342,29 @@ def _build_tiny_char_llama(out: Path) -> None:
     )
     _save_tiny(out, config, seed=14)
     tok.save_pretrained(out)
+
+
+def _build_tiny_char_qwen3_moe(out: Path) -> None:
+    tok = _char_tokenizer()
+    config = tiny_qwen3_moe_config(
+        vocab_size=CHAR_VOCAB_SIZE,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=2048,
+        norm_topk_prob=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    _save_tiny(out, config, seed=18)
+    tok.save_pretrained(out)
+
+
+def tiny_char_qwen3_moe_dir() -> Path:
+    """A tiny random Qwen3-MoE (4 experts, top-2, renormalised) with the character tokenizer:
+    end-to-end RL runs of a mixture-of-experts model."""
+    return _cached("tiny-char-qwen3-moe", _build_tiny_char_qwen3_moe)
 
 
 def tiny_char_llama_dir() -> Path:

@@ -13,9 +13,11 @@ import torch.distributed as dist
 from megarl import parallel, platform
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
 from megarl.models.logprobs import log_probs_at, positions_from
+from megarl.models.moe_metrics import router_loss_metrics
 from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
-from megarl.trainer.batch import Samples, micro_batches
+from megarl.trainer.batch import Samples
+from megarl.trainer.ep_micro_batches import aligned_micro_batches
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class MicroBatching:
     packing: bool = True  # actor.packing: each micro-batch as one pack of its sequences
 
     def split(self, samples: Samples, rows: Sequence[int]) -> list[tuple[list[int], Samples]]:
-        return micro_batches(samples, rows, self.size, self.max_tokens, self.packing)
+        return aligned_micro_batches(samples, rows, self.size, self.max_tokens, self.packing)
 
     def inputs(self, mb: Samples) -> dict[str, Any]:
         """What :func:`megarl.models.forward.run_schedule` takes for this micro-batch: its ids,
@@ -194,6 +196,9 @@ def ppo_update(
                 f"{role}/skipped_non_finite": 0.0,
                 f"{role}/lr": float(optimizer.param_groups[0]["lr"]),
             }
+            step_metrics.update(
+                router_loss_metrics(role, len(mbs), trainable.model.config.num_layers)
+            )
             if outs:
                 for key in outs[0]:
                     vals = torch.stack(

@@ -152,7 +152,18 @@ def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSetting
     opt.step()
     weights = {n: p.detach().clone() for n, p in hf.named_parameters()}
     # HF ties lm_head to embed_tokens: expose both names like the checkpoint does.
-    return loss.item(), grads, weights
+    return loss.item(), _saved_names(hf, grads), _saved_names(hf, weights)
+
+
+def _saved_names(hf, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors under the names HF saves: transformers 5 keeps an MoE layer's experts fused in
+    memory (``experts.gate_up_proj`` [E, 2I, H]) and splits them per expert on save; its own
+    ``revert_weight_conversion`` does that here. Dense models are left as they are."""
+    if not any(".experts." in name for name in tensors):
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(hf, tensors)
 
 
 def _offload_round_trip(ddp, optimizer, dims, layout) -> float:
@@ -220,6 +231,7 @@ def train_step_worker(
             )
         weight_diff = max(diffs.values())
         out[key + ":grad"] = grad_diff
+        out[key + ":grad_checked"] = float(layout.dp == 1)
         out[key + ":weight"] = weight_diff
         out[key + ":step_ok"] = float(bool(ok))
         if metrics:
@@ -232,3 +244,36 @@ def train_step_worker(
     if sp is not None and no_sp is not None:
         out["sp_vs_no_sp:grad"] = max((sp[n] - no_sp[n]).abs().max().item() for n in sp)
     return out
+
+
+def logits_and_step_worker(
+    rank: int, world: int, model_dir: str, layouts: list[dict]
+) -> dict[str, float]:
+    """Both checks in one launch: logits against HF, then one training step (MoE tests)."""
+    out = logits_worker(rank, world, model_dir, layouts)
+    out.update(train_step_worker(rank, world, model_dir, layouts))
+    out.update(_router_losses(world, model_dir))
+    return out
+
+
+def _router_losses(world: int, model_dir: str, ep: int = 2) -> dict[str, float]:
+    """With both router-loss coefficients set (EP2), one training step records the load-balancing
+    loss and the z-loss, and megarl's metrics read them (``actor/moe_*``): reported as values."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.moe_metrics import router_loss_metrics
+
+    layout = ParallelLayout.for_world(world, ep=ep)
+    initialize_model_parallel(layout)
+    opts = ModelOptions(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    model, dims = build_model(model_dir, layout, opts=opts)
+    ddp, optimizer, _ = wrap_for_training(model, OptimSettings(lr=1e-3))
+    ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
+    run_schedule([ddp], [{"input_ids": ids}] * 2, _ce_loss, forward_only=False)
+    optimizer.step()
+    metrics = router_loss_metrics("actor", 2, dims.num_layers)
+    again = router_loss_metrics("actor", 2, dims.num_layers)  # cleared: zeros now
+    destroy_model_parallel()
+    return {"router:" + k.split("/", 1)[1]: v for k, v in metrics.items()} | {
+        "router:cleared": float(all(v == 0.0 for v in again.values()))
+    }

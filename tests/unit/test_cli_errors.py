@@ -39,9 +39,11 @@ def test_unsupported_architecture_and_missing_model(tmp_path, capsys):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (model / "config.json").write_text(json.dumps(cfg))
     assert main(["demo", "--model", str(model), "--nproc", "1", "--tp", "1", "--pp", "1"]) == 2
-    assert "supports ['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']" in (
-        capsys.readouterr().err
+    supported = (
+        "'LlamaForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
+        "'Qwen3MoeForCausalLM'"
     )
+    assert f"supports [{supported}]" in (capsys.readouterr().err)
     assert (
         main(
             ["demo", "--model", str(tmp_path / "missing"), "--nproc", "1", "--tp", "1", "--pp", "1"]

@@ -83,6 +83,10 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("megarl/testing/assets.py", "randomize_"): (
         "fills CPU-built Hugging Face test models before they are saved to disk"
     ),
+    ("megarl/hybrid_engine/hf_saved_names.py", "saved_tensor_index"): (
+        "a host index probe through transformers' save conversion; the positions it yields are "
+        "moved to the parameter's device"
+    ),
 }
 
 # file -> {function qualname: where the tensor of its collective comes from}
@@ -121,7 +125,13 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
         "_gather": "LoRA adapter parameter shards (or their main_grad), on the model's device",
     },
     "megarl/models/export.py": {
-        "gather_tp": "shards are empty_like the model parameter",
+        "gather_group": "shards are empty_like the model parameter (or a stack of its shards)",
+    },
+    "megarl/trainer/ep_micro_batches.py": {
+        "_dp_max": "made on platform.collective_device()",
+    },
+    "megarl/platform.py": {
+        "_adapt_moe.gather_first_dim": "pieces made on the device of megatron's token tensor",
     },
     "megarl/models/forward.py": {
         "broadcast_from_last_stage": "callers pass tensors made on the model's device",

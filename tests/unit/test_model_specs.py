@@ -35,8 +35,10 @@ def test_every_builtin_family_registers_its_architecture():
         "Qwen2ForCausalLM": "qwen2",
         "LlamaForCausalLM": "llama",
         "Qwen3ForCausalLM": "qwen3",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+        "MixtralForCausalLM": "mixtral",
     }
-    assert {f.name for f in families()} == {"qwen2", "llama", "qwen3"}
+    assert {f.name for f in families()} == {"qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"}
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):

@@ -84,7 +84,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     cfg["architectures"] = ["MistralForCausalLM"]
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        UnsupportedModelError, match=r"MistralForCausalLM.*LlamaForCausalLM', 'Qwen2ForCausalLM"
+        UnsupportedModelError,
+        match=r"MistralForCausalLM.*LlamaForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM",
     ):
         ModelDims.from_pretrained(model)
 

@@ -156,6 +156,19 @@ PINNED_SITES = {
     "megatron.core.dist_checkpointing.strategies.fully_parallel": {
         ("FullyParallelLoadStrategyWrapper.load", "torch.cuda.synchronize"),
     },
+    "megatron.core.transformer.moe.router": {
+        ("Router.gating", "torch.cuda.current_device"),
+        ("TopKRouter.__init__", "torch.cuda.current_device"),
+    },
+    "megatron.core.transformer.moe.token_dispatcher": {
+        ("MoEAlltoAllTokenDispatcher.__init__", "torch.cuda.Stream"),
+        ("MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "torch.cuda.current_stream"),
+        ("MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "torch.cuda.stream"),
+    },
+    "megatron.core.transformer.moe.moe_utils": {
+        ("maybe_move_tensor_to_cpu", "torch.cuda.current_stream"),
+        ("track_moe_metrics", 'device="cuda"'),
+    },
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": {
         ("save_state_dict_async_finalize", "torch.cuda.current_device"),
         ("verify_global_md_reuse", 'device="cuda"'),
@@ -172,8 +185,8 @@ NOT_ON_THE_CPU_PATH = {
     "megatron.core.distributed.fsdp.src.megatron_fsdp.utils": "Megatron-FSDP: megarl uses DDP + distributed optimizer",
     "megatron.core.extensions.transformer_engine": "Transformer Engine: GPU only, not imported on CPU",
     "megatron.core.fp8_utils": "FP8: GPU only",
-    "megatron.core.fusions.fused_indices_converter": "MoE fusions: dense models only",
-    "megatron.core.fusions.fused_pad_routing_map": "MoE fusions: dense models only",
+    "megatron.core.fusions.fused_indices_converter": "MoE fusions: megarl sets moe_permute_fusion false",
+    "megatron.core.fusions.fused_pad_routing_map": "MoE fusions: megarl sets moe_permute_fusion false",
     "megatron.core.inference.batch_dimensions_utils": "megatron inference engines: rollout is vLLM",
     "megatron.core.inference.contexts.attention_context.mamba_metadata": "megatron inference engines: rollout is vLLM",
     "megatron.core.inference.contexts.attention_context.mha_metadata": "megatron inference engines: rollout is vLLM",
@@ -201,11 +214,8 @@ NOT_ON_THE_CPU_PATH = {
     "megatron.core.transformer.cuda_graphs": "CUDA graphs: GPU only",
     "megatron.core.transformer.mlp": "OOM fallback of the swiglu checkpoint merge (catches torch.cuda.OutOfMemoryError, which exists on CPU torch)",
     "megatron.core.transformer.module": "Float16Module type tables (fp16/bf16 on GPU) and CUDA-graph inputs",
-    "megatron.core.transformer.moe.experts": "MoE: dense models only",
-    "megatron.core.transformer.moe.moe_utils": "MoE: dense models only",
-    "megatron.core.transformer.moe.router": "MoE: dense models only",
-    "megatron.core.transformer.moe.shared_experts": "MoE: dense models only",
-    "megatron.core.transformer.moe.token_dispatcher": "MoE: dense models only",
+    "megatron.core.transformer.moe.experts": "grouped-GEMM experts: megarl builds sequential experts",
+    "megatron.core.transformer.moe.shared_experts": "shared experts: no supported family has them",
     "megatron.core.transformer.multi_token_prediction": "MTP: off",
 }
 

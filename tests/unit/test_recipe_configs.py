@@ -41,6 +41,29 @@ QWEN25_72B = {
     "num_key_value_heads": 8,
 }
 
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}
+
 # config file -> (world size it is written for, model config or None for the CPU configs)
 INTENDED = {
     "quickstart_cpu.yaml": (1, None),
@@ -49,6 +72,7 @@ INTENDED = {
     "grpo_qwen2_5_7b_lora.yaml": (8, QWEN25_7B),
     "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "grpo_qwen2_5_72b.yaml": (32, QWEN25_72B),
+    "grpo_qwen3_30b_a3b.yaml": (8, QWEN3_30B_A3B),
 }
 RECIPES = [name for name, (_, model) in INTENDED.items() if model is not None]
 
@@ -64,7 +88,7 @@ def test_config_loads_and_validates_at_its_world_size(name):
     cfg = load_config(CONFIGS / name)
     validate(cfg, world)
     p = cfg.parallel
-    layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp)
+    layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
     layout.check_rollout()
     if model is not None:
         layout.check_model(ModelDims.from_hf_config(model).shape)
@@ -107,6 +131,8 @@ def _check_planned_memory(text: str, cfg) -> None:
         assert args[args.index(flag) + 1] == str(value), (flag, "differs from the config")
     lora = args[args.index("--lora-rank") + 1] if "--lora-rank" in args else "0"
     assert lora == str(cfg.actor.lora.rank), "--lora-rank differs from the config"
+    ep = args[args.index("--ep") + 1] if "--ep" in args else "1"
+    assert ep == str(cfg.parallel.ep), ("--ep", "differs from the config")
     import contextlib
     import io
 

@@ -4,7 +4,13 @@ Importing this package registers the built-in families; a new dense family is on
 (build a :class:`FamilySpec`, ``register_family`` it) plus its import below.
 """
 
-from megarl.models.specs import llama, qwen2, qwen3  # noqa: F401  (registers the families)
+from megarl.models.specs import (  # noqa: F401  (registers the families)
+    llama,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from megarl.models.specs.base import (
     Dims,
     FamilySpec,

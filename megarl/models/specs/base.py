@@ -35,6 +35,11 @@ class Dims(Protocol):
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_layernorm: bool
+    # Mixture of experts (0 experts: a dense model; the rest is then unused).
+    num_experts: int
+    moe_ffn_hidden_size: int
+    moe_topk: int
+    moe_norm_topk: bool
 
 
 @dataclass(frozen=True)
@@ -42,11 +47,16 @@ class TensorMap:
     """One megatron parameter and the HF tensors it is made of.
 
     ``kind`` names the transform (``copy``, ``qkv``, ``gate_up``: see :mod:`megarl.models.hf_map`);
-    ``shape`` is the full (unsharded) megatron shape, ``tp_dim`` the dimension split over TP.
+    ``shape`` is the full (unsharded) megatron shape, ``tp_dim`` the dimension split over TP
+    (for an expert's weight: over expert tensor parallelism).
+
+    An expert's weight (``{expert}`` in its names) exists once per routed expert: megatron names
+    it by its index among the experts of this expert-parallel rank, HF by its global index.
     """
 
     megatron: str  # template, "{layer}" = layer index local to the pipeline stage
-    hf: tuple[str, ...]  # templates, "{layer}" = global layer index
+    # templates, "{layer}" = global layer index, "{expert}" = global expert index
+    hf: tuple[str, ...]
     kind: str  # "copy" | "qkv" | "gate_up"
     tp_dim: int | None  # dimension split over TP ranks in megatron (None: replicated)
     shape: tuple[int, ...] = field(default=(), compare=False)
@@ -54,6 +64,10 @@ class TensorMap:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
 
     def shard_shape(self, tp: int) -> tuple[int, ...]:
         """The shape one TP rank holds (the full shape when replicated)."""
@@ -83,6 +97,9 @@ class FamilySpec:
       megarl does not implement.
     - ``roles``: the model roles (LM head or scalar heads) it supports.
     - ``known_models``: public configs by canonical name, for ``megarl plan``.
+    - ``moe_dims(cfg)``: mixture-of-experts families only: the MoE numbers of an HF config
+      (``num_experts``, ``moe_ffn_hidden_size``, ``moe_topk``, ``moe_norm_topk``), read the way the
+      family's config names them.
     """
 
     name: str
@@ -94,10 +111,15 @@ class FamilySpec:
     roles: tuple[str, ...] = ROLES_ALL
     known_models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     description: str = ""
+    moe_dims: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_dims is not None
 
     def megatron_options(self, dims: Dims) -> dict[str, Any]:
         """The ``TransformerConfig`` options that depend on the family (the rest are common)."""
-        return {
+        options = {
             "num_layers": dims.num_layers,
             "hidden_size": dims.hidden_size,
             "ffn_hidden_size": dims.ffn_hidden_size,
@@ -110,16 +132,47 @@ class FamilySpec:
             "add_qkv_bias": dims.qkv_bias,
             "qk_layernorm": dims.qk_layernorm,
         }
+        if dims.num_experts:
+            options.update(moe_megatron_options(dims))
+        return options
 
-    def layer_spec_options(self) -> dict[str, Any]:
-        """Keyword arguments of megatron's ``get_gpt_layer_*_spec`` for this family."""
-        return {"qk_layernorm": self.qk_layernorm}
+    def layer_spec_options(self, dims: Dims | None = None) -> dict[str, Any]:
+        """Keyword arguments of megatron's ``get_gpt_layer_*_spec`` for this family.
+
+        MoE layers use megatron's sequential experts (one MLP per local expert, the names the
+        tensor map knows), not grouped GEMM, which needs Transformer Engine or grouped_gemm."""
+        options: dict[str, Any] = {"qk_layernorm": self.qk_layernorm}
+        if dims is not None and dims.num_experts:
+            options.update(num_experts=dims.num_experts, moe_grouped_gemm=False)
+        return options
 
     def check_role(self, role: str) -> None:
         if role not in self.roles:
             raise UnsupportedModelError(
                 f"the {self.name} family supports the roles {list(self.roles)}, not {role!r}"
             )
+
+
+def moe_megatron_options(dims: Dims) -> dict[str, Any]:
+    """megatron's MoE options for a routed-experts layer as the HF families define it.
+
+    Router: softmax over all experts then top-k without renormalising (``pre_softmax``), or
+    top-k logits then a softmax over those k, which equals renormalising the top-k probabilities
+    (``moe_norm_topk``: Mixtral, Qwen3-MoE with ``norm_topk_prob``). No capacity factor: no token
+    is ever dropped, so rollout and training compute the same function. Router in fp32. The
+    token dispatcher (all-to-all) is set for every model by the builder.
+    """
+    return {
+        "num_moe_experts": dims.num_experts,
+        "moe_ffn_hidden_size": dims.moe_ffn_hidden_size,
+        "moe_router_topk": dims.moe_topk,
+        "moe_router_pre_softmax": not dims.moe_norm_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_grouped_gemm": False,
+        "moe_expert_capacity_factor": None,
+        "moe_permute_fusion": False,
+    }
 
 
 _FAMILIES: dict[str, FamilySpec] = {}

@@ -1,9 +1,17 @@
-"""Tokens/s of one forward+backward of SmolLM2-135M (sequence 256) through megarl at TP1, against
-Hugging Face transformers' own training step on the same batch, measured in the same run.
+"""Tokens/s of one SmolLM2-135M training step (forward + backward + optimizer step) through megarl
+at TP1, against Hugging Face transformers with torch AdamW on the same batch, in the same run.
 
-    .venv/bin/python bench/train_step.py [--batch 4] [--seq 256] [--iters 5]
+    .venv/bin/python bench/train_step.py [--batch 4] [--seq 256] [--iters 5] [--dtype float32]
+    .venv/bin/python bench/train_step.py --smoke          # seconds: tiny sizes, nothing stored
 
-Prints both throughputs and the ratio megarl / transformers (target >= 1.0).
+Both sides: the same token ids, next-token cross-entropy over every position but the last, AdamW
+(lr 1e-5, weight decay 0.01, eps 1e-8) with gradient clipping at 1.0. megarl runs megatron's DDP
+(fp32 grad buffer) + distributed optimizer; transformers runs ``model(input_ids, labels).loss``
+backward, ``clip_grad_norm_`` and ``torch.optim.AdamW`` (its default foreach path). Prints
+ms/step, tokens/s, the ratio megarl / transformers (target >= 1.0) and each side's share of the
+matmul peak measured in this run (model FLOPs: 6 x linear parameters per token + 12 x layers x
+hidden x sequence per token for attention, the usual "MFU" count). Writes
+bench/results/train_step.json. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -17,8 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results_io import load_1min, matmul_peaks, write_results  # noqa: E402
 
-def _time(fn, iters: int, warmup: int = 2) -> float:
+LR, WEIGHT_DECAY, EPS, CLIP = 1e-5, 0.01, 1e-8, 1.0
+
+
+def _time(fn, iters: int, warmup: int) -> tuple[float, list[float]]:
     for _ in range(warmup):
         fn()
     samples = []
@@ -26,7 +38,16 @@ def _time(fn, iters: int, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.median(samples), samples
+
+
+def train_flops_per_token(hf_model, seq: int) -> float:
+    """6 x (parameters of every linear layer, LM head included) + 12 x layers x hidden x seq."""
+    import torch
+
+    linear = sum(m.weight.numel() for m in hf_model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = hf_model.config
+    return 6.0 * linear + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq
 
 
 def main() -> None:
@@ -34,13 +55,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; CI")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.seq, args.iters, args.warmup = 1, 32, 1, 1
 
     import torch
     import torch.distributed as dist
 
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
+    peaks = matmul_peaks(256 if args.smoke else 2048)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -56,25 +83,32 @@ def main() -> None:
     from megarl.testing.assets import smollm2_dir
 
     adapt_megatron_for_cpu()
+    dtype = getattr(torch, args.dtype)
     model_dir = smollm2_dir()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 49152, (args.batch, args.seq), generator=gen)
     tokens = args.batch * args.seq
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     hf.train()
+    flops_per_token = train_flops_per_token(hf, args.seq)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
 
     def hf_step():
-        hf.zero_grad(set_to_none=True)
+        hf_opt.zero_grad(set_to_none=True)
         hf(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
+        hf_opt.step()
 
-    hf_s = _time(hf_step, args.iters)
-    hf_step = hf = None  # free the HF model before building megarl's
+    hf_s, hf_samples = _time(hf_step, args.iters, args.warmup)
+    hf_step = hf = hf_opt = None  # free the HF model before building megarl's
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
     model, _ = build_model(model_dir, layout)
-    ddp, _, _ = wrap_for_training(model, OptimSettings())
+    ddp, optimizer, _ = wrap_for_training(
+        model, OptimSettings(lr=LR, weight_decay=WEIGHT_DECAY, adam_eps=EPS, clip_grad=CLIP)
+    )
 
     labels = torch.roll(ids, -1, dims=1)
     mask = torch.ones_like(ids, dtype=torch.float32)
@@ -87,15 +121,59 @@ def main() -> None:
 
     def megarl_step():
         ddp.zero_grad_buffer()
+        optimizer.zero_grad()
         run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
+        optimizer.step()
 
-    mg_s = _time(megarl_step, args.iters)
+    mg_s, mg_samples = _time(megarl_step, args.iters, args.warmup)
+    peak = peaks["bf16_gflops" if dtype == torch.bfloat16 else "fp32_gflops"]
+
+    def share(seconds: float) -> float:
+        return flops_per_token * tokens / seconds / 1e9 / peak
+
     print(
-        f"SmolLM2-135M forward+backward, batch {args.batch} x seq {args.seq}, {threads} threads, fp32, CPU"
+        f"SmolLM2-135M training step (fwd+bwd+AdamW), batch {args.batch} x seq {args.seq}, "
+        f"{threads} threads, {args.dtype}, CPU; load {load_1min():.1f}"
     )
-    print(f"  transformers: {hf_s * 1e3:8.1f} ms/step  {tokens / hf_s:8.1f} tokens/s")
-    print(f"  megarl TP1:   {mg_s * 1e3:8.1f} ms/step  {tokens / mg_s:8.1f} tokens/s")
+    print(
+        f"  matmul peak measured now: fp32 {peaks['fp32_gflops']:.0f} GFLOP/s, "
+        f"bf16 {peaks['bf16_gflops']:.0f} GFLOP/s; {flops_per_token / 1e9:.2f} GFLOP/token"
+    )
+    print(
+        f"  transformers+AdamW: {hf_s * 1e3:8.1f} ms/step  {tokens / hf_s:8.1f} tokens/s  "
+        f"{100 * share(hf_s):5.1f}% of peak"
+    )
+    print(
+        f"  megarl TP1:         {mg_s * 1e3:8.1f} ms/step  {tokens / mg_s:8.1f} tokens/s  "
+        f"{100 * share(mg_s):5.1f}% of peak"
+    )
     print(f"RATIO megarl/transformers tokens/s = {hf_s / mg_s:.2f} (target >= 1.0)")
+    write_results(
+        "train_step" if args.dtype == "float32" else f"train_step_{args.dtype}",
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "batch": args.batch,
+            "seq": args.seq,
+            "dtype": args.dtype,
+            "threads": threads,
+            "iters": args.iters,
+            "gflop_per_token": flops_per_token / 1e9,
+            "transformers_s_per_step": hf_s,
+            "transformers_samples_s": hf_samples,
+            "transformers_tokens_per_s": tokens / hf_s,
+            "transformers_share_of_peak": share(hf_s),
+            "megarl_s_per_step": mg_s,
+            "megarl_samples_s": mg_samples,
+            "megarl_tokens_per_s": tokens / mg_s,
+            "megarl_share_of_peak": share(mg_s),
+            "ratio_megarl_over_transformers": hf_s / mg_s,
+            "sides": {
+                "transformers": "HF forward with labels, backward, clip_grad_norm_, torch AdamW",
+                "megarl": "megatron GPTModel TP1, DDP fp32 grad buffer, distributed optimizer",
+            },
+        },
+        smoke=args.smoke,
+    )
     dist.destroy_process_group()
 
 

@@ -34,10 +34,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from results_io import write_results  # noqa: E402
+
 WORKER = ROOT / "bench" / "_trl_grpo_worker.py"
 REWARD_FILE = ROOT / "megarl" / "rewards" / "toy.py"
 REWARD_NAME = "vowel_rate"
@@ -395,7 +399,15 @@ def main() -> None:
     ap.add_argument("--workdir", default="~/.cache/megarl/bench-grpo-step")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
     ap.add_argument("--only", choices=("megarl", "trl"), default=None)
+    ap.add_argument(
+        "--smoke", action="store_true", help="megarl only, 1 step of 8 new tokens; CI (no TRL venv)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        global NEW_TOKENS
+        NEW_TOKENS = 8
+        args.warmup, args.steps, args.only = 0, 1, "megarl"
+        args.workdir = tempfile.mkdtemp(prefix="megarl-bench-grpo-smoke-")
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
 
@@ -419,6 +431,21 @@ def main() -> None:
         results["trl"]["load"] = (load0, os.getloadavg()[0])
     log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
     print_report(args, results)
+    write_results(
+        "grpo_step",
+        {
+            "model": "tiny Qwen2 (hidden 128, 4 layers, vocab 151,936)",
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "samples_per_prompt": SAMPLES_PER_PROMPT,
+            "new_tokens": NEW_TOKENS,
+            "threads": args.threads,
+            "warmup": args.warmup,
+            "summary": {name: summary(r["steps"], args.warmup) for name, r in results.items()},
+            "runs": results,
+        },
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
+    )
 
 
 if __name__ == "__main__":

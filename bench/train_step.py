@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import load_1min, matmul_peaks, write_results  # noqa: E402
+from results_io import load_1min, matmul_peaks, write_results
 
 LR, WEIGHT_DECAY, EPS, CLIP = 1e-5, 0.01, 1e-8, 1.0
 

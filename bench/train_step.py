@@ -80,7 +80,7 @@ def main() -> None:
     from megatron.core import tensor_parallel
     from transformers import AutoModelForCausalLM
 
-    from megarl.models.build import build_model
+    from megarl.models.build import ModelOptions, build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.models.forward import run_schedule
     from megarl.parallel import ParallelLayout, initialize_model_parallel
@@ -107,7 +107,7 @@ def main() -> None:
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
-    model, _ = build_model(model_dir, layout)
+    model, _ = build_model(model_dir, layout, opts=ModelOptions(dtype=dtype))
     ddp, optimizer, _ = wrap_for_training(
         model, OptimSettings(lr=LR, weight_decay=WEIGHT_DECAY, adam_eps=EPS, clip_grad=CLIP)
     )
@@ -118,7 +118,7 @@ def main() -> None:
 
     def loss_fn(logits, batch):
         # Shifted labels instead of slicing the logits: no copy of the [b, s, vocab] tensor.
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         return (per_token * mask).sum() / mask.sum(), {}
 
     def megarl_step():

@@ -506,8 +506,10 @@ def main() -> None:
             "runs": results,
         }
     log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
+    # one file per model set: a run of one model does not replace another model's figures
+    name = "grpo_step" if models == ["tiny", "smollm2"] else "grpo_step_" + "_".join(models)
     write_results(
-        "grpo_step",
+        name,
         {
             "prompts_per_step": PROMPTS_PER_STEP,
             "samples_per_prompt": SAMPLES_PER_PROMPT,

@@ -1,29 +1,35 @@
 """GRPO step throughput: megarl (1 process, vLLM rollouts + megatron update) vs TRL's GRPOTrainer.
 
-    .venv/bin/python bench/grpo_step.py                 # 2 warm-up + 5 timed steps each
-    .venv/bin/python bench/grpo_step.py --steps 3 --threads 2 --only megarl
+    .venv/bin/python bench/grpo_step.py                 # both models, all sides, 2 + 5 steps
+    .venv/bin/python bench/grpo_step.py --models smollm2 --sides megarl,trl-vllm --steps 3
+    .venv/bin/python bench/grpo_step.py --smoke         # seconds: megarl, tiny model, 1 step
 
-The same tiny random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
-Qwen2.5 vocabulary (151,936 rows), saved once as an HF folder and loaded by both; fp32; the same
-GSM-Symbolic prompts in the same order (chat template of the Qwen2.5 tokenizer), 4 prompts x 4
+Two models, each loaded by every side from the same HF folder, fp32:
+- ``tiny``: a random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
+  Qwen2.5 vocabulary (151,936 rows) and tokenizer: the vocabulary dominates its cost;
+- ``smollm2``: the real SmolLM2-135M-Instruct (weights and tokenizer, megarl.testing.assets).
+The same GSM-Symbolic prompts in the same order (each model's chat template), 4 prompts x 4
 samples x up to 32 new tokens per step, temperature 1; the same reward (megarl.rewards.toy:
 vowel_rate, loaded from its file by the TRL side); GRPO without a KL term; AdamW with the same lr,
 weight decay, eps and grad clip; one optimizer step per GRPO step over the 16 sequences.
 
-TRL runs in its own virtualenv (created on first use, ~2-3 min; --trl-venv) with the same CPU torch
-as megarl and pinned TRL/transformers, as a subprocess running bench/_trl_grpo_worker.py: plain HF
-``generate`` (no vLLM), ``num_iterations=1`` (so TRL needs no old-logprob forward), ``beta=0``,
-``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. The two sides run one
-after the other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS).
+Sides: ``megarl``; ``trl-hf``: TRL's GRPOTrainer generating with HF ``generate``; ``trl-vllm``:
+the same with ``use_vllm=True, vllm_mode="colocate"`` (vLLM's CPU build in the trainer process).
+TRL runs in its own virtualenvs (created on first use; --trl-venv, --trl-vllm-venv) with the same
+CPU torch as megarl and pinned TRL/transformers, as a subprocess running
+bench/_trl_grpo_worker.py: ``num_iterations=1`` (so TRL needs no old-logprob forward),
+``beta=0``, ``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. If TRL's
+vLLM mode fails here, its row prints the failure's last error line. The sides run one after the
+other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS).
 
-Tokens per step are counted the same way for both: generated = completion tokens (up to and
+Tokens per step are counted the same way for all: generated = completion tokens (up to and
 including EOS), trained = prompt + completion tokens of the 16 sequences (megarl:
-``megarl.trainer.step_metrics.tokens_in``; TRL: lengths of the prompt and completion ids it trains on). A random model
-practically never samples EOS, so responses are 32 tokens on both sides (the mean is printed).
-tokens/s = (generated + trained) tokens / seconds over the timed steps; the median step is printed
-too, since other work on the machine (printed as the 1-minute load) skews single steps. Prints a
-table, the ratio megarl/TRL (target >= 3) and each side's phase breakdown. Nothing is asserted.
-Takes ~5 min on a quiet 2-core machine once the venv exists.
+``megarl.trainer.step_metrics.tokens_in``; TRL: lengths of the prompt and completion ids it
+trains on). tokens/s = (generated + trained) tokens / seconds over the timed steps; the median
+step is printed too, since other work on the machine (printed as the 1-minute load) skews single
+steps. Prints per model a table, the ratios megarl/TRL (targets: >= 3 against trl-hf, >= 1
+against trl-vllm) and each side's phase breakdown; writes bench/results/grpo_step.json
+(grpo_step_<models>.json for another model set). Nothing is asserted.
 """
 
 from __future__ import annotations

@@ -33,6 +33,20 @@ def load_reward(path: str, name: str):
     return reward
 
 
+def vllm_settings(spec: dict) -> dict:
+    """GRPOConfig settings of the rollout: HF ``generate``, or vLLM colocated in this process
+    (fp32 like the trainer, no sleep mode: the CPU build has none)."""
+    if not spec.get("use_vllm"):
+        return {"use_vllm": False}
+    return {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_enable_sleep_mode": False,
+        "vllm_max_model_length": 1024,
+        "vllm_tensor_parallel_size": 1,
+    }
+
+
 def main() -> None:
     with open(sys.argv[1]) as fh:
         spec = json.load(fh)
@@ -119,7 +133,7 @@ def main() -> None:
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        use_vllm=False,
+        **vllm_settings(spec),
         max_steps=steps,
         shuffle_dataset=False,
         seed=int(spec["seed"]),

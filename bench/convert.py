@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -75,7 +78,10 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--workdir", default=None, help="keep the checkpoint and export here")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, TP1xPP2; CI")
     args = parser.parse_args()
+    if args.smoke:
+        args.model, args.tp, args.pp = "tiny-qwen2", 1, 2
 
     from megarl.demo import resolve_model
 
@@ -120,6 +126,20 @@ def main() -> int:
         f"{'met' if extra < target else 'MISSED'})"
     )
     print(f"  files in {work}")
+    write_results(
+        "convert",
+        {
+            "model": args.model,
+            "tp": args.tp,
+            "pp": args.pp,
+            "dtype": args.dtype,
+            "hf_to_mcore_s": to_mcore,
+            "mcore_to_hf": r,
+            "export_extra_rss_over_bucket": extra / r["largest_bucket"],
+        },
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
+    )
     return 0
 
 

@@ -21,8 +21,12 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -163,7 +167,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per path; the fastest counts")
     parser.add_argument("--worker", choices=["megarl", "pandas"], help=argparse.SUPPRESS)
     parser.add_argument("--paths", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; CI")
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.files, args.row_group_size, args.repeat = 20_000, 2, 2_048, 1
+        args.dir = Path(tempfile.mkdtemp(prefix="megarl-bench-data-smoke-"))
     if args.worker:
         run = run_megarl if args.worker == "megarl" else run_pandas
         print(json.dumps(run(args.paths, args.dp, args.rank, args.batch)))
@@ -199,6 +207,21 @@ def main() -> None:
     print(
         f"speed-up {speedup:.2f}x wall, {cpu:.2f}x CPU (target >= 3x: {'met' if speedup >= 3 else 'NOT met'}); "
         f"peak RSS ratio {rss:.2f} (target < 0.5: {'met' if rss < 0.5 else 'NOT met'})"
+    )
+    write_results(
+        "data",
+        {
+            "rows": args.rows,
+            "files": args.files,
+            "dp": args.dp,
+            "rank": args.rank,
+            "runs": runs,
+            "speedup_rows_per_s": speedup,
+            "cpu_ratio": cpu,
+            "peak_rss_ratio": rss,
+        },
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
     )
 
 

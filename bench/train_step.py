@@ -1,9 +1,18 @@
-"""Tokens/s of one forward+backward of SmolLM2-135M (sequence 256) through megarl at TP1, against
-Hugging Face transformers' own training step on the same batch, measured in the same run.
+"""Tokens/s of one SmolLM2-135M training step (forward + backward + optimizer step) through megarl
+at TP1, against Hugging Face transformers with torch AdamW on the same batch, in the same run.
 
-    .venv/bin/python bench/train_step.py [--batch 4] [--seq 256] [--iters 5]
+    .venv/bin/python bench/train_step.py [--batch 4] [--seq 256] [--iters 5] [--dtype float32]
+    .venv/bin/python bench/train_step.py --smoke          # seconds: tiny sizes, nothing stored
 
-Prints both throughputs and the ratio megarl / transformers (target >= 1.0).
+Both sides: the same token ids, next-token cross-entropy over every position but the last, AdamW
+(lr 1e-5, weight decay 0.01, eps 1e-8) with gradient clipping at 1.0. megarl runs megatron's DDP
+(fp32 grad buffer) + distributed optimizer; transformers runs ``model(input_ids, labels).loss``
+backward, ``clip_grad_norm_`` and ``torch.optim.AdamW`` (its default for CPU). Both models
+live side by side and their steps alternate (a change of load hits both alike). Prints
+ms/step, tokens/s, the ratio megarl / transformers (target >= 1.0) and each side's share of the
+matmul peak measured in this run (model FLOPs: 6 x linear parameters per token + 12 x layers x
+hidden x sequence per token for attention, the usual "MFU" count). Writes
+bench/results/train_step.json. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -17,16 +26,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results_io import load_1min, matmul_peaks, write_results
 
-def _time(fn, iters: int, warmup: int = 2) -> float:
+LR, WEIGHT_DECAY, EPS, CLIP = 1e-5, 0.01, 1e-8, 1.0
+
+
+def _time_alternating(fns: dict, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each step function, run in turn (a, b, a, b, ...) so that a change of load on a
+    shared machine hits both sides alike."""
     for _ in range(warmup):
-        fn()
-    samples = []
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def train_flops_per_token(hf_model, seq: int) -> float:
+    """6 x (parameters of every linear layer, LM head included) + 12 x layers x hidden x seq."""
+    import torch
+
+    linear = sum(m.weight.numel() for m in hf_model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = hf_model.config
+    return 6.0 * linear + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq
 
 
 def main() -> None:
@@ -34,13 +60,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; CI")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.seq, args.iters, args.warmup = 1, 32, 1, 1
 
     import torch
     import torch.distributed as dist
 
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
+    peaks = matmul_peaks(256 if args.smoke else 2048)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -48,7 +80,7 @@ def main() -> None:
     from megatron.core import tensor_parallel
     from transformers import AutoModelForCausalLM
 
-    from megarl.models.build import build_model
+    from megarl.models.build import ModelOptions, build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.models.forward import run_schedule
     from megarl.parallel import ParallelLayout, initialize_model_parallel
@@ -56,25 +88,29 @@ def main() -> None:
     from megarl.testing.assets import smollm2_dir
 
     adapt_megatron_for_cpu()
+    dtype = getattr(torch, args.dtype)
     model_dir = smollm2_dir()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 49152, (args.batch, args.seq), generator=gen)
     tokens = args.batch * args.seq
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     hf.train()
+    flops_per_token = train_flops_per_token(hf, args.seq)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
 
     def hf_step():
-        hf.zero_grad(set_to_none=True)
+        hf_opt.zero_grad(set_to_none=True)
         hf(input_ids=ids, labels=ids).loss.backward()
-
-    hf_s = _time(hf_step, args.iters)
-    hf_step = hf = None  # free the HF model before building megarl's
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
+        hf_opt.step()
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
-    model, _ = build_model(model_dir, layout)
-    ddp, _, _ = wrap_for_training(model, OptimSettings())
+    model, _ = build_model(model_dir, layout, opts=ModelOptions(dtype=dtype))
+    ddp, optimizer, _ = wrap_for_training(
+        model, OptimSettings(lr=LR, weight_decay=WEIGHT_DECAY, adam_eps=EPS, clip_grad=CLIP)
+    )
 
     labels = torch.roll(ids, -1, dims=1)
     mask = torch.ones_like(ids, dtype=torch.float32)
@@ -82,20 +118,75 @@ def main() -> None:
 
     def loss_fn(logits, batch):
         # Shifted labels instead of slicing the logits: no copy of the [b, s, vocab] tensor.
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         return (per_token * mask).sum() / mask.sum(), {}
 
     def megarl_step():
         ddp.zero_grad_buffer()
+        optimizer.zero_grad()
         run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
+        optimizer.step()
 
-    mg_s = _time(megarl_step, args.iters)
-    print(
-        f"SmolLM2-135M forward+backward, batch {args.batch} x seq {args.seq}, {threads} threads, fp32, CPU"
+    samples = _time_alternating(
+        {"transformers": hf_step, "megarl": megarl_step}, args.iters, args.warmup
     )
-    print(f"  transformers: {hf_s * 1e3:8.1f} ms/step  {tokens / hf_s:8.1f} tokens/s")
-    print(f"  megarl TP1:   {mg_s * 1e3:8.1f} ms/step  {tokens / mg_s:8.1f} tokens/s")
+    hf_samples, mg_samples = samples["transformers"], samples["megarl"]
+    hf_s, mg_s = statistics.median(hf_samples), statistics.median(mg_samples)
+    peaks_end = matmul_peaks.__wrapped__(256 if args.smoke else 2048)
+    # The better of the two measurements: on a shared machine either may have met other load.
+    key = "bf16_gflops" if dtype == torch.bfloat16 else "fp32_gflops"
+    peak = max(peaks[key], peaks_end[key])
+
+    def share(seconds: float) -> float:
+        return flops_per_token * tokens / seconds / 1e9 / peak
+
+    print(
+        f"SmolLM2-135M training step (fwd+bwd+AdamW), batch {args.batch} x seq {args.seq}, "
+        f"{threads} threads, {args.dtype}, CPU; load {load_1min():.1f}"
+    )
+    print(
+        f"  matmul peak measured now: fp32 {peaks['fp32_gflops']:.0f} GFLOP/s, "
+        f"bf16 {peaks['bf16_gflops']:.0f} GFLOP/s (after the steps: fp32 "
+        f"{peaks_end['fp32_gflops']:.0f}, bf16 {peaks_end['bf16_gflops']:.0f}); "
+        f"{flops_per_token / 1e9:.2f} GFLOP/token; median of {args.iters} steps each, alternated"
+    )
+    print(
+        f"  transformers+AdamW: {hf_s * 1e3:8.1f} ms/step  {tokens / hf_s:8.1f} tokens/s  "
+        f"{100 * share(hf_s):5.1f}% of peak"
+    )
+    print(
+        f"  megarl TP1:         {mg_s * 1e3:8.1f} ms/step  {tokens / mg_s:8.1f} tokens/s  "
+        f"{100 * share(mg_s):5.1f}% of peak"
+    )
     print(f"RATIO megarl/transformers tokens/s = {hf_s / mg_s:.2f} (target >= 1.0)")
+    write_results(
+        "train_step" if args.dtype == "float32" else f"train_step_{args.dtype}",
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "batch": args.batch,
+            "seq": args.seq,
+            "dtype": args.dtype,
+            "threads": threads,
+            "iters": args.iters,
+            "gflop_per_token": flops_per_token / 1e9,
+            "transformers_s_per_step": hf_s,
+            "transformers_samples_s": hf_samples,
+            "transformers_tokens_per_s": tokens / hf_s,
+            "transformers_share_of_peak": share(hf_s),
+            "megarl_s_per_step": mg_s,
+            "megarl_samples_s": mg_samples,
+            "megarl_tokens_per_s": tokens / mg_s,
+            "megarl_share_of_peak": share(mg_s),
+            "ratio_megarl_over_transformers": hf_s / mg_s,
+            "matmul_peaks_after": peaks_end,
+            "peak_used_gflops": peak,
+            "sides": {
+                "transformers": "HF forward with labels, backward, clip_grad_norm_, torch AdamW",
+                "megarl": "megatron GPTModel TP1, DDP fp32 grad buffer, distributed optimizer",
+            },
+        },
+        smoke=args.smoke,
+    )
     dist.destroy_process_group()
 
 

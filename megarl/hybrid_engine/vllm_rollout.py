@@ -39,6 +39,7 @@ class SamplingConfig:
     n: int = 1  # samples per prompt (GRPO groups)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
     seed: int = 0  # request i gets seed + i: the same samples whatever the layout
+    ignore_eos: bool = False  # benchmarks: exactly max_new_tokens tokens per response
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ class VLLMRollout:
             max_tokens=sampling.max_new_tokens,
             stop_token_ids=list(stop),
             seed=seed,
+            ignore_eos=sampling.ignore_eos,
             logprobs=0,
             detokenize=False,
         )

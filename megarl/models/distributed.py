@@ -36,6 +36,8 @@ def wrap_for_training(model, settings: OptimSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megarl.models.single_rank_sync import skip_single_rank_collectives
+
     config = model.config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -44,6 +46,7 @@ def wrap_for_training(model, settings: OptimSettings):
         check_for_nan_in_grad=False,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    skip_single_rank_collectives(ddp)  # DP1: no reduce-scatter / all-gather copies of the buffers
     config.finalize_model_grads_func = finalize_model_grads
     opt_config = OptimizerConfig(
         optimizer="adam",

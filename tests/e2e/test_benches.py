@@ -1,0 +1,44 @@
+"""Every benchmark under bench/ in its --smoke size, so none rots: each must run to the end and
+store its results file (figures, machine, measured matmul peaks, load, versions, commit).
+
+The figures are not checked (benchmarks print, they do not assert); the smoke sizes take seconds.
+grpo_step's smoke runs megarl's side only: its TRL side needs a virtualenv that the bench creates
+from the package registry on first use, which CI machines may not reach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHES = ["train_step", "rollout", "grpo_step", "logprob", "reshard", "convert", "data"]
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
+    stored = {"grpo_step": "grpo_step_tiny"}.get(bench, bench)  # its smoke runs the tiny model
+    env = dict(os.environ, MEGARL_BENCH_RESULTS_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{bench}.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    record = json.loads((tmp_path / f"{stored}.smoke.json").read_text())
+    assert record["bench"] == stored and record["smoke"] is True
+    assert record["figures"], record
+    assert record["matmul_peaks"]["fp32_gflops"] > 0 and record["matmul_peaks"]["bf16_gflops"] > 0
+    assert record["machine"]["cores"] >= 1 and record["machine"]["cpu_model"]
+    assert set(record["load_1min"]) == {"start", "end"}
+    assert "torch" in record["versions"] and len(record["git"]["commit"]) == 40

@@ -37,7 +37,7 @@ def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
 
 
 def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
-    """Router-loss settings need a mixture-of-experts model."""
+    """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one."""
     from megarl.errors import ConfigError
 
     set_ = [n for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(cfg.model, n)]
@@ -45,4 +45,10 @@ def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
         raise ConfigError(
             f"model.{set_[0]}={getattr(cfg.model, set_[0])} applies to mixture-of-experts models; "
             f"{cfg.model.path} is a dense {dims.family} model: remove it (or set it to 0)"
+        )
+    if cfg.actor.lora.rank and dims.is_moe:
+        raise ConfigError(
+            f"actor.lora.rank={cfg.actor.lora.rank}: LoRA adapters are built for dense models only "
+            f"and {cfg.model.path} is a mixture-of-experts {dims.family} model: set "
+            "actor.lora.rank=0 (full fine-tuning)"
         )

@@ -214,3 +214,22 @@ def test_micro_batches_split_to_an_agreed_count():
     assert [r for g in out for r in g] == list(range(7))
     with pytest.raises(ValueError, match="cannot make"):
         split_to_count([[0], [1]], 3)
+
+
+def test_router_losses_need_moe_and_lora_needs_a_dense_model():
+    from megarl.config import load_config
+    from megarl.errors import ConfigError
+    from megarl.run.checks import _check_moe_options
+
+    def cfg(path, *overrides):
+        base = [f"model.path={path}", "data.train_files=[x.parquet]"]
+        return load_config(overrides=[*base, *overrides])
+
+    moe, dense = tiny_qwen3_moe_dir(), tiny_qwen3_dir()
+    moe_dims, dense_dims = ModelDims.from_pretrained(moe), ModelDims.from_pretrained(dense)
+    _check_moe_options(cfg(moe, "model.moe_aux_loss_coeff=0.01"), moe_dims)
+    _check_moe_options(cfg(dense, "actor.lora.rank=8"), dense_dims)
+    with pytest.raises(ConfigError, match=r"model.moe_aux_loss_coeff.*dense.*remove it"):
+        _check_moe_options(cfg(dense, "model.moe_aux_loss_coeff=0.01"), dense_dims)
+    with pytest.raises(ConfigError, match=r"mixture-of-experts.*actor.lora.rank=0"):
+        _check_moe_options(cfg(moe, "actor.lora.rank=8"), moe_dims)

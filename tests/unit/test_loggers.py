@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 
@@ -77,12 +79,23 @@ def test_tensorboard_event_files_hold_every_metric_and_the_table(tmp_path):
     assert "trainer.wandb_mode" in settings.tensor_proto.string_val[0].decode()
 
 
+def _history_once_written(run_file: Path, expected: list[int], timeout_s: float = 30.0) -> dict:
+    """The run file's history; W&B's writer is a service process that, on a loaded machine, can
+    still be appending the last records when ``finish()`` returns, so wait up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        steps = history(run_file)
+        if sorted(steps) == expected or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.2)
+
+
 def test_wandb_offline_run_holds_every_metric_and_the_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     feed(Tracker(config(tmp_path, "wandb"), rank=0))
     [run_dir] = (tmp_path / "run" / "wandb").glob("offline-run-*")
     [run_file] = run_dir.glob("run-*.wandb")
-    steps = history(run_file)
+    steps = _history_once_written(run_file, [1, 2, 3])
     assert sorted(steps) == [1, 2, 3]
     for step in (1, 2, 3):
         assert steps[step]["reward/mean"] == pytest.approx(0.25 * step)

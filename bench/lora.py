@@ -157,11 +157,20 @@ def main() -> None:
             f"grads {r['grads'] / mib:7.1f} optimizer {r['optimizer'] / mib:7.1f} MiB"
         )
     state = ("weights", "grads", "optimizer")
+    ratios = {
+        "step_time": lora["step_s"] / full["step_s"],
+        "peak_memory": lora["peak_bytes"] / full["peak_bytes"],
+        "training_state": sum(lora[k] for k in state) / sum(full[k] for k in state),
+    }
     print(
-        f"RATIO lora/full: step time {lora['step_s'] / full['step_s']:.2f}, peak memory "
-        f"{lora['peak_bytes'] / full['peak_bytes']:.2f}, training state (weights+grads+optimizer) "
-        f"{sum(lora[k] for k in state) / sum(full[k] for k in state):.2f}"
+        f"RATIO lora/full: step time {ratios['step_time']:.2f}, peak memory "
+        f"{ratios['peak_memory']:.2f}, training state (weights+grads+optimizer) "
+        f"{ratios['training_state']:.2f}"
     )
+    from results_io import write_results  # bench/ is on sys.path: this file's folder
+
+    figures = {"model": model, **vars(args), "full": full, "lora": lora, "lora_over_full": ratios}
+    write_results("lora", figures, smoke=args.smoke, peak_size=256 if args.smoke else None)
 
 
 if __name__ == "__main__":

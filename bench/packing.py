@@ -186,6 +186,11 @@ def main() -> None:
     print(f"RATIO packed/padded tokens/s = {ratio:.2f} (target >= 1.5)")
     mem = results["packed"]["peak_bytes"] / max(results["padded"]["peak_bytes"], 1)
     print(f"MEMORY packed/padded peak = {mem:.2f}")
+    from results_io import write_results  # bench/ is on sys.path: this file's folder
+
+    figures = {"model": name, "threads": threads, **vars(args), "runs": results}
+    figures.update(packed_over_padded_tokens_per_s=ratio, packed_over_padded_peak=mem)
+    write_results("packing", figures, smoke=args.smoke, peak_size=256 if args.smoke else None)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ what it measures; the speed figure itself is the benchmark's to print, not a tes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,8 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_packing_bench_smoke():
+def test_packing_bench_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env["MEGARL_BENCH_RESULTS_DIR"] = str(tmp_path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "packing.py"), "--smoke"],
         env=env,
@@ -32,3 +34,5 @@ def test_packing_bench_smoke():
     assert int(rows["packed"]) < int(rows["padded"]), proc.stdout
     assert re.search(r"^RATIO packed/padded tokens/s = \d+\.\d+", proc.stdout, re.M), proc.stdout
     assert re.search(r"^MEMORY packed/padded peak = \d+\.\d+", proc.stdout, re.M), proc.stdout
+    record = json.loads((tmp_path / "packing.smoke.json").read_text())
+    assert record["figures"]["packed_over_padded_tokens_per_s"] > 0, record

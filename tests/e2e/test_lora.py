@@ -9,6 +9,8 @@ peft adapter folder that peft loads onto the base model with the same logits (<=
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,14 +96,17 @@ def test_lora_exports_merged_and_as_a_peft_adapter(workdir, lora_run):
     assert (adapted - merged).abs().max() <= 1e-5, (adapted - merged).abs().max()
 
 
-def test_lora_benchmark_smoke():
-    """bench/lora.py at its smoke size: both variants run and the ratios are printed."""
+def test_lora_benchmark_smoke(tmp_path):
+    """bench/lora.py at its smoke size: both variants run, the ratios are printed and stored."""
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "bench" / "lora.py"), "--smoke"],
         capture_output=True,
         text=True,
         timeout=600,
+        env=dict(os.environ, MEGARL_BENCH_RESULTS_DIR=str(tmp_path)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RATIO lora/full: step time" in proc.stdout, proc.stdout
+    record = json.loads((tmp_path / "lora.smoke.json").read_text())
+    assert record["figures"]["lora_over_full"]["step_time"] > 0, record

@@ -118,17 +118,23 @@ def _save_tiny(out: Path, config, seed: int, head: str = "causal") -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+# The size every tiny test model shares (each family adds its own options below).
+TINY_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+)
+
+
 def tiny_qwen2_config(**overrides):
     from transformers import Qwen2Config
 
     kw = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        **TINY_SHAPE,
         num_key_value_heads=2,
-        max_position_embeddings=256,
         rms_norm_eps=1e-6,
         rope_theta=1_000_000.0,
         tie_word_embeddings=False,
@@ -142,13 +148,8 @@ def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
     kw = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        **TINY_SHAPE,
         num_key_value_heads=4,
-        max_position_embeddings=256,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -163,14 +164,9 @@ def tiny_qwen3_config(**overrides):
     from transformers import Qwen3Config
 
     kw = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        **TINY_SHAPE,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=256,
         rms_norm_eps=1e-6,
         rope_theta=1_000_000.0,
         attention_bias=False,
@@ -198,20 +194,15 @@ def tiny_qwen3_moe_config(**overrides):
     from transformers import Qwen3MoeConfig
 
     kw = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
+        **TINY_SHAPE,
         moe_intermediate_size=32,
         num_experts=4,
         num_experts_per_tok=2,
         norm_topk_prob=False,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=256,
         rms_norm_eps=1e-6,
         rope_theta=1_000_000.0,
         attention_bias=False,
@@ -231,16 +222,12 @@ def tiny_mixtral_config(**overrides):
     from transformers import MixtralConfig
 
     kw = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=32,
+        TINY_SHAPE,
+        intermediate_size=32,  # each expert's FFN
         num_local_experts=4,
         num_experts_per_tok=2,
-        num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=256,
         rms_norm_eps=1e-5,
         rope_theta=1_000_000.0,
         tie_word_embeddings=False,

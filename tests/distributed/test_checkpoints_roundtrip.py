@@ -10,9 +10,6 @@ its 9 attention heads rule TP2 out (TP3 also fits; PP2 is the cheaper layout on 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +28,7 @@ from tests.assets import (
     tiny_qwen3_tied_dir,
 )
 from tests.mp import run_gloo
+from tests.vllm_generate import assert_vllm_generates_like_transformers
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH_SEED = 7
@@ -493,44 +491,10 @@ def test_export_in_bfloat16_rounds_each_tensor_once(tiny, tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-_VLLM_SCRIPT = """
-import json, os, sys
-import torch
-torch.set_num_threads(2)
-from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=64, enforce_eager=True, seed=0,
-          skip_tokenizer_init=True)
-outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
-                    SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), detokenize=False))
-print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
-
-
 @pytest.mark.parametrize("name", ["vllm-qwen2", "qwen3"])  # Qwen3: q/k norm, head_dim 32
 def test_exported_folder_in_vllm_generates_what_transformers_does(tiny, name):
-    from transformers import AutoModelForCausalLM
-
     work, _, _ = tiny
-    exported = work / name / "hf"
-    prompts = [[1, 99, 28, 57, 314], [3, 504, 35, 282, 7, 7, 400]]
-    new = 12
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _VLLM_SCRIPT, str(exported), json.dumps(prompts), str(new)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS=")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    vllm_tokens = json.loads(lines[-1].removeprefix("TOKENS="))
-    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
-    for prompt, got in zip(prompts, vllm_tokens, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-        assert got == ref[0, len(prompt) :].tolist()
+    assert_vllm_generates_like_transformers(work / name / "hf")
 
 
 def test_smollm2_through_pp2_is_bit_identical(tiny):

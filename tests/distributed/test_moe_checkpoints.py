@@ -11,10 +11,6 @@ what transformers generates, greedy, token for token.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,12 +19,12 @@ import torch
 from megarl.models.safetensors_io import SafetensorsReader
 from tests.assets import tiny_mixtral_dir, tiny_qwen3_moe_dir
 from tests.distributed.test_checkpoints_roundtrip import (
-    _VLLM_SCRIPT,
     SMALL_SHARDS,
     _assert_bit_identical,
     _reload_checks,
 )
 from tests.mp import run_gloo
+from tests.vllm_generate import assert_vllm_generates_like_transformers
 
 pytestmark = pytest.mark.distributed
 
@@ -105,26 +101,5 @@ def test_moe_checkpoint_reloads_at_ep4_and_pp2ep2_identically(converted, name):
 
 @pytest.mark.parametrize("name", list(TENSORS))
 def test_exported_moe_folder_in_vllm_generates_what_transformers_does(converted, name):
-    from transformers import AutoModelForCausalLM
-
     work, _, _ = converted
-    exported = work / name / "hf"
-    prompts = [[1, 99, 28, 57, 314], [3, 504, 35, 282, 7, 7, 400]]
-    new = 12
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _VLLM_SCRIPT, str(exported), json.dumps(prompts), str(new)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS=")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    vllm_tokens = json.loads(lines[-1].removeprefix("TOKENS="))
-    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
-    for prompt, got in zip(prompts, vllm_tokens, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-        assert got == ref[0, len(prompt) :].tolist()
+    assert_vllm_generates_like_transformers(work / name / "hf")

@@ -75,6 +75,10 @@ class RolloutConfig:
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
     kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
+    # The rollout engine's weights and compute: auto (model.dtype) | float32 | bfloat16. The
+    # reshard casts the actor's weights to it, so e.g. a CPU whose bf16 decode is slow can train
+    # in bf16 and sample in fp32.
+    dtype: str = "auto"
     backend: str = "vllm"  # vllm | hf (Hugging Face generate: no vLLM needed; for debugging)
     gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
     # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
@@ -166,6 +170,12 @@ class ActorConfig:
     # generation (after the reshard into the rollout engine, back before the actor scores it).
     param_offload: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # The old logprobs of the policy ratio. auto: when each batch gets exactly one optimizer step
+    # (megarl.trainer.old_log_probs lists the conditions) they are the update's own logprobs,
+    # detached, and the separate forward that scores the rollout with the actor is skipped (the
+    # rollout-vs-trainer mismatch metrics then come from the update's forward); always: that
+    # separate forward runs every step.
+    old_log_prob_forward: str = "auto"  # auto | always
 
 
 @dataclass
@@ -266,6 +276,8 @@ CHOICES = {
     "model.transformer_impl": ("auto", "local", "transformer_engine"),
     "model.recompute": ("none", "selective", "full"),
     "rollout.backend": ("vllm", "hf"),
+    "rollout.dtype": ("auto", "float32", "bfloat16"),
+    "actor.old_log_prob_forward": ("auto", "always"),
     "rollout.sleep_level": (1, 2),
     "data.overlong_prompts": ("filter", "error"),
     "trainer.resume": ("auto", "never"),
@@ -656,6 +668,11 @@ def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
         if data.val_files:
             batches["data.val_batch_size"] = data.val_batch_size
         _check_dp_split(cfg, world_size, batches)
+
+
+def rollout_dtype(cfg: RunConfig) -> str:
+    """The rollout engine's dtype name: rollout.dtype, where auto is model.dtype."""
+    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
 def to_flat_dict(cfg: RunConfig) -> dict[str, Any]:

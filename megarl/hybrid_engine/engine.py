@@ -17,6 +17,7 @@ rollout.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ from megarl.hybrid_engine.execute import (
     local_spec_tensors,
 )
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
+from megarl.hybrid_engine.mismatch import (  # the reductions: re-exported for existing importers
+    LOGPROB_MISMATCH_REDUCTIONS as LOGPROB_MISMATCH_REDUCTIONS,
+)
+from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.hybrid_engine.reshard_plan import plan_reshard
 from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.hybrid_engine.vllm_rollout import (
@@ -42,19 +47,11 @@ from megarl.hybrid_engine.vllm_rollout import (
     VLLMRollout,
     checkpoint_shapes,
 )
-from megarl.metrics import Reduce
 from megarl.models.dims import ModelDims
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
 
-# How the metrics of :meth:`HybridEngine.logprob_mismatch` combine over ranks (the rest: mean);
-# they are world-wide already, so every rank reports the same values.
-# An MoE model reports them again under ``rollout/moe_*``: a router choice that flips between the
-# rollout and the trainer moves a token's logprob far more than a dense model's rounding does.
-LOGPROB_MISMATCH_REDUCTIONS = {
-    "rollout/logprob_diff_max": Reduce.MAX,
-    "rollout/moe_logprob_diff_max": Reduce.MAX,
-}
+ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -67,6 +64,7 @@ class RolloutBatch:
     # right padded); the response part starts at len(prompt) - 1.
     actor_logprobs: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    score_seconds: float = 0.0  # the actor's scoring forward (0: not scored)
 
     def sequences(self) -> list[list[int]]:
         return [
@@ -229,6 +227,11 @@ class HybridEngine:
             ep=layout.ep,
         )
         self.executor = ReshardExecutor(self.plan, dims, self.rank)
+        # rollout.dtype may differ from the actor's (e.g. bf16 training, fp32 sampling); an
+        # engine handed in without its config is left to cast on load itself
+        self.rollout_dtype: torch.dtype | None = None
+        if rollout is None or engine_config is not None:
+            self.rollout_dtype = ROLLOUT_DTYPES[(engine_config or EngineConfig()).dtype]
         self.hf_shapes = hf_output_shapes(self.plan, dims)
         expected = checkpoint_shapes(model_dir)
         check_rollout_model(self.hf_shapes, expected, dims.tie_word_embeddings)
@@ -271,7 +274,7 @@ class HybridEngine:
         )
         if has_lora(self.actor):
             local = merged_local_tensors(self.actor, local, self.plan.specs, self._layer_offset)
-        stats = self.executor.run(local, self.rollout.update_weights)
+        stats = self.executor.run(local, self._load_into_rollout)
         del local
         self.rollout.after_weight_update()
         offloaded = self._offload_actor()
@@ -284,6 +287,13 @@ class HybridEngine:
             **gpu_memory_metrics("after_wake"),
         }
         return dict(self.metrics)
+
+    def _load_into_rollout(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """One reshard bucket into the rollout engine, cast to its dtype (one bucket at a time)."""
+        dtype = self.rollout_dtype
+        if dtype is not None:
+            weights = [(name, t.to(dtype)) for name, t in weights]
+        self.rollout.update_weights(weights)
 
     def to_train(self) -> dict[str, float]:
         """Put the rollout engine to sleep and bring grads (and optimizer state) back; returns
@@ -437,9 +447,11 @@ class HybridEngine:
             # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
             # the actor scores the same one, so the mismatch compares like with like.
             temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+            t0 = time.perf_counter()
             batch.actor_logprobs = self.actor_logprobs(
                 batch.sequences(), starts=starts, temperature=temperature
             )
+            batch.score_seconds = time.perf_counter() - t0
             batch.metrics = self.logprob_mismatch(batch)
             self.metrics.update(batch.metrics)
         return batch
@@ -482,16 +494,4 @@ class HybridEngine:
             for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
         ]
         flat = torch.cat(diffs) if diffs else torch.zeros(0, device=platform.device())
-        total, peak_value = (flat.sum().item(), flat.max().item()) if flat.numel() else (0.0, 0.0)
-        device = platform.collective_device()
-        sums = torch.tensor([total, float(flat.numel())], dtype=torch.float64, device=device)
-        peak = torch.tensor([peak_value], dtype=torch.float64, device=device)
-        dist.all_reduce(sums)  # every rank counts its DP rank's tokens tp*pp times: still a mean
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out = {
-            "rollout/logprob_diff_mean": float(sums[0] / max(sums[1].item(), 1.0)),
-            "rollout/logprob_diff_max": float(peak.item()),
-        }
-        if self.dims.is_moe:
-            out |= {k.replace("rollout/", "rollout/moe_"): v for k, v in out.items()}
-        return out
+        return logprob_mismatch(flat, self.dims.is_moe)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from megarl import parallel
 from megarl.algos.kl import KLController
-from megarl.config import RunConfig
+from megarl.config import RunConfig, rollout_dtype
 from megarl.data import PromptDataset, PromptItem
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
@@ -139,7 +139,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         engine_config=EngineConfig(
             max_model_len=cfg.data.max_prompt_length + r.max_response_length,
             kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-            dtype=cfg.model.dtype,
+            dtype=rollout_dtype(cfg),
             seed=cfg.trainer.seed,
             gpu_memory_utilization=r.gpu_memory_utilization,
             sleep_level=r.sleep_level,

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megarl import parallel, platform
-from megarl.hybrid_engine.engine import LOGPROB_MISMATCH_REDUCTIONS, RolloutBatch
+from megarl.hybrid_engine.engine import RolloutBatch
+from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput
 from megarl.metrics import Reduce, StepMetrics, declare, mean
 from megarl.trainer.assembly import PolicyRun
@@ -143,7 +144,12 @@ def _draw(
     t0 = time.perf_counter()
     m.update(declare(run.rollout.roles_offload.offload()))
     m.update(declare(engine.to_rollout()))
-    batch = engine.generate([it.input_ids for it in items], run.rollout.sampling)
+    # the actor scores the rollout (old logprobs) unless its update will give them
+    batch = engine.generate(
+        [it.input_ids for it in items],
+        run.rollout.sampling,
+        score_with_actor=not run.spec.old_log_prob_from_update,
+    )
     m.update(declare(engine.to_train()))
     m.update(declare(run.rollout.roles_offload.onload()))
     t1 = time.perf_counter()
@@ -151,7 +157,9 @@ def _draw(
     samples, scores, reward_metrics, _ = score_rollout(
         run.rewards, s.tokenizer, s.pad_id, items, batch, run.batching
     )
-    _add_time(m, "timing/rollout_s", t1 - t0)
+    _add_time(m, "timing/rollout_s", t1 - t0)  # the actor's scoring forward included
+    if batch.actor_logprobs is not None:
+        _add_time(m, "timing/old_log_prob_s", batch.score_seconds)
     _add_time(m, "timing/reward_s", time.perf_counter() - t1)
     return samples, scores, reward_metrics, batch
 

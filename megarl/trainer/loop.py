@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from megarl.config import RunConfig
+from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.run.guards import RunGuards
 from megarl.run.resume import save_due
@@ -16,14 +17,17 @@ from megarl.trainer.dynamic_sampling import collect_step_batch
 from megarl.trainer.experience import compute_experience
 from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
 from megarl.trainer.model_ops import ppo_update, rollout_is_finite
+from megarl.trainer.old_log_probs import OLD_LOG_PROB, update_mismatch_metrics
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
 from megarl.trainer.validation import validation_rollout
 
 
 def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetrics:
-    """Actor (and critic) PPO updates over the mini-batches; their last step's metrics."""
+    """Actor (and critic) PPO updates over the mini-batches; their last step's metrics. When the
+    actor's update gives the old logprobs, also the rollout mismatch measured on them."""
     cfg, models = run.cfg, run.models
+    from_update = run.spec.old_log_prob_from_update
     parts = [("actor", models.actor, run.spec.actor_loss, cfg.actor.ppo_epochs)]
     if models.critic is not None:
         parts.append(("critic", models.critic, run.spec.critic_loss, cfg.critic.ppo_epochs))
@@ -40,8 +44,12 @@ def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetri
                 loss,
                 run.spec.token_level,
                 cfg.trainer.nan_policy == "skip",
+                keep=OLD_LOG_PROB if from_update and role == "actor" else None,
             )
         out.update(declare(hist[-1], run.spec.update_reductions))
+    if from_update:
+        mismatch = update_mismatch_metrics(samples, models.dims.is_moe)
+        out.update(declare(mismatch, LOGPROB_MISMATCH_REDUCTIONS))
     return out
 
 

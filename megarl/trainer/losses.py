@@ -11,6 +11,7 @@ from megarl.config import RunConfig
 from megarl.trainer.batch import Samples
 from megarl.trainer.hparams import loss_agg_options, policy_loss_kwargs
 from megarl.trainer.model_ops import response_log_probs, response_values
+from megarl.trainer.old_log_probs import OLD_LOG_PROB, old_log_prob_from_update
 
 Metrics = dict[str, torch.Tensor]
 
@@ -27,8 +28,13 @@ def make_actor_policy_terms(
     cfg: RunConfig,
 ) -> Callable[[torch.Tensor, torch.Tensor | None, Samples], tuple[torch.Tensor, Metrics]]:
     """Policy loss (+ KL to the reference as a loss term, + entropy bonus) of one micro-batch from
-    its response logprobs (and entropy): the actor loss once the logits are reduced."""
+    its response logprobs (and entropy): the actor loss once the logits are reduced.
+
+    When the update's own logprobs are the old ones (:mod:`megarl.trainer.old_log_probs`), they
+    serve as ``old_log_prob`` (detached) and come back among the metrics under that name.
+    """
     a = cfg.algorithm
+    from_update = old_log_prob_from_update(cfg)
     hparams = policy_loss_kwargs(cfg)
     agg_options = loss_agg_options(cfg)
     want_entropy = a.entropy_coef != 0.0
@@ -36,9 +42,10 @@ def make_actor_policy_terms(
     def terms(logp: torch.Tensor, entropy: torch.Tensor | None, mb: Samples):
         t = mb.tensors
         agg = agg_options(mb.size)
+        old = logp.detach() if from_update else t[OLD_LOG_PROB]
         loss, metrics = compute_policy_loss(
             a.policy_loss,
-            old_log_prob=t["old_log_prob"],
+            old_log_prob=old,
             log_prob=logp,
             advantages=t["advantages"],
             response_mask=mb.response_mask,
@@ -72,6 +79,8 @@ def make_actor_policy_terms(
             if want_entropy:
                 loss = loss + bonus
             metrics["actor/entropy"] = ent_metrics["entropy"]
+        if from_update:
+            metrics[OLD_LOG_PROB] = old
         return loss, metrics
 
     return terms
@@ -80,7 +89,8 @@ def make_actor_policy_terms(
 def make_actor_loss(cfg: RunConfig, vocab_size: int):
     """The actor loss on vocab-parallel logits (divided by the sampling temperature).
 
-    Samples need ``old_log_prob`` and ``advantages`` (and ``ref_log_prob`` with use_kl_loss).
+    Samples need ``advantages``, ``old_log_prob`` unless the update's own logprobs are the old
+    ones, and ``ref_log_prob`` with use_kl_loss.
     """
     terms = make_actor_policy_terms(cfg)
     temperature = sampling_temperature(cfg)

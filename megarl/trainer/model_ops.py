@@ -144,9 +144,14 @@ def ppo_update(
     loss_fn: LossFn,
     token_level: bool,
     skip_non_finite: bool = False,
+    keep: str | None = None,
 ) -> list[dict[str, float]]:
     """``epochs`` x mini-batches x micro-batches of optimizer steps; returns per-step metrics
     (the loss function's, and ``<role>/grad_norm``, ``lr``, ``update_ok``, ``skipped_non_finite``).
+
+    ``keep``: the name of a per-token ``[b, R]`` tensor that the loss function returns among its
+    metrics; the first epoch's values of every row go into ``samples.tensors[keep]`` (on every
+    pipeline stage), e.g. the update's logprobs when they are the old ones.
 
     megatron's DDP averages gradients over data-parallel ranks. Token-level losses are weighted
     by the tokens of the whole mini-batch (all data-parallel ranks), sequence-level ones by its
@@ -155,7 +160,8 @@ def ppo_update(
     """
     ddp, optimizer, scheduler = trainable.ddp, trainable.optimizer, trainable.scheduler
     history = []
-    for _ in range(epochs):
+    kept = torch.zeros_like(samples.response_mask, dtype=torch.float32) if keep else None
+    for epoch in range(epochs):
         for rows in mini_batches:
             mbs = batching.split(samples, rows)
             mini_tokens = float(samples.response_mask[list(rows)].sum())
@@ -178,6 +184,11 @@ def ppo_update(
                 scaled,
                 forward_only=False,
             )
+            if kept is not None:
+                per_token = [o.pop(keep) for o in outs]
+                if epoch == 0:
+                    for (mb_rows, mb), values in zip(mbs, per_token, strict=False):
+                        kept[mb_rows, : mb.response_mask.shape[1]] = values
             if not all_finite(ddp, outs):
                 optimizer.zero_grad()
                 if not skip_non_finite:
@@ -206,4 +217,6 @@ def ppo_update(
                     ).sum()
                     step_metrics[key] = float(vals)
             history.append(step_metrics)
+    if kept is not None:
+        samples.tensors[keep] = broadcast_from_last_stage(kept)
     return history

@@ -17,6 +17,7 @@ from megarl.metrics import Reduce
 from megarl.trainer.hparams import advantage_inputs, advantage_kwargs, kl_controller_kwargs
 from megarl.trainer.losses import make_actor_loss, make_critic_loss, sampling_temperature
 from megarl.trainer.model_ops import LossFn
+from megarl.trainer.old_log_probs import old_log_prob_from_update
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class AlgorithmSpec:
     # every actor/reference logprob is of softmax(logits / temperature), the distribution the
     # rollout sampled from (1 for greedy rollouts)
     temperature: float
+    # the update's own (detached) logprobs are the old ones: no separate scoring forward
+    old_log_prob_from_update: bool
     # how the actor's and critic's update metrics combine over ranks (the rest: mean)
     update_reductions: Mapping[str, Reduce]
 
@@ -55,6 +58,7 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
         kl_in_reward_estimator=a.kl_in_reward_estimator,
         tis_cap=a.tis_cap,
         temperature=sampling_temperature(cfg),
+        old_log_prob_from_update=old_log_prob_from_update(cfg),
         update_reductions={f"actor/{k}": r for k, r in POLICY_LOSS_REDUCTIONS.items()},
     )
 

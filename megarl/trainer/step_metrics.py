@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from megarl.data import PromptDataset
-from megarl.hybrid_engine.engine import LOGPROB_MISMATCH_REDUCTIONS, RolloutBatch
+from megarl.hybrid_engine.engine import RolloutBatch
+from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare, maximum, mean, minimum
 from megarl.trainer.batch import Samples
 

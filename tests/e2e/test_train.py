@@ -7,6 +7,7 @@ reward (learnable in a few steps). Metrics are read back from each run's metrics
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -388,6 +389,42 @@ def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
             # one mini-batch, one epoch: the update's forward is at the rollout's weights
             assert abs(run[step]["actor/ratio_max"] - 1.0) < 1e-4
             assert abs(run[step]["actor/ratio_min"] - 1.0) < 1e-4
+
+
+# The rollout-vs-trainer logprob mismatch a bf16 run may show. bf16 keeps 8 significant bits
+# (relative rounding 2^-8 ~ 0.4%): on this near-uniform 128-symbol model each sampled token's
+# logprob is about -4.8, so one rounding of it is ~0.02, and the two engines round in different
+# places (bf16 matmuls, bf16 logits in vLLM, the trainer's logsumexp over bf16 logits). Measured
+# (2 steps; bf16 | bf16 actor + fp32 rollout): mean 0.0033-0.0043 | 0.0024-0.0032, max
+# 0.015-0.016 | 0.009-0.013. Bounds with a 4-6x margin; an fp32 run (measured mean < 1e-6, max
+# 1e-6) must stay 100x below them, so they separate bf16 rounding from fp32 agreement.
+BF16_DIFF_MEAN, BF16_DIFF_MAX = 0.02, 0.1
+
+
+def test_bf16_grpo_steps_and_their_rollout_mismatch(workdir, full_run):
+    """Two GRPO steps with the actor in bf16 (fp32 main weights in the optimizer), sampled by vLLM
+    in bf16 (rollout.dtype auto: the model's) and in fp32 (rollout.dtype=float32, the reshard
+    casts): both complete with finite losses and gradient norms, and their rollout-vs-trainer
+    logprob mismatch is within the bf16 bounds above, which the fp32 run is far below."""
+    runs = {
+        "bf16": by_step(train(workdir, "bf16", "model.dtype=bfloat16")),
+        "bf16_actor_fp32_rollout": by_step(
+            train(workdir, "bf16_fp32_rollout", "model.dtype=bfloat16", "rollout.dtype=float32")
+        ),
+    }
+    for name, run in runs.items():
+        for step in (1, 2):
+            r = run[step]
+            print(name, step, r["rollout/logprob_diff_mean"], r["rollout/logprob_diff_max"])
+            assert r["actor/update_ok"] == 1.0, (name, step)
+            for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "reward/mean"):
+                assert math.isfinite(r[key]), (name, step, key)
+            assert 0.0 < r["rollout/logprob_diff_mean"] <= BF16_DIFF_MEAN, (name, step)
+            assert r["rollout/logprob_diff_max"] <= BF16_DIFF_MAX, (name, step)
+    for step in (1, 2):
+        fp32 = full_run[step]
+        assert fp32["rollout/logprob_diff_mean"] <= BF16_DIFF_MEAN / 100, fp32
+        assert fp32["rollout/logprob_diff_max"] <= BF16_DIFF_MAX / 100, fp32
 
 
 def copy_checkpoint(workdir: Path, source: str, step: int, out: str) -> None:

@@ -94,8 +94,8 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/hybrid_engine/execute.py": {
         "ReshardExecutor.run": "model parameter views and buckets made on the parameters' device",
     },
-    "megarl/hybrid_engine/engine.py": {
-        "HybridEngine.logprob_mismatch": "sums/peak made on platform.collective_device()",
+    "megarl/hybrid_engine/mismatch.py": {
+        "logprob_mismatch": "sums/peak made on platform.collective_device()",
     },
     "megarl/metrics.py": {
         "reduce_metrics": "values made on platform.collective_device()",

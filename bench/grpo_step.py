@@ -4,7 +4,8 @@
     .venv/bin/python bench/grpo_step.py --models smollm2 --sides megarl,trl-vllm --steps 3
     .venv/bin/python bench/grpo_step.py --smoke         # seconds: megarl, tiny model, 1 step
 
-Two models, each loaded by every side from the same HF folder, fp32:
+Two models, each loaded by every side from the same HF folder, fp32 (megarl's side may train
+and roll out in bf16: --dtype, --rollout-dtype):
 - ``tiny``: a random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
   Qwen2.5 vocabulary (151,936 rows) and tokenizer: the vocabulary dominates its cost;
 - ``smollm2``: the real SmolLM2-135M-Instruct (weights and tokenizer, megarl.testing.assets).
@@ -18,7 +19,9 @@ the same with ``use_vllm=True, vllm_mode="colocate"`` (vLLM's CPU build in the t
 TRL runs in its own virtualenvs (created on first use; --trl-venv, --trl-vllm-venv) with the same
 CPU torch as megarl and pinned TRL/transformers, as a subprocess running
 bench/_trl_grpo_worker.py: ``num_iterations=1`` (so TRL needs no old-logprob forward),
-``beta=0``, ``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. If TRL's
+``beta=0``, ``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. megarl
+skips its old-logprob forward likewise (one optimizer step per batch; --old-log-prob-forward
+always runs it, as timing/old_log_prob_s). If TRL's
 vLLM mode fails here, its row prints the failure's last error line. The sides run one after the
 other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS).
 
@@ -182,7 +185,7 @@ def run_megarl(args, work: Path, model: Path, train: Path) -> dict:
     out = work / "megarl-run"
     shutil.rmtree(out, ignore_errors=True)
     config = {
-        "model": {"path": str(model), "dtype": "float32"},
+        "model": {"path": str(model), "dtype": args.dtype},
         "data": {
             "train_files": [str(train)],
             "train_batch_size": PROMPTS_PER_STEP,
@@ -194,11 +197,13 @@ def run_megarl(args, work: Path, model: Path, train: Path) -> dict:
             "temperature": 1.0,
             "max_response_length": NEW_TOKENS,
             "kv_cache_gib": 0.25,
+            "dtype": args.rollout_dtype,
         },
         "actor": {
             "ppo_mini_batch_size": PROMPTS_PER_STEP,
             "ppo_epochs": 1,
             "micro_batch_size": PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,
+            "old_log_prob_forward": args.old_log_prob_forward,
             "optim": {"lr": args.lr, "weight_decay": WEIGHT_DECAY, "clip_grad": 1.0},
         },
         "algorithm": {"adv_estimator": "grpo", "use_kl_loss": False},
@@ -388,14 +393,23 @@ MODEL_TITLES = {
 SIDES = ("megarl", "trl-hf", "trl-vllm")
 
 
+def precision(args) -> str:
+    """The precision of the run: TRL's side is always fp32; megarl's follows --dtype and
+    --rollout-dtype (auto: --dtype)."""
+    if args.dtype == "float32" and args.rollout_dtype in ("auto", "float32"):
+        return "fp32"
+    rollout = args.dtype if args.rollout_dtype == "auto" else args.rollout_dtype
+    return f"megarl training {args.dtype}, rollout {rollout} (TRL fp32)"
+
+
 def print_report(args, model_name: str, results: dict[str, dict]) -> None:
     ok = {name: r for name, r in results.items() if "failed" not in r}
     rows = {name: summary(r["steps"], args.warmup) for name, r in ok.items()}
     print()
     print(
         f"GRPO step, {MODEL_TITLES[model_name]}, {PROMPTS_PER_STEP} prompts x "
-        f"{SAMPLES_PER_PROMPT} samples x up to {NEW_TOKENS} new tokens, fp32, {args.threads} "
-        f"threads, {args.warmup} warm-up + {args.steps} timed steps"
+        f"{SAMPLES_PER_PROMPT} samples x up to {NEW_TOKENS} new tokens, {precision(args)}, "
+        f"{args.threads} threads, {args.warmup} warm-up + {args.steps} timed steps"
     )
     header = (
         f"{'':9} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
@@ -463,6 +477,24 @@ def main() -> None:
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
     ap.add_argument("--trl-vllm-venv", default="~/.cache/megarl/bench-trl-vllm-venv")
     ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="megarl's model.dtype (TRL stays fp32)",
+    )
+    ap.add_argument(
+        "--rollout-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="megarl's rollout.dtype (auto: --dtype)",
+    )
+    ap.add_argument(
+        "--old-log-prob-forward",
+        default="auto",
+        choices=("auto", "always"),
+        help="megarl's actor.old_log_prob_forward (auto skips it: one optimizer step per batch)",
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="megarl only, 1 step of 8 new tokens; CI (no TRL venv)"
     )
     args = ap.parse_args()
@@ -514,6 +546,10 @@ def main() -> None:
     log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
     # one file per model set: a run of one model does not replace another model's figures
     name = "grpo_step" if models == ["tiny", "smollm2"] else "grpo_step_" + "_".join(models)
+    if precision(args) != "fp32":
+        name += f"_{args.dtype}_rollout_{args.rollout_dtype}"
+    if args.old_log_prob_forward != "auto":
+        name += "_old_log_prob_forward"
     write_results(
         name,
         {
@@ -522,6 +558,9 @@ def main() -> None:
             "new_tokens": NEW_TOKENS,
             "threads": args.threads,
             "warmup": args.warmup,
+            "megarl_dtype": args.dtype,
+            "megarl_rollout_dtype": args.rollout_dtype,
+            "megarl_old_log_prob_forward": args.old_log_prob_forward,
             "models": stored,
         },
         smoke=args.smoke,

@@ -9,10 +9,11 @@ The trainer's loop reads as two transitions around generation::
 
 Resharding follows a pure plan (:mod:`megarl.hybrid_engine.reshard_plan`) computed identically on every
 rank; the executor (:mod:`megarl.hybrid_engine.execute`) moves each bucket and hands it to vLLM in
-Hugging Face layout. Rollout prompts: each training DP rank passes its own prompts; they are spread
-over the ``world / infer_tp`` vLLM engines and every rank gets back the responses of its DP rank,
-scored by the actor (teacher-forced logprobs) so the rollout-trainer mismatch is measured on every
-rollout.
+Hugging Face layout, cast to the rollout's dtype (``rollout.dtype``). Rollout prompts: each
+training DP rank passes its own prompts; they are spread over the ``world / infer_tp`` vLLM engines
+and every rank gets back the responses of its DP rank, scored by the actor (teacher-forced
+logprobs: the old logprobs, and the rollout-trainer mismatch) unless the trainer takes both from its
+update's forward (:mod:`megarl.trainer.old_log_probs`).
 """
 
 from __future__ import annotations

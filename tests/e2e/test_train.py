@@ -377,9 +377,19 @@ def tp2pp2_run(workdir) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
 
 def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
     """At sampling temperature 0.7, one process (TP1) and TP2xPP2 alike: the trainer's logprobs
-    of the sampled tokens (old: the actor's scoring of the rollout; new: the update's forward)
-    equal vLLM's processed logprobs, i.e. those of softmax(logits / 0.7)."""
-    single = by_step(train(workdir, "single", "trainer.total_steps=2", SAMPLED))
+    of the sampled tokens equal vLLM's processed logprobs, i.e. those of softmax(logits / 0.7).
+    The one-process run scores each rollout in a separate forward for its old logprobs
+    (actor.old_log_prob_forward=always), the TP2xPP2 run takes them from its update's forward
+    (auto: one optimizer step per batch): the same steps either way."""
+    single = by_step(
+        train(
+            workdir,
+            "single",
+            "trainer.total_steps=2",
+            SAMPLED,
+            "actor.old_log_prob_forward=always",
+        )
+    )
     sharded = tp2pp2_run[1]
     for step in (1, 2):
         assert_layout_invariant(sharded[step], single[step], step)
@@ -389,6 +399,9 @@ def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
             # one mini-batch, one epoch: the update's forward is at the rollout's weights
             assert abs(run[step]["actor/ratio_max"] - 1.0) < 1e-4
             assert abs(run[step]["actor/ratio_min"] - 1.0) < 1e-4
+        assert single[step]["timing/old_log_prob_s"] > 0.0  # the separate forward ran
+        assert "timing/old_log_prob_s" not in sharded[step]  # and here it was skipped
+        print(step, "old-logprob forward", single[step]["timing/old_log_prob_s"], "s")
 
 
 # The rollout-vs-trainer logprob mismatch a bf16 run may show. bf16 keeps 8 significant bits

@@ -61,6 +61,9 @@ def main() -> None:
     n = int(spec["n"])
     prompts_per_step = int(spec["prompts_per_step"])
     max_new_tokens = int(spec["max_new_tokens"])
+    micro_batch = int(spec["micro_batch"])
+    if (prompts_per_step * n) % micro_batch:
+        sys.exit(f"micro_batch {micro_batch} must divide {prompts_per_step} prompts x {n} samples")
     budget_s = float(spec["budget_s"])
     eval_every_s = float(spec["eval_every_s"])
     t_start = time.perf_counter()
@@ -157,8 +160,11 @@ def main() -> None:
         weight_decay=float(spec["weight_decay"]),
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
-        per_device_train_batch_size=prompts_per_step * n,
-        gradient_accumulation_steps=1,
+        # One generation of prompts_per_step * n completions, trained in micro-batches of
+        # micro_batch with one optimizer step, as megarl does (and its memory stays bounded).
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=prompts_per_step * n // micro_batch,
+        steps_per_generation=prompts_per_step * n // micro_batch,
         num_generations=n,
         max_completion_length=max_new_tokens,
         num_iterations=1,

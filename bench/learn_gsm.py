@@ -38,6 +38,7 @@ score, accuracy) for each side and writes bench/results/learn_gsm.json. Nothing 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -141,9 +142,28 @@ def start(cmd: list[str], env: dict[str, str], log_file: Path) -> subprocess.Pop
     return proc
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its ranks in sessions of their own, so
+    killing the process group alone leaves them running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     rc = proc.wait()
     proc.log_handle.close()  # type: ignore[attr-defined]
     return rc
@@ -258,6 +278,7 @@ class TrlSide:
             "weight_decay": WEIGHT_DECAY,
             "seed": seed,
             "threads": args.threads,
+            "micro_batch": args.micro_batch,
             "budget_s": args.minutes * 60,
             "eval_every_s": args.eval_every * 60,
             "scorer_file": str(SCORER_FILE),
@@ -361,7 +382,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--lr", type=float, default=5e-6)
-    ap.add_argument("--micro-batch", type=int, default=8, help="megarl sequences per micro-batch")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--test-size", type=int, default=32)
     ap.add_argument("--megarl-test-freq", type=int, default=5, help="megarl steps per validation")
     ap.add_argument("--eval-every", type=float, default=3.0, help="TRL minutes per validation")

@@ -1,7 +1,7 @@
 """A real model learning GSM-style math on this CPU: megarl vs TRL's GRPOTrainer, validation score
 over training time.
 
-    .venv/bin/python bench/learn_gsm.py --minutes 12 --seeds 1,2   # both sides, side by side
+    .venv/bin/python bench/learn_gsm.py --minutes 10 --seeds 1,2   # both sides, side by side
     .venv/bin/python bench/learn_gsm.py --minutes 5 --sides megarl --layout sequential
     .venv/bin/python bench/learn_gsm.py --smoke                    # seconds: megarl, 1 step
 
@@ -371,21 +371,21 @@ def summarize(results: dict[str, dict]) -> dict[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=12.0, help="training-time budget per side")
+    ap.add_argument("--minutes", type=float, default=10.0, help="training-time budget per side")
     ap.add_argument("--seed", "--seeds", dest="seeds", default="1", help="a seed or a comma list")
     ap.add_argument("--sides", default=",".join(SIDES), help="comma list of: megarl, trl")
     ap.add_argument("--layout", choices=("parallel", "sequential"), default="parallel")
     ap.add_argument(
         "--threads", type=int, default=None, help="per side; default 1 parallel, 2 seq."
     )
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--lr", type=float, default=5e-6)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--test-size", type=int, default=32)
-    ap.add_argument("--megarl-test-freq", type=int, default=5, help="megarl steps per validation")
-    ap.add_argument("--eval-every", type=float, default=3.0, help="TRL minutes per validation")
+    ap.add_argument("--megarl-test-freq", type=int, default=2, help="megarl steps per validation")
+    ap.add_argument("--eval-every", type=float, default=3.4, help="TRL minutes per validation")
     ap.add_argument("--workdir", default="~/.cache/megarl/bench-learn-gsm")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
     ap.add_argument("--smoke", action="store_true", help="megarl only, 1 step of tiny sizes (CI)")

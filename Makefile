@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup demo quickstart test test-unit test-distributed test-e2e lint format bench
+.PHONY: setup demo quickstart learn-gsm test test-unit test-distributed test-e2e lint format bench
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -39,3 +39,7 @@ bench: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) -m megarl.quickstart --out outputs/quickstart
 	$(VENV)/bin/megarl train configs/quickstart_cpu.yaml --nproc-per-node 1
+
+learn-gsm: $(STAMP)
+	$(PY) -m megarl.quickstart --recipe gsm --out outputs/learn_gsm
+	$(VENV)/bin/megarl train configs/smollm2_gsm_cpu.yaml --nproc-per-node 1

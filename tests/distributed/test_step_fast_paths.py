@@ -7,7 +7,9 @@ and sines kept and no closing copy (megarl.models.rotary), and in-place grad sca
 megatron's GPTModel with megatron's rope and its copying ``local_multi_tensor_scale``.
 Tolerances: logits and loss 1e-6 absolute, gradients 1e-7 absolute (sums over the batch's rows
 in another order); the clipped gradients after scaling bitwise equal to megatron's scaling of the
-same gradients.
+same gradients. The RL paths (logits at chosen positions, padded and packed rows) against
+megatron's full logits gathered at those positions: logits 1e-6, gradients 2e-6 relative to the
+largest gradient (measured 6e-7: the packed attention runs per sequence, other float sums).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def worker(rank: int, world: int, model_dir: str) -> dict[str, float]:
     grads = [p.grad for p in ours.parameters()]
     ref_grads = [p.grad for p in ref.parameters()]
 
+    out_rl = _rl_paths(ours, ref, dims.vocab_size, rotary, rope_utils)
+
     # Clipping's scale: in place vs megatron's fallback, on the same gradients.
     assert use_in_place_grad_scaling()
     assert clip_grads.multi_tensor_scale_impl is scale_in_place
@@ -80,7 +84,53 @@ def worker(rank: int, world: int, model_dir: str) -> dict[str, float]:
         "grads_counted": float(sum(g is not None for g in grads)),
         "params": float(len(grads)),
         "scaled_equal": float(all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))),
+        **out_rl,
     }
+
+
+def _rl_paths(ours, ref, vocab: int, rotary, rope_utils) -> dict[str, float]:
+    """Outputs at ``positions`` of right-padded rows, run padded and packed through run_schedule,
+    against megatron's own full-logits call gathered at the same positions."""
+    from megarl.models.forward import position_ids_like, run_schedule
+
+    ids = torch.randint(1, vocab, (3, 12), generator=torch.Generator().manual_seed(1))
+    lens = torch.tensor([12, 7, 4])
+    for row, n in enumerate(lens.tolist()):
+        ids[row, n:] = 0
+    positions = torch.tensor([[5, 6, 7, 8], [2, 3, 4, 5], [0, 1, 2, 2]])
+    for p in (*ours.parameters(), *ref.parameters()):
+        p.grad = None
+    rope_utils._apply_rotary_pos_emb_bshd = rotary._megatron_bshd
+    try:
+        full = ref(input_ids=ids, position_ids=position_ids_like(ids), attention_mask=None)
+        want = full.gather(1, positions[..., None].expand(-1, -1, full.shape[-1]))
+        weights = torch.linspace(-1, 1, want.numel()).view_as(want)
+        (want * weights).sum().backward()
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = rotary.apply_rotary_bshd
+    ref_grads = [p.grad for p in ref.parameters()]
+    scale = max(g.abs().max().item() for g in ref_grads)
+    out = {}
+    for name, extra in (("padded", {}), ("packed", {"seq_lens": lens})):
+        for p in ours.parameters():
+            p.grad = None
+        got = {}
+
+        def loss_fn(logits, batch, got=got):
+            got["logits"] = logits.detach().clone()
+            return (logits * weights).sum(), {}
+
+        batch = {"input_ids": ids, "positions": positions, **extra}
+        run_schedule(ours, [batch], loss_fn, forward_only=False)
+        out[f"{name}:logits"] = (got["logits"] - want.detach()).abs().max().item()
+        out[f"{name}:grads"] = (
+            max(
+                (p.grad - g).abs().max().item()
+                for p, g in zip(ours.parameters(), ref_grads, strict=True)
+            )
+            / scale
+        )
+    return out
 
 
 def test_fast_paths_equal_megatron_own_code():
@@ -91,3 +141,5 @@ def test_fast_paths_equal_megatron_own_code():
     assert r["logits"] <= 1e-6 and r["loss"] <= 1e-6, r
     assert r["grads"] <= 1e-7, r
     assert r["scaled_equal"] == 1.0, r
+    for name in ("padded", "packed"):
+        assert r[f"{name}:logits"] <= 1e-6 and r[f"{name}:grads"] <= 2e-6, r

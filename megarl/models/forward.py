@@ -44,9 +44,11 @@ def _select_hook(module, args, kwargs):
     elif index is not None:
         rows = index.t().to(hidden.device)  # [P, b]
         hidden = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    # Batch-major rows: the projection's output is then [b, s, v] in memory, which GPTModel's
-    # closing ``transpose(0, 1).contiguous()`` returns without a copy (see _sequence_major_view).
-    return (hidden.transpose(0, 1).contiguous(), *args[1:]), kwargs
+    if getattr(module, "_megarl_batch_major", True):
+        # Batch-major rows: the projection's output is then [b, s, v] in memory, which GPTModel's
+        # closing ``transpose(0, 1).contiguous()`` returns without a copy (_sequence_major_view).
+        hidden = hidden.transpose(0, 1).contiguous()
+    return (hidden, *args[1:]), kwargs
 
 
 def _sequence_major_view(module, args, kwargs, output):
@@ -58,8 +60,20 @@ def _sequence_major_view(module, args, kwargs, output):
     contiguous for the weight and input gradients). Transposing the hidden states instead copies
     ``hidden / vocab`` as much (576 vs 49,152 values per token on SmolLM2).
     """
+    if not getattr(module, "_megarl_batch_major", True):
+        return output
     out, bias = output
     return out.transpose(0, 1), bias
+
+
+def use_batch_major_output(model, on: bool = True) -> None:
+    """Whether the model's output layer projects batch-major rows (the default; ``False``:
+    megatron's sequence-major layout and its logits copies, for comparisons)."""
+    from megarl.models.loading import unwrap
+
+    layer = getattr(unwrap(model), "output_layer", None)
+    if layer is not None:
+        layer._megarl_batch_major = on
 
 
 def _sequence_parallel(model) -> bool:

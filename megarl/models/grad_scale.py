@@ -11,6 +11,9 @@ products (one fp32 multiply per element, so the result is bitwise equal) with
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -43,3 +46,17 @@ def use_in_place_grad_scaling() -> bool:
         return False
     clip_grads.multi_tensor_scale_impl = scale_in_place
     return True
+
+
+@contextlib.contextmanager
+def megatron_grad_scaling() -> Iterator[None]:
+    """megatron's copying ``local_multi_tensor_scale`` inside the block (for comparisons)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    previous = clip_grads.multi_tensor_scale_impl
+    clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    try:
+        yield
+    finally:
+        clip_grads.multi_tensor_scale_impl = previous

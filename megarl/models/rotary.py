@@ -12,6 +12,9 @@ Interleaved and multi-latent-attention rope, and partial rope, go to megatron's 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 # The latest (freqs, version, mscale, dtype) and its (cos, sin). GPTModel computes the rotary
@@ -56,3 +59,16 @@ def use_cached_rotary() -> None:
         return
     _megatron_bshd = rope_utils._apply_rotary_pos_emb_bshd
     rope_utils._apply_rotary_pos_emb_bshd = apply_rotary_bshd
+
+
+@contextlib.contextmanager
+def megatron_rotary() -> Iterator[None]:
+    """megatron's own unfused rope inside the block (for comparisons and parity tests)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    use_cached_rotary()
+    rope_utils._apply_rotary_pos_emb_bshd = _megatron_bshd
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = apply_rotary_bshd

@@ -106,3 +106,19 @@ def test_in_place_scale_equals_megatron_copying_scale():
     dst = [torch.zeros_like(g) for g in grads]
     scale_in_place(0, torch.zeros(1), [grads, dst], 2.0)
     assert all(torch.equal(d, g * 2.0) for d, g in zip(dst, grads, strict=True))
+
+
+def test_megatron_paths_for_comparisons_are_restored():
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from megarl.models.grad_scale import megatron_grad_scaling, use_in_place_grad_scaling
+
+    rotary.use_cached_rotary()
+    assert use_in_place_grad_scaling()
+    with rotary.megatron_rotary(), megatron_grad_scaling():
+        assert rope_utils._apply_rotary_pos_emb_bshd is rotary._megatron_bshd
+        assert clip_grads.multi_tensor_scale_impl is local_multi_tensor_scale
+    assert rope_utils._apply_rotary_pos_emb_bshd is rotary.apply_rotary_bshd
+    assert clip_grads.multi_tensor_scale_impl is scale_in_place

@@ -30,6 +30,13 @@ step is printed too, since other work on the machine (printed as the 1-minute lo
 steps. Prints per model a table, the ratios megarl/TRL (targets: >= 3 against trl-hf, >= 1
 against trl-vllm) and each side's phase breakdown; writes bench/results/grpo_step.json
 (grpo_step_<models>.json for another model set). Nothing is asserted.
+
+TRL's update phase is split by timers in the worker (forward and backward, each with the part
+spent in TRL's fused LM-head log-prob function; grad clipping; the AdamW step) and printed beside
+megarl's update, with the tokens TRL runs through the model (padded to the longest prompt and
+completion), the positions its LM head scores and the GRPOConfig settings in force.
+``--profile-trl N`` also profiles the update phase of TRL's last step (torch.profiler) and prints
+its top N ops; the full table is written beside the run's log.
 """
 
 from __future__ import annotations

@@ -33,6 +33,13 @@ step is printed too, since other work on the machine (printed as the 1-minute lo
 steps. Prints per model a table, the ratios megarl/TRL (targets: >= 3 against trl-hf, >= 1
 against trl-vllm) and each side's phase breakdown; writes bench/results/grpo_step.json
 (grpo_step_<models>.json for another model set). Nothing is asserted.
+
+TRL's update phase is split by timers in the worker (forward and backward, each with the part
+spent in TRL's fused LM-head log-prob function; grad clipping; the AdamW step) and printed beside
+megarl's update, with the tokens TRL runs through the model (padded to the longest prompt and
+completion), the positions its LM head scores and the GRPOConfig settings in force.
+``--profile-trl N`` also profiles the update phase of TRL's last step (torch.profiler) and prints
+its top N ops; the full table is written beside the run's log.
 """
 
 from __future__ import annotations
@@ -321,6 +328,8 @@ def run_trl(args, work: Path, model: Path, prompts: list, mode: str = "hf") -> d
         "reward_name": REWARD_NAME,
         "output_dir": str(work / f"trl-{mode}-run"),
         "use_vllm": mode == "vllm",
+        "profile_top": args.profile_trl,
+        "profile_out": str(work / f"trl-{mode}-profile.txt"),
     }
     spec_file = work / f"trl-{mode}-spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -451,10 +460,73 @@ def print_report(args, model_name: str, results: dict[str, dict]) -> None:
             timed = ok[name]["steps"][args.warmup :]
             _phase_table(name, timed, ["generate_s", "rollout_s", "update_s", "step_s"])
             print("  (rollout_s: generate + rewards + advantages; update_s: the rest of the step)")
+            print_trl_update(name, ok[name], timed, ok.get("megarl"), args.warmup)
             lens = [s["generated_tokens"] / s["sequences"] for s in timed]
             print(f"  completion length mean: {sum(lens) / len(lens):.2f} tokens")
             v = ok[name].get("versions", {})
             print(f"  versions: {', '.join(f'{k} {x}' for k, x in v.items())}")
+
+
+TRL_UPDATE_PHASES = (
+    ("forward_s", "forward + loss (all of it)"),
+    ("lm_head_fwd_s", "  of which LM head + log-softmax"),
+    ("backward_s", "backward (all of it)"),
+    ("lm_head_bwd_s", "  of which LM head + log-softmax"),
+    ("clip_s", "grad-norm clipping"),
+    ("optimizer_s", "AdamW step"),
+    ("scoring_lm_head_fwd_s", "no-grad scoring passes' LM head"),
+)
+
+
+def print_trl_update(name: str, run: dict, timed: list[dict], megarl: dict | None, warmup: int):
+    """TRL's update phase split by the worker's timers, the tokens each side runs through the
+    model and the LM head, the settings in force and (with --profile-trl) the profile's top ops."""
+    keys = [k for k, _ in TRL_UPDATE_PHASES if any(k in s for s in timed)]
+    print(f"  {name} update phase, s/step (timers in the TRL worker):")
+    for key, title in TRL_UPDATE_PHASES:
+        vals = [s[key] for s in timed if key in s]
+        if key in keys and vals:
+            print(f"    {title:38} {sum(vals) / len(vals):8.3f}")
+    if megarl is not None:
+        mg = [s["phases"].get("timing/update_actor_s", 0.0) for s in megarl["steps"][warmup:]]
+        print(f"    {'megarl update_actor_s, for comparison':38} {sum(mg) / len(mg):8.3f}")
+
+    def per_step(key: str) -> float:
+        return sum(s.get(key, 0) for s in timed) / len(timed)
+
+    trained = per_step("trained_tokens")
+    padded = per_step("padded_tokens")
+    if padded:
+        print(
+            f"    tokens through the model per step: {padded:.0f} padded "
+            f"({trained:.0f} real, {100 * (1 - trained / padded):.0f}% padding); "
+            f"LM head positions: {per_step('lm_head_positions'):.0f} "
+            f"(completion tokens {per_step('completion_tokens'):.0f})"
+        )
+    if megarl is not None:
+        mg_steps = megarl["steps"][warmup:]
+        gen = sum(s["generated_tokens"] for s in mg_steps) / len(mg_steps)
+        mg_trained = sum(s["trained_tokens"] for s in mg_steps) / len(mg_steps)
+        print(
+            f"    megarl per step: {mg_trained:.0f} tokens trained (packed, no padding); "
+            f"LM head positions: the {gen:.0f} response positions"
+        )
+    settings = run.get("settings", {})
+    if settings:
+        print("    settings in force: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    prof = run.get("profile")
+    if prof:
+        print(
+            f"    profile of the update phase of step {prof['step'] + 1} "
+            f"(self CPU {prof['self_cpu_total_s']:.2f} s; top ops by self CPU time):"
+        )
+        for row in prof["top"]:
+            share = 100 * row["self_s"] / prof["self_cpu_total_s"]
+            print(
+                f"      {row['name'][:48]:48} {row['self_s']:8.3f} s {share:5.1f}%  x{row['calls']}"
+            )
+        for region, secs in sorted(prof["regions_s"].items()):
+            print(f"      region {region[:41]:41} {secs:8.3f} s (total CPU)")
 
 
 def model_folder(name: str, work: Path) -> Path:
@@ -493,6 +565,13 @@ def main() -> None:
         default="auto",
         choices=("auto", "always"),
         help="megarl's actor.old_log_prob_forward (auto skips it: one optimizer step per batch)",
+    )
+    ap.add_argument(
+        "--profile-trl",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the update phase of TRL's last step; print its top N ops by self CPU time",
     )
     ap.add_argument(
         "--smoke", action="store_true", help="megarl only, 1 step of 8 new tokens; CI (no TRL venv)"

@@ -3,6 +3,7 @@ at TP1, against Hugging Face transformers with torch AdamW on the same batch, in
 
     .venv/bin/python bench/train_step.py [--batch 4] [--seq 256] [--iters 5] [--dtype float32]
     .venv/bin/python bench/train_step.py --smoke          # seconds: tiny sizes, nothing stored
+    .venv/bin/python bench/train_step.py --megatron-paths # + megarl on megatron's own CPU paths
 
 Both sides: the same token ids, next-token cross-entropy over every position but the last, AdamW
 (lr 1e-5, weight decay 0.01, eps 1e-8) with gradient clipping at 1.0. megarl runs megatron's DDP
@@ -13,6 +14,11 @@ ms/step, tokens/s, the ratio megarl / transformers (target >= 1.0) and each side
 matmul peak measured in this run (model FLOPs: 6 x linear parameters per token + 12 x layers x
 hidden x sequence per token for attention, the usual "MFU" count). Writes
 bench/results/train_step.json. Nothing is asserted.
+
+``--megatron-paths`` adds a third side, alternating with the two: megarl with megatron-core's own
+code where megarl replaces it (the unfused rope, the copying clip-grad scale, the sequence-major
+output layer with its logits copies; see megarl.models.rotary, grad_scale, forward), and prints
+the speed-up of megarl's paths over them. ``--profile N`` prints each side's top N ops.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results_io import load_1min, matmul_peaks, write_results
 
 LR, WEIGHT_DECAY, EPS, CLIP = 1e-5, 0.01, 1e-8, 1.0
+MEGATRON_PATHS = "megarl on megatron's paths"
 
 
 def _time_alternating(fns: dict, iters: int, warmup: int) -> dict[str, list[float]]:
@@ -44,6 +51,18 @@ def _time_alternating(fns: dict, iters: int, warmup: int) -> dict[str, list[floa
             fn()
             samples[name].append(time.perf_counter() - t0)
     return samples
+
+
+def print_profiles(fns: dict, top: int) -> None:
+    """One torch.profiler step per side: the top ``top`` ops by self CPU time, shares comparable
+    within a table (seconds across runs on a shared machine are not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in fns.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        print(f"\nprofile of one {name} step (self CPU time, top {top}):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 def train_flops_per_token(hf_model, seq: int) -> float:
@@ -63,6 +82,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; CI")
+    parser.add_argument(
+        "--megatron-paths",
+        action="store_true",
+        help="also time megarl on megatron's own rope, clip-grad scale and output layout",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one step of each side and print its top N ops by self CPU time",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.seq, args.iters, args.warmup = 1, 32, 1, 1
@@ -82,7 +113,9 @@ def main() -> None:
 
     from megarl.models.build import ModelOptions, build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
-    from megarl.models.forward import run_schedule
+    from megarl.models.forward import run_schedule, use_batch_major_output
+    from megarl.models.grad_scale import megatron_grad_scaling
+    from megarl.models.rotary import megatron_rotary
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.testing.assets import smollm2_dir
@@ -107,9 +140,9 @@ def main() -> None:
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
-    model, _ = build_model(model_dir, layout, opts=ModelOptions(dtype=dtype))
+    optim = OptimSettings(lr=LR, weight_decay=WEIGHT_DECAY, adam_eps=EPS, clip_grad=CLIP)
     ddp, optimizer, _ = wrap_for_training(
-        model, OptimSettings(lr=LR, weight_decay=WEIGHT_DECAY, adam_eps=EPS, clip_grad=CLIP)
+        build_model(model_dir, layout, opts=ModelOptions(dtype=dtype))[0], optim
     )
 
     labels = torch.roll(ids, -1, dims=1)
@@ -121,15 +154,27 @@ def main() -> None:
         per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         return (per_token * mask).sum() / mask.sum(), {}
 
-    def megarl_step():
+    def megarl_step(ddp=ddp, optimizer=optimizer):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
         optimizer.step()
 
-    samples = _time_alternating(
-        {"transformers": hf_step, "megarl": megarl_step}, args.iters, args.warmup
-    )
+    steps = {"transformers": hf_step, "megarl": megarl_step}
+    if args.megatron_paths:
+        ddp_m, optimizer_m, _ = wrap_for_training(
+            build_model(model_dir, layout, opts=ModelOptions(dtype=dtype))[0], optim
+        )
+        use_batch_major_output(ddp_m, False)
+
+        def megatron_paths_step():
+            with megatron_rotary(), megatron_grad_scaling():
+                megarl_step(ddp_m, optimizer_m)
+
+        steps[MEGATRON_PATHS] = megatron_paths_step
+    samples = _time_alternating(steps, args.iters, args.warmup)
+    if args.profile:
+        print_profiles(steps, args.profile)
     hf_samples, mg_samples = samples["transformers"], samples["megarl"]
     hf_s, mg_s = statistics.median(hf_samples), statistics.median(mg_samples)
     peaks_end = matmul_peaks.__wrapped__(256 if args.smoke else 2048)
@@ -159,6 +204,19 @@ def main() -> None:
         f"{100 * share(mg_s):5.1f}% of peak"
     )
     print(f"RATIO megarl/transformers tokens/s = {hf_s / mg_s:.2f} (target >= 1.0)")
+    extra = {}
+    if MEGATRON_PATHS in samples:
+        base_s = statistics.median(samples[MEGATRON_PATHS])
+        print(
+            f"  {MEGATRON_PATHS}: {base_s * 1e3:8.1f} ms/step  {tokens / base_s:8.1f} tokens/s  "
+            f"{100 * share(base_s):5.1f}% of peak"
+        )
+        print(f"RATIO megarl's paths / megatron's paths tokens/s = {base_s / mg_s:.3f}")
+        extra = {
+            "megatron_paths_s_per_step": base_s,
+            "megatron_paths_samples_s": samples[MEGATRON_PATHS],
+            "ratio_megarl_paths_over_megatron_paths": base_s / mg_s,
+        }
     write_results(
         "train_step" if args.dtype == "float32" else f"train_step_{args.dtype}",
         {
@@ -178,6 +236,7 @@ def main() -> None:
             "megarl_tokens_per_s": tokens / mg_s,
             "megarl_share_of_peak": share(mg_s),
             "ratio_megarl_over_transformers": hf_s / mg_s,
+            **extra,
             "matmul_peaks_after": peaks_end,
             "peak_used_gflops": peak,
             "sides": {

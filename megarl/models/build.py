@@ -159,7 +159,9 @@ def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None, co
 
     from megarl.models.attention import SDPACoreAttention
     from megarl.models.norm import SequenceParallelTorchNorm
+    from megarl.models.rotary import use_cached_rotary
 
+    use_cached_rotary()  # the local spec's unfused rope, without its per-layer cos/sin and copy
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **family_opts)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if config is None:

@@ -36,6 +36,7 @@ def wrap_for_training(model, settings: OptimSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megarl.models.grad_scale import use_in_place_grad_scaling
     from megarl.models.single_rank_sync import skip_single_rank_collectives
 
     config = model.config
@@ -65,6 +66,7 @@ def wrap_for_training(model, settings: OptimSettings):
         optimizer_offload_fraction=settings.optimizer_offload,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
+    use_in_place_grad_scaling()  # clipping without a temporary copy of every grad
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if settings.warmup_steps else settings.lr,

@@ -44,7 +44,36 @@ def _select_hook(module, args, kwargs):
     elif index is not None:
         rows = index.t().to(hidden.device)  # [P, b]
         hidden = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    if getattr(module, "_megarl_batch_major", True):
+        # Batch-major rows: the projection's output is then [b, s, v] in memory, which GPTModel's
+        # closing ``transpose(0, 1).contiguous()`` returns without a copy (_sequence_major_view).
+        hidden = hidden.transpose(0, 1).contiguous()
     return (hidden, *args[1:]), kwargs
+
+
+def _sequence_major_view(module, args, kwargs, output):
+    """Forward hook of the output layer, after :func:`_select_hook` made its rows batch-major:
+    hand GPTModel the ``[s, b, v]`` view it expects of the ``[b, s, v]`` projection.
+
+    GPTModel returns ``logits.transpose(0, 1).contiguous()``; from a sequence-major projection that
+    is a copy of the whole logits tensor, and its backward two more (the transposed gradient made
+    contiguous for the weight and input gradients). Transposing the hidden states instead copies
+    ``hidden / vocab`` as much (576 vs 49,152 values per token on SmolLM2).
+    """
+    if not getattr(module, "_megarl_batch_major", True):
+        return output
+    out, bias = output
+    return out.transpose(0, 1), bias
+
+
+def use_batch_major_output(model, on: bool = True) -> None:
+    """Whether the model's output layer projects batch-major rows (the default; ``False``:
+    megatron's sequence-major layout and its logits copies, for comparisons)."""
+    from megarl.models.loading import unwrap
+
+    layer = getattr(unwrap(model), "output_layer", None)
+    if layer is not None:
+        layer._megarl_batch_major = on
 
 
 def _sequence_parallel(model) -> bool:
@@ -59,6 +88,7 @@ def _install_select_hook(layer, sequence_parallel: bool) -> None:
     any pre-hook: the hook takes that gather over (positions are chosen on the whole sequence)
     and the layer runs as a plain column-parallel linear."""
     layer.register_forward_pre_hook(_select_hook, with_kwargs=True)
+    layer.register_forward_hook(_sequence_major_view, with_kwargs=True)
     layer._megarl_select_hook = True
     layer._megarl_gather_sequence = sequence_parallel
     if sequence_parallel and hasattr(layer, "sequence_parallel"):

@@ -72,6 +72,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_response_length: int = 512
+    # Every response runs to max_response_length: EOS is sampled like any other token and does
+    # not stop it (fixed-length rollouts, e.g. so that a discount or a per-token KL penalty
+    # cannot be gamed by stopping early; benchmarks). Training and validation alike.
+    ignore_eos: bool = False
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
     kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
@@ -224,6 +228,10 @@ class RewardModelConfig:
 class TrainerConfig:
     kind: str = "policy"  # policy (PPO/GRPO) | reward_model (Bradley-Terry)
     total_steps: int = 100
+    # PPO: the first critic_warmup steps train the critic alone (the actor, still the reference,
+    # keeps sampling), so that a fresh value head fits the returns before its values steer the
+    # actor's advantages (verl's trainer.critic_warmup). Needs an estimator that takes values.
+    critic_warmup: int = 0
     save_freq: int = 0  # 0: only at the end
     test_freq: int = 0  # 0: never; validation runs over the whole data.val_files
     val_before_train: bool = False  # validate once before the first step
@@ -507,6 +515,18 @@ def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
             try_on_tiny_batch(policy, out.policy_loss, estimator, out.adv_estimator)
     except SettingError as e:
         raise ConfigError(str(e)) from None
+    warmup = cfg.trainer.critic_warmup
+    if warmup and "values" not in out.adv_inputs:
+        raise ConfigError(
+            f"trainer.critic_warmup={warmup} trains a critic, but "
+            f"algorithm.adv_estimator={a.adv_estimator!r} takes no values, so there is none; "
+            "set trainer.critic_warmup=0 or adv_estimator=gae"
+        )
+    if not 0 <= warmup < cfg.trainer.total_steps:
+        raise ConfigError(
+            f"trainer.critic_warmup={warmup} must be in [0, trainer.total_steps="
+            f"{cfg.trainer.total_steps}): the steps after it are the ones that train the actor"
+        )
     if "group_ids" in out.adv_inputs and cfg.rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares the samples of a prompt with "
@@ -551,6 +571,12 @@ def _validate_sampling(cfg: RunConfig) -> None:
     if buf.penalty_factor < 0:
         raise ConfigError(
             f"reward.overlong_buffer.penalty_factor must be >= 0, got {buf.penalty_factor}"
+        )
+    if r.ignore_eos and buf.len > 0:
+        raise ConfigError(
+            "rollout.ignore_eos=true runs every response to rollout.max_response_length, so "
+            "reward.overlong_buffer would give every one the same full penalty; set "
+            "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
         )
 
 

@@ -228,10 +228,6 @@ class RewardModelConfig:
 class TrainerConfig:
     kind: str = "policy"  # policy (PPO/GRPO) | reward_model (Bradley-Terry)
     total_steps: int = 100
-    # PPO: the first critic_warmup steps train the critic alone (the actor, still the reference,
-    # keeps sampling), so that a fresh value head fits the returns before its values steer the
-    # actor's advantages (verl's trainer.critic_warmup). Needs an estimator that takes values.
-    critic_warmup: int = 0
     save_freq: int = 0  # 0: only at the end
     test_freq: int = 0  # 0: never; validation runs over the whole data.val_files
     val_before_train: bool = False  # validate once before the first step
@@ -515,18 +511,6 @@ def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
             try_on_tiny_batch(policy, out.policy_loss, estimator, out.adv_estimator)
     except SettingError as e:
         raise ConfigError(str(e)) from None
-    warmup = cfg.trainer.critic_warmup
-    if warmup and "values" not in out.adv_inputs:
-        raise ConfigError(
-            f"trainer.critic_warmup={warmup} trains a critic, but "
-            f"algorithm.adv_estimator={a.adv_estimator!r} takes no values, so there is none; "
-            "set trainer.critic_warmup=0 or adv_estimator=gae"
-        )
-    if not 0 <= warmup < cfg.trainer.total_steps:
-        raise ConfigError(
-            f"trainer.critic_warmup={warmup} must be in [0, trainer.total_steps="
-            f"{cfg.trainer.total_steps}): the steps after it are the ones that train the actor"
-        )
     if "group_ids" in out.adv_inputs and cfg.rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares the samples of a prompt with "

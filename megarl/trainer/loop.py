@@ -21,15 +21,10 @@ from megarl.trainer.step_metrics import rollout_metrics, tokens_in
 from megarl.trainer.validation import validation_rollout
 
 
-def update_models(
-    run: PolicyRun, samples: Samples, m: StepMetrics, train_actor: bool = True
-) -> StepMetrics:
-    """Actor (unless ``train_actor`` is False: a critic warm-up step) and critic PPO updates over
-    the mini-batches; their last step's metrics."""
+def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetrics:
+    """Actor (and critic) PPO updates over the mini-batches; their last step's metrics."""
     cfg, models = run.cfg, run.models
-    parts = []
-    if train_actor:
-        parts.append(("actor", models.actor, run.spec.actor_loss, cfg.actor.ppo_epochs))
+    parts = [("actor", models.actor, run.spec.actor_loss, cfg.actor.ppo_epochs)]
     if models.critic is not None:
         parts.append(("critic", models.critic, run.spec.critic_loss, cfg.critic.ppo_epochs))
     out: StepMetrics = {}
@@ -79,7 +74,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                         cfg, run.spec, run.models, samples, run.kl_ctrl, run.batching
                     )
                 )
-            m.update(update_models(run, samples, m, step >= cfg.trainer.critic_warmup))
+            m.update(update_models(run, samples, m))
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
             m["actor/skipped_non_finite"] = mean(1.0)
         m.update(rollout_metrics(samples, scores, batch, reward_metrics, run.data.train))

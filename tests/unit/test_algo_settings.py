@@ -136,15 +136,6 @@ def test_sampling_and_validation_settings_are_checked():
     assert cfg_with("rollout.ignore_eos=true").rollout.ignore_eos
 
 
-def test_critic_warmup_needs_a_critic_and_leaves_actor_steps():
-    with pytest.raises(ConfigError, match=r"takes no values.*set trainer.critic_warmup=0 or"):
-        cfg_with("trainer.critic_warmup=2")  # grpo: no critic
-    with pytest.raises(ConfigError, match=r"critic_warmup=5 must be in \[0, trainer.total_steps=5"):
-        cfg_with("algorithm.adv_estimator=gae", "trainer.total_steps=5", "trainer.critic_warmup=5")
-    cfg = cfg_with("algorithm.adv_estimator=gae", "trainer.critic_warmup=3")
-    assert cfg.trainer.critic_warmup == 3
-
-
 def test_bad_algorithm_settings_exit_2_from_the_cli_before_any_process(tmp_path, capsys):
     """Through `megarl train` (a subprocess once, to time a user's whole command), then the same
     entry in-process for the other cases: exit 2, the fix in the message, well under 20 s."""

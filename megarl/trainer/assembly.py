@@ -149,7 +149,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         param_offload=cfg.actor.param_offload,
     )
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
-    fixed_length = {"ignore_eos": True, "stop_token_ids": ()} if r.ignore_eos else {}
+    stop_token_ids = () if r.ignore_eos else None
     sampling = SamplingConfig(
         temperature=r.temperature,
         top_p=r.top_p,
@@ -157,14 +157,16 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         max_new_tokens=r.max_response_length,
         n=r.n,
         seed=cfg.trainer.seed,
-        **fixed_length,
+        ignore_eos=r.ignore_eos,
+        stop_token_ids=stop_token_ids,
     )
     val_sampling = SamplingConfig(
         temperature=r.val_temperature,
         max_new_tokens=r.max_response_length,
         n=r.val_n,
         seed=cfg.trainer.seed,
-        **fixed_length,
+        ignore_eos=r.ignore_eos,
+        stop_token_ids=stop_token_ids,
     )
     return Rollout(engine, sampling, val_sampling, build_role_offload(cfg, models))
 

@@ -72,6 +72,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_response_length: int = 512
+    # Every response runs to max_response_length: EOS is sampled like any other token and does
+    # not stop it (fixed-length rollouts, e.g. so that a discount or a per-token KL penalty
+    # cannot be gamed by stopping early; benchmarks). Training and validation alike.
+    ignore_eos: bool = False
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
     kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
@@ -563,6 +567,12 @@ def _validate_sampling(cfg: RunConfig) -> None:
     if buf.penalty_factor < 0:
         raise ConfigError(
             f"reward.overlong_buffer.penalty_factor must be >= 0, got {buf.penalty_factor}"
+        )
+    if r.ignore_eos and buf.len > 0:
+        raise ConfigError(
+            "rollout.ignore_eos=true runs every response to rollout.max_response_length, so "
+            "reward.overlong_buffer would give every one the same full penalty; set "
+            "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
         )
 
 

@@ -148,6 +148,8 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         packing=cfg.actor.packing,
         param_offload=cfg.actor.param_offload,
     )
+    # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
+    stop_token_ids = () if r.ignore_eos else None
     sampling = SamplingConfig(
         temperature=r.temperature,
         top_p=r.top_p,
@@ -155,12 +157,16 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         max_new_tokens=r.max_response_length,
         n=r.n,
         seed=cfg.trainer.seed,
+        ignore_eos=r.ignore_eos,
+        stop_token_ids=stop_token_ids,
     )
     val_sampling = SamplingConfig(
         temperature=r.val_temperature,
         max_new_tokens=r.max_response_length,
         n=r.val_n,
         seed=cfg.trainer.seed,
+        ignore_eos=r.ignore_eos,
+        stop_token_ids=stop_token_ids,
     )
     return Rollout(engine, sampling, val_sampling, build_role_offload(cfg, models))
 

@@ -129,6 +129,11 @@ def test_sampling_and_validation_settings_are_checked():
         cfg_with("trainer.val_before_train=true")
     with pytest.raises(ConfigError, match=r"overlong_buffer.len=600 must be in \[0, rollout"):
         cfg_with("reward.overlong_buffer.len=600")
+    with pytest.raises(
+        ConfigError, match=r"set reward.overlong_buffer.len=0 or rollout.ignore_eos"
+    ):
+        cfg_with("rollout.ignore_eos=true", "reward.overlong_buffer.len=8")
+    assert cfg_with("rollout.ignore_eos=true").rollout.ignore_eos
 
 
 def test_bad_algorithm_settings_exit_2_from_the_cli_before_any_process(tmp_path, capsys):

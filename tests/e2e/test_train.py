@@ -613,7 +613,8 @@ def test_ppo_with_a_critic_raises_the_reward(workdir):
     torch.optim.AdamW replica of the same critic on a frozen policy alike, explained variance
     stays within +-0.05 (the replica learns the response position, a different target, to 0.99
     in the same budget). gamma 0.9 makes it rise (to ~0.19) but teaches the actor to stop early,
-    and the reward falls."""
+    and the reward falls; the next test shows the explained variance rising with gamma 0.99 on
+    fixed-length responses."""
     records = by_step(
         train(
             workdir,
@@ -646,6 +647,46 @@ def test_ppo_with_a_critic_raises_the_reward(workdir):
     ev = [records[s]["critic/explained_var"] for s in steps]
     assert ev[0] == pytest.approx(0.0, abs=1e-6)  # a zero head predicts nothing
     assert all(-0.25 < v <= 1.0 for v in ev), ev  # never far worse than the batch mean
+
+
+def test_ppo_critic_explains_discounted_fixed_length_returns(workdir):
+    """The critic's explained variance rises where the returns hold something a state predicts.
+
+    Same task and critic as the test above, with every response run to its full 32 tokens
+    (`rollout.ignore_eos`) and gamma 0.99: each token's return is then gamma^(tokens left) times
+    the response's score, a part the critic can read from the position; fixed lengths keep the
+    discount from teaching the actor to stop early. 20 steps, one process, vLLM rollout (~130 s).
+    Measured in a manual run of these settings: explained variance 0.001 over the first 4 steps -> 0.62 over the last 4 (0.77 at
+    its best), while the reward still rises, 0.45 -> 0.56 (slower than with gamma 1 and free
+    lengths, the test above). The learnable part is small (the discount spreads a score of ~0.5
+    over 0.37-0.5), so the explained variance rises once the critic has the batch's mean score
+    right and then fits the per-position discount, from about step 14."""
+    records = by_step(
+        train(
+            workdir,
+            "ppo_ev",
+            "algorithm.adv_estimator=gae",
+            "algorithm.gamma=0.99",
+            "algorithm.lam=1.0",
+            "algorithm.use_kl_loss=false",
+            "rollout.ignore_eos=true",
+            "trainer.total_steps=20",
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=4",
+            "actor.micro_batch_size=16",
+            "actor.optim.lr=1e-2",
+            "critic.optim.lr=1e-3",
+            "critic.ppo_epochs=4",
+            "rollout.max_response_length=32",
+        )
+    )
+    steps = range(1, 21)
+    assert all(records[s]["response/length_mean"] == 32.0 for s in steps)  # ignore_eos
+    ev = [records[s]["critic/explained_var"] for s in steps]
+    ev_first, ev_last = sum(ev[:4]) / 4, sum(ev[-4:]) / 4
+    assert ev_last > ev_first + 0.25 and ev_last > 0.3, ev
+    rewards = [records[s]["reward/mean"] for s in steps]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.03, rewards
 
 
 def test_non_finite_weights_stop_or_skip_as_configured(workdir):

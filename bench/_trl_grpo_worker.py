@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from _trl_settings import comparable_grpo_settings
+
 
 def load_reward(path: str, name: str):
     """The bench's reward function, loaded from its source file (megarl is not installed here)."""
@@ -276,38 +278,10 @@ def main() -> None:
             )
 
     args = GRPOConfig(
-        output_dir=spec["output_dir"],
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        learning_rate=float(spec["lr"]),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=float(spec["weight_decay"]),
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
+        **comparable_grpo_settings(spec, num_generations=n, max_steps=steps),
         per_device_train_batch_size=prompts_per_step * n,
         gradient_accumulation_steps=1,
-        num_generations=n,
-        max_completion_length=int(spec["max_new_tokens"]),
-        num_iterations=1,
-        beta=0.0,
-        loss_type="dapo",  # token-level mean over the batch, like megarl's token-mean
-        scale_rewards="group",
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
         **vllm_settings(spec),
-        max_steps=steps,
-        shuffle_dataset=False,
-        seed=int(spec["seed"]),
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        log_completions=False,
     )
     trainer = Timed(
         model=model,

@@ -29,6 +29,8 @@ import os
 import sys
 import time
 
+from _trl_settings import comparable_grpo_settings
+
 
 def load_scorer(path: str, name: str):
     spec = importlib.util.spec_from_file_location("_bench_scorer", path)
@@ -147,41 +149,15 @@ def main() -> None:
                     control.should_training_stop = True
 
     args = GRPOConfig(
-        output_dir=spec["output_dir"],
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        learning_rate=float(spec["lr"]),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=float(spec["weight_decay"]),
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
+        **comparable_grpo_settings(
+            spec, num_generations=n, max_steps=len(train) // prompts_per_step
+        ),
         # One generation of prompts_per_step * n completions, trained in micro-batches of
         # micro_batch with one optimizer step, as megarl does (and its memory stays bounded).
         per_device_train_batch_size=micro_batch,
         gradient_accumulation_steps=prompts_per_step * n // micro_batch,
         steps_per_generation=prompts_per_step * n // micro_batch,
-        num_generations=n,
-        max_completion_length=max_new_tokens,
-        num_iterations=1,
-        beta=0.0,
-        loss_type="dapo",  # token-level mean over the batch, like megarl's token-mean
-        scale_rewards="group",
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
         use_vllm=False,
-        max_steps=len(train) // prompts_per_step,
-        shuffle_dataset=False,  # the bench already ordered the rows by its seed
-        seed=int(spec["seed"]),
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        log_completions=False,
     )
     trainer = GRPOTrainer(
         model=model,

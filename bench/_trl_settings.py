@@ -1,0 +1,47 @@
+"""GRPOConfig settings that both TRL bench workers share (``_trl_grpo_worker.py``,
+``_trl_learn_worker.py``): what makes TRL's run comparable to megarl's.
+
+Imported by the workers inside the TRL virtualenv (plain Python, no megarl, no TRL import here):
+fp32 on CPU, constant lr without warm-up, AdamW as megarl's defaults, clipping at 1.0, one policy
+iteration per generation, no KL term (``beta`` 0), token-level mean loss (TRL's ``dapo``, as
+megarl's ``token-mean``), group-normalised rewards, untempered sampling without top-p/top-k, no
+checkpoints, no loggers.
+"""
+
+from __future__ import annotations
+
+
+def comparable_grpo_settings(spec: dict, *, num_generations: int, max_steps: int) -> dict:
+    """Keyword arguments for ``trl.GRPOConfig`` (the batching and rollout settings are the
+    caller's: they differ between the two benches)."""
+    return {
+        "output_dir": spec["output_dir"],
+        "use_cpu": True,
+        "bf16": False,
+        "fp16": False,
+        "gradient_checkpointing": False,
+        "learning_rate": float(spec["lr"]),
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": float(spec["weight_decay"]),
+        "adam_epsilon": 1e-8,
+        "max_grad_norm": 1.0,
+        "num_generations": num_generations,
+        "max_completion_length": int(spec["max_new_tokens"]),
+        "num_iterations": 1,
+        "beta": 0.0,
+        "loss_type": "dapo",  # token-level mean over the batch, like megarl's token-mean
+        "scale_rewards": "group",
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "max_steps": max_steps,
+        "shuffle_dataset": False,  # the benches order the rows themselves
+        "seed": int(spec["seed"]),
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "log_completions": False,
+    }

@@ -22,6 +22,7 @@ from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
 from megarl.trainer.losses import make_actor_loss
 from megarl.trainer.model_ops import MicroBatching, ppo_update
+from tests.distributed.random_groups import random_group_samples
 
 MAX_RESPONSE = 12
 PROMPTS, N = 4, 4  # 16 sequences, prompt-major: each DP rank holds whole groups
@@ -44,19 +45,7 @@ def dr_grpo_config(model_dir: str):
 def dr_grpo_batch(vocab: int) -> Samples:
     """Prompts of 3-6 tokens, responses of 1-12 (lengths differ within and across groups), old
     logprobs and one advantage per sequence: the same on every rank."""
-    gen = torch.Generator().manual_seed(7)
-    prompts = [
-        torch.randint(1, vocab, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)
-        for _ in range(PROMPTS)
-    ]
-    seq_prompts, responses, groups = [], [], []
-    for p in range(PROMPTS):
-        for _ in range(N):
-            length = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=gen))
-            responses.append(torch.randint(1, vocab, (length,), generator=gen).tolist())
-            seq_prompts.append(prompts[p].tolist())
-            groups.append(p)
-    s = Samples.from_sequences(seq_prompts, responses, groups, pad_id=0, device="cpu")
+    s, gen = random_group_samples(vocab, PROMPTS, N, MAX_RESPONSE, seed=7)
     shape = s.response_mask.shape
     # old logprobs near the model's (~ -log vocab) so that some ratios are clipped
     s.tensors["old_log_prob"] = -torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn(

@@ -28,6 +28,7 @@ from megarl.trainer.old_log_probs import (
     old_log_prob_from_update,
     update_mismatch_metrics,
 )
+from tests.distributed.random_groups import random_group_samples
 
 PROMPTS, N, MAX_RESPONSE = 4, 4, 10
 
@@ -51,19 +52,7 @@ def one_step_config(model_dir: str, mode: str):
 def rollout_batch(vocab: int) -> Samples:
     """16 sequences (prompts of 3-6 tokens, responses of 1-10), one advantage per sequence, and
     the rollout engine's logprobs stood in for by noise (filled in once the actor's are known)."""
-    gen = torch.Generator().manual_seed(11)
-    prompts = [
-        torch.randint(1, vocab, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)
-        for _ in range(PROMPTS)
-    ]
-    seq_prompts, responses, groups = [], [], []
-    for p in range(PROMPTS):
-        for _ in range(N):
-            length = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=gen))
-            responses.append(torch.randint(1, vocab, (length,), generator=gen).tolist())
-            seq_prompts.append(prompts[p].tolist())
-            groups.append(p)
-    s = Samples.from_sequences(seq_prompts, responses, groups, pad_id=0, device="cpu")
+    s, gen = random_group_samples(vocab, PROMPTS, N, MAX_RESPONSE, seed=11)
     shape = s.response_mask.shape
     s.tensors["advantages"] = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
     s.tensors["rollout_noise"] = 0.01 * torch.randn(shape, generator=gen)

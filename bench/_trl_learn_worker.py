@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 import time
 
-from _trl_settings import comparable_grpo_settings
+from _trl_settings import comparable_grpo_settings, read_spec
 
 
 def load_scorer(path: str, name: str):
@@ -44,15 +43,9 @@ def completion_text(completion) -> str:
 
 
 def main() -> None:
-    with open(sys.argv[1]) as fh:
-        spec = json.load(fh)
-    threads = int(spec["threads"])
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+    spec = read_spec(sys.argv[1])
 
     import torch
-
-    torch.set_num_threads(threads)
-
     import transformers
     import trl
     from datasets import Dataset

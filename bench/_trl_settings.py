@@ -1,7 +1,7 @@
 """GRPOConfig settings that both TRL bench workers share (``_trl_grpo_worker.py``,
 ``_trl_learn_worker.py``): what makes TRL's run comparable to megarl's.
 
-Imported by the workers inside the TRL virtualenv (plain Python, no megarl, no TRL import here):
+Imported by the workers inside the TRL virtualenv (no megarl, no TRL import here). The settings:
 fp32 on CPU, constant lr without warm-up, AdamW as megarl's defaults, clipping at 1.0, one policy
 iteration per generation, no KL term (``beta`` 0), token-level mean loss (TRL's ``dapo``, as
 megarl's ``token-mean``), group-normalised rewards, untempered sampling without top-p/top-k, no
@@ -9,6 +9,21 @@ checkpoints, no loggers.
 """
 
 from __future__ import annotations
+
+import json
+import os
+
+
+def read_spec(path: str) -> dict:
+    """The worker's SPEC.json, with its thread count applied before torch starts its pools."""
+    with open(path) as fh:
+        spec = json.load(fh)
+    threads = int(spec["threads"])
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    return spec
 
 
 def comparable_grpo_settings(spec: dict, *, num_generations: int, max_steps: int) -> dict:

@@ -56,6 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from precision_args import add_precision_args, results_suffix  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 WORKER = ROOT / "bench" / "_trl_grpo_worker.py"
@@ -548,18 +549,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="~/.cache/megarl/bench-grpo-step")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
     ap.add_argument("--trl-vllm-venv", default="~/.cache/megarl/bench-trl-vllm-venv")
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16"),
-        help="megarl's model.dtype (TRL stays fp32)",
-    )
-    ap.add_argument(
-        "--rollout-dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16"),
-        help="megarl's rollout.dtype (auto: --dtype)",
-    )
+    add_precision_args(ap)
     ap.add_argument(
         "--old-log-prob-forward",
         default="auto",
@@ -625,8 +615,7 @@ def main() -> None:
     log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
     # one file per model set: a run of one model does not replace another model's figures
     name = "grpo_step" if models == ["tiny", "smollm2"] else "grpo_step_" + "_".join(models)
-    if precision(args) != "fp32":
-        name += f"_{args.dtype}_rollout_{args.rollout_dtype}"
+    name += results_suffix(args)
     if args.old_log_prob_forward != "auto":
         name += "_old_log_prob_forward"
     write_results(

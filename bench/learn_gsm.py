@@ -53,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from grpo_step import ensure_trl_venv, log, read_prompts  # noqa: E402
+from precision_args import add_precision_args, results_suffix  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smollm2_gsm_cpu.yaml"
@@ -372,9 +373,8 @@ def summarize(results: dict[str, dict]) -> dict[str, dict]:
 
 
 def store(args, runs: dict[str, dict]) -> None:
-    precision = "" if args.dtype == "float32" else f"_{args.dtype}_rollout_{args.rollout_dtype}"
     write_results(
-        "learn_gsm" + precision,
+        "learn_gsm" + results_suffix(args),
         {
             "model": f"SmolLM2-135M-Instruct (megarl {args.dtype}, rollout {args.rollout_dtype}; "
             "TRL fp32; full fine-tune)",
@@ -414,18 +414,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-5)
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16"),
-        help="megarl's model.dtype (TRL stays fp32)",
-    )
-    ap.add_argument(
-        "--rollout-dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16"),
-        help="megarl's rollout.dtype (auto: --dtype)",
-    )
+    add_precision_args(ap)
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--test-size", type=int, default=32)
     ap.add_argument("--test-freq", type=int, default=2, help="steps per validation")

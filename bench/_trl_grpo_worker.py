@@ -21,7 +21,7 @@ import json
 import sys
 import time
 
-from _trl_settings import comparable_grpo_settings, read_spec
+from _trl_settings import comparable_grpo_settings, read_spec, run_facts
 
 
 def load_reward(path: str, name: str):
@@ -291,12 +291,7 @@ def main() -> None:
     )
     trainer.train()
     result = {
-        "versions": {
-            "trl": trl.__version__,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-        },
-        "threads": torch.get_num_threads(),
+        **run_facts(),
         "steps": records,
         "settings": settings_in_force(trainer),
     }

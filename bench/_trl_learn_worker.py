@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from _trl_settings import comparable_grpo_settings, read_spec
+from _trl_settings import comparable_grpo_settings, read_spec, run_facts
 
 
 def load_scorer(path: str, name: str):
@@ -169,12 +169,7 @@ def main() -> None:
     record_validation(0)
     trainer.train()
     result = {
-        "versions": {
-            "trl": trl.__version__,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-        },
-        "threads": torch.get_num_threads(),
+        **run_facts(),
         "startup_s": startup_s,
         "step_s": state["step_s"],
         "curve": curve,

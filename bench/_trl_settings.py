@@ -26,6 +26,22 @@ def read_spec(path: str) -> dict:
     return spec
 
 
+def run_facts() -> dict:
+    """What each worker reports about its own run: package versions and torch's thread count."""
+    import torch
+    import transformers
+    import trl
+
+    return {
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        "threads": torch.get_num_threads(),
+    }
+
+
 def comparable_grpo_settings(spec: dict, *, num_generations: int, max_steps: int) -> dict:
     """Keyword arguments for ``trl.GRPOConfig`` (the batching and rollout settings are the
     caller's: they differ between the two benches)."""

@@ -406,7 +406,7 @@ SIDES = ("megarl", "trl-hf", "trl-vllm")
 def precision(args) -> str:
     """The precision of the run: TRL's side is always fp32; megarl's follows --dtype and
     --rollout-dtype (auto: --dtype)."""
-    if args.dtype == "float32" and args.rollout_dtype in ("auto", "float32"):
+    if not results_suffix(args):  # the default: fp32 on both sides
         return "fp32"
     rollout = args.dtype if args.rollout_dtype == "auto" else args.rollout_dtype
     return f"megarl training {args.dtype}, rollout {rollout} (TRL fp32)"

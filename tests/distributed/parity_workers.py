@@ -99,9 +99,12 @@ def _critic_and_reference(model_dir, layout, hf, ids, actor_logits, opts) -> dic
         with torch.no_grad():
             hidden = hf(ids, output_hidden_states=True).hidden_states[-1]
         expected = hidden @ w_head.T + b_head
-        out["critic"] = (values[0]["v"] - expected).abs().max().item()
+        # relative to the values' scale (the random head makes them O(10)), as the logits' :rel
+        scale = expected.abs().max().item()
+        out["critic:rel"] = (values[0]["v"] - expected).abs().max().item() / scale
         rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-        out["critic_positions"] = (picked[0]["v"] - expected[rows, positions]).abs().max().item()
+        picked_diff = (picked[0]["v"] - expected[rows, positions]).abs().max().item()
+        out["critic_positions:rel"] = picked_diff / scale
         out["reference_vs_actor"] = (ref_logits - actor_logits).abs().max().item()
     return out
 

@@ -47,8 +47,8 @@ def test_logits_equal_transformers_on_every_layout(model):
     for layout in expected:
         assert merged[layout] < 1e-5, (model, layout, merged[layout])
     # TP2xPP2 also builds the critic (value head on the same trunk) and the frozen reference.
-    assert merged["critic"] < 1e-5, merged
-    assert merged["critic_positions"] < 1e-5, merged
+    assert merged["critic:rel"] < 1e-5, merged
+    assert merged["critic_positions:rel"] < 1e-5, merged
     assert merged["reference_vs_actor"] == 0.0
     assert merged["reference_trainable_params"] == 0.0 and merged["reference_in_eval"] == 1.0
 

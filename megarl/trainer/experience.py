@@ -28,6 +28,7 @@ from megarl.rewards.manager import RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.trainer.batch import Samples
+from megarl.trainer.distill import distill_experience
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
@@ -222,6 +223,11 @@ def compute_experience(
             roles.critic.model, samples, response_values, batching
         )
     rewards = t["token_level_scores"]
+    if roles.teacher is not None:  # algorithm.distill: the teacher's logprobs (and KL reward)
+        rewards, distill_metrics = distill_experience(
+            cfg, roles.teacher, samples, batching, temperature, rewards
+        )
+        metrics.update(distill_metrics)
     if kl_ctrl is not None:  # algorithm.use_kl_in_reward
         rewards, kl_metrics = apply_kl_in_reward(
             rewards,

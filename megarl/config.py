@@ -98,9 +98,9 @@ class DistillConfig:
     teacher_path: str | None = (
         None  # Hugging Face folder of the teacher (same tokenizer); None: off
     )
-    # Weight of the reverse KL. mode=reward: -coef * KL per token joins the outcome reward (dense
-    # reward, before the advantages); mode=loss: coef * a KL term in the actor loss whose gradient
-    # is the reverse KL's (k2 estimator).
+    # Weight of the reverse KL. mode=reward: a dense reward, each response token's advantage gets
+    # -coef * its own KL (beside the outcome advantages); mode=loss: coef * a KL term in the
+    # actor loss whose gradient is the reverse KL's (k2 estimator).
     coef: float = 1.0
     mode: str = "reward"  # reward | loss
 

@@ -21,7 +21,9 @@ CONSONANTS = "bcdfghjklmnpqrstvwxz"
 def reply(letters: str, rng: random.Random, words: tuple[int, int] = (3, 6)) -> str:
     """``words`` (a range) words of 2-5 ``letters`` each."""
     n = rng.randint(*words)
-    return " ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 5))) for _ in range(n))
+    return " ".join(
+        "".join(rng.choice(letters) for _ in range(rng.randint(2, 5))) for _ in range(n)
+    )
 
 
 def _rng(seed: int, index: int, kind: str) -> random.Random:
@@ -31,7 +33,8 @@ def _rng(seed: int, index: int, kind: str) -> random.Random:
 def sft_rows(prompts: Sequence[Any], seed: int = 0) -> list[dict[str, Any]]:
     """One SFT row per prompt: the prompt and a reply of vowels."""
     return [
-        {"prompt": p, "response": reply(VOWELS, _rng(seed, i, "sft"))} for i, p in enumerate(prompts)
+        {"prompt": p, "response": reply(VOWELS, _rng(seed, i, "sft"))}
+        for i, p in enumerate(prompts)
     ]
 
 

@@ -223,11 +223,6 @@ def compute_experience(
             roles.critic.model, samples, response_values, batching
         )
     rewards = t["token_level_scores"]
-    if roles.teacher is not None:  # algorithm.distill: the teacher's logprobs (and KL reward)
-        rewards, distill_metrics = distill_experience(
-            cfg, roles.teacher, samples, batching, temperature, rewards
-        )
-        metrics.update(distill_metrics)
     if kl_ctrl is not None:  # algorithm.use_kl_in_reward
         rewards, kl_metrics = apply_kl_in_reward(
             rewards,
@@ -253,6 +248,8 @@ def compute_experience(
         **extra,
         **spec.advantage_kwargs,
     )
+    if roles.teacher is not None:  # algorithm.distill: teacher logprobs (and per-token advantages)
+        metrics.update(distill_experience(cfg, roles.teacher, samples, batching, temperature))
     if spec.tis_cap is not None:
         t["tis_weights"], tis_metrics = compute_tis_weights(
             t["old_log_prob"], t["rollout_log_prob"], mask, cap=spec.tis_cap

@@ -10,9 +10,9 @@ three checks against references megarl did not write:
 - a teacher bigger than the policy, built at the policy's layout, scores response tokens as
   transformers does.
 
-Then the SFT and DPO trainers themselves (``train_sft`` / ``train_dpo``, in place on the same
-ranks): 4 steps at TP2 x PP2 saving after step 2, and the step-2 checkpoint resumed at another
-layout (SFT: DP4; DPO: PP2 x DP2) for steps 3 and 4.
+Then the SFT and DPO trainers as users start them (``megarl train-sft`` / ``train-dpo`` with the
+chain's configs, run in place on the same ranks): 4 steps at TP2 x PP2 saving after step 2, and
+the step-2 checkpoint resumed at another layout (SFT: DP4; DPO: PP2 x DP2) for steps 3 and 4.
 """
 
 from __future__ import annotations
@@ -31,13 +31,7 @@ from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_m
 from megarl.platform import adapt_megatron_for_cpu
 
 SETTINGS = OptimSettings(lr=1e-2, weight_decay=0.1, adam_eps=1e-3, clip_grad=0.5)
-DPO_KWARGS = {
-    "sigmoid": {},
-    "ipo": {},
-    "hinge": {},
-    "robust": {"label_smoothing": 0.2},
-    "sigmoid_norm": {},
-}
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm")
 TRL_METRICS = {
     "rewards/chosen": "chosen_reward",
     "rewards/rejected": "rejected_reward",
@@ -49,9 +43,14 @@ TRL_METRICS = {
 
 
 def _hf(model_dir: str):
+    """transformers' model, its embedding's ``padding_idx`` off: the tiny chat model's pad token
+    is also its end-of-turn token, trained in every response, and ``padding_idx`` would drop that
+    row's input-embedding gradient (megatron's embedding, like the math, keeps it)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.get_input_embeddings().padding_idx = None
+    return hf
 
 
 def _named(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -62,6 +61,10 @@ def _named(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _max_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    import os
+
+    if os.environ.get("MEGARL_DEBUG"):
+        print({n: (t - _named(ref, n)).abs().max().item() for n, t in ours.items()}, flush=True)
     return max((t - _named(ref, n)).abs().max().item() for n, t in ours.items())
 
 
@@ -169,10 +172,13 @@ def _dpo_checks(policy_dir: str, reference_dir: str, pairs_file: str, trl: dict,
     ref_model, ref_dims = build_model(reference_dir, layout, "reference")
     reference = Reference(ref_model, ref_dims)
     cfg = SimpleNamespace(dpo=SimpleNamespace(micro_batch_size=2, packing=True))
-    for loss_type, extra in DPO_KWARGS.items():
+    for loss_type in DPO_LOSSES:
         mbs = micro_batches(cfg, items, pad_id)
         add_reference_log_probs(reference, mbs)
-        loss_fn = dpo_loss_fn(loss_type, {"beta": trl["beta"], **extra}, dims.vocab_size)
+        kwargs = {"beta": trl["beta"]}
+        if loss_type == "robust":
+            kwargs["label_smoothing"] = trl["label_smoothing"]
+        loss_fn = dpo_loss_fn(loss_type, kwargs, dims.vocab_size)
         backward = loss_type == "sigmoid"
         if backward:
             ddp.zero_grad_buffer()
@@ -192,6 +198,44 @@ def _dpo_checks(policy_dir: str, reference_dir: str, pairs_file: str, trl: dict,
             out["dpo:grad_ref_max"] = max(
                 _named(trl["sigmoid"]["grads"], n).abs().max().item() for n in grads
             )
+    out.update(_lora_reference_checks(policy_dir, items, layout, pad_id))
+    return out
+
+
+def _lora_reference_checks(policy_dir: str, items, layout, pad_id: int) -> dict[str, float]:
+    """With LoRA the reference is the actor's own base (its adapters off): after a DPO step on
+    the adapters, it still scores as the plain model of ``policy_dir`` does, and the policy
+    (adapters on) no longer does."""
+    from megarl.dpo.train import Reference, add_reference_log_probs, dpo_loss_fn, micro_batches
+    from megarl.models.lora import LoraSettings
+    from megarl.run.trainable import build_trainable
+    from megarl.run.update import optimizer_step
+
+    lora = LoraSettings(rank=4, alpha=8.0, seed=1)
+    trainable, dims = build_trainable(policy_dir, layout, "actor", None, SETTINGS, lora=lora)
+    base = Reference(trainable.model, dims, is_actor_base=True)
+    plain, plain_dims = build_model(policy_dir, layout, "reference")
+    cfg = SimpleNamespace(dpo=SimpleNamespace(micro_batch_size=2, packing=True))
+    loss_fn = dpo_loss_fn("sigmoid", {"beta": 0.3}, dims.vocab_size)
+    mbs = micro_batches(cfg, items, pad_id)
+    add_reference_log_probs(base, mbs)
+    step = optimizer_step(
+        trainable, mbs, loss_fn, prefix="dpo", skip_non_finite=False, lr_setting="lr"
+    )
+    after, expected, policy = (micro_batches(cfg, items, pad_id) for _ in range(3))
+    add_reference_log_probs(base, after)
+    add_reference_log_probs(Reference(plain, plain_dims), expected)
+    add_reference_log_probs(Reference(trainable.model, dims), policy)
+    out = {"lora:step_ok": step["dpo/update_ok"]}
+    if "ref_logps" in after[0]:  # the last stage
+        out["lora:base_vs_plain"] = max(
+            (a["ref_logps"] - e["ref_logps"]).abs().max().item()
+            for a, e in zip(after, expected, strict=True)
+        )
+        out["lora:policy_vs_plain"] = max(
+            (p["ref_logps"] - e["ref_logps"]).abs().max().item()
+            for p, e in zip(policy, expected, strict=True)
+        )
     return out
 
 
@@ -240,7 +284,7 @@ def post_training_worker(
     sft_file: str,
     pairs_file: str,
     trl_file: str,
-    resume_dir: str,
+    runs: dict,
 ) -> dict[str, float]:
     adapt_megatron_for_cpu()
     trl = torch.load(trl_file, weights_only=True)
@@ -256,76 +300,68 @@ def post_training_worker(
     data.close()
     out.update(_teacher_checks(teacher_dir, items, layout, tokenizer.pad_token_id))
     destroy_model_parallel()
-    out.update(_resume_checks(resume_dir))
+    out.update(_resume_checks(runs))
     return out
 
 
-def _run_trainer(train, run_yaml: str, *overrides: str) -> list[dict]:
+def _run_trainer(verb: str, config: str, overrides: list[str], out: str) -> dict[int, dict]:
+    """``megarl VERB CONFIG overrides`` on these ranks (the command line runs in place under a
+    launcher, as under torchrun or srun); the run's metrics by step."""
     import json
     from pathlib import Path
 
-    from megarl.config import load_config
-
-    cfg = load_config(run_yaml, list(overrides))
-    train(cfg)
-    destroy_model_parallel()
     import torch.distributed as dist
 
-    dist.barrier()
-    lines = (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    from megarl.cli import main
 
-
-def _by_step(records: list[dict]) -> dict[int, dict]:
+    code = main([verb, config, *overrides, f"trainer.output_dir={out}"])
+    assert code == 0, (verb, code)
+    destroy_model_parallel()
+    dist.barrier()  # rank 0 has written the metrics
     steps: dict[int, dict] = {}
-    for r in records:
-        steps.setdefault(r["step"], {}).update(r)
+    for line in (Path(out) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps.setdefault(record["step"], {}).update(record)
     return steps
 
 
-def _resume_checks(work: str) -> dict[str, float]:
-    """Uninterrupted at TP2 x PP2 vs resumed from its step-2 checkpoint at another layout: the
-    metrics of steps 3 and 4, relative differences (the last stage's values on every rank)."""
+RESUME_KEYS = {
+    "sft": ("sft/loss", "sft/token_accuracy", "sft/grad_norm"),
+    "dpo": ("dpo/loss", "dpo/reward_margin", "dpo/grad_norm"),
+}
+
+
+def _resume_checks(runs: dict) -> dict[str, float]:
+    """``megarl train-sft`` / ``train-dpo`` with the chain's configs at TP2 x PP2 for 4 steps
+    (checkpoints after steps 2 and 4), then the step-2 checkpoint resumed at another layout (SFT:
+    DP4; DPO: PP2 x DP2): relative differences of steps 3 and 4's metrics; DPO's validation
+    reward accuracy on held-out pairs before and after."""
     import shutil
     from pathlib import Path
 
     import torch.distributed as dist
 
-    from megarl.dpo.train import train_dpo
-    from megarl.sft.train import train_sft
-
     out: dict[str, float] = {}
-    for name, train, layout, keys in (
-        (
-            "sft",
-            train_sft,
-            ("parallel.tp=1", "parallel.pp=1"),
-            ("sft/loss", "sft/token_accuracy", "sft/grad_norm"),
-        ),
-        (
-            "dpo",
-            train_dpo,
-            ("parallel.tp=1", "parallel.pp=2"),
-            ("dpo/loss", "dpo/reward_margin", "dpo/grad_norm"),
-        ),
-    ):
-        run = f"{work}/{name}.yaml"
-        full = _by_step(_run_trainer(train, run, f"trainer.output_dir={work}/{name}_full"))
-        ckpts = Path(work) / f"{name}_resumed" / "checkpoints"
+    work = Path(runs["work"])
+    for name, spec in runs["trainers"].items():
+        verb, config, overrides, other_layout = spec
+        full = _run_trainer(verb, config, overrides, str(work / f"{name}_full"))
+        ckpts = work / f"{name}_resumed" / "checkpoints"
         if dist.get_rank() == 0:
-            shutil.copytree(
-                Path(work) / f"{name}_full" / "checkpoints" / "step_00000002",
-                ckpts / "step_00000002",
-            )
+            src = work / f"{name}_full" / "checkpoints" / "step_00000002"
+            shutil.copytree(src, ckpts / "step_00000002")
             (ckpts / "latest").write_text("step_00000002\n")
         dist.barrier()
-        resumed = _by_step(
-            _run_trainer(train, run, f"trainer.output_dir={work}/{name}_resumed", *layout)
+        resumed = _run_trainer(
+            verb, config, [*overrides, *other_layout], str(work / f"{name}_resumed")
         )
-        out[f"{name}:resumed_from"] = float(min(resumed))
+        out[f"{name}:resumed_from"] = float(min(s for s in resumed if s > 0))
         for step in (3, 4):
-            for key in keys:
+            for key in RESUME_KEYS[name]:
                 a, b = full[step][key], resumed[step][key]
                 out[f"{name}:step{step}:{key}"] = abs(a - b) / max(abs(a), 1e-3)
-        out[f"{name}:val_after"] = float(f"val/{name}_loss" in resumed[4])
+        if name == "dpo":
+            out["dpo:val_accuracy_before"] = full[0]["val/dpo_reward_accuracy"]
+            out["dpo:val_accuracy_after"] = full[4]["val/dpo_reward_accuracy"]
+            out["dpo:val_pairs"] = full[4]["val/dpo_pairs"]
     return out

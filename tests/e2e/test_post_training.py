@@ -2,13 +2,15 @@
 command line (at test sizes), on the toy task the quickstart prepares (`python -m
 megarl.quickstart --recipe chain`): GSM-Symbolic prompts, the tiny character-level Llama.
 
-- `megarl train-sft` at PP2: the chat-format SFT run learns (loss and validation loss fall,
-  token accuracy rises); its checkpoint exports with `megarl convert mcore-to-hf` to a folder
-  whose validation NLL under transformers equals the run's last val/sft_loss.
-- `megarl train-dpo` at TP2 from that export (the reference: the SFT model itself): the reward
-  accuracy on held-out pairs rises from 0 (chosen and rejected tie before any step).
-- On-policy distillation: GRPO from the random model with the SFT export as the teacher against
+- `megarl train-sft`: the chat-format SFT run learns (loss and validation loss fall, token
+  accuracy rises); its checkpoint exports with `megarl convert mcore-to-hf` to a folder whose
+  validation NLL under transformers equals the run's last val/sft_loss.
+- On-policy distillation: GRPO from the random model with that export as the teacher against
   GRPO alone, same seeds and steps (the budget and figures are in the test's docstring).
+
+`megarl train-dpo` with configs/chain_dpo_cpu.yaml, its learning on held-out pairs and the
+resume of both trainers at another layout run in tests/distributed/test_post_training_parity.py
+(one launch of 4 ranks for all of it).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 from megarl.quickstart import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
-SFT_STEPS, DPO_STEPS, RL_STEPS = 12, 8, 8
+SFT_STEPS, RL_STEPS = 12, 6
+QUIET = ("trainer.loggers=[console]", "trainer.mlflow_tracking_uri=none")
 
 
 def run(args: list[str], cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
@@ -47,14 +50,13 @@ def metrics(out: Path) -> dict[int, dict]:
 
 
 def megarl(work: Path, verb: str, config: str, *overrides: str, nproc: int = 1) -> None:
-    tracking = f"trainer.mlflow_tracking_uri=sqlite:///{work / 'mlflow.db'}"
     run(
         [
             "-m",
             "megarl.cli",
             verb,
             str(ROOT / "configs" / config),
-            tracking,
+            *QUIET,
             *overrides,
             "--nproc-per-node",
             str(nproc),
@@ -100,8 +102,6 @@ def sft(work) -> dict[int, dict]:
         f"trainer.total_steps={SFT_STEPS}",
         f"trainer.test_freq={SFT_STEPS // 2}",
         "trainer.save_freq=0",
-        "parallel.pp=2",
-        nproc=2,
     )
     return metrics(work / "outputs" / "chain" / "sft_run")
 
@@ -146,26 +146,6 @@ def test_the_exported_sft_model_scores_the_validation_set_as_the_run_did(work, s
                 nll -= float((picked * mask).sum())
                 tokens += float(mask.sum())
     assert nll / tokens == pytest.approx(sft[SFT_STEPS]["val/sft_loss"], rel=1e-5)
-
-
-def test_dpo_from_the_sft_model_raises_held_out_reward_accuracy(work, teacher):
-    megarl(
-        work,
-        "train-dpo",
-        "chain_dpo_cpu.yaml",
-        f"trainer.total_steps={DPO_STEPS}",
-        f"trainer.test_freq={DPO_STEPS}",
-        "trainer.save_freq=0",
-        "parallel.tp=2",
-        nproc=2,
-    )
-    dpo = metrics(work / "outputs" / "chain" / "dpo_run")
-    assert dpo[0]["val/dpo_reward_accuracy"] == 0.0  # the policy is its reference: all ties
-    assert dpo[0]["val/dpo_loss"] == pytest.approx(0.693147, abs=1e-5)
-    assert dpo[DPO_STEPS]["val/dpo_reward_accuracy"] >= 0.9, dpo[DPO_STEPS]
-    assert dpo[DPO_STEPS]["val/dpo_reward_margin"] > 0.0
-    assert dpo[DPO_STEPS]["dpo/loss"] < dpo[1]["dpo/loss"]
-    export(work, "outputs/chain/dpo_run", "outputs/chain/dpo_model")
 
 
 def test_distillation_from_the_sft_teacher_beats_grpo_alone(work, teacher):

@@ -32,14 +32,16 @@ TruncationPolicy = Literal["error", "filter", "truncate"]
 
 
 def check_sft_files(infos: Sequence[ParquetFileInfo]) -> None:
-    """Every file is in one of the two SFT formats (``messages``, or ``prompt`` + ``response``)."""
+    """Every file holds one of the two SFT formats (``messages``, or ``prompt`` + ``response``;
+    a file with both columns may mix them row by row)."""
     for info in infos:
         names = set(info.schema.names)
-        if "messages" in names and "response" not in names:
+        has_pairs = "prompt" in names and "response" in names
+        if "messages" in names:
             check_columns(info, {"messages": MESSAGES})
-        elif "prompt" in names and "response" in names:
+        if has_pairs:
             check_columns(info, {"prompt": TEXT_OR_MESSAGES, "response": TEXT_OR_MESSAGES})
-        else:
+        if "messages" not in names and not has_pairs:
             raise DataError(
                 f"{info.path}: an SFT file needs a 'messages' column (whole conversations, the "
                 "loss on the assistant turns) or 'prompt' and 'response' columns; the file has "
@@ -175,7 +177,7 @@ class SFTDataset(ShardedDataset[SFTItem]):
 
     def _conversation(self, uid: int, row: dict[str, Any]) -> Messages:
         where = self._locate(uid)
-        if "response" not in row:
+        if row.get("messages") is not None or "response" not in row:
             return to_messages(self._cell(uid, row, "messages"), where=where, column="messages")
         prompt = to_messages(self._cell(uid, row, "prompt"), where=where, column="prompt")
         reply = to_messages(

@@ -27,7 +27,7 @@ from megarl.config import RunConfig, dpo_loss_kwargs, dpo_needs_reference
 from megarl.data import PreferenceDataset, PreferenceItem
 from megarl.models.build import build_model
 from megarl.models.dims import ModelDims
-from megarl.models.forward import run_schedule
+from megarl.models.forward import LossFn, run_schedule
 from megarl.models.logprobs import log_probs_at
 from megarl.models.lora import adapters_disabled
 from megarl.run.evaluation import dataset_totals
@@ -81,7 +81,9 @@ def sequence_log_probs(
     return (logp * rows.loss_mask.to(logp.device)).sum(-1)
 
 
-def pair_inputs(logps: torch.Tensor, rows: TokenRows, ref_logps: torch.Tensor | None) -> dict:
+def pair_inputs(
+    logps: torch.Tensor, rows: TokenRows, ref_logps: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """The DPO loss inputs of interleaved chosen/rejected rows."""
     tokens = rows.tokens().to(logps.device)
     out = {
@@ -96,7 +98,7 @@ def pair_inputs(logps: torch.Tensor, rows: TokenRows, ref_logps: torch.Tensor | 
     return out
 
 
-def dpo_loss_fn(name: str, kwargs: dict[str, Any], vocab_size: int):
+def dpo_loss_fn(name: str, kwargs: dict[str, Any], vocab_size: int) -> LossFn:
     """The loss of a micro-batch of pairs on vocab-parallel logits at its response positions:
     the pairs' mean loss scaled by ``batch["weight"]`` (their share of the batch); the metrics of
     :func:`megarl.algos.dpo.dpo_loss` on the same scale. The reference's logprobs come in

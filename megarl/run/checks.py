@@ -37,19 +37,30 @@ def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
     ):
         if files:  # unreadable files and missing columns fail here
             check_columns(inspect_files(*resolve_files(files, what=what)))
-    if cfg.trainer.kind == "dpo" and cfg.dpo.reference_path:
-        _check_companion(
-            cfg, layout, dims, cfg.dpo.reference_path, "dpo.reference_path", "reference"
-        )
-    if cfg.trainer.kind == "policy" and cfg.algorithm.distill.teacher_path:
-        _check_companion(
-            cfg,
-            layout,
-            dims,
-            cfg.algorithm.distill.teacher_path,
-            "algorithm.distill.teacher_path",
-            "teacher",
-        )
+    for path, setting, what in _COMPANIONS.get(cfg.trainer.kind, _none)(cfg):
+        _check_companion(cfg, layout, dims, path, setting, what)
+
+
+def _none(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    return []
+
+
+def _dpo_reference(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    path = cfg.dpo.reference_path
+    return [(path, "dpo.reference_path", "reference")] if path else []
+
+
+def _distill_teacher(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    path = cfg.algorithm.distill.teacher_path
+    return [(path, "algorithm.distill.teacher_path", "teacher")] if path else []
+
+
+# trainer.kind -> the frozen models of other folders that read the policy's token ids:
+# (path, setting, what)
+_COMPANIONS: dict[str, Callable[[RunConfig], list[tuple[str, str, str]]]] = {
+    "dpo": _dpo_reference,
+    "policy": _distill_teacher,
+}
 
 
 def _check_prompts(infos: list[ParquetFileInfo]) -> None:

@@ -20,6 +20,7 @@ from megarl import parallel, platform
 from megarl.algos import vocab_parallel_is_argmax
 from megarl.config import RunConfig
 from megarl.data import SFTDataset, SFTItem
+from megarl.models.forward import LossFn
 from megarl.models.logprobs import log_probs_at, targets_at
 from megarl.run.evaluation import data_parallel_mean, dataset_totals
 from megarl.run.sequences import TokenRows, length_groups, token_rows
@@ -29,7 +30,7 @@ from megarl.run.trainable import PolicyModel, build_policy
 from megarl.run.update import optimizer_step, weighted
 
 
-def sft_loss(vocab_size: int):
+def sft_loss(vocab_size: int) -> LossFn:
     """The loss of a micro-batch of :class:`TokenRows` on vocab-parallel logits computed at its
     response positions: summed NLL of the trained tokens over ``batch["norm"]`` (the batch's
     trained tokens per data-parallel rank); metrics ``loss``, ``token_accuracy`` (trained tokens
@@ -92,7 +93,9 @@ def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> SFTDatase
     )
 
 
-def _step(policy: PolicyModel, cfg: RunConfig, items: list[SFTItem], pad_id: int):
+def _step(
+    policy: PolicyModel, cfg: RunConfig, items: list[SFTItem], pad_id: int
+) -> dict[str, float]:
     tokens = data_parallel_mean(float(sum(it.trained_tokens for it in items)))
     out = optimizer_step(
         policy.actor,
@@ -107,7 +110,9 @@ def _step(policy: PolicyModel, cfg: RunConfig, items: list[SFTItem], pad_id: int
     return out
 
 
-def evaluate(policy: PolicyModel, cfg: RunConfig, dataset: SFTDataset, pad_id: int):
+def evaluate(
+    policy: PolicyModel, cfg: RunConfig, dataset: SFTDataset, pad_id: int
+) -> dict[str, float]:
     """``val/sft_loss`` and ``val/sft_token_accuracy`` (token means over the whole dataset),
     ``val/sft_tokens`` and ``val/sft_rows``; the same dict on every rank."""
     totals = dataset_totals(

@@ -104,11 +104,13 @@ def _trainer_runs(work: Path) -> dict:
 
     runs = work / "runs"
     runs.mkdir()
-    prompts = [[{"role": "user", "content": f"Say {i} in vowels."}] for i in range(32)]
-    pq.write_table(pa.Table.from_pylist(sft_rows(prompts)), runs / "sft.parquet")
+    # 32 training rows or pairs: the 4 steps of 8 stay in one epoch (a later epoch is dealt over
+    # the data-parallel ranks of the new layout, so it holds other batches than the old one's)
+    prompts = [[{"role": "user", "content": f"Say {i} in vowels."}] for i in range(40)]
+    pq.write_table(pa.Table.from_pylist(sft_rows(prompts[:32])), runs / "sft.parquet")
     pairs = preference_rows(prompts)
-    pq.write_table(pa.Table.from_pylist(pairs[:24]), runs / "prefs.parquet")
-    pq.write_table(pa.Table.from_pylist(pairs[24:]), runs / "prefs_test.parquet")
+    pq.write_table(pa.Table.from_pylist(pairs[:32]), runs / "prefs.parquet")
+    pq.write_table(pa.Table.from_pylist(pairs[32:]), runs / "prefs_test.parquet")
     common = [
         f"model.path={tiny_char_llama_dir()}",
         "parallel.tp=2",
@@ -204,6 +206,7 @@ def test_sft_dpo_and_teacher_equal_their_references_at_tp2_pp2(inputs):
         inputs["trl"],
         inputs["runs"],
     )
+    print(json.dumps(results, indent=1, sort_keys=True))  # shown when an assertion fails
     last_stage = [r for r in results if "sft:loss_rel" in r]
     assert len(last_stage) == 2  # the two TP ranks of the last stage
     for r in results:
@@ -213,7 +216,8 @@ def test_sft_dpo_and_teacher_equal_their_references_at_tp2_pp2(inputs):
         assert r["sft:grad"] <= 1e-6, r
         assert r["sft:step_ok"] == 1.0 and r["sft:weight"] <= 1e-6, r
         assert r["dpo:same_ids_as_trl"] == 1.0
-        assert r["dpo:grad_ref_max"] > 1e-3 and r["dpo:grad"] <= 1e-6, r
+        assert r["dpo:grad_ref_max"] > 1e-2, r
+        assert r["dpo:grad"] <= 1e-5 * r["dpo:grad_ref_max"], r
         assert r["teacher:layers"] == 4 and r["teacher:logprob"] <= 1e-5, r
         assert r["lora:step_ok"] == 1.0
     for r in last_stage:

@@ -40,14 +40,3 @@ def dataset_totals(
     broadcast_from_last_stage(totals)
     dist.all_reduce(totals, group=parallel.dp_group())
     return dict(zip([*keys, "items"], totals.tolist(), strict=True))
-
-
-def data_parallel_mean(value: float) -> float:
-    """The mean of ``value`` over this rank's data-parallel group (a collective)."""
-    group = parallel.dp_group()
-    size = dist.get_world_size(group)
-    if size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
-    dist.all_reduce(t, group=group)
-    return float(t.item()) / size

@@ -22,12 +22,12 @@ from megarl.config import RunConfig
 from megarl.data import SFTDataset, SFTItem
 from megarl.models.forward import LossFn
 from megarl.models.logprobs import log_probs_at, targets_at
-from megarl.run.evaluation import data_parallel_mean, dataset_totals
+from megarl.run.evaluation import dataset_totals
 from megarl.run.sequences import TokenRows, length_groups, token_rows
 from megarl.run.startup import Startup
 from megarl.run.supervised import SupervisedParts, train_supervised
 from megarl.run.trainable import PolicyModel, build_policy
-from megarl.run.update import optimizer_step, weighted
+from megarl.run.update import data_parallel_mean, optimizer_step, weighted
 
 
 def sft_loss(vocab_size: int) -> LossFn:

@@ -404,6 +404,47 @@ def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
         print(step, "old-logprob forward", single[step]["timing/old_log_prob_s"], "s")
 
 
+def test_ray_launcher_tp2_pp2_equals_torchrun_and_sigterm_checkpoints(workdir, tp2pp2_run):
+    """The same GRPO run at TP2 x PP2 as the torchrun fixture, on a local Ray instance (started
+    by megarl: no --address) with 4 rank actors: steps 1 and 2 equal torchrun's (the same
+    processes and seeds; tolerance 1e-6 absolute, measured equal). SIGTERM to the driver during
+    step 2 (test-only fault point) reaches every rank: the step finishes, its checkpoint is
+    written, the job exits 0."""
+    proc = launch(
+        workdir,
+        "tp2pp2_ray",
+        "trainer.total_steps=2",
+        "trainer.save_freq=1",
+        SAMPLED,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.infer_tp=2",
+        "--launcher",
+        "ray",
+        nproc=4,
+        fault="sigterm@step:rank=0:step=2",
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "SIGTERM received: asking the 4 ranks" in proc.stderr
+    assert "preempted: stopped after step 2" in proc.stderr
+    ckpts = workdir / "tp2pp2_ray" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    ray_run, torchrun = by_step(metrics(workdir, "tp2pp2_ray")), tp2pp2_run[1]
+    assert sorted(ray_run) == [1, 2]
+    for step in (1, 2):
+        for key in (
+            "reward/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "response/length_mean",
+            "rollout/logprob_diff_max",
+        ):
+            assert ray_run[step][key] == pytest.approx(torchrun[step][key], abs=1e-6), (step, key)
+    assert "[####################] step 2/2" in proc.stdout  # rank 0's console, streamed
+
+
 # The rollout-vs-trainer logprob mismatch a bf16 run may show. bf16 keeps 8 significant bits
 # (relative rounding 2^-8 ~ 0.4%): on this near-uniform 128-symbol model each sampled token's
 # logprob is about -4.8, so one rounding of it is ~0.02, and the two engines round in different

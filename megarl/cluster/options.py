@@ -1,0 +1,29 @@
+"""The launcher options of ``megarl train`` / ``train-rm`` (beside ``--nproc-per-node``)."""
+
+from __future__ import annotations
+
+import argparse
+
+LAUNCHERS = ("torchrun", "ray")
+
+
+def add_launcher_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="torchrun",
+        help="torchrun: local processes (or srun's tasks under Slurm); ray: one Ray actor per "
+        "rank on a Ray cluster (docs/ray.md)",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="--launcher ray: auto (the cluster started on this machine) or HOST:PORT of a "
+        "cluster's head; default: RAY_ADDRESS if set, else a new local Ray instance",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="--launcher ray: nodes; the job has nnodes x nproc-per-node ranks (default 1)",
+    )

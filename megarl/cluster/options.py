@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-LAUNCHERS = ("torchrun", "ray")
+LAUNCHERS = ("torchrun", "ray", "slurm")
 
 
 def add_launcher_options(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +13,8 @@ def add_launcher_options(parser: argparse.ArgumentParser) -> None:
         choices=LAUNCHERS,
         default="torchrun",
         help="torchrun: local processes (or srun's tasks under Slurm); ray: one Ray actor per "
-        "rank on a Ray cluster (docs/ray.md)",
+        "rank on a Ray cluster (docs/ray.md); slurm: one srun step per attempt, from the batch "
+        "script of an allocation (docs/slurm.md)",
     )
     parser.add_argument(
         "--address",
@@ -25,5 +26,6 @@ def add_launcher_options(parser: argparse.ArgumentParser) -> None:
         "--nnodes",
         type=int,
         default=None,
-        help="--launcher ray: nodes; the job has nnodes x nproc-per-node ranks (default 1)",
+        help="--launcher ray or slurm: nodes; the job has nnodes x nproc-per-node ranks "
+        "(default: ray 1, slurm the allocation's nodes)",
     )

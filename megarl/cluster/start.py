@@ -20,13 +20,18 @@ def world_size(launcher: str, nnodes: int | None, nproc_per_node: int, address: 
         raise ConfigError(f"--nproc-per-node {nproc_per_node} must be >= 1")
     if nnodes is not None and nnodes < 1:
         raise ConfigError(f"--nnodes {nnodes} must be >= 1")
-    if launcher != "ray" and (address is not None or (nnodes or 1) > 1):
-        flag = "--address" if address is not None else "--nnodes"
+    if launcher != "ray" and address is not None:
+        raise ConfigError("--address is an option of --launcher ray (a Ray cluster's head)")
+    if launcher == "torchrun" and (nnodes or 1) > 1:
         raise ConfigError(
-            f"{flag} is an option of --launcher ray; torchrun starts ranks on this machine only. "
-            "For several nodes: `megarl train ... --launcher ray` on a Ray cluster (docs/ray.md), "
-            "or one srun task per GPU under Slurm (docs/slurm.md)"
+            "--nnodes: --launcher torchrun starts ranks on this machine only. For several nodes: "
+            "--launcher ray on a Ray cluster (docs/ray.md), or --launcher slurm in a Slurm "
+            "allocation (docs/slurm.md)"
         )
+    if launcher == "slurm" and nnodes is None:
+        from megarl.cluster.slurm import allocation_nodes
+
+        nnodes = len(allocation_nodes())
     return (nnodes or 1) * nproc_per_node
 
 
@@ -50,7 +55,9 @@ def start_job(
             "trainer.save_freq",
             file=sys.stderr,
         )
-    job = _launcher(launcher, address, nnodes or 1, layout.world_size, verbose)
+    if nnodes is None:
+        nnodes = world_size(launcher, None, 1, address)  # slurm: the allocation's nodes; else 1
+    job = _launcher(launcher, address, nnodes, layout.world_size, verbose)
     try:
         return Supervisor(cfg, module_args, layout, job, fits).run()
     finally:
@@ -62,6 +69,10 @@ def _launcher(kind: str, address: str | None, nnodes: int, world: int, verbose: 
         from megarl.cluster.ray_job import RayLauncher
 
         return RayLauncher.connect(address, nnodes, world // nnodes, verbose)
+    if kind == "slurm":
+        from megarl.cluster.slurm import SlurmLauncher
+
+        return SlurmLauncher(nnodes, world // nnodes, verbose)
     from megarl.cluster.local import LocalLauncher
 
     return LocalLauncher(world, verbose)

@@ -250,6 +250,13 @@ def _assert_restarted_at_tp2_dp1(proc: subprocess.CompletedProcess, rows: list[d
     ]
     assert steps == [(1, 0, 4, 2), (2, 0, 4, 2), (3, 0, 4, 2), (3, 1, 2, 1), (4, 1, 2, 1)], steps
     assert rows[-1]["elastic/steps_lost"] == 1.0 and rows[-1]["elastic/tp"] == 2.0
+    # step 3 ran twice: at 4 ranks before the kill, at 2 after the restart from step 2. Rollouts
+    # are seeded per request, so both are the same step (fp32 sums in another order)
+    before, after = rows[2], rows[3]
+    assert after["reward/mean"] == pytest.approx(before["reward/mean"], abs=1e-6)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert after[key] == pytest.approx(before[key], abs=1e-4), key
+    assert after["actor/grad_norm"] == pytest.approx(before["actor/grad_norm"], rel=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -19,49 +19,16 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from megarl.cli import main as cli_main
-from tests.assets import tiny_char_llama_dir
+from tests.e2e.test_train import by_step, launch, make_workdir, metrics
 
-ROOT = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("ray_elastic")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "prepare_gsm8k.py"),
-            "--out",
-            str(work / "data"),
-            "--source",
-            "gsm-symbolic",
-            "--train-size",
-            "64",
-            "--test-size",
-            "8",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    config = {
-        "model": {"path": str(tiny_char_llama_dir())},
-        "data": {
-            "train_files": [str(work / "data" / "train.parquet")],
-            "train_batch_size": 4,
-            "max_prompt_length": 1024,
-        },
-        "rollout": {"n": 4, "max_response_length": 24, "kv_cache_gib": 0.125},
-        "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
-        "algorithm": {"use_kl_loss": True},
-        "reward": {"custom_fn": "megarl.rewards.toy:vowel_rate"},
-        "trainer": {"total_steps": 2, "loggers": ["console"], "mlflow_tracking_uri": "none"},
-    }
-    (work / "run.yaml").write_text(yaml.safe_dump(config))
-    return work
+    return make_workdir(tmp_path_factory.mktemp("ray_elastic"))
 
 
 def _free_port() -> int:
@@ -107,44 +74,15 @@ def ray_head(tmp_path_factory):
     head.wait(timeout=60)
 
 
-def launch(
-    work: Path,
-    out: str,
-    *overrides: str,
-    nproc: int,
-    ray: str | None = None,
-    fault: str | None = None,
-) -> subprocess.CompletedProcess:
-    """`megarl train` as a user starts it; ``ray``: the head's address for --launcher ray."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
-    env.pop("MASTER_PORT", None)
-    env.pop("MEGARL_FAULT", None)
-    if fault is not None:
-        env["MEGARL_FAULT"] = fault
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.cli",
-        "train",
-        str(work / "run.yaml"),
-        f"trainer.output_dir={work / out}",
-        *overrides,
-        *(["--launcher", "ray", "--address", ray] if ray else []),
-        "--nproc-per-node",
-        str(nproc),
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=900)
+QUIET = "trainer.loggers=[console]"  # metrics.jsonl and the console: no tracker start-up
+
+
+def ray_job(address: str) -> tuple[str, ...]:
+    return ("--launcher", "ray", "--address", address)
 
 
 def records(work: Path, out: str) -> list[dict]:
-    return [json.loads(line) for line in (work / out / "metrics.jsonl").read_text().splitlines()]
-
-
-def by_step(rows: list[dict]) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for r in rows:
-        out.setdefault(r["step"], {}).update(r)
-    return out
+    return metrics(work, out)
 
 
 def test_bad_launches_are_refused_before_any_rank_starts(workdir, ray_head, monkeypatch, capsys):
@@ -220,6 +158,7 @@ def test_a_ranks_user_error_ends_the_ray_job_with_its_message_and_code_2(workdir
 
 
 ELASTIC = (
+    QUIET,
     "parallel.tp=2",
     "trainer.total_steps=4",
     "trainer.save_freq=2",
@@ -266,7 +205,7 @@ def resumed_by_hand(workdir, elastic_torchrun) -> dict[int, dict]:
     ckpts = workdir / "by_hand" / "checkpoints"
     shutil.copytree(workdir / "elastic" / "checkpoints" / name, ckpts / name)
     (ckpts / "latest").write_text(name + "\n")
-    proc = launch(workdir, "by_hand", "parallel.tp=2", "trainer.total_steps=4", nproc=2)
+    proc = launch(workdir, "by_hand", QUIET, "parallel.tp=2", "trainer.total_steps=4", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return by_step(records(workdir, "by_hand"))
 
@@ -296,7 +235,8 @@ def test_torchrun_job_restarts_by_itself_at_fewer_ranks(workdir, elastic_torchru
 
 
 def test_ray_job_restarts_by_itself_at_fewer_ranks(workdir, ray_head, resumed_by_hand):
-    proc = launch(workdir, "elastic_ray", *ELASTIC, nproc=4, ray=ray_head, fault=KILL_AFTER_STEP_3)
+    ray = ray_job(ray_head)
+    proc = launch(workdir, "elastic_ray", *ELASTIC, *ray, nproc=4, fault=KILL_AFTER_STEP_3)
     rows = records(workdir, "elastic_ray")
     _assert_restarted_at_tp2_dp1(proc, rows)
     # the cluster keeps its 4 CPUs: the restart waited for the lost one (wait_s), then went on

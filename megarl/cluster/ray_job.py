@@ -320,9 +320,9 @@ class RayLauncher:
                 visible = placement.visible_devices(gpus, on_node[r.node.node_id])
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
                 env["LOCAL_RANK"] = str(visible.index(info["gpu_ids"][0]))
-            elif "OMP_NUM_THREADS" not in base:
+            if "OMP_NUM_THREADS" not in base:  # as megarl.launch: 4 per GPU rank, else a share
                 share = info["cpus"] // len(on_node[r.node.node_id])
-                env["OMP_NUM_THREADS"] = str(max(1, share))
+                env["OMP_NUM_THREADS"] = "4" if self.kind == "GPU" else str(max(1, share))
             starts.append(r.agent.start.remote(["-m", spec.module, *spec.args], env, os.getcwd()))
         problems = [p for p in self.ray.get(starts) if p]
         if problems:

@@ -16,6 +16,7 @@ user error stays the last line) and its exit code is the driver's.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -155,6 +156,17 @@ def _init_within(ray: ModuleType, timeout_s: float, what: str, **kwargs: Any) ->
         raise LaunchError(f"cannot connect to {what}: {outcome['error']}") from None
 
 
+def _use_token_if_present() -> None:
+    """Ray (2.5x) heads authenticate drivers with a token by default; a driver joining a
+    cluster sends one only in token mode. Take that mode when a token is at hand (Ray's own
+    places: ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``), unless
+    ``RAY_AUTH_MODE`` says otherwise."""
+    env = os.environ
+    token_file = Path(env.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if "RAY_AUTH_MODE" not in env and (env.get("RAY_AUTH_TOKEN") or token_file.is_file()):
+        env["RAY_AUTH_MODE"] = "token"
+
+
 def _nodes(ray: ModuleType, kind: str) -> list[placement.NodeSlots]:
     """The cluster's live nodes and the rank slots each holds (its GPUs, or its CPUs)."""
     out = []
@@ -192,8 +204,13 @@ class RayLauncher:
         cls, address: str | None, nnodes: int, nproc_per_node: int, verbose: bool
     ) -> RayLauncher:
         """Connect (or start a local instance) and check the job fits, before any rank starts."""
-        ray = import_ray()
+        if importlib.util.find_spec("ray") is None:
+            import_ray()  # raises, naming the extra
         target = resolve_address(address)
+        if target != "local":
+            _probe(target, min(10.0, CONNECT_TIMEOUT_S))
+            _use_token_if_present()  # before Ray is imported: it reads the mode at import
+        ray = import_ray()
         world = nnodes * nproc_per_node
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network calls from the driver
         common = {
@@ -209,7 +226,6 @@ class RayLauncher:
             ray.init(**common, **_local_resources(world))
         else:
             where = f"the Ray cluster at {target}"
-            _probe(target, min(10.0, CONNECT_TIMEOUT_S))
             _init_within(ray, CONNECT_TIMEOUT_S, where, address=target, **common)
         launcher = cls(ray, where, nnodes == 1, verbose, local=target == "local")
         try:

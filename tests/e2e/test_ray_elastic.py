@@ -122,6 +122,7 @@ def test_bad_launches_are_refused_before_any_rank_starts(workdir, ray_head, monk
         "from megarl.cli import main; raise SystemExit(main(sys.argv[1:]))"
     )
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    batch8 = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]  # 8 DP ranks split it
     for address, nproc, message in (
         (ray_head, 8, "cannot hold 8 ranks (one CPU each): its largest node has 4 CPUs"),
         (silent, 1, f"the Ray cluster at {silent} did not answer within 3 s"),
@@ -129,7 +130,7 @@ def test_bad_launches_are_refused_before_any_rank_starts(workdir, ray_head, monk
         t0 = time.monotonic()
         launcher = ["--launcher", "ray", "--address", address, "--nproc-per-node", str(nproc)]
         proc = subprocess.run(
-            [sys.executable, "-c", script, *base, *launcher],
+            [sys.executable, "-c", script, *base, *batch8, *launcher],
             capture_output=True,
             text=True,
             env=env,

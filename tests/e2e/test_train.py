@@ -432,7 +432,7 @@ def test_ray_launcher_tp2_pp2_equals_torchrun_and_sigterm_checkpoints(workdir, t
             "rollout/logprob_diff_max",
         ):
             assert ray_run[step][key] == pytest.approx(torchrun[step][key], abs=1e-6), (step, key)
-    assert "[####################] step 2/2" in proc.stdout  # rank 0's console, streamed
+    assert "[####################] step 2/2" in proc.stderr  # rank 0's console, streamed
 
 
 # The rollout-vs-trainer logprob mismatch a bf16 run may show. bf16 keeps 8 significant bits

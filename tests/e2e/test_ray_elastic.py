@@ -145,13 +145,8 @@ def test_bad_launches_are_refused_before_any_rank_starts(workdir, ray_head, monk
 
 
 def test_a_ranks_user_error_ends_the_ray_job_with_its_message_and_code_2(workdir, ray_head):
-    proc = launch(
-        workdir,
-        "ray_bad",
-        "reward.custom_fn=megarl.rewards.toy:no_such_scorer",
-        nproc=1,
-        ray=ray_head,
-    )
+    bad = "reward.custom_fn=megarl.rewards.toy:no_such_scorer"
+    proc = launch(workdir, "ray_bad", bad, QUIET, *ray_job(ray_head), nproc=1)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("megarl: error: scorer 'megarl.rewards.toy:no_such_scorer'"), lines

@@ -454,7 +454,8 @@ def _scoring_peak(model, dims, size: Size, seqs: int, peak_tracker) -> int:
     device = platform.device()
     prompt = size.scoring_len // 4
     gen = torch.Generator(device="cpu").manual_seed(seqs)
-    ids = torch.randint(1, dims.vocab_size, (seqs, size.scoring_len), generator=gen)
+    # ids go through .tolist(): drawn on the host, where the seeded generator lives
+    ids = torch.randint(1, dims.vocab_size, (seqs, size.scoring_len), generator=gen, device="cpu")
     samples = Samples.from_sequences(
         ids[:, :prompt].tolist(), ids[:, prompt:].tolist(), list(range(seqs)), 0, device
     )

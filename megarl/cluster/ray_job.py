@@ -16,6 +16,7 @@ user error stays the last line) and its exit code is the driver's.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
@@ -147,6 +148,9 @@ def _init_within(ray: ModuleType, timeout_s: float, what: str, **kwargs: Any) ->
     thread.start()
     thread.join(timeout_s)
     if "error" not in outcome:
+        # The connecting thread cannot be stopped, and Ray's shutdown hooks crash on the
+        # half-made connection (std::bad_alloc, SIGABRT): end the process before they run.
+        atexit.register(_exit_now, LaunchError.exit_code)
         raise LaunchError(
             f"{what} did not answer within {timeout_s:.0f} s; check that it is a Ray head "
             "(`ray status --address HOST:PORT` on it) and that its Ray version matches this one "
@@ -165,6 +169,12 @@ def _use_token_if_present() -> None:
     token_file = Path(env.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
     if "RAY_AUTH_MODE" not in env and (env.get("RAY_AUTH_TOKEN") or token_file.is_file()):
         env["RAY_AUTH_MODE"] = "token"
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _nodes(ray: ModuleType, kind: str) -> list[placement.NodeSlots]:

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from megarl.cluster.options import add_launcher_options
 from megarl.errors import MegarlError
 
 
@@ -33,8 +34,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megarl.cluster.start import start_job, world_size
     from megarl.config import load_config, validate
-    from megarl.launch import run_torchrun, under_launcher
+    from megarl.launch import under_launcher
     from megarl.parallel import ParallelLayout
     from megarl.run.checks import check_inputs
 
@@ -48,11 +50,14 @@ def _train(args: argparse.Namespace) -> int:
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
     nproc = args.nproc_per_node or cfg.parallel.tp * cfg.parallel.pp
-    validate(cfg, nproc)
+    world = world_size(args.launcher, args.nnodes, nproc, args.address)
+    validate(cfg, world)
     p = cfg.parallel
-    layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
+    layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files
-    return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
+    return start_job(
+        cfg, module_args, layout, args.launcher, args.address, args.nnodes, args.verbose
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -110,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
     _add_verbose(train)
+    add_launcher_options(train)
     train.set_defaults(func=_train)
     for verb, kind, what in SUPERVISED_VERBS:
         sub_train = sub.add_parser(
@@ -123,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
         )
         _add_verbose(sub_train)
+        add_launcher_options(sub_train)
         sub_train.set_defaults(func=_train, forced=[f"trainer.kind={kind}"])
     from checkpoints_tools.cli import add_verbs
 

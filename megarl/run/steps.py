@@ -8,17 +8,21 @@ from contextlib import contextmanager
 
 from megarl.metrics import Metric, StepMetrics, mean, reduce_metrics
 from megarl.run import watchdog
+from megarl.run.elastic import elastic_metrics
 from megarl.run.tracking import Tracker
 
 
 @contextmanager
 def timed(metrics: StepMetrics, phase: str) -> Iterator[None]:
-    """``timing/<phase>_s``: the wall time of the body (mean over ranks); the hang watchdog
-    watches the body as ``phase``."""
+    """``timing/<phase>_s``: the wall time of the body (mean over ranks), added to the phase's
+    time so far in ``metrics`` (a phase may run several times a step); the hang watchdog watches
+    the body as ``phase``."""
     t0 = time.perf_counter()
     with watchdog.phase(phase):
         yield
-    metrics[f"timing/{phase}_s"] = mean(time.perf_counter() - t0)
+    key = f"timing/{phase}_s"
+    before = metrics[key].value if key in metrics else 0.0
+    metrics[key] = mean(before + time.perf_counter() - t0)
 
 
 def log_step(
@@ -32,6 +36,7 @@ def log_step(
     """Reduce ``metrics`` over ranks, log them as step ``step + 1``, print progress; collective."""
     reduced = reduce_metrics(metrics)
     reduced.update(derived_metrics(reduced))
+    reduced.update(elastic_metrics())  # restart count and layout, in an elastic job
     tracker.log_metrics(reduced, step + 1)
     tracker.progress(step, total, reduced, first_step)
     history.append(reduced)

@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
 from megarl.config import CHOICES
 from megarl.errors import ConfigError
-from megarl.gpu_defaults import Target, check_for_target, transformer_impl
+from megarl.gpu_defaults import Target, check_for_target, launch_env, transformer_impl
 
 TRANSFORMER_IMPLS = CHOICES["model.transformer_impl"]
 ROLLOUT_BACKENDS = CHOICES["rollout.backend"]
@@ -96,3 +97,11 @@ def check_backends(cfg) -> None:
     check_optimizer_offload(cfg.actor.optimizer_offload)
     if cfg.trainer.kind == "policy":
         check_rollout_backend(cfg.rollout.backend)
+
+
+def set_rank_env(cfg) -> dict[str, str]:
+    """Put what every rank of ``cfg`` needs in its environment before CUDA initialises
+    (:func:`megarl.gpu_defaults.launch_env`); a value already set is kept. Returns what was set."""
+    added = {k: v for k, v in launch_env(cfg, this_machine()).items() if k not in os.environ}
+    os.environ.update(added)
+    return added

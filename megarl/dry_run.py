@@ -16,7 +16,7 @@ import sys
 
 from megarl.backends import this_machine
 from megarl.config import RunConfig, validate
-from megarl.gpu_defaults import Target
+from megarl.gpu_defaults import Target, check_for_target
 from megarl.models.dims import ModelDims
 from megarl.plan.preflight import (
     DEFAULT_GPU_MEMORY,
@@ -77,7 +77,9 @@ def hardware_for(args: argparse.Namespace, machine: Target) -> Hardware:
 def _checked(
     cfg: RunConfig, hardware: Hardware, target: Target, here: bool, config_name: str
 ) -> Preflight:
-    """The launch's checks for this world, then the preflight."""
+    """The launch's checks for this world (and for the target machine: its refusals), then the
+    preflight."""
+    check_for_target(cfg, target)
     validate(cfg, hardware.world)
     layout = layout_for(cfg, hardware.world)
     reward_model = check_inputs(cfg, layout, this_machine=here)

@@ -9,8 +9,8 @@
    transformers (AdamW) on the same device, and megarl's MFU against a bf16 matmul peak measured
    in the same run; then the trained model's weights, grads and Adam states moved to host memory
    and back (the parameter offload around the rollout): bit-exact, bytes and seconds;
-3. ``megarl plan``'s predicted peak memory of that step against the measured peak
-   (``torch.cuda.max_memory_allocated``);
+3. the memory preflight's predicted peak of that step (its numerics for this machine, the
+   planner's model) against the measured peak (``torch.cuda.max_memory_allocated``);
 4. five GRPO steps end to end (rollout.backend=hf, so no vLLM is needed), stopped after three and
    resumed from the checkpoint, then the checkpoint exported to Hugging Face and verified
    (tensors bit for bit, logits against transformers);
@@ -375,9 +375,6 @@ class _HostPeak:
 
 
 def training_step(report: Report, size: Size, root: Path) -> None:
-    from megarl.parallel import ParallelLayout
-    from megarl.plan import CPU_FP32, GPU_BF16, Workload, estimate_memory
-
     cuda = torch.cuda.is_available()
     folder = _config_folder(root, size.train_model)
     label = "bf16" if size.train_dtype == torch.bfloat16 else "fp32"
@@ -409,24 +406,47 @@ def training_step(report: Report, size: Size, root: Path) -> None:
     report.add("2 train step", f"transformers tokens/s ({shape})", f"{theirs:,.0f}")
     report.add("2 train step", "megarl / transformers", f"{mine / theirs:.2f}", ">= 1.0 (target)")
     report.add("2 train step", "megarl MFU vs measured matmul peak", f"{100 * mfu:.1f}%")
-    numerics = GPU_BF16 if cuda else CPU_FP32
+    predicted, numerics = _preflight_update_peak(folder, dims, size)
+    err = (predicted - measured) / max(measured, 1)
+    how = "torch.cuda.max_memory_allocated" if cuda else "peak live tensor bytes"
+    report.add(
+        "3 memory",
+        f"preflight: update phase ({numerics})",
+        f"{predicted / 2**30:.2f} GiB",
+    )
+    report.add("3 memory", f"measured ({how})", f"{measured / 2**30:.2f} GiB")
+    report.add(
+        "3 memory", "preflight error (predicted - measured) / measured", f"{100 * err:+.1f}%"
+    )
+
+
+def _preflight_update_peak(folder: Path, dims, size: Size) -> tuple[int, str]:
+    """(bytes, numerics) the preflight plans for the step measured above: its numerics for this
+    machine (dtype, layer implementation, fused kernels), the planner's memory model, no reserve
+    (the measurement starts after the CUDA context), the loss over every position."""
+    from megarl.backends import this_machine
+    from megarl.config import load_config
+    from megarl.parallel import ParallelLayout
+    from megarl.plan import Workload, estimate_memory
+    from megarl.plan.preflight import UPDATE_PHASES, numerics_for
+
+    dtype = "bfloat16" if size.train_dtype == torch.bfloat16 else "float32"
+    cfg = load_config(
+        overrides=[f"model.path={folder}", "data.train_files=[unused]", f"model.dtype={dtype}"]
+    )
+    numerics, _ = numerics_for(cfg, this_machine())
     workload = Workload(
         seq_len=size.seq,
         micro_batch=size.batch,
         global_batch=size.batch,
         reference=False,
         rollout=False,
+        scoring=False,
     )
-    predicted = estimate_memory(
-        dims, ParallelLayout(tp=1, pp=1), workload, numerics, reserve=0
-    ).peak
-    err = (predicted - measured) / max(measured, 1)
-    how = "torch.cuda.max_memory_allocated" if cuda else "peak live tensor bytes"
-    report.add(
-        "3 memory", f"megarl plan peak ({numerics.name} numerics)", f"{predicted / 2**30:.2f} GiB"
-    )
-    report.add("3 memory", f"measured ({how})", f"{measured / 2**30:.2f} GiB")
-    report.add("3 memory", "plan error (predicted - measured) / measured", f"{100 * err:+.1f}%")
+    stage = estimate_memory(dims, ParallelLayout(tp=1, pp=1), workload, numerics, reserve=0).stages[
+        0
+    ]
+    return max(stage.phases[p] for p in UPDATE_PHASES if p in stage.phases), numerics.name
 
 
 # -- 4. GRPO end to end -----------------------------------------------------------------------

@@ -377,13 +377,28 @@ def check(
 
 
 def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """``cfg`` with dotted ``key=value`` overrides applied (typed like the config file's)."""
-    from omegaconf import OmegaConf
+    """A copy of ``cfg`` with dotted ``key=value`` overrides of scalar settings applied, each
+    value read as the type the setting holds (the preflight's own candidates; user overrides go
+    through :func:`megarl.config.load_config`)."""
+    out = copy.deepcopy(cfg)
+    for item in overrides:
+        key, _, text = item.partition("=")
+        *path, name = key.split(".")
+        node = out
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, name, _typed(text, getattr(node, name)))
+    return out
 
-    merged = OmegaConf.merge(
-        OmegaConf.structured(copy.deepcopy(cfg)), OmegaConf.from_dotlist(overrides)
-    )
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+def _typed(text: str, like: object) -> object:
+    if isinstance(like, bool):
+        return text == "true"
+    if isinstance(like, float):
+        return float(text)
+    if isinstance(like, int) or like is None:
+        return int(text)
+    return text
 
 
 def _halvings(value: int, floor: int) -> list[int]:

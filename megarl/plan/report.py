@@ -24,6 +24,7 @@ COLUMNS = (
     ("act", 6),
     ("ref+cr", 6),
     ("vllm", 6),
+    ("start", 6),
     ("train", 6),
     ("rollout", 7),
     ("peak", 6),
@@ -38,7 +39,8 @@ def _yes(flag: bool) -> str:
 
 
 def _row(i: int, e: Evaluated) -> list[str]:
-    """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals."""
+    """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals
+    (``start``: the models beside vLLM when it starts; ``train``: the update's phases)."""
     worst = e.memory.worst
     train = worst.phase_items["forward-backward"]
     rollout = worst.phase_items.get("rollout", {})
@@ -56,6 +58,7 @@ def _row(i: int, e: Evaluated) -> list[str]:
         fmt_gib(train.get("activations", 0)),
         fmt_gib(train.get("reference", 0) + train.get("critic", 0)),
         fmt_gib(rollout.get("rollout", 0)),
+        fmt_gib(worst.phases.get("startup", 0)),
         fmt_gib(train_peak),
         fmt_gib(worst.phases.get("rollout", 0)),
         fmt_gib(worst.peak),

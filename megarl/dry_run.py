@@ -18,6 +18,7 @@ from megarl.backends import this_machine
 from megarl.config import RunConfig, validate
 from megarl.gpu_defaults import Target, check_for_target
 from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
 from megarl.plan.preflight import (
     DEFAULT_GPU_MEMORY,
     DEFAULT_GPUS_PER_NODE,
@@ -25,7 +26,6 @@ from megarl.plan.preflight import (
     Hardware,
     Preflight,
     format_report,
-    layout_for,
     preflight,
     summary,
 )
@@ -81,7 +81,7 @@ def _checked(
     preflight."""
     check_for_target(cfg, target)
     validate(cfg, hardware.world)
-    layout = layout_for(cfg, hardware.world)
+    layout = ParallelLayout.for_settings(hardware.world, cfg.parallel)
     reward_model = check_inputs(cfg, layout, this_machine=here)
     dims = ModelDims.from_pretrained(cfg.model.path)
     return preflight(cfg, dims, hardware, target, reward_model, config_name=config_name)
@@ -94,7 +94,11 @@ def dry_run(args: argparse.Namespace, cfg: RunConfig) -> int:
     target = machine if machine.cuda else Target.gpu_node(hardware.gpus_per_node)
     if cfg.trainer.kind != "policy":
         validate(cfg, hardware.world)
-        check_inputs(cfg, layout_for(cfg, hardware.world), this_machine=machine.cuda)
+        check_inputs(
+            cfg,
+            ParallelLayout.for_settings(hardware.world, cfg.parallel),
+            this_machine=machine.cuda,
+        )
         print(
             f"megarl preflight: config checks passed; the memory preflight models policy runs "
             f"(trainer.kind=policy), not trainer.kind={cfg.trainer.kind}"

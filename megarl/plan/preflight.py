@@ -196,18 +196,6 @@ def numerics_for(cfg: RunConfig, target: Target) -> tuple[Numerics, str]:
     return numerics, impl
 
 
-def layout_for(cfg: RunConfig, world: int) -> ParallelLayout:
-    p = cfg.parallel
-    return ParallelLayout.for_world(
-        world,
-        tp=p.tp,
-        pp=p.pp,
-        pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
-        infer_tp=p.infer_tp,
-        ep=p.ep,
-    )
-
-
 def _scored(cfg: RunConfig, reference: bool, critic: bool) -> bool:
     """Whether anything scores the rollout before the update (reference logprobs, values, or
     the actor's old logprobs in a separate forward)."""
@@ -337,7 +325,7 @@ def _largest(items: dict[str, int], skip: str) -> str:
     return ", ".join(f"{k} {fmt_gib(v)}" for v, k in top)
 
 
-def check(
+def preflight(
     cfg: RunConfig,
     dims: ModelDims,
     hardware: Hardware,
@@ -345,9 +333,11 @@ def check(
     reward_model: ModelDims | None = None,
     config_name: str = "",
     model_name: str = "",
+    suggest: bool = True,
 ) -> Preflight:
-    """The preflight of ``cfg`` on ``hardware`` (no suggestions; see :func:`preflight`)."""
-    layout = layout_for(cfg, hardware.world)
+    """The preflight of ``cfg`` on ``hardware``; with ``suggest``, when something does not fit,
+    the settings that would make it fit (:func:`suggestions`)."""
+    layout = ParallelLayout.for_settings(hardware.world, cfg.parallel)
     workload, options = workload_for(cfg, layout, reward_model)
     numerics, impl = numerics_for(cfg, target)
     memory = estimate_memory(
@@ -355,7 +345,7 @@ def check(
     )
     host = estimate_host_memory(dims, layout, workload, numerics, options, hardware.gpus_per_node)
     phases = _gpu_phases(memory)
-    return Preflight(
+    pf = Preflight(
         config_name=config_name,
         model_name=model_name or cfg.model.path,
         dims=dims,
@@ -371,6 +361,9 @@ def check(
         phases=phases,
         problems=_problems(phases, memory, host, hardware, workload),
     )
+    if suggest and not pf.fits:
+        pf.suggestions = suggestions(pf, cfg, target, reward_model)
+    return pf
 
 
 # -- what would make it fit -----------------------------------------------------------------------
@@ -461,13 +454,13 @@ def _try(
     try:
         changed = with_overrides(cfg, overrides)
         validate(changed, hardware.world)
-        layout_for(changed, hardware.world).check_model(dims.shape)
-        return check(changed, dims, hardware, target, reward_model)
+        ParallelLayout.for_settings(hardware.world, changed.parallel).check_model(dims.shape)
+        return preflight(changed, dims, hardware, target, reward_model, suggest=False)
     except MegarlError:  # a change the config or the layout refuses is no suggestion
         return None
 
 
-def suggest(
+def suggestions(
     pf: Preflight,
     cfg: RunConfig,
     target: Target,
@@ -504,22 +497,6 @@ def suggest(
                 return found
             consider([*first, *second])
     return found
-
-
-def preflight(
-    cfg: RunConfig,
-    dims: ModelDims,
-    hardware: Hardware,
-    target: Target,
-    reward_model: ModelDims | None = None,
-    config_name: str = "",
-    model_name: str = "",
-) -> Preflight:
-    """:func:`check`, and when something does not fit, settings that would make it fit."""
-    pf = check(cfg, dims, hardware, target, reward_model, config_name, model_name)
-    if not pf.fits:
-        pf.suggestions = suggest(pf, cfg, target, reward_model)
-    return pf
 
 
 # -- what it prints ------------------------------------------------------------------------------

@@ -285,7 +285,7 @@ def test_plan_overrides_are_every_setting_its_estimate_assumed(capsys):
     (on a node with the same fused kernels as the plan's numerics) peaks where the plan says."""
     from megarl.config import load_config, validate
     from megarl.gpu_defaults import Target
-    from megarl.plan.preflight import Hardware, check
+    from megarl.plan.preflight import Hardware, preflight
 
     argv = ["plan", "--model", "Qwen2.5-7B", "--gpus", "8", "--tp", "2", "--infer-tp", "2"]
     argv += ["--seq-len", "1536", "--response-len", "1024", "--tokens-per-micro-batch", "16384"]
@@ -313,7 +313,7 @@ def test_plan_overrides_are_every_setting_its_estimate_assumed(capsys):
     cfg = load_config(overrides=["model.path=/m", "data.train_files=[t]", *best["overrides"]])
     validate(cfg, 8)
     node = Target(cuda=True, transformer_engine=True, wgrad_fusion_kernel=True, local_gpus=8)
-    pf = check(cfg, resolve_model("Qwen2.5-7B")[1], Hardware(gpus_per_node=8), node)
+    pf = preflight(cfg, resolve_model("Qwen2.5-7B")[1], Hardware(gpus_per_node=8), node)
     assert round(pf.memory.peak / GIB, 3) == best["peak_gib"]
 
 

@@ -16,7 +16,7 @@ import pytest
 from megarl.config import load_config
 from megarl.gpu_defaults import Target
 from megarl.plan import KNOWN_MODELS, resolve_model
-from megarl.plan.preflight import Hardware, check, preflight, with_overrides
+from megarl.plan.preflight import Hardware, preflight, with_overrides
 from megarl.plan.units import GIB
 from megarl.plan.workload import Workload
 
@@ -50,7 +50,9 @@ def _dims():
 
 
 def _check(*overrides, hardware=HW):
-    return check(load_config(overrides=[*RECIPE, *overrides]), _dims(), hardware, GPU)
+    return preflight(
+        load_config(overrides=[*RECIPE, *overrides]), _dims(), hardware, GPU, suggest=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +170,7 @@ def test_a_phase_that_does_not_fit_is_named_with_checked_fixes():
     assert "activations" in problem.message and "80.0 GiB" in problem.message
     assert ["model.recompute=full"] in pf.suggestions
     for fix in pf.suggestions:
-        assert check(with_overrides(cfg, fix), _dims(), HW, GPU).fits, fix
+        assert preflight(with_overrides(cfg, fix), _dims(), HW, GPU, suggest=False).fits, fix
 
 
 def test_vllm_that_cannot_start_names_its_budget():
@@ -182,7 +184,7 @@ def test_vllm_that_cannot_start_names_its_budget():
     assert (problem.where, problem.item) == ("startup", "rollout")
     assert "rollout.gpu_memory_utilization=0.5" in problem.message
     assert pf.suggestions[0] == ["rollout.gpu_memory_utilization=0.35"]
-    assert check(with_overrides(cfg, pf.suggestions[0]), dims, HW, GPU).fits
+    assert preflight(with_overrides(cfg, pf.suggestions[0]), dims, HW, GPU, suggest=False).fits
 
 
 def test_a_kv_cache_smaller_than_one_sequence_is_refused():

@@ -214,7 +214,12 @@ def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
     )
     assert cli.main(["train", str(yaml), "--no-preflight"]) == 0
     assert launched == [8]  # the 8 local GPUs: DP 8 at TP1
+    # on CUDA the memory preflight runs first: GPUs far too small stop the launch (exit 2)
+    assert cli.main(["train", str(yaml), "--gpu-memory", "5GiB"]) == 2
+    assert launched == [8]
+    assert cli.main(["train", str(yaml), "--gpu-memory", "5GiB", "--no-preflight"]) == 0
+    assert launched == [8, 8]
     monkeypatch.setattr(backends, "this_machine", lambda: CPU)
     monkeypatch.setattr(dry_run, "this_machine", lambda: CPU)
     assert cli.main(["train", str(yaml), "parallel.tp=2", "actor.ppo_mini_batch_size=8"]) == 0
-    assert launched == [8, 2]  # CPU: tp * pp
+    assert launched == [8, 8, 2]  # CPU: tp * pp

@@ -39,7 +39,8 @@ the phases, each being what stays resident plus what that phase adds:
 - scoring: after vLLM sleeps, the trainer scores the rollout (old and reference logprobs, critic
   values) forward only, in the update's micro-batches; + one micro-batch's forward working set
   (one layer's tensors, or at the output layer its logits, their temperature-scaled copy and the
-  log-prob's two fp32 chunks) and the scores kept for the whole rollout batch.
+  log-prob's two fp32 chunks) and the scores kept for the whole rollout batch. A reward model
+  scores ``micro_batch`` whole sequences per forward (its working set: one layer's tensors).
 
 A reward model (``reward.model_path``) is resident in every phase (frozen, weights only).
 
@@ -363,6 +364,7 @@ def estimate_memory(
         res = reserve
         opt_gpu = actor["main"] + actor["moments"]
         rm = 0
+        rm_layers = 0
         if workload.reward_model is not None:
             rm_dims = workload.reward_model
             rm_layers = ParallelLayout(tp=tp, pp=pp).layers_per_stage(rm_dims.num_layers)[k]
@@ -402,11 +404,17 @@ def estimate_memory(
             shard = min(actor_p.largest, -(-(lora or actor_p.total) // dp))
             phase_items["optimizer-step"] = {**train_base, "transient": 2 * shard * 4}
         if workload.scoring:
+            scoring = _scoring_bytes(act, dims, workload, numerics, tp, b, s_act, layers[k], last)
+            if workload.reward_model is not None:
+                # megarl.rewards.model.score_sequences: micro_batch sequences, whatever the budget
+                rm_rows, rm_seq = workload.micro_batch, workload.seq_len
+                rm_ws = 2 * hidden_bytes(act, workload.reward_model, tp, rm_rows, rm_seq)
+                if rm_layers:
+                    rm_ws += layer_bytes(act, workload.reward_model, tp, rm_rows, rm_seq)
+                scoring = max(scoring, rm_ws)
             phase_items["scoring"] = {
                 **train_base,
-                "activations": _scoring_bytes(
-                    act, dims, workload, numerics, tp, b, s_act, layers[k], last
-                ),
+                "activations": scoring,
                 "scores": _scores_bytes(workload, dp),
             }
         if workload.rollout:

@@ -289,3 +289,17 @@ def test_dry_run_of_a_reward_model_config_checks_it_only(tmp_path, capsys):
     argv = ["train-rm", str(ROOT / "configs" / "grpo_qwen2_5_7b.yaml"), *_inputs(tmp_path)]
     assert main([*argv, "data.train_batch_size=64", "--dry-run"]) == 0
     assert "models policy runs" in capsys.readouterr().out
+
+
+def test_a_reward_model_is_resident_and_scores_whole_sequences():
+    cfg = load_config(overrides=[*RECIPE, "actor.micro_batch_size=64"])
+    pf = preflight(cfg, _dims(), HW, GPU, reward_model=_dims(), suggest=False)
+    # frozen bf16 weights with a value head (hidden + 1) instead of the LM head's shard
+    rm = 2 * (P - V * H // TP + H + 1)
+    for phase in ("build", "startup", "rollout", "scoring", "update"):
+        assert _items(pf, phase)["reward_model"] == rm, phase
+    # it scores micro_batch_size whole sequences per forward, whatever the token budget
+    tokens = 64 * 1536
+    hidden = 2 * tokens * H // TP * 2
+    layer = tokens * (4 * H // TP + (2 * Q + 2 * KV + 3 * F) // TP) * 2
+    assert _items(pf, "scoring")["activations"] == hidden + layer

@@ -328,6 +328,8 @@ def to_json(result: PlanResult) -> dict[str, Any]:
             "seq_len": w.seq_len,
             "response_len": w.response_tokens,
             "micro_batch": w.micro_batch,
+            "micro_batch_tokens": w.micro_batch_tokens,
+            "samples_per_prompt": w.samples_per_prompt,
             "global_batch": w.global_batch,
             "reference": w.reference,
             "lora_rank": w.lora_rank,

@@ -148,14 +148,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machines below, then exit (0: fits, 2: does not); builds no model, starts no process",
     )
     parser.add_argument(
-        "--gpus-per-node", type=int, default=None, help="--dry-run: GPUs per node (default: 8)"
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="--dry-run: GPUs per node (default: this CUDA machine's, else 8)",
     )
     parser.add_argument("--nnodes", type=int, default=1, help="--dry-run: nodes (default: 1)")
     parser.add_argument(
-        "--gpu-memory", default=None, help="--dry-run: memory per GPU, e.g. 80GiB (default 80GiB)"
+        "--gpu-memory",
+        default=None,
+        help="--dry-run: memory per GPU, e.g. 80GiB (default: this CUDA machine's, else 80GiB)",
     )
     parser.add_argument(
-        "--host-memory", default=None, help="--dry-run: host memory per node (default 1TiB)"
+        "--host-memory",
+        default=None,
+        help="--dry-run: host memory per node (default: this CUDA machine's, else 1TiB)",
     )
     parser.add_argument(
         "--no-preflight",

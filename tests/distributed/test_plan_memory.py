@@ -16,9 +16,9 @@ on CPU) for the rank's pipeline stage, no reserve, no reference, no rollout.
 
 The scoring phase: after the two steps (grads and Adam's state resident, as when the trainer
 scores a rollout), the trainer's forward-only scoring pass over a rollout batch of 4 micro-batches
-per rank (``megarl.trainer.model_ops.forward_response_tensor`` with the actor's response
-logprobs, in the update's micro-batches: the same count, or for the packed case the token budget
-of its pack), every sequence a quarter prompt and three quarters response. Predicted: the
+per rank (``megarl.trainer.old_log_probs.score_old_log_probs``: the actor's old logprobs and the
+rollout mismatch, in the update's micro-batches: the same count, or for the packed case the token
+budget of its pack), every sequence a quarter prompt and three quarters response. Predicted: the
 ``scoring`` phase of the same workload with the output layer at the response positions.
 """
 
@@ -166,19 +166,19 @@ def _score(tracker, ddp, dims, seq, batch, packed, gen) -> dict[str, int]:
     import torch
 
     from megarl.trainer.batch import Samples
-    from megarl.trainer.model_ops import MicroBatching, forward_response_tensor, response_log_probs
+    from megarl.trainer.model_ops import MicroBatching
+    from megarl.trainer.old_log_probs import score_old_log_probs
 
     length, prompt, budget, n = _scoring_shape(seq, batch, packed)
     ids = torch.randint(0, dims.vocab_size, (n, length), generator=gen).tolist()
     samples = Samples.from_sequences(
         [r[:prompt] for r in ids], [r[prompt:] for r in ids], list(range(n)), 0, "cpu"
     )
+    samples.tensors["rollout_log_prob"] = torch.zeros_like(samples.response_mask)
     batching = MicroBatching(size=batch, max_tokens=budget, packing=packed is not None)
     resident = tracker.live
     tracker.phase("scoring")
-    forward_response_tensor(
-        ddp, samples, lambda out, mb: response_log_probs(out, mb, dims.vocab_size)[0], batching
-    )
+    score_old_log_probs(ddp, samples, dims.vocab_size, 1.0, batching, dims.is_moe)
     tracker.phase(None)
     return {"peak": tracker.phases["scoring"], "resident": resident}
 

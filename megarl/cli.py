@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from megarl.cluster.options import add_launcher_options
 from megarl.errors import MegarlError
 
 
@@ -33,10 +34,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from megarl.backends import this_machine
+    from megarl.cluster.start import start_job, world_size
     from megarl.config import load_config, validate
     from megarl.dry_run import before_launch, dry_run
     from megarl.gpu_defaults import default_nproc_per_node
-    from megarl.launch import run_torchrun, under_launcher
+    from megarl.launch import under_launcher
     from megarl.parallel import ParallelLayout
     from megarl.run.checks import check_inputs
 
@@ -53,14 +55,17 @@ def _train(args: argparse.Namespace) -> int:
         return rank_main(module_args)
     # one process per local GPU on CUDA (DP derived), tp * pp on CPU
     nproc = args.nproc_per_node or default_nproc_per_node(cfg, this_machine())
-    validate(cfg, nproc)
+    world = world_size(args.launcher, args.nnodes, nproc, args.address)
+    validate(cfg, world)
     p = cfg.parallel
-    layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
+    layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
     reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data files
-    refused = before_launch(args, cfg, nproc, reward_model)  # memory preflight (CUDA)
+    refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
     if refused:
         return refused
-    return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
+    return start_job(
+        cfg, module_args, layout, args.launcher, args.address, args.nnodes, args.verbose
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -119,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
     )
     _add_verbose(train)
+    add_launcher_options(train)
     add_preflight_arguments(train)
     train.set_defaults(func=_train)
     train_rm = sub.add_parser(
@@ -137,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
     )
     _add_verbose(train_rm)
+    add_launcher_options(train_rm)
     add_preflight_arguments(train_rm)
     train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
     from checkpoints_tools.cli import add_verbs

@@ -67,7 +67,7 @@ def hardware_for(args: argparse.Namespace, machine: Target) -> Hardware:
         sources.append(("host_memory", "assumed: --host-memory"))
     return Hardware(
         gpus_per_node=gpus,
-        nnodes=args.nnodes,
+        nnodes=args.nnodes or 1,
         gpu_memory=gpu_memory,
         host_memory=host_memory,
         sources=tuple(sources),
@@ -115,16 +115,20 @@ def dry_run(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def before_launch(
-    args: argparse.Namespace, cfg: RunConfig, nproc: int, reward_model: ModelDims | None
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    nproc: int,
+    nnodes: int,
+    reward_model: ModelDims | None,
 ) -> int:
-    """On CUDA (unless ``--no-preflight``): the preflight for this node's ``nproc`` GPUs, after
-    the launch's input checks (``reward_model``: the shape they read); 0 to launch, 2 (the report
-    printed) when a phase does not fit."""
+    """On CUDA (unless ``--no-preflight``): the preflight for ``nnodes`` nodes of ``nproc`` GPUs
+    like this machine's, after the launch's input checks (``reward_model``: the shape they read);
+    0 to launch, 2 (the report printed) when a phase does not fit."""
     machine = this_machine()
     if not machine.cuda or args.no_preflight or cfg.trainer.kind != "policy":
         return 0
     hardware = hardware_for(
-        argparse.Namespace(**{**vars(args), "gpus_per_node": nproc, "nnodes": 1}), machine
+        argparse.Namespace(**{**vars(args), "gpus_per_node": nproc, "nnodes": nnodes}), machine
     )
     dims = ModelDims.from_pretrained(cfg.model.path)
     pf = preflight(cfg, dims, hardware, machine, reward_model, config_name=args.config)

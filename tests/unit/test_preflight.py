@@ -303,3 +303,17 @@ def test_a_reward_model_is_resident_and_scores_whole_sequences():
     hidden = 2 * tokens * H // TP * 2
     layer = tokens * (4 * H // TP + (2 * Q + 2 * KV + 3 * F) // TP) * 2
     assert _items(pf, "scoring")["activations"] == hidden + layer
+
+
+def test_elastic_restart_layouts_are_checked_by_the_preflight(monkeypatch):
+    from megarl.cluster import memory_fit
+    from megarl.parallel import ParallelLayout
+
+    monkeypatch.setattr(memory_fit, "this_machine", lambda: GPU)
+    cfg = load_config(overrides=RECIPE)
+    fits = memory_fit.gpu_memory_check(_dims(), 80 * GIB, host_memory=1 << 40)
+    assert fits(cfg, ParallelLayout(tp=2, dp=4, infer_tp=2)) is None
+    assert fits(cfg, ParallelLayout(tp=2, dp=2, infer_tp=2)) is None  # a restart on 4 GPUs
+    small = memory_fit.gpu_memory_check(_dims(), 40 * GIB, host_memory=1 << 40)
+    why = small(cfg, ParallelLayout(tp=2, dp=4, infer_tp=2))
+    assert why.startswith("TP2xPP1xDP4: startup needs") and "gpu_memory_utilization" in why

@@ -193,14 +193,19 @@ def test_model_options_take_bf16_on_cuda(monkeypatch):
 
 def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
     from megarl import cli, dry_run, launch
+    from megarl.cluster import local
     from tests.assets import tiny_qwen2_dir
 
     monkeypatch.setattr(backends, "this_machine", lambda: CUDA_TE)
     monkeypatch.setattr(dry_run, "this_machine", lambda: CUDA_TE)
     launched = []
-    monkeypatch.setattr(
-        launch, "run_torchrun", lambda m, a, nproc, **k: launched.append(nproc) or 0
-    )
+
+    def fake_torchrun(module, args, nproc, **kwargs):
+        launched.append(nproc)
+        return 0
+
+    monkeypatch.setattr(launch, "run_torchrun", fake_torchrun)
+    monkeypatch.setattr(local, "run_torchrun", fake_torchrun)  # the local launcher's own name
     import pyarrow as pa
     import pyarrow.parquet as pq
 

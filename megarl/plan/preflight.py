@@ -7,7 +7,9 @@ checks, builds no model and starts no process, so it runs on a laptop before a j
 planner's memory model (:func:`megarl.plan.memory.estimate_memory`, :mod:`megarl.plan.host`) for
 exactly the config's sizes, upper bounds where the data decide: every sequence as long as the
 settings allow (``data.max_prompt_length + rollout.max_response_length``), a token-budgeted
-micro-batch full to its budget.
+micro-batch full to its budget. One assumption: a budgeted micro-batch's sequences are of about
+one length (the trainer sorts them by length before it cuts micro-batches), so its output layer
+projects at most as many positions as it holds tokens.
 
 Phases (per GPU, the worst pipeline stage): ``build`` (megatron's DDP wrap copies the weights),
 ``startup`` (vLLM's ``gpu_memory_utilization`` budget taken beside what is resident: vLLM refuses

@@ -210,7 +210,8 @@ def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(
-        pa.table({"prompt": [[{"role": "user", "content": "hi"}]] * 8}), tmp_path / "t.parquet"
+        pa.table({"prompt": [[{"role": "user", "content": "hi"}]] * 8, "data_source": ["t"] * 8}),
+        tmp_path / "t.parquet",
     )
     yaml = tmp_path / "run.yaml"
     yaml.write_text(

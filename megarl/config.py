@@ -88,6 +88,19 @@ class RolloutConfig:
     # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
     # reshard reloads them); both free the KV cache
     sleep_level: int = 1
+    # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
+    # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
+    env: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # model turns per trajectory
+    # New tokens of one model turn; None: max_response_length. A trajectory's budget is its
+    # prompt + max_response_length tokens (all model turns and environment tokens together).
+    max_turn_tokens: int | None = None
+    tool_concurrency: int = 8  # tool calls (and synchronous env steps) running at once per engine
+    tool_timeout_s: float = 30.0  # a tool call past this gives the model an error result
+    # Share of a step's samples whose environment may fail (raise, break the API) before the run
+    # stops with the first error; failed samples score 0 and are counted (rollout/env_failures).
+    max_env_failures: float = 0.5
 
 
 @dataclass
@@ -419,6 +432,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
         )
     _validate_sampling(cfg)
+    _validate_multi_turn(cfg.rollout)
     algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
     if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
         raise ConfigError(
@@ -573,6 +587,35 @@ def _validate_sampling(cfg: RunConfig) -> None:
             "rollout.ignore_eos=true runs every response to rollout.max_response_length, so "
             "reward.overlong_buffer would give every one the same full penalty; set "
             "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
+        )
+
+
+def _validate_multi_turn(r: RolloutConfig) -> None:
+    """The pure checks of rollout.env's settings (the class itself is loaded by run/checks.py)."""
+    if r.env is None:
+        set_ = [k for k in ("env_kwargs",) if getattr(r, k)]
+        if set_:
+            raise ConfigError(f"rollout.{set_[0]} is set but rollout.env is not; set rollout.env")
+        return
+    _check_positive(
+        {"rollout.max_turns": r.max_turns, "rollout.tool_concurrency": r.tool_concurrency}
+    )
+    if r.max_turn_tokens is not None and not 1 <= r.max_turn_tokens <= r.max_response_length:
+        raise ConfigError(
+            f"rollout.max_turn_tokens={r.max_turn_tokens} must be in [1, rollout.max_response_length="
+            f"{r.max_response_length}] (or null: the whole budget)"
+        )
+    if not r.tool_timeout_s > 0:
+        raise ConfigError(f"rollout.tool_timeout_s={r.tool_timeout_s} must be > 0 seconds")
+    if not 0.0 <= r.max_env_failures <= 1.0:
+        raise ConfigError(
+            f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
+            "step's samples"
+        )
+    if r.ignore_eos:
+        raise ConfigError(
+            "rollout.ignore_eos=true runs every turn to its token limit, so a model turn never "
+            "ends on its own; turn it off with rollout.env"
         )
 
 

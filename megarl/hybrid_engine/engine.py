@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from megarl import parallel, platform
+from megarl.envs.base import EnvError
+from megarl.envs.runner import EnvRunner
+from megarl.envs.trajectory import Trajectory, trajectory_metrics
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -39,6 +42,7 @@ from megarl.hybrid_engine.mismatch import (  # the reductions: re-exported for e
     LOGPROB_MISMATCH_REDUCTIONS as LOGPROB_MISMATCH_REDUCTIONS,
 )
 from megarl.hybrid_engine.mismatch import logprob_mismatch
+from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
 from megarl.hybrid_engine.reshard_plan import plan_reshard
 from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.hybrid_engine.vllm_rollout import (
@@ -66,21 +70,25 @@ class RolloutBatch:
     actor_logprobs: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     score_seconds: float = 0.0  # the actor's scoring forward (0: not scored)
+    # multi-turn (rollout.env): each sample's trajectory; its prompt is the environment's, and
+    # its response holds model and environment tokens (output.response_masks tells them apart)
+    trajectories: list[Trajectory] | None = None
+
+    def prompt_of(self, row: int) -> list[int]:
+        """The prompt ids of sample ``row``."""
+        if self.trajectories is not None:
+            return self.trajectories[row].prompt_ids
+        return list(self.prompts[self.output.prompt_index[row]])
 
     def sequences(self) -> list[list[int]]:
-        return [
-            list(self.prompts[i]) + list(r)
-            for i, r in zip(self.output.prompt_index, self.output.token_ids, strict=True)
-        ]
+        return [self.prompt_of(k) + list(r) for k, r in enumerate(self.output.token_ids)]
 
     def response_actor_logprobs(self) -> list[torch.Tensor]:
         """Per sample, the actor's logprob of each response token."""
         assert self.actor_logprobs is not None
         out = []
-        for row, (i, r) in enumerate(
-            zip(self.output.prompt_index, self.output.token_ids, strict=True)
-        ):
-            start = len(self.prompts[i]) - 1
+        for row, r in enumerate(self.output.token_ids):
+            start = len(self.prompt_of(row)) - 1
             out.append(self.actor_logprobs[row, start : start + len(r)])
         return out
 
@@ -116,7 +124,13 @@ class RolloutEngine(Protocol):
     def after_weight_update(self) -> None: ...
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, seed_offset: int
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int,
+        *,
+        seeds: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput: ...
 
     def sleep(self) -> None: ...
@@ -187,6 +201,7 @@ class HybridEngine:
         backend: str = "vllm",
         packing: bool = True,
         param_offload: bool = False,
+        multi_turn: bool = False,
     ):
         from megarl.models.dims import expert_offset, layer_offset
 
@@ -250,6 +265,15 @@ class HybridEngine:
         self._optimizer_offloaded = False
         self._rollouts = 0
         self.metrics: dict[str, float] = {}
+        # multi-turn: environments run on the first rank of each rollout engine, their results
+        # broadcast over the engine's ranks (a group per engine, made by every rank together)
+        self._engine_group = None
+        self._engine_leader = self.rank - self.rank % layout.rollout_tp
+        if multi_turn and layout.rollout_tp > 1:
+            for ranks in layout.rollout_group_ranks():
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._engine_group = group
 
     @property
     def rollout_count(self) -> int:
@@ -393,6 +417,26 @@ class HybridEngine:
         self._optimizer_offloaded = False
 
     # -- rollout -------------------------------------------------------------------------------
+    def _gather_dp(self, mine: list) -> tuple[list, int, int, int]:
+        """Every DP rank's items in DP order, this DP rank's [a, b) among them, and this rank's
+        engine index."""
+        world = dist.get_world_size()
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (self.dp_rank, mine))
+        per_dp: dict[int, list] = {}
+        for d, p in gathered:
+            per_dp.setdefault(d, p)
+        offsets, everything = {}, []
+        for d in sorted(per_dp):
+            offsets[d] = len(everything)
+            everything += per_dp[d]
+        a = offsets[self.dp_rank]
+        return everything, a, a + len(mine), self.rank // self.layout.rollout_tp
+
+    def _engine_slice(self, total: int, engine: int) -> tuple[int, int]:
+        engines = self.layout.rollout_dp
+        return engine * total // engines, (engine + 1) * total // engines
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -408,20 +452,8 @@ class HybridEngine:
         """
         world = dist.get_world_size()
         mine = [list(map(int, p)) for p in prompts]
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, (self.dp_rank, mine))
-        per_dp: dict[int, list[list[int]]] = {}
-        for d, p in gathered:
-            per_dp.setdefault(d, p)
-        order = sorted(per_dp)
-        offsets, all_prompts = {}, []
-        for d in order:
-            offsets[d] = len(all_prompts)
-            all_prompts += per_dp[d]
-        engines = self.layout.rollout_dp
-        engine = self.rank // self.layout.rollout_tp
-        lo = engine * len(all_prompts) // engines
-        hi = (engine + 1) * len(all_prompts) // engines
+        all_prompts, a, b, engine = self._gather_dp(mine)
+        lo, hi = self._engine_slice(len(all_prompts), engine)
         seed_offset = lo + self._rollouts * max(1, len(all_prompts))
         self._rollouts += 1
         out = self.rollout.generate(all_prompts[lo:hi], sampling, seed_offset=seed_offset)
@@ -433,7 +465,6 @@ class HybridEngine:
             if e not in seen:
                 seen.add(e)
                 merged.extend(o, index_offset=start)
-        a, b = offsets[self.dp_rank], offsets[self.dp_rank] + len(mine)
         keep = [k for k, i in enumerate(merged.prompt_index) if a <= i < b]
         output = RolloutOutput(
             prompt_index=[merged.prompt_index[k] - a for k in keep],
@@ -443,19 +474,107 @@ class HybridEngine:
         )
         batch = RolloutBatch(prompts=mine, output=output)
         if score_with_actor:
-            self._onload_actor()
-            starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
-            # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
-            # the actor scores the same one, so the mismatch compares like with like.
-            temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-            t0 = time.perf_counter()
-            batch.actor_logprobs = self.actor_logprobs(
-                batch.sequences(), starts=starts, temperature=temperature
-            )
-            batch.score_seconds = time.perf_counter() - t0
-            batch.metrics = self.logprob_mismatch(batch)
-            self.metrics.update(batch.metrics)
+            self._score(batch, sampling)
         return batch
+
+    # -- multi-turn ----------------------------------------------------------------------------
+    @property
+    def runs_environments(self) -> bool:
+        """Whether this rank executes environments (the first rank of its rollout engine)."""
+        return self.rank == self._engine_leader
+
+    def _share(self, value):
+        """The engine leader's ``value`` on every rank of this rank's rollout engine."""
+        if self._engine_group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self._engine_leader, group=self._engine_group)
+        return box[0]
+
+    def generate_trajectories(
+        self,
+        rows: Sequence[dict],
+        fallback_prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        limits: TurnLimits,
+        runner: EnvRunner | None,
+        pad_id: int,
+        score_with_actor: bool = True,
+        max_failed_share: float = 1.0,
+    ) -> RolloutBatch:
+        """Multi-turn trajectories for this DP rank's dataset rows, ``sampling.n`` per row (one
+        environment instance each), like :meth:`generate`: rows of all DP ranks split over the
+        engines, turn-level batched, the environments run by each engine's first rank
+        (``runner``, needed there only). Raises EnvError (the first failure shown) when more than
+        ``max_failed_share`` of the step's samples failed in their environment."""
+        world, n = dist.get_world_size(), sampling.n
+        mine = [(dict(r), list(map(int, p))) for r, p in zip(rows, fallback_prompts, strict=True)]
+        everything, a, b, engine = self._gather_dp(mine)
+        lo, hi = self._engine_slice(len(everything), engine)
+        rollout_index = self._rollouts
+        self._rollouts += 1
+        starts = [
+            SampleStart(sample=g * n + j, row=everything[g][0], fallback_prompt=everything[g][1])
+            for g in range(lo, hi)
+            for j in range(n)
+        ]
+        leader = self.runs_environments
+        trajectories = run_trajectories(
+            self.rollout,
+            starts,
+            runner if leader else None,
+            sampling,
+            limits,
+            rollout_index=rollout_index,
+            step_samples=len(everything) * n,
+            pad_id=pad_id,
+            share=self._share,
+        )
+        env_s = runner.take_seconds() if leader and runner is not None else 0.0
+        results: list = [None] * world
+        dist.all_gather_object(results, (engine, trajectories, env_s) if leader else None)
+        step: list[Trajectory] = []
+        seconds = 0.0
+        for _, ts, s in sorted((r for r in results if r is not None), key=lambda r: r[0]):
+            step += ts
+            seconds = max(seconds, s)
+        failed = [t for t in step if t.finish == "error"]
+        if failed and len(failed) > max_failed_share * len(step):
+            raise EnvError(
+                f"{len(failed)} of the step's {len(step)} samples failed in their environment, "
+                f"more than rollout.max_env_failures={max_failed_share:g} of them; the first "
+                f"(sample {failed[0].sample}):\n{failed[0].error}"
+            )
+        ours = [t for t in step if a * n <= t.sample < b * n]
+        output = RolloutOutput(
+            prompt_index=[t.sample // n - a for t in ours],
+            token_ids=[t.response_ids for t in ours],
+            logprobs=[t.logprobs for t in ours],
+            finish_reasons=[t.finish or "stop" for t in ours],
+            response_masks=[t.mask for t in ours],
+        )
+        batch = RolloutBatch(prompts=[p for _, p in mine], output=output, trajectories=ours)
+        batch.metrics = trajectory_metrics(step, seconds)
+        if score_with_actor:
+            self._score(batch, sampling)
+        return batch
+
+    def _score(self, batch: RolloutBatch, sampling: SamplingConfig) -> None:
+        """The actor's teacher-forced logprobs of the batch's responses, and the mismatch with
+        the rollout engine's (over model tokens) into ``batch.metrics``."""
+        self._onload_actor()
+        starts = [len(batch.prompt_of(k)) - 1 for k in range(len(batch.output.token_ids))]
+        # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
+        # the actor scores the same one, so the mismatch compares like with like.
+        temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+        t0 = time.perf_counter()
+        batch.actor_logprobs = self.actor_logprobs(
+            batch.sequences(), starts=starts, temperature=temperature
+        )
+        batch.score_seconds = time.perf_counter() - t0
+        mismatch = self.logprob_mismatch(batch)
+        batch.metrics.update(mismatch)
+        self.metrics.update(mismatch)
 
     @torch.no_grad()
     def actor_logprobs(
@@ -489,10 +608,16 @@ class HybridEngine:
         return out[:, :-1].contiguous()
 
     def logprob_mismatch(self, batch: RolloutBatch) -> dict[str, float]:
-        """Mean and max |vLLM - actor| logprob over response tokens, over the whole world."""
+        """Mean and max |vLLM - actor| logprob over the model's response tokens (not the
+        environment's), over the whole world."""
         diffs = [
             (torch.tensor(v, dtype=torch.float32, device=a.device) - a.float()).abs()
             for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
         ]
+        if batch.output.response_masks:
+            diffs = [
+                d[torch.tensor(m, dtype=torch.bool, device=d.device)]
+                for d, m in zip(diffs, batch.output.response_masks, strict=True)
+            ]
         flat = torch.cat(diffs) if diffs else torch.zeros(0, device=platform.device())
         return logprob_mismatch(flat, self.dims.is_moe)

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
-    """Backends, model folder, layout against it, reward model, data files (footers only)."""
+    """Backends, model folder, layout against it, reward model, rollout.env, data files
+    (footers only)."""
     from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
@@ -28,6 +29,10 @@ def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
         from megarl.rewards.model import check_reward_model
 
         check_reward_model(cfg.reward.model_path, dims.vocab_size)
+    if cfg.rollout.env is not None:
+        from megarl.envs.loading import check_environment
+
+        check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
     for files, what in (
         (cfg.data.train_files, "data.train_files"),
         (cfg.data.val_files, "data.val_files"),

@@ -145,10 +145,11 @@ def _draw(
     m.update(declare(run.rollout.roles_offload.offload()))
     m.update(declare(engine.to_rollout()))
     # the actor scores the rollout (old logprobs) unless its update will give them
-    batch = engine.generate(
-        [it.input_ids for it in items],
+    batch = run.rollout.generate(
+        items,
         run.rollout.sampling,
-        score_with_actor=not run.spec.old_log_prob_from_update,
+        run.startup.pad_id,
+        score=not run.spec.old_log_prob_from_update,
     )
     m.update(declare(engine.to_train()))
     m.update(declare(run.rollout.roles_offload.onload()))

@@ -268,6 +268,9 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     keep_last: int = 2  # newest checkpoints kept; older ones are removed once a newer is complete
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
+    # OUTPUT/rollouts/step_N_dpD.jsonl each step: every sample's token ids, response mask,
+    # logprobs, advantages and text (megarl/trainer/rollout_dump.py)
+    dump_rollouts: bool = False
     # A step phase (rollout, reward, update, save ...) without progress for this long: every rank
     # prints its stacks and the job stops; torch.distributed collective timeouts derive from it.
     hang_timeout_s: float = 1800.0

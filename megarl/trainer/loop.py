@@ -19,6 +19,7 @@ from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
 from megarl.trainer.model_ops import ppo_update, rollout_is_finite
 from megarl.trainer.old_log_probs import OLD_LOG_PROB, update_mismatch_metrics
 from megarl.trainer.profiling import StepProfiler
+from megarl.trainer.rollout_dump import dump_rollout
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
 from megarl.trainer.validation import validation_rollout
 
@@ -83,6 +84,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
                     )
                 )
             m.update(update_models(run, samples, m))
+            if cfg.trainer.dump_rollouts:
+                dump_rollout(cfg.trainer.output_dir, step + 1, samples, run.startup.tokenizer)
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
             m["actor/skipped_non_finite"] = mean(1.0)
         m.update(rollout_metrics(samples, scores, batch, reward_metrics, run.data.train))

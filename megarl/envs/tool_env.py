@@ -9,7 +9,9 @@ scores it. Calls past ``max_tool_calls`` in one turn are refused with an error r
 Chosen as ``rollout.env="megarl.envs:ToolEnvironment"`` with ``rollout.env_kwargs``, e.g.
 ``{tools: [calculator], parser: hermes, system_prompt: "..."}``; tools are built-in names
 (``calculator``, ``python``) or "module:function" / "file.py:function" specs of typed functions.
-Subclass it to add rewards per turn (override :meth:`turn_reward`) or another prompt.
+``examples``: demonstration messages placed between the system message and the row's prompt
+(few-shot); ``call_reward``: a credit for the first turn whose tool calls all succeed. Subclass it
+for other rewards per turn (override :meth:`turn_reward`) or another prompt.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megarl.data.chat import to_messages
-from megarl.envs.base import Environment, Message, Step
+from megarl.envs.base import Environment, Message, Step, check_messages
 from megarl.envs.builtin_tools import BUILTIN_TOOLS
 from megarl.envs.pool import ToolOutcome, ToolPool
 from megarl.envs.tool_parsers import TOOL_PARSERS, ParsedTurn
@@ -72,6 +74,8 @@ class ToolEnvironment(Environment):
         parser: str = "hermes",
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         max_tool_calls: int = 4,
+        examples: Sequence[Message] = (),
+        call_reward: float = 0.0,
     ) -> None:
         self.tools = {t.name: t for t in resolve_tools(tools)}
         if parser not in TOOL_PARSERS:
@@ -85,6 +89,9 @@ class ToolEnvironment(Environment):
         self.parse = TOOL_PARSERS.get(parser)
         self.system_prompt = system_prompt
         self.max_tool_calls = max_tool_calls
+        self.examples = check_messages(list(examples), where="ToolEnvironment(examples=...)")
+        self.call_reward = float(call_reward)
+        self._rewarded_call = False
 
     # -- the conversation ----------------------------------------------------------------------
     def tool_schemas(self) -> list[dict[str, Any]] | None:
@@ -105,18 +112,24 @@ class ToolEnvironment(Environment):
     def reset(self, row: dict[str, Any]) -> list[Message]:
         prompt = to_messages(row["prompt"], where="ToolEnvironment.reset", column="prompt")
         system = self.system_message()
-        if system is None:
-            return prompt
+        head: list[Message] = []
         if prompt and prompt[0]["role"] == "system":  # the row's own system text comes after
-            return [
-                {"role": "system", "content": system + "\n\n" + prompt[0]["content"]},
-                *prompt[1:],
-            ]
-        return [{"role": "system", "content": system}, *prompt]
+            own, prompt = prompt[0]["content"], prompt[1:]
+            system = own if system is None else system + "\n\n" + own
+        if system is not None:
+            head.append({"role": "system", "content": system})
+        return [*head, *(dict(m) for m in self.examples), *prompt]
 
     # -- a turn --------------------------------------------------------------------------------
     def turn_reward(self, parsed: ParsedTurn, outcomes: list[ToolOutcome]) -> float | None:
-        """This turn's reward (None: none). The default gives none: the outcome is scored."""
+        """This turn's reward (None: none): ``call_reward`` for the trajectory's first turn whose
+        calls all ran without error (a shaping credit for using the tool well), else none. The
+        final answer's turn is left unrewarded, so the run's reward scores it."""
+        if self.call_reward == 0 or self._rewarded_call or parsed.errors:
+            return None
+        if outcomes and all(o.ok for o in outcomes):
+            self._rewarded_call = True
+            return self.call_reward
         return None
 
     async def step(self, messages: list[Message]) -> Step:

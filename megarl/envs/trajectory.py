@@ -57,11 +57,15 @@ class Trajectory:
         return ""
 
     @property
-    def env_reward(self) -> float | None:
-        """The sum of the turn rewards; None when the environment gave none (then the run's
-        reward scores the final conversation)."""
-        given = [r for r in self.turn_rewards if r is not None]
-        return float(sum(given)) if given else None
+    def env_reward(self) -> float:
+        """The sum of the environment's turn rewards (None counts as 0)."""
+        return float(sum(r for r in self.turn_rewards if r is not None))
+
+    @property
+    def env_scored_outcome(self) -> bool:
+        """Whether the environment rewarded the final turn itself; if not, the run's reward
+        (rule scorer or reward model) scores the final conversation, added to the turn rewards."""
+        return bool(self.turn_rewards) and self.turn_rewards[-1] is not None
 
     def add_model_turn(self, ids: list[int], logprobs: list[float]) -> None:
         self.response_ids += ids

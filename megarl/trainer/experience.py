@@ -122,10 +122,11 @@ def score_rollout(
     (``reward.overlong_buffer``) with ``shaping``; also the decoded responses. The metrics are
     this rank's means.
 
-    A multi-turn trajectory whose environment gave rewards scores their sum instead (the rule
-    scorer and reward model score the final conversation of the others); one whose environment
-    failed scores 0. Each turn's reward sits on the turn's last model token, the outcome score on
-    the trajectory's last model token."""
+    A multi-turn trajectory scores the sum of its environment's turn rewards, plus the run's
+    reward (rule scorer and/or reward model, as above) on its final conversation unless the
+    environment rewarded the final turn itself; one whose environment failed scores 0. Each turn's
+    reward sits on the turn's last model token, the run's outcome score (and the overlong
+    penalty) on the trajectory's last model token."""
     texts = decode_responses(batch, tokenizer)
     samples = build_samples(items, batch, pad_id, platform.device())
     device = samples.input_ids.device
@@ -133,7 +134,9 @@ def score_rollout(
     scored = list(range(samples.size))  # the samples the run's reward scores
     if trajectories is not None:
         scored = [
-            k for k, t in enumerate(trajectories) if t.env_reward is None and t.finish != "error"
+            k
+            for k, t in enumerate(trajectories)
+            if not t.env_scored_outcome and t.finish != "error"
         ]
     metrics: dict[str, float] = {}
     rule = torch.zeros(samples.size, device=device)
@@ -157,7 +160,6 @@ def score_rollout(
     if trajectories is not None:
         scores = _with_environment_rewards(scores, trajectories, metrics)
     buf = rewards.overlong
-    penalty = None
     if shaping and buf.len > 0:
         penalty = overlong_penalty(
             samples.response_lens,
@@ -170,26 +172,26 @@ def score_rollout(
     if trajectories is None:
         set_outcome_scores(samples, scores)
     else:
-        set_trajectory_scores(samples, scores, trajectories, penalty)
+        set_trajectory_scores(samples, scores, trajectories)
     return samples, scores, metrics, texts
 
 
 def _with_environment_rewards(
     scores: torch.Tensor, trajectories: Sequence[Trajectory], metrics: dict[str, float]
 ) -> torch.Tensor:
-    """The environment's summed turn rewards where it gave any, 0 for failed samples, the run's
-    reward elsewhere."""
-    env = [t.env_reward for t in trajectories]
+    """The environment's turn rewards, plus the run's outcome score where the environment left
+    the final turn unrewarded; 0 for failed samples."""
     out = scores.clone()
-    for k, (t, r) in enumerate(zip(trajectories, env, strict=True)):
+    for k, t in enumerate(trajectories):
         if t.finish == "error":
             out[k] = 0.0
-        elif r is not None:
-            out[k] = r
-    given = [r for r in env if r is not None]
-    metrics["reward/env_share"] = len(given) / max(len(env), 1)
-    if given:
-        metrics["reward/env_mean"] = sum(given) / len(given)
+        elif t.env_scored_outcome:
+            out[k] = t.env_reward
+        else:
+            out[k] = out[k] + t.env_reward
+    n = max(len(trajectories), 1)
+    metrics["reward/env_mean"] = sum(t.env_reward for t in trajectories) / n
+    metrics["reward/env_outcome_share"] = sum(t.env_scored_outcome for t in trajectories) / n
     return out
 
 
@@ -206,23 +208,21 @@ def set_trajectory_scores(
     samples: Samples,
     scores: torch.Tensor,
     trajectories: Sequence[Trajectory],
-    penalty: torch.Tensor | None,
 ) -> None:
     """Token rewards of trajectories: each environment turn reward on that turn's last model
-    token, or (no environment reward) the outcome score on the last model token; the overlong
-    penalty on the last model token too. Their sum per row is ``scores``."""
+    token, the rest of the score (the run's outcome score, the overlong penalty) on the last
+    model token. Their sum per row is ``scores``."""
     token_scores = torch.zeros_like(samples.response_mask)
     values = scores.tolist()
-    extra = penalty.tolist() if penalty is not None else [0.0] * len(values)
     for k, t in enumerate(trajectories):
         if not t.turn_ends:  # a failed reset: nothing the model wrote, nothing to reward
             continue
-        if t.env_reward is not None and t.finish != "error":
+        turns = 0.0
+        if t.finish != "error":
             for end, r in zip(t.turn_ends, t.turn_rewards, strict=True):
                 token_scores[k, end] += float(r or 0.0)
-            token_scores[k, t.turn_ends[-1]] += extra[k]
-        else:
-            token_scores[k, t.turn_ends[-1]] += values[k]
+                turns += float(r or 0.0)
+        token_scores[k, t.turn_ends[-1]] += values[k] - turns
     samples.tensors["token_level_scores"] = token_scores
 
 

@@ -131,7 +131,7 @@ def _check_mismatch_and_turns(run: dict[int, dict], steps: int) -> None:
         assert m["rollout/logprob_diff_max"] <= 1e-4, (step, m["rollout/logprob_diff_max"])
         assert m["rollout/turns_mean"] == 2 and m["rollout/turns_max"] == 2, step
         assert m["rollout/env/follow_ups_mean"] == 1 and m["rollout/env_failures"] == 0
-        assert m["rollout/env_tokens_mean"] > 0 and m["reward/env_share"] == 1
+        assert m["rollout/env_tokens_mean"] > 0 and m["reward/env_outcome_share"] == 1
 
 
 def _check_dumped_masks(out: Path, steps: int) -> None:

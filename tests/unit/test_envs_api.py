@@ -4,9 +4,15 @@ and ``step`` return, and the tool environment's turns."""
 from __future__ import annotations
 
 import asyncio
+import json
+import random
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 
+from megarl.config import RolloutConfig
 from megarl.envs import EnvContext, EnvError, Environment, Step, ToolEnvironment, ToolPool
 from megarl.envs.base import bind_context, check_reset, check_step
 from megarl.envs.loading import check_environment
@@ -121,8 +127,67 @@ def test_tool_environment_turns():
     assert wrong.metrics["tool_errors"] == 1 and "not valid JSON" in wrong.messages[0]["content"]
     final = asyncio.run(env.step([{"role": "assistant", "content": "It is 408."}]))
     assert final.done and final.reward is None and final.messages == []
+    demo = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    shaped = ToolEnvironment(tools=["calculator"], examples=demo, call_reward=0.2)
+    bind_context(shaped, EnvContext(pool=pool, template_renders_tools=True))
+    start = shaped.reset(
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]}
+    )
+    assert [m["role"] for m in start] == ["system", "user", "assistant", "user"]
+    assert start[0]["content"].endswith("\n\nBe brief.") and start[1:3] == demo
+    turn = [{"role": "assistant", "content": call}]
+    assert asyncio.run(shaped.step(turn)).reward == 0.2  # the first good call earns the credit
+    assert asyncio.run(shaped.step(turn)).reward is None  # once per trajectory
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
+    fresh = ToolEnvironment(tools=["calculator"], call_reward=0.2)
+    bind_context(fresh, EnvContext(pool=pool))
+    assert asyncio.run(fresh.step([{"role": "assistant", "content": bad}])).reward is None
     with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
         ToolEnvironment(tools=["abacus"])
     with pytest.raises(ConfigError, match="unknown tool-call parser"):
         ToolEnvironment(parser="xml")
     pool.close()
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
+
+
+def _doc_blocks(lang: str) -> list[str]:
+    text = DOCS.read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_the_guide_examples_run(tmp_path):
+    """docs/environments.md: its environment plays as described, its tool has a schema and
+    runs, and its YAML settings are settings of megarl's config."""
+    env_code, tool_code = _doc_blocks("python")[:2]
+    (tmp_path / "my_env.py").write_text(env_code)
+    (tmp_path / "my_tools.py").write_text(tool_code)
+    cls = check_environment(f"{tmp_path / 'my_env.py'}:GuessNumber", {"high": 50})
+    env = cls(high=50)
+    bind_context(env, EnvContext(seed=3, rng=random.Random(3)))
+    messages = check_reset(env, env.reset({}))
+    low, high, turns = 1, 50, 0
+    while True:  # bisect with the environment's hints
+        turns += 1
+        guess = (low + high) // 2
+        messages.append({"role": "assistant", "content": f"My guess is {guess}."})
+        step = check_step(env, env.step(messages))
+        if step.done:
+            assert guess == env.secret and step.reward == pytest.approx(1 / turns)
+            break
+        hint = step.messages[0]["content"]
+        low, high = (guess + 1, high) if hint == "Higher." else (low, guess - 1)
+        messages += step.messages
+    tool_env = ToolEnvironment(tools=["calculator", f"{tmp_path / 'my_tools.py'}:lookup_price"])
+    bind_context(tool_env, EnvContext(pool=ToolPool(2, 5)))
+    assert "quantity" in json.dumps(tool_env.tool_schemas())
+    call = '<tool_call>{"name": "lookup_price", "arguments": {"item": "bread", "quantity": 2}}</tool_call>'
+    assert (
+        asyncio.run(tool_env.step([{"role": "assistant", "content": call}])).messages[0]["content"]
+        == "4.50"
+    )
+    for block in _doc_blocks("yaml"):
+        rollout = yaml.safe_load(block)["rollout"]
+        unknown = set(rollout) - set(RolloutConfig.__dataclass_fields__)
+        assert not unknown, unknown

@@ -109,7 +109,7 @@ def test_turns_are_batched_and_the_mask_marks_the_model_tokens(tok):
     assert [c[0] for c in engine.calls] == [4, 4]  # one call per turn, all trajectories in it
     deltas = ChatDeltas(tok)
     for t in trajs:
-        assert t.finish == "stop" and t.turns == 2 and t.env_reward == 1.0
+        assert t.finish == "stop" and t.turns == 2 and t.env_reward == 1.0 and t.env_scored_outcome
         assert len(t.response_ids) == len(t.mask) == len(t.logprobs)
         model = [i for i, m in zip(t.response_ids, t.mask, strict=True) if m]
         env = [i for i, m in zip(t.response_ids, t.mask, strict=True) if not m]
@@ -134,7 +134,8 @@ def test_budgets_and_turn_limits_truncate(tok):
         rounds=5,
     )
     assert all(t.finish == "turns" and t.truncated and t.turns == 2 for t in trajs)
-    assert all(t.env_reward is None for t in trajs)  # no reward given: the run's reward scores it
+    # the last turn unrewarded: the run's reward scores the final conversation
+    assert all(t.env_reward == 0 and not t.env_scored_outcome for t in trajs)
     # the per-turn budget shrinks with what the trajectory has used
     trajs, engine = _run(
         tok, [0], TurnLimits(max_turns=9, max_response_tokens=30, max_turn_tokens=4), rounds=9

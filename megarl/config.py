@@ -74,7 +74,8 @@ class RolloutConfig:
     max_response_length: int = 512
     # Every response runs to max_response_length: EOS is sampled like any other token and does
     # not stop it (fixed-length rollouts, e.g. so that a discount or a per-token KL penalty
-    # cannot be gamed by stopping early; benchmarks). Training and validation alike.
+    # cannot be gamed by stopping early; benchmarks). Training and validation alike. With
+    # rollout.env every model turn runs to its token limit.
     ignore_eos: bool = False
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
@@ -614,11 +615,6 @@ def _validate_multi_turn(r: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
             "step's samples"
-        )
-    if r.ignore_eos:
-        raise ConfigError(
-            "rollout.ignore_eos=true runs every turn to its token limit, so a model turn never "
-            "ends on its own; turn it off with rollout.env"
         )
 
 

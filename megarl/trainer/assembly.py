@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megarl import parallel
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
 from megarl.data import PromptDataset, PromptItem
 from megarl.envs.runner import EnvRunner
-from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch
+from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
 from megarl.models.dims import ModelDims
@@ -28,7 +28,12 @@ from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
 from megarl.trainer.roles import Roles, build_roles
-from megarl.trainer.rollout_offload import RoleOffload, build_role_offload
+from megarl.trainer.rollout_offload import (
+    ActorMemory,
+    RoleOffload,
+    build_actor_memory,
+    build_role_offload,
+)
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
 
 if TYPE_CHECKING:
@@ -42,6 +47,9 @@ class Rollout:
     engine: HybridEngine
     sampling: SamplingConfig
     val_sampling: SamplingConfig
+    # the actor's grads freed, its optimizer state (GPU) or whole model on the host while the
+    # engine is awake (megarl.trainer.rollout_offload)
+    actor_memory: ActorMemory
     # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
     roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
     # rollout.env: multi-turn trajectories (the runner exists on the ranks that run environments)
@@ -49,38 +57,9 @@ class Rollout:
     env_runner: EnvRunner | None = None
     max_env_failures: float = 1.0
 
-    def generate(
-        self, items: list[PromptItem], sampling: SamplingConfig, pad_id: int, score: bool
-    ) -> RolloutBatch:
-        """This DP rank's rollout of ``items``: one response each, or with rollout.env one
-        trajectory each (``score``: the actor scores it, giving the old logprobs)."""
-        if self.turns is None:
-            return self.engine.generate([it.input_ids for it in items], sampling, score)
-        return self.engine.generate_trajectories(
-            [dataset_row(it) for it in items],
-            [it.input_ids for it in items],
-            sampling,
-            self.turns,
-            self.env_runner,
-            pad_id,
-            score_with_actor=score,
-            max_failed_share=self.max_env_failures,
-        )
-
     def close(self) -> None:
         if self.env_runner is not None:
             self.env_runner.close()
-
-
-def dataset_row(item: PromptItem) -> dict[str, Any]:
-    """The parquet row an environment's reset reads: the schema's columns and every other one."""
-    return {
-        "prompt": item.prompt,
-        "data_source": item.data_source,
-        "reward_model": item.reward_model,
-        "extra_info": item.extra_info,
-        **item.extra,
-    }
 
 
 @dataclass(frozen=True)
@@ -175,7 +154,6 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         startup.layout,
         models.dims,
         models.actor.ddp,
-        models.actor.optimizer,
         engine_config=EngineConfig(
             max_model_len=cfg.data.max_prompt_length + r.max_response_length,
             kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
@@ -185,8 +163,6 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
             sleep_level=r.sleep_level,
         ),
         backend=r.backend,
-        packing=cfg.actor.packing,
-        param_offload=cfg.actor.param_offload,
         multi_turn=r.env is not None,
     )
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
@@ -222,6 +198,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         engine,
         sampling,
         val_sampling,
+        build_actor_memory(cfg, models),
         build_role_offload(cfg, models),
         turns=turns,
         env_runner=runner,

@@ -20,9 +20,10 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from megarl.data_prep.arithmetic import prepare as prepare_arithmetic
 from megarl.envs import ChatDeltas, Environment, Step
 from tests.assets import tiny_char_llama_dir
-from tests.e2e.test_train import ROOT, by_step, train
+from tests.e2e.test_train import by_step, train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -54,26 +55,8 @@ class Relay(Environment):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    import subprocess
-    import sys
-
     work = tmp_path_factory.mktemp("multi_turn")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "prepare_gsm8k.py"),
-            "--out",
-            str(work / "data"),
-            "--source",
-            "gsm-symbolic",
-            "--train-size",
-            "64",
-            "--test-size",
-            "4",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    prepare_arithmetic(work / "data", "add3", train_size=64, test_size=4)
     config = {
         "model": {"path": str(tiny_char_llama_dir())},
         "parallel": {"tp": 2, "pp": 2, "infer_tp": 2},
@@ -174,7 +157,7 @@ def test_vllm_multi_turn_mismatch_masks_and_validation(workdir, vllm_run):
     _check_mismatch_and_turns(vllm_run, 2)
     _check_dumped_masks(workdir / "vllm", 2)
     val = vllm_run[2]
-    assert val["val/turns_mean"] == 2 and val["val/openai/gsm8k/prompts"] == 4
+    assert val["val/turns_mean"] == 2 and val["val/arithmetic/prompts"] == 4
     console = (workdir / "vllm" / "console.log").read_text()
     assert "conversation=[user]" in console and "[assistant]" in console
 

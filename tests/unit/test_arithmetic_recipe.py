@@ -23,7 +23,7 @@ def test_problems_and_files(tmp_path):
     for row in train + test:
         question = row["prompt"][0]["content"]
         expression = question.removeprefix("What is ").removesuffix("?")
-        assert int(row["reward_model"]["ground_truth"]) == eval(expression)  # noqa: S307
+        assert int(row["reward_model"]["ground_truth"]) == eval(expression)
         assert row["data_source"] == "arithmetic"
     assert problems("add3", 5, seed=0) == problems("add3", 5, seed=0)
     with pytest.raises(PrepareError, match="unknown arithmetic kind"):

@@ -27,6 +27,7 @@ BENCHES = [
     "data",
     "learn_gsm",
     "multi_turn",
+    "calculator_base_rates",
 ]
 
 

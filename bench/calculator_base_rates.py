@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--examples", default="0,1,2")
+    ap.add_argument("--task", default="add3", help="a kind of megarl.data_prep.arithmetic")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 problems; CI")
     args = ap.parse_args()
@@ -118,7 +119,7 @@ def main() -> None:
     engine = VLLMRollout(
         model_dir, 1, EngineConfig(max_model_len=1024, kv_cache_bytes=512 << 20, max_num_seqs=256)
     )
-    questions = problems("add3", args.problems, seed=1)  # the recipe's held-out problems
+    questions = problems(args.task, args.problems, seed=1)  # the recipe's held-out problems
     rows = []
     for k in (int(x) for x in args.examples.split(",")):
         for temperature, n in ((1.0, args.samples), (0.0, 1)):
@@ -133,11 +134,11 @@ def main() -> None:
                 flush=True,
             )
     write_results(
-        "calculator_base_rates",
+        "calculator_base_rates" + ("" if args.task == "add3" else f"_{args.task}"),
         {
             "model": "tiny-chat-llama" if args.smoke else "SmolLM2-135M-Instruct",
             "problems": args.problems,
-            "task": "add3",
+            "task": args.task,
             "rows": rows,
         },
         smoke=args.smoke,

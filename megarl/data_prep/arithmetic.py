@@ -4,7 +4,8 @@ Each row follows the RL prompt schema with ``data_source`` ``arithmetic`` (score
 :mod:`megarl.rewards.arithmetic`: the last number of the final answer against the exact value).
 Train and test problems are drawn from separate seeds, and no test problem appears in train.
 Kinds: ``add3`` (three-digit + three-digit), ``mul2`` (two-digit x two-digit), ``mixed`` (both,
-and three-digit - three-digit).
+and three-digit - three-digit), ``words`` (the same three operations as one-sentence word
+problems: the model has to find the arithmetic in the text).
 """
 
 from __future__ import annotations
@@ -36,10 +37,35 @@ def _mul2(rng: random.Random) -> tuple[str, int]:
     return f"What is {a} * {b}?", a * b
 
 
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana")
+# (sentence with {a}, {b}, {name}; the operation); a > b for subtractions
+WORD_PROBLEMS = (
+    ("{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?", "+"),
+    ("A train travels {a} km on Monday and {b} km on Tuesday. How many km is that in all?", "+"),
+    ("A farm had {a} sheep and sold {b} of them. How many sheep are left?", "-"),
+    ("{name} saved {a} dollars and spent {b} dollars on a bike. How many dollars are left?", "-"),
+    ("There are {a} boxes with {b} pencils in each box. How many pencils are there?", "*"),
+    ("A school orders {a} packs of {b} cookies each. How many cookies does it get?", "*"),
+)
+
+
+def _words(rng: random.Random) -> tuple[str, int]:
+    text, op = rng.choice(WORD_PROBLEMS)
+    if op == "*":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+    else:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if op == "-" and a < b:
+            a, b = b, a
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return text.format(a=a, b=b, name=rng.choice(NAMES)), value
+
+
 KINDS: dict[str, list[Callable[[random.Random], tuple[str, int]]]] = {
     "add3": [_add3],
     "mul2": [_mul2],
     "mixed": [_add3, _sub3, _mul2],
+    "words": [_words],
 }
 
 

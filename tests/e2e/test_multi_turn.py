@@ -141,7 +141,7 @@ def _check_dumped_masks(out: Path, steps: int) -> None:
             assert any(v != 0.0 for v in r["rollout_log_prob"][:a])
             # each model turn's reward sits on its last token
             rewards = r["token_level_rewards"]
-            assert [i for i, v in enumerate(rewards) if v != 0] <= [a - 1, len(ids) - 1]
+            assert {i for i, v in enumerate(rewards) if v != 0} <= {a - 1, len(ids) - 1}
 
 
 def _spans(mask: list[int]) -> list[tuple[int, int, bool]]:

@@ -54,7 +54,7 @@ RECIPES = {
     "calculator": Recipe(
         _smollm2,
         4096,
-        64,
+        32,
         "outputs/learn_calculator",
         "configs/smollm2_calculator_cpu.yaml",
         arithmetic="add3",

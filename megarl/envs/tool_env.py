@@ -10,7 +10,8 @@ Chosen as ``rollout.env="megarl.envs:ToolEnvironment"`` with ``rollout.env_kwarg
 ``{tools: [calculator], parser: hermes, system_prompt: "..."}``; tools are built-in names
 (``calculator``, ``python``) or "module:function" / "file.py:function" specs of typed functions.
 ``examples``: demonstration messages placed between the system message and the row's prompt
-(few-shot); ``call_reward``: a credit for the first turn whose tool calls all succeed. Subclass it
+(few-shot); ``call_reward`` / ``attempt_reward``: credits for the first turn that calls a tool,
+when all its calls succeed / when not. Subclass it
 for other rewards per turn (override :meth:`turn_reward`) or another prompt.
 """
 
@@ -76,6 +77,7 @@ class ToolEnvironment(Environment):
         max_tool_calls: int = 4,
         examples: Sequence[Message] = (),
         call_reward: float = 0.0,
+        attempt_reward: float = 0.0,
     ) -> None:
         self.tools = {t.name: t for t in resolve_tools(tools)}
         if parser not in TOOL_PARSERS:
@@ -91,6 +93,7 @@ class ToolEnvironment(Environment):
         self.max_tool_calls = max_tool_calls
         self.examples = check_messages(list(examples), where="ToolEnvironment(examples=...)")
         self.call_reward = float(call_reward)
+        self.attempt_reward = float(attempt_reward)
         self._rewarded_call = False
 
     # -- the conversation ----------------------------------------------------------------------
@@ -122,15 +125,16 @@ class ToolEnvironment(Environment):
 
     # -- a turn --------------------------------------------------------------------------------
     def turn_reward(self, parsed: ParsedTurn, outcomes: list[ToolOutcome]) -> float | None:
-        """This turn's reward (None: none): ``call_reward`` for the trajectory's first turn whose
-        calls all ran without error (a shaping credit for using the tool well), else none. The
-        final answer's turn is left unrewarded, so the run's reward scores it."""
-        if self.call_reward == 0 or self._rewarded_call or parsed.errors:
+        """This turn's reward (None: none), shaping credits given once per trajectory, to its
+        first turn that calls a tool: ``call_reward`` when every call ran without error, else
+        ``attempt_reward`` (a call was written but is malformed or failed). The final answer's
+        turn is left unrewarded, so the run's reward scores it."""
+        if self._rewarded_call or not (self.call_reward or self.attempt_reward):
             return None
-        if outcomes and all(o.ok for o in outcomes):
-            self._rewarded_call = True
+        self._rewarded_call = True
+        if not parsed.errors and outcomes and all(o.ok for o in outcomes):
             return self.call_reward
-        return None
+        return self.attempt_reward
 
     async def step(self, messages: list[Message]) -> Step:
         parsed = self.parse(messages[-1]["content"])

@@ -139,9 +139,10 @@ def test_tool_environment_turns():
     assert asyncio.run(shaped.step(turn)).reward == 0.2  # the first good call earns the credit
     assert asyncio.run(shaped.step(turn)).reward is None  # once per trajectory
     bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
-    fresh = ToolEnvironment(tools=["calculator"], call_reward=0.2)
+    fresh = ToolEnvironment(tools=["calculator"], call_reward=0.2, attempt_reward=0.05)
     bind_context(fresh, EnvContext(pool=pool))
-    assert asyncio.run(fresh.step([{"role": "assistant", "content": bad}])).reward is None
+    assert asyncio.run(fresh.step([{"role": "assistant", "content": bad}])).reward == 0.05
+    assert asyncio.run(fresh.step(turn)).reward is None  # a credit per trajectory, the first
     with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
         ToolEnvironment(tools=["abacus"])
     with pytest.raises(ConfigError, match="unknown tool-call parser"):

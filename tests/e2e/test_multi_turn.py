@@ -2,8 +2,9 @@
 defined in this file through the public API (``rollout.env=<this file>:Relay``).
 
 Three launches: the real CPU vLLM at TP2 (2 steps, validation at 2), the Hugging Face rollout
-backend (3 steps, checkpoint at 2) and its resume from step 2. Checked: the rollout-trainer logprob
-mismatch over model tokens is <= 1e-4 (fp32) at every step; in the dumped rollouts
+backend (3 steps, checkpoint at 2) and its resume from step 2. Checked: each sample's environment
+runs once (not once per tensor-parallel rank); the rollout-trainer logprob mismatch over model
+tokens is <= 1e-4 (fp32) at every step, in the metrics and token by token; in the dumped rollouts
 (trainer.dump_rollouts) the response mask is 0 exactly at the environment's tokens, which are the
 chat template's delta of its messages, token for token, and carry no advantage, no rollout
 logprob and no reward; the resumed steps equal the uninterrupted ones; validation shows whole
@@ -35,10 +36,13 @@ class Relay(Environment):
     """Two model turns: the first answered with a follow-up question; each turn rewarded by its
     share of vowels (learnable by a tiny model in a few steps)."""
 
-    def __init__(self, turns: int = 2):
-        self.turns, self.seen = turns, 0
+    def __init__(self, turns: int = 2, log_file: str | None = None):
+        self.turns, self.seen, self.log_file = turns, 0, log_file
 
     def reset(self, row):
+        if self.log_file:  # a side effect: one line per reset, wherever it runs
+            with open(self.log_file, "a") as f:
+                f.write(f"{self.seed}\n")
         prompt = row["prompt"]
         text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         return [{"role": "user", "content": f"{text[:30]} ({self.rng.randint(0, 9)})"}]
@@ -95,6 +99,7 @@ def vllm_run(workdir) -> dict[int, dict]:
         train(
             workdir,
             "vllm",
+            f"rollout.env_kwargs.log_file={workdir / 'resets.txt'}",
             "trainer.total_steps=2",
             "trainer.save_freq=0",
             "trainer.test_freq=2",
@@ -139,6 +144,10 @@ def _check_dumped_masks(out: Path, steps: int) -> None:
             for key in ("advantages", "rollout_log_prob", "token_level_rewards"):
                 assert all(v == 0.0 for v in r[key][a:b]), key
             assert any(v != 0.0 for v in r["rollout_log_prob"][:a])
+            # the trainer scored the same ids: its logprobs equal the rollout engine's
+            model = [k for k, m in enumerate(mask) if m]
+            assert all(r["old_log_prob"][k] < 0 for k in model)
+            assert max(abs(r["old_log_prob"][k] - r["rollout_log_prob"][k]) for k in model) <= 1e-4
             # each model turn's reward sits on its last token
             rewards = r["token_level_rewards"]
             assert {i for i, v in enumerate(rewards) if v != 0} <= {a - 1, len(ids) - 1}
@@ -156,6 +165,10 @@ def _spans(mask: list[int]) -> list[tuple[int, int, bool]]:
 def test_vllm_multi_turn_mismatch_masks_and_validation(workdir, vllm_run):
     _check_mismatch_and_turns(vllm_run, 2)
     _check_dumped_masks(workdir / "vllm", 2)
+    # each sample's environment ran once (on one rank of its TP2 engine), with its own seed:
+    # 2 steps x 16 samples + 4 validation samples
+    seeds = (workdir / "resets.txt").read_text().split()
+    assert len(seeds) == 36 and len(set(seeds)) == 36
     val = vllm_run[2]
     assert val["val/turns_mean"] == 2 and val["val/arithmetic/prompts"] == 4
     console = (workdir / "vllm" / "console.log").read_text()

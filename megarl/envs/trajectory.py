@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megarl.envs.base import Message
+from megarl.envs.base import EnvError, Message
 
 # Why a trajectory ended: the environment said done | its token budget ran out | it used
 # rollout.max_turns model turns | its environment failed (reward 0, counted).
@@ -118,3 +118,15 @@ def trajectory_metrics(trajectories: list[Trajectory], env_seconds: float) -> di
         elif key != "tool_s":  # per-call seconds: rollout/tool_s is the wall time
             out[_NAMED.get(key, f"rollout/env/{key}_mean")] = sum(values) / n
     return out
+
+
+def check_env_failures(trajectories: list[Trajectory], max_failed_share: float) -> None:
+    """Raise EnvError, showing the first failure, when more than ``max_failed_share`` of a step's
+    trajectories failed in their environment (rollout.max_env_failures)."""
+    failed = [t for t in trajectories if t.finish == "error"]
+    if failed and len(failed) > max_failed_share * len(trajectories):
+        raise EnvError(
+            f"{len(failed)} of the step's {len(trajectories)} samples failed in their environment, "
+            f"more than rollout.max_env_failures={max_failed_share:g} of them; the first "
+            f"(sample {failed[0].sample}):\n{failed[0].error}"
+        )

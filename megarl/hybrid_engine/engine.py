@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megarl import parallel, platform
-from megarl.envs.base import EnvError
 from megarl.envs.runner import EnvRunner
-from megarl.envs.trajectory import Trajectory, trajectory_metrics
+from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -398,13 +397,7 @@ class HybridEngine:
         for _, ts, sec in sorted((r for r in results if r is not None), key=lambda r: r[0]):
             step += ts
             seconds = max(seconds, sec)
-        failed = [t for t in step if t.finish == "error"]
-        if failed and len(failed) > max_failed_share * len(step):
-            raise EnvError(
-                f"{len(failed)} of the step's {len(step)} samples failed in their environment, "
-                f"more than rollout.max_env_failures={max_failed_share:g} of them; the first "
-                f"(sample {failed[0].sample}):\n{failed[0].error}"
-            )
+        check_env_failures(step, max_failed_share)
         ours = [t for t in step if a * n <= t.sample < b * n]
         output = RolloutOutput(
             prompt_index=[t.sample // n - a for t in ours],

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from megarl.envs import ChatDeltas, Environment, Step, ToolPool
+from megarl.envs import ChatDeltas, EnvError, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner, env_seed
-from megarl.envs.trajectory import trajectory_metrics
+from megarl.envs.trajectory import check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from tests.assets import qwen25_tokenizer_dir
@@ -158,9 +158,18 @@ def test_a_failing_environment_fails_its_sample_only(tok):
     assert failed.finish == "error" and "reset broke" in failed.error
     assert failed.mask == [0] and failed.prompt_ids == tok("q")["input_ids"]
     assert trajs[0].finish == "stop" and trajs[2].finish == "stop"
+    # rollout.max_env_failures: 1 of 3 failed passes a share of 0.5, stops the run at 0.3
+    check_env_failures(trajs, 0.5)
+    with pytest.raises(
+        EnvError, match=r"(?s)1 of the step's 3 samples.*0\.3.*sample 1.*reset broke"
+    ):
+        check_env_failures(trajs, 0.3)
     trajs, _ = _run(tok, range(2), limits, rounds=3, fail_on="step")
     assert all(t.finish == "error" and "must return megarl.envs.Step" in t.error for t in trajs)
     assert trajectory_metrics(trajs, 0.0)["rollout/env_failures"] == 2
+    check_env_failures(trajs, 1.0)  # every sample may fail
+    with pytest.raises(EnvError, match="2 of the step's 2 samples"):
+        check_env_failures(trajs, 0.0)
 
 
 def test_trajectories_do_not_depend_on_the_split_over_engines(tok):

@@ -69,6 +69,7 @@ INTENDED = {
     "quickstart_cpu.yaml": (1, None),
     "dapo_quickstart_cpu.yaml": (1, None),
     "smollm2_gsm_cpu.yaml": (1, None),
+    "smollm2_calculator_cpu.yaml": (1, None),
     "grpo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "grpo_qwen2_5_7b_lora.yaml": (8, QWEN25_7B),
     "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),

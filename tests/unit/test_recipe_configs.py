@@ -74,6 +74,7 @@ INTENDED = {
     "chain_sft_cpu.yaml": (1, None),
     "chain_dpo_cpu.yaml": (1, None),
     "chain_grpo_cpu.yaml": (1, None),
+    "smollm2_calculator_cpu.yaml": (1, None),
     "grpo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "grpo_qwen2_5_7b_lora.yaml": (8, QWEN25_7B),
     "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),

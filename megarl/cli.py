@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
+from megarl.console import START_ENV, announce
 from megarl.errors import MegarlError
 
 
@@ -36,6 +39,8 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.launch import run_torchrun, under_launcher
     from megarl.parallel import ParallelLayout
     from megarl.run.checks import check_inputs
+    from megarl.run.output_dir import check_output_dir, move_aside
+    from megarl.run.verification import precheck_resume
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
@@ -50,7 +55,13 @@ def _train(args: argparse.Namespace) -> int:
     validate(cfg, nproc)
     p = cfg.parallel
     layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
-    check_inputs(cfg, layout)  # model folder, layout vs model, data files
+    check_inputs(cfg, layout)  # model folder, layout vs model, data files, import paths
+    if check_output_dir(cfg):  # an earlier run in trainer.output_dir: refused, or moved aside
+        move_aside(cfg.trainer.output_dir)
+        module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
+    elif cfg.trainer.resume == "auto":
+        precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
+    announce(f"starting {nproc} rank(s) with torchrun")
     return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
 
 
@@ -140,8 +151,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Verbs whose positional arguments end with ``key=value`` overrides, which may come anywhere on
+# the command line (before, between or after the options).
+OVERRIDE_VERBS = ("train", "train-rm")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with a training verb's overrides taken wherever they stand."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in OVERRIDE_VERBS:
+        stray = [a for a in rest if a.startswith("-") or "=" not in a]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    os.environ[START_ENV] = str(time.time())  # the start-up lines count from the command
+    args = parse(argv)
     try:
         return int(args.func(args) or 0)
     except MegarlError as e:

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.console import quiet_rank_console
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported
+    from megarl.run.preemption import stop_exit_code  # imports torch
+
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code
-    return 0
+    return stop_exit_code()  # 130 when a Ctrl-C stopped the run (after its checkpoint)
 
 
 if __name__ == "__main__":

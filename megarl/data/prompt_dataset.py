@@ -95,7 +95,7 @@ class PromptDataset:
             required["reward_model"] = REWARD_MODEL
         hint = (
             "Expected verl's RL parquet columns: prompt, data_source, reward_model.ground_truth "
-            "(set require_ground_truth=False if rewards come from a reward model), extra_info."
+            "(read by rule scorers), extra_info."
         )
         for info in infos:
             check_columns(

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megarl import parallel, platform
+from megarl.console import announce
 from megarl.errors import LayoutError
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
@@ -274,5 +275,6 @@ def build_model(
     layout.check_model(dims.shape)
     model = build_gpt_model(dims, layout, role, opts)
     if load:
+        announce(f"loading the {role}'s weights from {hf_dir}")
         load_hf_into_model(model, hf_dir, dims, layout, role=role)
     return model, dims

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from megarl import parallel, platform
 from megarl.algos import bradley_terry_loss
 from megarl.config import RunConfig
+from megarl.console import announce
 from megarl.data import PreferenceDataset, PreferenceItem
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.models.dims import ModelDims
@@ -27,11 +29,13 @@ from megarl.models.forward import LossFn, broadcast_from_last_stage, run_schedul
 from megarl.parallel import ParallelLayout
 from megarl.reward_model.pairs import PairMicroBatch, pair_micro_batches
 from megarl.rewards.model import last_token_scores
+from megarl.run import watchdog
 from megarl.run.epochs import EpochBatches
 from megarl.run.finite import NonFiniteError, all_finite
+from megarl.run.guards import RunGuards
 from megarl.run.resume import resume, resume_point, save, save_due
 from megarl.run.startup import Startup, start
-from megarl.run.steps import log_step, summary
+from megarl.run.steps import log_step, summary, timed
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import Trainable, build_trainable, model_options, optim_settings
 
@@ -165,9 +169,11 @@ def evaluate(
 
 def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     """Run a reward-model config to ``trainer.total_steps`` (resuming when asked)."""
+    guards = RunGuards()  # preemption signals (honoured at step ends), hang watchdog
     startup = start(cfg, with_rollout=False)
     layout, pad_id = startup.layout, startup.pad_id
     resume_from = resume_point(cfg, {"reward": cfg.model.path})  # before any model is built
+    announce(f"reading data: {', '.join(cfg.data.train_files)}")
     train_data = _dataset(
         cfg,
         cfg.data.train_files,
@@ -177,6 +183,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         shuffle=cfg.data.shuffle,
         setting="data.train_files",
     )
+    announce("building models: reward model")
     reward, dims = build_trainable(
         cfg.model.path,
         layout,
@@ -190,6 +197,8 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         train_data.load_state_dict(resumed.state["data"])
     first, history = resumed.step, list(resumed.history)
     tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=first)
+    guards.start(cfg.trainer.hang_timeout_s)
+    announce(f"first step: {first + 1} of {cfg.trainer.total_steps}")
     validating = bool(cfg.data.val_files and cfg.trainer.test_freq)
     if first == 0 and validating:  # before training
         tracker.log_metrics(_validation(roles, startup), 0)
@@ -197,28 +206,33 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         train_data, "the training data yields no batch: fewer pairs than data.train_batch_size"
     )
     loss_fn = _pair_loss(cfg.reward_model.margin, pad_id)
+
+    def save_checkpoint(step: int) -> Path:
+        data, run_id = train_data.state_dict(), tracker.run_id
+        return save(cfg, step, roles, data=data, tracker_run_id=run_id, history=history)
+
     last: dict[str, float] = {}
     for step in range(first, cfg.trainer.total_steps):
+        guards.begin_step(step)
         t0 = time.perf_counter()
         items = batches.next()
-        m: StepMetrics = declare(_update(roles.reward, cfg, items, pad_id, loss_fn))
+        m: StepMetrics = {}
+        with timed(m, "update"):
+            update = _update(roles.reward, cfg, items, pad_id, loss_fn)
+        m.update(declare(update))
         m.update(declare(train_data.metrics()))
         m["perf/step_s"] = mean(time.perf_counter() - t0)
         m["perf/tokens_per_s"] = mean(_tokens(items) * layout.dp / m["perf/step_s"].value)
         last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
         if validating and (step + 1) % cfg.trainer.test_freq == 0:
-            val = _validation(roles, startup)
+            with watchdog.phase("validation", step):
+                val = _validation(roles, startup)
             tracker.log_metrics(val, step + 1)
             last.update(val)
-        if save_due(cfg, step + 1):
-            save(
-                cfg,
-                step + 1,
-                roles,
-                data=train_data.state_dict(),
-                tracker_run_id=tracker.run_id,
-                history=history,
-            )
+        # a stop signal on any rank (SIGTERM, SIGUSR1, Ctrl-C): checkpoint, then end the run
+        if guards.end_step(step, save_due(cfg, step + 1), save_checkpoint):
+            break
+    guards.close()
     if startup.rank == 0 and history:
         print(summary(history, "rm/accuracy", last), flush=True)
     tracker.close()

@@ -6,63 +6,19 @@ in a user's file works in a process pool without being importable as a package.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from megarl.errors import ConfigError
-
-_FORM = "give 'package.module:function' or 'path/to/file.py:function'"
-
-
-def _module_from_file(path: str) -> Any:
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(path):
-        raise ConfigError(f"scorer file '{path}' does not exist; {_FORM}.")
-    # One module per file path, registered so pickling and dataclasses inside it work.
-    name = "megarl_user_scorer_" + hashlib.sha256(path.encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"scorer file '{path}' cannot be loaded as Python; {_FORM}.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise ConfigError(f"scorer file '{path}' failed to import: {type(e).__name__}: {e}") from e
-    return module
+from megarl.import_paths import load_object
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
     """The function a spec names; a ConfigError says what is wrong with the spec."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ConfigError(f"scorer {spec!r} is not a function spec; {_FORM}.")
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr:
-        raise ConfigError(f"scorer {spec!r} is not a function spec; {_FORM}.")
-    if where.endswith(".py") or os.sep in where or "/" in where:
-        module = _module_from_file(where)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(
-                f"scorer {spec!r}: cannot import module '{where}' ({e}); {_FORM}."
-            ) from e
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ConfigError(f"scorer {spec!r}: '{where}' has no attribute '{attr}'.")
+    fn = load_object(spec, f"scorer {spec!r}")
     if not callable(fn):
-        raise ConfigError(f"scorer {spec!r}: '{attr}' is not callable.")
+        raise ConfigError(f"scorer {spec!r}: '{spec.rpartition(':')[2]}' is not callable.")
     return fn
 
 

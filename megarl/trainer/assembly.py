@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 from megarl import parallel
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
+from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
 from megarl.models.dims import ModelDims
+from megarl.run.checks import rules_need_ground_truth
 from megarl.run.epochs import EpochBatches
 from megarl.run.resume import Resumed, resume, resume_point, save
 from megarl.run.startup import Startup, start
@@ -106,7 +108,7 @@ def build_data(cfg: RunConfig, startup: Startup) -> PolicyData:
             shuffle=cfg.data.shuffle and not validation,
             drop_last=not validation,
             overlong_prompts=cfg.data.overlong_prompts,
-            require_ground_truth=False,
+            require_ground_truth=rules_need_ground_truth(cfg),
             setting=setting,
         )
 
@@ -183,6 +185,18 @@ def restore(
     rollout.engine.rollout_count = resumed.state["rollouts"]
 
 
+def spec_roles(spec: AlgorithmSpec, cfg: RunConfig) -> list[str]:
+    """The models this run builds, by role, as the start-up line names them."""
+    roles = ["actor"]
+    if spec.needs_reference:
+        roles.append("reference (the actor's base)" if cfg.actor.lora.rank else "reference")
+    if spec.needs_critic:
+        roles.append("critic")
+    if cfg.reward.model_path:
+        roles.append("reward model")
+    return roles
+
+
 def setup_run(cfg: RunConfig) -> PolicyRun:
     startup = start(cfg, with_rollout=True)
     spec = resolve_algorithm(cfg, ModelDims.from_pretrained(cfg.model.path).vocab_size)
@@ -190,13 +204,17 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
     resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
+    announce(f"reading data: {', '.join(cfg.data.train_files)}")
     data = build_data(cfg, startup)
+    announce(f"building models: {', '.join(spec_roles(spec, cfg))}")
     models = build_roles(cfg, startup.layout, spec)
     rewards = build_rewards(cfg, startup)
+    announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
     rollout = build_rollout(cfg, startup, models)
     kl_ctrl = make_kl_in_reward_controller(cfg)
     resumed = resume(resume_from, models, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)
+    announce(f"first step: {resumed.step + 1} of {cfg.trainer.total_steps}")
     return PolicyRun(
         cfg=cfg,
         startup=startup,

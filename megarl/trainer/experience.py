@@ -24,6 +24,7 @@ from megarl.config import OverlongBufferConfig, RunConfig
 from megarl.data import PromptItem
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.metrics import StepMetrics, declare, mean
+from megarl.rewards.failures import Failures, describe_first
 from megarl.rewards.manager import RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
@@ -34,6 +35,7 @@ from megarl.trainer.model_ops import (
     response_log_probs,
     response_values,
 )
+from megarl.trainer.reward_failures import non_finite_model_scores, stop_on_failed_scores
 from megarl.trainer.roles import Roles
 from megarl.trainer.spec import AlgorithmSpec
 
@@ -52,6 +54,8 @@ class RewardSources:
     model_weight: float
     overlong: OverlongBufferConfig  # DAPO's overlong shaping (len 0: off)
     max_response_length: int
+    max_failed_fraction: float = 0.5  # reward.max_failed_fraction
+    model_path: str | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig, model: GPTModel | None) -> RewardSources:
@@ -66,6 +70,8 @@ class RewardSources:
             r.model_weight,
             r.overlong_buffer,
             cfg.rollout.max_response_length,
+            r.max_failed_fraction,
+            r.model_path,
         )
 
     def close(self) -> None:
@@ -82,8 +88,9 @@ def rule_scores(
     batch: RolloutBatch,
     texts: list[str],
     device: torch.device,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """One rule score per sample (the reward manager's scorers, on ``device``) and their metrics."""
+) -> tuple[torch.Tensor, dict[str, float], Failures]:
+    """One rule score per sample (the reward manager's scorers, on ``device``), their metrics and
+    failures."""
     samples = [
         RewardSample(
             data_source=items[i].data_source,
@@ -94,7 +101,11 @@ def rule_scores(
         for i, text in zip(batch.output.prompt_index, texts, strict=True)
     ]
     result = rewards.score(samples)
-    return torch.tensor(result.scores, dtype=torch.float32, device=device), dict(result.metrics)
+    failures = Failures(
+        len(result.failures), len(samples), describe_first(rewards, samples, result)
+    )
+    scores = torch.tensor(result.scores, dtype=torch.float32, device=device)
+    return scores, dict(result.metrics), failures
 
 
 def score_rollout(
@@ -115,9 +126,11 @@ def score_rollout(
     device = samples.input_ids.device
     metrics: dict[str, float] = {}
     rule = torch.zeros(samples.size, device=device)
+    failures: list[Failures] = []
     if rewards.rule_weight != 0:
-        rule, metrics = rule_scores(rewards.rules, items, batch, texts, device)
+        rule, metrics, rule_failures = rule_scores(rewards.rules, items, batch, texts, device)
         metrics["reward/rule_mean"] = float(rule.mean())
+        failures.append(rule_failures)
     model = None
     if rewards.model is not None:
         model = score_sequences(
@@ -130,6 +143,9 @@ def score_rollout(
         )
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
+        failures.append(non_finite_model_scores(model, rewards.model_path))
+    # reward.max_failed_fraction: a broken reward stops the run here, before any update
+    stop_on_failed_scores(failures, rewards.max_failed_fraction)
     scores = combine_scores(rule, model, rewards.rule_weight, rewards.model_weight)
     buf = rewards.overlong
     if shaping and buf.len > 0:

@@ -66,7 +66,7 @@ class Preemption:
             os.kill(os.getpid(), signum)
             return
         self.received = sig
-        if self.rank == 0 or not os.environ.get(LAUNCHER_ENV):  # the launcher said it already
+        if not os.environ.get(LAUNCHER_ENV):  # (megarl's launcher has said it for all ranks)
             print(
                 f"megarl: rank {self.rank}: {sig.name} received: finishing the current step, "
                 "then saving a checkpoint (a second signal stops at once)",

@@ -26,7 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("train")
+    return make_workdir(tmp_path_factory.mktemp("train"))
+
+
+def make_workdir(work: Path) -> Path:
+    """GSM-Symbolic prompts and ``run.yaml``: 2 GRPO steps of the tiny model, MLflow in WORK."""
     subprocess.run(
         [
             sys.executable,
@@ -215,6 +219,9 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir, fu
     }
     assert expected <= logged, sorted(expected - logged)
     assert any(r.data.params.get("algorithm.adv_estimator") == "grpo" for r in runs)
+    # every fresh run is named after the experiment and its start (not MLflow's seeded names)
+    fresh = [r.info.run_name for r in runs]
+    assert all(re.fullmatch(r"megarl-\d{8}-\d{6}", n) for n in fresh), fresh
     # the validation generations: one MLflow table artifact per pass (before training, 2, 4)
     [run] = [r for r in runs if r.data.params.get("trainer.output_dir") == str(workdir / "full")]
     names = {a.path for a in client.list_artifacts(run.info.run_id, "validation")}
@@ -310,12 +317,28 @@ def test_console_is_quiet_by_default(workdir, full_run):
     assert not [line for line in lines if re.search(r"\bINFO\b", line)]
     assert "FutureWarning" not in text and "Loading safetensors checkpoint shards" not in text
     assert len([line for line in lines if re.match(r"\[[#.]{20}\] step [1-4]/4 ", line)]) == 4
-    assert len(lines) < 15, text
+    # start-up: what rank 0 is doing, timed from the command (no silent half minute)
+    startup = [
+        m.group(1) for line in lines if (m := re.match(r"megarl: \[ *\d+\.\ds\] (.*)", line))
+    ]
+    assert [s.split(":")[0].split(" (")[0] for s in startup] == [
+        "starting 1 rank(s) with torchrun",
+        "started 1 rank(s); checking the inputs",
+        "reading data",
+        "building models",
+        "loading the actor's weights from " + str(tiny_char_llama_dir()),
+        "loading the reference's weights from " + str(tiny_char_llama_dir()),
+        "starting the rollout engine",
+        "first step",
+    ], startup
+    assert len(lines) < 25, text
 
 
-def test_a_settings_error_on_a_rank_ends_the_output(workdir):
-    """reward.custom_fn is loaded inside the ranks (setup_run): its error must be the last line
-    the user sees, without torchrun's report, and the exit code must be the rank's (2)."""
+def test_a_wrong_scorer_path_is_refused_before_launch(workdir):
+    """reward.custom_fn is imported and its signature checked before any process starts (the
+    models of a large run take minutes to load): one line naming the setting, exit 2, no
+    traceback. (An error raised on the ranks ends the output the same way: see the failing
+    reward of tests/e2e/test_reliability.py.)"""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
@@ -339,7 +362,11 @@ def test_a_settings_error_on_a_rank_ends_the_output(workdir):
     )
     assert proc.returncode == 2, proc.stdout[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[-1].startswith("megarl: error: scorer 'megarl.rewards.toy:no_such_scorer'"), lines
+    assert lines[-1].startswith(
+        "megarl: error: reward.custom_fn='megarl.rewards.toy:no_such_scorer': "
+        "'megarl.rewards.toy' has no attribute 'no_such_scorer'"
+    ), lines
+    assert "starting 1 rank(s)" not in proc.stdout  # nothing was launched
     assert "ChildFailedError" not in proc.stdout and "Traceback" not in proc.stdout
 
 
@@ -498,6 +525,86 @@ def test_sigterm_checkpoints_and_exits_0_then_resume_continues_exactly(workdir, 
         for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert resumed[step][key] == pytest.approx(full_run[step][key], abs=1e-6), (step, key)
     assert resumed[4]["val/reward_mean"] == pytest.approx(full_run[4]["val/reward_mean"], abs=1e-6)
+
+
+def test_damaged_checkpoint_refused_by_convert_resume_falls_back_and_ctrl_c_saves(
+    workdir, full_run, capsys
+):
+    """The full run's folder, copied, with 4 KiB of random bytes written into one data file of its
+    latest checkpoint (step 4), and a copy of that checkpoint with a data file truncated.
+
+    `megarl convert mcore-to-hf` refuses both (exit 2, the file named, no traceback), following
+    `latest` from the run's checkpoints/ folder; the intact step-2 folder exports. `megarl train`
+    (resume=auto) reports the damaged checkpoint, keeps it as step_00000004.damaged and resumes
+    from step 2; a Ctrl-C (SIGINT to the launcher) during step 3 lets the step finish, saves it
+    and exits 130 saying where to resume. The steps the first run had logged after step 2 are
+    redone, and metrics.jsonl, MLflow and TensorBoard hold each step once."""
+    out = workdir / "damaged"
+    shutil.copytree(workdir / "full", out, ignore=shutil.ignore_patterns("wandb", "console.log"))
+    ckpts = out / "checkpoints"
+    data = ckpts / "step_00000004" / "actor" / "mcore" / "__0_1.distcp"
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        f.write(os.urandom(4096))
+    truncated = workdir / "truncated" / "step_00000004"
+    shutil.copytree(workdir / "full" / "checkpoints" / "step_00000004", truncated)
+    cut = truncated / "actor" / "mcore" / "__0_0.distcp"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 3])
+    for ckpt, found in (
+        (ckpts, "mcore/__0_1.distcp: its bytes differ from what was written (checksum mismatch)"),
+        (truncated, "mcore/__0_0.distcp is "),
+    ):
+        args = ["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(workdir / "hf_bad")]
+        assert cli_main([*args, "--quiet"]) == 2, ckpt
+        err = capsys.readouterr().err
+        assert found in err and "is damaged" in err and "Nothing was exported" in err, err
+        assert "Traceback" not in err and not (workdir / "hf_bad").exists()
+    good = ["--ckpt", str(ckpts / "step_00000002"), "--out", str(workdir / "hf_step2"), "--quiet"]
+    assert cli_main(["convert", "mcore-to-hf", *good]) == 0
+    assert "(actor of step_00000002)" in capsys.readouterr().out
+
+    proc = launch(
+        workdir,
+        "damaged",
+        *FULL,
+        "trainer.loggers=[console,mlflow,tensorboard]",
+        fault="sigint@step:step=3",
+    )
+    err = proc.stderr
+    assert proc.returncode == 130, err[-3000:]
+    assert f"checkpoint {ckpts / 'step_00000004'} is damaged: actor/mcore/__0_1.distcp" in err
+    assert "Kept as step_00000004.damaged" in err
+    assert "resuming from step_00000002, the newest intact checkpoint" in err
+    assert "SIGINT received" in err and "press Ctrl-C again to stop at once" in err
+    assert f"interrupted: stopped after step 3; checkpoint {ckpts / 'step_00000003'}" in err
+    assert "Traceback" not in err and "ChildFailedError" not in err
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "latest",
+        "step_00000002",
+        "step_00000003",
+        "step_00000004.damaged",
+    ]
+    assert (ckpts / "latest").read_text().strip() == "step_00000003"
+    records = metrics(workdir, "damaged")
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3]
+    assert [r["step"] for r in records if "val/reward_mean" in r] == [0, 2]
+    resumed = by_step(records)
+    for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert resumed[3][key] == pytest.approx(full_run[3][key], abs=1e-6), key
+
+    import mlflow
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_id = json.loads((out / "tracking_ids.json").read_text())["mlflow"]
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    for key in ("reward/mean", "actor/pg_loss", "val/reward_mean"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == sorted(set(steps)), (key, steps)  # each step once
+    assert sorted(m.step for m in client.get_metric_history(run_id, "reward/mean")) == [1, 2, 3, 4]
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("val/reward_mean")] == [0, 2]
 
 
 def test_a_rank_stuck_while_the_others_wait_in_a_collective_ends_the_job(workdir):

@@ -1,8 +1,9 @@
 """The typed run configuration: one dataclass per section, one default per setting.
 
-A run is a YAML file plus dotted overrides (``actor.lr=1e-6``), merged onto these dataclasses by
-OmegaConf. Unknown keys, wrong types and inconsistent batch sizes are :class:`ConfigError` s that
-name the setting and the fix, raised before any model or process starts.
+A run is a YAML file plus dotted overrides (``actor.optim.lr=1e-6``), merged onto these
+dataclasses by OmegaConf. Unknown keys (named in full, with megarl's key for verl's: see
+:mod:`megarl.config_keys`), wrong types and inconsistent batch sizes are :class:`ConfigError` s
+that name the setting and the fix, raised before any model or process starts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Settings that name Python code (``reward.custom_fn``, ``rollout.env`` ...): imported and checked
-before any model is built, so a typo costs seconds, not the minutes a large model takes to load.
+"""Settings that name Python code (``reward.custom_fn``, and any other listed in
+``megarl.run.checks.IMPORT_SETTINGS``): imported and checked before any model is built, so a typo
+costs seconds, not the minutes a large model takes to load.
 
 A path is ``package.module:name`` or ``path/to/file.py:name`` (a file is imported as a module of
 its own, registered so that pickling what it defines works in worker processes).

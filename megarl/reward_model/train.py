@@ -35,7 +35,7 @@ from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.guards import RunGuards
 from megarl.run.resume import resume, resume_point, save, save_due
 from megarl.run.startup import Startup, start
-from megarl.run.steps import log_step, summary, timed
+from megarl.run.steps import announce_steps, log_step, summary, timed
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import Trainable, build_trainable, model_options, optim_settings
 
@@ -198,7 +198,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     first, history = resumed.step, list(resumed.history)
     tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=first)
     guards.start(cfg.trainer.hang_timeout_s)
-    announce(f"first step: {first + 1} of {cfg.trainer.total_steps}")
+    announce_steps(first, cfg.trainer.total_steps)
     validating = bool(cfg.data.val_files and cfg.trainer.test_freq)
     if first == 0 and validating:  # before training
         tracker.log_metrics(_validation(roles, startup), 0)

@@ -7,7 +7,9 @@ checkpoints_tools exports) and ``trainer/trainer_state.pt`` (plain data, written
 Everything is first written under the hidden ``.step_NNNNNNNN.partial`` and renamed at the end,
 so a crash or a failed write mid-save leaves the previous checkpoint as the latest and nothing
 half-written under a visible name. Older checkpoints are then removed as ``trainer.keep_last`` /
-``keep_every`` say (:mod:`megarl.run.retention`).
+``keep_every`` say (:mod:`megarl.run.retention`). Every file is listed with its size and checksum
+in a manifest (each role folder's, and the step folder's for ``trainer/``), which a resume checks
+before it loads anything (:mod:`megarl.run.verification`).
 
 Models and optimizer states are megatron dist checkpoints in model space (the distributed
 optimizer.s ``fully_reshardable`` format): one global tensor per parameter and state,

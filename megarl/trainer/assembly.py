@@ -23,6 +23,7 @@ from megarl.run.checks import rules_need_ground_truth
 from megarl.run.epochs import EpochBatches
 from megarl.run.resume import Resumed, resume, resume_point, save
 from megarl.run.startup import Startup, start
+from megarl.run.steps import announce_steps
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
@@ -214,7 +215,7 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     kl_ctrl = make_kl_in_reward_controller(cfg)
     resumed = resume(resume_from, models, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)
-    announce(f"first step: {resumed.step + 1} of {cfg.trainer.total_steps}")
+    announce_steps(resumed.step, cfg.trainer.total_steps)
     return PolicyRun(
         cfg=cfg,
         startup=startup,

@@ -23,7 +23,7 @@ import megarl.checkpoint.manifest as manifest
 from megarl.cli import main as cli_main
 from megarl.run import trainer_state
 from megarl.testing.assets import tiny_char_llama_dir
-from tests.e2e.test_train import make_workdir
+from tests.e2e.test_train import make_workdir, megarl_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,28 +58,16 @@ def test_nan_reward_stops_the_run_and_overwrite_moves_the_earlier_run_aside(work
     assert f"trainer.output_dir={out} holds an earlier run" in err
     assert "trainer.resume=auto" in err and "trainer.overwrite=true" in err
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megarl.cli",
-            "train",
-            run,
-            f"trainer.output_dir={out}",
-            "--nproc-per-node",
-            "1",
-            f"data.train_files={work / 'data' / 'train.parquet'}",  # no brackets
-            "trainer.overwrite=true",
-            f"reward.custom_fn={work / 'nan_scorer.py'}:score",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=work,
-        timeout=900,
+    proc = megarl_command(
+        work,
+        "train",
+        run,
+        f"trainer.output_dir={out}",
+        "--nproc-per-node",
+        "1",
+        f"data.train_files={work / 'data' / 'train.parquet'}",  # no brackets
+        "trainer.overwrite=true",
+        f"reward.custom_fn={work / 'nan_scorer.py'}:score",
     )
     text = proc.stdout
     assert proc.returncode == 2, text[-3000:]

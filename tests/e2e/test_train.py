@@ -94,6 +94,22 @@ def launch(
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=1200)
 
 
+def megarl_command(work: Path, *args: str) -> subprocess.CompletedProcess:
+    """``megarl ARGS`` run in WORK as a user types it; stdout and stderr together in .stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    env.pop("MEGARL_FAULT", None)
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=work,
+        timeout=1200,
+    )
+
+
 def metrics(work: Path, out: str) -> list[dict]:
     lines = (work / out / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -339,26 +355,14 @@ def test_a_wrong_scorer_path_is_refused_before_launch(workdir):
     models of a large run take minutes to load): one line naming the setting, exit 2, no
     traceback. (An error raised on the ranks ends the output the same way: see the failing
     reward of tests/e2e/test_reliability.py.)"""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megarl.cli",
-            "train",
-            str(workdir / "run.yaml"),
-            f"trainer.output_dir={workdir / 'bad_scorer'}",
-            "reward.custom_fn=megarl.rewards.toy:no_such_scorer",
-            "--nproc-per-node",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=workdir,
-        timeout=600,
+    proc = megarl_command(
+        workdir,
+        "train",
+        str(workdir / "run.yaml"),
+        f"trainer.output_dir={workdir / 'bad_scorer'}",
+        "reward.custom_fn=megarl.rewards.toy:no_such_scorer",
+        "--nproc-per-node",
+        "1",
     )
     assert proc.returncode == 2, proc.stdout[-3000:]
     lines = proc.stdout.strip().splitlines()

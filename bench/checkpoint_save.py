@@ -67,11 +67,11 @@ def main() -> int:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
     from megarl.models.build import ModelOptions
+    from megarl.models.distributed import OptimSettings
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.run import checkpointing
     from megarl.run.trainable import build_trainable
-    from megarl.models.distributed import OptimSettings
     from megarl.testing.assets import smollm2_dir, tiny_llama_dir
 
     adapt_megatron_for_cpu()
@@ -103,16 +103,22 @@ def main() -> int:
             t0 = time.perf_counter()
             if kind == "without":
                 with without_manifests():
-                    path = checkpointing.save(root, step, Roles(dims), str(model_dir), {"step": step}, keep_last=1)
+                    path = checkpointing.save(
+                        root, step, Roles(dims), str(model_dir), {"step": step}, keep_last=1
+                    )
             else:
-                path = checkpointing.save(root, step, Roles(dims), str(model_dir), {"step": step}, keep_last=1)
+                path = checkpointing.save(
+                    root, step, Roles(dims), str(model_dir), {"step": step}, keep_last=1
+                )
             seconds[kind].append(time.perf_counter() - t0)
             size = folder_bytes(path)
     seconds = {k: v[1:] for k, v in seconds.items()}  # drop the warm-up pair
     with_m, without = (statistics.median(seconds[k]) for k in ("with manifests", "without"))
     overhead = with_m / without - 1.0
     gib = size / 2**30
-    print(f"bench/checkpoint_save: {model_dir.name}, one process, training checkpoint {gib:.2f} GiB")
+    print(
+        f"bench/checkpoint_save: {model_dir.name}, one process, training checkpoint {gib:.2f} GiB"
+    )
     for kind, values in seconds.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
         print(f"  save {kind:>14}: median {statistics.median(values):.2f} s ({shown})")

@@ -8,6 +8,7 @@ import ast
 import inspect
 import os
 import pickle
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_megatron_still_builds_its_reader_where_the_safe_strategy_replaces_it():
         source = inspect.getsource(getattr(mcore_torch.TorchDistLoadShardedStrategy, method))
         calls = {
             n.func.id
-            for n in ast.walk(ast.parse(source.strip().replace("\n    ", "\n")))
+            for n in ast.walk(ast.parse(textwrap.dedent(source)))
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
         assert "_get_filesystem_reader" in calls and "FileSystemReader" not in calls, method

@@ -36,6 +36,7 @@ import torch
 
 import megarl.checkpoint.manifest as manifest
 from megarl.checkpoint.safe_load import safe_strategies
+from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.dims import ModelDims
 from megarl.models.heads import has_scalar_head
@@ -390,7 +391,7 @@ def save_checkpoint(
             mcore.mkdir()
             copy_hf_assets(hf_assets, tmp / HF_SUBDIR)
         _barrier()
-        with _quiet_dist_checkpointing():
+        with _quiet_dist_checkpointing(), hashed_writes():
             dist_checkpointing.save(state, str(mcore))
         _barrier()
         records = written_records(tmp)  # collective: each rank hashes the files it wrote
@@ -416,19 +417,31 @@ def save_checkpoint(
 def written_records(folder: Path) -> list[manifest.FileRecord]:
     """Size and checksum of every file below ``folder`` (a checkpoint just written); collective.
 
-    Each rank hashes the dist-checkpoint files it wrote (``mcore/__R_*.distcp``, still in its
-    page cache), rank 0 everything else; rank 0 gets them all, the other ranks an empty list.
+    Each rank takes the digests of the dist-checkpoint files it wrote (``mcore/__R_*.distcp``)
+    from what the writer hashed as it wrote them (:mod:`megarl.checkpoint.write_hashing`; a file
+    without one is read back), rank 0 hashes everything else; rank 0 gets them all, the other
+    ranks an empty list.
     """
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if _dist_active() else (0, 1)
     if rank == 0:
-        names = [n for n in manifest.files_under(folder) if manifest.writer_rank(n, world) == 0]
+        names = [
+            n
+            for n in manifest.files_under(folder)
+            if manifest.writer_rank(n, world) == 0 and not n.endswith(SIDECAR)
+        ]
     else:
         names = sorted(
             f"{MCORE_SUBDIR}/{p.name}" for p in (folder / MCORE_SUBDIR).glob(f"__{rank}_*.distcp")
         )
-    mine = [manifest.record(folder, n) for n in names]
+    mine = []
+    for name in names:
+        digest = take_sidecar(folder / name) if name.endswith(".distcp") else None
+        if digest is None:
+            mine.append(manifest.record(folder, name))
+        else:
+            mine.append(manifest.FileRecord(name, (folder / name).stat().st_size, digest))
     if world == 1:
         return mine
     everyone: list = [None] * world

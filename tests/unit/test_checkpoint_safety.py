@@ -199,3 +199,48 @@ def test_resolve_takes_a_run_root_a_step_folder_or_a_role_folder(tmp_path):
     assert (
         resolve_checkpoint(root / "step_00000002" / "critic") == root / "step_00000002" / "critic"
     )
+
+
+HASHED_SAVE = """
+import os, sys, torch, torch.distributed as dist
+from pathlib import Path
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megarl.platform import adapt_megatron_for_cpu
+adapt_megatron_for_cpu()
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+import megarl.checkpoint.manifest as manifest
+from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
+out = Path(sys.argv[1])
+out.mkdir()
+state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(300, 70)) for i in range(4)}
+with hashed_writes():
+    dist_checkpointing.save(state, str(out))
+data = sorted(out.glob("*.distcp"))
+print("data files", len(data), "sidecars", len(list(out.glob("*" + SIDECAR))))
+for path in data:
+    assert take_sidecar(path) == manifest.checksum(path), path
+print("digests equal the files' checksums; sidecars left", len(list(out.glob("*" + SIDECAR))))
+"""
+
+
+def test_data_files_are_hashed_as_megatron_writes_them(tmp_path):
+    """The digests a save leaves beside its data files are those of the bytes on disk: megarl
+    need not read a checkpoint back to write its manifest."""
+    import subprocess
+    import sys
+
+    from tests.mp import free_port
+
+    proc = subprocess.run(
+        [sys.executable, "-c", HASHED_SAVE, str(tmp_path / "mcore"), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = int(proc.stdout.split("data files ")[1].split()[0])
+    assert files >= 1 and f"sidecars {files}" in proc.stdout, proc.stdout
+    assert "digests equal the files' checksums; sidecars left 0" in proc.stdout

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.cluster.options import add_launcher_options
 from megarl.console import START_ENV, announce
 from megarl.errors import MegarlError
 
@@ -35,8 +36,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megarl.cluster.start import start_job, world_size
     from megarl.config import load_config, validate
-    from megarl.launch import run_torchrun, under_launcher
+    from megarl.launch import under_launcher
     from megarl.parallel import ParallelLayout
     from megarl.run.checks import check_inputs
     from megarl.run.output_dir import check_output_dir, move_aside
@@ -52,17 +54,20 @@ def _train(args: argparse.Namespace) -> int:
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
     nproc = args.nproc_per_node or cfg.parallel.tp * cfg.parallel.pp
-    validate(cfg, nproc)
+    world = world_size(args.launcher, args.nnodes, nproc, args.address)
+    validate(cfg, world)
     p = cfg.parallel
-    layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
+    layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files, import paths
     if check_output_dir(cfg):  # an earlier run in trainer.output_dir: refused, or moved aside
         move_aside(cfg.trainer.output_dir)
         module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
     elif cfg.trainer.resume == "auto":
         precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
-    announce(f"starting {nproc} rank(s) with torchrun")
-    return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
+    announce(f"starting {world} rank(s) with {args.launcher}")
+    return start_job(
+        cfg, module_args, layout, args.launcher, args.address, args.nnodes, args.verbose
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -112,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
     _add_verbose(train)
+    add_launcher_options(train)
     train.set_defaults(func=_train)
     train_rm = sub.add_parser(
         "train-rm",
@@ -126,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
     _add_verbose(train_rm)
+    add_launcher_options(train_rm)
     train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
     from checkpoints_tools.cli import add_verbs
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from megarl.console import announce
 from megarl.metrics import Metric, StepMetrics, mean, reduce_metrics
 from megarl.run import watchdog
+from megarl.run.elastic import elastic_metrics
 from megarl.run.tracking import Tracker
 
 
@@ -44,6 +45,7 @@ def log_step(
     """Reduce ``metrics`` over ranks, log them as step ``step + 1``, print progress; collective."""
     reduced = reduce_metrics(metrics)
     reduced.update(derived_metrics(reduced))
+    reduced.update(elastic_metrics())  # restart count and layout, in an elastic job
     tracker.log_metrics(reduced, step + 1)
     tracker.progress(step, total, reduced, first_step)
     history.append(reduced)

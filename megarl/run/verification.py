@@ -7,9 +7,15 @@ them, each rank a share of the files (one all-gather of the findings). A damaged
 reported naming its files and renamed to ``step_N.damaged`` (kept, never counted by retention nor
 deleted), and the next older one is tried; ``latest`` then names the one the run resumes from.
 
-Before launch, the CLI runs the cheap part (:func:`precheck_resume`): sizes only, and the metadata
-and trainer state of the checkpoint it would pick read the safe way, so a checkpoint that would
-run code when loaded is refused before any process starts.
+"Intact" means one thing everywhere: :func:`verify_step` finds no problem. :func:`latest_intact`
+(one process, nothing changed on disk) is what the elastic supervisor and the pre-launch check
+use; :func:`newest_intact` is its collective form at resume, which also sets damaged ones aside.
+By default :func:`latest_intact` compares sizes only (cheap on a 70B checkpoint); the ranks'
+resume compares checksums too.
+
+Before launch, the CLI runs the cheap part (:func:`precheck_resume`): the checkpoint
+:func:`latest_intact` picks, with its trainer state and metadata read the safe way, so a
+checkpoint that would run code when loaded is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -155,19 +161,28 @@ def newest_intact(root: Path, rank: int) -> Path | None:
     return None
 
 
-def precheck_resume(root: Path) -> Path | None:
-    """Before launch (no process group): the checkpoint a resume would most likely use (the
-    newest whose files have their recorded sizes), with its trainer state and every role's
-    dist-checkpoint metadata read the safe way; a CheckpointError for one that holds code."""
+def latest_intact(root: Path, *, checksums: bool = False) -> Path | None:
+    """The newest checkpoint under ``root`` whose files match their manifests (sizes; with
+    ``checksums`` their checksums too), or None. One process; nothing on disk is changed. A
+    checkpoint without manifests (an older megarl's) counts as intact."""
     for step in candidates(root):
         try:
-            problems = verify_step(step, full=False)
+            problems = verify_step(step, full=checksums)
         except CheckpointError:
             continue
-        if problems:
-            continue  # the ranks set it aside and report it
-        state_file.read(step)
-        for role in step_roles(step):
-            read_dist_metadata(step / role / MCORE_SUBDIR)
-        return step
+        if not problems:
+            return step
     return None
+
+
+def precheck_resume(root: Path) -> Path | None:
+    """Before launch (no process group): the checkpoint a resume would most likely use
+    (:func:`latest_intact`), with its trainer state and every role's dist-checkpoint metadata
+    read the safe way; a CheckpointError for one that holds code."""
+    step = latest_intact(root)
+    if step is None:
+        return None
+    state_file.read(step)
+    for role in step_roles(step):
+        read_dist_metadata(step / role / MCORE_SUBDIR)
+    return step

@@ -434,17 +434,19 @@ def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
         print(step, "old-logprob forward", single[step]["timing/old_log_prob_s"], "s")
 
 
-def test_ray_launcher_tp2_pp2_equals_torchrun_and_sigterm_checkpoints(workdir, tp2pp2_run):
+def test_ray_launcher_tp2_pp2_equals_torchrun_and_ctrl_c_checkpoints(workdir, tp2pp2_run):
     """The same GRPO run at TP2 x PP2 as the torchrun fixture, on a local Ray instance (started
     by megarl: no --address) with 4 rank actors: steps 1 and 2 equal torchrun's (the same
-    processes and seeds; tolerance 1e-6 absolute, measured equal). SIGTERM to the driver during
-    step 2 (test-only fault point) reaches every rank: the step finishes, its checkpoint is
-    written, the job exits 0."""
+    processes and seeds; tolerance 1e-6 absolute, measured equal). A Ctrl-C (SIGINT to the
+    driver, test-only fault point) during step 2 reaches every rank as under torchrun: the step
+    finishes, its checkpoint is written, the job exits 130. (SIGTERM takes the same path to the
+    ranks as SIGUSR1; test_sigterm_* checks it under torchrun.)"""
     ray = ("--launcher", "ray")
-    proc = launch(workdir, "tp2pp2_ray", *TP2PP2, *ray, nproc=4, fault="sigterm@step:rank=0:step=2")
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    assert "SIGTERM received: asking the 4 ranks" in proc.stderr
-    assert "preempted: stopped after step 2" in proc.stderr
+    proc = launch(workdir, "tp2pp2_ray", *TP2PP2, *ray, nproc=4, fault="sigint@step:rank=0:step=2")
+    assert proc.returncode == 130, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "SIGINT received: asking the 4 ranks" in proc.stderr
+    assert "interrupted: stopped after step 2" in proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
     ckpts = workdir / "tp2pp2_ray" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
     ray_run, torchrun = by_step(metrics(workdir, "tp2pp2_ray")), tp2pp2_run[1]

@@ -174,6 +174,27 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_keeps_the_damaged
     assert (root / "step_00000006.damaged").is_dir()
 
 
+def test_latest_intact_is_the_same_notion_without_changing_anything(tmp_path):
+    """What the elastic supervisor and the pre-launch check use: one process, nothing renamed;
+    sizes by default (cheap), checksums on request, as the ranks' resume checks them."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        training_step(root, step)
+    write_latest(root, "step_00000006")
+    (root / "step_00000006" / "trainer" / "trainer_state.pt").write_bytes(b"st")  # truncated
+    target = root / "step_00000004" / "actor" / "mcore" / "__0_0.distcp"
+    raw = bytearray(target.read_bytes())
+    raw[100:4196] = os.urandom(4096)  # same size, other bytes: only a checksum sees it
+    target.write_bytes(bytes(raw))
+    before = sorted(p.name for p in root.iterdir())
+    assert verification.latest_intact(root) == root / "step_00000004"
+    assert verification.latest_intact(root, checksums=True) == root / "step_00000002"
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert (root / LATEST_FILE).read_text().strip() == "step_00000006"
+    assert verification.newest_intact(root, rank=0) == root / "step_00000002"  # the ranks' form
+    assert verification.latest_intact(root) == root / "step_00000002"
+
+
 def test_no_intact_checkpoint_is_an_error_naming_the_way_on(tmp_path):
     root = tmp_path / "checkpoints"
     training_step(root, 2)

@@ -5,7 +5,8 @@ in a ``trainer.output_dir`` that holds checkpoints or logged metrics stops befor
 the folder and the two ways on: ``trainer.resume=auto`` (continue it) or ``trainer.overwrite=true``
 (which renames the earlier run's folder to ``OUT.old-<time>`` and starts in an empty one; nothing
 is deleted). The CLI decides before any process starts; the ranks decide again (a job started by
-``srun`` or torchrun directly has no CLI step), and there rank 0 does the move.
+``srun`` or torchrun directly has no CLI step), and there rank 0 does the move. An elastic
+restart's ranks (:mod:`megarl.cluster.elastic`) skip the check: the folder is their own job's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from megarl.config import RunConfig
 from megarl.errors import ConfigError
+from megarl.run.elastic import AttemptRecord
 from megarl.run.retention import checkpoint_steps
 
 METRICS_FILE = "metrics.jsonl"
@@ -128,6 +130,9 @@ def prepare_output_dir(cfg: RunConfig, rank: int) -> None:
     then rank 0 moves the earlier run aside when asked; collective."""
     import torch.distributed as dist
 
+    record = AttemptRecord.from_env()
+    if record is not None and record.restarts > 0:
+        return  # an elastic restart: the folder is this job's own, from its failed attempt
     move = check_output_dir(cfg)  # every rank sees the same folder: the same answer everywhere
     if not move:
         return

@@ -125,14 +125,25 @@ def move_aside(folder: str | Path) -> Path:
     return target
 
 
+def restart_metrics(path: Path) -> None:
+    """An elastic restart from the start (no checkpoint yet) logs every step again: the failed
+    attempt's lines of ``path`` go (atomically), so each step is in it once."""
+    if path.is_file() and path.stat().st_size:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("")
+        tmp.replace(path)
+
+
 def prepare_output_dir(cfg: RunConfig, rank: int) -> None:
     """On every rank of a job, before any model is built: the check of :func:`check_output_dir`,
     then rank 0 moves the earlier run aside when asked; collective."""
     import torch.distributed as dist
 
     record = AttemptRecord.from_env()
-    if record is not None and record.restarts > 0:
-        return  # an elastic restart: the folder is this job's own, from its failed attempt
+    if record is not None and record.restarts > 0:  # an elastic restart: the folder is its job's
+        if rank == 0 and not earlier_run(cfg.trainer.output_dir).resumable:
+            restart_metrics(Path(cfg.trainer.output_dir) / METRICS_FILE)
+        return
     move = check_output_dir(cfg)  # every rank sees the same folder: the same answer everywhere
     if not move:
         return

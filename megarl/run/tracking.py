@@ -37,13 +37,11 @@ def default_run_name(experiment: str, now: float | None = None) -> str:
 def cut_metrics(path: Path, step: int) -> int:
     """Drop the lines of ``path`` (metrics.jsonl) logged after ``step``, rewriting it atomically;
     returns how many went. A run resumed after ``step`` logs those steps again, so each step stays
-    in the file once. At step 0 every line goes: only an elastic restart from the start (no
-    checkpoint yet) begins at step 0 in a folder with metrics, its failed attempt's (any other
-    fresh run over earlier metrics is refused or moved aside first: see run/output_dir)."""
-    if not path.is_file():
+    in the file once. (A fresh run, step 0, starts in a folder without one: see run/output_dir.)"""
+    if step <= 0 or not path.is_file():
         return 0
     lines = path.read_text().splitlines(keepends=True)
-    keep = [line for line in lines if _line_step(line) <= step] if step > 0 else []
+    keep = [line for line in lines if _line_step(line) <= step]
     if len(keep) == len(lines):
         return 0
     tmp = path.with_name(f".{path.name}.tmp")

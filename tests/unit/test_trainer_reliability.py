@@ -111,11 +111,17 @@ def test_the_launcher_turns_a_ctrl_c_into_a_graceful_stop_and_a_second_into_an_i
     the job at once; the command's exit status is 130 either way."""
     proc = run_python(
         """
-        import os, signal, subprocess, sys, time
+        import os, signal, subprocess, sys, tempfile, time
+        from pathlib import Path
         from megarl.launch import _forwarding_signals
+        ready = Path(tempfile.mkdtemp()) / "rank-ready"
         rank = (
             "import signal, time\\n"
-            "signal.signal(signal.SIGUSR2, lambda *a: print('rank: SIGUSR2', flush=True))\\n"
+            "def got(*a):\\n"
+            "    print('rank: SIGUSR2', flush=True)\\n"
+            f"    open({str(ready)!r} + '-usr2', 'w').close()\\n"
+            "signal.signal(signal.SIGUSR2, got)\\n"
+            f"open({str(ready)!r}, 'w').close()\\n"
             "print('rank up', flush=True)\\n"
             "time.sleep(60)\\n"
         )
@@ -126,10 +132,14 @@ def test_the_launcher_turns_a_ctrl_c_into_a_graceful_stop_and_a_second_into_an_i
             "p.wait()\\n"
         )
         job = subprocess.Popen([sys.executable, "-c", torchrun], start_new_session=True)
-        time.sleep(2.0)  # the rank is up
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:  # its handler is installed
+            time.sleep(0.1)
         with _forwarding_signals(job) as stop:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1.0)
+            got = Path(str(ready) + "-usr2")
+            while not got.exists() and time.monotonic() < deadline:  # the rank was asked
+                time.sleep(0.1)
             print("graceful exit status would be", stop.exit_code(0), flush=True)
             os.kill(os.getpid(), signal.SIGINT)
             code = job.wait(timeout=20)

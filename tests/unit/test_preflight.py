@@ -217,7 +217,12 @@ def _inputs(tmp_path: Path) -> list[str]:
         json.dumps({**KNOWN_MODELS["Qwen2.5-7B"], "model_type": "qwen2"})
     )
     rows = [[{"role": "user", "content": f"q{i}"}] for i in range(1024)]
-    pq.write_table(pa.table({"prompt": rows}), tmp_path / "train.parquet")
+    table = {
+        "prompt": rows,
+        "data_source": ["openai/gsm8k"] * len(rows),  # what the built-in scorer reads
+        "reward_model": [{"ground_truth": "1", "style": "rule"}] * len(rows),
+    }
+    pq.write_table(pa.table(table), tmp_path / "train.parquet")
     return [
         f"model.path={model}",
         f"data.train_files=[{tmp_path / 'train.parquet'}]",

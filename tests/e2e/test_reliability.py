@@ -1,6 +1,7 @@
 """A new user's bad inputs, as `megarl train` and `megarl convert` meet them: an earlier run in the
 output folder, a reward that returns NaN for every sample, a parquet without the reward column,
-verl's spellings, and a checkpoint from someone else whose metadata carries a pickle payload.
+verl's spellings, and a checkpoint from someone else with broken weights and metadata that
+carries a pickle payload.
 
 One launch (the NaN reward, started with trainer.overwrite=true over an earlier run, with verl's
 command-line habits); everything else is refused before any process starts. The damaged
@@ -12,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from safetensors.torch import load_file, save_file
 
 import megarl.checkpoint.manifest as manifest
 from megarl.cli import main as cli_main
@@ -136,17 +139,32 @@ class Payload:
 
 
 def test_a_checkpoint_whose_metadata_runs_code_is_refused_by_resume_and_convert(work, capsys):
-    """A training checkpoint from someone else: its actor's dist-checkpoint `.metadata` replaced by
+    """A training checkpoint from someone else, with broken weights (3 NaN and 1 inf in one
+    tensor, its manifest intact): `megarl convert mcore-to-hf` refuses to export it naming the
+    tensor (exit 2, nothing written). Then its actor's dist-checkpoint `.metadata` is replaced by
     a pickle that runs `os.system` when unpickled, and its manifest updated to match (so the
     checksums pass). Resume (`megarl train`, before launch) and `megarl convert mcore-to-hf`
     refuse it naming the file; the payload never runs."""
     out = work / "foreign"
     step = out / "checkpoints" / "step_00000002"
+    hf = work / "broken_hf"
+    shutil.copytree(tiny_char_llama_dir(), hf)
+    [weights] = hf.glob("*.safetensors")
+    tensors = load_file(weights)
+    broken = "model.layers.0.mlp.down_proj.weight"
+    tensors[broken][0, :3] = float("nan")
+    tensors[broken][1, 0] = float("inf")
+    save_file(tensors, weights, metadata={"format": "pt"})
     subprocess.run(
-        [sys.executable, "-m", "checkpoints_tools", "hf-to-mcore", "--hf", str(tiny_char_llama_dir()),
+        [sys.executable, "-m", "checkpoints_tools", "hf-to-mcore", "--hf", str(hf),
          "--out", str(step / "actor")],
         check=True, capture_output=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
+    export = ["--ckpt", str(step / "actor"), "--out", str(work / "broken_export"), "--quiet"]
+    assert cli_main(["convert", "mcore-to-hf", *export]) == 2
+    err = capsys.readouterr().err
+    assert f"tensor {broken} holds 3 NaN and 1 inf values" in err and "nothing was exported" in err
+    assert not (work / "broken_export").exists()
     (step / "trainer").mkdir()
     state = trainer_state.write(step / "trainer", {"step": 2, "roles": ["actor"], "history": []})
     manifest.write(step, [manifest.record(step, state.relative_to(step).as_posix())])

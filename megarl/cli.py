@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
 from megarl.cluster.options import add_launcher_options
+from megarl.console import START_ENV, announce
 from megarl.errors import MegarlError
 
 
@@ -42,6 +45,8 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.launch import under_launcher
     from megarl.parallel import ParallelLayout
     from megarl.run.checks import check_inputs
+    from megarl.run.output_dir import check_output_dir, move_aside
+    from megarl.run.verification import precheck_resume
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
@@ -60,10 +65,17 @@ def _train(args: argparse.Namespace) -> int:
     validate(cfg, world)
     p = cfg.parallel
     layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
-    reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data files
+    reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
+    move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved aside
+    if not move and cfg.trainer.resume == "auto":
+        precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
     refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
     if refused:
         return refused
+    if move:
+        move_aside(cfg.trainer.output_dir)
+        module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
+    announce(f"starting {world} rank(s) with {args.launcher}")
     return start_job(
         cfg, module_args, layout, args.launcher, args.address, args.nnodes, args.verbose
     )
@@ -178,8 +190,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Verbs whose positional arguments end with ``key=value`` overrides, which may come anywhere on
+# the command line (before, between or after the options).
+OVERRIDE_VERBS = ("train", "train-rm")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with a training verb's overrides taken wherever they stand."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in OVERRIDE_VERBS:
+        stray = [a for a in rest if a.startswith("-") or "=" not in a]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    os.environ[START_ENV] = str(time.time())  # the start-up lines count from the command
+    args = parse(argv)
     try:
         return int(args.func(args) or 0)
     except MegarlError as e:

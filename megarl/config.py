@@ -1,20 +1,21 @@
 """The typed run configuration: one dataclass per section, one default per setting.
 
-A run is a YAML file plus dotted overrides (``actor.lr=1e-6``), merged onto these dataclasses by
-OmegaConf. Unknown keys, wrong types and inconsistent batch sizes are :class:`ConfigError` s that
-name the setting and the fix, raised before any model or process starts.
+A run is a YAML file plus dotted overrides (``actor.optim.lr=1e-6``), merged onto these
+dataclasses by OmegaConf. Unknown keys (named in full, with megarl's key for verl's: see
+:mod:`megarl.config_keys`), wrong types and inconsistent batch sizes are :class:`ConfigError` s
+that name the setting and the fix, raised before any model or process starts.
 """
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megarl.config_keys import prepare_layer, unknown_keys_error
 from megarl.errors import ConfigError
 from megarl.loggers import check_loggers
 from megarl.lora_settings import check_lora_settings
@@ -248,6 +249,9 @@ class RewardConfig:
     num_workers: int = 0
     timeout_s: float = 30.0
     strict: bool = False
+    # A step (or validation batch) where more than this share of the samples fail to score (the
+    # scorer raises, times out, or returns NaN/inf) stops the run with the first error; 1.0: never
+    max_failed_fraction: float = 0.5
     # A reward model scoring prompt + response: an HF *ForSequenceClassification folder (e.g. one
     # exported from `megarl train-rm`) or a megarl reward-model checkpoint; same tokenizer as the
     # policy. Score = rule_weight * rule score + model_weight * reward-model score; rule_weight 0
@@ -335,6 +339,9 @@ class TrainerConfig:
     val_pass_score: float = 1.0  # a validation sample "passes" (pass@k) when it scores >= this
     output_dir: str = "outputs/run"
     resume: str = "auto"  # auto | never
+    # A fresh run in an output_dir holding an earlier run's checkpoints or metrics is refused
+    # unless this is true: then the earlier run's folder is renamed to OUT.old-<time> (never deleted)
+    overwrite: bool = False
     seed: int = 1
     nan_policy: str = "stop"  # stop | skip
     # Where metrics go, besides OUTPUT/metrics.jsonl: any of console, mlflow, tensorboard, wandb.
@@ -393,32 +400,6 @@ CHOICES = {
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    for f in fields(cls):
-        name = f"{prefix}{f.name}"
-        keys.append(name)
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            keys += _all_keys(type(default), name + ".")
-    return keys
-
-
-def _unknown_key_error(key: str) -> ConfigError:
-    if key.startswith("critic.lora"):
-        return ConfigError(
-            f"unknown setting {key!r}: LoRA is for the actor only (actor.lora.*); the critic "
-            "trains all its weights"
-        )
-    close = difflib.get_close_matches(key, _all_keys(RunConfig), n=3, cutoff=0.6)
-    hint = (
-        f"; did you mean {', '.join(close)}?"
-        if close
-        else "; see megarl/config.py for every setting"
-    )
-    return ConfigError(f"unknown setting {key!r}{hint}")
-
-
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> RunConfig:
@@ -430,14 +411,17 @@ def load_config(
         if not file.is_file():
             raise ConfigError(f"config file {file} does not exist")
         try:
-            layers.append(OmegaConf.load(file))
+            layers.append((OmegaConf.load(file), str(file)))
         except Exception as e:  # yaml errors come in several types
             raise ConfigError(f"cannot parse {file}: {e}") from e
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    # Hydra's "+key=value" (add a key) and "++key=value" mean a plain override here.
+    dotlist = [item.lstrip("+") for item in overrides]
+    layers.append((OmegaConf.from_dotlist(dotlist), "the command line overrides"))
     try:
+        layers = [_checked_layer(layer, source) for layer, source in layers]
         merged = OmegaConf.merge(schema, *layers)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
@@ -446,13 +430,25 @@ def load_config(
             )
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ConfigKeyError as e:
-        raise _unknown_key_error(str(e.full_key)) from None
+        raise unknown_keys_error(RunConfig, [str(e.full_key)], "the config") from None
     except ValidationError as e:
         raise ConfigError(f"setting {e.full_key!r}: {e.msg}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(str(e)) from None
     validate(cfg)
     return cfg
+
+
+def _checked_layer(layer: Any, source: str) -> Any:
+    """A config layer with its keys checked against the schema (every unknown one named, with
+    megarl's key for verl's) and single values taken as one-element lists where lists go."""
+    tree = OmegaConf.to_container(layer, resolve=False)
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source} is not a mapping of sections (model:, data:, ...)")
+    unknown = prepare_layer(RunConfig, tree)
+    if unknown:
+        raise unknown_keys_error(RunConfig, unknown, source)
+    return OmegaConf.create(tree)
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
@@ -713,6 +709,11 @@ def _validate_reliability(cfg: RunConfig) -> None:
     if t.keep_every < 0:
         raise ConfigError(
             f"trainer.keep_every={t.keep_every} must be >= 0 (0 keeps no extra checkpoints)"
+        )
+    if not 0.0 <= cfg.reward.max_failed_fraction <= 1.0:
+        raise ConfigError(
+            f"reward.max_failed_fraction={cfg.reward.max_failed_fraction} must be in [0, 1]: the "
+            "share of a step's samples that may fail to score before the run stops (1.0: never)"
         )
     if not t.hang_timeout_s > 0:
         raise ConfigError(

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported
     from megarl.backends import set_rank_env
+    from megarl.run.preemption import stop_exit_code  # imports torch
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code
-    return 0
+    return stop_exit_code()  # 130 when a Ctrl-C stopped the run (after its checkpoint)
 
 
 if __name__ == "__main__":

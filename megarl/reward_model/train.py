@@ -18,6 +18,7 @@ import torch
 from megarl import parallel, platform
 from megarl.algos import bradley_terry_loss
 from megarl.config import RunConfig
+from megarl.console import announce
 from megarl.data import PreferenceDataset, PreferenceItem
 from megarl.models.dims import ModelDims
 from megarl.models.forward import LossFn
@@ -133,6 +134,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
 
 def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
     cfg, layout, pad_id = startup.cfg, startup.layout, startup.pad_id
+    announce(f"reading data: {', '.join(cfg.data.train_files)}")
     train_data = _dataset(
         cfg,
         cfg.data.train_files,
@@ -142,6 +144,7 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
         shuffle=cfg.data.shuffle,
         setting="data.train_files",
     )
+    announce("building models: reward model")
     reward, dims = build_trainable(
         cfg.model.path,
         layout,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import RunConfig
+from megarl.console import announce
 from megarl.errors import CheckpointError
 from megarl.run import checkpointing, trainer_state
 from megarl.run.trainable import TrainedModels
@@ -56,9 +57,9 @@ def resume(path: Path | None, models: TrainedModels, rank: int) -> Resumed:
     without one."""
     if path is None:
         return Resumed()
+    announce(f"loading checkpoint {path}")
     state = checkpointing.load(path, models)
-    if rank == 0:
-        print(f"resumed from {path} at step {state['step']}", flush=True)
+    announce(f"resumed from {path} at step {state['step']}")
     return Resumed(
         step=state["step"],
         history=tuple(state.get("history", [])),

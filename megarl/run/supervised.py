@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from megarl.config import RunConfig
@@ -22,7 +23,7 @@ from megarl.run.epochs import EpochBatches
 from megarl.run.guards import RunGuards
 from megarl.run.resume import resume, resume_point, save, save_due
 from megarl.run.startup import Startup, start
-from megarl.run.steps import log_step, summary, timed
+from megarl.run.steps import announce_steps, log_step, summary, timed
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import TrainedModels
 
@@ -70,11 +71,17 @@ def train_supervised(
         parts.train_data.load_state_dict(resumed.state["data"])
     first, history = resumed.step, list(resumed.history)
     tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=first)
+    announce_steps(first, cfg.trainer.total_steps)
     validate = parts.validate if cfg.data.val_files and cfg.trainer.test_freq else None
     if first == 0 and validate is not None:
         with watchdog.phase("validation", 0):
             tracker.log_metrics(validate(), 0)
     batches = EpochBatches(parts.train_data, parts.empty)
+
+    def save_checkpoint(step: int) -> Path:
+        data, run_id = parts.train_data.state_dict(), tracker.run_id
+        return save(cfg, step, parts.models, data=data, tracker_run_id=run_id, history=history)
+
     last: dict[str, float] = {}
     for step in range(first, cfg.trainer.total_steps):
         guards.begin_step(step)
@@ -95,18 +102,8 @@ def train_supervised(
                 val = validate()
             tracker.log_metrics(val, step + 1)
             last.update(val)
-        stop = guards.should_stop(step)  # SIGTERM / SIGUSR1 on any rank: save, then exit 0
-        if save_due(cfg, step + 1) or stop:
-            saved = save(
-                cfg,
-                step + 1,
-                parts.models,
-                data=parts.train_data.state_dict(),
-                tracker_run_id=tracker.run_id,
-                history=history,
-            )
-        if stop:
-            guards.report_stop(step + 1, str(saved))
+        # a stop signal on any rank (SIGTERM, SIGUSR1, Ctrl-C): checkpoint, then end the run
+        if guards.end_step(step, save_due(cfg, step + 1), save_checkpoint):
             break
     guards.close()
     if startup.rank == 0 and history:

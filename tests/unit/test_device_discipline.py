@@ -103,6 +103,9 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/metrics.py": {
         "reduce_metrics": "values made on platform.collective_device()",
     },
+    "megarl/trainer/reward_failures.py": {
+        "stop_on_failed_scores": "counts made on platform.collective_device()",
+    },
     "megarl/trainer/experience.py": {
         "_dp_mean": "made on platform.collective_device()",
         "_dp_explained_variance": "sums moved to platform.collective_device()",

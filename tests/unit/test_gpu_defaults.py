@@ -221,6 +221,7 @@ def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
     yaml.write_text(
         f"model:\n  path: {tiny_qwen2_dir()}\ndata:\n  train_files: [{tmp_path}/t.parquet]\n"
         "  train_batch_size: 8\nactor:\n  ppo_mini_batch_size: 8\nrollout:\n  backend: hf\n"
+        "reward:\n  custom_fn: megarl.rewards.toy:vowel_rate\n"  # prompts without answers
     )
     assert cli.main(["train", str(yaml), "--no-preflight"]) == 0
     assert launched == [8]  # the 8 local GPUs: DP 8 at TP1

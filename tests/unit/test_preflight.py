@@ -217,9 +217,15 @@ def _inputs(tmp_path: Path) -> list[str]:
         json.dumps({**KNOWN_MODELS["Qwen2.5-7B"], "model_type": "qwen2"})
     )
     rows = [[{"role": "user", "content": f"q{i}"}] for i in range(1024)]
-    # columns of both a prompt file (the policy) and a preference file (train-rm)
-    table = {"prompt": rows, "data_source": ["toy"] * 1024, "chosen": ["a"] * 1024}
-    table["rejected"] = ["b"] * 1024
+    # columns of both a prompt file (the policy, scored by the built-in GSM8K scorer) and a
+    # preference file (train-rm)
+    table = {
+        "prompt": rows,
+        "data_source": ["openai/gsm8k"] * len(rows),  # what the built-in scorer reads
+        "reward_model": [{"ground_truth": "1", "style": "rule"}] * len(rows),
+        "chosen": ["a"] * len(rows),
+        "rejected": ["b"] * len(rows),
+    }
     pq.write_table(pa.table(table), tmp_path / "train.parquet")
     return [
         f"model.path={model}",

@@ -42,49 +42,105 @@ def _megatron_gather(optimizer, model_sd):
     )
 
 
-def save_memory_worker(
-    rank: int, world: int, model_dir: str, out: str, megatron_gather: bool = False
-) -> dict:
-    """Build the model at DP ``world``, take one Adam step (so its state exists), then save a
-    training checkpoint (with ``megatron_gather``: as megatron builds the optimizer's part);
-    what the save added to this rank's resident memory, and this rank's optimizer-state bytes."""
+def _trained(layout, model_dir: str, steps: int):
+    """The random model at ``layout`` after ``steps`` Adam steps (so its state exists), the
+    same on every rank and at every DP size (every rank takes the same batch)."""
     import torch
 
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.models.forward import run_schedule
-    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
-    from megarl.platform import adapt_megatron_for_cpu
-    from megarl.run import checkpointing
     from megarl.run.trainable import Trainable
 
-    adapt_megatron_for_cpu()
-    initialize_model_parallel(ParallelLayout.for_world(world))
-    model, dims = build_model(model_dir, ParallelLayout.for_world(world), load=False)
+    model, dims = build_model(model_dir, layout, load=False)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
     ddp, optimizer, scheduler = wrap_for_training(model, OptimSettings(lr=1e-3))
-    ids = torch.randint(0, dims.vocab_size, (2, 16), generator=gen)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    run_schedule(
-        [ddp], [{"input_ids": ids}], lambda out, mb: (out.float().mean(), {}), forward_only=False
-    )
-    optimizer.step()
+    for _ in range(steps):
+        ids = torch.randint(0, dims.vocab_size, (2, 16), generator=gen)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        run_schedule(
+            [ddp],
+            [{"input_ids": ids}],
+            lambda out, mb: (out.float().mean(), {}),
+            forward_only=False,
+        )
+        optimizer.step()
     trainable = Trainable(model, ddp, optimizer, scheduler)
-    roles = types.SimpleNamespace(trainables=lambda: {"actor": trainable})
-    state_bytes = sum(
-        v.numel() * v.element_size()
-        for s in optimizer.optimizer.state.values()
-        for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0
+    return types.SimpleNamespace(dims=dims, trainables=lambda: {"actor": trainable}), trainable
+
+
+def _local_states(trainable) -> dict:
+    """This rank's distributed-optimizer shard: main weights and Adam moments per owned
+    parameter, keyed by parameter name."""
+    names = {p: n for n, p in trainable.model.named_parameters()}
+    out = {}
+    for opt in getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer]):
+        for gbuf_ranges in opt.gbuf_ranges:
+            for buckets in gbuf_ranges.values():
+                for bucket in buckets:
+                    for param in bucket["param_map"]:
+                        states = opt._get_main_param_and_optimizer_states(param)
+                        for key in ("param", "exp_avg", "exp_avg_sq"):
+                            out[f"{names[param]}.{key}"] = states[key].detach().clone()
+    return out
+
+
+def _max_rel_diff(got: dict, want: dict) -> float:
+    """The largest difference of any state element over that tensor's largest magnitude
+    (inf where the keys differ)."""
+    if got.keys() != want.keys():
+        return float("inf")
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-30)) for k in want
     )
+
+
+def save_memory_worker(
+    rank: int,
+    world: int,
+    model_dir: str,
+    out: str,
+    load_from: tuple[str, ...] = (),
+    tp2_out: str | None = None,
+    megatron_gather: bool = False,
+) -> dict:
+    """Build the model at DP ``world``, take two Adam steps, then save a training checkpoint to
+    ``out`` (with ``megatron_gather``: as megatron builds the optimizer's part); what the save
+    added to this rank's resident memory and the model's parameter count. Then each checkpoint of
+    ``load_from`` (``out`` itself among them, or ones saved at other layouts) loaded into a fresh
+    model at this layout: its optimizer shard's largest relative difference to the trained one.
+    With ``tp2_out``, the same steps at TP2 (in these processes) saved there."""
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from megarl.platform import adapt_megatron_for_cpu
+    from megarl.run import checkpointing
+
+    adapt_megatron_for_cpu()
+    layout = ParallelLayout.for_world(world)
+    initialize_model_parallel(layout)
+    roles, trainable = _trained(layout, model_dir, steps=2)
     if megatron_gather:  # the old save, to measure it beside megarl's
         checkpointing.sharded_optimizer_state = _megatron_gather
     with PeakRSS() as rss:
         checkpointing.save(Path(out), 1, roles, model_dir, {"step": 1, "data": None})
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in trainable.model.parameters())
+    loaded = {}
+    if load_from:
+        trained = _local_states(trainable)
+        for root in load_from:
+            fresh_roles, fresh = _trained(layout, model_dir, steps=0)
+            checkpointing.load(checkpointing.latest(Path(root)), fresh_roles)
+            loaded[root] = _max_rel_diff(_local_states(fresh), trained)
+            del fresh_roles, fresh
+    del roles, trainable
     destroy_model_parallel()
-    return {"added": rss.peak - rss.start, "state_bytes": state_bytes, "params": params}
+    if tp2_out is not None:
+        layout = ParallelLayout.for_world(world, tp=2)
+        initialize_model_parallel(layout)
+        roles, _ = _trained(layout, model_dir, steps=2)
+        checkpointing.save(Path(tp2_out), 1, roles, model_dir, {"step": 1, "data": None})
+        destroy_model_parallel()
+    return {"added": rss.peak - rss.start, "params": params, "loaded": loaded}

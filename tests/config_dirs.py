@@ -27,3 +27,19 @@ def qwen2_config_dir(root: Path, name: str, vocab: int, hidden: int, ffn: int) -
     config.architectures = ["Qwen2ForCausalLM"]
     (out / "config.json").write_text(json.dumps(config.to_dict()))
     return out
+
+
+def add_random_weights(folder: Path, seed: int = 0) -> Path:
+    """Write random weights (safetensors) beside ``folder``'s config.json: the same global model
+    then loads at every layout."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.testing.assets import randomize_
+
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder), dtype=torch.float32
+    )
+    randomize_(model, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

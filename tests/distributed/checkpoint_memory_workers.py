@@ -43,7 +43,7 @@ def _megatron_gather(optimizer, model_sd):
 
 
 def _trained(layout, model_dir: str, steps: int):
-    """The random model at ``layout`` after ``steps`` Adam steps (so its state exists), the
+    """The folder's model at ``layout`` after ``steps`` Adam steps (so its state exists), the
     same on every rank and at every DP size (every rank takes the same batch)."""
     import torch
 
@@ -52,11 +52,8 @@ def _trained(layout, model_dir: str, steps: int):
     from megarl.models.forward import run_schedule
     from megarl.run.trainable import Trainable
 
-    model, dims = build_model(model_dir, layout, load=False)
+    model, dims = build_model(model_dir, layout)  # the folder's random weights, at any layout
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02, generator=gen)
     ddp, optimizer, scheduler = wrap_for_training(model, OptimSettings(lr=1e-3))
     for _ in range(steps):
         ids = torch.randint(0, dims.vocab_size, (2, 16), generator=gen)
@@ -65,7 +62,8 @@ def _trained(layout, model_dir: str, steps: int):
         run_schedule(
             [ddp],
             [{"input_ids": ids}],
-            lambda out, mb: (out.float().mean(), {}),
+            # the mean of the logits at any TP (each rank holds a 1/tp vocabulary slice)
+            lambda out, mb: (out.float().sum() / (out.numel() * layout.tp), {}),
             forward_only=False,
         )
         optimizer.step()
@@ -113,7 +111,12 @@ def save_memory_worker(
     added to this rank's resident memory and the model's parameter count. Then each checkpoint of
     ``load_from`` (``out`` itself among them, or ones saved at other layouts) loaded into a fresh
     model at this layout: its optimizer shard's largest relative difference to the trained one.
-    With ``tp2_out``, the same steps at TP2 (in these processes) saved there."""
+    With ``tp2_out``, the same steps at TP2 (in these processes) saved there, and saved as
+    megatron's gathering save writes it to ``tp2_out + "-megatron"``; ``same``: for each
+    checkpoint of ``load_from`` whose ``-megatron`` twin is also there, whether the two loaded
+    alike, bit for bit."""
+    import torch
+
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.run import checkpointing
@@ -127,13 +130,14 @@ def save_memory_worker(
     with PeakRSS() as rss:
         checkpointing.save(Path(out), 1, roles, model_dir, {"step": 1, "data": None})
     params = sum(p.numel() for p in trainable.model.parameters())
-    loaded = {}
+    loaded, states = {}, {}
     if load_from:
         trained = _local_states(trainable)
         for root in load_from:
             fresh_roles, fresh = _trained(layout, model_dir, steps=0)
             checkpointing.load(checkpointing.latest(Path(root)), fresh_roles)
-            loaded[root] = _max_rel_diff(_local_states(fresh), trained)
+            states[root] = _local_states(fresh)
+            loaded[root] = _max_rel_diff(states[root], trained)
             del fresh_roles, fresh
     del roles, trainable
     destroy_model_parallel()
@@ -142,5 +146,21 @@ def save_memory_worker(
         initialize_model_parallel(layout)
         roles, _ = _trained(layout, model_dir, steps=2)
         checkpointing.save(Path(tp2_out), 1, roles, model_dir, {"step": 1, "data": None})
+        # and as megatron's own fully_reshardable save writes it, to compare the two
+        own, checkpointing.sharded_optimizer_state = (
+            checkpointing.sharded_optimizer_state,
+            _megatron_gather,
+        )
+        state = {"step": 1, "data": None}
+        checkpointing.save(Path(tp2_out + "-megatron"), 1, roles, model_dir, state)
+        checkpointing.sharded_optimizer_state = own
         destroy_model_parallel()
-    return {"added": rss.peak - rss.start, "params": params, "loaded": loaded}
+    # pairs of checkpoints (megarl's save, megatron's of the same state) loaded alike, bit for bit
+    same = {
+        root: states[root].keys() == other.keys()
+        and all(torch.equal(states[root][k], other[k]) for k in other)
+        for root in states
+        for other in [states.get(root + "-megatron")]
+        if other is not None
+    }
+    return {"added": rss.peak - rss.start, "params": params, "loaded": loaded, "same": same}

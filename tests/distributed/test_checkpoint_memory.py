@@ -11,15 +11,16 @@ one such copy on every rank, at both sizes). The checkpoints load through megatr
 ``fully_reshardable`` load: at DP2, a fresh model loading DP2's checkpoint has the trained
 optimizer shard bit for bit, loading DP4's (other shard boundaries) within 1e-6 of it and TP2 x
 DP2's (blocks of tensor-parallel shards, fused gate/up halves among them; saved by the DP4
-processes) within 1e-5 (relative to each tensor's largest value; the layouts reduce the same
-gradients in another order).
+processes) within 1e-4 (relative to each tensor's largest value; the layouts reduce the same
+gradients in another order: 3e-5 measured), and bit for bit as the same state saved by
+megatron's own gathering save.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.config_dirs import qwen2_config_dir
+from tests.config_dirs import add_random_weights, qwen2_config_dir
 from tests.distributed.checkpoint_memory_workers import save_memory_worker
 from tests.mp import run_gloo
 
@@ -28,7 +29,7 @@ NOISE = 16 * MIB
 
 
 def _config_dir(root):
-    return qwen2_config_dir(root, "qwen2-checkpoint", 16384, 256, 1024)
+    return add_random_weights(qwen2_config_dir(root, "qwen2-checkpoint", 16384, 256, 1024))
 
 
 @pytest.mark.timeout(600)
@@ -38,7 +39,8 @@ def test_checkpoint_save_host_memory_per_rank_does_not_grow_with_dp(tmp_path):
     added, gathered = {}, 0
     # DP4 (then TP2 x DP2 in the same processes: pieces of TP shards) before DP2, so that DP2
     # also loads what they saved
-    for dp, load_from, tp2 in ((4, (), out["tp2dp2"]), (2, tuple(out.values()), None)):
+    every = (*out.values(), out["tp2dp2"] + "-megatron")
+    for dp, load_from, tp2 in ((4, (), out["tp2dp2"]), (2, every, None)):
         ranks = run_gloo(save_memory_worker, dp, model_dir, out[f"dp{dp}"], load_from, tp2)
         added[dp] = max(r["added"] for r in ranks)
         gathered = 3 * 4 * ranks[0]["params"]  # weights, exp_avg, exp_avg_sq (fp32), one copy
@@ -47,8 +49,9 @@ def test_checkpoint_save_host_memory_per_rank_does_not_grow_with_dp(tmp_path):
     assert added[4] <= added[2] + NOISE, added
     assert added[4] < gathered / 2, (added, gathered)
     for r in ranks:  # DP2's ranks: its own checkpoint bit for bit, DP4's and TP2 x DP2's (the
-        # same steps) within fp32 reduction order
+        # same steps) within fp32 reduction order; TP2 x DP2's exactly as megatron's own save
         print("DP2 loading (max relative difference):", r["loaded"])
         assert r["loaded"][out["dp2"]] == 0.0, r["loaded"]
         assert r["loaded"][out["dp4"]] <= 1e-6, r["loaded"]
-        assert r["loaded"][out["tp2dp2"]] <= 1e-5, r["loaded"]
+        assert r["loaded"][out["tp2dp2"]] <= 1e-4, r["loaded"]
+        assert r["same"] == {out["tp2dp2"]: True}, r["same"]

@@ -11,9 +11,9 @@ one such copy on every rank, at both sizes). The checkpoints load through megatr
 ``fully_reshardable`` load: at DP2, a fresh model loading DP2's checkpoint has the trained
 optimizer shard bit for bit, loading DP4's (other shard boundaries) within 1e-6 of it and TP2 x
 DP2's (blocks of tensor-parallel shards, fused gate/up halves among them; saved by the DP4
-processes) within 1e-4 (relative to each tensor's largest value; the layouts reduce the same
-gradients in another order: 3e-5 measured), and bit for bit as the same state saved by
-megatron's own gathering save.
+processes) within 1e-3 (relative to each tensor's largest value; the layouts reduce the same
+gradients in another order: up to 7e-5 measured; a misplaced block shows as O(1)), and bit for
+bit as the same state saved by megatron's own gathering save.
 """
 
 from __future__ import annotations
@@ -53,5 +53,5 @@ def test_checkpoint_save_host_memory_per_rank_does_not_grow_with_dp(tmp_path):
         print("DP2 loading (max relative difference):", r["loaded"])
         assert r["loaded"][out["dp2"]] == 0.0, r["loaded"]
         assert r["loaded"][out["dp4"]] <= 1e-6, r["loaded"]
-        assert r["loaded"][out["tp2dp2"]] <= 1e-4, r["loaded"]
+        assert r["loaded"][out["tp2dp2"]] <= 1e-3, r["loaded"]
         assert r["same"] == {out["tp2dp2"]: True}, r["same"]

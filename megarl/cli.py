@@ -1,4 +1,5 @@
-"""``megarl`` command line: ``demo``, ``convert``; ``train``, ``plan`` as they land."""
+"""``megarl`` command line: ``train`` (and ``train-rm``, ``train-sft``, ``train-dpo``), ``demo``,
+``convert``, ``plan``, ``report``."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# `megarl VERB CONFIG`: the trainers of trainer.kind other than policy
+SUPERVISED_VERBS = (
+    ("train-rm", "reward_model", "train a reward model on preference pairs (Bradley-Terry)"),
+    ("train-sft", "sft", "supervised fine-tuning on prompt/response rows or conversations"),
+    ("train-dpo", "dpo", "direct preference optimisation (DPO and variants) on preference pairs"),
+)
+
+
 def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
     from megarl.plan.preflight import add_arguments
 
@@ -127,25 +136,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_launcher_options(train)
     add_preflight_arguments(train)
     train.set_defaults(func=_train)
-    train_rm = sub.add_parser(
-        "train-rm",
-        help="train a reward model on preference pairs (Bradley-Terry); "
-        "the same as `train` with trainer.kind=reward_model",
-    )
-    train_rm.add_argument("config")
-    train_rm.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=64"
-    )
-    train_rm.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
-    )
-    _add_verbose(train_rm)
-    add_launcher_options(train_rm)
-    add_preflight_arguments(train_rm)
-    train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
+    for verb, kind, what in SUPERVISED_VERBS:
+        sub_train = sub.add_parser(
+            verb, help=f"{what}; the same as `train` with trainer.kind={kind}"
+        )
+        sub_train.add_argument("config")
+        sub_train.add_argument(
+            "overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=64"
+        )
+        sub_train.add_argument(
+            "--nproc-per-node",
+            type=int,
+            default=None,
+            help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
+        )
+        _add_verbose(sub_train)
+        add_launcher_options(sub_train)
+        add_preflight_arguments(sub_train)
+        sub_train.set_defaults(func=_train, forced=[f"trainer.kind={kind}"])
     from checkpoints_tools.cli import add_verbs
 
     convert = sub.add_parser(

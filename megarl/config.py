@@ -75,7 +75,8 @@ class RolloutConfig:
     max_response_length: int = 512
     # Every response runs to max_response_length: EOS is sampled like any other token and does
     # not stop it (fixed-length rollouts, e.g. so that a discount or a per-token KL penalty
-    # cannot be gamed by stopping early; benchmarks). Training and validation alike.
+    # cannot be gamed by stopping early; benchmarks). Training and validation alike. With
+    # rollout.env every model turn runs to its token limit.
     ignore_eos: bool = False
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
@@ -96,6 +97,34 @@ class RolloutConfig:
     # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
     # reshard reloads them); both free the KV cache
     sleep_level: int = 1
+    # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
+    # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
+    env: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # model turns per trajectory
+    # New tokens of one model turn; None: max_response_length. A trajectory's budget is its
+    # prompt + max_response_length tokens (all model turns and environment tokens together).
+    max_turn_tokens: int | None = None
+    tool_concurrency: int = 8  # tool calls (and synchronous env steps) running at once per engine
+    tool_timeout_s: float = 30.0  # a tool call past this gives the model an error result
+    # Share of a step's samples whose environment may fail (raise, break the API) before the run
+    # stops with the first error; failed samples score 0 and are counted (rollout/env_failures).
+    max_env_failures: float = 0.5
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation: a frozen teacher scores the student's own rollouts and the
+    per-token reverse KL (student logprob - teacher logprob) steers the student."""
+
+    teacher_path: str | None = (
+        None  # Hugging Face folder of the teacher (same tokenizer); None: off
+    )
+    # Weight of the reverse KL. mode=reward: a dense reward, each response token's advantage gets
+    # -coef * its own KL (beside the outcome advantages); mode=loss: coef * a KL term in the
+    # actor loss whose gradient is the reverse KL's (k2 estimator).
+    coef: float = 1.0
+    mode: str = "reward"  # reward | loss
 
 
 @dataclass
@@ -136,6 +165,8 @@ class AlgorithmConfig:
     # data.train_batch_size prompts are filled (else the step trains on the groups it kept).
     filter_groups: bool = False
     filter_groups_max_batches: int = 4
+    # On-policy distillation from a frozen teacher (megarl.trainer.distill); off without a path.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -243,6 +274,42 @@ class RewardModelConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`trainer.kind: sft` (``megarl train-sft``): supervised fine-tuning. data.train_files /
+    val_files hold `prompt` + `response` rows or `messages` conversations; data.train_batch_size
+    and val_batch_size count sequences (global). The loss is the token-mean NLL of the response
+    (assistant) tokens over the whole batch."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    micro_batch_size: int = 4  # sequences per micro-batch per rank
+    max_tokens_per_micro_batch: int | None = None  # token budget instead of a count
+    packing: bool = True  # each micro-batch as one pack of its sequences (no padding)
+    max_length: int = 1024  # tokens of prompt + response
+    truncation: str = "filter"  # error | filter | truncate (cuts the response's end)
+
+
+@dataclass
+class DPOConfig:
+    """`trainer.kind: dpo` (``megarl train-dpo``): direct preference optimisation on
+    prompt/chosen/rejected pairs against a frozen reference. data.train_batch_size and
+    val_batch_size count pairs (global)."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    loss: str = (
+        "sigmoid"  # a registered DPO loss: sigmoid | ipo | hinge | robust | ... (megarl.algos.dpo)
+    )
+    beta: float = 0.1
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # other parameters of the loss
+    # The frozen reference policy; None: model.path (with actor.lora: the actor's own base).
+    # Reference-free losses (simpo) build none.
+    reference_path: str | None = None
+    micro_batch_size: int = 4  # pairs per micro-batch per rank (chosen + rejected together)
+    packing: bool = True
+    max_length: int = 1024  # tokens of prompt + the longer response
+    truncation: str = "filter"  # error | filter | truncate
+
+
+@dataclass
 class ElasticConfig:
     """Elastic recovery (``megarl train`` as the launcher: torchrun's, Ray's or Slurm's path):
     when a rank dies, the job restarts by itself from its latest intact checkpoint on the ranks
@@ -257,11 +324,14 @@ class ElasticConfig:
 
 @dataclass
 class TrainerConfig:
-    kind: str = "policy"  # policy (PPO/GRPO) | reward_model (Bradley-Terry)
+    # policy (PPO/GRPO) | reward_model (Bradley-Terry) | sft | dpo
+    kind: str = "policy"
     total_steps: int = 100
     save_freq: int = 0  # 0: only at the end
     test_freq: int = 0  # 0: never; validation runs over the whole data.val_files
-    val_before_train: bool = False  # validate once before the first step
+    # validate once before the first step (policy runs; the reward-model, SFT and DPO trainers,
+    # whose validation is a forward pass, always do when validation is on)
+    val_before_train: bool = False
     val_pass_score: float = 1.0  # a validation sample "passes" (pass@k) when it scores >= this
     output_dir: str = "outputs/run"
     resume: str = "auto"  # auto | never
@@ -276,6 +346,9 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     keep_last: int = 2  # newest checkpoints kept; older ones are removed once a newer is complete
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
+    # OUTPUT/rollouts/step_N_dpD.jsonl each step: every sample's token ids, response mask,
+    # logprobs, advantages and text (megarl/trainer/rollout_dump.py)
+    dump_rollouts: bool = False
     # A step phase (rollout, reward, update, save ...) without progress for this long: every rank
     # prints its stacks and the job stops; torch.distributed collective timeouts derive from it.
     hang_timeout_s: float = 1800.0
@@ -294,6 +367,8 @@ class RunConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -308,8 +383,10 @@ CHOICES = {
     "data.overlong_prompts": ("filter", "error"),
     "trainer.resume": ("auto", "never"),
     "trainer.nan_policy": ("stop", "skip"),
-    "trainer.kind": ("policy", "reward_model"),
+    "trainer.kind": ("policy", "reward_model", "sft", "dpo"),
     "reward_model.truncation": ("error", "filter", "truncate"),
+    "sft.truncation": ("error", "filter", "truncate"),
+    "dpo.truncation": ("error", "filter", "truncate"),
 }
 
 
@@ -416,8 +493,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "as logged; remove or fix these"
         )
     _validate_reliability(cfg)
-    if cfg.trainer.kind == "reward_model":
-        _validate_reward_model(cfg, world_size)
+    supervised = _SUPERVISED_VALIDATORS.get(cfg.trainer.kind)
+    if supervised is not None:
+        supervised(cfg, world_size)
         return
     data, actor = cfg.data, cfg.actor
     positive = {
@@ -442,6 +520,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
         )
     _validate_sampling(cfg)
+    _validate_distill(cfg)
+    _validate_multi_turn(cfg.rollout)
     algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
     if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
         raise ConfigError(
@@ -599,6 +679,30 @@ def _validate_sampling(cfg: RunConfig) -> None:
         )
 
 
+def _validate_multi_turn(r: RolloutConfig) -> None:
+    """The pure checks of rollout.env's settings (the class itself is loaded by run/checks.py)."""
+    if r.env is None:
+        set_ = [k for k in ("env_kwargs",) if getattr(r, k)]
+        if set_:
+            raise ConfigError(f"rollout.{set_[0]} is set but rollout.env is not; set rollout.env")
+        return
+    _check_positive(
+        {"rollout.max_turns": r.max_turns, "rollout.tool_concurrency": r.tool_concurrency}
+    )
+    if r.max_turn_tokens is not None and not 1 <= r.max_turn_tokens <= r.max_response_length:
+        raise ConfigError(
+            f"rollout.max_turn_tokens={r.max_turn_tokens} must be in [1, rollout.max_response_length="
+            f"{r.max_response_length}] (or null: the whole budget)"
+        )
+    if not r.tool_timeout_s > 0:
+        raise ConfigError(f"rollout.tool_timeout_s={r.tool_timeout_s} must be > 0 seconds")
+    if not 0.0 <= r.max_env_failures <= 1.0:
+        raise ConfigError(
+            f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
+            "step's samples"
+        )
+
+
 def _validate_reliability(cfg: RunConfig) -> None:
     t = cfg.trainer
     if t.keep_last < 1:
@@ -652,8 +756,9 @@ def _validate_parallel(par: ParallelConfig) -> None:
 
 def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
     """The longest sequence a run trains on, and the settings that make it up."""
-    if cfg.trainer.kind == "reward_model":
-        return cfg.reward_model.max_length, "reward_model.max_length"
+    if cfg.trainer.kind in _SUPERVISED_VALIDATORS:  # one max_length setting per such trainer
+        section = cfg.trainer.kind
+        return getattr(cfg, section).max_length, f"{section}.max_length"
     return (
         cfg.data.max_prompt_length + cfg.rollout.max_response_length,
         "data.max_prompt_length + rollout.max_response_length",
@@ -697,22 +802,110 @@ def _check_dp_split(cfg: RunConfig, world_size: int, batches: dict[str, int]) ->
             )
 
 
-def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
-    rm, data = cfg.reward_model, cfg.data
+def _validate_supervised(
+    cfg: RunConfig, world_size: int | None, section: str, micro_batch_size: int, max_length: int
+) -> None:
+    """What the reward-model, SFT and DPO trainers share: positive sizes, a usable max_length,
+    batches that split over the data-parallel ranks."""
+    data = cfg.data
     _check_positive(
         {
             "data.train_batch_size": data.train_batch_size,
-            "reward_model.micro_batch_size": rm.micro_batch_size,
+            f"{section}.micro_batch_size": micro_batch_size,
             "trainer.total_steps": cfg.trainer.total_steps,
         }
     )
-    if rm.max_length < 2:
-        raise ConfigError(f"reward_model.max_length must be >= 2 tokens, got {rm.max_length}")
+    if max_length < 2:
+        raise ConfigError(f"{section}.max_length must be >= 2 tokens, got {max_length}")
     if world_size is not None:
         batches = {"data.train_batch_size": data.train_batch_size}
         if data.val_files:
             batches["data.val_batch_size"] = data.val_batch_size
         _check_dp_split(cfg, world_size, batches)
+
+
+def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
+    rm = cfg.reward_model
+    _validate_supervised(cfg, world_size, "reward_model", rm.micro_batch_size, rm.max_length)
+
+
+def _validate_sft(cfg: RunConfig, world_size: int | None) -> None:
+    sft = cfg.sft
+    _validate_supervised(cfg, world_size, "sft", sft.micro_batch_size, sft.max_length)
+    budget = sft.max_tokens_per_micro_batch
+    if budget is not None and budget < 2:
+        raise ConfigError(
+            f"sft.max_tokens_per_micro_batch={budget} must be >= 2 tokens (or null: "
+            "sft.micro_batch_size sequences per micro-batch)"
+        )
+
+
+def _validate_dpo(cfg: RunConfig, world_size: int | None) -> None:
+    dpo = cfg.dpo
+    _validate_supervised(cfg, world_size, "dpo", dpo.micro_batch_size, dpo.max_length)
+    dpo_loss_kwargs(cfg, try_it=True)
+    if dpo.reference_path is not None and not dpo_needs_reference(cfg):
+        raise ConfigError(
+            f"dpo.reference_path={dpo.reference_path} is set but dpo.loss={dpo.loss!r} is "
+            "reference-free; remove dpo.reference_path, or choose a loss that uses a reference "
+            "(e.g. sigmoid)"
+        )
+
+
+def dpo_loss_kwargs(cfg: RunConfig, try_it: bool = False) -> dict[str, Any]:
+    """The keyword arguments of the configured DPO loss (``dpo.beta`` and ``dpo.loss_kwargs``),
+    resolved against its signature; ConfigError naming the fix for an unknown loss or setting.
+    ``try_it`` also calls it once on a tiny batch (a value it refuses fails here)."""
+    from megarl.algos.dpo import DPO_LOSSES, try_dpo_loss
+    from megarl.algos.settings import Choice, SettingError, resolve_kwargs
+
+    d = cfg.dpo
+    choice = Choice(
+        "dpo.loss",
+        DPO_LOSSES,
+        d.loss,
+        {"beta": ("dpo.beta", d.beta)},
+        dict(d.loss_kwargs),
+        "dpo.loss_kwargs",
+    )
+    try:
+        kwargs = resolve_kwargs(choice)
+        if try_it:
+            try_dpo_loss(d.loss, kwargs)
+    except SettingError as e:
+        raise ConfigError(str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"dpo.loss={d.loss!r} refuses its settings (dpo.beta, dpo.loss_kwargs): {e}"
+        ) from None
+    return kwargs
+
+
+def dpo_needs_reference(cfg: RunConfig) -> bool:
+    """Whether the configured DPO loss compares against a reference policy."""
+    from megarl.algos.dpo import DPO_LOSSES, needs_reference
+
+    return needs_reference(DPO_LOSSES.get(cfg.dpo.loss))
+
+
+_SUPERVISED_VALIDATORS = {
+    "reward_model": _validate_reward_model,
+    "sft": _validate_sft,
+    "dpo": _validate_dpo,
+}
+
+DISTILL_MODES = ("reward", "loss")
+
+
+def _validate_distill(cfg: RunConfig) -> None:
+    d = cfg.algorithm.distill
+    if d.mode not in DISTILL_MODES:
+        raise ConfigError(f"algorithm.distill.mode={d.mode!r} is not one of {list(DISTILL_MODES)}")
+    if d.teacher_path is not None and not d.coef > 0:
+        raise ConfigError(
+            f"algorithm.distill.coef={d.coef} must be > 0 with a teacher "
+            "(algorithm.distill.teacher_path); remove the teacher to train without distillation"
+        )
 
 
 def model_dtype(cfg: RunConfig, cuda: bool) -> str:

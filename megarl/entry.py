@@ -27,8 +27,25 @@ def _reward_model() -> Trainer:
     return train_reward_model
 
 
+def _sft() -> Trainer:
+    from megarl.sft.train import train_sft
+
+    return train_sft
+
+
+def _dpo() -> Trainer:
+    from megarl.dpo.train import train_dpo
+
+    return train_dpo
+
+
 # trainer.kind -> the function that runs such a config (imported lazily: each pulls in megatron)
-TRAINERS: dict[str, Callable[[], Trainer]] = {"policy": _policy, "reward_model": _reward_model}
+TRAINERS: dict[str, Callable[[], Trainer]] = {
+    "policy": _policy,
+    "reward_model": _reward_model,
+    "sft": _sft,
+    "dpo": _dpo,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

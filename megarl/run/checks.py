@@ -3,12 +3,14 @@ the CLI and again on every rank before any heavy work."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from megarl.config import RunConfig
 from megarl.parallel import ParallelLayout
 
 if TYPE_CHECKING:
+    from megarl.data.parquet_source import ParquetFileInfo
     from megarl.models.dims import ModelDims
 
 
@@ -16,7 +18,8 @@ def check_inputs(
     cfg: RunConfig, layout: ParallelLayout, this_machine: bool = True
 ) -> ModelDims | None:
     """Backends (``this_machine``: the run starts here), model folder, layout against it,
-    reward model, data files (footers only); returns the reward model's shape (None: none)."""
+    reward model, rollout.env, data files (footers only); returns the reward model's shape (None:
+    none)."""
     from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
@@ -33,13 +36,114 @@ def check_inputs(
         from megarl.rewards.model import check_reward_model
 
         reward_model = check_reward_model(cfg.reward.model_path, dims.vocab_size)
+    if cfg.rollout.env is not None:
+        from megarl.envs.loading import check_environment
+
+        check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
+    check_columns = _COLUMN_CHECKS[cfg.trainer.kind]
     for files, what in (
         (cfg.data.train_files, "data.train_files"),
         (cfg.data.val_files, "data.val_files"),
     ):
-        if files:  # unreadable files fail here
-            inspect_files(*resolve_files(files, what=what))
+        if files:  # unreadable files and missing columns fail here
+            check_columns(inspect_files(*resolve_files(files, what=what)))
+    for path, setting, what in _COMPANIONS.get(cfg.trainer.kind, _none)(cfg):
+        _check_companion(cfg, layout, dims, path, setting, what)
     return reward_model
+
+
+def _none(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    return []
+
+
+def _dpo_reference(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    path = cfg.dpo.reference_path
+    return [(path, "dpo.reference_path", "reference")] if path else []
+
+
+def _distill_teacher(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    path = cfg.algorithm.distill.teacher_path
+    return [(path, "algorithm.distill.teacher_path", "teacher")] if path else []
+
+
+# trainer.kind -> the frozen models of other folders that read the policy's token ids:
+# (path, setting, what)
+_COMPANIONS: dict[str, Callable[[RunConfig], list[tuple[str, str, str]]]] = {
+    "dpo": _dpo_reference,
+    "policy": _distill_teacher,
+}
+
+
+def _check_prompts(infos: list[ParquetFileInfo]) -> None:
+    from megarl.data.prompt_dataset import check_prompt_files
+
+    check_prompt_files(infos, require_ground_truth=False)  # rewards may come from a model
+
+
+def _check_preferences(infos: list[ParquetFileInfo]) -> None:
+    from megarl.data.preference_dataset import check_preference_files
+
+    check_preference_files(infos)
+
+
+def _check_sft(infos: list[ParquetFileInfo]) -> None:
+    from megarl.data.sft_dataset import check_sft_files
+
+    check_sft_files(infos)
+
+
+# trainer.kind -> the column check of its data files
+_COLUMN_CHECKS: dict[str, Callable[[list[ParquetFileInfo]], None]] = {
+    "policy": _check_prompts,
+    "reward_model": _check_preferences,
+    "dpo": _check_preferences,
+    "sft": _check_sft,
+}
+
+
+def _check_companion(
+    cfg: RunConfig, layout: ParallelLayout, dims: ModelDims, path: str, setting: str, what: str
+) -> None:
+    """A frozen model that reads the policy's token ids (DPO reference, distillation teacher): a
+    causal LM of the same tokenizer that fits the layout."""
+    from megarl.data.tokenizers import tokenizer_difference
+    from megarl.errors import ConfigError, MegarlError
+    from megarl.models.dims import ModelDims, read_hf_config
+    from megarl.models.heads import hf_folder_role
+
+    try:
+        hf_cfg = read_hf_config(path)
+    except MegarlError as e:
+        raise ConfigError(f"{setting}: {e}") from None
+    if hf_folder_role(hf_cfg) != "actor":
+        raise ConfigError(
+            f"{setting}={path} is not a causal language model (its architectures: "
+            f"{hf_cfg.get('architectures')}); the {what} must be a *ForCausalLM folder"
+        )
+    theirs = ModelDims.from_hf_config(hf_cfg)
+    try:
+        layout.check_model(theirs.shape)
+    except MegarlError as e:
+        raise ConfigError(
+            f"{setting}={path} does not fit the layout the {what} shares with the policy: {e}"
+        ) from None
+    if cfg.parallel.pp_layers and theirs.num_layers != dims.num_layers:
+        raise ConfigError(
+            f"parallel.pp_layers splits the policy's {dims.num_layers} layers; the {what} "
+            f"({setting}) has {theirs.num_layers}: remove parallel.pp_layers (an even split fits both)"
+        )
+    difference = tokenizer_difference(cfg.model.path, path)
+    if difference is not None:
+        raise ConfigError(
+            f"{setting}={path} has another tokenizer than model.path={cfg.model.path} "
+            f"({difference}); the {what} scores the policy's token ids, so both must share one "
+            "tokenizer"
+        )
+    if theirs.vocab_size < dims.vocab_size:
+        raise ConfigError(
+            f"{setting}={path} has an output vocabulary of {theirs.vocab_size} ids, fewer than "
+            f"the policy's {dims.vocab_size}; it could not score every id the policy can write"
+        )
 
 
 def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:

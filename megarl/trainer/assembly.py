@@ -15,8 +15,10 @@ from megarl import parallel, platform
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
 from megarl.data import PromptDataset, PromptItem
+from megarl.envs.runner import EnvRunner
 from megarl.hybrid_engine.engine import HybridEngine
-from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
+from megarl.hybrid_engine.multi_turn import TurnLimits
+from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
 from megarl.models.dims import ModelDims
 from megarl.run.epochs import EpochBatches
 from megarl.run.resume import Resumed, resume, resume_point, save
@@ -50,6 +52,14 @@ class Rollout:
     actor_memory: ActorMemory
     # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
     roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
+    # rollout.env: multi-turn trajectories (the runner exists on the ranks that run environments)
+    turns: TurnLimits | None = None
+    env_runner: EnvRunner | None = None
+    max_env_failures: float = 1.0
+
+    def close(self) -> None:
+        if self.env_runner is not None:
+            self.env_runner.close()
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,7 @@ class PolicyRun:
     def close(self) -> None:
         self.tracker.close()
         self.rewards.close()
+        self.rollout.close()
 
 
 def build_data(cfg: RunConfig, startup: Startup) -> PolicyData:
@@ -161,6 +172,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
             sleep_level=r.sleep_level,
         ),
         backend=r.backend,
+        multi_turn=r.env is not None,
     )
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
     stop_token_ids = () if r.ignore_eos else None
@@ -184,12 +196,47 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )
+    turns, runner = None, None
+    if r.env is not None:
+        turns = TurnLimits(
+            max_turns=r.max_turns,
+            max_response_tokens=r.max_response_length,
+            max_turn_tokens=r.max_turn_tokens or r.max_response_length,
+        )
+        if engine.runs_environments:
+            runner = build_env_runner(cfg, startup)
     return Rollout(
         engine,
         sampling,
         val_sampling,
         build_actor_memory(cfg, models),
         build_role_offload(cfg, models),
+        turns=turns,
+        env_runner=runner,
+        max_env_failures=r.max_env_failures,
+    )
+
+
+def build_env_runner(cfg: RunConfig, startup: Startup) -> EnvRunner:
+    """The environments' executor on this rank: rollout.env's class, its kwargs, the template's
+    deltas, and the tool pool."""
+    from megarl.envs.chat_deltas import ChatDeltas
+    from megarl.envs.loading import check_environment
+    from megarl.envs.pool import ToolPool
+
+    r = cfg.rollout
+    # what ends a model turn: the rollout's stop tokens (the model's EOS ids) and the tokenizer's
+    stop = set(eos_token_ids(cfg.model.path))
+    if startup.tokenizer.eos_token_id is not None:
+        stop.add(int(startup.tokenizer.eos_token_id))
+    return EnvRunner(
+        check_environment(r.env, r.env_kwargs),
+        r.env_kwargs,
+        ChatDeltas(startup.tokenizer),
+        ToolPool(r.tool_concurrency, r.tool_timeout_s),
+        run_seed=cfg.trainer.seed,
+        stop_token_ids=stop,
+        max_prompt_tokens=cfg.data.max_prompt_length,
     )
 
 

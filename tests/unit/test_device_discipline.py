@@ -80,6 +80,9 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("megarl/algos/settings.py", "try_on_tiny_batch"): (
         "the pre-launch config check calls the chosen loss and estimator on a tiny host batch"
     ),
+    ("megarl/algos/dpo.py", "try_dpo_loss"): (
+        "the pre-launch config check calls the chosen DPO loss on two made-up host pairs"
+    ),
     ("megarl/testing/assets.py", "randomize_"): (
         "fills CPU-built Hugging Face test models before they are saved to disk"
     ),
@@ -109,7 +112,6 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/trainer/model_ops.py": {
         "rollout_is_finite": "flag made on platform.collective_device()",
-        "_data_parallel_mean": "made on platform.collective_device()",
     },
     "megarl/run/checkpointing.py": {
         "_agree_on_failure": "flag made on platform.collective_device()",
@@ -139,8 +141,11 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/algos/vocab_parallel.py": {
         "_all_reduce": "reductions of the logits shard (on the model's device)",
     },
-    "megarl/reward_model/train.py": {
-        "evaluate": "totals made on platform.device()",
+    "megarl/run/evaluation.py": {
+        "dataset_totals": "totals made on platform.collective_device()",
+    },
+    "megarl/run/update.py": {
+        "data_parallel_mean": "made on platform.collective_device()",
     },
 }
 

@@ -157,11 +157,15 @@ def test_request_seeds_or_the_batched_sampler(per_request, temperature):
     engine = object.__new__(VLLMRollout)  # no vLLM: only the request building runs
     engine.asleep = False
     engine.llm = _Recorder()
-    engine.sampling_params = lambda sampling, seed: seed
+    engine.sampling_params = lambda sampling, seed, max_tokens=None: seed
     sampling = SamplingConfig(temperature=temperature, seed=7, per_request_seeds=per_request)
     engine.generate([[1, 2], [3], [4]], sampling, seed_offset=10)
     want = [17, 18, 19] if per_request and temperature > 0 else [None, None, None]
     assert engine.llm.seeds == want
+    # a multi-turn turn's own request seeds, under the same rule
+    engine.llm = _Recorder()
+    engine.generate([[1, 2], [3], [4]], sampling, seeds=[5, 3, 9])
+    assert engine.llm.seeds == ([5, 3, 9] if per_request and temperature > 0 else [None] * 3)
 
 
 def test_engine_seed_differs_per_engine_without_request_seeds():
@@ -210,7 +214,8 @@ def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(
-        pa.table({"prompt": [[{"role": "user", "content": "hi"}]] * 8}), tmp_path / "t.parquet"
+        pa.table({"prompt": [[{"role": "user", "content": "hi"}]] * 8, "data_source": ["t"] * 8}),
+        tmp_path / "t.parquet",
     )
     yaml = tmp_path / "run.yaml"
     yaml.write_text(

@@ -217,7 +217,10 @@ def _inputs(tmp_path: Path) -> list[str]:
         json.dumps({**KNOWN_MODELS["Qwen2.5-7B"], "model_type": "qwen2"})
     )
     rows = [[{"role": "user", "content": f"q{i}"}] for i in range(1024)]
-    pq.write_table(pa.table({"prompt": rows}), tmp_path / "train.parquet")
+    # columns of both a prompt file (the policy) and a preference file (train-rm)
+    table = {"prompt": rows, "data_source": ["toy"] * 1024, "chosen": ["a"] * 1024}
+    table["rejected"] = ["b"] * 1024
+    pq.write_table(pa.table(table), tmp_path / "train.parquet")
     return [
         f"model.path={model}",
         f"data.train_files=[{tmp_path / 'train.parquet'}]",

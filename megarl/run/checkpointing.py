@@ -12,8 +12,9 @@ in a manifest (each role folder's, and the step folder's for ``trainer/``), whic
 before it loads anything (:mod:`megarl.run.verification`).
 
 Models and optimizer states are megatron dist checkpoints in model space (the distributed
-optimizer.s ``fully_reshardable`` format): one global tensor per parameter and state,
-whatever the TP x PP x DP layout, so they load at any other.
+optimizer's ``fully_reshardable`` format): one global tensor per parameter and state,
+whatever the TP x PP x DP layout, so they load at any other. Each data-parallel rank writes its
+own part of the optimizer state without gathering the rest (:mod:`megarl.run.optimizer_shards`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from megarl.data.global_state import merge_rank_states
 from megarl.errors import CheckpointError
 from megarl.run import faults, retention, verification, watchdog
 from megarl.run import trainer_state as state_file
+from megarl.run.optimizer_shards import sharded_optimizer_state
 
 OPTIMIZER_FORMAT = "fully_reshardable"
 
@@ -106,6 +108,8 @@ def _optimizer_state(trainable, is_loading: bool):
                 with torch.no_grad():
                     opt._init_optimizer_states_with_dummy_values()
     model_sd = model_sharded_state_dict(trainable.model)
+    if not is_loading:  # each rank its own blocks, no gather (megatron's save gathers)
+        return sharded_optimizer_state(trainable.optimizer, model_sd)
     return trainable.optimizer.sharded_state_dict(
         model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
     )

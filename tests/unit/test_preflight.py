@@ -142,7 +142,7 @@ def test_host_memory_per_rank_and_node(recipe):
     dp0, dp1 = host.ranks[(0, 0)], host.ranks[(0, 1)]
     assert dp0["rollout"] == {"optimizer_offload": 0, "adam_moments": 2 * P}
     assert dp0["training"] == {"optimizer_offload": 0, "vllm_asleep": 2 * P}  # sleep level 1
-    state = 12 * (P * DP // DP)  # megatron gathers the TP shard's fp32 params, m, v on each rank
+    state = 12 * -(-P // DP)  # its own shard's fp32 params, m, v: no gather (optimizer_shards)
     assert dp1["save"]["checkpoint"] == state
     assert dp0["save"]["checkpoint"] == state + 2 * P  # DP rank 0 also writes the weights
     node = 8 * (2 * P + state) + 2 * (2 * P)  # 8 ranks; 2 of them (TP0, TP1) are DP rank 0
@@ -196,7 +196,7 @@ def test_a_kv_cache_smaller_than_one_sequence_is_refused():
 
 
 def test_host_memory_of_a_save_is_checked():
-    small = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, host_memory=400 * GIB)
+    small = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, host_memory=128 * GIB)
     cfg = load_config(overrides=RECIPE)
     pf = preflight(cfg, _dims(), small, GPU)
     [problem] = pf.problems

@@ -85,9 +85,13 @@ class RolloutConfig:
     dtype: str = "auto"
     backend: str = "vllm"  # vllm | hf (Hugging Face generate: no vLLM needed; for debugging)
     gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
-    # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
-    # reshard reloads them); both free the KV cache
-    sleep_level: int = 1
+    # CUDA rollout engine between rollouts: 2 discards its weights (the reshard refills every
+    # one), 1 copies them to host memory and back; both free the KV cache
+    sleep_level: int = 2
+    # How the actor's weights reach the rollout engine: shard (each rank receives only the
+    # slices its rollout TP rank loads), full (whole tensors on every rank), auto (shard where
+    # the backend can load slices of the model, else full). See docs/resharding.md.
+    reshard_mode: str = "auto"
 
 
 @dataclass
@@ -283,6 +287,7 @@ CHOICES = {
     "rollout.dtype": ("auto", "float32", "bfloat16"),
     "actor.old_log_prob_forward": ("auto", "always"),
     "rollout.sleep_level": (1, 2),
+    "rollout.reshard_mode": ("auto", "shard", "full"),
     "data.overlong_prompts": ("filter", "error"),
     "trainer.resume": ("auto", "never"),
     "trainer.nan_policy": ("stop", "skip"),

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from megarl.models.dims import ModelDims
+from megarl.plan.reshard import reshard_figures
 from megarl.plan.search import Evaluated, PlanResult
 from megarl.plan.units import GIB, fmt_gib
 
@@ -194,7 +195,7 @@ def config_overrides(e: Evaluated) -> list[str]:
     return out
 
 
-def _evaluated_json(e: Evaluated) -> dict[str, Any]:
+def _evaluated_json(e: Evaluated, dims: ModelDims, gpus_per_node: int) -> dict[str, Any]:
     worst = e.memory.worst
     return {
         "layout": str(e.layout),
@@ -220,6 +221,8 @@ def _evaluated_json(e: Evaluated) -> dict[str, Any]:
         "kv_capacity_tokens": worst.kv_capacity_tokens,
         "step_time_s": round(e.time.total, 3),
         "time_parts_s": {k: round(v, 3) for k, v in e.time.parts.items()},
+        # bytes per step into the rollout engine (megarl.plan.reshard)
+        "reshard": reshard_figures(dims, e.layout, gpus_per_node),
     }
 
 
@@ -265,9 +268,11 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         },
         "numerics": result.numerics.name,
         "nothing_fits": result.nothing_fits,
-        "feasible": [_evaluated_json(e) for e in result.feasible],
+        "feasible": [_evaluated_json(e, d, c.gpus_per_node) for e in result.feasible],
         "variants": {
-            f"TP{tp}xPP{pp}" + (f"xEP{ep}" if ep > 1 else ""): [_evaluated_json(e) for e in v]
+            f"TP{tp}xPP{pp}" + (f"xEP{ep}" if ep > 1 else ""): [
+                _evaluated_json(e, d, c.gpus_per_node) for e in v
+            ]
             for (tp, pp, ep), v in result.variants.items()
         },
         "infeasible": [

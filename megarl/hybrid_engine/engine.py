@@ -20,6 +20,7 @@ update's forward (:mod:`megarl.trainer.old_log_probs`).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -238,6 +239,9 @@ class HybridEngine:
             bucket_bytes,
             mode=self.reshard_mode,
             ep=layout.ep,
+            # slices come from a holder on the receiver's node where there is one (torchrun
+            # starts the same number of ranks per node: every rank plans alike)
+            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None,
         )
         self.executor = ReshardExecutor(self.plan, dims, self.rank)
         # rollout.dtype may differ from the actor's (e.g. bf16 training, fp32 sampling); an

@@ -27,6 +27,7 @@ COLUMNS = (
     ("peak", 6),
     ("step s", 7),
     ("bubble", 6),
+    ("reshard", 7),
 )
 TRAIN_PHASES = ("setup", "forward-backward", "grad-sync", "optimizer-step")
 
@@ -35,8 +36,9 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _row(i: int, e: Evaluated) -> list[str]:
-    """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals."""
+def _row(i: int, e: Evaluated, result: PlanResult) -> list[str]:
+    """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals, and
+    what each rank receives per step when the actor is resharded into vLLM."""
     worst = e.memory.worst
     train = worst.phase_items["forward-backward"]
     rollout = worst.phase_items.get("rollout", {})
@@ -59,6 +61,13 @@ def _row(i: int, e: Evaluated) -> list[str]:
         fmt_gib(worst.peak),
         f"{e.time.total:.1f}",
         f"{bubble:.0%}",
+        fmt_gib(
+            int(
+                reshard_figures(result.dims, e.layout, result.cluster.gpus_per_node)[
+                    "recv_bytes_per_rank"
+                ]
+            )
+        ),
     ]
 
 
@@ -98,13 +107,14 @@ def format_text(result: PlanResult, top: int = 5) -> str:
         f"micro-batch {w.micro_batch}, {w.global_batch} sequences per optimizer step; "
         f"{result.numerics.name} weights, reserve {fmt_gib(c.reserve)} GiB per GPU",
         "memory in GiB per GPU at the worst pipeline stage's peak phase; step time from the "
-        "cost model in megarl/plan/cost.py",
+        "cost model in megarl/plan/cost.py; reshard: GiB each rank receives per step into vLLM "
+        "(docs/resharding.md)",
         "",
     ]
     if result.feasible:
         shown = result.feasible[:top]
         lines.append(f"Top {len(shown)} of {len(result.feasible)} feasible training layouts:")
-        lines += _table([_row(i + 1, e) for i, e in enumerate(shown)])
+        lines += _table([_row(i + 1, e, result) for i, e in enumerate(shown)])
         for e in shown:
             if e.layout.pp_layers:
                 lines.append(

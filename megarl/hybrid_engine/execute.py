@@ -179,6 +179,7 @@ class ReshardExecutor:
         own afterwards."""
         stats = stats or ReshardStats()
         t_start = time.perf_counter()
+        self._tags = {}  # every rank starts each run's message count afresh
         buckets = self.rank_plan
         posted = self._post(buckets[0], local, stats) if buckets else None
         for k in range(len(buckets)):
@@ -218,8 +219,8 @@ class ReshardExecutor:
                 target.copy_(self._src_view(spec, local[s.tensor], s.start, s.stop))
                 stats.copied_bytes += op.nbytes
                 continue
-            # Tags count each pair's messages over the whole run: two buckets in flight between
-            # the same ranks never match each other's messages.
+            # Tags count each pair's messages over the run, not the bucket: two buckets in flight
+            # between the same ranks never match each other's messages.
             key = (op.peer, op.kind)
             tag = self._tags.get(key, 0)
             self._tags[key] = tag + 1

@@ -138,7 +138,7 @@ def vllm_worker(rank: int, world: int, model_dir: str, bucket: int, repeats: int
     layout = ParallelLayout.for_world(world, tp=2, pp=2, infer_tp=2)
     initialize_model_parallel(layout)
     model, dims = build_model(model_dir, layout, load=False)
-    ddp, optimizer, _ = wrap_for_training(model, OptimSettings())  # grads are freed as in a run
+    ddp, _, _ = wrap_for_training(model, OptimSettings())  # the actor as a run wraps it
     config = EngineConfig(max_model_len=64, kv_cache_bytes=16 << 20)
     rollout, rows = None, []
     for mode in MODES:
@@ -147,7 +147,6 @@ def vllm_worker(rank: int, world: int, model_dir: str, bucket: int, repeats: int
             layout,
             dims,
             ddp,
-            optimizer,
             engine_config=config,
             bucket_bytes=bucket,
             rollout=rollout,

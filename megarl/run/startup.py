@@ -50,11 +50,12 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     from megarl.parallel import initialize_model_parallel
     from megarl.run.watchdog import collective_timeout_s
 
-    rank, world = init_distributed(collective_timeout_s(cfg.trainer.hang_timeout_s))
+    timeout_s = collective_timeout_s(cfg.trainer.hang_timeout_s)
+    rank, world = init_distributed(timeout_s)
     layout = layout_for(cfg, world, with_rollout=with_rollout)
     validate_config(cfg, world)
     check_inputs(cfg, layout)
-    initialize_model_parallel(layout, seed=cfg.trainer.seed)
+    initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)

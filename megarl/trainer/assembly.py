@@ -26,7 +26,12 @@ from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
 from megarl.trainer.roles import Roles, build_roles
-from megarl.trainer.rollout_offload import RoleOffload, build_role_offload
+from megarl.trainer.rollout_offload import (
+    ActorMemory,
+    RoleOffload,
+    build_actor_memory,
+    build_role_offload,
+)
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
 
 if TYPE_CHECKING:
@@ -40,6 +45,9 @@ class Rollout:
     engine: HybridEngine
     sampling: SamplingConfig
     val_sampling: SamplingConfig
+    # the actor's grads freed, its optimizer state (GPU) or whole model on the host while the
+    # engine is awake (megarl.trainer.rollout_offload)
+    actor_memory: ActorMemory
     # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
     roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
 
@@ -135,7 +143,6 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         startup.layout,
         models.dims,
         models.actor.ddp,
-        models.actor.optimizer,
         engine_config=EngineConfig(
             max_model_len=cfg.data.max_prompt_length + r.max_response_length,
             kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
@@ -145,8 +152,6 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
             sleep_level=r.sleep_level,
         ),
         backend=r.backend,
-        packing=cfg.actor.packing,
-        param_offload=cfg.actor.param_offload,
         reshard_mode=r.reshard_mode,
     )
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
@@ -169,7 +174,13 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )
-    return Rollout(engine, sampling, val_sampling, build_role_offload(cfg, models))
+    return Rollout(
+        engine,
+        sampling,
+        val_sampling,
+        build_actor_memory(cfg, models),
+        build_role_offload(cfg, models),
+    )
 
 
 def restore(

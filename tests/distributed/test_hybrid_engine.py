@@ -4,11 +4,11 @@ Two spawns (one vLLM engine per process each: infer_tp 2, then infer_tp 1), each
 training layouts (TP2xPP2, TP1xPP2xDP2) beside the same engine. vLLM starts from dummy weights
 and is resharded in shard mode (each rank receives only the slices its vLLM TP rank loads: the
 default). Per layout: after ``to_rollout`` vLLM's greedy output equals transformers' (token for
-token) and its logprobs equal the megatron actor's teacher-forced ones (< 1e-4, fp32); sampled at
-temperature 0.7, vLLM's logprobs equal transformers' log_softmax(logits / 0.7) and the actor's
-tempered ones (mean <= 1e-4); after an optimizer step and another ``to_rollout`` the output
-equals transformers on the new weights; a plan/model shape mismatch raises naming the tensor and
-leaves vLLM's weights untouched.
+token) and its logprobs equal the megatron actor's teacher-forced ones, scored as the trainer
+scores a rollout (micro-batched; < 1e-4, fp32); sampled at temperature 0.7, vLLM's logprobs equal
+transformers' log_softmax(logits / 0.7) and the actor's tempered ones (mean <= 1e-4); after an
+optimizer step and another ``to_rollout`` the output equals transformers on the new weights; a
+plan/model shape mismatch raises naming the tensor and leaves vLLM's weights untouched.
 
 Shard mode against full mode (every rank receives whole tensors), on the same actor: every slice
 the shard-mode executor hands the rollout engine equals the same slice of the full-mode tensor,
@@ -77,6 +77,21 @@ def _stage_weights(ddp, dims, layout):
     tensors = {n: t.numpy().copy() for n, t in iter_stage_hf_tensors(ddp, dims, layout)}
     keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     return tensors if keep else {}
+
+
+def _scored(ddp, dims, batch, temperature: float = 1.0) -> dict[str, float]:
+    """The trainer's scoring of a rollout (as after the engine sleeps): the actor's logprobs of
+    the sampled tokens in micro-batches, and the rollout-vs-actor mismatch metrics."""
+    from megarl.trainer.experience import rollout_samples
+    from megarl.trainer.model_ops import MicroBatching
+    from megarl.trainer.old_log_probs import score_old_log_probs
+
+    samples = rollout_samples(batch, list(batch.output.prompt_index), 0, torch.device("cpu"))
+    metrics = score_old_log_probs(
+        ddp, samples, dims.vocab_size, temperature, MicroBatching(), dims.is_moe
+    )
+    assert "rollout/logprob_diff_mean" in metrics
+    return metrics
 
 
 def _recorded(engine) -> list:
@@ -164,7 +179,6 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
             layout,
             dims,
             ddp,
-            optimizer,
             engine_config=EngineConfig(max_model_len=64, kv_cache_bytes=32 << 20),
             bucket_bytes=96 << 10,  # several buckets
             rollout=rollout,
@@ -176,21 +190,19 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
             layout,
             dims,
             ddp,
-            optimizer,
             bucket_bytes=96 << 10,
             rollout=rollout,
             reshard_mode="full",
         )
         hf_rollout = hf_rollout or HFRollout(model_dir, layout.rollout_tp)
         hf_engine = HybridEngine(
-            model_dir, layout, dims, ddp, optimizer, bucket_bytes=96 << 10, rollout=hf_rollout
+            model_dir, layout, dims, ddp, bucket_bytes=96 << 10, rollout=hf_rollout
         )
         hf_full_engine = HybridEngine(
             model_dir,
             layout,
             dims,
             ddp,
-            optimizer,
             bucket_bytes=96 << 10,
             rollout=hf_rollout,
             reshard_mode="full",
@@ -222,12 +234,12 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         res["hf_shard_equals_full"] = _hf_shard_equals_full(hf_engine, hf_full_engine)
         batch = engine.generate(prompts, greedy)
         res["before"] = batch.output.token_ids
-        res["before_metrics"] = dict(batch.metrics)
+        res["before_metrics"] = _scored(ddp, dims, batch)
         hf_engine.to_rollout()  # the HF backend, resharded from the same actor
         hf_batch = hf_engine.generate(prompts, greedy)
         hf_engine.to_train()
         res["hf_before"] = hf_batch.output.token_ids
-        res["hf_before_metrics"] = dict(hf_batch.metrics)
+        res["hf_before_metrics"] = _scored(ddp, dims, hf_batch)
         # sampled at temperature 0.7: vLLM's logprobs are those of softmax(logits / 0.7), and the
         # actor scores the same distribution (the mismatch metric compares like with like)
         sampled = engine.generate(
@@ -242,7 +254,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
                 strict=True,
             )
         ]
-        res["sampled_metrics"] = dict(sampled.metrics)
+        res["sampled_metrics"] = _scored(ddp, dims, sampled, TEMPERATURE)
 
         # one optimizer step on the rollout sequences, then roll out again
         engine.to_train()
@@ -258,12 +270,12 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         # full mode first, then vLLM back on the checkpoint's weights, then shard mode: the same
         # tokens and bit-identical logprobs
         full_engine.to_rollout()
-        full_batch = full_engine.generate(prompts, greedy, score_with_actor=False)
+        full_batch = full_engine.generate(prompts, greedy)
         _reset_to_checkpoint(rollout, model_dir)
         engine.to_rollout()
         batch = engine.generate(prompts, greedy)
         res["after"] = batch.output.token_ids
-        res["after_metrics"] = dict(batch.metrics)
+        res["after_metrics"] = _scored(ddp, dims, batch)
         res["shard_equals_full_output"] = (
             batch.output.token_ids == full_batch.output.token_ids
             and batch.output.logprobs == full_batch.output.logprobs
@@ -273,7 +285,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         hf_batch = hf_engine.generate(prompts, greedy)
         hf_engine.to_train()
         res["hf_after"] = hf_batch.output.token_ids
-        res["hf_after_metrics"] = dict(hf_batch.metrics)
+        res["hf_after_metrics"] = _scored(ddp, dims, hf_batch)
 
         # a plan/model mismatch is refused before anything is loaded
         name = "model.layers.1.mlp.down_proj.weight"
@@ -285,18 +297,14 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         except ValueError as e:
             res["mismatch_error"] = str(e)
         engine.rollout.expected_shapes[name] = good
-        res["after_mismatch"] = engine.generate(
-            prompts, greedy, score_with_actor=False
-        ).output.token_ids
+        res["after_mismatch"] = engine.generate(prompts, greedy).output.token_ids
         engine.to_train()
         if infer_tp == 1 and spec == LAYOUTS[0]:
             # HF backend at rollout TP 4 over 2 KV heads: query heads split, k/v replicated
             wide = replace(layout, infer_tp=4)
             hf4 = HFRollout(model_dir, 4)
-            hf4_engine = HybridEngine(model_dir, wide, dims, ddp, optimizer, rollout=hf4)
-            hf4_full = HybridEngine(
-                model_dir, wide, dims, ddp, optimizer, rollout=hf4, reshard_mode="full"
-            )
+            hf4_engine = HybridEngine(model_dir, wide, dims, ddp, rollout=hf4)
+            hf4_full = HybridEngine(model_dir, wide, dims, ddp, rollout=hf4, reshard_mode="full")
             res["itp4_shards_match_full"], _ = _shards_match_full(
                 _recorded(hf4_engine), _recorded(hf4_full)
             )
@@ -370,7 +378,6 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
             # one tensor's copy
             assert res["peak_transient"] <= res["peak_inflight"] + res["largest_dest"], key
             assert res["step_ok"]
-            assert "rollout/logprob_diff_mean" in res["metrics_keys"]
             assert "reshard/recv_bytes" in res["metrics_keys"]
         # after a step: transformers on the new weights (exported independently of the reshard)
         new = {}

@@ -24,7 +24,8 @@ from megarl.lora_settings import check_lora_settings
 class ModelConfig:
     path: str = MISSING  # local Hugging Face folder of the actor (and reference)
     critic_path: str | None = None  # PPO critic trunk; None: same as path
-    dtype: str = "float32"  # float32 | bfloat16
+    # auto: bfloat16 on CUDA, float32 on CPU (megarl.gpu_defaults) | float32 | bfloat16
+    dtype: str = "auto"
     # Activation recomputation: none | selective (megatron's core-attention recompute) | full
     # (whole layers, recompute_num_layers per checkpoint)
     recompute: str = "none"
@@ -85,6 +86,13 @@ class RolloutConfig:
     dtype: str = "auto"
     backend: str = "vllm"  # vllm | hf (Hugging Face generate: no vLLM needed; for debugging)
     gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
+    max_num_seqs: int = 256  # sequences each vLLM engine decodes at once (its scheduler's cap)
+    # true: every request carries its own seed (derived from trainer.seed and its global index),
+    # so the samples do not depend on the layout, the engine count or the batching, and a resumed
+    # run samples what the uninterrupted one would; false: one seed per engine and vLLM's batched
+    # sampler (per-request seeds force its per-request sampling loop and turn its FlashInfer
+    # top-k/top-p kernel off), at the price of both guarantees (docs/gpu_settings.md)
+    per_request_seeds: bool = True
     # CUDA rollout engine between rollouts: 2 discards its weights (the reshard refills every
     # one), 1 copies them to host memory and back; both free the KV cache
     sleep_level: int = 2
@@ -294,7 +302,7 @@ class RunConfig:
 
 
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
     "model.transformer_impl": ("auto", "local", "transformer_engine"),
     "model.recompute": ("none", "selective", "full"),
     "rollout.backend": ("vllm", "hf"),
@@ -424,6 +432,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "actor.ppo_epochs": actor.ppo_epochs,
         "rollout.n": cfg.rollout.n,
         "rollout.max_response_length": cfg.rollout.max_response_length,
+        "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
         "trainer.total_steps": cfg.trainer.total_steps,
     }
     _check_positive(positive)
@@ -711,9 +720,16 @@ def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
         _check_dp_split(cfg, world_size, batches)
 
 
-def rollout_dtype(cfg: RunConfig) -> str:
-    """The rollout engine's dtype name: rollout.dtype, where auto is model.dtype."""
-    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+def model_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The models' dtype name: model.dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
+    if cfg.model.dtype == "auto":
+        return "bfloat16" if cuda else "float32"
+    return cfg.model.dtype
+
+
+def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The rollout engine's dtype name: rollout.dtype, where auto is the models' dtype."""
+    return model_dtype(cfg, cuda) if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
 def to_flat_dict(cfg: RunConfig) -> dict[str, Any]:

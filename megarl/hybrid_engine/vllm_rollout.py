@@ -42,6 +42,9 @@ class SamplingConfig:
     n: int = 1  # samples per prompt (GRPO groups)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
     seed: int = 0  # request i gets seed + i: the same samples whatever the layout
+    # False: no request seeds, vLLM's batched sampler draws from the engine's generator (samples
+    # then depend on the layout and the batching; rollout.per_request_seeds)
+    per_request_seeds: bool = True
     ignore_eos: bool = False  # benchmarks: exactly max_new_tokens tokens per response
 
 
@@ -265,9 +268,9 @@ class VLLMRollout:
                 "(the hybrid engine's to_rollout) before generating"
             )
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        greedy = sampling.temperature == 0
+        seeded = sampling.temperature != 0 and sampling.per_request_seeds
         params = [
-            self.sampling_params(sampling, None if greedy else sampling.seed + seed_offset + i)
+            self.sampling_params(sampling, sampling.seed + seed_offset + i if seeded else None)
             for i in range(len(prompts))
         ]
         results = self.llm.generate(prompts, params, use_tqdm=False)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megarl import parallel
+from megarl import parallel, platform
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
 from megarl.data import PromptDataset, PromptItem
@@ -136,6 +136,14 @@ def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
     return RewardSources.from_config(cfg, model)
 
 
+def _engine_seed(cfg: RunConfig, startup: Startup) -> int:
+    """vLLM's engine seed: with per-request seeds it drives no sampling; without them each engine
+    draws from its own stream (engines seeded alike would repeat each other's random numbers)."""
+    if cfg.rollout.per_request_seeds:
+        return cfg.trainer.seed
+    return cfg.trainer.seed + startup.rank // startup.layout.rollout_tp
+
+
 def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
     r = cfg.rollout
     engine = HybridEngine(
@@ -146,8 +154,9 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         engine_config=EngineConfig(
             max_model_len=cfg.data.max_prompt_length + r.max_response_length,
             kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-            dtype=rollout_dtype(cfg),
-            seed=cfg.trainer.seed,
+            dtype=rollout_dtype(cfg, platform.device().type == "cuda"),
+            seed=_engine_seed(cfg, startup),
+            max_num_seqs=r.max_num_seqs,
             gpu_memory_utilization=r.gpu_memory_utilization,
             sleep_level=r.sleep_level,
         ),
@@ -163,6 +172,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         max_new_tokens=r.max_response_length,
         n=r.n,
         seed=cfg.trainer.seed,
+        per_request_seeds=r.per_request_seeds,
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )
@@ -171,6 +181,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         max_new_tokens=r.max_response_length,
         n=r.val_n,
         seed=cfg.trainer.seed,
+        per_request_seeds=r.per_request_seeds,
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )

@@ -1,4 +1,4 @@
-# Fresh machine: `make demo` (main job) and `make test` (the test suite) set up .venv on first use.
+# Fresh machine: `make quickstart` (the main job: a small GRPO run on CPU) and `make test` (lint and the test suite) set up .venv on first use.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed

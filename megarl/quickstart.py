@@ -27,6 +27,7 @@ class Recipe:
     test_size: int
     default_out: str
     config: str
+    data_source: str  # the rows' data_source: what validation metrics are named after
 
 
 def _tiny_char_llama() -> Path:
@@ -43,10 +44,12 @@ def _smollm2() -> Path:
 
 RECIPES = {
     "vowels": Recipe(
-        _tiny_char_llama, 512, 64, "outputs/quickstart", "configs/quickstart_cpu.yaml"
+        _tiny_char_llama, 512, 64, "outputs/quickstart", "configs/quickstart_cpu.yaml", "toy/vowels"
     ),
     # 64 test problems: a fixed validation set, small enough for a greedy pass on 2 cores.
-    "gsm": Recipe(_smollm2, 4096, 64, "outputs/learn_gsm", "configs/smollm2_gsm_cpu.yaml"),
+    "gsm": Recipe(
+        _smollm2, 4096, 64, "outputs/learn_gsm", "configs/smollm2_gsm_cpu.yaml", "openai/gsm8k"
+    ),
 }
 
 
@@ -70,6 +73,8 @@ def prepare(out: Path, recipe: str = "vowels") -> None:
                 str(spec.train_size),
                 "--test-size",
                 str(spec.test_size),
+                "--data-source",
+                spec.data_source,
             ],
             check=True,
         )

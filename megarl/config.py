@@ -95,9 +95,13 @@ class RolloutConfig:
     # sampler (per-request seeds force its per-request sampling loop and turn its FlashInfer
     # top-k/top-p kernel off), at the price of both guarantees (docs/gpu_settings.md)
     per_request_seeds: bool = True
-    # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
-    # reshard reloads them); both free the KV cache
-    sleep_level: int = 1
+    # CUDA rollout engine between rollouts: 2 discards its weights (the reshard refills every
+    # one), 1 copies them to host memory and back; both free the KV cache
+    sleep_level: int = 2
+    # How the actor's weights reach the rollout engine: shard (each rank receives only the
+    # slices its rollout TP rank loads), full (whole tensors on every rank), auto (shard where
+    # the backend can load slices of the model, else full). See docs/resharding.md.
+    reshard_mode: str = "auto"
     # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
     # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
     env: str | None = None
@@ -387,6 +391,7 @@ CHOICES = {
     "rollout.dtype": ("auto", "float32", "bfloat16"),
     "actor.old_log_prob_forward": ("auto", "always"),
     "rollout.sleep_level": (1, 2),
+    "rollout.reshard_mode": ("auto", "shard", "full"),
     "data.overlong_prompts": ("filter", "error"),
     "trainer.resume": ("auto", "never"),
     "trainer.nan_policy": ("stop", "skip"),

@@ -210,13 +210,22 @@ def _check_companion(
 
 
 def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
-    """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one."""
+    """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one; vLLM takes
+    no pre-sharded experts."""
+    from megarl.hybrid_engine.reshard_mode import shard_refusal
 
     set_ = [n for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(cfg.model, n)]
     if set_ and not dims.is_moe:
         raise ConfigError(
             f"model.{set_[0]}={getattr(cfg.model, set_[0])} applies to mixture-of-experts models; "
             f"{cfg.model.path} is a dense {dims.family} model: remove it (or set it to 0)"
+        )
+    refusal = shard_refusal(cfg.rollout.backend, dims.is_moe)
+    if cfg.rollout.reshard_mode == "shard" and refusal:
+        raise ConfigError(
+            f"rollout.reshard_mode=shard with rollout.backend={cfg.rollout.backend} and the "
+            f"mixture-of-experts model {cfg.model.path}: {refusal}; set rollout.reshard_mode=auto "
+            "(full for this model) or rollout.backend=hf"
         )
     if cfg.actor.lora.rank and dims.is_moe:
         raise ConfigError(

@@ -176,6 +176,7 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         ),
         backend=r.backend,
         multi_turn=r.env is not None,
+        reshard_mode=r.reshard_mode,
     )
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
     stop_token_ids = () if r.ignore_eos else None

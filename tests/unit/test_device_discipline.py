@@ -95,7 +95,11 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
 # file -> {function qualname: where the tensor of its collective comes from}
 COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/hybrid_engine/execute.py": {
-        "ReshardExecutor.run": "model parameter views and buckets made on the parameters' device",
+        "ReshardExecutor._post": "model parameter views and buckets made on the parameters' device",
+    },
+    "megarl/hybrid_engine/hf_rollout.py": {
+        "_gather_group": "the bucket's slices (on the actor's device) into a buffer made on "
+        "platform.collective_device()",
     },
     "megarl/hybrid_engine/mismatch.py": {
         "logprob_mismatch": "sums/peak made on platform.collective_device()",

@@ -156,6 +156,7 @@ def test_request_seeds_or_the_batched_sampler(per_request, temperature):
 
     engine = object.__new__(VLLMRollout)  # no vLLM: only the request building runs
     engine.asleep = False
+    engine.weights_loaded = True  # as after the first reshard
     engine.llm = _Recorder()
     engine.sampling_params = lambda sampling, seed, max_tokens=None: seed
     sampling = SamplingConfig(temperature=temperature, seed=7, per_request_seeds=per_request)

@@ -6,7 +6,8 @@ unpickles it through an allow-list instead: the metadata classes of torch.distri
 (dataclasses and enums, which rebuild plain fields), ``torch.Size``, torch's dtypes, layouts and
 memory formats, ``pathlib`` paths, and nothing else; anything else is refused naming the file. A checkpoint that
 declares pickled objects (``BytesStorageMetadata``: loading them runs ``torch.load`` without
-``weights_only``) is refused too: megarl's checkpoints hold tensors only.
+``weights_only``) is refused too: megarl's checkpoints hold tensors only. The one exception is
+Transformer Engine's ``_extra_state``, which megarl never loads (see ``IGNORED_OBJECTS``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
 }
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+# Objects a checkpoint may declare because megarl never loads them, so their bytes are never
+# unpickled: Transformer Engine's FP8 metadata (`_extra_state`), which a TE-spec model written by
+# megatron carries and megarl's loads leave out (checkpoint.store.model_sharded_state_dict).
+IGNORED_OBJECTS = ("_extra_state",)
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -97,7 +102,10 @@ def read_dist_metadata(path: str | Path) -> Metadata:
             "is damaged"
         )
     objects = sorted(
-        k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
+        k
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, BytesStorageMetadata)
+        and not k.split("/", 1)[0].endswith(IGNORED_OBJECTS)  # "<key>/shard_<i>" too
     )
     if objects:
         raise CheckpointError(

@@ -120,6 +120,7 @@ def save_memory_worker(
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.run import checkpointing
+    from megarl.run.verification import latest_intact
 
     adapt_megatron_for_cpu()
     layout = ParallelLayout.for_world(world)
@@ -135,7 +136,7 @@ def save_memory_worker(
         trained = _local_states(trainable)
         for root in load_from:
             fresh_roles, fresh = _trained(layout, model_dir, steps=0)
-            checkpointing.load(checkpointing.latest(Path(root)), fresh_roles)
+            checkpointing.load(latest_intact(Path(root), checksums=True), fresh_roles)
             states[root] = _local_states(fresh)
             loaded[root] = _max_rel_diff(states[root], trained)
             del fresh_roles, fresh

@@ -32,10 +32,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megarl.config import load_config, validate
+    from megarl.config import job_world_size, load_config, trainer_world_size, validate
     from megarl.launch import run_torchrun, under_launcher
-    from megarl.parallel import ParallelLayout
     from megarl.run.checks import check_inputs
+    from megarl.run.startup import layout_for
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
@@ -46,10 +46,10 @@ def _train(args: argparse.Namespace) -> int:
 
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
-    nproc = args.nproc_per_node or cfg.parallel.tp * cfg.parallel.pp
+    nproc = args.nproc_per_node or job_world_size(cfg)
     validate(cfg, nproc)
-    p = cfg.parallel
-    layout = ParallelLayout.for_world(nproc, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
+    colocated = cfg.rollout.mode == "colocated"
+    layout = layout_for(cfg, trainer_world_size(cfg, nproc), with_rollout=colocated)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files
     return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
 

@@ -3,6 +3,7 @@ under torchrun or Slurm srun (``megarl train --nproc-per-node N`` starts torchru
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -27,8 +28,26 @@ def _reward_model() -> Trainer:
     return train_reward_model
 
 
+def _rollout_group() -> Trainer:
+    from megarl.trainer.rollout_group import serve_rollouts
+
+    return serve_rollouts
+
+
 # trainer.kind -> the function that runs such a config (imported lazily: each pulls in megatron)
 TRAINERS: dict[str, Callable[[], Trainer]] = {"policy": _policy, "reward_model": _reward_model}
+
+
+def program(cfg: RunConfig) -> Trainer:
+    """What this rank runs: the trainer of ``trainer.kind``, or in rollout.mode=async on the
+    last parallel.rollout_ranks ranks the rollout group."""
+    if cfg.trainer.kind == "policy" and cfg.rollout.mode == "async":
+        from megarl.launch import job_split
+        from megarl.world_split import ROLLOUT
+
+        if job_split(cfg.parallel.rollout_ranks).role(int(os.environ["RANK"])) == ROLLOUT:
+            return _rollout_group()
+    return TRAINERS[cfg.trainer.kind]()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args[0], args[1:])
-        TRAINERS[cfg.trainer.kind]()(cfg)
+        program(cfg)(cfg)
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -130,7 +130,6 @@ def _masked(log_ratio: Tensor, mask: Tensor, low: float, high: float, level: str
     raw = _ratio(per_token)
     raw_units = _ratio(per_unit)
     keep = (raw >= low) & (raw <= high)
-    keep_units = (raw_units >= low) & (raw_units <= high)
     metrics = _raw_metrics(raw_units, unit_mask)
     metrics["correction/mask_frac"] = masked_mean((~keep).to(raw.dtype), mask)
     metrics["correction/masked_low_frac"] = masked_mean((raw_units < low).to(raw.dtype), unit_mask)

@@ -12,6 +12,7 @@ from megarl.config import RunConfig
 from megarl.config import validate as validate_config
 from megarl.parallel import ParallelLayout
 from megarl.run.checks import check_inputs
+from megarl.world_split import SplitWorld
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -26,6 +27,8 @@ class Startup:
     rank: int
     tokenizer: PreTrainedTokenizerBase
     pad_id: int
+    # rollout.mode=async: the job split into trainers (this world) and the rollout group
+    world: SplitWorld | None = None
 
 
 def layout_for(cfg: RunConfig, world: int, *, with_rollout: bool) -> ParallelLayout:
@@ -46,15 +49,24 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     from transformers import AutoTokenizer
 
     from megarl.data.chat import pad_token_id
-    from megarl.launch import init_distributed
+    from megarl.launch import init_distributed, init_split
     from megarl.parallel import initialize_model_parallel
     from megarl.run.watchdog import collective_timeout_s
 
-    rank, world = init_distributed(collective_timeout_s(cfg.trainer.hang_timeout_s))
+    timeout = collective_timeout_s(cfg.trainer.hang_timeout_s)
+    split = None
+    if with_rollout and cfg.rollout.mode == "async":  # this world: the trainers only
+        split = init_split(cfg.parallel.rollout_ranks, timeout)
+        rank, world = split.split.local_rank(split.rank), split.split.trainers
+        job = split.split.world_size
+        with_rollout = False
+    else:
+        rank, world = init_distributed(timeout)
+        job = world
     layout = layout_for(cfg, world, with_rollout=with_rollout)
-    validate_config(cfg, world)
+    validate_config(cfg, job)
     check_inputs(cfg, layout)
     initialize_model_parallel(layout, seed=cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)
+    return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0, split)

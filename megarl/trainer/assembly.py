@@ -15,8 +15,10 @@ from megarl import parallel
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
 from megarl.data import PromptDataset, PromptItem
+from megarl.hybrid_engine.async_links import make_links, weight_plan
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
+from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.dims import ModelDims
 from megarl.run.epochs import EpochBatches
 from megarl.run.resume import Resumed, resume, resume_point, save
@@ -25,6 +27,12 @@ from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
+from megarl.trainer.remote_rollout import (
+    RemoteBatches,
+    RemoteRollout,
+    RemoteTrainData,
+    RemoteValidation,
+)
 from megarl.trainer.roles import Roles, build_roles
 from megarl.trainer.rollout_offload import RoleOffload, build_role_offload
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
@@ -35,20 +43,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Rollout:
-    """The colocated rollout engine and how it samples (training and validation rollouts)."""
+    """The rollout engine and how it samples (training and validation rollouts): the colocated
+    hybrid engine, or in asynchronous mode the rollout group behind the same seam (``remote``)."""
 
-    engine: HybridEngine
+    engine: HybridEngine | RemoteRollout
     sampling: SamplingConfig
     val_sampling: SamplingConfig
     # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
     roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
+    remote: RemoteRollout | None = None  # rollout.mode=async
 
 
 @dataclass(frozen=True)
 class PolicyData:
-    train: PromptDataset
-    val: PromptDataset | None
-    batches: EpochBatches[list[PromptItem]]  # the training prompts, epoch after epoch
+    """The prompts: read here (colocated), or by the rollout group (async: ``Remote*``)."""
+
+    train: PromptDataset | RemoteTrainData
+    val: PromptDataset | RemoteValidation | None
+    batches: EpochBatches[list[PromptItem]] | RemoteBatches  # epoch after epoch
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class PolicyRun:
 
     def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> Path:
         """Models, optimizers and the trainer state after ``step`` (collective); its folder."""
+        remote = self.rollout.remote
         return save(
             self.cfg,
             step,
@@ -83,39 +96,52 @@ class PolicyRun:
             history=history,
             kl_ctrl=self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             rollouts=self.rollout.engine.rollout_count,
+            **(remote.checkpoint_state() if remote is not None else {}),
         )
 
     def close(self) -> None:
+        if self.rollout.remote is not None:
+            self.rollout.remote.close()
         self.tracker.close()
         self.rewards.close()
 
 
+def prompt_dataset(
+    cfg: RunConfig,
+    tokenizer,
+    validation: bool,
+    dp_rank: int,
+    dp_size: int,
+) -> PromptDataset:
+    """Data-parallel rank ``dp_rank``'s training prompts (sharded, shuffled as configured) or
+    validation prompts (every prompt once per pass, in file order, no row dropped)."""
+    files = cfg.data.val_files if validation else cfg.data.train_files
+    batch = cfg.data.val_batch_size if validation else cfg.data.train_batch_size
+    return PromptDataset(
+        files,
+        tokenizer,
+        batch_size_per_rank=max(1, batch // dp_size),
+        max_prompt_length=cfg.data.max_prompt_length,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle and not validation,
+        drop_last=not validation,
+        overlong_prompts=cfg.data.overlong_prompts,
+        require_ground_truth=False,
+        setting="data.val_files" if validation else "data.train_files",
+    )
+
+
+EMPTY_TRAIN_DATA = "the training data yields no batch: fewer prompts than data.train_batch_size"
+
+
 def build_data(cfg: RunConfig, startup: Startup) -> PolicyData:
-    """The training prompts (sharded over DP ranks, shuffled as configured) and the validation
-    set (every prompt once per pass, in file order, no row dropped)."""
-
-    def dataset(files: list[str], batch: int, setting: str, validation: bool) -> PromptDataset:
-        return PromptDataset(
-            files,
-            startup.tokenizer,
-            batch_size_per_rank=max(1, batch // startup.layout.dp),
-            max_prompt_length=cfg.data.max_prompt_length,
-            dp_rank=parallel.dp_rank(),
-            dp_size=startup.layout.dp,
-            seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle and not validation,
-            drop_last=not validation,
-            overlong_prompts=cfg.data.overlong_prompts,
-            require_ground_truth=False,
-            setting=setting,
-        )
-
-    train = dataset(cfg.data.train_files, cfg.data.train_batch_size, "data.train_files", False)
-    val = None
-    if cfg.data.val_files:
-        val = dataset(cfg.data.val_files, cfg.data.val_batch_size, "data.val_files", True)
-    empty = "the training data yields no batch: fewer prompts than data.train_batch_size"
-    return PolicyData(train, val, EpochBatches(train, empty))
+    """This data-parallel rank's training and validation prompts."""
+    dp, rank = startup.layout.dp, parallel.dp_rank()
+    train = prompt_dataset(cfg, startup.tokenizer, False, rank, dp)
+    val = prompt_dataset(cfg, startup.tokenizer, True, rank, dp) if cfg.data.val_files else None
+    return PolicyData(train, val, EpochBatches(train, EMPTY_TRAIN_DATA))
 
 
 def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
@@ -128,26 +154,21 @@ def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
     return RewardSources.from_config(cfg, model)
 
 
-def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+def engine_config(cfg: RunConfig) -> EngineConfig:
     r = cfg.rollout
-    engine = HybridEngine(
-        cfg.model.path,
-        startup.layout,
-        models.dims,
-        models.actor.ddp,
-        models.actor.optimizer,
-        engine_config=EngineConfig(
-            max_model_len=cfg.data.max_prompt_length + r.max_response_length,
-            kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-            dtype=rollout_dtype(cfg),
-            seed=cfg.trainer.seed,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            sleep_level=r.sleep_level,
-        ),
-        backend=r.backend,
-        packing=cfg.actor.packing,
-        param_offload=cfg.actor.param_offload,
+    return EngineConfig(
+        max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
+        dtype=rollout_dtype(cfg),
+        seed=cfg.trainer.seed,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        sleep_level=r.sleep_level,
     )
+
+
+def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
+    """How training and validation rollouts sample."""
+    r = cfg.rollout
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
     stop_token_ids = () if r.ignore_eos else None
     sampling = SamplingConfig(
@@ -168,7 +189,63 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )
+    return sampling, val_sampling
+
+
+def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    engine = HybridEngine(
+        cfg.model.path,
+        startup.layout,
+        models.dims,
+        models.actor.ddp,
+        models.actor.optimizer,
+        engine_config=engine_config(cfg),
+        backend=cfg.rollout.backend,
+        packing=cfg.actor.packing,
+        param_offload=cfg.actor.param_offload,
+    )
+    sampling, val_sampling = sampling_configs(cfg)
     return Rollout(engine, sampling, val_sampling, build_role_offload(cfg, models))
+
+
+def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    """The trainers' link to the rollout group (megarl.trainer.rollout_group)."""
+    from megarl import platform
+
+    assert startup.world is not None
+    itemsize = next(models.actor.ddp.parameters()).element_size()
+    plan = weight_plan(models.dims, startup.layout, itemsize)
+    links = make_links(startup.world, plan, platform.distributed_backend())
+    assert links.batches is not None
+    rank = startup.rank
+    sender = WeightSender(plan, rank, links.weights.get(rank))
+    remote = RemoteRollout(
+        cfg,
+        plan,
+        models.dims,
+        startup.layout,
+        models.actor.ddp,
+        links.control,
+        links.batches,
+        sender,
+    )
+    sampling, val_sampling = sampling_configs(cfg)
+    return Rollout(remote, sampling, val_sampling, remote=remote)
+
+
+# rollout.mode -> how the trainers reach the rollout engine
+ROLLOUT_MODES = {"colocated": colocated_rollout, "async": async_rollout}
+
+
+def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, models)
+
+
+def remote_data(cfg: RunConfig, remote: RemoteRollout) -> PolicyData:
+    """An asynchronous run's prompts: the rollout group reads them, the trainers get them with
+    its generations."""
+    val = RemoteValidation(remote) if cfg.data.val_files else None
+    return PolicyData(RemoteTrainData(remote), val, RemoteBatches(remote))
 
 
 def restore(
@@ -177,6 +254,8 @@ def restore(
     """Put the resumed data position, KL coefficient and rollout count back (models are loaded)."""
     if not resumed.state:
         return
+    if rollout.remote is not None:
+        rollout.remote.restore(resumed.step, resumed.state)
     data.train.load_state_dict(resumed.state["data"])
     if kl_ctrl is not None and resumed.state["kl_ctrl"] is not None:
         kl_ctrl.load_state_dict(resumed.state["kl_ctrl"])
@@ -190,10 +269,13 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
     resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
-    data = build_data(cfg, startup)
+    data = build_data(cfg, startup) if startup.world is None else None
     models = build_roles(cfg, startup.layout, spec)
     rewards = build_rewards(cfg, startup)
     rollout = build_rollout(cfg, startup, models)
+    if rollout.remote is not None:
+        data = remote_data(cfg, rollout.remote)
+    assert data is not None
     kl_ctrl = make_kl_in_reward_controller(cfg)
     resumed = resume(resume_from, models, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)

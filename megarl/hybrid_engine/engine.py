@@ -444,20 +444,10 @@ class HybridEngine:
         batch = RolloutBatch(prompts=mine, output=output)
         if score_with_actor:
             self._onload_actor()
-            starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
-            # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
-            # the actor scores the same one, so the mismatch compares like with like.
-            temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-            t0 = time.perf_counter()
-            batch.actor_logprobs = self.actor_logprobs(
-                batch.sequences(), starts=starts, temperature=temperature
-            )
-            batch.score_seconds = time.perf_counter() - t0
-            batch.metrics = self.logprob_mismatch(batch)
+            score_batch(self.actor, self.dims, self.packing, batch, sampling)
             self.metrics.update(batch.metrics)
         return batch
 
-    @torch.no_grad()
     def actor_logprobs(
         self,
         sequences: list[list[int]],
@@ -465,34 +455,63 @@ class HybridEngine:
         starts: list[int] | None = None,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, ``[N, L-1]``, on
-        every rank, under ``softmax(logits / temperature)``. With ``starts`` only positions
-        ``starts[i]..`` of row i are computed (the response: the output layer skips the prompt);
-        the others are 0."""
-        from megarl.models.logprobs import pad_right, positions_from, teacher_forced_log_probs
-
-        device = next(self.actor.parameters()).device
-        ids = pad_right(sequences, pad_id, device)
-        length = ids.shape[1]
-        first_rows = starts if starts is not None else [0] * len(sequences)
-        first = torch.tensor(first_rows, dtype=torch.long, device=device)
-        positions = positions_from(first, length - 1 - min(first_rows), length)
-        seq_lens = None
-        if self.packing:
-            seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
-        logp = teacher_forced_log_probs(
-            self.actor, ids, positions, self.dims.vocab_size, temperature, seq_lens=seq_lens
+        """:func:`actor_logprobs` of this engine's actor."""
+        return actor_logprobs(
+            self.actor, self.dims, self.packing, sequences, pad_id, starts, temperature
         )
-        # column L-1 collects the positions clamped past a sequence's end; it is dropped
-        out = torch.zeros(len(sequences), length, dtype=torch.float32, device=logp.device)
-        out.scatter_(1, positions.to(logp.device), logp)
-        return out[:, :-1].contiguous()
 
-    def logprob_mismatch(self, batch: RolloutBatch) -> dict[str, float]:
-        """Mean and max |vLLM - actor| logprob over response tokens, over the whole world."""
-        diffs = [
-            (torch.tensor(v, dtype=torch.float32, device=a.device) - a.float()).abs()
-            for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
-        ]
-        flat = torch.cat(diffs) if diffs else torch.zeros(0, device=platform.device())
-        return logprob_mismatch(flat, self.dims.is_moe)
+
+def score_batch(
+    actor, dims: ModelDims, packing: bool, batch: RolloutBatch, sampling: SamplingConfig
+) -> None:
+    """The actor's teacher-forced logprobs of ``batch``'s responses (the old logprobs) and the
+    rollout-vs-actor mismatch into ``batch`` (a collective over the world)."""
+    starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
+    # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
+    # the actor scores the same one, so the mismatch compares like with like.
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    t0 = time.perf_counter()
+    batch.actor_logprobs = actor_logprobs(
+        actor, dims, packing, batch.sequences(), starts=starts, temperature=temperature
+    )
+    batch.score_seconds = time.perf_counter() - t0
+    diffs = [
+        (torch.tensor(v, dtype=torch.float32, device=a.device) - a.float()).abs()
+        for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
+    ]
+    flat = torch.cat(diffs) if diffs else torch.zeros(0, device=platform.device())
+    batch.metrics = {**batch.metrics, **logprob_mismatch(flat, dims.is_moe)}
+
+
+@torch.no_grad()
+def actor_logprobs(
+    actor,
+    dims: ModelDims,
+    packing: bool,
+    sequences: list[list[int]],
+    pad_id: int = 0,
+    starts: list[int] | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, ``[N, L-1]``, on
+    every rank, under ``softmax(logits / temperature)``. With ``starts`` only positions
+    ``starts[i]..`` of row i are computed (the response: the output layer skips the prompt);
+    the others are 0. ``packing``: the sequences run as one pack (actor.packing)."""
+    from megarl.models.logprobs import pad_right, positions_from, teacher_forced_log_probs
+
+    device = next(actor.parameters()).device
+    ids = pad_right(sequences, pad_id, device)
+    length = ids.shape[1]
+    first_rows = starts if starts is not None else [0] * len(sequences)
+    first = torch.tensor(first_rows, dtype=torch.long, device=device)
+    positions = positions_from(first, length - 1 - min(first_rows), length)
+    seq_lens = None
+    if packing:
+        seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
+    logp = teacher_forced_log_probs(
+        actor, ids, positions, dims.vocab_size, temperature, seq_lens=seq_lens
+    )
+    # column L-1 collects the positions clamped past a sequence's end; it is dropped
+    out = torch.zeros(len(sequences), length, dtype=torch.float32, device=logp.device)
+    out.scatter_(1, positions.to(logp.device), logp)
+    return out[:, :-1].contiguous()

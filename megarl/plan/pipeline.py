@@ -24,8 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
+
+from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
+from megarl.plan.cost import rollout_time, step_time
+from megarl.plan.hardware import Cluster
+from megarl.plan.memory import Numerics, Options
+from megarl.plan.workload import Workload
 
 
 class Scaling(Protocol):
@@ -248,3 +255,66 @@ def best_split(rows: Sequence[Prediction], max_staleness: int) -> Prediction | N
     """The fastest asynchronous split at ``max_staleness`` (None: there is none)."""
     candidates = [p for p in rows if p.mode == "async" and p.max_staleness == max_staleness]
     return min(candidates, key=lambda p: p.step_s, default=None)
+
+
+@dataclass(frozen=True)
+class PlannedScaling:
+    """Phase times from the planner's cost model (:mod:`megarl.plan.cost`) instead of a run:
+    generation on ``devices / infer_tp`` vLLM engines, training on ``tp x pp x (devices / (tp
+    pp))``; for choosing ``parallel.rollout_ranks`` before anything ran. Memory of the split is
+    not modelled: the trainers hold no vLLM engine, the rollout devices nothing else."""
+
+    dims: ModelDims
+    workload: Workload
+    options: Options
+    cluster: Cluster
+    numerics: Numerics
+    tp: int
+    pp: int
+    infer_tp: int
+    ep: int = 1
+
+    def generate_s(self, devices: int) -> float:
+        layout = ParallelLayout(dp=devices, infer_tp=self.infer_tp)
+        return rollout_time(self.dims, layout, self.workload, self.cluster)
+
+    def train_s(self, devices: int) -> float:
+        layout = ParallelLayout.for_world(devices, self.tp, self.pp, ep=self.ep)
+        training = replace(self.workload, rollout=False)
+        return step_time(
+            self.dims, layout, training, self.options, self.cluster, self.numerics
+        ).total
+
+    def weight_transfer_s(self, devices: int) -> float:
+        """One full copy of the bf16 weights over the links of ``devices`` ranks: the colocated
+        reshard's and the asynchronous broadcast's cost per step, as a first estimate."""
+        return 2 * self.dims.num_parameters / (self.cluster.link_gbps(devices) * 1e9)
+
+
+def format_splits(rows: Sequence[Prediction], source: str) -> str:
+    """The split table: colocated first, then each asynchronous split and staleness bound."""
+    colocated = rows[0]
+    lines = [
+        f"colocated vs async ({source}; step seconds, steady state):",
+        f"  {'split':<22}{'step s':>10}{'generate s':>12}{'train s':>10}{'vs colocated':>14}"
+        f"{'staleness':>11}",
+    ]
+    for p in rows:
+        name = (
+            f"colocated {p.trainer_devices}"
+            if p.mode == "colocated"
+            else f"async {p.rollout_devices}+{p.trainer_devices} k={p.max_staleness}"
+        )
+        lines.append(
+            f"  {name:<22}{p.step_s:>10.2f}{p.generate_s:>12.2f}{p.train_s:>10.2f}"
+            f"{colocated.step_s / p.step_s:>13.2f}x{p.staleness_mean:>11.2f}"
+        )
+    for k in sorted({p.max_staleness for p in rows if p.max_staleness is not None}):
+        best = best_split(rows, k)
+        if best is not None:
+            verdict = "faster" if best.step_s < colocated.step_s else "slower"
+            lines.append(
+                f"  best at max_staleness={k}: parallel.rollout_ranks={best.rollout_devices} "
+                f"({colocated.step_s / best.step_s:.2f}x colocated: {verdict})"
+            )
+    return "\n".join(lines)

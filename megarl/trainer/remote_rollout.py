@@ -25,7 +25,7 @@ from megarl import parallel
 from megarl.config import RunConfig
 from megarl.data import PromptItem
 from megarl.hybrid_engine.broadcast_plan import BroadcastPlan
-from megarl.hybrid_engine.engine import RolloutBatch
+from megarl.hybrid_engine.engine import RolloutBatch, score_batch
 from megarl.hybrid_engine.execute import local_spec_tensors
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
 from megarl.hybrid_engine.rollout_messages import (
@@ -86,6 +86,7 @@ class RemoteRollout:
         self._expert_offset = expert_offset(dims, parallel.ep_rank(), cfg.parallel.ep)
         self.first = 0  # the step the run started (or resumed) at
         self.delivered = 0  # training batches handed to the step since
+        self._untrained = 0  # 1 while a delivered batch's responses wait for generate()
         self.pushed = -1  # newest weights version broadcast
         self._started = False
         self._data: dict[str, Any] | None = None  # data position after the delivered batches
@@ -93,15 +94,15 @@ class RemoteRollout:
         self._rollouts = 0
         self.pending: Generated | None = None  # received (or restored) ahead of its step
         self._stash: dict[tuple[str, int], Generated] = {}
-        self._outputs: deque[tuple[list[PromptItem], RolloutBatch]] = deque()
+        self._outputs: deque[tuple[str, list[PromptItem], RolloutBatch]] = deque()
         self.last_sync = SyncStats()
         self.closed = False
 
     # -- versions and weights ------------------------------------------------------------------
     @property
     def version(self) -> int:
-        """The weights' version now: optimizer steps taken (one per delivered batch)."""
-        return self.first + self.delivered
+        """The weights' version now: optimizer steps taken (one per batch the step took)."""
+        return self.first + self.delivered - self._untrained
 
     @property
     def rollout_count(self) -> int:
@@ -155,7 +156,7 @@ class RemoteRollout:
         batch = RolloutBatch(
             prompts=[list(it.input_ids) for it in part.items], output=part.output, metrics=metrics
         )
-        self._outputs.append((part.items, batch))
+        self._outputs.append((message.kind, part.items, batch))
 
     def next_batch(self) -> list[PromptItem]:
         """This DP rank's prompts of the next training batch (its responses wait for
@@ -174,6 +175,7 @@ class RemoteRollout:
         self._data = message.data
         self._data_metrics = message.data_metrics[self.dp_rank] if message.data_metrics else {}
         self.delivered += 1
+        self._untrained = 1
         return part.items
 
     def validation_batches(self) -> Iterator[list[PromptItem]]:
@@ -201,14 +203,16 @@ class RemoteRollout:
         sampling: SamplingConfig,
         score_with_actor: bool = False,
     ) -> RolloutBatch:
-        """The responses to ``prompts`` (the batch :meth:`next_batch` or validation handed out)."""
-        if score_with_actor:
-            raise NotImplementedError(
-                "rollout.mode=async scores the old logprobs in the trainer's scoring pass"
-            )
-        items, batch = self._outputs.popleft()
+        """The responses to ``prompts`` (the batch :meth:`next_batch` or validation handed out),
+        with ``score_with_actor`` scored by the trainers' actor (the old logprobs: the current
+        weights, the proximal policy of the off-policy corrections)."""
+        kind, items, batch = self._outputs.popleft()
         if [list(p) for p in prompts] != [list(it.input_ids) for it in items]:
             raise RuntimeError("the step asked for responses to other prompts than it was given")
+        if kind == TRAIN:
+            self._untrained = 0  # the step trains it now: the next push is of the new weights
+        if score_with_actor:
+            score_batch(self.actor, self.dims, self.cfg.actor.packing, batch, sampling)
         return batch
 
     def to_train(self) -> dict[str, float]:

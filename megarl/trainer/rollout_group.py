@@ -22,6 +22,7 @@ such a version is pinned until then, so it is never skipped. The trainers score 
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -195,8 +196,11 @@ class RolloutGroup:
                     self._start.put(message)
                 elif isinstance(message, Push):
                     buckets: list[list[tuple[str, torch.Tensor]]] = []
+                    # staged in host memory (received on the bridge's device)
                     stats = self.receiver.receive(
-                        lambda b, kept=buckets: kept.append([(n, t.to(dtype)) for n, t in b]),
+                        lambda b, kept=buckets: kept.append(
+                            [(n, t.to(device="cpu", dtype=dtype)) for n, t in b]
+                        ),
                         message.version,
                     )
                     due = validation_due(self.cfg, message.version, self.first)
@@ -235,7 +239,7 @@ class RolloutGroup:
         """Element-wise minimum over the rollout world (a collective)."""
         if self.size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=platform.collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return t.tolist()
 
@@ -393,11 +397,15 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     expected = checkpoint_shapes(cfg.model.path)
     check_rollout_model(hf_shapes_of(plan.specs, dims), expected, dims.tie_word_embeddings)
     infer_tp = cfg.parallel.infer_tp or cfg.parallel.tp
+    if not torch.cuda.is_available() and split.rollout_ranks == infer_tp:
+        # one engine, no external launcher: vLLM's CPU build would pin its threads to cores of
+        # its choosing, which the trainer processes on this machine use too
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     engine = make_rollout(
         cfg.rollout.backend, cfg.model.path, infer_tp, engine_config(cfg), expected
     )
     links = make_links(world, plan, platform.distributed_backend())
-    receiver = WeightReceiver(plan, dims, links.weights, device="cpu")
+    receiver = WeightReceiver(plan, dims, links.weights, device=platform.device())
     rank = split.local_rank(world.rank)
     prompts = None
     if rank == 0:

@@ -26,6 +26,7 @@ BENCHES = [
     "convert",
     "data",
     "learn_gsm",
+    "async",
 ]
 
 

@@ -32,6 +32,18 @@ from tests.assets import tiny_char_llama_dir
 ROOT = Path(__file__).resolve().parents[2]
 ASYNC = ("rollout.mode=async", "parallel.rollout_ranks=2")
 OFF_POLICY_STEPS, SAVE_AT = 12, 6
+# the quickstart's task and settings, one step off-policy, IcePop with a narrow band
+OFF_POLICY = (
+    *ASYNC,
+    "rollout.max_staleness=1",
+    f"trainer.total_steps={OFF_POLICY_STEPS}",
+    f"trainer.save_freq={SAVE_AT}",
+    "data.val_files=[]",
+    "rollout.max_response_length=32",
+    "algorithm.use_kl_loss=false",
+    "algorithm.rollout_correction=icepop",
+    "algorithm.rollout_correction_kwargs={alpha: 0.8, beta: 1.25}",
+)
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +146,7 @@ def off_policy(work) -> dict[int, dict]:
     return train(
         work,
         "async1",
-        *ASYNC,
-        "rollout.max_staleness=1",
-        f"trainer.total_steps={OFF_POLICY_STEPS}",
-        f"trainer.save_freq={SAVE_AT}",
-        "data.val_files=[]",
-        "rollout.max_response_length=32",
-        "algorithm.use_kl_loss=false",
-        "algorithm.rollout_correction=icepop",
-        "algorithm.rollout_correction_kwargs={alpha: 0.8, beta: 1.25}",
+        *OFF_POLICY,
         nproc=4,
     )
 
@@ -175,15 +179,7 @@ def test_resume_with_a_batch_in_flight_continues_the_run(work, off_policy):
     resumed = train(
         work,
         "resumed",
-        *ASYNC,
-        "rollout.max_staleness=1",
-        f"trainer.total_steps={OFF_POLICY_STEPS}",
-        f"trainer.save_freq={SAVE_AT}",
-        "data.val_files=[]",
-        "rollout.max_response_length=32",
-        "algorithm.use_kl_loss=false",
-        "algorithm.rollout_correction=icepop",
-        "algorithm.rollout_correction_kwargs={alpha: 0.8, beta: 1.25}",
+        *OFF_POLICY,
         nproc=4,
     )
     assert min(resumed) == SAVE_AT + 1

@@ -385,6 +385,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
 
     from megarl.launch import init_split
     from megarl.run.checks import check_inputs
+    from megarl.run.preemption import Preemption
     from megarl.run.watchdog import collective_timeout_s
 
     world = init_split(cfg.parallel.rollout_ranks, collective_timeout_s(cfg.trainer.hang_timeout_s))
@@ -418,9 +419,15 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     threads = [threading.Thread(target=group.receive_loop, name="megarl-weights", daemon=True)]
     if group.leader:
         threads.append(threading.Thread(target=group.send_loop, name="megarl-send", daemon=True))
+    # a preemption signal is the trainers' to act on: they save (with the batch in flight) and
+    # send Stop, which ends this loop; a second signal stops at once
+    preemption = Preemption(world.rank)
     for t in threads:
         t.start()
-    group.run()
+    try:
+        group.run()
+    finally:
+        preemption.close()
     group.outbox.put(None)
     for t in threads:
         t.join(timeout=60.0)

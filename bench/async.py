@@ -34,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,7 +130,7 @@ def main() -> None:
         args.steps, args.warmup, args.staleness = 2, 1, "1"
     if args.procs < 2 or args.procs % 2:
         raise SystemExit("--procs must be even and >= 2 (half of them roll out)")
-    work = Path(args.work or os.environ.get("TMPDIR", "/tmp")) / "megarl-bench-async"
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="megarl-bench-async-"))
     work.mkdir(parents=True, exist_ok=True)
     model, train = prepare(work)
     cfg = config(work, model, train, args.steps)

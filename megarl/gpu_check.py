@@ -10,7 +10,10 @@
    in the same run; then the trained model's weights, grads and Adam states moved to host memory
    and back (the parameter offload around the rollout): bit-exact, bytes and seconds;
 3. ``megarl plan``'s predicted peak memory of that step against the measured peak
-   (``torch.cuda.max_memory_allocated``);
+   (``torch.cuda.max_memory_allocated``); and the peak memory of the trainer's rollout scoring
+   pass (the actor's old logprobs in token-budgeted micro-batches) for a Qwen2.5-0.5B-shaped
+   random model at 1,024 sequences x 1,024 tokens and at a quarter of that: within 10% of each
+   other (its memory is one micro-batch's, not the rollout's);
 4. five GRPO steps end to end (rollout.backend=hf, so no vLLM is needed), stopped after three and
    resumed from the checkpoint, then the checkpoint exported to Hugging Face and verified
    (tensors bit for bit, logits against transformers);
@@ -60,6 +63,11 @@ class Size:
     parity_models: tuple[str, ...]
     grpo_prompts: int
     grpo_response: int
+    # the rollout scoring pass: model, sequences (x 4 of the smaller run), tokens each, budget
+    scoring_model: str = "tiny"
+    scoring_seqs: int = 16
+    scoring_len: int = 64
+    scoring_budget: int = 256
 
 
 GPU = Size(
@@ -73,6 +81,10 @@ GPU = Size(
     parity_models=("tiny-qwen2", "smollm2-135m"),
     grpo_prompts=8,
     grpo_response=64,
+    scoring_model="Qwen2.5-0.5B",
+    scoring_seqs=1024,
+    scoring_len=1024,
+    scoring_budget=16384,
 )
 CPU = Size(
     "cpu",
@@ -429,6 +441,67 @@ def training_step(report: Report, size: Size, root: Path) -> None:
     report.add("3 memory", "plan error (predicted - measured) / measured", f"{100 * err:+.1f}%")
 
 
+SCORING_FLAT_BOUND = 1.10  # peak at 4x the rollout / peak at 1x, at a fixed token budget
+
+
+def _scoring_peak(model, dims, size: Size, seqs: int, peak_tracker) -> int:
+    """Peak memory of one scoring pass over ``seqs`` random sequences (a quarter prompt, the rest
+    response) in ``size.scoring_budget``-token packed micro-batches."""
+    from megarl.trainer.batch import Samples
+    from megarl.trainer.model_ops import MicroBatching
+    from megarl.trainer.old_log_probs import score_old_log_probs
+
+    device = platform.device()
+    prompt = size.scoring_len // 4
+    gen = torch.Generator(device="cpu").manual_seed(seqs)
+    # ids go through .tolist(): drawn on the host, where the seeded generator lives
+    ids = torch.randint(1, dims.vocab_size, (seqs, size.scoring_len), generator=gen, device="cpu")
+    samples = Samples.from_sequences(
+        ids[:, :prompt].tolist(), ids[:, prompt:].tolist(), list(range(seqs)), 0, device
+    )
+    samples.tensors["rollout_log_prob"] = torch.zeros_like(samples.response_mask)
+    batching = MicroBatching(size=seqs, max_tokens=size.scoring_budget, packing=True)
+    with peak_tracker() as peak:
+        score_old_log_probs(model, samples, dims.vocab_size, 1.0, batching, dims.is_moe)
+        _sync()
+    return peak["bytes"]
+
+
+def scoring_pass(report: Report, size: Size, root: Path) -> None:
+    from megarl.models.build import ModelOptions, build_model
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    cuda = torch.cuda.is_available()
+    layout = ParallelLayout(tp=1, pp=1)
+    initialize_model_parallel(layout)
+    folder = _config_folder(root, size.scoring_model)
+    model, dims = build_model(folder, layout, "actor", ModelOptions(size.train_dtype), load=False)
+    gen = torch.Generator(device=platform.device()).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    model.eval()
+    tracker = _CudaPeak if cuda else _HostPeak
+    small = _scoring_peak(model, dims, size, size.scoring_seqs // 4, tracker)
+    large = _scoring_peak(model, dims, size, size.scoring_seqs, tracker)
+    del model
+    destroy_model_parallel()
+    how = "torch.cuda.max_memory_allocated" if cuda else "peak live tensor bytes"
+    what = (
+        f"scoring pass peak ({size.scoring_model}-shaped, {size.scoring_seqs:,} x "
+        f"{size.scoring_len:,} tokens, {size.scoring_budget:,}-token micro-batches; {how}, "
+        "beyond the weights)"
+    )
+    report.add("3 memory", what, f"{large / 2**20:,.1f} MiB")
+    report.add(
+        "3 memory",
+        f"scoring peak at {size.scoring_seqs:,} / at {size.scoring_seqs // 4:,} sequences",
+        f"{large / max(small, 1):.3f}",
+        f"<= {SCORING_FLAT_BOUND:.2f}",
+        large <= SCORING_FLAT_BOUND * small,
+    )
+
+
 # -- 4. GRPO end to end -----------------------------------------------------------------------
 
 
@@ -574,6 +647,7 @@ def versions(report: Report) -> None:
 SECTIONS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("1 logits", logits_parity),
     ("2 train step", training_step),
+    ("3 memory", scoring_pass),
     ("4 GRPO", grpo_end_to_end),
 )
 

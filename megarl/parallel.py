@@ -282,8 +282,18 @@ def _example_split(num_layers: int, pp: int) -> list[int]:
     return [rest // 2, *([middle] * (pp - 2)), rest - rest // 2]
 
 
-def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """Create megatron's TP/PP/DP groups over the already initialised default process group."""
+# megatron's own timeout for the groups it creates, unless the caller derives one
+MEGATRON_GROUP_TIMEOUT_S = 30 * 60.0
+
+
+def initialize_model_parallel(
+    layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None
+) -> None:
+    """Create megatron's TP/PP/DP groups over the already initialised default process group.
+
+    ``timeout_s``: how long a collective on those groups may wait for the other ranks (a run
+    derives it from ``trainer.hang_timeout_s``, as the default group's); None: megatron's 30
+    minutes. megatron takes minutes and keeps fractions (its ``timedelta(minutes=...)``)."""
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
@@ -297,6 +307,7 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
+        distributed_timeout_minutes=(timeout_s or MEGATRON_GROUP_TIMEOUT_S) / 60.0,  # type: ignore[arg-type]
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

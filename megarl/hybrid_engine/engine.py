@@ -1,26 +1,27 @@
 """The 3D-HybridEngine: the actor trains in megatron's TP x PP x DP layout and rolls out in vLLM's.
 
-The trainer's loop reads as two transitions around generation::
+The engine does the rollout and the resharding, nothing else; the trainer drives it
+(:mod:`megarl.trainer.rollout`)::
 
-    engine.to_rollout()                  # free grads (and offload optimizer state on GPUs),
-                                         # reshard weights bucket by bucket into vLLM, wake vLLM
+    engine.to_rollout()                  # reshard weights bucket by bucket into vLLM, wake vLLM
     batch = engine.generate(prompts, sampling)
-    engine.to_train()                    # vLLM sleeps, training memory comes back
+    engine.to_train()                    # vLLM sleeps
+
+What the trainer does around it (freeing the actor's grads, moving optimizer state or whole models
+to the host, scoring the responses with the actor) is trainer code
+(:mod:`megarl.trainer.rollout_offload`, :mod:`megarl.trainer.old_log_probs`).
 
 Resharding follows a pure plan (:mod:`megarl.hybrid_engine.reshard_plan`) computed identically on every
 rank; the executor (:mod:`megarl.hybrid_engine.execute`) moves each bucket and hands it to vLLM in
 Hugging Face layout, cast to the rollout's dtype (``rollout.dtype``). Rollout prompts: each
 training DP rank passes its own prompts; they are spread over the ``world / infer_tp`` vLLM engines
-and every rank gets back the responses of its DP rank, scored by the actor (teacher-forced
-logprobs: the old logprobs, and the rollout-trainer mismatch) unless the trainer takes both from its
-update's forward (:mod:`megarl.trainer.old_log_probs`).
+and every rank gets back the responses of its DP rank.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -35,10 +36,6 @@ from megarl.hybrid_engine.execute import (
     local_spec_tensors,
 )
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
-from megarl.hybrid_engine.mismatch import (  # the reductions: re-exported for existing importers
-    LOGPROB_MISMATCH_REDUCTIONS as LOGPROB_MISMATCH_REDUCTIONS,
-)
-from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.hybrid_engine.reshard_plan import plan_reshard
 from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.hybrid_engine.vllm_rollout import (
@@ -61,28 +58,12 @@ class RolloutBatch:
 
     prompts: list[list[int]]
     output: RolloutOutput
-    # [samples, max_len - 1] teacher-forced actor logprobs of sequence tokens 1.. (prompt+response,
-    # right padded); the response part starts at len(prompt) - 1.
-    actor_logprobs: torch.Tensor | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    score_seconds: float = 0.0  # the actor's scoring forward (0: not scored)
 
     def sequences(self) -> list[list[int]]:
         return [
             list(self.prompts[i]) + list(r)
             for i, r in zip(self.output.prompt_index, self.output.token_ids, strict=True)
         ]
-
-    def response_actor_logprobs(self) -> list[torch.Tensor]:
-        """Per sample, the actor's logprob of each response token."""
-        assert self.actor_logprobs is not None
-        out = []
-        for row, (i, r) in enumerate(
-            zip(self.output.prompt_index, self.output.token_ids, strict=True)
-        ):
-            start = len(self.prompts[i]) - 1
-            out.append(self.actor_logprobs[row, start : start + len(r)])
-        return out
 
 
 def check_rollout_model(
@@ -179,14 +160,11 @@ class HybridEngine:
         layout: ParallelLayout,
         dims: ModelDims,
         actor,
-        optimizer=None,
         *,
         engine_config: EngineConfig | None = None,
         bucket_bytes: int = 256 << 20,
         rollout: RolloutEngine | None = None,
         backend: str = "vllm",
-        packing: bool = True,
-        param_offload: bool = False,
     ):
         from megarl.models.dims import expert_offset, layer_offset
 
@@ -194,12 +172,6 @@ class HybridEngine:
         self.layout = layout
         self.dims = dims
         self.actor = actor
-        self.optimizer = optimizer
-        self.packing = packing  # actor.packing: the rollout is scored as one pack
-        # actor.param_offload: the actor's memory on the host while the rollout engine generates
-        self.param_offload = param_offload
-        self._actor_moved = None
-        self._onload_metrics: dict[str, float] = {}
         self.rank = dist.get_rank()
         self.pp_rank = parallel.pp_rank()
         self.dp_rank = parallel.dp_rank()
@@ -246,8 +218,6 @@ class HybridEngine:
             backend, model_dir, layout.rollout_tp, engine_config, expected
         )
         self.last_reshard: ReshardStats | None = None
-        self._grads_freed = False
-        self._optimizer_offloaded = False
         self._rollouts = 0
         self.metrics: dict[str, float] = {}
 
@@ -261,14 +231,15 @@ class HybridEngine:
         self._rollouts = int(value)
 
     # -- transitions ---------------------------------------------------------------------------
-    def to_rollout(self) -> dict[str, float]:
-        """Free training-only memory, wake the rollout engine's weights, reshard the actor into
-        them bucket by bucket, then wake its KV cache (so the reshard's buckets never share the
-        GPU with a KV cache)."""
+    def to_rollout(
+        self, before_kv_cache: Callable[[], dict[str, float]] | None = None
+    ) -> dict[str, float]:
+        """Wake the rollout engine's weights, reshard the actor into them bucket by bucket, then
+        wake its KV cache (so the reshard's buckets never share the GPU with a KV cache).
+
+        ``before_kv_cache``: the trainer's hook between the two (e.g. the actor's weights to the
+        host once the reshard has read them); its metrics join the reshard's."""
         self.rollout.validate(list(self.hf_shapes.items()))  # before anything is loaded
-        freed = self._free_grads()
-        if not self.param_offload:  # with it, the optimizer leaves with the weights below
-            self._offload_optimizer()
         self.rollout.wake_up(["weights"])
         local = local_spec_tensors(
             self.actor, self.dims, self._layer_offset, self.plan.specs, self._expert_offset
@@ -278,15 +249,10 @@ class HybridEngine:
         stats = self.executor.run(local, self._load_into_rollout)
         del local
         self.rollout.after_weight_update()
-        offloaded = self._offload_actor()
+        hooked = before_kv_cache() if before_kv_cache is not None else {}
         self.rollout.wake_up(["kv_cache"])
         self.last_reshard = stats
-        self.metrics = {
-            **stats.as_metrics(),
-            "hybrid/grad_bytes_freed": float(freed),
-            **offloaded,
-            **gpu_memory_metrics("after_wake"),
-        }
+        self.metrics = {**stats.as_metrics(), **hooked, **gpu_memory_metrics("after_wake")}
         return dict(self.metrics)
 
     def _load_into_rollout(self, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -296,115 +262,16 @@ class HybridEngine:
             weights = [(name, t.to(dtype)) for name, t in weights]
         self.rollout.update_weights(weights)
 
-    def to_train(self) -> dict[str, float]:
-        """Put the rollout engine to sleep and bring grads (and optimizer state) back; returns
-        the GPU memory in use once it sleeps (empty on CPU)."""
+    def to_train(self) -> None:
+        """Put the rollout engine to sleep (its weights and KV cache leave the GPU)."""
         self.rollout.sleep()
-        self._onload_actor()
-        onloaded, self._onload_metrics = self._onload_metrics, {}
-        self._restore_grads()
-        self._onload_optimizer()
-        return {**onloaded, **gpu_memory_metrics("after_sleep")}
-
-    def _offload_actor(self) -> dict[str, float]:
-        """With ``param_offload``: the actor's weights and optimizer states (its grads are freed
-        already) to host memory; bytes moved and seconds."""
-        if not self.param_offload or self._actor_moved is not None:
-            return {}
-        from megarl.models.offload import model_tensors, offload
-
-        self._actor_moved = offload(model_tensors(self.actor, self.optimizer))
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return {
-            "offload/actor_bytes": float(self._actor_moved.bytes_moved),
-            "offload/actor_offload_s": self._actor_moved.seconds,
-        }
-
-    def _onload_actor(self) -> None:
-        """The actor's offloaded memory back on its device (before it scores the rollout); the
-        seconds are reported by :meth:`to_train`."""
-        if self._actor_moved is None:
-            return
-        from megarl.models.offload import onload
-
-        self._onload_metrics = {"offload/actor_onload_s": onload(self._actor_moved)}
-        self._actor_moved = None
-
-    def _grad_buffers(self):
-        return list(getattr(self.actor, "buffers", [])) + list(
-            getattr(self.actor, "expert_parallel_buffers", [])
-        )
-
-    def _free_grads(self) -> int:
-        """Release megatron DDP's grad buffers (zeroed at the next step anyway)."""
-        if self._grads_freed:
-            return 0
-        freed = 0
-        for buf in self._grad_buffers():
-            storage = buf.grad_data.untyped_storage()
-            freed += storage.nbytes()
-            storage.resize_(0)
-        self._grads_freed = bool(self._grad_buffers())
-        return freed
-
-    def _restore_grads(self) -> None:
-        if not self._grads_freed:
-            return
-        for buf in self._grad_buffers():
-            data = buf.grad_data
-            data.untyped_storage().resize_(data.numel() * data.element_size())
-            data.zero_()
-        self._grads_freed = False
-
-    def _optimizer_state_tensors(self):
-        # megatron chains one optimizer per parameter kind (MoE: dense and expert parameters)
-        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
-        out = []
-        for opt in chained:
-            inner = getattr(opt, "optimizer", None)
-            if inner is None or not hasattr(inner, "state"):
-                continue
-            out += [
-                (state, key)
-                for state in inner.state.values()
-                for key, value in state.items()
-                if isinstance(value, torch.Tensor)
-            ]
-        return out
-
-    def _offload_optimizer(self) -> None:
-        """GPU: move Adam moments to host memory during rollout. CPU: nothing to gain."""
-        if not torch.cuda.is_available() or self._optimizer_offloaded:
-            return
-        for state, key in self._optimizer_state_tensors():
-            state[key] = state[key].to("cpu", non_blocking=True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self._optimizer_offloaded = True
-
-    def _onload_optimizer(self) -> None:
-        if not self._optimizer_offloaded:
-            return
-        device = platform.device()
-        for state, key in self._optimizer_state_tensors():
-            state[key] = state[key].to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        self._optimizer_offloaded = False
 
     # -- rollout -------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        score_with_actor: bool = True,
-    ) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Responses for this DP rank's prompts (identical on all ranks of a DP rank).
 
         The prompts of all DP ranks are split over the vLLM engines; request seeds depend only on
         the global prompt index and the rollout count, so samples do not depend on the layout.
-        With ``score_with_actor`` the actor's teacher-forced logprobs come back too (usable as the
-        old logprobs) and the mismatch with vLLM's is in ``batch.metrics``.
         """
         world = dist.get_world_size()
         mine = [list(map(int, p)) for p in prompts]
@@ -441,77 +308,4 @@ class HybridEngine:
             logprobs=[merged.logprobs[k] for k in keep],
             finish_reasons=[merged.finish_reasons[k] for k in keep],
         )
-        batch = RolloutBatch(prompts=mine, output=output)
-        if score_with_actor:
-            self._onload_actor()
-            score_batch(self.actor, self.dims, self.packing, batch, sampling)
-            self.metrics.update(batch.metrics)
-        return batch
-
-    def actor_logprobs(
-        self,
-        sequences: list[list[int]],
-        pad_id: int = 0,
-        starts: list[int] | None = None,
-        temperature: float = 1.0,
-    ) -> torch.Tensor:
-        """:func:`actor_logprobs` of this engine's actor."""
-        return actor_logprobs(
-            self.actor, self.dims, self.packing, sequences, pad_id, starts, temperature
-        )
-
-
-def score_batch(
-    actor, dims: ModelDims, packing: bool, batch: RolloutBatch, sampling: SamplingConfig
-) -> None:
-    """The actor's teacher-forced logprobs of ``batch``'s responses (the old logprobs) and the
-    rollout-vs-actor mismatch into ``batch`` (a collective over the world)."""
-    starts = [len(batch.prompts[i]) - 1 for i in batch.output.prompt_index]
-    # vLLM returns the logprobs of the distribution it sampled from (logits / temperature):
-    # the actor scores the same one, so the mismatch compares like with like.
-    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-    t0 = time.perf_counter()
-    batch.actor_logprobs = actor_logprobs(
-        actor, dims, packing, batch.sequences(), starts=starts, temperature=temperature
-    )
-    batch.score_seconds = time.perf_counter() - t0
-    diffs = [
-        (torch.tensor(v, dtype=torch.float32, device=a.device) - a.float()).abs()
-        for v, a in zip(batch.output.logprobs, batch.response_actor_logprobs(), strict=True)
-    ]
-    flat = torch.cat(diffs) if diffs else torch.zeros(0, device=platform.device())
-    batch.metrics = {**batch.metrics, **logprob_mismatch(flat, dims.is_moe)}
-
-
-@torch.no_grad()
-def actor_logprobs(
-    actor,
-    dims: ModelDims,
-    packing: bool,
-    sequences: list[list[int]],
-    pad_id: int = 0,
-    starts: list[int] | None = None,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """Teacher-forced logprobs of tokens 1.. of each (right-padded) sequence, ``[N, L-1]``, on
-    every rank, under ``softmax(logits / temperature)``. With ``starts`` only positions
-    ``starts[i]..`` of row i are computed (the response: the output layer skips the prompt);
-    the others are 0. ``packing``: the sequences run as one pack (actor.packing)."""
-    from megarl.models.logprobs import pad_right, positions_from, teacher_forced_log_probs
-
-    device = next(actor.parameters()).device
-    ids = pad_right(sequences, pad_id, device)
-    length = ids.shape[1]
-    first_rows = starts if starts is not None else [0] * len(sequences)
-    first = torch.tensor(first_rows, dtype=torch.long, device=device)
-    positions = positions_from(first, length - 1 - min(first_rows), length)
-    seq_lens = None
-    if packing:
-        seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
-    logp = teacher_forced_log_probs(
-        actor, ids, positions, dims.vocab_size, temperature, seq_lens=seq_lens
-    )
-    # column L-1 collects the positions clamped past a sequence's end; it is dropped
-    out = torch.zeros(len(sequences), length, dtype=torch.float32, device=logp.device)
-    out.scatter_(1, positions.to(logp.device), logp)
-    return out[:, :-1].contiguous()
+        return RolloutBatch(prompts=mine, output=output)

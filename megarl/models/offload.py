@@ -47,8 +47,50 @@ def model_tensors(model: torch.nn.Module, optimizer=None) -> list[torch.Tensor]:
     for holder in _optimizers(optimizer):
         for group in holder.param_groups:  # megatron's fp32 main params / shards
             out.extend(group["params"])
-        for state in holder.state.values():
-            out.extend(v for v in state.values() if torch.is_tensor(v))
+        for side in device_side(holder):
+            for group in side.param_groups:
+                out.extend(group["params"])
+            for state in side.state.values():
+                out.extend(v for v in state.values() if torch.is_tensor(v))
+    return out
+
+
+def device_side(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose state lives on the device with the parameters: ``optimizer`` itself,
+    or of megatron's hybrid CPU/GPU optimizer (``actor.optimizer_offload``) only its GPU side.
+
+    The hybrid optimizer's CPU side is torch's Adam stepping its own host tensors in place (copies
+    of the parameters, their moments and master weights, pinned): they are on the host by design,
+    and moving them (to the GPU, or out of their storage) breaks it.
+    """
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    if not isinstance(optimizer, HybridDeviceOptimizer):
+        return [optimizer]
+    return [optimizer.gpu_optimizer] if optimizer.gpu_optimizer is not None else []
+
+
+def optimizer_moments(optimizer) -> list[torch.Tensor]:
+    """The optimizer state that may leave the device while the rollout runs (Adam's moments): the
+    per-parameter state tensors of the device-side optimizers (:func:`device_side`) that live on
+    their parameter's device, are not scalars (step counts) and are not parameters themselves
+    (the hybrid optimizer keeps master weights as the state ``master_param``; weights the
+    reshard reads share storage with megatron's main parameters)."""
+    out: list[torch.Tensor] = []
+    for holder in _optimizers(optimizer):
+        for side in device_side(holder):
+            params = {
+                p.untyped_storage().data_ptr() for g in side.param_groups for p in g["params"]
+            }
+            for param, state in side.state.items():
+                out.extend(
+                    v
+                    for v in state.values()
+                    if torch.is_tensor(v)
+                    and v.dim() > 0
+                    and v.device == param.device
+                    and v.untyped_storage().data_ptr() not in params
+                )
     return out
 
 

@@ -53,20 +53,20 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     from megarl.parallel import initialize_model_parallel
     from megarl.run.watchdog import collective_timeout_s
 
-    timeout = collective_timeout_s(cfg.trainer.hang_timeout_s)
+    timeout_s = collective_timeout_s(cfg.trainer.hang_timeout_s)
     split = None
     if with_rollout and cfg.rollout.mode == "async":  # this world: the trainers only
-        split = init_split(cfg.parallel.rollout_ranks, timeout)
+        split = init_split(cfg.parallel.rollout_ranks, timeout_s)
         rank, world = split.split.local_rank(split.rank), split.split.trainers
         job = split.split.world_size
         with_rollout = False
     else:
-        rank, world = init_distributed(timeout)
+        rank, world = init_distributed(timeout_s)
         job = world
     layout = layout_for(cfg, world, with_rollout=with_rollout)
     validate_config(cfg, job)
     check_inputs(cfg, layout)
-    initialize_model_parallel(layout, seed=cfg.trainer.seed)
+    initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0, split)

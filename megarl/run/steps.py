@@ -13,12 +13,15 @@ from megarl.run.tracking import Tracker
 
 @contextmanager
 def timed(metrics: StepMetrics, phase: str) -> Iterator[None]:
-    """``timing/<phase>_s``: the wall time of the body (mean over ranks); the hang watchdog
-    watches the body as ``phase``."""
+    """``timing/<phase>_s``: the wall time of the body (mean over ranks), added to the phase's
+    time so far in ``metrics`` (a phase may run several times a step); the hang watchdog watches
+    the body as ``phase``."""
     t0 = time.perf_counter()
     with watchdog.phase(phase):
         yield
-    metrics[f"timing/{phase}_s"] = mean(time.perf_counter() - t0)
+    key = f"timing/{phase}_s"
+    before = metrics[key].value if key in metrics else 0.0
+    metrics[key] = mean(before + time.perf_counter() - t0)
 
 
 def log_step(

@@ -28,13 +28,19 @@ from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
 from megarl.trainer.remote_rollout import (
+    KeptActorMemory,
     RemoteBatches,
     RemoteRollout,
     RemoteTrainData,
     RemoteValidation,
 )
 from megarl.trainer.roles import Roles, build_roles
-from megarl.trainer.rollout_offload import RoleOffload, build_role_offload
+from megarl.trainer.rollout_offload import (
+    ActorMemory,
+    RoleOffload,
+    build_actor_memory,
+    build_role_offload,
+)
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
 
 if TYPE_CHECKING:
@@ -49,6 +55,9 @@ class Rollout:
     engine: HybridEngine | RemoteRollout
     sampling: SamplingConfig
     val_sampling: SamplingConfig
+    # the actor's grads freed, its optimizer state (GPU) or whole model on the host while the
+    # engine is awake (megarl.trainer.rollout_offload); async: kept as they are
+    actor_memory: ActorMemory | KeptActorMemory
     # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
     roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
     remote: RemoteRollout | None = None  # rollout.mode=async
@@ -198,14 +207,17 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollou
         startup.layout,
         models.dims,
         models.actor.ddp,
-        models.actor.optimizer,
         engine_config=engine_config(cfg),
         backend=cfg.rollout.backend,
-        packing=cfg.actor.packing,
-        param_offload=cfg.actor.param_offload,
     )
     sampling, val_sampling = sampling_configs(cfg)
-    return Rollout(engine, sampling, val_sampling, build_role_offload(cfg, models))
+    return Rollout(
+        engine,
+        sampling,
+        val_sampling,
+        build_actor_memory(cfg, models),
+        build_role_offload(cfg, models),
+    )
 
 
 def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
@@ -230,7 +242,7 @@ def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         sender,
     )
     sampling, val_sampling = sampling_configs(cfg)
-    return Rollout(remote, sampling, val_sampling, remote=remote)
+    return Rollout(remote, sampling, val_sampling, KeptActorMemory(), remote=remote)
 
 
 # rollout.mode -> how the trainers reach the rollout engine

@@ -3,7 +3,8 @@
 A sample is ``prompt + response``, right padded to the longest sample. Per-token quantities of the
 model (logprobs, values) come at *positions*: position ``p`` predicts token ``p + 1``, so response
 token ``j`` of a sample is predicted at position ``len(prompt) - 1 + j``. Algorithms work in
-*response space* ``[samples, max_response_len]`` with a 0/1 mask.
+*response space* ``[samples, max_response_len]`` with a 0/1 mask. A step's rollout reaches the
+update as a :class:`StepBatch`.
 """
 
 from __future__ import annotations
@@ -114,3 +115,18 @@ def micro_batches(
     if current:
         groups.append(current)
     return [(g, samples.select(g)) for g in groups]
+
+
+@dataclass
+class StepBatch:
+    """This rank's share of one step, as the rollout hands it to the update: the samples with
+    their outcome scores, and what the step logs about how they were drawn."""
+
+    # prompt + response rows; tensors: rollout_log_prob, token_level_scores, and old_log_prob
+    # once the actor has scored them
+    samples: Samples
+    scores: torch.Tensor  # [N] outcome score per sample
+    finish_reasons: list[str]  # per sample drawn (the rollout engine's "stop" / "length")
+    reward_metrics: dict[str, float]  # the reward sources' metrics (this rank's means)
+    # rollout-vs-trainer logprob mismatch (rollout/logprob_diff_*), once the actor has scored
+    mismatch: dict[str, float] = field(default_factory=dict)

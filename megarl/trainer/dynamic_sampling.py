@@ -1,35 +1,32 @@
-"""A step's training batch: one rollout, or DAPO's dynamic sampling (``algorithm.filter_groups``).
+"""DAPO's dynamic sampling (``algorithm.filter_groups``): a filter around the step's rollout.
 
 Dynamic sampling (Yu et al. 2025) drops the prompt groups whose samples all got the same reward:
 under a group estimator their advantages are all 0, so they only dilute the batch. Further batches
-of prompts are drawn, at most ``algorithm.filter_groups_max_batches`` per step, until every
-data-parallel rank holds its share of ``data.train_batch_size`` prompt groups; the surplus is cut
-(whole groups, in draw order). When the limit is reached first, the step trains on the groups
-every rank has (the smallest count over ranks, so ranks take the same number of optimizer steps);
-when some rank kept none, the step trains on the last draw as it is (under a group estimator its
-advantages are 0: only the KL and entropy terms act; logged as ``dynamic_sampling/unfiltered``).
-``dynamic_sampling/*`` metrics log what was drawn, kept and trained (group counts summed over
-data-parallel ranks). Every draw reshards the (unchanged) weights into the rollout engine again
-through ``to_rollout``: simple, and on CPU cheap; on GPUs it costs one reshard per extra draw.
+of prompts are drawn (each one a whole rollout: :func:`megarl.trainer.rollout.draw`), at most
+``algorithm.filter_groups_max_batches`` per step, until every data-parallel rank holds its share
+of ``data.train_batch_size`` prompt groups; the surplus is cut (whole groups, in draw order). When
+the limit is reached first, the step trains on the groups every rank has (the smallest count over
+ranks, so ranks take the same number of optimizer steps); when some rank kept none, the step
+trains on the last draw as it is (under a group estimator its advantages are 0: only the KL and
+entropy terms act; logged as ``dynamic_sampling/unfiltered``). ``dynamic_sampling/*`` metrics log
+what was drawn, kept and trained (group counts summed over data-parallel ranks); the reward
+metrics are the draws' means. The actor scores only what is kept, after the filter. Every draw
+reshards the (unchanged) weights into the rollout engine again through ``to_rollout``: simple, and
+on CPU cheap; on GPUs it costs one reshard per extra draw.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megarl import parallel, platform
-from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput
-from megarl.metrics import Reduce, StepMetrics, declare, mean
-from megarl.trainer.assembly import PolicyRun
-from megarl.trainer.batch import Samples
-from megarl.trainer.experience import score_rollout
+from megarl.config import AlgorithmConfig
+from megarl.metrics import StepMetrics, declare
+from megarl.trainer.batch import Samples, StepBatch
 
 
 def varied_groups(group_ids: Sequence[Hashable], scores: torch.Tensor) -> list[Hashable]:
@@ -131,77 +128,36 @@ def _dp_sums(metrics: dict[str, float], keys: Sequence[str]) -> None:
     metrics.update({k: float(v) for k, v in zip(keys, t.tolist(), strict=True)})
 
 
-def _add_time(m: StepMetrics, key: str, seconds: float) -> None:
-    m[key] = mean((m[key].value if key in m else 0.0) + seconds)
-
-
-def _draw(
-    run: PolicyRun, m: StepMetrics
-) -> tuple[Samples, torch.Tensor, dict[str, float], RolloutBatch]:
-    """One batch of prompts rolled out and scored; its rollout and reward seconds go into ``m``."""
-    items = run.data.batches.next()
-    engine = run.rollout.engine
-    t0 = time.perf_counter()
-    m.update(declare(run.rollout.roles_offload.offload()))
-    m.update(declare(engine.to_rollout()))
-    # the actor scores the rollout (old logprobs) unless its update will give them
-    batch = engine.generate(
-        [it.input_ids for it in items],
-        run.rollout.sampling,
-        score_with_actor=not run.spec.old_log_prob_from_update,
-    )
-    m.update(declare(engine.to_train()))
-    m.update(declare(run.rollout.roles_offload.onload()))
-    t1 = time.perf_counter()
-    s = run.startup
-    samples, scores, reward_metrics, _ = score_rollout(
-        run.rewards, s.tokenizer, s.pad_id, items, batch, run.batching
-    )
-    _add_time(m, "timing/rollout_s", t1 - t0)  # the actor's scoring forward included
-    if batch.actor_logprobs is not None:
-        _add_time(m, "timing/old_log_prob_s", batch.score_seconds)
-    _add_time(m, "timing/reward_s", time.perf_counter() - t1)
-    return samples, scores, reward_metrics, batch
-
-
-def collect_step_batch(
-    run: PolicyRun, m: StepMetrics
-) -> tuple[Samples, torch.Tensor, dict[str, float], RolloutBatch]:
-    """This rank's samples of the step with their scores and reward metrics, and the rollout
-    (for its metrics). Timings and dynamic-sampling counts go into ``m``."""
-    a = run.cfg.algorithm
-    if not a.filter_groups:
-        return _draw(run, m)
-    pool = GroupPool(target_groups=run.cfg.data.train_batch_size // run.startup.layout.dp)
-    sums: dict[str, float] = {}  # reward and rollout metrics, averaged over the draws
-    peaks: dict[str, float] = {}
+def filter_groups(
+    draw: Callable[[], StepBatch],
+    algorithm: AlgorithmConfig,
+    target_groups: int,
+    pad_id: int,
+    m: StepMetrics,
+) -> StepBatch:
+    """Draws of ``draw`` (a rollout of the next prompts, rewarded) until every rank holds
+    ``target_groups`` prompt groups whose rewards vary, or ``algorithm.filter_groups_max_batches``
+    draws; the kept groups as one batch. The ``dynamic_sampling/*`` counts go into ``m``."""
+    pool = GroupPool(target_groups=target_groups)
+    sums: dict[str, float] = {}  # reward metrics, averaged over the draws
     while True:
-        samples, scores, reward_metrics, batch = _draw(run, m)
-        pool.add(samples, scores, batch.output.finish_reasons)
-        for k, v in {**reward_metrics, **batch.metrics}.items():
-            if LOGPROB_MISMATCH_REDUCTIONS.get(k) is Reduce.MAX:
-                peaks[k] = max(peaks.get(k, float(v)), float(v))
-            else:
-                sums[k] = sums.get(k, 0.0) + float(v)
+        batch = draw()
+        pool.add(batch.samples, batch.scores, batch.finish_reasons)
+        for k, v in batch.reward_metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
         have = _world_min(pool.groups_kept)
-        if have >= pool.target_groups or pool.draws >= a.filter_groups_max_batches:
+        if have >= pool.target_groups or pool.draws >= algorithm.filter_groups_max_batches:
             break
     groups = min(have, pool.target_groups)
     stats = pool.metrics(groups)
+    samples, scores, reasons = batch.samples, batch.scores, batch.finish_reasons
     if groups > 0:
-        samples, scores, reasons = pool.take(groups, run.startup.pad_id)
+        samples, scores, reasons = pool.take(groups, pad_id)
     else:  # some rank kept nothing: the last draw as it is (zero advantages under grpo)
-        reasons = list(batch.output.finish_reasons)
         stats["dynamic_sampling/groups_trained"] = float(len(dict.fromkeys(samples.group_ids)))
     stats["dynamic_sampling/unfiltered"] = float(groups == 0)
     _dp_sums(stats, [k for k in stats if k.startswith("dynamic_sampling/groups")])
     stats["dynamic_sampling/filled"] = float(groups >= pool.target_groups)
     m.update(declare(stats))
-    averaged = {k: v / pool.draws for k, v in sums.items()} | peaks
-    merged = RolloutBatch(
-        prompts=[],
-        output=RolloutOutput(finish_reasons=reasons),
-        metrics={k: v for k, v in averaged.items() if k in batch.metrics},
-    )
-    reward_metrics = {k: v for k, v in averaged.items() if k not in batch.metrics}
-    return samples, scores, reward_metrics, merged
+    averaged = {k: v / pool.draws for k, v in sums.items()}
+    return StepBatch(samples, scores, list(reasons), averaged)

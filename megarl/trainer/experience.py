@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
-    response_log_probs,
+    policy_log_probs,
     response_values,
 )
 from megarl.trainer.roles import Roles
@@ -157,27 +157,25 @@ def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
 def build_samples(
     items: Sequence[PromptItem], batch: RolloutBatch, pad_id: int, device: torch.device
 ) -> Samples:
-    """The rollout as padded training tensors on ``device`` (the models')."""
+    """The rollout as padded training tensors on ``device`` (the models'), grouped by prompt."""
+    groups = [items[i].uid for i in batch.output.prompt_index]
+    return rollout_samples(batch, groups, pad_id, device)
+
+
+def rollout_samples(
+    batch: RolloutBatch, group_ids: Sequence[Hashable], pad_id: int, device: torch.device
+) -> Samples:
+    """The rollout's sequences as :class:`Samples` with the rollout engine's logprob of each
+    response token (``rollout_log_prob``); ``group_ids``: one per sample."""
     responses = batch.output.token_ids
     prompts = [batch.prompts[i] for i in batch.output.prompt_index]
-    groups = [items[i].uid for i in batch.output.prompt_index]
-    samples = Samples.from_sequences(prompts, responses, groups, pad_id, device)
+    samples = Samples.from_sequences(prompts, responses, group_ids, pad_id, device)
     width = samples.response_mask.shape[1]
-    if batch.actor_logprobs is not None:  # validation rollouts are not scored by the actor
-        old = batch.response_actor_logprobs()
-        samples.tensors["old_log_prob"] = _pad_rows(old, width, device)
     rollout = [lp + [0.0] * (width - len(lp)) for lp in batch.output.logprobs]
     samples.tensors["rollout_log_prob"] = torch.tensor(
         rollout, dtype=torch.float32, device=device
     ).reshape(len(rollout), width)
     return samples
-
-
-def _pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, device=device)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r.float()
-    return out
 
 
 def _dp_mean(value: float) -> float:
@@ -211,12 +209,7 @@ def compute_experience(
     temperature = spec.temperature
     if roles.has_reference:
         with roles.reference_model() as reference:
-            t["ref_log_prob"] = forward_response_tensor(
-                reference,
-                samples,
-                lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
-                batching,
-            )
+            t["ref_log_prob"] = policy_log_probs(reference, samples, vocab, temperature, batching)
     if roles.critic is not None:
         t["values"] = forward_response_tensor(
             roles.critic.model, samples, response_values, batching

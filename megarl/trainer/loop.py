@@ -13,12 +13,12 @@ from megarl.run.steps import log_step, summary, timed
 from megarl.trainer.assembly import PolicyRun, setup_run
 from megarl.trainer.batch import Samples
 from megarl.trainer.dp_balance import balance_over_data_parallel
-from megarl.trainer.dynamic_sampling import collect_step_batch
 from megarl.trainer.experience import compute_experience
 from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
 from megarl.trainer.model_ops import ppo_update, rollout_is_finite
-from megarl.trainer.old_log_probs import OLD_LOG_PROB, update_mismatch_metrics
+from megarl.trainer.old_log_probs import OLD_LOG_PROB, rollout_mismatch
 from megarl.trainer.profiling import StepProfiler
+from megarl.trainer.rollout import step_batch
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
 from megarl.trainer.validation import validation_rollout
 
@@ -48,7 +48,7 @@ def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetri
             )
         out.update(declare(hist[-1], run.spec.update_reductions))
     if from_update:
-        mismatch = update_mismatch_metrics(samples, models.dims.is_moe)
+        mismatch = rollout_mismatch(samples, models.dims.is_moe)
         out.update(declare(mismatch, LOGPROB_MISMATCH_REDUCTIONS))
     return out
 
@@ -68,13 +68,14 @@ def train(cfg: RunConfig) -> dict[str, float]:
         guards.begin_step(step)
         m: StepMetrics = {}
         t_step = time.perf_counter()
-        # rollout + rewards; with algorithm.filter_groups, several draws (dynamic sampling)
-        samples, scores, reward_metrics, batch = collect_step_batch(run, m)
+        # to_rollout -> generate -> to_train -> rewards (DAPO's filter around it) -> score
+        batch = step_batch(run, m)
         if cfg.actor.balance_dp_tokens:
-            samples, scores, balance = balance_over_data_parallel(
-                samples, scores, run.startup.pad_id
+            batch.samples, batch.scores, balance = balance_over_data_parallel(
+                batch.samples, batch.scores, run.startup.pad_id
             )
             m.update(declare(balance))
+        samples = batch.samples
         if rollout_is_finite(samples, cfg.trainer.nan_policy == "skip"):
             with timed(m, "experience"):
                 m.update(
@@ -85,7 +86,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             m.update(update_models(run, samples, m))
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
             m["actor/skipped_non_finite"] = mean(1.0)
-        m.update(rollout_metrics(samples, scores, batch, reward_metrics, run.data.train))
+        m.update(rollout_metrics(batch, run.data.train))
         m["timing/step_s"] = m["perf/step_s"] = mean(time.perf_counter() - t_step)
         m["perf/tokens_per_s"] = mean(
             tokens_in(samples, run.startup.layout.dp) / m["timing/step_s"].value

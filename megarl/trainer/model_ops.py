@@ -91,6 +91,20 @@ def forward_response_tensor(
     return broadcast_from_last_stage(result)
 
 
+def policy_log_probs(
+    model, samples: Samples, vocab_size: int, temperature: float, batching: MicroBatching
+) -> torch.Tensor:
+    """``[N, R]`` logprobs of every sample's response tokens under ``softmax(logits /
+    temperature)``, forward-only in ``batching``'s micro-batches (the update's count or token
+    budget) through the pipeline, on every stage: the old and the reference logprobs."""
+    return forward_response_tensor(
+        model,
+        samples,
+        lambda out, mb: response_log_probs(out, mb, vocab_size, temperature=temperature)[0],
+        batching,
+    )
+
+
 def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     """Whether every rank's rollout has finite actor logprobs on its response tokens.
 

@@ -2,8 +2,11 @@
 
 The PPO ratio compares the policy being updated with the one that the batch was sampled from:
 ``old_log_prob`` is the actor's logprob of each response token before any update on the batch.
-By default the hybrid engine computes it right after the rollout, in a separate forward pass
-over every sequence. When the batch gets exactly one optimizer step, the update's own forward
+By default the trainer computes it after the rollout (:func:`score_old_log_probs`), once the
+rollout engine sleeps, in a separate forward-only pass through the pipeline in the update's
+micro-batches (``actor.micro_batch_size`` sequences, or ``actor.max_tokens_per_micro_batch``
+tokens, packed as the update packs them): its peak memory is one micro-batch's, whatever the
+rollout's size. When the batch gets exactly one optimizer step, the update's own forward
 runs at those same weights, on the same tokens, with the same temperature, so its logprobs
 (detached) *are* the old ones: the separate pass can be skipped
 (``actor.old_log_prob_forward=auto``) and the rollout-vs-trainer mismatch metrics are measured on
@@ -13,9 +16,12 @@ rounding between two forwards of different batch shapes.
 
 from __future__ import annotations
 
+import torch
+
 from megarl.config import RunConfig
 from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.trainer.batch import Samples
+from megarl.trainer.model_ops import MicroBatching, policy_log_probs
 
 # The name under which the actor loss returns the update's detached logprobs ([b, R] per
 # micro-batch) when they are the old ones; megarl.trainer.model_ops.ppo_update gathers them.
@@ -53,10 +59,28 @@ def old_log_prob_from_update(cfg: RunConfig) -> bool:
     return not separate_forward_reasons(cfg)
 
 
-def update_mismatch_metrics(samples: Samples, is_moe: bool) -> dict[str, float]:
-    """The rollout-vs-trainer logprob mismatch of a batch whose ``old_log_prob`` came from the
-    update's forward: the same metrics the hybrid engine reports after its own scoring
-    (a collective over the world)."""
+def score_old_log_probs(
+    actor: torch.nn.Module,
+    samples: Samples,
+    vocab_size: int,
+    temperature: float,
+    batching: MicroBatching,
+    is_moe: bool,
+) -> dict[str, float]:
+    """The actor's logprobs of the sampled tokens as ``samples.tensors[OLD_LOG_PROB]`` (of
+    ``softmax(logits / temperature)``, the distribution the rollout sampled from) in
+    ``batching``'s micro-batches, and the rollout-vs-trainer mismatch measured on them. Collective
+    over the world; run it after the rollout engine sleeps."""
+    samples.tensors[OLD_LOG_PROB] = policy_log_probs(
+        actor, samples, vocab_size, temperature, batching
+    )
+    return rollout_mismatch(samples, is_moe)
+
+
+def rollout_mismatch(samples: Samples, is_moe: bool) -> dict[str, float]:
+    """The rollout-vs-trainer logprob mismatch of a batch carrying ``old_log_prob``, from the
+    scoring pass or from the update's forward: the same metrics either way (a collective over
+    the world)."""
     t = samples.tensors
     mask = samples.response_mask.bool()
     diffs = (t["rollout_log_prob"] - t[OLD_LOG_PROB].to(t["rollout_log_prob"].device)).abs()
@@ -66,6 +90,7 @@ def update_mismatch_metrics(samples: Samples, is_moe: bool) -> dict[str, float]:
 __all__ = [
     "OLD_LOG_PROB",
     "old_log_prob_from_update",
+    "rollout_mismatch",
+    "score_old_log_probs",
     "separate_forward_reasons",
-    "update_mismatch_metrics",
 ]

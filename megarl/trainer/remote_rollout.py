@@ -25,7 +25,7 @@ from megarl import parallel
 from megarl.config import RunConfig
 from megarl.data import PromptItem
 from megarl.hybrid_engine.broadcast_plan import BroadcastPlan
-from megarl.hybrid_engine.engine import RolloutBatch, score_batch
+from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.hybrid_engine.execute import local_spec_tensors
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
 from megarl.hybrid_engine.rollout_messages import (
@@ -96,6 +96,7 @@ class RemoteRollout:
         self._stash: dict[tuple[str, int], Generated] = {}
         self._outputs: deque[tuple[str, list[PromptItem], RolloutBatch]] = deque()
         self.last_sync = SyncStats()
+        self._batch_metrics: dict[str, float] = {}
         self.closed = False
 
     # -- versions and weights ------------------------------------------------------------------
@@ -152,10 +153,8 @@ class RemoteRollout:
         self._rollouts = max(self._rollouts, message.rollouts)
         return message
 
-    def _queue(self, part: Part, message: Generated, metrics: dict[str, float]) -> None:
-        batch = RolloutBatch(
-            prompts=[list(it.input_ids) for it in part.items], output=part.output, metrics=metrics
-        )
+    def _queue(self, part: Part, message: Generated) -> None:
+        batch = RolloutBatch(prompts=[list(it.input_ids) for it in part.items], output=part.output)
         self._outputs.append((message.kind, part.items, batch))
 
     def next_batch(self) -> list[PromptItem]:
@@ -168,10 +167,11 @@ class RemoteRollout:
         else:
             message = self._receive(TRAIN, step)
         everyone = [p.versions for rank in message.parts for p in rank]
-        metrics = staleness_metrics([v for vs in everyone for v in vs], step)
-        metrics.update({f"rollout_group/{k}": v for k, v in message.metrics.items()})
+        # the whole batch's (every rank the same): logged with the step's to_rollout metrics
+        self._batch_metrics = staleness_metrics([v for vs in everyone for v in vs], step)
+        self._batch_metrics.update({f"rollout_group/{k}": v for k, v in message.metrics.items()})
         (part,) = message.parts[self.dp_rank]
-        self._queue(part, message, metrics)
+        self._queue(part, message)
         self._data = message.data
         self._data_metrics = message.data_metrics[self.dp_rank] if message.data_metrics else {}
         self.delivered += 1
@@ -183,7 +183,7 @@ class RemoteRollout:
         self.push()
         message = self._receive(VALIDATION, self.version)
         for part in message.parts[self.dp_rank]:
-            self._queue(part, message, {})
+            self._queue(part, message)
             yield part.items
 
     def prefetch(self) -> None:
@@ -194,25 +194,21 @@ class RemoteRollout:
 
     # -- the engine seam the step uses ---------------------------------------------------------
     def to_rollout(self, **_: object) -> dict[str, float]:
+        """The weights out (when not yet); the last transfer's figures and the delivered batch's
+        staleness and rollout-group timings (once)."""
         stats = self.push()
-        return {**stats.as_metrics(), "sync/recv_bytes": float(self.plan.recv_bytes())}
+        batch, self._batch_metrics = self._batch_metrics, {}
+        return {**stats.as_metrics(), "sync/recv_bytes": float(self.plan.recv_bytes()), **batch}
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        score_with_actor: bool = False,
-    ) -> RolloutBatch:
-        """The responses to ``prompts`` (the batch :meth:`next_batch` or validation handed out),
-        with ``score_with_actor`` scored by the trainers' actor (the old logprobs: the current
-        weights, the proximal policy of the off-policy corrections)."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
+        """The responses to ``prompts`` (the batch :meth:`next_batch` or validation handed out).
+        The trainers score them afterwards, as colocated (their current weights: the proximal
+        policy of the off-policy corrections)."""
         kind, items, batch = self._outputs.popleft()
         if [list(p) for p in prompts] != [list(it.input_ids) for it in items]:
             raise RuntimeError("the step asked for responses to other prompts than it was given")
         if kind == TRAIN:
             self._untrained = 0  # the step trains it now: the next push is of the new weights
-        if score_with_actor:
-            score_batch(self.actor, self.dims, self.cfg.actor.packing, batch, sampling)
         return batch
 
     def to_train(self) -> dict[str, float]:
@@ -251,6 +247,20 @@ class RemoteRollout:
             if not self._started:
                 self.push()
             self._control(Stop())
+
+
+class KeptActorMemory:
+    """``run.rollout.actor_memory`` of an asynchronous run: no rollout engine shares the
+    trainers' devices, so the actor keeps its grads, optimizer state and weights in place."""
+
+    def release(self) -> dict[str, float]:
+        return {}
+
+    def offload_model(self) -> dict[str, float]:
+        return {}
+
+    def restore(self) -> dict[str, float]:
+        return {}
 
 
 class RemoteTrainData:

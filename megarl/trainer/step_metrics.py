@@ -3,27 +3,19 @@ reduction over ranks it needs."""
 
 from __future__ import annotations
 
-import torch
-
 from megarl.data import PromptDataset
-from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare, maximum, mean, minimum
-from megarl.trainer.batch import Samples
+from megarl.trainer.batch import Samples, StepBatch
 
 
-def rollout_metrics(
-    samples: Samples,
-    scores: torch.Tensor,
-    batch: RolloutBatch,
-    reward_metrics: dict[str, float],
-    dataset: PromptDataset,
-) -> StepMetrics:
+def rollout_metrics(batch: StepBatch, dataset: PromptDataset) -> StepMetrics:
     """Rewards and response lengths of this rank's rollout, the reward scorers' and the data's
-    counters, and the engine's logprob mismatch."""
+    counters, and the rollout-vs-trainer logprob mismatch of the scoring pass."""
+    samples, scores = batch.samples, batch.scores
     lens = samples.response_lens.float()
-    clipped = [r == "length" for r in batch.output.finish_reasons]
-    out = declare(batch.metrics, LOGPROB_MISMATCH_REDUCTIONS)
+    clipped = [r == "length" for r in batch.finish_reasons]
+    out = declare(batch.mismatch, LOGPROB_MISMATCH_REDUCTIONS)
     out.update(
         {
             "reward/mean": mean(scores.mean()),
@@ -39,7 +31,7 @@ def rollout_metrics(
             "perf/dp_tokens_mean": mean(samples.seq_lens().sum()),
         }
     )
-    out.update(declare({k: v for k, v in reward_metrics.items() if k != "reward/mean"}))
+    out.update(declare({k: v for k, v in batch.reward_metrics.items() if k != "reward/mean"}))
     out.update(declare(dataset.metrics()))
     return out
 

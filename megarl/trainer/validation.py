@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megarl import parallel
 from megarl.trainer.assembly import PolicyRun
 from megarl.trainer.experience import score_rollout
+from megarl.trainer.rollout import generate, to_rollout, to_train
 
 MAX_TABLE_ROWS = 32
 
@@ -66,14 +67,12 @@ def validation_rollout(run: PolicyRun, step: int) -> dict[str, float]:
     rank 0, a table of generations logged as ``validation/step_<step>.json``."""
     if run.data.val is None:
         return {}
-    cfg, engine, s = run.cfg, run.rollout.engine, run.startup
+    cfg, s = run.cfg, run.startup
     records: list[ValRecord] = []
     table: list[dict[str, str | float | int]] = []
-    engine.to_rollout()
+    to_rollout(run)
     for items in run.data.val:  # the same number of batches on every rank (maybe empty)
-        batch = engine.generate(
-            [it.input_ids for it in items], run.rollout.val_sampling, score_with_actor=False
-        )
+        batch = generate(run, [it.input_ids for it in items], run.rollout.val_sampling)
         if not batch.output.token_ids:
             continue
         _, scores, _, texts = score_rollout(
@@ -92,7 +91,7 @@ def validation_rollout(run: PolicyRun, step: int) -> dict[str, float]:
                         "score": float(score),
                     }
                 )
-    engine.to_train()
+    to_train(run)
     metrics = validation_metrics(_gather_dp(records), cfg.rollout.val_n, cfg.trainer.val_pass_score)
     run.tracker.log_table(table, f"validation/step_{step:06d}.json")
     return metrics

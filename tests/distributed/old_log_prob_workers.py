@@ -26,7 +26,7 @@ from megarl.trainer.model_ops import MicroBatching, ppo_update, response_positio
 from megarl.trainer.old_log_probs import (
     OLD_LOG_PROB,
     old_log_prob_from_update,
-    update_mismatch_metrics,
+    rollout_mismatch,
 )
 from tests.distributed.random_groups import random_group_samples
 
@@ -116,7 +116,7 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
                 keep=OLD_LOG_PROB if from_update else None,
             )
             if from_update:
-                mismatch = update_mismatch_metrics(mine, dims.is_moe)
+                mismatch = rollout_mismatch(mine, dims.is_moe)
             else:
                 mask = mine.response_mask.bool()
                 diffs = (mine.tensors["rollout_log_prob"] - actor).abs()[mask]

@@ -3,8 +3,9 @@
 Two spawns (one vLLM engine per process each: infer_tp 2, then infer_tp 1), each running two
 training layouts (TP2xPP2, TP1xPP2xDP2) beside the same engine. Per layout: after ``to_rollout``
 vLLM's greedy output equals transformers' (token for token) and its logprobs equal the megatron
-actor's teacher-forced ones (< 1e-4, fp32); sampled at temperature 0.7, vLLM's logprobs equal
-transformers' log_softmax(logits / 0.7) and the actor's tempered ones (mean <= 1e-4); after an
+actor's teacher-forced ones, scored as the trainer scores a rollout (micro-batched; < 1e-4,
+fp32); sampled at temperature 0.7, vLLM's logprobs equal transformers' log_softmax(logits / 0.7)
+and the actor's tempered ones (mean <= 1e-4); after an
 optimizer step and another ``to_rollout`` the output equals transformers on the new weights; a
 plan/model shape mismatch raises naming the tensor and leaves vLLM's weights untouched. The
 Hugging Face rollout backend (``rollout.backend=hf``) runs beside vLLM in the same processes,
@@ -69,6 +70,21 @@ def _stage_weights(ddp, dims, layout):
     return tensors if keep else {}
 
 
+def _scored(ddp, dims, batch, temperature: float = 1.0) -> dict[str, float]:
+    """The trainer's scoring of a rollout (as after the engine sleeps): the actor's logprobs of
+    the sampled tokens in micro-batches, and the rollout-vs-actor mismatch metrics."""
+    from megarl.trainer.experience import rollout_samples
+    from megarl.trainer.model_ops import MicroBatching
+    from megarl.trainer.old_log_probs import score_old_log_probs
+
+    samples = rollout_samples(batch, list(batch.output.prompt_index), 0, torch.device("cpu"))
+    metrics = score_old_log_probs(
+        ddp, samples, dims.vocab_size, temperature, MicroBatching(), dims.is_moe
+    )
+    assert "rollout/logprob_diff_mean" in metrics
+    return metrics
+
+
 def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
     from megarl.platform import adapt_megatron_for_cpu
 
@@ -99,7 +115,6 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
             layout,
             dims,
             ddp,
-            optimizer,
             engine_config=EngineConfig(max_model_len=64, kv_cache_bytes=32 << 20),
             bucket_bytes=96 << 10,  # several buckets
             rollout=rollout,
@@ -107,7 +122,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         rollout = engine.rollout
         hf_rollout = hf_rollout or HFRollout(model_dir, layout.rollout_tp)
         hf_engine = HybridEngine(
-            model_dir, layout, dims, ddp, optimizer, bucket_bytes=96 << 10, rollout=hf_rollout
+            model_dir, layout, dims, ddp, bucket_bytes=96 << 10, rollout=hf_rollout
         )
         dp = ps.get_data_parallel_rank()
         prompts = _prompts(dp, dims.vocab_size)
@@ -122,12 +137,12 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         res["buckets"] = stats.buckets
         batch = engine.generate(prompts, greedy)
         res["before"] = batch.output.token_ids
-        res["before_metrics"] = dict(batch.metrics)
+        res["before_metrics"] = _scored(ddp, dims, batch)
         hf_engine.to_rollout()  # the HF backend, resharded from the same actor
         hf_batch = hf_engine.generate(prompts, greedy)
         hf_engine.to_train()
         res["hf_before"] = hf_batch.output.token_ids
-        res["hf_before_metrics"] = dict(hf_batch.metrics)
+        res["hf_before_metrics"] = _scored(ddp, dims, hf_batch)
         # sampled at temperature 0.7: vLLM's logprobs are those of softmax(logits / 0.7), and the
         # actor scores the same distribution (the mismatch metric compares like with like)
         sampled = engine.generate(
@@ -142,7 +157,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
                 strict=True,
             )
         ]
-        res["sampled_metrics"] = dict(sampled.metrics)
+        res["sampled_metrics"] = _scored(ddp, dims, sampled, TEMPERATURE)
 
         # one optimizer step on the rollout sequences, then roll out again
         engine.to_train()
@@ -158,13 +173,13 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         engine.to_rollout()
         batch = engine.generate(prompts, greedy)
         res["after"] = batch.output.token_ids
-        res["after_metrics"] = dict(batch.metrics)
+        res["after_metrics"] = _scored(ddp, dims, batch)
         res["metrics_keys"] = sorted(engine.metrics)
         hf_engine.to_rollout()
         hf_batch = hf_engine.generate(prompts, greedy)
         hf_engine.to_train()
         res["hf_after"] = hf_batch.output.token_ids
-        res["hf_after_metrics"] = dict(hf_batch.metrics)
+        res["hf_after_metrics"] = _scored(ddp, dims, hf_batch)
 
         # a plan/model mismatch is refused before anything is loaded
         name = "model.layers.1.mlp.down_proj.weight"
@@ -176,9 +191,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         except ValueError as e:
             res["mismatch_error"] = str(e)
         engine.rollout.expected_shapes[name] = good
-        res["after_mismatch"] = engine.generate(
-            prompts, greedy, score_with_actor=False
-        ).output.token_ids
+        res["after_mismatch"] = engine.generate(prompts, greedy).output.token_ids
         engine.to_train()
         out[str(layout)] = res
         destroy_model_parallel()
@@ -242,7 +255,6 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
             # peak transient memory: the bucket plus at most one tensor in flight
             assert res["peak_transient"] <= 2 * res["peak_dest"], key
             assert res["step_ok"]
-            assert "rollout/logprob_diff_mean" in res["metrics_keys"]
             assert "reshard/recv_bytes" in res["metrics_keys"]
         # after a step: transformers on the new weights (exported independently of the reshard)
         new = {}

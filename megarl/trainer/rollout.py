@@ -1,0 +1,99 @@
+"""A step's rollout, phase by phase: ``to_rollout -> generate -> to_train -> rewards -> score``.
+
+:func:`step_batch` is what the loop calls. Each draw (:func:`draw`) takes the next prompts, moves
+training memory off the device and the actor's weights into the rollout engine
+(:func:`to_rollout`), generates, puts the engine to sleep and brings training memory back
+(:func:`to_train`), then rewards the responses. DAPO's dynamic sampling
+(``algorithm.filter_groups``) is a filter around the draws
+(:func:`megarl.trainer.dynamic_sampling.filter_groups`). Only then, with the rollout engine
+asleep, the actor scores what the step trains on (:func:`score`): the old logprobs and the
+rollout-vs-trainer mismatch, in the update's micro-batches, unless the update's own forward gives
+both (:mod:`megarl.trainer.old_log_probs`).
+
+Timings: ``timing/rollout_s`` (the transitions and generation), ``timing/reward_s``,
+``timing/old_log_prob_s`` (the scoring pass, when it runs); summed over a step's draws.
+"""
+
+from __future__ import annotations
+
+from megarl.hybrid_engine.engine import RolloutBatch, gpu_memory_metrics
+from megarl.hybrid_engine.vllm_rollout import SamplingConfig
+from megarl.metrics import StepMetrics, declare
+from megarl.run.steps import timed
+from megarl.trainer.assembly import PolicyRun
+from megarl.trainer.batch import StepBatch
+from megarl.trainer.dynamic_sampling import filter_groups
+from megarl.trainer.experience import score_rollout
+from megarl.trainer.old_log_probs import score_old_log_probs
+
+
+def to_rollout(run: PolicyRun) -> dict[str, float]:
+    """The reference's and critic's memory (``param_offload``) and the actor's grads and optimizer
+    state off the device, the actor's weights resharded into the rollout engine, the engine awake
+    (the actor's weights leave too with ``actor.param_offload``, once the reshard has read them)."""
+    r = run.rollout
+    metrics = r.roles_offload.offload()
+    metrics |= r.actor_memory.release()
+    metrics |= r.engine.to_rollout(before_kv_cache=r.actor_memory.offload_model)
+    return metrics
+
+
+def to_train(run: PolicyRun) -> dict[str, float]:
+    """The rollout engine asleep, then every model's training memory back on the device; the GPU
+    memory in use then (empty on CPU)."""
+    r = run.rollout
+    r.engine.to_train()
+    metrics = r.actor_memory.restore()
+    metrics |= r.roles_offload.onload()
+    return metrics | gpu_memory_metrics("after_sleep")
+
+
+def generate(run: PolicyRun, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+    """Responses to this DP rank's prompts from the awake rollout engine (no scoring)."""
+    return run.rollout.engine.generate(prompts, sampling)
+
+
+def draw(run: PolicyRun, m: StepMetrics) -> StepBatch:
+    """The next batch of prompts rolled out and rewarded, the rollout engine awake only between
+    :func:`to_rollout` and :func:`to_train`."""
+    items = run.data.batches.next()
+    with timed(m, "rollout"):
+        m.update(declare(to_rollout(run)))
+        rollout = generate(run, [it.input_ids for it in items], run.rollout.sampling)
+        m.update(declare(to_train(run)))
+    s = run.startup
+    with timed(m, "reward"):
+        samples, scores, reward_metrics, _ = score_rollout(
+            run.rewards, s.tokenizer, s.pad_id, items, rollout, run.batching
+        )
+    return StepBatch(samples, scores, list(rollout.output.finish_reasons), reward_metrics)
+
+
+def score(run: PolicyRun, batch: StepBatch, m: StepMetrics) -> None:
+    """The actor's old logprobs of ``batch`` and the rollout mismatch, in the update's
+    micro-batches (the rollout engine asleep); skipped when the update's forward gives them."""
+    if run.spec.old_log_prob_from_update:
+        return
+    with timed(m, "old_log_prob"):
+        batch.mismatch = score_old_log_probs(
+            run.models.actor.model,
+            batch.samples,
+            run.models.dims.vocab_size,
+            run.spec.temperature,
+            run.batching,
+            run.models.dims.is_moe,
+        )
+
+
+def step_batch(run: PolicyRun, m: StepMetrics) -> StepBatch:
+    """This rank's batch of the step: drawn (``to_rollout -> generate -> to_train -> rewards``,
+    filtered by dynamic sampling when ``algorithm.filter_groups``), then scored by the actor.
+    Timings and dynamic-sampling counts go into ``m``."""
+    a = run.cfg.algorithm
+    if a.filter_groups:
+        target = run.cfg.data.train_batch_size // run.startup.layout.dp
+        batch = filter_groups(lambda: draw(run, m), a, target, run.startup.pad_id, m)
+    else:
+        batch = draw(run, m)
+    score(run, batch, m)
+    return batch

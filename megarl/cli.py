@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from megarl.cluster.options import add_launcher_options
 from megarl.errors import MegarlError
 
 
@@ -32,8 +33,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megarl.cluster.start import start_job, world_size
     from megarl.config import job_world_size, load_config, trainer_world_size, validate
-    from megarl.launch import run_torchrun, under_launcher
+    from megarl.launch import under_launcher
     from megarl.run.checks import check_inputs
     from megarl.run.startup import layout_for
 
@@ -47,11 +49,22 @@ def _train(args: argparse.Namespace) -> int:
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
     nproc = args.nproc_per_node or job_world_size(cfg)
-    validate(cfg, nproc)
+    world = world_size(args.launcher, args.nnodes, nproc, args.address)
+    validate(cfg, world)
     colocated = cfg.rollout.mode == "colocated"
-    layout = layout_for(cfg, trainer_world_size(cfg, nproc), with_rollout=colocated)
+    trainers = trainer_world_size(cfg, world)
+    layout = layout_for(cfg, trainers, with_rollout=colocated)
     check_inputs(cfg, layout)  # model folder, layout vs model, data files
-    return run_torchrun("megarl.entry", module_args, nproc, verbose=args.verbose)
+    return start_job(
+        cfg,
+        module_args,
+        layout,
+        args.launcher,
+        args.address,
+        args.nnodes,
+        args.verbose,
+        extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -101,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
     _add_verbose(train)
+    add_launcher_options(train)
     train.set_defaults(func=_train)
     train_rm = sub.add_parser(
         "train-rm",
@@ -115,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
     )
     _add_verbose(train_rm)
+    add_launcher_options(train_rm)
     train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
     from checkpoints_tools.cli import add_verbs
 

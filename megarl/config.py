@@ -253,6 +253,19 @@ class RewardModelConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Elastic recovery (``megarl train`` as the launcher: torchrun's, Ray's or Slurm's path):
+    when a rank dies, the job restarts by itself from its latest intact checkpoint on the ranks
+    still available; see docs/elastic.md for what it promises."""
+
+    max_restarts: int = 0  # 0: off (a failed rank ends the job)
+    min_world_size: int = 1  # never restart on fewer ranks than this
+    # How long a restart waits for lost resources to come back (e.g. a replacement node joining
+    # the Ray cluster) before going on with fewer ranks
+    wait_s: float = 30.0
+
+
+@dataclass
 class TrainerConfig:
     kind: str = "policy"  # policy (PPO/GRPO) | reward_model (Bradley-Terry)
     total_steps: int = 100
@@ -276,6 +289,7 @@ class TrainerConfig:
     # A step phase (rollout, reward, update, save ...) without progress for this long: every rank
     # prints its stacks and the job stops; torch.distributed collective timeouts derive from it.
     hang_timeout_s: float = 1800.0
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
 @dataclass
@@ -686,6 +700,13 @@ def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
                 "the same GPU; in rollout.mode=async the trainer ranks hold no rollout engine: "
                 f"set {key}=false"
             )
+    if cfg.trainer.elastic.max_restarts:
+        raise ConfigError(
+            "trainer.elastic.max_restarts re-plans the trainers' layout on the ranks left after "
+            "a failure, which does not yet account for the rollout group of rollout.mode=async: "
+            "set trainer.elastic.max_restarts=0 (resume from the latest checkpoint by hand) or "
+            "rollout.mode=colocated"
+        )
     if cfg.algorithm.filter_groups:
         raise ConfigError(
             "algorithm.filter_groups (dynamic sampling) draws further batches after scoring "
@@ -720,6 +741,18 @@ def _validate_reliability(cfg: RunConfig) -> None:
             f"trainer.hang_timeout_s={t.hang_timeout_s} must be > 0 seconds; set it above the "
             "longest step phase (rollout, update, checkpoint save) of the run, e.g. 1800"
         )
+    _validate_elastic(t.elastic)
+
+
+def _validate_elastic(e: ElasticConfig) -> None:
+    if e.max_restarts < 0:
+        raise ConfigError(
+            f"trainer.elastic.max_restarts={e.max_restarts} must be >= 0 (0: no restarts)"
+        )
+    if e.min_world_size < 1:
+        raise ConfigError(f"trainer.elastic.min_world_size={e.min_world_size} must be >= 1 (ranks)")
+    if e.wait_s < 0:
+        raise ConfigError(f"trainer.elastic.wait_s={e.wait_s} must be >= 0 seconds")
 
 
 def _validate_recompute(model: ModelConfig) -> None:

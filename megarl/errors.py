@@ -23,3 +23,8 @@ class CheckpointError(MegarlError):
 
 class UnsupportedModelError(MegarlError):
     """A Hugging Face architecture megarl has no spec for."""
+
+
+class LaunchError(MegarlError):
+    """A job that cannot be started where it was asked to run (a cluster that does not answer,
+    lacks the resources, or cannot place the ranks)."""

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.console import rank_env
 from megarl.errors import ConfigError
+from megarl.shm_segments import remove_leftover_segments, vllm_shm_segments
 from megarl.world_split import TRAINER, SplitWorld, WorldSplit, init_split_world
 
 
@@ -62,11 +63,14 @@ def run_torchrun(
     nproc: int,
     threads_per_rank: int | None = None,
     verbose: bool = False,
+    env_extra: Mapping[str, str] | None = None,
+    on_signal: Callable[[int], None] | None = None,
 ) -> int:
     """Run ``python -m module args`` on ``nproc`` local ranks with torchrun (through
     megarl.quiet_torchrun), quiet unless ``verbose`` (megarl/console.py); returns the exit code
-    of the rank that failed, or 0."""
-    env = dict(os.environ, **rank_env(verbose))
+    of the rank that failed, or 0. ``env_extra``: more variables for the ranks; ``on_signal`` is
+    told of each signal the launcher passes on to them."""
+    env = dict(os.environ, **rank_env(verbose), **(env_extra or {}))
     if threads_per_rank is None:
         threads_per_rank = (
             max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else 4
@@ -88,11 +92,11 @@ def run_torchrun(
     # torchrun runs in its own session so that a terminal's or a scheduler's signal reaches it
     # only through _forwarding_signals: otherwise torchrun would end the ranks on SIGTERM itself
     # (after 30 s) and exit non-zero, where megarl wants them to finish the step and exit 0.
-    segments_before = _vllm_shm_segments()
+    segments_before = vllm_shm_segments()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     ranks: set[int] = set()
     try:
-        with _forwarding_signals(proc):
+        with _forwarding_signals(proc, on_signal):
             while True:
                 try:
                     return proc.wait(timeout=2.0)
@@ -106,24 +110,7 @@ def run_torchrun(
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)
         if proc.returncode != 0:
-            _remove_leftover_segments(_vllm_shm_segments() - segments_before)
-
-
-_SHM = Path("/dev/shm")
-
-
-def _vllm_shm_segments() -> set[str]:
-    """vLLM's CPU shared-memory segments (``...-cpushm_N``) present now."""
-    return {p.name for p in _SHM.glob("*cpushm*")} if _SHM.is_dir() else set()
-
-
-def _remove_leftover_segments(names: set[str]) -> None:
-    """A killed or crashed job leaves the shared-memory segments its vLLM ranks created; vLLM
-    names them after the TP group (not the job), so the next run on this machine - the resume -
-    would fail to create them ("create shm in SHMManager failed. errno: 17")."""
-    for name in names:
-        with suppress(OSError):
-            (_SHM / name).unlink()
+            remove_leftover_segments(vllm_shm_segments() - segments_before)
 
 
 def _children(pid: int) -> list[int]:
@@ -140,11 +127,15 @@ def _children(pid: int) -> list[int]:
 
 
 @contextmanager
-def _forwarding_signals(proc: subprocess.Popen) -> Iterator[None]:
+def _forwarding_signals(
+    proc: subprocess.Popen, on_signal: Callable[[int], None] | None = None
+) -> Iterator[None]:
     """SIGTERM/SIGUSR1 to the launcher -> SIGUSR1 to every rank (finish the step, checkpoint,
     exit 0; a second one stops them at once); SIGINT -> torchrun's process group."""
 
     def preempt(signum, frame) -> None:
+        if on_signal is not None:
+            on_signal(signum)
         ranks = _children(proc.pid)
         print(
             f"megarl: {signal.Signals(signum).name} received: asking the {len(ranks)} ranks to "
@@ -157,6 +148,8 @@ def _forwarding_signals(proc: subprocess.Popen) -> Iterator[None]:
                 os.kill(pid, signal.SIGUSR1)
 
     def interrupt(signum, frame) -> None:
+        if on_signal is not None:
+            on_signal(signum)
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signum)
 

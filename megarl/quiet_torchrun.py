@@ -4,16 +4,22 @@ When a rank fails, torchrun's own report (a traceback of ``ChildFailedError`` an
 failures, ~30 lines) would follow the rank's message. megarl's ranks print their error
 themselves (``megarl: error: ...`` for user errors, a traceback otherwise), so this launcher ends
 with that output and exits with the rank's exit code. ``MEGARL_VERBOSE=1`` keeps torchrun's report.
+With ``MEGARL_FAILURE_FILE`` set, the first failed rank and its exit code are also written there
+as JSON (the elastic supervisor reads which rank to leave out of a restart).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import sys
 
 from megarl.console import is_verbose
 from megarl.errors import MegarlError
+
+FAILURE_FILE_ENV = "MEGARL_FAILURE_FILE"
 
 
 def exit_code_of(rank_exit_code: int) -> int:
@@ -22,18 +28,22 @@ def exit_code_of(rank_exit_code: int) -> int:
     return 128 - rank_exit_code if rank_exit_code < 0 else rank_exit_code
 
 
+def describe_exit(rank_exit_code: int) -> str:
+    """How a rank ended, for a message: "was killed by SIGKILL", "exited with code 1"."""
+    if rank_exit_code < 0:
+        try:
+            return f"was killed by {signal.Signals(-rank_exit_code).name}"
+        except ValueError:
+            return f"was killed by signal {-rank_exit_code}"
+    return f"exited with code {rank_exit_code}"
+
+
 def failure_note(rank: int, rank_exit_code: int) -> str | None:
     """The one line added after a failed rank's output, or None when the rank's own message
     (a megarl user error) must stay the last line."""
     if rank_exit_code == MegarlError.exit_code:
         return None
-    if rank_exit_code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-rank_exit_code).name}"
-        except ValueError:
-            how = f"was killed by signal {-rank_exit_code}"
-    else:
-        how = f"exited with code {rank_exit_code}"
+    how = describe_exit(rank_exit_code)
     return f"megarl: rank {rank} {how}; its output is above (--verbose shows torchrun's report)"
 
 
@@ -47,9 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        record = os.environ.get(FAILURE_FILE_ENV)
+        if record:
+            with open(record, "w") as f:
+                json.dump({"rank": rank, "exit_code": failure.exitcode}, f)
         if verbose:
             raise
-        rank, failure = e.get_first_failure()
         note = failure_note(rank, failure.exitcode)
         if note:
             print(note, file=sys.stderr, flush=True)

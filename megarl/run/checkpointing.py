@@ -276,6 +276,12 @@ def latest(root: Path) -> Path | None:
     return path
 
 
+def latest_intact(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` a run can resume from, or None: what a resume and an
+    elastic restart go back to (today the one ``latest`` names; every save is atomic)."""
+    return latest(root)
+
+
 def check_resume(path: Path, roles: list[str], model_paths: dict[str, str]) -> dict[str, Any]:
     """Cheap checks before any model is built: the trainer state is plain data, the checkpoint
     trains the same roles (e.g. a critic, or none) and holds the same model. Returns the state."""
@@ -308,7 +314,7 @@ def resume_point(cfg: RunConfig, model_paths: dict[str, str]) -> Path | None:
     None to start afresh."""
     if cfg.trainer.resume != "auto":
         return None
-    path = latest(Path(cfg.trainer.output_dir) / "checkpoints")
+    path = latest_intact(Path(cfg.trainer.output_dir) / "checkpoints")
     if path is None:
         return None
     check_resume(path, sorted(model_paths), model_paths)

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from megarl.metrics import Metric, StepMetrics, mean, reduce_metrics
 from megarl.run import watchdog
+from megarl.run.elastic import elastic_metrics
 from megarl.run.tracking import Tracker
 
 
@@ -35,6 +36,7 @@ def log_step(
     """Reduce ``metrics`` over ranks, log them as step ``step + 1``, print progress; collective."""
     reduced = reduce_metrics(metrics)
     reduced.update(derived_metrics(reduced))
+    reduced.update(elastic_metrics())  # restart count and layout, in an elastic job
     tracker.log_metrics(reduced, step + 1)
     tracker.progress(step, total, reduced, first_step)
     history.append(reduced)

@@ -96,6 +96,7 @@ def test_async_settings_refused_before_launch():
         ([*ASYNC, "rollout.partial_chunk_tokens=0"], "partial_chunk_tokens=0 must be >= 1"),
         ([*ASYNC, "actor.param_offload=true"], "trainer ranks hold no rollout engine"),
         ([*ASYNC, "algorithm.filter_groups=true"], "does not do yet"),
+        ([*ASYNC, "trainer.elastic.max_restarts=2"], "does not yet account for the rollout"),
         ([*BASE, "rollout.mode=later"], "rollout.mode='later' is not one of"),
     ]
     for overrides, message in cases:

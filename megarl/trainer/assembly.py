@@ -96,6 +96,8 @@ class PolicyRun:
     def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> Path:
         """Models, optimizers and the trainer state after ``step`` (collective); its folder."""
         remote = self.rollout.remote
+        # async: first the batch in flight (its rollout count is the one to continue from)
+        in_flight = remote.checkpoint_state() if remote is not None else {}
         return save(
             self.cfg,
             step,
@@ -105,7 +107,7 @@ class PolicyRun:
             history=history,
             kl_ctrl=self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             rollouts=self.rollout.engine.rollout_count,
-            **(remote.checkpoint_state() if remote is not None else {}),
+            **in_flight,
         )
 
     def close(self) -> None:

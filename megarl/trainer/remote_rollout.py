@@ -117,11 +117,14 @@ class RemoteRollout:
     def push(self) -> SyncStats:
         """Broadcast the current weights unless the rollout group has them (every trainer)."""
         if not self._started:
+            pending = self.pending
             start = Start(
                 step=self.first,
-                next_batch=self.first + (self.pending is not None),
-                data=self._data if self.pending is None else self.pending.data,
-                rollouts=self._rollouts,
+                next_batch=self.first + (pending is not None),
+                data=self._data if pending is None else pending.data,
+                rollouts=self._rollouts
+                if pending is None
+                else max(self._rollouts, pending.rollouts),
             )
             self._control(start)
             self._started = True

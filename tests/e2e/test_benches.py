@@ -26,7 +26,6 @@ BENCHES = [
     "convert",
     "data",
     "learn_gsm",
-    "async",
 ]
 
 

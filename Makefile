@@ -1,9 +1,9 @@
-# Fresh machine: `make demo` (main job) and `make test` (the test suite) set up .venv on first use.
+# Fresh machine: `make quickstart` (the main job: a small GRPO run on CPU) and `make test` (lint and the test suite) set up .venv on first use.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup demo quickstart learn-gsm test test-unit test-distributed test-e2e lint format bench
+.PHONY: setup demo quickstart learn-gsm learn-calculator test test-unit test-distributed test-e2e lint format bench
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -43,3 +43,7 @@ quickstart: $(STAMP)
 learn-gsm: $(STAMP)
 	$(PY) -m megarl.quickstart --recipe gsm --out outputs/learn_gsm
 	$(VENV)/bin/megarl train configs/smollm2_gsm_cpu.yaml --nproc-per-node 1
+
+learn-calculator: $(STAMP)
+	$(PY) -m megarl.quickstart --recipe calculator --out outputs/learn_calculator
+	$(VENV)/bin/megarl train configs/smollm2_calculator_cpu.yaml --nproc-per-node 1

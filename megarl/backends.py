@@ -9,11 +9,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
 from megarl.config import CHOICES
 from megarl.errors import ConfigError
+from megarl.gpu_defaults import Target, check_for_target, launch_env, transformer_impl
 
 TRANSFORMER_IMPLS = CHOICES["model.transformer_impl"]
 ROLLOUT_BACKENDS = CHOICES["rollout.backend"]
@@ -24,31 +26,25 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+def this_machine() -> Target:
+    """This machine as :mod:`megarl.gpu_defaults` decides for it."""
+    cuda = torch.cuda.is_available()
+    return Target(
+        cuda=cuda,
+        transformer_engine=installed("transformer_engine"),
+        wgrad_fusion_kernel=installed("fused_weight_gradient_mlp_cuda"),
+        local_gpus=torch.cuda.device_count() if cuda else 0,
+    )
+
+
 def resolve_transformer_impl(requested: str) -> str:
-    """``local`` or ``transformer_engine`` for ``model.transformer_impl``; raises when TE is
-    requested where it cannot run."""
+    """``local`` or ``transformer_engine`` for ``model.transformer_impl`` on this machine; raises
+    when TE is requested where it cannot run."""
     if requested not in TRANSFORMER_IMPLS:
         raise ConfigError(
             f"model.transformer_impl={requested!r} is not one of {list(TRANSFORMER_IMPLS)}"
         )
-    cuda = torch.cuda.is_available()
-    te = installed("transformer_engine")
-    if requested == "transformer_engine":
-        if not cuda:
-            raise ConfigError(
-                "model.transformer_impl=transformer_engine needs CUDA, and this machine has no "
-                "GPU; use model.transformer_impl=local (or auto) on CPU"
-            )
-        if not te:
-            raise ConfigError(
-                "model.transformer_impl=transformer_engine, but Transformer Engine is not "
-                "installed; install megarl[gpu] (transformer-engine[pytorch]) or use "
-                "model.transformer_impl=local"
-            )
-        return "transformer_engine"
-    if requested == "auto" and cuda and te:
-        return "transformer_engine"
-    return "local"
+    return transformer_impl(requested, this_machine())
 
 
 def check_rollout_backend(backend: str) -> None:
@@ -96,7 +92,16 @@ def check_optimizer_offload(fraction: float) -> None:
 def check_backends(cfg) -> None:
     """Every engine ``cfg`` (a RunConfig) asks for can run here; before any process starts."""
     resolve_transformer_impl(cfg.model.transformer_impl)
+    check_for_target(cfg, this_machine())  # combinations this machine cannot run
     check_context_parallel(cfg.parallel.cp, cfg.model.transformer_impl)
     check_optimizer_offload(cfg.actor.optimizer_offload)
     if cfg.trainer.kind == "policy":
         check_rollout_backend(cfg.rollout.backend)
+
+
+def set_rank_env(cfg) -> dict[str, str]:
+    """Put what every rank of ``cfg`` needs in its environment before CUDA initialises
+    (:func:`megarl.gpu_defaults.launch_env`); a value already set is kept. Returns what was set."""
+    added = {k: v for k, v in launch_env(cfg, this_machine()).items() if k not in os.environ}
+    os.environ.update(added)
+    return added

@@ -33,14 +33,19 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megarl.backends import this_machine
     from megarl.cluster.start import start_job, world_size
-    from megarl.config import job_world_size, load_config, trainer_world_size, validate
+    from megarl.config import load_config, trainer_world_size, validate
+    from megarl.dry_run import before_launch, dry_run
+    from megarl.gpu_defaults import default_nproc_per_node
     from megarl.launch import under_launcher
     from megarl.run.checks import check_inputs
     from megarl.run.startup import layout_for
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
+    if args.dry_run:
+        return dry_run(args, cfg)
     module_args = [args.config, *overrides]
     if under_launcher():  # already one of torchrun's / srun's ranks
         from megarl.console import rank_env
@@ -48,13 +53,17 @@ def _train(args: argparse.Namespace) -> int:
 
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
-    nproc = args.nproc_per_node or job_world_size(cfg)
+    # one process per local GPU on CUDA (DP derived); on CPU tp * pp, plus the rollout group
+    nproc = args.nproc_per_node or default_nproc_per_node(cfg, this_machine())
     world = world_size(args.launcher, args.nnodes, nproc, args.address)
     validate(cfg, world)
     colocated = cfg.rollout.mode == "colocated"
     trainers = trainer_world_size(cfg, world)
     layout = layout_for(cfg, trainers, with_rollout=colocated)
-    check_inputs(cfg, layout)  # model folder, layout vs model, data files
+    reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data files
+    refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
+    if refused:
+        return refused
     return start_job(
         cfg,
         module_args,
@@ -89,6 +98,12 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
+    from megarl.plan.preflight import add_arguments
+
+    add_arguments(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl", description="Megatron-core 3D-parallel RLHF engine"
@@ -111,10 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     train.add_argument(
-        "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
     )
     _add_verbose(train)
     add_launcher_options(train)
+    add_preflight_arguments(train)
     train.set_defaults(func=_train)
     train_rm = sub.add_parser(
         "train-rm",
@@ -126,10 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=64"
     )
     train_rm.add_argument(
-        "--nproc-per-node", type=int, default=None, help="start torchrun with N local ranks"
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
     )
     _add_verbose(train_rm)
     add_launcher_options(train_rm)
+    add_preflight_arguments(train_rm)
     train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
     from checkpoints_tools.cli import add_verbs
 

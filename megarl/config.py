@@ -24,7 +24,8 @@ from megarl.lora_settings import check_lora_settings
 class ModelConfig:
     path: str = MISSING  # local Hugging Face folder of the actor (and reference)
     critic_path: str | None = None  # PPO critic trunk; None: same as path
-    dtype: str = "float32"  # float32 | bfloat16
+    # auto: bfloat16 on CUDA, float32 on CPU (megarl.gpu_defaults) | float32 | bfloat16
+    dtype: str = "auto"
     # Activation recomputation: none | selective (megatron's core-attention recompute) | full
     # (whole layers, recompute_num_layers per checkpoint)
     recompute: str = "none"
@@ -77,7 +78,8 @@ class RolloutConfig:
     max_response_length: int = 512
     # Every response runs to max_response_length: EOS is sampled like any other token and does
     # not stop it (fixed-length rollouts, e.g. so that a discount or a per-token KL penalty
-    # cannot be gamed by stopping early; benchmarks). Training and validation alike.
+    # cannot be gamed by stopping early; benchmarks). Training and validation alike. With
+    # rollout.env every model turn runs to its token limit.
     ignore_eos: bool = False
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
@@ -88,6 +90,13 @@ class RolloutConfig:
     dtype: str = "auto"
     backend: str = "vllm"  # vllm | hf (Hugging Face generate: no vLLM needed; for debugging)
     gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
+    max_num_seqs: int = 256  # sequences each vLLM engine decodes at once (its scheduler's cap)
+    # true: every request carries its own seed (derived from trainer.seed and its global index),
+    # so the samples do not depend on the layout, the engine count or the batching, and a resumed
+    # run samples what the uninterrupted one would; false: one seed per engine and vLLM's batched
+    # sampler (per-request seeds force its per-request sampling loop and turn its FlashInfer
+    # top-k/top-p kernel off), at the price of both guarantees (docs/gpu_settings.md)
+    per_request_seeds: bool = True
     # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
     # reshard reloads them); both free the KV cache
     sleep_level: int = 1
@@ -102,6 +111,19 @@ class RolloutConfig:
     partial: bool = False
     # async with partial: tokens generated between two checks for new weights
     partial_chunk_tokens: int = 64
+    # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
+    # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
+    env: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # model turns per trajectory
+    # New tokens of one model turn; None: max_response_length. A trajectory's budget is its
+    # prompt + max_response_length tokens (all model turns and environment tokens together).
+    max_turn_tokens: int | None = None
+    tool_concurrency: int = 8  # tool calls (and synchronous env steps) running at once per engine
+    tool_timeout_s: float = 30.0  # a tool call past this gives the model an error result
+    # Share of a step's samples whose environment may fail (raise, break the API) before the run
+    # stops with the first error; failed samples score 0 and are counted (rollout/env_failures).
+    max_env_failures: float = 0.5
 
 
 @dataclass
@@ -286,6 +308,9 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     keep_last: int = 2  # newest checkpoints kept; older ones are removed once a newer is complete
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
+    # OUTPUT/rollouts/step_N_dpD.jsonl each step: every sample's token ids, response mask,
+    # logprobs, advantages and text (megarl/trainer/rollout_dump.py)
+    dump_rollouts: bool = False
     # A step phase (rollout, reward, update, save ...) without progress for this long: every rank
     # prints its stacks and the job stops; torch.distributed collective timeouts derive from it.
     hang_timeout_s: float = 1800.0
@@ -308,7 +333,7 @@ class RunConfig:
 
 
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
     "model.transformer_impl": ("auto", "local", "transformer_engine"),
     "model.recompute": ("none", "selective", "full"),
     "rollout.backend": ("vllm", "hf"),
@@ -444,6 +469,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "actor.ppo_epochs": actor.ppo_epochs,
         "rollout.n": cfg.rollout.n,
         "rollout.max_response_length": cfg.rollout.max_response_length,
+        "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
         "trainer.total_steps": cfg.trainer.total_steps,
     }
     _check_positive(positive)
@@ -459,6 +485,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     _validate_sampling(cfg)
     _validate_async(cfg, world_size)
+    _validate_multi_turn(cfg.rollout)
     algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
     if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
         raise ConfigError(
@@ -713,6 +740,12 @@ def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
             "each one, which the asynchronous rollout group does not do yet: set "
             "algorithm.filter_groups=false or rollout.mode=colocated"
         )
+    if r.env is not None:
+        raise ConfigError(
+            f"rollout.env={r.env!r} runs multi-turn environments in the rollout engine's turn "
+            "loop, which the asynchronous rollout group does not run yet: unset rollout.env "
+            "(single-turn) or set rollout.mode=colocated"
+        )
     if world_size is None:
         return
     trainers = world_size - par.rollout_ranks
@@ -722,6 +755,30 @@ def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
             f"leave {max(trainers, 0)} trainer ranks, which must be a positive multiple of "
             f"tp*pp = {par.tp * par.pp}; lower rollout_ranks or start "
             f"{par.rollout_ranks + par.tp * par.pp} or more processes"
+        )
+
+
+def _validate_multi_turn(r: RolloutConfig) -> None:
+    """The pure checks of rollout.env's settings (the class itself is loaded by run/checks.py)."""
+    if r.env is None:
+        set_ = [k for k in ("env_kwargs",) if getattr(r, k)]
+        if set_:
+            raise ConfigError(f"rollout.{set_[0]} is set but rollout.env is not; set rollout.env")
+        return
+    _check_positive(
+        {"rollout.max_turns": r.max_turns, "rollout.tool_concurrency": r.tool_concurrency}
+    )
+    if r.max_turn_tokens is not None and not 1 <= r.max_turn_tokens <= r.max_response_length:
+        raise ConfigError(
+            f"rollout.max_turn_tokens={r.max_turn_tokens} must be in [1, rollout.max_response_length="
+            f"{r.max_response_length}] (or null: the whole budget)"
+        )
+    if not r.tool_timeout_s > 0:
+        raise ConfigError(f"rollout.tool_timeout_s={r.tool_timeout_s} must be > 0 seconds")
+    if not 0.0 <= r.max_env_failures <= 1.0:
+        raise ConfigError(
+            f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
+            "step's samples"
         )
 
 
@@ -841,9 +898,16 @@ def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
         _check_dp_split(cfg, world_size, batches)
 
 
-def rollout_dtype(cfg: RunConfig) -> str:
-    """The rollout engine's dtype name: rollout.dtype, where auto is model.dtype."""
-    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+def model_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The models' dtype name: model.dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
+    if cfg.model.dtype == "auto":
+        return "bfloat16" if cuda else "float32"
+    return cfg.model.dtype
+
+
+def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The rollout engine's dtype name: rollout.dtype, where auto is the models' dtype."""
+    return model_dtype(cfg, cuda) if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
 def to_flat_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.console import quiet_rank_console
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported
+    from megarl.backends import set_rank_env
+
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args[0], args[1:])
+        set_rank_env(cfg)  # e.g. CUDA_DEVICE_MAX_CONNECTIONS, before CUDA initialises
         program(cfg)(cfg)
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)

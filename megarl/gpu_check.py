@@ -9,11 +9,12 @@
    transformers (AdamW) on the same device, and megarl's MFU against a bf16 matmul peak measured
    in the same run; then the trained model's weights, grads and Adam states moved to host memory
    and back (the parameter offload around the rollout): bit-exact, bytes and seconds;
-3. ``megarl plan``'s predicted peak memory of that step against the measured peak
-   (``torch.cuda.max_memory_allocated``); and the peak memory of the trainer's rollout scoring
-   pass (the actor's old logprobs in token-budgeted micro-batches) for a Qwen2.5-0.5B-shaped
-   random model at 1,024 sequences x 1,024 tokens and at a quarter of that: within 10% of each
-   other (its memory is one micro-batch's, not the rollout's);
+3. the memory preflight's predicted peak of that step (its numerics for this machine, the
+   planner's model) against the measured peak (``torch.cuda.max_memory_allocated``); and the peak
+   memory of the trainer's rollout scoring pass (the actor's old logprobs in token-budgeted
+   micro-batches) for a Qwen2.5-0.5B-shaped random model at 1,024 sequences x 1,024 tokens and
+   at a quarter of that: within 10% of each other (its memory is one micro-batch's, not the
+   rollout's), beside the preflight's prediction of it;
 4. five GRPO steps end to end (rollout.backend=hf, so no vLLM is needed), stopped after three and
    resumed from the checkpoint, then the checkpoint exported to Hugging Face and verified
    (tensors bit for bit, logits against transformers);
@@ -387,9 +388,6 @@ class _HostPeak:
 
 
 def training_step(report: Report, size: Size, root: Path) -> None:
-    from megarl.parallel import ParallelLayout
-    from megarl.plan import CPU_FP32, GPU_BF16, Workload, estimate_memory
-
     cuda = torch.cuda.is_available()
     folder = _config_folder(root, size.train_model)
     label = "bf16" if size.train_dtype == torch.bfloat16 else "fp32"
@@ -421,24 +419,79 @@ def training_step(report: Report, size: Size, root: Path) -> None:
     report.add("2 train step", f"transformers tokens/s ({shape})", f"{theirs:,.0f}")
     report.add("2 train step", "megarl / transformers", f"{mine / theirs:.2f}", ">= 1.0 (target)")
     report.add("2 train step", "megarl MFU vs measured matmul peak", f"{100 * mfu:.1f}%")
-    numerics = GPU_BF16 if cuda else CPU_FP32
+    predicted, numerics = _preflight_update_peak(folder, dims, size)
+    err = (predicted - measured) / max(measured, 1)
+    how = "torch.cuda.max_memory_allocated" if cuda else "peak live tensor bytes"
+    report.add(
+        "3 memory",
+        f"preflight: update phase ({numerics})",
+        f"{predicted / 2**30:.2f} GiB",
+    )
+    report.add("3 memory", f"measured ({how})", f"{measured / 2**30:.2f} GiB")
+    report.add(
+        "3 memory", "preflight error (predicted - measured) / measured", f"{100 * err:+.1f}%"
+    )
+
+
+def _preflight_numerics(folder: Path, size: Size):
+    """The numerics the preflight plans with on this machine for the check's dtype."""
+    from megarl.backends import this_machine
+    from megarl.config import load_config
+    from megarl.plan.preflight import numerics_for
+
+    dtype = "bfloat16" if size.train_dtype == torch.bfloat16 else "float32"
+    cfg = load_config(
+        overrides=[f"model.path={folder}", "data.train_files=[unused]", f"model.dtype={dtype}"]
+    )
+    return numerics_for(cfg, this_machine())[0]
+
+
+def _preflight_scoring_bytes(folder: Path, dims, size: Size) -> tuple[int, str]:
+    """(bytes, numerics) the preflight plans for the scoring pass measured above beyond the
+    weights: one token-budgeted packed micro-batch's forward working set and the scores."""
+    from megarl.parallel import ParallelLayout
+    from megarl.plan import Options, Workload, estimate_memory
+
+    numerics = _preflight_numerics(folder, size)
+    response = size.scoring_len - size.scoring_len // 4
+    workload = Workload(
+        seq_len=size.scoring_len,
+        response_len=response,
+        global_batch=size.scoring_seqs,
+        micro_batch_tokens=size.scoring_budget,
+        output_positions=response,
+        rollout_batch=size.scoring_seqs,
+        reference=False,
+        rollout=False,
+    )
+    stage = estimate_memory(
+        dims, ParallelLayout(tp=1, pp=1), workload, numerics, Options(packing=True), reserve=0
+    ).stages[0]
+    items = stage.phase_items["scoring"]
+    return items["activations"] + items["scores"], numerics.name
+
+
+def _preflight_update_peak(folder: Path, dims, size: Size) -> tuple[int, str]:
+    """(bytes, numerics) the preflight plans for the step measured above: its numerics for this
+    machine (dtype, layer implementation, fused kernels), the planner's memory model, no reserve
+    (the measurement starts after the CUDA context), the loss over every position."""
+    from megarl.parallel import ParallelLayout
+    from megarl.plan import Workload, estimate_memory
+    from megarl.plan.preflight import UPDATE_PHASES
+
+    numerics = _preflight_numerics(folder, size)
     workload = Workload(
         seq_len=size.seq,
         micro_batch=size.batch,
         global_batch=size.batch,
         reference=False,
         rollout=False,
+        scoring=False,
     )
-    predicted = estimate_memory(
-        dims, ParallelLayout(tp=1, pp=1), workload, numerics, reserve=0
-    ).peak
-    err = (predicted - measured) / max(measured, 1)
-    how = "torch.cuda.max_memory_allocated" if cuda else "peak live tensor bytes"
-    report.add(
-        "3 memory", f"megarl plan peak ({numerics.name} numerics)", f"{predicted / 2**30:.2f} GiB"
-    )
-    report.add("3 memory", f"measured ({how})", f"{measured / 2**30:.2f} GiB")
-    report.add("3 memory", "plan error (predicted - measured) / measured", f"{100 * err:+.1f}%")
+    stage = estimate_memory(dims, ParallelLayout(tp=1, pp=1), workload, numerics, reserve=0).stages[
+        0
+    ]
+    return max(stage.phases[p] for p in UPDATE_PHASES if p in stage.phases), numerics.name
 
 
 SCORING_FLAT_BOUND = 1.10  # peak at 4x the rollout / peak at 1x, at a fixed token budget
@@ -493,6 +546,12 @@ def scoring_pass(report: Report, size: Size, root: Path) -> None:
         "beyond the weights)"
     )
     report.add("3 memory", what, f"{large / 2**20:,.1f} MiB")
+    predicted, numerics = _preflight_scoring_bytes(folder, dims, size)
+    report.add(
+        "3 memory",
+        f"preflight: scoring working set ({numerics})",
+        f"{predicted / 2**20:,.1f} MiB ({100 * (predicted - large) / max(large, 1):+.1f}%)",
+    )
     report.add(
         "3 memory",
         f"scoring peak at {size.scoring_seqs:,} / at {size.scoring_seqs // 4:,} sequences",

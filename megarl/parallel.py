@@ -99,6 +99,21 @@ class ParallelLayout:
             )
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), **kw)
 
+    @classmethod
+    def for_settings(cls, world_size: int, parallel, with_rollout: bool = True) -> ParallelLayout:
+        """The layout a run's ``parallel`` settings (config section ``parallel``: tp, pp,
+        pp_layers, infer_tp, ep) take over ``world_size`` ranks; ``with_rollout`` False drops the
+        rollout's TP (a run that does not roll out)."""
+        p = parallel
+        return cls.for_world(
+            world_size,
+            tp=p.tp,
+            pp=p.pp,
+            pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
+            infer_tp=p.infer_tp if with_rollout else None,
+            ep=p.ep,
+        )
+
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
             raise LayoutError(

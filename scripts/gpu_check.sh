@@ -6,10 +6,17 @@
 # --wheels DIR: offline packages the machine lacks (megatron-core, omegaconf, antlr4 ...), as
 #               wheels or sdists; installed with pip --no-index into a temporary folder.
 # --cpu:        the same checks at tiny sizes on the CPU (what CI runs).
-# PYTHON:       the interpreter (default python3). The check itself is megarl/gpu_check.py.
+# PYTHON:       the interpreter (default: the project's .venv/bin/python, which scripts/setup.sh
+#               makes; python3 where there is none). The check itself is megarl/gpu_check.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-python3}"
+if [ -n "${PYTHON:-}" ]; then
+  PY="$PYTHON"
+elif [ -x "$ROOT/.venv/bin/python" ]; then
+  PY="$ROOT/.venv/bin/python"
+else
+  PY=python3
+fi
 WHEELS=""
 ARGS=()
 while [ $# -gt 0 ]; do

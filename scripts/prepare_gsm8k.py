@@ -183,8 +183,11 @@ def prepare(
     test_size: int | None = None,
     seed: int = 0,
     row_group_size: int = 512,
+    data_source: str = GSM8K_DATA_SOURCE,
 ) -> dict[str, Path]:
-    """Write out/train.parquet and out/test.parquet; return their paths."""
+    """Write out/train.parquet and out/test.parquet; return their paths. `data_source` names the
+    rows' task (reward routing and validation metric names): a toy reward over these prompts
+    should not report itself as GSM8K."""
     for name, value in (
         ("train-size", train_size),
         ("test-size", test_size),
@@ -203,6 +206,11 @@ def prepare(
             "train": _subsample_split(loaded["train"], train_size, seed, "train"),
             "test": _subsample_split(loaded["test"], test_size, seed, "test"),
         }
+    if not data_source:
+        raise PrepareError("--data-source must not be empty.")
+    for rows in splits.values():
+        for row in rows:
+            row["data_source"] = data_source
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, rows in splits.items():
@@ -229,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--row-group-size", type=int, default=512)
+    parser.add_argument(
+        "--data-source",
+        default=GSM8K_DATA_SOURCE,
+        help=f"the rows' data_source (rewards route by it; default {GSM8K_DATA_SOURCE})",
+    )
     args = parser.parse_args(argv)
     try:
         paths = prepare(
@@ -238,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             test_size=args.test_size,
             seed=args.seed,
             row_group_size=args.row_group_size,
+            data_source=args.data_source,
         )
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,6 +23,10 @@
 #                   MASTER_ADDR (node 0's address) and MASTER_PORT, and each node's NODE_RANK
 #   PYTHON          interpreter (default: .venv/bin/python when present, else python3)
 #
+# Without MEGARL_SMOKE the script needs CUDA and says so on a machine without it; before any rank
+# starts it runs the memory preflight for NNODES x GPUS_PER_NODE GPUs (`megarl train CONFIG
+# --dry-run`, docs/preflight.md) and stops when a phase would not fit.
+#
 # MEGARL_SMOKE=1 runs the very same script on a CPU: a tiny random model, GSM-Symbolic data
 # generated offline, 2 steps, fp32, 4 local ranks at TP1 x PP2 x DP2 with vLLM at TP2, output in
 # outputs/smoke (or OUTPUT_DIR). A config with expert parallelism (parallel.ep > 1) smoke-runs a
@@ -61,6 +65,12 @@ else
   DATA_SOURCE="${DATA_SOURCE:-hub}"
   GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+fi
+
+# --- the GPU recipe needs CUDA (the smoke mode is its CPU stand-in) ---------------------------
+if [[ "$SMOKE" != 1 ]]; then
+  "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null ||
+    die "$(basename "$CONFIG") is a GPU recipe and $PYTHON sees no CUDA device (torch.cuda.is_available() is false, or torch is missing). Run it on a GPU node set up by scripts/setup.sh; MEGARL_SMOKE=1 runs this script on a CPU with a tiny model; 'megarl train $CONFIG --dry-run --gpus-per-node $GPUS_PER_NODE --nnodes $NNODES' checks the recipe's memory for those GPUs from any machine"
 fi
 
 # --- data: GSM8K as RL parquet (data_source "openai/gsm8k" selects the GSM8K rule scorer) ------
@@ -140,6 +150,12 @@ fi
 overrides+=("$@")
 
 # --- check the config, its batch split and its layout against the model before any rank starts -
+# On GPUs: the launch's checks and the memory preflight of every phase for these nodes (exit 2
+# naming what does not fit, and settings that would); on a CPU (smoke) the checks alone.
+if [[ "$SMOKE" != 1 ]]; then
+  "$PYTHON" -m megarl.cli train "$CONFIG" "${overrides[@]}" --dry-run \
+    --gpus-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" || exit 2
+else
 "$PYTHON" - "$CONFIG" "$((NNODES * GPUS_PER_NODE))" "${overrides[@]}" <<'PY' || exit 2
 import sys
 
@@ -165,6 +181,7 @@ try:
 except MegarlError as e:
     sys.exit(f"megarl: error: {e}")
 PY
+fi
 
 # --- launch: one torchrun per node; every rank runs megarl's training loop ---------------------
 if [[ "$NNODES" -gt 1 ]]; then

@@ -1,54 +1,37 @@
-"""The planner's memory check for an elastic restart's layout on GPUs (megarl/plan/memory.py):
-the peak per GPU of the run's own settings at that layout, against the device's memory."""
+"""The memory preflight (megarl/plan/preflight.py) for an elastic restart's layout on GPUs: every
+phase of the run's own settings at that layout, against this machine's GPU and host memory."""
 
 from __future__ import annotations
 
-from megarl.cluster.layouts import FitCheck
+import os
+
+from megarl.backends import this_machine
+from megarl.cluster.layouts import FitCheck, at_layout
 from megarl.config import RunConfig
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
-from megarl.plan.memory import GPU_BF16, Options, estimate_memory
-from megarl.plan.units import fmt_gib
-from megarl.plan.workload import Workload
+from megarl.plan.preflight import Hardware, preflight
 
 
-def run_workload(cfg: RunConfig) -> Workload:
-    """What one optimizer step of ``cfg`` asks of the machine, as the planner models it."""
-    a = cfg.algorithm
-    seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    return Workload(
-        seq_len=seq,
-        micro_batch=cfg.actor.micro_batch_size,
-        global_batch=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-        algo="ppo" if a.adv_estimator == "gae" else "grpo",
-        reference=a.use_kl_loss or a.use_kl_in_reward,
-        response_len=cfg.rollout.max_response_length,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        lora_rank=cfg.actor.lora.rank,
-    )
+def gpu_memory_check(dims: ModelDims, gpu_memory: int, host_memory: int | None = None) -> FitCheck:
+    """``host_memory`` per node; None: this machine's RAM."""
+    machine = this_machine()
+    host = host_memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
-
-def run_options(cfg: RunConfig) -> Options:
-    return Options(
-        recompute=cfg.model.recompute,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        optimizer_offload=cfg.actor.optimizer_offload > 0,
-        param_offload=cfg.actor.param_offload,
-        packing=cfg.actor.packing,
-    )
-
-
-def gpu_memory_check(dims: ModelDims, gpu_memory: int) -> FitCheck:
     def fits(cfg: RunConfig, layout: ParallelLayout) -> str | None:
-        workload = run_workload(cfg)
-        memory = estimate_memory(
-            dims, layout, workload, GPU_BF16, run_options(cfg), gpu_memory=gpu_memory
+        world = layout.world_size
+        per_node = min(world, machine.local_gpus or world)
+        if world % per_node:
+            per_node = world
+        hardware = Hardware(
+            gpus_per_node=per_node,
+            nnodes=world // per_node,
+            gpu_memory=gpu_memory,
+            host_memory=host,
         )
-        if memory.peak <= gpu_memory:
+        pf = preflight(at_layout(cfg, layout), dims, hardware, machine, suggest=False)
+        if pf.fits:
             return None
-        return (
-            f"{layout}: the planner's peak {fmt_gib(memory.peak)} GiB per GPU exceeds the "
-            f"device's {fmt_gib(gpu_memory)} GiB"
-        )
+        return f"{layout}: " + "; ".join(p.message for p in pf.problems)
 
     return fits

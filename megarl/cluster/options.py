@@ -27,5 +27,5 @@ def add_launcher_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="--launcher ray or slurm: nodes; the job has nnodes x nproc-per-node ranks "
-        "(default: ray 1, slurm the allocation's nodes)",
+        "(default: ray 1, slurm the allocation's nodes); --dry-run: the nodes it plans for",
     )

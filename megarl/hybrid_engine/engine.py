@@ -21,7 +21,7 @@ and every rank gets back the responses of its DP rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megarl import parallel, platform
+from megarl.envs.runner import EnvRunner
+from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -36,6 +38,7 @@ from megarl.hybrid_engine.execute import (
     local_spec_tensors,
 )
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
+from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
 from megarl.hybrid_engine.reshard_plan import plan_reshard
 from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.hybrid_engine.vllm_rollout import (
@@ -58,12 +61,19 @@ class RolloutBatch:
 
     prompts: list[list[int]]
     output: RolloutOutput
+    # multi-turn (rollout.env): each sample's trajectory; its prompt is the environment's, and
+    # its response holds model and environment tokens (output.response_masks tells them apart)
+    trajectories: list[Trajectory] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # multi-turn: the step's rollout/*
+
+    def prompt_of(self, row: int) -> list[int]:
+        """The prompt ids of sample ``row``."""
+        if self.trajectories is not None:
+            return self.trajectories[row].prompt_ids
+        return list(self.prompts[self.output.prompt_index[row]])
 
     def sequences(self) -> list[list[int]]:
-        return [
-            list(self.prompts[i]) + list(r)
-            for i, r in zip(self.output.prompt_index, self.output.token_ids, strict=True)
-        ]
+        return [self.prompt_of(k) + list(r) for k, r in enumerate(self.output.token_ids)]
 
 
 def check_rollout_model(
@@ -165,6 +175,7 @@ class HybridEngine:
         bucket_bytes: int = 256 << 20,
         rollout: RolloutEngine | None = None,
         backend: str = "vllm",
+        multi_turn: bool = False,
     ):
         from megarl.models.dims import expert_offset, layer_offset
 
@@ -220,6 +231,15 @@ class HybridEngine:
         self.last_reshard: ReshardStats | None = None
         self._rollouts = 0
         self.metrics: dict[str, float] = {}
+        # multi-turn: environments run on the first rank of each rollout engine, their results
+        # broadcast over the engine's ranks (a group per engine, made by every rank together)
+        self._engine_group = None
+        self._engine_leader = self.rank - self.rank % layout.rollout_tp
+        if multi_turn and layout.rollout_tp > 1:
+            for ranks in layout.rollout_group_ranks():
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._engine_group = group
 
     @property
     def rollout_count(self) -> int:
@@ -267,6 +287,26 @@ class HybridEngine:
         self.rollout.sleep()
 
     # -- rollout -------------------------------------------------------------------------------
+    def _gather_dp(self, mine: list) -> tuple[list, int, int, int]:
+        """Every DP rank's items in DP order, this DP rank's [a, b) among them, and this rank's
+        engine index."""
+        world = dist.get_world_size()
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (self.dp_rank, mine))
+        per_dp: dict[int, list] = {}
+        for d, p in gathered:
+            per_dp.setdefault(d, p)
+        offsets, everything = {}, []
+        for d in sorted(per_dp):
+            offsets[d] = len(everything)
+            everything += per_dp[d]
+        a = offsets[self.dp_rank]
+        return everything, a, a + len(mine), self.rank // self.layout.rollout_tp
+
+    def _engine_slice(self, total: int, engine: int) -> tuple[int, int]:
+        engines = self.layout.rollout_dp
+        return engine * total // engines, (engine + 1) * total // engines
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Responses for this DP rank's prompts (identical on all ranks of a DP rank).
 
@@ -275,20 +315,8 @@ class HybridEngine:
         """
         world = dist.get_world_size()
         mine = [list(map(int, p)) for p in prompts]
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, (self.dp_rank, mine))
-        per_dp: dict[int, list[list[int]]] = {}
-        for d, p in gathered:
-            per_dp.setdefault(d, p)
-        order = sorted(per_dp)
-        offsets, all_prompts = {}, []
-        for d in order:
-            offsets[d] = len(all_prompts)
-            all_prompts += per_dp[d]
-        engines = self.layout.rollout_dp
-        engine = self.rank // self.layout.rollout_tp
-        lo = engine * len(all_prompts) // engines
-        hi = (engine + 1) * len(all_prompts) // engines
+        all_prompts, a, b, engine = self._gather_dp(mine)
+        lo, hi = self._engine_slice(len(all_prompts), engine)
         seed_offset = lo + self._rollouts * max(1, len(all_prompts))
         self._rollouts += 1
         out = self.rollout.generate(all_prompts[lo:hi], sampling, seed_offset=seed_offset)
@@ -300,7 +328,6 @@ class HybridEngine:
             if e not in seen:
                 seen.add(e)
                 merged.extend(o, index_offset=start)
-        a, b = offsets[self.dp_rank], offsets[self.dp_rank] + len(mine)
         keep = [k for k, i in enumerate(merged.prompt_index) if a <= i < b]
         output = RolloutOutput(
             prompt_index=[merged.prompt_index[k] - a for k in keep],
@@ -309,3 +336,79 @@ class HybridEngine:
             finish_reasons=[merged.finish_reasons[k] for k in keep],
         )
         return RolloutBatch(prompts=mine, output=output)
+
+    # -- multi-turn ----------------------------------------------------------------------------
+    @property
+    def runs_environments(self) -> bool:
+        """Whether this rank executes environments (the first rank of its rollout engine)."""
+        return self.rank == self._engine_leader
+
+    def _share(self, value):
+        """The engine leader's ``value`` on every rank of this rank's rollout engine."""
+        if self._engine_group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self._engine_leader, group=self._engine_group)
+        return box[0]
+
+    def generate_trajectories(
+        self,
+        rows: Sequence[dict],
+        fallback_prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        limits: TurnLimits,
+        runner: EnvRunner | None,
+        pad_id: int,
+        max_failed_share: float = 1.0,
+    ) -> RolloutBatch:
+        """Multi-turn trajectories for this DP rank's dataset rows, ``sampling.n`` per row (one
+        environment instance each), like :meth:`generate`: rows of all DP ranks split over the
+        engines, turn-level batched, the environments run by each engine's first rank
+        (``runner``, needed there only). Raises EnvError (the first failure shown) when more than
+        ``max_failed_share`` of the step's samples failed in their environment."""
+        world, n = dist.get_world_size(), sampling.n
+        mine = [(dict(r), list(map(int, p))) for r, p in zip(rows, fallback_prompts, strict=True)]
+        everything, a, b, engine = self._gather_dp(mine)
+        lo, hi = self._engine_slice(len(everything), engine)
+        rollout_index = self._rollouts
+        self._rollouts += 1
+        starts = [
+            SampleStart(sample=g * n + j, row=everything[g][0], fallback_prompt=everything[g][1])
+            for g in range(lo, hi)
+            for j in range(n)
+        ]
+        leader = self.runs_environments
+        trajectories = run_trajectories(
+            self.rollout,
+            starts,
+            runner if leader else None,
+            sampling,
+            limits,
+            rollout_index=rollout_index,
+            step_samples=len(everything) * n,
+            pad_id=pad_id,
+            share=self._share,
+        )
+        env_s = runner.take_seconds() if leader and runner is not None else 0.0
+        results: list = [None] * world
+        dist.all_gather_object(results, (engine, trajectories, env_s) if leader else None)
+        step: list[Trajectory] = []
+        seconds = 0.0
+        for _, ts, sec in sorted((r for r in results if r is not None), key=lambda r: r[0]):
+            step += ts
+            seconds = max(seconds, sec)
+        check_env_failures(step, max_failed_share)
+        ours = [t for t in step if a * n <= t.sample < b * n]
+        output = RolloutOutput(
+            prompt_index=[t.sample // n - a for t in ours],
+            token_ids=[t.response_ids for t in ours],
+            logprobs=[t.logprobs for t in ours],
+            finish_reasons=[t.finish or "stop" for t in ours],
+            response_masks=[t.mask for t in ours],
+        )
+        return RolloutBatch(
+            prompts=[p for _, p in mine],
+            output=output,
+            trajectories=ours,
+            metrics=trajectory_metrics(step, seconds),
+        )

@@ -15,6 +15,7 @@ depend on the batch; a sampled request draws from a generator seeded with its re
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from megarl.hybrid_engine.vllm_rollout import (
     check_weight_update,
     checkpoint_shapes,
     eos_token_ids,
+    request_seed,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,8 +138,13 @@ class HFRollout:
         prompt_token_ids: Sequence[Sequence[int]],
         sampling: SamplingConfig,
         seed_offset: int = 0,
+        *,
+        seeds: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput:
-        """``sampling.n`` responses per prompt; request i is seeded with ``seed + seed_offset + i``."""
+        """``sampling.n`` responses per prompt; request i is seeded with ``seeds[i]`` when given,
+        else ``seed + seed_offset + i``, and gets ``max_new_tokens[i]`` new tokens at most when
+        given."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep; call wake_up() first")
         stop = tuple(
@@ -147,9 +154,14 @@ class HFRollout:
         greedy = sampling.temperature == 0
         out = RolloutOutput()
         for i, prompt in enumerate(prompt_token_ids):
-            seed = None if greedy else sampling.seed + seed_offset + i
+            seed = None if greedy else request_seed(sampling, seed_offset, i, seeds)
+            config = gen_config
+            if max_new_tokens is not None:
+                config = self._generation_config(
+                    replace(sampling, max_new_tokens=int(max_new_tokens[i])), stop
+                )
             for tokens, lps, reason in self._one_request(
-                list(map(int, prompt)), gen_config, seed, set(stop)
+                list(map(int, prompt)), config, seed, set(stop)
             ):
                 out.prompt_index.append(i)
                 out.token_ids.append(tokens)

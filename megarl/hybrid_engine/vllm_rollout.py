@@ -39,6 +39,9 @@ class SamplingConfig:
     n: int = 1  # samples per prompt (GRPO groups)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
     seed: int = 0  # request i gets seed + i: the same samples whatever the layout
+    # False: no request seeds, vLLM's batched sampler draws from the engine's generator (samples
+    # then depend on the layout and the batching; rollout.per_request_seeds)
+    per_request_seeds: bool = True
     ignore_eos: bool = False  # benchmarks: exactly max_new_tokens tokens per response
 
 
@@ -61,12 +64,23 @@ class RolloutOutput:
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    # multi-turn: 1 for each model token of a response, 0 for the environment's (empty: all 1)
+    response_masks: list[list[int]] = field(default_factory=list)
 
     def extend(self, other: RolloutOutput, index_offset: int = 0) -> None:
         self.prompt_index += [i + index_offset for i in other.prompt_index]
         self.token_ids += other.token_ids
         self.logprobs += other.logprobs
         self.finish_reasons += other.finish_reasons
+        self.response_masks += other.response_masks
+
+
+def request_seed(
+    sampling: SamplingConfig, seed_offset: int, index: int, seeds: Sequence[int] | None
+) -> int:
+    """The seed of request ``index`` of a generate call: its own when given, else the run's
+    seed + the call's offset + the index."""
+    return int(seeds[index]) if seeds is not None else sampling.seed + seed_offset + index
 
 
 def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
@@ -203,7 +217,9 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     # -- generation ----------------------------------------------------------------------------
-    def sampling_params(self, sampling: SamplingConfig, seed: int | None):
+    def sampling_params(
+        self, sampling: SamplingConfig, seed: int | None, max_tokens: int | None = None
+    ):
         from vllm import SamplingParams
 
         stop = sampling.stop_token_ids
@@ -214,7 +230,7 @@ class VLLMRollout:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            max_tokens=sampling.max_new_tokens,
+            max_tokens=sampling.max_new_tokens if max_tokens is None else max_tokens,
             stop_token_ids=list(stop),
             seed=seed,
             ignore_eos=sampling.ignore_eos,
@@ -227,14 +243,23 @@ class VLLMRollout:
         prompt_token_ids: Sequence[Sequence[int]],
         sampling: SamplingConfig,
         seed_offset: int = 0,
+        *,
+        seeds: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput:
-        """``sampling.n`` responses per prompt; request i is seeded with ``seed + seed_offset + i``."""
+        """``sampling.n`` responses per prompt; request i is seeded with ``seeds[i]`` when given,
+        else ``seed + seed_offset + i``, and gets ``max_new_tokens[i]`` new tokens at most when
+        given (one call for a turn of many trajectories, each with its own budget)."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep; call wake_up() first")
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        greedy = sampling.temperature == 0
+        seeded = sampling.temperature != 0 and sampling.per_request_seeds
         params = [
-            self.sampling_params(sampling, None if greedy else sampling.seed + seed_offset + i)
+            self.sampling_params(
+                sampling,
+                request_seed(sampling, seed_offset, i, seeds) if seeded else None,
+                None if max_new_tokens is None else int(max_new_tokens[i]),
+            )
             for i in range(len(prompts))
         ]
         results = self.llm.generate(prompts, params, use_tqdm=False)

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from megarl import parallel, platform
+from megarl.backends import resolve_transformer_impl, this_machine
 from megarl.errors import LayoutError
+from megarl.gpu_defaults import kernel_options
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
 from megarl.models.value_head import ValueHead
@@ -57,6 +59,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
 
     opts = opts or ModelOptions()
     cuda = torch.cuda.is_available()
+    impl = resolve_transformer_impl(opts.transformer_impl)
     kwargs = dict(
         # Family-specific: sizes, norm, gated MLP, biases, q/k norm (megarl.models.specs).
         **dims.spec.megatron_options(dims),
@@ -75,14 +78,11 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
         pipeline_dtype=opts.dtype,
         use_cpu_initialization=not cuda,
         perform_initialization=False,  # every weight is loaded from the checkpoint
-        # The fused kernels are CUDA-only; on GPUs they are the defaults.
-        bias_activation_fusion=cuda,
-        masked_softmax_fusion=cuda,
+        transformer_impl=impl,  # what the layer spec builds (megarl.models.distributed reads it)
+        # CUDA-only fused kernels, TE's rope and weight-gradient fusions (megarl.gpu_defaults)
+        **kernel_options(impl, this_machine()).transformer_config(),
         persist_layer_norm=False,
-        bias_dropout_fusion=cuda,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        cross_entropy_loss_fusion=False,  # megarl's vocab-parallel log-prob is the loss
         # Rollouts differ in length per micro-batch; PP stages exchange shapes first.
         variable_seq_lengths=True,
         # Dense models have no MoE dispatcher, but the config check for variable_seq_lengths
@@ -147,8 +147,6 @@ def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None, co
 
     With ``config`` (this stage's TransformerConfig) the local spec comes as a whole block whose
     norms, the final one included, accept sequence parallelism (:mod:`megarl.models.norm`)."""
-    from megarl.backends import resolve_transformer_impl
-
     impl = resolve_transformer_impl(transformer_impl)  # errors before megatron's specs import
     from megatron.core.models.gpt import gpt_layer_specs
 

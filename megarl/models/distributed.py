@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from megarl.gpu_defaults import grad_reduce_overlap
+
 
 @dataclass(frozen=True)
 class OptimSettings:
@@ -20,6 +24,9 @@ class OptimSettings:
     lr_decay_style: str = "constant"  # constant | linear | cosine
     # Share of optimizer states on the host (megatron's optimizer CPU offload; CUDA only)
     optimizer_offload: float = 0.0
+    # DP grad reduction bucket by bucket during the backward pass; None: on with Transformer
+    # Engine layers on CUDA (megarl.gpu_defaults), off elsewhere (it needs CUDA streams)
+    overlap_grad_reduce: bool | None = None
 
 
 def wrap_for_training(model, settings: OptimSettings):
@@ -40,15 +47,24 @@ def wrap_for_training(model, settings: OptimSettings):
     from megarl.models.single_rank_sync import skip_single_rank_collectives
 
     config = model.config
+    overlap = settings.overlap_grad_reduce
+    if overlap is None:
+        overlap = grad_reduce_overlap(config.transformer_impl, torch.cuda.is_available())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,  # overlap needs CUDA streams
+        overlap_grad_reduce=overlap,
         use_distributed_optimizer=settings.use_distributed_optimizer,
         check_for_nan_in_grad=False,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     skip_single_rank_collectives(ddp)  # DP1: no reduce-scatter / all-gather copies of the buffers
     config.finalize_model_grads_func = finalize_model_grads
+    if overlap:
+        # megatron's schedules hold the bucket reductions back until a mini-batch's last
+        # micro-batch (no_sync) and start them as each bucket's grads are done (grad_sync); the
+        # step's finalize_model_grads waits for them.
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,

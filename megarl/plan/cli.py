@@ -26,6 +26,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-len", type=int, default=None, help="default: half of --seq-len")
     p.add_argument("--batch", type=int, default=1, help="micro-batch: sequences per rank")
     p.add_argument(
+        "--tokens-per-micro-batch",
+        type=int,
+        default=None,
+        help="a token budget per micro-batch instead of --batch (actor.max_tokens_per_micro_batch)",
+    )
+    p.add_argument(
+        "--n", type=int, default=4, help="samples per prompt (rollout.n); divides --global-batch"
+    )
+    p.add_argument(
         "--global-batch", type=int, default=256, help="sequences per optimizer step (all ranks)"
     )
     p.add_argument("--algo", choices=ALGOS, default="grpo", help="ppo adds a critic")
@@ -105,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def response_len(args: argparse.Namespace) -> int:
+    """Positions the trainer's output layer projects per sequence: the response's."""
+    return args.response_len if args.response_len is not None else args.seq_len // 2
+
+
 def run(args: argparse.Namespace) -> int:
     name, dims = resolve_model(args.model)
     cluster = Cluster(
@@ -126,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         rollout_seqs=args.rollout_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         mean_seq_len=args.mean_seq_len,
+        micro_batch_tokens=args.tokens_per_micro_batch,
+        samples_per_prompt=args.n,
+        output_positions=response_len(args),
     )
     numerics = with_grad_bytes(GPU_BF16, 4 if args.grad_dtype == "fp32" else 2)
     filters = Filters(

@@ -29,9 +29,20 @@ the phases, each being what stays resident plus what that phase adds:
 - grad sync (gloo only): + a copy of the largest DDP bucket (gloo's coalesced reduce-scatter);
 - optimizer step: + Adam's per-tensor temporaries (torch's Adam: two of the largest shard;
   fused multi-tensor Adam on GPUs: none);
+- start-up (vLLM's fraction mode, ``gpu_memory_utilization``): vLLM is built after the models, and
+  it refuses to start unless ``gpu_memory_utilization`` x the GPU's memory is still free: what is
+  resident then (weights, the DDP grad buffers, fp32 master params; Adam's m and v are made at
+  the first step) plus that whole budget;
 - rollout: the actor's grad buffer is freed and Adam's m and v go to host memory (what megarl's
   hybrid engine does on GPUs); + vLLM weights, KV cache and workspace. With param offload the
-  actor, reference and critic weights leave the GPU after the weights are handed to vLLM.
+  actor, reference and critic weights leave the GPU after the weights are handed to vLLM;
+- scoring: after vLLM sleeps, the trainer scores the rollout (old and reference logprobs, critic
+  values) forward only, in the update's micro-batches; + one micro-batch's forward working set
+  (one layer's tensors, or at the output layer its logits, their temperature-scaled copy and the
+  log-prob's two fp32 chunks) and the scores kept for the whole rollout batch. A reward model
+  scores ``micro_batch`` whole sequences per forward (its working set: one layer's tensors).
+
+A reward model (``reward.model_path``) is resident in every phase (frozen, weights only).
 
 The backward temporaries: at the loss, the logits and the loss's vocabulary work buffers
 (megarl's vocab-parallel log-prob: logits, their gradient, two fp32 chunks of at most 2^25
@@ -130,9 +141,21 @@ ITEMS = (
     "transient",
     "reference",
     "critic",
+    "reward_model",
+    "scores",
     "rollout",
     "reserve",
 )
+# The item each phase adds to what stays resident: what overflows when the phase does not fit.
+PHASE_ITEMS = {
+    "setup": "transient",
+    "forward-backward": "activations",
+    "grad-sync": "transient",
+    "optimizer-step": "transient",
+    "startup": "rollout",
+    "rollout": "rollout",
+    "scoring": "activations",
+}
 
 
 @dataclass
@@ -187,13 +210,14 @@ def _model_static(
     p: StageParams,
     num: Numerics,
     dp: int,
-    offload: bool,
+    offload: float,
     ep: int = 1,
     adapters: int | None = None,
 ) -> dict[str, int]:
     """Weights, grads and optimizer state of a stage; with LoRA ``adapters`` (their elements)
     only those have grads and optimizer state, beside the frozen weights. The distributed
-    optimizer shards dense weights over DP, MoE experts over expert DP (dp/ep)."""
+    optimizer shards dense weights over DP, MoE experts over expert DP (dp/ep). ``offload``: the
+    share of the optimizer state (fp32 master params, m and v) held on the host."""
     if adapters is None:
         dense, experts = p.total - p.experts, p.experts
     else:
@@ -203,12 +227,21 @@ def _model_static(
     def shard(per_param: int) -> int:
         return -(-dense * per_param // dp) + -(-experts * per_param // expert_dp)
 
+    on_gpu = 1.0 - float(offload)
     return {
         "weights": (p.total + (adapters or 0)) * num.param_bytes,
         "grads": (dense + experts) * num.grad_bytes,
-        "main": 0 if offload else shard(num.main_param_bytes),
-        "moments": 0 if offload else shard(num.adam_bytes),
+        "main": int(on_gpu * shard(num.main_param_bytes)),
+        "moments": int(on_gpu * shard(num.adam_bytes)),
     }
+
+
+def optimizer_shard_elements(p: StageParams, dp: int, ep: int, adapters: int | None) -> int:
+    """Parameters whose optimizer state one rank holds (its distributed-optimizer shard)."""
+    if adapters is not None:
+        return -(-adapters // dp)
+    expert_dp = max(1, dp // ep)
+    return -(-(p.total - p.experts) // dp) + -(-p.experts // expert_dp)
 
 
 def _largest_bucket(p: StageParams, grad_bytes: int) -> int:
@@ -217,14 +250,28 @@ def _largest_bucket(p: StageParams, grad_bytes: int) -> int:
     return p.total * grad_bytes
 
 
+def vllm_weight_bytes(dims: ModelDims, infer_tp: int) -> int:
+    """vLLM's bf16 weights per rank at ``infer_tp``."""
+    return stage_params(dims, infer_tp, 1, 0, dims.num_layers).total * 2
+
+
+def kv_bytes_per_token(dims: ModelDims, infer_tp: int) -> int:
+    """Keys and values of one token in every layer, per rank, bf16."""
+    return 2 * dims.num_layers * max(1, dims.num_kv_heads // infer_tp) * dims.head_dim * 2
+
+
+def vllm_workspace_bytes(dims: ModelDims, rollout_seqs: int) -> int:
+    """vLLM's activations, CUDA graphs and sampler (fp32 logits of the scheduled sequences)."""
+    return VLLM_WORKSPACE + 2 * rollout_seqs * dims.vocab_size * 4
+
+
 def _rollout_bytes(
     dims: ModelDims, infer_tp: int, w: Workload, gpu_memory: int
 ) -> tuple[int, int, int, int | None]:
     """(vLLM weights, KV cache, workspace, KV capacity in tokens or None) per rank, bf16."""
-    weights = stage_params(dims, infer_tp, 1, 0, dims.num_layers).total * 2
-    kv_heads = max(1, dims.num_kv_heads // infer_tp)
-    kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2
-    workspace = VLLM_WORKSPACE + 2 * w.rollout_seqs * dims.vocab_size * 4
+    weights = vllm_weight_bytes(dims, infer_tp)
+    kv_per_token = kv_bytes_per_token(dims, infer_tp)
+    workspace = vllm_workspace_bytes(dims, w.rollout_seqs)
     if w.gpu_memory_utilization is None:
         return weights, w.rollout_seqs * w.seq_len * kv_per_token, workspace, None
     budget = int(w.gpu_memory_utilization * gpu_memory)
@@ -246,8 +293,7 @@ def estimate_memory(
     # SP needs TP: "on" at tp 1 is what the engine does with the setting unset there (nothing)
     sp = (options.sequence_parallel is not False) and tp > 1
     act = replace(numerics.activations, sequence_parallel=sp)
-    b, s = workload.micro_batch, workload.seq_len
-    s_act = workload.tokens_per_sequence(options.packing)  # what the layers see per sequence
+    b, s_act = workload.micro_batch_shape(options.packing)  # what the layers see per micro-batch
     m = workload.micro_batches(dp)
     pb = numerics.param_bytes
     layers = layout.layers_per_stage(dims.num_layers)
@@ -278,11 +324,14 @@ def estimate_memory(
         )
         critic_total = 0
         critic_wrap = 0
+        critic_startup = 0
         if workload.critic:
             critic_p = stage_params(dims, tp, pp, k, layers[k], "critic", layout.ep)
             c = _model_static(critic_p, numerics, dp, options.optimizer_offload, layout.ep)
             critic_total = sum(c.values())
             critic_wrap = c["weights"] + c["grads"] + c["weights"]  # module + param buffer + grads
+            # once wrapped: weights, grads and the fp32 master params (m and v come at step 1)
+            critic_startup = c["weights"] + c["grads"] + c["main"]
 
         # Activations of one micro-batch on this stage, and how many are in flight (1F1B).
         one_mb = layers[k] * stored_layer + int(act.stage_input * hid)
@@ -298,7 +347,7 @@ def estimate_memory(
         held = in_flight * one_mb + recompute_extra
         vocab_shard = dims.vocab_size // tp
         vocab_weight = vocab_shard * dims.hidden_size * pb  # one embedding/output-layer shard
-        rows = b * s
+        rows = workload.logits_rows()
         candidates = [held]  # at the loss (non-last stages: the newest micro-batch's forward end)
         if not numerics.fused_wgrad and layers[k]:
             candidates.append(held + largest_layer_weight * pb)
@@ -314,7 +363,18 @@ def estimate_memory(
 
         res = reserve
         opt_gpu = actor["main"] + actor["moments"]
-        common = {"weights": actor["weights"], "reference": ref, "critic": critic_total}
+        rm = 0
+        rm_layers = 0
+        if workload.reward_model is not None:
+            rm_dims = workload.reward_model
+            rm_layers = ParallelLayout(tp=tp, pp=pp).layers_per_stage(rm_dims.num_layers)[k]
+            rm = stage_params(rm_dims, tp, pp, k, rm_layers, "critic").total * pb
+        common = {
+            "weights": actor["weights"],
+            "reference": ref,
+            "critic": critic_total,
+            "reward_model": rm,
+        }
         train_base = {**common, "grads": actor["grads"], "optimizer": opt_gpu, "reserve": res}
         phase_items: dict[str, dict[str, int]] = {}
         # Setup: the actor's DDP wrap (its param-buffer copy while the module's own tensors
@@ -325,7 +385,13 @@ def estimate_memory(
         phase_items["setup"] = max(
             (
                 {**wrap, "transient": trained_weights},
-                {**wrap, "optimizer": actor["main"], "reference": ref, "critic": critic_wrap},
+                {
+                    **wrap,
+                    "optimizer": actor["main"],
+                    "reference": ref,
+                    "critic": critic_wrap,
+                    "reward_model": rm,
+                },
             ),
             key=lambda d: sum(d.values()),
         )
@@ -337,6 +403,32 @@ def estimate_memory(
         if not numerics.fused_adam and not options.optimizer_offload:
             shard = min(actor_p.largest, -(-(lora or actor_p.total) // dp))
             phase_items["optimizer-step"] = {**train_base, "transient": 2 * shard * 4}
+        if workload.scoring:
+            scoring = _scoring_bytes(act, dims, workload, numerics, tp, b, s_act, layers[k], last)
+            if workload.reward_model is not None:
+                # megarl.rewards.model.score_sequences: micro_batch sequences, whatever the budget
+                rm_rows, rm_seq = workload.micro_batch, workload.seq_len
+                rm_ws = 2 * hidden_bytes(act, workload.reward_model, tp, rm_rows, rm_seq)
+                if rm_layers:
+                    rm_ws += layer_bytes(act, workload.reward_model, tp, rm_rows, rm_seq)
+                scoring = max(scoring, rm_ws)
+            phase_items["scoring"] = {
+                **train_base,
+                "activations": scoring,
+                "scores": _scores_bytes(workload, dp),
+            }
+        if workload.rollout:
+            # vLLM starts (with its whole budget, in fraction mode) beside what the models hold
+            phase_items["startup"] = {
+                "weights": actor["weights"],
+                "grads": actor["grads"],
+                "optimizer": actor["main"],
+                "reference": ref,
+                "critic": critic_startup,
+                "reward_model": rm,
+                "rollout": vllm_weights + kv + workspace,
+                "reserve": res,
+            }
         if workload.rollout:
             vllm = vllm_weights + kv + workspace
             if options.param_offload:
@@ -344,7 +436,8 @@ def estimate_memory(
                 reshard = {"weights": actor["weights"], "rollout": vllm_weights}
                 generate = {"rollout": vllm}
                 moment = max((reshard, generate), key=lambda d: sum(d.values()))
-                rollout_items = {**moment, "optimizer": actor["main"], "reserve": res}
+                rollout_items = {**moment, "optimizer": actor["main"], "reward_model": rm}
+                rollout_items["reserve"] = res
             else:
                 rollout_items = {**common, "optimizer": actor["main"], "rollout": vllm}
                 rollout_items["reserve"] = res
@@ -362,6 +455,43 @@ def estimate_memory(
             )
         )
     return MemoryEstimate(stages=stages, rollout_kv_bytes=kv)
+
+
+def _scoring_bytes(
+    act: ActivationProfile,
+    dims: ModelDims,
+    w: Workload,
+    numerics: Numerics,
+    tp: int,
+    rows: int,
+    tokens: int,
+    layers: int,
+    last: bool,
+) -> int:
+    """One scoring micro-batch's forward working set on a stage (no grad: nothing is stored for a
+    backward). Bounded by the tensors of one layer live at once (what that layer would store for
+    the backward) or, at the output layer, the logits of the projected positions, their
+    temperature-scaled copy, the log-prob's two fp32 chunks and its fp32 result; plus the hidden
+    states entering and leaving the stage."""
+    hidden = 2 * hidden_bytes(act, dims, tp, rows, tokens)
+    layer = layer_bytes(act, dims, tp, rows, tokens) if layers else 0
+    loss = 0
+    if last:
+        n_rows = w.logits_rows()
+        vocab_shard = dims.vocab_size // tp
+        logits = n_rows * vocab_shard * numerics.logits_bytes
+        chunk_rows = min(n_rows, max(1, LOSS_CHUNK_ELEMS // max(vocab_shard, 1)))
+        copies = 2 if w.temperature not in (0.0, 1.0) else 1
+        loss = copies * logits + 2 * chunk_rows * vocab_shard * 4 + n_rows * 4
+    return hidden + max(layer, loss)
+
+
+def _scores_bytes(w: Workload, dp: int) -> int:
+    """The rollout batch's per-token scores one rank keeps (fp32, response space): vLLM's and the
+    actor's logprobs, the reference's, the critic's values."""
+    tensors = 2 + (1 if w.reference else 0) + (1 if w.critic else 0)
+    seqs = -(-w.rollout_sequences // dp)
+    return tensors * seqs * w.response_tokens * 4
 
 
 def with_grad_bytes(numerics: Numerics, grad_bytes: int) -> Numerics:

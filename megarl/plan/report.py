@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from megarl.models.dims import ModelDims
+from megarl.plan.memory import Numerics
 from megarl.plan.search import Evaluated, PlanResult
 from megarl.plan.units import GIB, fmt_gib
+from megarl.plan.workload import Workload
 
 COLUMNS = (
     ("#", 2),
@@ -21,6 +24,7 @@ COLUMNS = (
     ("act", 6),
     ("ref+cr", 6),
     ("vllm", 6),
+    ("start", 6),
     ("train", 6),
     ("rollout", 7),
     ("peak", 6),
@@ -35,7 +39,8 @@ def _yes(flag: bool) -> str:
 
 
 def _row(i: int, e: Evaluated) -> list[str]:
-    """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals."""
+    """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals
+    (``start``: the models beside vLLM when it starts; ``train``: the update's phases)."""
     worst = e.memory.worst
     train = worst.phase_items["forward-backward"]
     rollout = worst.phase_items.get("rollout", {})
@@ -53,6 +58,7 @@ def _row(i: int, e: Evaluated) -> list[str]:
         fmt_gib(train.get("activations", 0)),
         fmt_gib(train.get("reference", 0) + train.get("critic", 0)),
         fmt_gib(rollout.get("rollout", 0)),
+        fmt_gib(worst.phases.get("startup", 0)),
         fmt_gib(train_peak),
         fmt_gib(worst.phases.get("rollout", 0)),
         fmt_gib(worst.peak),
@@ -112,6 +118,7 @@ def format_text(result: PlanResult, top: int = 5) -> str:
                 )
         if d.is_moe:
             lines += [_moe_line(e, d) for e in shown]
+        lines += _overrides_lines(result, shown)
     else:
         lines.append(
             f"NOTHING FITS: no layout of {result.model} runs on {c.gpus} x "
@@ -135,6 +142,20 @@ def format_text(result: PlanResult, top: int = 5) -> str:
     for reason, itps in result.infer_tp_rejected.items():
         lines.append(f"- rollout infer_tp {', '.join(map(str, itps))} not used: {reason}")
     return "\n".join(lines)
+
+
+def _overrides_lines(result: PlanResult, shown: list[Evaluated]) -> list[str]:
+    """The ``megarl train`` overrides of each shown layout: the workload's, then its own."""
+    common = workload_overrides(result.workload, result.numerics)
+    lines = [
+        "",
+        "Overrides (megarl train CONFIG ...): every layout above takes",
+        "  " + " ".join(common),
+    ]
+    for i, e in enumerate(shown):
+        own = config_overrides(e, result.workload, result.cluster.gpu_memory)
+        lines.append(f"  #{i + 1}: {' '.join(own)}")
+    return lines
 
 
 def _moe_line(e: Evaluated, d: ModelDims) -> str:
@@ -171,10 +192,56 @@ def _gib(n: float) -> float:
     return round(n / GIB, 3)
 
 
-def config_overrides(e: Evaluated) -> list[str]:
-    """The ``megarl train`` overrides that build this candidate (the plan's optimizer offload
-    moves all of it: ``actor.optimizer_offload=1.0``; its parameter offload is the actor's, the
-    reference's and the critic's)."""
+def workload_overrides(w: Workload, numerics: Numerics) -> list[str]:
+    """The ``megarl train`` settings of the plan's workload, the same for every layout: batch
+    sizes (one rollout per optimizer step, as the cost model assumes), lengths, micro-batching,
+    dtype, algorithm and LoRA."""
+    n = w.samples_per_prompt
+    out = [
+        f"data.train_batch_size={w.rollout_sequences // n}",
+        f"actor.ppo_mini_batch_size={w.global_batch // n}",
+        "actor.ppo_epochs=1",
+        f"rollout.n={n}",
+        f"data.max_prompt_length={w.seq_len - w.response_tokens}",
+        f"rollout.max_response_length={w.response_tokens}",
+        f"model.dtype={'bfloat16' if numerics.param_bytes == 2 else 'float32'}",
+        f"rollout.max_num_seqs={w.rollout_seqs}",
+    ]
+    if w.micro_batch_tokens is not None:
+        out.append(f"actor.max_tokens_per_micro_batch={w.micro_batch_tokens}")
+    else:
+        out += [f"actor.micro_batch_size={w.micro_batch}", "actor.max_tokens_per_micro_batch=null"]
+    ref = str(w.reference).lower()
+    if w.critic:
+        out += [
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_kl_loss=false",
+            f"algorithm.use_kl_in_reward={ref}",
+        ]
+    else:
+        out += [
+            "algorithm.adv_estimator=grpo",
+            f"algorithm.use_kl_loss={ref}",
+            "algorithm.use_kl_in_reward=false",
+        ]
+    out.append(f"actor.lora.rank={w.lora_rank}")
+    if w.gpu_memory_utilization is not None:
+        out.append(f"rollout.gpu_memory_utilization={w.gpu_memory_utilization}")
+    return out
+
+
+def _vllm_share(e: Evaluated, gpu_memory: int) -> float:
+    """The ``rollout.gpu_memory_utilization`` that gives vLLM what the plan sized it at (weights,
+    the KV cache of ``--rollout-seqs`` sequences, workspace), rounded up to a hundredth."""
+    vllm = e.memory.worst.phase_items.get("rollout", {}).get("rollout", 0)
+    return min(1.0, math.ceil(100 * vllm / gpu_memory) / 100)
+
+
+def config_overrides(e: Evaluated, w: Workload | None = None, gpu_memory: int = 0) -> list[str]:
+    """The ``megarl train`` overrides that build this candidate's layout and knobs (the plan's
+    optimizer offload moves all of it: ``actor.optimizer_offload=1.0``; its parameter offload is
+    the actor's, the reference's and the critic's); with the workload ``w``, also vLLM's share
+    of the GPU where the plan sized vLLM by ``--rollout-seqs``."""
     out = [
         f"parallel.tp={e.layout.tp}",
         f"parallel.pp={e.layout.pp}",
@@ -191,11 +258,17 @@ def config_overrides(e: Evaluated) -> list[str]:
         out.append(f"parallel.pp_layers=[{','.join(map(str, e.layout.pp_layers))}]")
     if e.options.sequence_parallel is not None and e.layout.tp > 1:
         out.append(f"parallel.sequence_parallel={str(e.options.sequence_parallel).lower()}")
+    if w is not None and w.rollout and w.gpu_memory_utilization is None and gpu_memory:
+        out.append(f"rollout.gpu_memory_utilization={_vllm_share(e, gpu_memory)}")
     return out
 
 
-def _evaluated_json(e: Evaluated) -> dict[str, Any]:
+def _evaluated_json(e: Evaluated, result: PlanResult) -> dict[str, Any]:
     worst = e.memory.worst
+    w = result.workload
+    overrides = workload_overrides(w, result.numerics) + config_overrides(
+        e, w, result.cluster.gpu_memory
+    )
     return {
         "layout": str(e.layout),
         "tp": e.layout.tp,
@@ -208,7 +281,7 @@ def _evaluated_json(e: Evaluated) -> dict[str, Any]:
         "optimizer_offload": e.options.optimizer_offload,
         "param_offload": e.options.param_offload,
         "packing": e.options.packing,
-        "overrides": config_overrides(e),
+        "overrides": overrides,
         "peak_gib": _gib(worst.peak),
         "peak_stage": worst.stage,
         "peak_phase": worst.phase,
@@ -255,6 +328,8 @@ def to_json(result: PlanResult) -> dict[str, Any]:
             "seq_len": w.seq_len,
             "response_len": w.response_tokens,
             "micro_batch": w.micro_batch,
+            "micro_batch_tokens": w.micro_batch_tokens,
+            "samples_per_prompt": w.samples_per_prompt,
             "global_batch": w.global_batch,
             "reference": w.reference,
             "lora_rank": w.lora_rank,
@@ -265,9 +340,11 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         },
         "numerics": result.numerics.name,
         "nothing_fits": result.nothing_fits,
-        "feasible": [_evaluated_json(e) for e in result.feasible],
+        "feasible": [_evaluated_json(e, result) for e in result.feasible],
         "variants": {
-            f"TP{tp}xPP{pp}" + (f"xEP{ep}" if ep > 1 else ""): [_evaluated_json(e) for e in v]
+            f"TP{tp}xPP{pp}" + (f"xEP{ep}" if ep > 1 else ""): [
+                _evaluated_json(e, result) for e in v
+            ]
             for (tp, pp, ep), v in result.variants.items()
         },
         "infeasible": [

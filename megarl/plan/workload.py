@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from megarl.errors import ConfigError
+from megarl.models.dims import ModelDims
 
 ALGOS = ("grpo", "ppo")
 
@@ -35,6 +36,21 @@ class Workload:
     # actor.lora.rank (all-linear): only adapters train and sit in the optimizer, and the KL's
     # reference is the actor's own base (no reference copy); 0: full fine-tuning
     lora_rank: int = 0
+    # actor.max_tokens_per_micro_batch: a micro-batch holds at most this many tokens (at least one
+    # whole sequence) instead of ``micro_batch`` sequences; the update and the scoring pass alike
+    micro_batch_tokens: int | None = None
+    # positions per sequence the output layer projects (megarl's trainer: the response's); None:
+    # every position
+    output_positions: int | None = None
+    # the rollout is scored (old / reference logprobs, values) in a forward pass after vLLM sleeps,
+    # in the update's micro-batches
+    scoring: bool = True
+    temperature: float = 1.0  # rollout.temperature: scoring divides the logits by it (a copy)
+    samples_per_prompt: int = 1  # rollout.n
+    # sequences of one rollout step (all ranks; data.train_batch_size x n); None: global_batch
+    rollout_batch: int | None = None
+    sleep_level: int = 1  # rollout.sleep_level: 1 keeps vLLM's weights in host memory meanwhile
+    reward_model: ModelDims | None = None  # reward.model_path's shape: its weights stay resident
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "global_batch", "rollout_seqs"):
@@ -57,6 +73,14 @@ class Workload:
             raise ConfigError(
                 f"--mean-seq-len {m} must be between 1 and --seq-len ({self.seq_len}): the mean "
                 "real length of a sequence (prompt + response)"
+            )
+        t = self.micro_batch_tokens
+        if t is not None and (not isinstance(t, int) or t < 1):
+            raise ConfigError(f"--tokens-per-micro-batch must be a positive integer, got {t!r}")
+        if self.global_batch % self.samples_per_prompt:
+            raise ConfigError(
+                f"--global-batch {self.global_batch} is not a multiple of --n "
+                f"{self.samples_per_prompt}: an optimizer step takes whole prompt groups"
             )
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ConfigError(f"--lora-rank must be >= 0 (0: no LoRA), got {self.lora_rank!r}")
@@ -81,6 +105,37 @@ class Workload:
             return self.mean_seq_len
         return self.seq_len
 
+    @property
+    def rollout_sequences(self) -> int:
+        return self.rollout_batch if self.rollout_batch is not None else self.global_batch
+
+    @property
+    def logits_rows_per_sequence(self) -> int:
+        """Positions per sequence the output layer projects."""
+        return self.output_positions if self.output_positions is not None else self.seq_len
+
+    def micro_batch_shape(self, packing: bool) -> tuple[int, int]:
+        """(rows, tokens per row) the layers see in one micro-batch: ``micro_batch`` sequences of
+        their (packed: mean) length, or under a token budget one pack of it (padded: as many
+        whole sequences as fit); a sequence longer than the budget still runs alone."""
+        if self.micro_batch_tokens is None:
+            return self.micro_batch, self.tokens_per_sequence(packing)
+        tokens = max(self.micro_batch_tokens, self.seq_len)
+        if packing:
+            return 1, tokens
+        return max(1, tokens // self.seq_len), self.seq_len
+
+    def logits_rows(self) -> int:
+        """Output positions of one micro-batch: its sequences' projected positions, or under a
+        token budget at most the budget's tokens (sorted micro-batches of similar lengths hold
+        about budget / length sequences, each projecting at most its length)."""
+        if self.micro_batch_tokens is not None:
+            return max(self.micro_batch_tokens, self.seq_len)
+        return self.micro_batch * self.logits_rows_per_sequence
+
     def micro_batches(self, dp: int) -> int:
         """Micro-batches per DP rank per optimizer step (rounded up)."""
+        if self.micro_batch_tokens is not None:
+            tokens = self.global_batch * (self.mean_seq_len or self.seq_len)
+            return max(1, math.ceil(tokens / (dp * self.micro_batch_tokens)))
         return max(1, math.ceil(self.global_batch / (dp * self.micro_batch)))

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megarl.errors import ConfigError
+from megarl.models.dims import ModelDims
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
 
 _KINDS = {"actor": "causal LM", "reference": "causal LM", "critic": "value model (critic)"}
@@ -33,10 +34,11 @@ def megarl_checkpoint(path: Path) -> Path | None:
     return None
 
 
-def check_reward_model(path: str, policy_vocab_size: int) -> None:
-    """Cheap checks before any process starts: the folder is a reward model of the same vocabulary."""
+def check_reward_model(path: str, policy_vocab_size: int) -> ModelDims:
+    """Cheap checks before any process starts: the folder is a reward model of the same
+    vocabulary; returns its shape."""
     from megarl.checkpoint.store import checkpoint_dims, read_meta, resolve_checkpoint
-    from megarl.models.dims import ModelDims, read_hf_config
+    from megarl.models.dims import read_hf_config
     from megarl.models.heads import hf_folder_role
 
     folder = Path(path)
@@ -63,6 +65,7 @@ def check_reward_model(path: str, policy_vocab_size: int) -> None:
             f"{policy_vocab_size}; the reward model reads the policy's token ids, so it must share "
             "its tokenizer"
         )
+    return dims
 
 
 def build_reward_model(path: str, layout, opts):

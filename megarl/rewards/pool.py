@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from megarl.rewards.scoring import ScoreOutcome, ScoreTask, run_task
+from megarl.rewards.scoring import ScoreOutcome, ScoreTask, resolve_scorer, run_task
+
+BEGUN = "begun"  # a worker's word that its scorer is loaded and the task's time starts now
+START_LIMIT_S = 120.0  # a worker that has not begun its task by then (stuck importing) is killed
 
 
 def _worker_main(conn: Connection, timeout_s: float | None) -> None:
@@ -30,6 +33,11 @@ def _worker_main(conn: Connection, timeout_s: float | None) -> None:
             return
         if task is None:
             return
+        # the scorer's module is imported before the clock starts: a fresh worker's first import
+        # (the scorer's own dependencies) is not the scorer's run time
+        with contextlib.suppress(Exception):  # an import that fails is run_task's to report
+            resolve_scorer(task.fn)
+        conn.send(BEGUN)
         conn.send(run_task(task, timeout_s))
 
 
@@ -40,7 +48,8 @@ class _Worker:
         self.proc.start()
         child.close()
         self.task: ScoreTask | None = None
-        self.started = 0.0
+        self.sent = 0.0
+        self.started: float | None = None  # when the worker began the task (BEGUN)
 
     def stop(self, timeout: float = 1.0) -> None:
         with contextlib.suppress(OSError):
@@ -83,6 +92,14 @@ class ScorerPool:
         self.restarts += 1
         return self._workers[i]
 
+    @staticmethod
+    def _deadline(w: _Worker, hard_limit: float) -> float:
+        """The task's time counts from BEGUN: a fresh worker's start-up (spawn, imports) is not
+        the scorer's, and on a busy machine it can take longer than a tight timeout."""
+        if w.started is None:
+            return w.sent + START_LIMIT_S
+        return w.started + hard_limit
+
     def run(self, tasks: Sequence[ScoreTask]) -> list[ScoreOutcome]:
         """Outcomes in task order; every task gets one, whatever its scorer or worker did."""
         while len(self._workers) < self.num_workers:
@@ -100,13 +117,15 @@ class ScorerPool:
                         todo.appendleft(task)
                         self._replace(w).task = None
                         continue
-                    w.task, w.started = task, time.monotonic()
+                    w.task, w.sent, w.started = task, time.monotonic(), None
             busy = [w for w in self._workers if w.task is not None]
             if not busy:
                 continue
             wait_s = None
             if hard_limit is not None:
-                wait_s = max(0.0, min(w.started + hard_limit for w in busy) - time.monotonic())
+                wait_s = max(
+                    0.0, min(self._deadline(w, hard_limit) for w in busy) - time.monotonic()
+                )
             wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], wait_s)
             now = time.monotonic()
             for w in busy:
@@ -114,11 +133,16 @@ class ScorerPool:
                 index = w.task.index
                 if w.conn.poll():
                     try:
-                        done[index] = w.conn.recv()
+                        message = w.conn.recv()
+                    except (EOFError, OSError):
+                        message = None  # the worker died: its liveness check below reports it
+                    if message == BEGUN:
+                        w.started = time.monotonic()
+                        continue
+                    if message is not None:
+                        done[index] = message
                         w.task = None
                         continue
-                    except (EOFError, OSError):
-                        pass
                 if not w.proc.is_alive():
                     code = w.proc.exitcode
                     done[index] = ScoreOutcome(
@@ -126,10 +150,13 @@ class ScorerPool:
                     )
                     w.kill()
                     self._replace(w)
-                elif hard_limit is not None and now - w.started >= hard_limit:
-                    done[index] = ScoreOutcome(
-                        index, "timeout", 0.0, f"scorer ran past {self.timeout_s} s and was killed"
+                elif hard_limit is not None and now >= self._deadline(w, hard_limit):
+                    message = (
+                        f"scorer ran past {self.timeout_s} s and was killed"
+                        if w.started is not None
+                        else f"scorer worker did not start the task within {START_LIMIT_S:.0f} s"
                     )
+                    done[index] = ScoreOutcome(index, "timeout", 0.0, message)
                     w.kill()
                     self._replace(w)
         return [done[t.index] for t in tasks]

@@ -12,5 +12,6 @@ from types import MappingProxyType
 BUILTIN_SCORERS: Mapping[str, str] = MappingProxyType(
     {
         "openai/gsm8k": "megarl.rewards.gsm8k:compute_score",
+        "arithmetic": "megarl.rewards.arithmetic:compute_score",
     }
 )

@@ -94,7 +94,8 @@ def as_score(value: Any) -> float:
 _loaded: dict[str, Callable[..., Any]] = {}
 
 
-def _resolve(fn: str | Callable[..., Any]) -> Callable[..., Any]:
+def resolve_scorer(fn: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The scorer a task names, imported once per process."""
     if callable(fn):
         return fn
     if fn not in _loaded:
@@ -105,7 +106,7 @@ def _resolve(fn: str | Callable[..., Any]) -> Callable[..., Any]:
 def run_task(task: ScoreTask, timeout_s: float | None) -> ScoreOutcome:
     """Call the task's scorer; never raises for a scorer's failure."""
     try:
-        fn = _resolve(task.fn)
+        fn = resolve_scorer(task.fn)
         with soft_timeout(timeout_s):
             if task.style == "custom":
                 value = fn(

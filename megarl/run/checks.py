@@ -12,13 +12,18 @@ if TYPE_CHECKING:
     from megarl.models.dims import ModelDims
 
 
-def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
-    """Backends, model folder, layout against it, reward model, data files (footers only)."""
+def check_inputs(
+    cfg: RunConfig, layout: ParallelLayout, this_machine: bool = True
+) -> ModelDims | None:
+    """Backends (``this_machine``: the run starts here), model folder, layout against it,
+    reward model, rollout.env, data files (footers only); returns the reward model's shape (None:
+    none)."""
     from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
 
-    check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
+    if this_machine:
+        check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
     if cfg.rollout.mode == "async":  # the rollout group's engines: infer_tp ranks each
@@ -27,16 +32,22 @@ def check_inputs(cfg: RunConfig, layout: ParallelLayout) -> None:
     _check_moe_options(cfg, dims)
     if cfg.model.critic_path:
         ModelDims.from_pretrained(cfg.model.critic_path)
+    reward_model = None
     if cfg.reward.model_path:
         from megarl.rewards.model import check_reward_model
 
-        check_reward_model(cfg.reward.model_path, dims.vocab_size)
+        reward_model = check_reward_model(cfg.reward.model_path, dims.vocab_size)
+    if cfg.rollout.env is not None:
+        from megarl.envs.loading import check_environment
+
+        check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
     for files, what in (
         (cfg.data.train_files, "data.train_files"),
         (cfg.data.val_files, "data.val_files"),
     ):
         if files:  # unreadable files fail here
             inspect_files(*resolve_files(files, what=what))
+    return reward_model
 
 
 def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:

@@ -49,7 +49,7 @@ def parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:
         head, *opts = entry.split(":")
         action, _, point = head.partition("@")
         if action not in ACTIONS or not point:
-            raise ValueError(f"{ENV}: bad entry {entry!r}; see megarl/trainer/faults.py")
+            raise ValueError(f"{ENV}: bad entry {entry!r}; see megarl/run/faults.py")
         out.append((action, point, {k: int(v) for k, v in (o.split("=", 1) for o in opts)}))
     return out
 

@@ -33,15 +33,7 @@ class Startup:
 
 def layout_for(cfg: RunConfig, world: int, *, with_rollout: bool) -> ParallelLayout:
     """The training layout of ``cfg`` over ``world`` ranks (with the rollout's TP when it rolls out)."""
-    p = cfg.parallel
-    return ParallelLayout.for_world(
-        world,
-        tp=p.tp,
-        pp=p.pp,
-        pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
-        infer_tp=p.infer_tp if with_rollout else None,
-        ep=p.ep,
-    )
+    return ParallelLayout.for_settings(world, cfg.parallel, with_rollout)
 
 
 def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:

@@ -63,6 +63,48 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen2.5's tool-calling format, written as a template here: with `tools`, their schemas in the
+# system turn (one JSON per line inside <tools>); an assistant's `tool_calls` as <tool_call>
+# blocks; consecutive `tool` messages merged into one user turn of <tool_response> blocks. Without
+# tools it renders exactly as CHATML_TEMPLATE. The unit tests use it as "the Qwen2.5 template
+# with tools" (the asset's tokenizer keeps CHATML_TEMPLATE).
+_QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+QWEN25_TOOLS_TEMPLATE = (
+    "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + (messages[0]['content'] if has_system else '"
+    + _QWEN_DEFAULT_SYSTEM
+    + "') }}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- elif has_system %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\n" + _QWEN_DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- set prev = messages[loop.index0 - 1]['role'] if not loop.first else '' %}"
+    "{%- set next = messages[loop.index0 + 1]['role'] if not loop.last else '' %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if prev != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{%- if next != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m['role'] == 'assistant' and m.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}{%- if m['content'] %}{{- '\\n' + m['content'] }}{%- endif %}"
+    "{%- for c in m.tool_calls %}{%- set f = c.function if c.function is defined else c %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif not (loop.first and m['role'] == 'system') %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 
 def cache_root() -> Path:
     root = Path(

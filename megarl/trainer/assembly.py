@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megarl import parallel
+from megarl import parallel, platform
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
 from megarl.data import PromptDataset, PromptItem
+from megarl.envs.runner import EnvRunner
 from megarl.hybrid_engine.async_links import make_links, weight_plan
 from megarl.hybrid_engine.engine import HybridEngine
-from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
+from megarl.hybrid_engine.multi_turn import TurnLimits
+from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
 from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.dims import ModelDims
 from megarl.run.epochs import EpochBatches
@@ -61,6 +63,14 @@ class Rollout:
     # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
     roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
     remote: RemoteRollout | None = None  # rollout.mode=async
+    # rollout.env: multi-turn trajectories (the runner exists on the ranks that run environments)
+    turns: TurnLimits | None = None
+    env_runner: EnvRunner | None = None
+    max_env_failures: float = 1.0
+
+    def close(self) -> None:
+        if self.env_runner is not None:
+            self.env_runner.close()
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class PolicyRun:
             self.rollout.remote.close()
         self.tracker.close()
         self.rewards.close()
+        self.rollout.close()
 
 
 def prompt_dataset(
@@ -165,13 +176,23 @@ def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
     return RewardSources.from_config(cfg, model)
 
 
-def engine_config(cfg: RunConfig) -> EngineConfig:
+def _engine_seed(cfg: RunConfig, engine_index: int) -> int:
+    """vLLM's engine seed: with per-request seeds it drives no sampling; without them each engine
+    draws from its own stream (engines seeded alike would repeat each other's random numbers)."""
+    if cfg.rollout.per_request_seeds:
+        return cfg.trainer.seed
+    return cfg.trainer.seed + engine_index
+
+
+def engine_config(cfg: RunConfig, engine_index: int) -> EngineConfig:
+    """The rollout engine's settings; ``engine_index``: which engine of the run this rank's is."""
     r = cfg.rollout
     return EngineConfig(
         max_model_len=cfg.data.max_prompt_length + r.max_response_length,
         kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-        dtype=rollout_dtype(cfg),
-        seed=cfg.trainer.seed,
+        dtype=rollout_dtype(cfg, platform.device().type == "cuda"),
+        seed=_engine_seed(cfg, engine_index),
+        max_num_seqs=r.max_num_seqs,
         gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level,
     )
@@ -189,6 +210,7 @@ def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
         max_new_tokens=r.max_response_length,
         n=r.n,
         seed=cfg.trainer.seed,
+        per_request_seeds=r.per_request_seeds,
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )
@@ -197,6 +219,7 @@ def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
         max_new_tokens=r.max_response_length,
         n=r.val_n,
         seed=cfg.trainer.seed,
+        per_request_seeds=r.per_request_seeds,
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )
@@ -204,28 +227,63 @@ def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
 
 
 def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    r = cfg.rollout
     engine = HybridEngine(
         cfg.model.path,
         startup.layout,
         models.dims,
         models.actor.ddp,
-        engine_config=engine_config(cfg),
-        backend=cfg.rollout.backend,
+        engine_config=engine_config(cfg, startup.rank // startup.layout.rollout_tp),
+        backend=r.backend,
+        multi_turn=r.env is not None,
     )
     sampling, val_sampling = sampling_configs(cfg)
+    turns, runner = None, None
+    if r.env is not None:
+        turns = TurnLimits(
+            max_turns=r.max_turns,
+            max_response_tokens=r.max_response_length,
+            max_turn_tokens=r.max_turn_tokens or r.max_response_length,
+        )
+        if engine.runs_environments:
+            runner = build_env_runner(cfg, startup)
     return Rollout(
         engine,
         sampling,
         val_sampling,
         build_actor_memory(cfg, models),
         build_role_offload(cfg, models),
+        turns=turns,
+        env_runner=runner,
+        max_env_failures=r.max_env_failures,
+    )
+
+
+def build_env_runner(cfg: RunConfig, startup: Startup) -> EnvRunner:
+    """The environments' executor on this rank: rollout.env's class, its kwargs, the template's
+    deltas, and the tool pool."""
+    from megarl.envs.chat_deltas import ChatDeltas
+    from megarl.envs.loading import check_environment
+    from megarl.envs.pool import ToolPool
+
+    r = cfg.rollout
+    # what ends a model turn: the rollout's stop tokens (the model's EOS ids) and the tokenizer's
+    stop = set(eos_token_ids(cfg.model.path))
+    if startup.tokenizer.eos_token_id is not None:
+        stop.add(int(startup.tokenizer.eos_token_id))
+    return EnvRunner(
+        check_environment(r.env, r.env_kwargs),
+        r.env_kwargs,
+        ChatDeltas(startup.tokenizer),
+        ToolPool(r.tool_concurrency, r.tool_timeout_s),
+        run_seed=cfg.trainer.seed,
+        stop_token_ids=stop,
+        max_prompt_tokens=cfg.data.max_prompt_length,
     )
 
 
 def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
     """The trainers' link to the rollout group (megarl.trainer.rollout_group)."""
-    from megarl import platform
-
     assert startup.world is not None
     itemsize = next(models.actor.ddp.parameters()).element_size()
     plan = weight_plan(models.dims, startup.layout, itemsize)

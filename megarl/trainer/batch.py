@@ -49,8 +49,11 @@ class Samples:
         group_ids: Sequence[Hashable],
         pad_id: int,
         device: torch.device | str,
+        masks: Sequence[Sequence[float]] | None = None,
     ) -> Samples:
-        """Padded on the host as lists, then made on ``device`` (the model's) in one copy each."""
+        """Padded on the host as lists, then made on ``device`` (the model's) in one copy each.
+        ``masks``: per response token, 1 where it is trained (default: every response token; a
+        multi-turn trajectory's environment tokens get 0)."""
         lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
         max_len = max(lens)
         max_resp = max(1, max(len(r) for r in responses))
@@ -58,7 +61,12 @@ class Samples:
             [*p, *r] + [pad_id] * (max_len - n)
             for p, r, n in zip(prompts, responses, lens, strict=True)
         ]
-        mask = [[1.0] * len(r) + [0.0] * (max_resp - len(r)) for r in responses]
+        if masks is None:
+            mask = [[1.0] * len(r) + [0.0] * (max_resp - len(r)) for r in responses]
+        else:
+            mask = [[float(x) for x in m] + [0.0] * (max_resp - len(m)) for m in masks]
+            if any(len(m) != len(r) for m, r in zip(masks, responses, strict=True)):
+                raise ValueError("every response mask must be as long as its response")
         return cls(
             input_ids=torch.tensor(rows, dtype=torch.long, device=device),
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device),

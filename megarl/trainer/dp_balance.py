@@ -31,10 +31,12 @@ def _host_rows(samples: Samples, scores: torch.Tensor) -> list[dict[str, object]
     ids = samples.input_ids.cpu()
     tensors = {k: v.cpu() for k, v in samples.tensors.items()}
     host_scores = scores.cpu()
+    mask = samples.response_mask.cpu()
     return [
         {
             "ids": ids[i, : lens[i]],
             "prompt_len": lens[i] - resp[i],
+            "mask": mask[i, : resp[i]].tolist(),  # environment tokens of a trajectory are 0
             "group": samples.group_ids[i],
             "tensors": {k: v[i, : max(1, resp[i])] for k, v in tensors.items()},
             "score": host_scores[i],
@@ -46,7 +48,14 @@ def _host_rows(samples: Samples, scores: torch.Tensor) -> list[dict[str, object]
 def _from_rows(rows: list[dict[str, object]], pad_id: int, device: torch.device) -> Samples:
     prompts = [r["ids"][: r["prompt_len"]].tolist() for r in rows]
     responses = [r["ids"][r["prompt_len"] :].tolist() for r in rows]
-    samples = Samples.from_sequences(prompts, responses, [r["group"] for r in rows], pad_id, device)
+    samples = Samples.from_sequences(
+        prompts,
+        responses,
+        [r["group"] for r in rows],
+        pad_id,
+        device,
+        masks=[r["mask"] for r in rows],
+    )
     width = samples.response_mask.shape[1]
     for key in rows[0]["tensors"] if rows else ():
         out = torch.zeros(len(rows), width, dtype=rows[0]["tensors"][key].dtype, device=device)

@@ -22,6 +22,7 @@ from megarl.algos import (
 from megarl.algos.kl import KLController
 from megarl.config import OverlongBufferConfig, RunConfig
 from megarl.data import PromptItem
+from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.rewards.manager import RewardManager, RewardSample
@@ -73,6 +74,9 @@ class RewardSources:
 
 
 def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """What the rule scorers read: each response decoded; for a trajectory its last model turn."""
+    if batch.trajectories is not None:
+        return [t.final_text for t in batch.trajectories]
     return tokenizer.batch_decode(batch.output.token_ids, skip_special_tokens=True)
 
 
@@ -82,19 +86,26 @@ def rule_scores(
     batch: RolloutBatch,
     texts: list[str],
     device: torch.device,
+    rows: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One rule score per sample (the reward manager's scorers, on ``device``) and their metrics."""
+    """One rule score per sample (the reward manager's scorers, on ``device``) and their metrics;
+    with ``rows`` only those samples are scored (the others get 0)."""
+    rows = range(len(texts)) if rows is None else rows
     samples = [
         RewardSample(
-            data_source=items[i].data_source,
-            solution_str=text,
-            ground_truth=items[i].ground_truth,
-            extra_info=items[i].extra_info,
+            data_source=items[batch.output.prompt_index[k]].data_source,
+            solution_str=texts[k],
+            ground_truth=items[batch.output.prompt_index[k]].ground_truth,
+            extra_info=items[batch.output.prompt_index[k]].extra_info,
         )
-        for i, text in zip(batch.output.prompt_index, texts, strict=True)
+        for k in rows
     ]
+    out = torch.zeros(len(texts), dtype=torch.float32, device=device)
+    if not samples:
+        return out, {}
     result = rewards.score(samples)
-    return torch.tensor(result.scores, dtype=torch.float32, device=device), dict(result.metrics)
+    out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
+    return out, dict(result.metrics)
 
 
 def score_rollout(
@@ -109,15 +120,30 @@ def score_rollout(
     """Samples of a rollout with their outcome scores: rule scorers, a reward model, or both
     (``reward.rule_weight * rule + reward.model_weight * model``), plus the overlong penalty
     (``reward.overlong_buffer``) with ``shaping``; also the decoded responses. The metrics are
-    this rank's means."""
+    this rank's means.
+
+    A multi-turn trajectory scores the sum of its environment's turn rewards, plus the run's
+    reward (rule scorer and/or reward model, as above) on its final conversation unless the
+    environment rewarded the final turn itself; one whose environment failed scores 0. Each turn's
+    reward sits on the turn's last model token, the run's outcome score (and the overlong
+    penalty) on the trajectory's last model token."""
     texts = decode_responses(batch, tokenizer)
     samples = build_samples(items, batch, pad_id, platform.device())
     device = samples.input_ids.device
+    trajectories = batch.trajectories
+    scored = list(range(samples.size))  # the samples the run's reward scores
+    if trajectories is not None:
+        scored = [
+            k
+            for k, t in enumerate(trajectories)
+            if not t.env_scored_outcome and t.finish != "error"
+        ]
     metrics: dict[str, float] = {}
     rule = torch.zeros(samples.size, device=device)
     if rewards.rule_weight != 0:
-        rule, metrics = rule_scores(rewards.rules, items, batch, texts, device)
-        metrics["reward/rule_mean"] = float(rule.mean())
+        rule, metrics = rule_scores(rewards.rules, items, batch, texts, device, scored)
+        if scored:
+            metrics["reward/rule_mean"] = float(rule[scored].mean())
     model = None
     if rewards.model is not None:
         model = score_sequences(
@@ -131,6 +157,8 @@ def score_rollout(
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
     scores = combine_scores(rule, model, rewards.rule_weight, rewards.model_weight)
+    if trajectories is not None:
+        scores = _with_environment_rewards(scores, trajectories, metrics)
     buf = rewards.overlong
     if shaping and buf.len > 0:
         penalty = overlong_penalty(
@@ -138,11 +166,33 @@ def score_rollout(
             max_length=rewards.max_response_length,
             buffer_length=buf.len,
             penalty_factor=buf.penalty_factor,
-        )
-        scores = scores + penalty.to(scores.device)
+        ).to(scores.device)
+        scores = scores + penalty
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
-    set_outcome_scores(samples, scores)
+    if trajectories is None:
+        set_outcome_scores(samples, scores)
+    else:
+        set_trajectory_scores(samples, scores, trajectories)
     return samples, scores, metrics, texts
+
+
+def _with_environment_rewards(
+    scores: torch.Tensor, trajectories: Sequence[Trajectory], metrics: dict[str, float]
+) -> torch.Tensor:
+    """The environment's turn rewards, plus the run's outcome score where the environment left
+    the final turn unrewarded; 0 for failed samples."""
+    out = scores.clone()
+    for k, t in enumerate(trajectories):
+        if t.finish == "error":
+            out[k] = 0.0
+        elif t.env_scored_outcome:
+            out[k] = t.env_reward
+        else:
+            out[k] = out[k] + t.env_reward
+    n = max(len(trajectories), 1)
+    metrics["reward/env_mean"] = sum(t.env_reward for t in trajectories) / n
+    metrics["reward/env_outcome_share"] = sum(t.env_scored_outcome for t in trajectories) / n
+    return out
 
 
 def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
@@ -154,10 +204,33 @@ def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
     samples.tensors["token_level_scores"] = token_scores
 
 
+def set_trajectory_scores(
+    samples: Samples,
+    scores: torch.Tensor,
+    trajectories: Sequence[Trajectory],
+) -> None:
+    """Token rewards of trajectories: each environment turn reward on that turn's last model
+    token, the rest of the score (the run's outcome score, the overlong penalty) on the last
+    model token. Their sum per row is ``scores``."""
+    token_scores = torch.zeros_like(samples.response_mask)
+    values = scores.tolist()
+    for k, t in enumerate(trajectories):
+        if not t.turn_ends:  # a failed reset: nothing the model wrote, nothing to reward
+            continue
+        turns = 0.0
+        if t.finish != "error":
+            for end, r in zip(t.turn_ends, t.turn_rewards, strict=True):
+                token_scores[k, end] += float(r or 0.0)
+                turns += float(r or 0.0)
+        token_scores[k, t.turn_ends[-1]] += values[k] - turns
+    samples.tensors["token_level_scores"] = token_scores
+
+
 def build_samples(
     items: Sequence[PromptItem], batch: RolloutBatch, pad_id: int, device: torch.device
 ) -> Samples:
-    """The rollout as padded training tensors on ``device`` (the models'), grouped by prompt."""
+    """The rollout as padded training tensors on ``device`` (the models'), grouped by prompt; a
+    trajectory's environment tokens are masked out."""
     groups = [items[i].uid for i in batch.output.prompt_index]
     return rollout_samples(batch, groups, pad_id, device)
 
@@ -166,10 +239,12 @@ def rollout_samples(
     batch: RolloutBatch, group_ids: Sequence[Hashable], pad_id: int, device: torch.device
 ) -> Samples:
     """The rollout's sequences as :class:`Samples` with the rollout engine's logprob of each
-    response token (``rollout_log_prob``); ``group_ids``: one per sample."""
+    response token (``rollout_log_prob``); ``group_ids``: one per sample. A trajectory's
+    response mask is 1 on the model's tokens only."""
     responses = batch.output.token_ids
-    prompts = [batch.prompts[i] for i in batch.output.prompt_index]
-    samples = Samples.from_sequences(prompts, responses, group_ids, pad_id, device)
+    prompts = [batch.prompt_of(k) for k in range(len(responses))]
+    masks = batch.output.response_masks or None
+    samples = Samples.from_sequences(prompts, responses, group_ids, pad_id, device, masks=masks)
     width = samples.response_mask.shape[1]
     rollout = [lp + [0.0] * (width - len(lp)) for lp in batch.output.logprobs]
     samples.tensors["rollout_log_prob"] = torch.tensor(

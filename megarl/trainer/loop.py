@@ -19,6 +19,7 @@ from megarl.trainer.model_ops import ppo_update, rollout_is_finite
 from megarl.trainer.old_log_probs import OLD_LOG_PROB, rollout_mismatch
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.rollout import step_batch
+from megarl.trainer.rollout_dump import dump_rollout
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
 from megarl.trainer.validation import validation_rollout
 
@@ -84,6 +85,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
                     )
                 )
             m.update(update_models(run, samples, m))
+            if cfg.trainer.dump_rollouts:
+                dump_rollout(cfg.trainer.output_dir, step + 1, samples, run.startup.tokenizer)
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
             m["actor/skipped_non_finite"] = mean(1.0)
         m.update(rollout_metrics(batch, run.data.train))

@@ -16,6 +16,9 @@ Timings: ``timing/rollout_s`` (the transitions and generation), ``timing/reward_
 
 from __future__ import annotations
 
+from typing import Any
+
+from megarl.data import PromptItem
 from megarl.hybrid_engine.engine import RolloutBatch, gpu_memory_metrics
 from megarl.hybrid_engine.vllm_rollout import SamplingConfig
 from megarl.metrics import StepMetrics, declare
@@ -48,9 +51,32 @@ def to_train(run: PolicyRun) -> dict[str, float]:
     return metrics | gpu_memory_metrics("after_sleep")
 
 
-def generate(run: PolicyRun, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
-    """Responses to this DP rank's prompts from the awake rollout engine (no scoring)."""
-    return run.rollout.engine.generate(prompts, sampling)
+def generate(run: PolicyRun, items: list[PromptItem], sampling: SamplingConfig) -> RolloutBatch:
+    """Responses to this DP rank's prompts from the awake rollout engine (no scoring); with
+    ``rollout.env``, one multi-turn trajectory per sample (megarl.hybrid_engine.multi_turn)."""
+    r = run.rollout
+    if r.turns is None:
+        return r.engine.generate([it.input_ids for it in items], sampling)
+    return r.engine.generate_trajectories(
+        [dataset_row(it) for it in items],
+        [it.input_ids for it in items],
+        sampling,
+        r.turns,
+        r.env_runner,
+        run.startup.pad_id,
+        max_failed_share=r.max_env_failures,
+    )
+
+
+def dataset_row(item: PromptItem) -> dict[str, Any]:
+    """The parquet row an environment's reset reads: the schema's columns and every other one."""
+    return {
+        "prompt": item.prompt,
+        "data_source": item.data_source,
+        "reward_model": item.reward_model,
+        "extra_info": item.extra_info,
+        **item.extra,
+    }
 
 
 def draw(run: PolicyRun, m: StepMetrics) -> StepBatch:
@@ -59,13 +85,14 @@ def draw(run: PolicyRun, m: StepMetrics) -> StepBatch:
     items = run.data.batches.next()
     with timed(m, "rollout"):
         m.update(declare(to_rollout(run)))
-        rollout = generate(run, [it.input_ids for it in items], run.rollout.sampling)
+        rollout = generate(run, items, run.rollout.sampling)
         m.update(declare(to_train(run)))
     s = run.startup
     with timed(m, "reward"):
         samples, scores, reward_metrics, _ = score_rollout(
             run.rewards, s.tokenizer, s.pad_id, items, rollout, run.batching
         )
+    reward_metrics |= rollout.metrics  # multi-turn: the step's rollout/* (turns, tools ...)
     return StepBatch(samples, scores, list(rollout.output.finish_reasons), reward_metrics)
 
 

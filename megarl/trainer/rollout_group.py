@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.config import RunConfig, rollout_dtype
+from megarl.config import RunConfig, model_dtype, rollout_dtype
 from megarl.config import validate as validate_config
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
@@ -186,7 +186,7 @@ class RolloutGroup:
     # -- threads -------------------------------------------------------------------------------
     def receive_loop(self) -> None:
         """Control messages and weights from the trainers, until they stop."""
-        dtype = ROLLOUT_DTYPES[rollout_dtype(self.cfg)]
+        dtype = ROLLOUT_DTYPES[rollout_dtype(self.cfg, platform.device().type == "cuda")]
         try:
             assert self.links.control is not None
             while True:
@@ -394,7 +394,8 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     trainers = layout_for(cfg, split.trainers, with_rollout=False)
     check_inputs(cfg, trainers)
     dims = ModelDims.from_pretrained(cfg.model.path)
-    plan = weight_plan(dims, trainers, ITEMSIZE[cfg.model.dtype])
+    cuda = platform.device().type == "cuda"
+    plan = weight_plan(dims, trainers, ITEMSIZE[model_dtype(cfg, cuda)])
     expected = checkpoint_shapes(cfg.model.path)
     check_rollout_model(hf_shapes_of(plan.specs, dims), expected, dims.tie_word_embeddings)
     infer_tp = cfg.parallel.infer_tp or cfg.parallel.tp
@@ -403,7 +404,11 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         # its choosing, which the trainer processes on this machine use too
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     engine = make_rollout(
-        cfg.rollout.backend, cfg.model.path, infer_tp, engine_config(cfg), expected
+        cfg.rollout.backend,
+        cfg.model.path,
+        infer_tp,
+        engine_config(cfg, split.local_rank(world.rank) // infer_tp),
+        expected,
     )
     links = make_links(world, plan, platform.distributed_backend())
     receiver = WeightReceiver(plan, dims, links.weights, device=platform.device())

@@ -7,8 +7,9 @@ per ``data_source``:
 - ``val/<source>/pass@k``: share of prompts with at least one sample scoring
   ``>= trainer.val_pass_score`` (1.0: a correct GSM8K answer);
 
-plus ``val/reward_mean`` over all sources, and a table of sample generations. (Checks of the
-config itself are :func:`megarl.config.validate`.)
+plus ``val/reward_mean`` over all sources, and a table of sample generations (with
+``rollout.env``, the whole conversation of each). (Checks of the config itself are
+:func:`megarl.config.validate`.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from megarl.trainer.experience import score_rollout
 from megarl.trainer.rollout import generate, to_rollout, to_train
 
 MAX_TABLE_ROWS = 32
+MAX_CONVERSATION = 4000  # characters of a multi-turn conversation in the table
+
+
+def conversation_text(messages: Sequence[dict]) -> str:
+    """A conversation as ``[role] content`` blocks, one per message."""
+    return "\n".join(f"[{m.get('role')}] {m.get('content', '')}" for m in messages)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,8 @@ class ValRecord:
     data_source: str
     prompt: Hashable  # one prompt of the validation set (its samples share it)
     score: float
+    turns: int | None = None  # multi-turn: the trajectory's model turns and tool calls
+    tool_calls: float = 0.0
 
 
 def validation_metrics(records: Sequence[ValRecord], k: int, pass_score: float) -> dict[str, float]:
@@ -51,6 +60,10 @@ def validation_metrics(records: Sequence[ValRecord], k: int, pass_score: float) 
         out[f"val/{source}/prompts"] = float(len(prompts))
     if records:
         out["val/reward_mean"] = sum(r.score for r in records) / len(records)
+    multi = [r for r in records if r.turns is not None]
+    if multi:
+        out["val/turns_mean"] = sum(r.turns or 0 for r in multi) / len(multi)
+        out["val/tool_calls_mean"] = sum(r.tool_calls for r in multi) / len(multi)
     return out
 
 
@@ -72,25 +85,38 @@ def validation_rollout(run: PolicyRun, step: int) -> dict[str, float]:
     table: list[dict[str, str | float | int]] = []
     to_rollout(run)
     for items in run.data.val:  # the same number of batches on every rank (maybe empty)
-        batch = generate(run, [it.input_ids for it in items], run.rollout.val_sampling)
+        batch = generate(run, items, run.rollout.val_sampling)
         if not batch.output.token_ids:
             continue
         _, scores, _, texts = score_rollout(
             run.rewards, s.tokenizer, s.pad_id, items, batch, run.batching, shaping=False
         )
-        for i, text, score in zip(batch.output.prompt_index, texts, scores.tolist(), strict=True):
+        rows = zip(batch.output.prompt_index, texts, scores.tolist(), strict=True)
+        for k, (i, text, score) in enumerate(rows):
             item = items[i]
-            records.append(ValRecord(item.data_source, item.uid, float(score)))
-            if len(table) < MAX_TABLE_ROWS:
-                table.append(
-                    {
-                        "step": step,
-                        "data_source": item.data_source,
-                        "prompt": str(item.prompt)[:500],
-                        "response": text[:1000],
-                        "score": float(score),
-                    }
+            t = batch.trajectories[k] if batch.trajectories is not None else None
+            records.append(
+                ValRecord(
+                    item.data_source,
+                    item.uid,
+                    float(score),
+                    turns=None if t is None else t.turns,
+                    tool_calls=0.0 if t is None else t.metrics.get("tool_calls", 0.0),
                 )
+            )
+            if len(table) < MAX_TABLE_ROWS:
+                row: dict[str, str | float | int] = {
+                    "step": step,
+                    "data_source": item.data_source,
+                    "prompt": str(item.prompt)[:500],
+                    "response": text[:1000],
+                    "score": float(score),
+                }
+                if t is not None:  # multi-turn: the whole conversation
+                    row["conversation"] = conversation_text(t.messages)[:MAX_CONVERSATION]
+                    row["turns"] = t.turns
+                    row["finish"] = t.finish or ""
+                table.append(row)
     to_train(run)
     metrics = validation_metrics(_gather_dp(records), cfg.rollout.val_n, cfg.trainer.val_pass_score)
     run.tracker.log_table(table, f"validation/step_{step:06d}.json")

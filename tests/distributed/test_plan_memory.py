@@ -13,6 +13,13 @@ caches and mapped files, which move more than the activations being checked.
 
 Predicted: :func:`megarl.plan.estimate_memory` with the ``CPU_FP32`` numerics (what megarl runs
 on CPU) for the rank's pipeline stage, no reserve, no reference, no rollout.
+
+The scoring phase: after the two steps (grads and Adam's state resident, as when the trainer
+scores a rollout), the trainer's forward-only scoring pass over a rollout batch of 4 micro-batches
+per rank (``megarl.trainer.old_log_probs.score_old_log_probs``: the actor's old logprobs and the
+rollout mismatch, in the update's micro-batches: the same count, or for the packed case the token
+budget of its pack), every sequence a quarter prompt and three quarters response. Predicted: the
+``scoring`` phase of the same workload with the output layer at the response positions.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,6 +137,7 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load, pac
             optimizer.step()
         tracker.phase(None)
         config.finalize_model_grads_func = finalize
+        scoring = _score(tracker, ddp, dims, seq, batch, packed, gen)
         del ddp, optimizer, model, config
     gc.collect()
     stage = ps.get_pipeline_model_parallel_rank()
@@ -136,10 +145,42 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load, pac
     return {
         "peak": tracker.peak,
         "phases": dict(tracker.phases),
+        "scoring": scoring,
         "stage": stage,
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
     }
+
+
+def _scoring_shape(seq: int, batch: int, packed) -> tuple[int, int, int | None, int]:
+    """(sequence length, prompt length, token budget or None, sequences per rank) of the scoring
+    measurement: the update's micro-batching, 4 micro-batches per rank."""
+    if packed is None:
+        return seq, seq // 4, None, 4 * batch
+    length = sum(packed) // len(packed)  # the pack's mean length: len(packed) per budget
+    return length, length // 4, sum(packed), 4 * len(packed)
+
+
+def _score(tracker, ddp, dims, seq, batch, packed, gen) -> dict[str, int]:
+    """Peak and resident bytes of the trainer's scoring pass over this rank's rollout batch."""
+    import torch
+
+    from megarl.trainer.batch import Samples
+    from megarl.trainer.model_ops import MicroBatching
+    from megarl.trainer.old_log_probs import score_old_log_probs
+
+    length, prompt, budget, n = _scoring_shape(seq, batch, packed)
+    ids = torch.randint(0, dims.vocab_size, (n, length), generator=gen).tolist()
+    samples = Samples.from_sequences(
+        [r[:prompt] for r in ids], [r[prompt:] for r in ids], list(range(n)), 0, "cpu"
+    )
+    samples.tensors["rollout_log_prob"] = torch.zeros_like(samples.response_mask)
+    batching = MicroBatching(size=batch, max_tokens=budget, packing=packed is not None)
+    resident = tracker.live
+    tracker.phase("scoring")
+    score_old_log_probs(ddp, samples, dims.vocab_size, 1.0, batching, dims.is_moe)
+    tracker.phase(None)
+    return {"peak": tracker.phases["scoring"], "resident": resident}
 
 
 def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: str, packed=None):
@@ -154,7 +195,22 @@ def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: str, p
         mean_seq_len=sum(packed) // len(packed) if packed else None,
     )
     options = Options(recompute=recompute, packing=packed is not None)
-    return layout, estimate_memory(dims, layout, workload, CPU_FP32, options, reserve=0)
+    length, prompt, budget, n = _scoring_shape(seq, batch, packed)
+    scoring = replace(
+        workload,
+        seq_len=length,
+        response_len=length - prompt,
+        mean_seq_len=None,
+        output_positions=length - prompt,
+        micro_batch_tokens=budget,
+        rollout_batch=n * layout.dp,
+        reference=False,
+    )
+    return (
+        layout,
+        estimate_memory(dims, layout, workload, CPU_FP32, options, reserve=0),
+        estimate_memory(dims, layout, scoring, CPU_FP32, options, reserve=0),
+    )
 
 
 @pytest.mark.timeout(300)
@@ -166,10 +222,18 @@ def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
     rows, failures = [], []
     for i, (name, spec, seq, batch, rc, *_) in enumerate(CASES):
         packed = _packed_lens(CASES[i])
-        layout, estimate = _predict(cases[i][0], spec, seq, batch, rc, packed)
+        layout, estimate, scored = _predict(cases[i][0], spec, seq, batch, rc, packed)
         for rank in range(WORLD):
             m = measured[rank][i]
             stage = estimate.stages[m["stage"]]
+            sc_pred = scored.stages[m["stage"]].phases["scoring"]
+            sc_meas = m["scoring"]["peak"]
+            sc_err = (sc_pred - sc_meas) / sc_meas
+            sc_add = sc_pred - sum(
+                v
+                for k, v in scored.stages[m["stage"]].phase_items["scoring"].items()
+                if k not in ("activations", "scores")
+            )
             fb_meas = m["phases"][f"forward-backward{STEPS - 1}"]
             fb_pred = stage.phases["forward-backward"]
             err = (stage.peak - m["peak"]) / m["peak"]
@@ -177,12 +241,15 @@ def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
             label = f"{name} {layout}{'' if rc == 'none' else f' {rc} recompute'} s{seq} b{batch} rank {rank}"
             if packed:
                 label += f" packed {list(packed)}"
+            sc_meas_add = sc_meas - m["scoring"]["resident"]
             rows.append(
                 f"{label}: peak predicted {stage.peak / mib:.0f} MiB ({stage.phase}), measured "
                 f"{m['peak'] / mib:.0f} MiB ({err:+.1%}); forward-backward {fb_pred / mib:.0f} vs "
-                f"{fb_meas / mib:.0f} MiB ({fb_err:+.1%}); {m['seconds']:.1f} s, cpu {m['cpu_seconds']:.1f} s"
+                f"{fb_meas / mib:.0f} MiB ({fb_err:+.1%}); scoring {sc_pred / mib:.0f} vs "
+                f"{sc_meas / mib:.0f} MiB ({sc_err:+.1%}; its working set {sc_add / mib:.0f} vs "
+                f"{sc_meas_add / mib:.0f} MiB); {m['seconds']:.1f} s, cpu {m['cpu_seconds']:.1f} s"
             )
-            if abs(err) > TOLERANCE or abs(fb_err) > TOLERANCE:
+            if abs(err) > TOLERANCE or abs(fb_err) > TOLERANCE or abs(sc_err) > TOLERANCE:
                 failures.append(rows[-1])
     print("\n".join(rows))
     assert not failures, "\n".join(failures)

@@ -26,7 +26,10 @@ BENCHES = [
     "convert",
     "data",
     "learn_gsm",
+    "multi_turn",
 ]
+# calculator_base_rates is not smoke-run (CI time, ~40 s): its turn loop over vLLM is the one
+# multi_turn's smoke runs, and its ToolEnvironment is unit-tested.
 
 
 @pytest.mark.parametrize("bench", BENCHES)

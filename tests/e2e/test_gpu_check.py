@@ -48,3 +48,17 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     tokens = [r for r in rows if r[1].startswith("megarl tokens/s")]
     assert tokens and float(tokens[0][2].replace(",", "")) > 0
     assert (tmp_path / "grpo" / "hf" / "config.json").is_file()  # the verified export
+
+
+def test_gpu_check_uses_the_projects_interpreter():
+    """Without PYTHON the script runs .venv's interpreter (the system python3 lacks torch)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--cpu" in proc.stdout  # megarl.gpu_check's own usage, printed by .venv's python

@@ -21,7 +21,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal where CUDA is absent"
+)
+def test_gpu_recipe_without_cuda_is_refused_naming_the_ways_out(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGARL_SMOKE", "CONFIG")}
+    env["PYTHON"] = sys.executable
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_qwen7b_grpo.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "is a GPU recipe" in proc.stderr and "sees no CUDA device" in proc.stderr
+    assert "MEGARL_SMOKE=1" in proc.stderr and "--dry-run" in proc.stderr
+    assert "prepare_gsm8k" not in proc.stderr  # refused before preparing anything
 
 
 def test_smoke_mode_runs_the_grpo_recipe(tmp_path):

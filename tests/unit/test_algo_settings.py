@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -137,24 +136,28 @@ def test_sampling_and_validation_settings_are_checked():
 
 
 def test_bad_algorithm_settings_exit_2_from_the_cli_before_any_process(tmp_path, capsys):
-    """Through `megarl train` (a subprocess once, to time a user's whole command), then the same
-    entry in-process for the other cases: exit 2, the fix in the message, well under 20 s."""
+    """Through `megarl train`'s entry in a fresh interpreter once (to see what a user's whole
+    command loads), then in-process for the other cases: exit 2, the fix in the message, and no
+    model, engine or process library imported before the refusal."""
     run = tmp_path / "run.yaml"
     run.write_text("model:\n  path: /nonexistent/model\ndata:\n  train_files: [a.parquet]\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    t0 = time.perf_counter()
+    entry = (
+        "import sys; from megarl.cli import main; rc = main(sys.argv[1:]); "
+        "print(sorted(m for m in ('megatron', 'vllm', 'transformers', 'ray') if m in sys.modules)); "
+        "sys.exit(rc)"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "megarl.cli", "train", str(run), "algorithm.policy_loss=ppo_clipp"],
+        [sys.executable, "-c", entry, "train", str(run), "algorithm.policy_loss=ppo_clipp"],
         capture_output=True,
         text=True,
         env=env,
         timeout=60,
     )
-    elapsed = time.perf_counter() - t0
     assert proc.returncode == 2, proc.stderr
     assert "known: gspo, ppo_clip" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    assert elapsed < 20, elapsed  # measured ~4 s on 2 busy cores, imports included
+    assert proc.stdout.strip() == "[]", proc.stdout  # refused before any heavy import
     cases = [
         # unknown names: the known ones in the message
         (["algorithm.adv_estimator=grpoo"], "known: gae, grpo, reinforce_plus_plus, rloo"),
@@ -169,9 +172,7 @@ def test_bad_algorithm_settings_exit_2_from_the_cli_before_any_process(tmp_path,
         (["algorithm.adv_estimator=rloo", "rollout.n=1"], "set rollout.n >= 2"),
     ]
     for extra, message in cases:
-        t0 = time.perf_counter()
         assert cli_main(["train", str(run), *extra]) == 2, extra
-        assert time.perf_counter() - t0 < 20
         assert message in capsys.readouterr().err, extra
 
 

@@ -110,6 +110,18 @@ def test_async_settings_refused_before_launch():
         validate(load_config(overrides=[*ASYNC, "parallel.tp=2"]), world_size=3)
 
 
+def test_multi_turn_environments_refused_in_async_mode_naming_both_fixes():
+    """rollout.env runs in the colocated engine's turn loop; the rollout group has none yet, so
+    async with an environment stops at load, before any process starts."""
+    env = "rollout.env=megarl.envs.examples:CountdownEnv"
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[*ASYNC, env])
+    message = str(err.value)
+    assert "asynchronous rollout group does not run yet" in message
+    assert "unset rollout.env" in message and "rollout.mode=colocated" in message
+    assert load_config(overrides=[*BASE, env]).rollout.env.endswith(":CountdownEnv")
+
+
 def test_rollout_corrections_by_name_and_the_old_tis_key():
     cfg = load_config(
         overrides=[

@@ -62,14 +62,17 @@ def test_bad_switch_values_stop_before_launch():
 
 
 def test_rollout_dtype_auto_follows_the_model():
-    for model, rollout, want in [
-        ("float32", "auto", "float32"),
-        ("bfloat16", "auto", "bfloat16"),
-        ("bfloat16", "float32", "float32"),
-        ("float32", "bfloat16", "bfloat16"),
+    for model, rollout, cuda, want in [
+        ("float32", "auto", False, "float32"),
+        ("bfloat16", "auto", False, "bfloat16"),
+        ("bfloat16", "float32", True, "float32"),
+        ("float32", "bfloat16", False, "bfloat16"),
+        ("auto", "auto", False, "float32"),  # the models' auto: fp32 on CPU ...
+        ("auto", "auto", True, "bfloat16"),  # ... bf16 on CUDA
+        ("auto", "float32", True, "float32"),
     ]:
         cfg = load_config(overrides=[*ONE_STEP, f"model.dtype={model}", f"rollout.dtype={rollout}"])
-        assert rollout_dtype(cfg) == want, (model, rollout)
+        assert rollout_dtype(cfg, cuda) == want, (model, rollout, cuda)
 
 
 def _batch() -> tuple[Samples, torch.Tensor]:

@@ -152,10 +152,11 @@ def test_plan_json_overrides_name_packing_and_param_offload(capsys):
     assert best["packing"] is True  # packing never costs memory or time in the plan
     for setting in ("actor.packing=true", "actor.param_offload=true", "ref.param_offload=true"):
         assert setting in best["overrides"], best["overrides"]
-    cfg = RunConfig()
     for override in best["overrides"]:  # every override names a real setting
-        section, _, rest = override.partition(".")
-        assert hasattr(getattr(cfg, section), rest.split("=")[0]), override
+        node = RunConfig()
+        for part in override.split("=")[0].split("."):
+            assert hasattr(node, part), override
+            node = getattr(node, part)
 
 
 def test_plan_filters_sequence_parallel_and_packing_by_config_words(capsys):

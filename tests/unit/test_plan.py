@@ -216,7 +216,8 @@ def test_nothing_fits_says_so_and_what_to_change():
 
 
 def test_json_output_is_complete():
-    data = json.loads(json.dumps(to_json(_plan("Qwen2.5-7B", 8))))
+    # GRPO compares a prompt's samples: the overrides below must pass the config's checks
+    data = json.loads(json.dumps(to_json(_plan("Qwen2.5-7B", 8, samples_per_prompt=4))))
     assert data["model"]["num_layers"] == 28 and data["cluster"]["gpus"] == 8
     top = data["feasible"][0]
     for key in (
@@ -277,3 +278,52 @@ def test_cli_plan_user_errors_exit_2(argv, message, capsys):
 def test_cli_plan_missing_config_exits_2(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--gpus", "8"]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_plan_overrides_are_every_setting_its_estimate_assumed(capsys):
+    """The table prints each shown layout's overrides; the JSON's build a config whose preflight
+    (on a node with the same fused kernels as the plan's numerics) peaks where the plan says."""
+    from megarl.config import load_config, validate
+    from megarl.gpu_defaults import Target
+    from megarl.plan.preflight import Hardware, preflight
+
+    argv = ["plan", "--model", "Qwen2.5-7B", "--gpus", "8", "--tp", "2", "--infer-tp", "2"]
+    argv += ["--seq-len", "1536", "--response-len", "1024", "--tokens-per-micro-batch", "16384"]
+    argv += ["--global-batch", "1280", "--n", "5", "--gpu-memory-utilization", "0.5"]
+    assert main([*argv, "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "Overrides (megarl train CONFIG ...)" in text and "#1: parallel.tp=2" in text
+    assert "actor.max_tokens_per_micro_batch=16384" in text
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["feasible"][0]
+    keys = {o.split("=")[0] for o in best["overrides"]}
+    assert keys >= {
+        "data.train_batch_size",
+        "actor.ppo_mini_batch_size",
+        "rollout.n",
+        "actor.max_tokens_per_micro_batch",
+        "data.max_prompt_length",
+        "rollout.max_response_length",
+        "model.recompute",
+        "actor.optimizer_offload",
+        "actor.packing",
+        "rollout.gpu_memory_utilization",
+        "model.dtype",
+    }
+    cfg = load_config(overrides=["model.path=/m", "data.train_files=[t]", *best["overrides"]])
+    validate(cfg, 8)
+    node = Target(cuda=True, transformer_engine=True, wgrad_fusion_kernel=True, local_gpus=8)
+    pf = preflight(cfg, resolve_model("Qwen2.5-7B")[1], Hardware(gpus_per_node=8), node)
+    assert round(pf.memory.peak / GIB, 3) == best["peak_gib"]
+
+
+def test_seq_mode_plan_gives_vllm_the_share_it_sized():
+    result = _plan("Qwen2.5-7B", 8, samples_per_prompt=4)
+    from megarl.plan.report import config_overrides
+
+    top = result.feasible[0]
+    [share] = [
+        o for o in config_overrides(top, result.workload, 80 * GIB) if "gpu_memory_util" in o
+    ]
+    vllm = top.memory.worst.phase_items["rollout"]["rollout"]
+    assert float(share.split("=")[1]) * 80 * GIB >= vllm  # at least what the plan gave vLLM

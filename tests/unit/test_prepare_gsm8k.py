@@ -61,6 +61,25 @@ def test_gsm_symbolic_is_deterministic_per_seed(tmp_path: Path) -> None:
     assert not pq.read_table(a["train"]).equals(pq.read_table(c["train"]))
 
 
+def test_the_quickstart_names_its_toy_task_in_data_source(tmp_path: Path) -> None:
+    """The quickstart's prompts are GSM-Symbolic but its reward is the vowel toy: its rows say so,
+    so validation reports `val/toy/vowels/...`, not a GSM8K score."""
+    from megarl import quickstart
+
+    prep = prepare_module()
+    recipe = quickstart.RECIPES["vowels"]
+    assert recipe.data_source == "toy/vowels"
+    assert quickstart.RECIPES["gsm"].data_source == prep.GSM8K_DATA_SOURCE
+    argv = ["--out", str(tmp_path), "--source", "gsm-symbolic", "--train-size", "3"]
+    assert prep.main([*argv, "--test-size", "2", "--data-source", recipe.data_source]) == 0
+    for split in ("train", "test"):
+        assert set(pq.read_table(tmp_path / f"{split}.parquet")["data_source"].to_pylist()) == {
+            "toy/vowels"
+        }
+    with pytest.raises(prep.PrepareError, match="--data-source must not be empty"):
+        prep.prepare(tmp_path / "x", "gsm-symbolic", train_size=1, test_size=1, data_source="")
+
+
 def _write_gsm8k_jsonl(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     train = [

@@ -3,6 +3,8 @@ recipes of real models) its layout fits that model's shape."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,7 @@ INTENDED = {
     "quickstart_cpu.yaml": (1, None),
     "dapo_quickstart_cpu.yaml": (1, None),
     "smollm2_gsm_cpu.yaml": (1, None),
+    "smollm2_calculator_cpu.yaml": (1, None),
     "grpo_qwen2_5_7b.yaml": (8, QWEN25_7B),
     "grpo_qwen2_5_7b_lora.yaml": (8, QWEN25_7B),
     "ppo_qwen2_5_7b.yaml": (8, QWEN25_7B),
@@ -98,7 +101,6 @@ def test_config_loads_and_validates_at_its_world_size(name):
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_settings(name):
     cfg = load_config(CONFIGS / name)
-    _check_planned_memory((CONFIGS / name).read_text(), cfg)
     assert (cfg.model.dtype, cfg.model.recompute) == ("bfloat16", "full")
     a = cfg.algorithm
     assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.2, 3.0)
@@ -116,37 +118,61 @@ def test_recipe_settings(name):
         assert (a.gamma, a.lam) == (0.99, 0.95)
 
 
-def _check_planned_memory(text: str, cfg) -> None:
-    """The config's planned-memory comment is what `megarl plan` says now for its own layout."""
-    import json
-    import re
-    import shlex
+def _model_folder(root: Path, model: dict) -> Path:
+    """A folder holding only the published config.json: all the preflight reads of a model."""
+    folder = root / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(model))
+    return folder
 
-    from megarl.cli import main as cli_main
 
-    planned = re.search(r"# planned memory per GPU \(80 GiB, recompute on\): ([0-9.]+) GiB", text)
-    command = re.search(r"#   from: megarl (plan .*)", text)
-    assert planned and command, "the config must state its planned memory and the command"
-    args = shlex.split(command.group(1))
-    for flag, value in (("--tp", cfg.parallel.tp), ("--pp", cfg.parallel.pp)):
-        assert args[args.index(flag) + 1] == str(value), (flag, "differs from the config")
-    lora = args[args.index("--lora-rank") + 1] if "--lora-rank" in args else "0"
-    assert lora == str(cfg.actor.lora.rank), "--lora-rank differs from the config"
-    ep = args[args.index("--ep") + 1] if "--ep" in args else "1"
-    assert ep == str(cfg.parallel.ep), ("--ep", "differs from the config")
-    import contextlib
-    import io
+def _data_files(root: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert cli_main([*args, "--json"]) == 0
-    [variants] = json.loads(out.getvalue())["variants"].values()
-    [ours] = [
-        v
-        for v in variants
-        if v["recompute"] == "full"
-        and not v["optimizer_offload"]
-        and v["packing"] == cfg.actor.packing
-    ]
-    assert float(planned.group(1)) == round(ours["peak_gib"], 1)
-    assert ours["peak_gib"] < 80
+    rows = 1024  # one step's prompts: the checks read only the footers
+    table = pa.table(
+        {
+            "prompt": [[{"role": "user", "content": f"question {i}"}] for i in range(rows)],
+            "data_source": ["openai/gsm8k"] * rows,
+            "reward_model": [{"ground_truth": "1", "style": "rule"}] * rows,
+        }
+    )
+    out = []
+    for split in ("train", "test"):
+        pq.write_table(table, root / f"{split}.parquet")
+        out.append(f"data.{split if split == 'train' else 'val'}_files=[{root / split}.parquet]")
+    return out
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_passes_the_preflight_on_the_hardware_it_names(name, tmp_path, capsys):
+    """`megarl train RECIPE --dry-run` for the nodes the recipe is written for exits 0, and the
+    recipe's comment states the peak it prints."""
+    from megarl.cli import main
+
+    world, model = INTENDED[name]
+    text = (CONFIGS / name).read_text()
+    stated = re.search(
+        r"# preflight \((\d+) nodes? x (\d+) GPUs of (\d+) GiB\): peak ([0-9.]+) GiB per GPU in "
+        r"(\w+)",
+        text,
+    )
+    command = re.search(r"#   from: megarl train (\S+) (--dry-run .*)", text)
+    assert stated and command, "the recipe must state its preflight and the command"
+    nodes, per_node, gib, peak, phase = stated.groups()
+    assert command.group(1) == f"configs/{name}"
+    flags = command.group(2).split()
+    assert int(nodes) * int(per_node) == world
+    assert flags[flags.index("--gpus-per-node") + 1] == per_node
+    assert flags[flags.index("--gpu-memory") + 1] == f"{gib}GiB"
+    assert (flags[flags.index("--nnodes") + 1] if "--nnodes" in flags else "1") == nodes
+    overrides = [f"model.path={_model_folder(tmp_path, model)}", *_data_files(tmp_path)]
+    code = main(["train", str(CONFIGS / name), *overrides, *flags, "--host-memory", "1TiB"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = re.search(
+        r"preflight: every phase fits; peak ([0-9.]+) of ([0-9.]+) GiB per GPU in (\w+)", out
+    )
+    assert summary, out
+    assert summary.groups() == (peak, f"{gib}.0", phase), out

@@ -111,7 +111,7 @@ def test_custom_fn_gets_verl_arguments_and_overrides_routing() -> None:
 def test_unknown_data_source_is_a_config_error_naming_the_fix() -> None:
     with pytest.raises(
         ConfigError,
-        match=r"no scorer for data_source 'math500' \(sample 1\); known: \['openai/gsm8k'\]",
+        match=r"no scorer for data_source 'math500' \(sample 1\); known: \['arithmetic', 'openai/gsm8k'\]",
     ):
         RewardManager().score([gsm("#### 72"), RewardSample("math500", "x", "1")])
     with pytest.raises(ConfigError, match="no scorer for data_source 'openai/gsm8k'"):

@@ -1,0 +1,112 @@
+"""Arithmetic problems for the tool-use recipe ("What is 964 + 494?"), generated offline.
+
+Each row follows the RL prompt schema with ``data_source`` ``arithmetic`` (scored by
+:mod:`megarl.rewards.arithmetic`: the last number of the final answer against the exact value).
+Train and test problems are drawn from separate seeds, and no test problem appears in train.
+Kinds: ``add3`` (three-digit + three-digit), ``mul2`` (two-digit x two-digit), ``mixed`` (both,
+and three-digit - three-digit), ``words`` (the same three operations as one-sentence word
+problems: the model has to find the arithmetic in the text).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from megarl.data_prep.common import PrepareError, write_parquet_atomic
+
+DATA_SOURCE = "arithmetic"
+
+
+def _add3(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return f"What is {a} + {b}?", a + b
+
+
+def _sub3(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return f"What is {a} - {b}?", a - b
+
+
+def _mul2(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"What is {a} * {b}?", a * b
+
+
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana")
+# (sentence with {a}, {b}, {name}; the operation); a > b for subtractions
+WORD_PROBLEMS = (
+    ("{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?", "+"),
+    ("A train travels {a} km on Monday and {b} km on Tuesday. How many km is that in all?", "+"),
+    ("A farm had {a} sheep and sold {b} of them. How many sheep are left?", "-"),
+    ("{name} saved {a} dollars and spent {b} dollars on a bike. How many dollars are left?", "-"),
+    ("There are {a} boxes with {b} pencils in each box. How many pencils are there?", "*"),
+    ("A school orders {a} packs of {b} cookies each. How many cookies does it get?", "*"),
+)
+
+
+def _words(rng: random.Random) -> tuple[str, int]:
+    text, op = rng.choice(WORD_PROBLEMS)
+    if op == "*":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+    else:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if op == "-" and a < b:
+            a, b = b, a
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return text.format(a=a, b=b, name=rng.choice(NAMES)), value
+
+
+KINDS: dict[str, list[Callable[[random.Random], tuple[str, int]]]] = {
+    "add3": [_add3],
+    "mul2": [_mul2],
+    "mixed": [_add3, _sub3, _mul2],
+    "words": [_words],
+}
+
+
+def problems(
+    kind: str, count: int, seed: int, exclude: set[str] | None = None
+) -> list[tuple[str, int]]:
+    if kind not in KINDS:
+        raise PrepareError(f"unknown arithmetic kind {kind!r}; known: {sorted(KINDS)}")
+    rng = random.Random(f"arithmetic/{kind}/{seed}")
+    seen = set(exclude or ())
+    out = []
+    while len(out) < count:
+        question, answer = rng.choice(KINDS[kind])(rng)
+        if question not in seen:
+            seen.add(question)
+            out.append((question, answer))
+    return out
+
+
+def make_row(question: str, answer: int, split: str, index: int) -> dict[str, Any]:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(answer)},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def prepare(
+    out: Path, kind: str, train_size: int, test_size: int, seed: int = 0
+) -> dict[str, Path]:
+    """Write out/train.parquet and out/test.parquet; return their paths."""
+    if train_size < 1 or test_size < 1:
+        raise PrepareError("train and test sizes must be >= 1")
+    test = problems(kind, test_size, seed + 1)
+    train = problems(kind, train_size, seed, exclude={q for q, _ in test})
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in (("train", train), ("test", test)):
+        paths[split] = out / f"{split}.parquet"
+        table = pa.Table.from_pylist([make_row(q, a, split, i) for i, (q, a) in enumerate(rows)])
+        write_parquet_atomic(table, paths[split], 512)
+    return paths

@@ -1,0 +1,1 @@
+"""Adapters from environment libraries to :class:`megarl.envs.Environment`."""

@@ -1,0 +1,166 @@
+""":class:`ToolEnvironment`: an environment whose only job is running the model's tool calls.
+
+Each model turn is parsed for tool calls (``parser``: the model family's format, see
+:mod:`megarl.envs.tool_parsers`); the calls run concurrently in the rollout's bounded pool and
+their results come back as ``tool`` messages, one per call, in order. A turn without a tool call
+is the final answer: the trajectory ends and the run's reward (rule scorer or reward model)
+scores it. Calls past ``max_tool_calls`` in one turn are refused with an error result.
+
+Chosen as ``rollout.env="megarl.envs:ToolEnvironment"`` with ``rollout.env_kwargs``, e.g.
+``{tools: [calculator], parser: hermes, system_prompt: "..."}``; tools are built-in names
+(``calculator``, ``python``) or "module:function" / "file.py:function" specs of typed functions.
+``examples``: demonstration messages placed between the system message and the row's prompt
+(few-shot); ``call_reward`` / ``attempt_reward``: credits for the first turn that calls a tool,
+when all its calls succeed / when not. Subclass it
+for other rewards per turn (override :meth:`turn_reward`) or another prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from megarl.data.chat import to_messages
+from megarl.envs.base import Environment, Message, Step, check_messages
+from megarl.envs.builtin_tools import BUILTIN_TOOLS
+from megarl.envs.pool import ToolOutcome, ToolPool
+from megarl.envs.tool_parsers import TOOL_PARSERS, ParsedTurn
+from megarl.envs.tools import Tool, ToolCall, as_tool
+from megarl.errors import ConfigError
+from megarl.rewards.loading import load_callable
+
+# How each registered format asks for a call, for templates that do not render tools themselves.
+CALL_FORMATS = {
+    "hermes": '<tool_call>\n{"name": "TOOL_NAME", "arguments": {"ARG": "VALUE"}}\n</tool_call>',
+    "llama3_json": '{"name": "TOOL_NAME", "parameters": {"ARG": "VALUE"}}',
+    "mistral": '[TOOL_CALLS] [{"name": "TOOL_NAME", "arguments": {"ARG": "VALUE"}}]',
+}
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant that can call tools.{tools}\n\n"
+    "To call a tool, reply with only this, filled in:\n{call_format}\n"
+    "The tool's result comes back in the next message. When you have the answer, reply with it "
+    "and no tool call."
+)
+
+
+def resolve_tools(specs: Sequence[Tool | Callable[..., Any] | str]) -> list[Tool]:
+    """Tools from built-in names, "module:function" specs, functions or Tool objects."""
+    out = []
+    for spec in specs:
+        if isinstance(spec, str):
+            if spec in BUILTIN_TOOLS:
+                out.append(BUILTIN_TOOLS[spec]())
+                continue
+            if ":" not in spec:
+                raise ConfigError(
+                    f"unknown tool {spec!r}: built-in tools are {sorted(BUILTIN_TOOLS)}, or give "
+                    "'module:function' / 'path/to/file.py:function'"
+                )
+            spec = load_callable(spec, what="tool", name="function")
+        out.append(as_tool(spec))
+    names = [t.name for t in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"tools {dupes} are given more than once")
+    return out
+
+
+class ToolEnvironment(Environment):
+    def __init__(
+        self,
+        tools: Sequence[Tool | Callable[..., Any] | str] = ("calculator",),
+        parser: str = "hermes",
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        max_tool_calls: int = 4,
+        examples: Sequence[Message] = (),
+        call_reward: float = 0.0,
+        attempt_reward: float = 0.0,
+    ) -> None:
+        self.tools = {t.name: t for t in resolve_tools(tools)}
+        if parser not in TOOL_PARSERS:
+            raise ConfigError(
+                f"unknown tool-call parser {parser!r}; known: {', '.join(TOOL_PARSERS.names())} "
+                "(megarl.envs.register_tool_parser adds one)"
+            )
+        if max_tool_calls < 1:
+            raise ConfigError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
+        self.parser = parser
+        self.parse = TOOL_PARSERS.get(parser)
+        self.system_prompt = system_prompt
+        self.max_tool_calls = max_tool_calls
+        self.examples = check_messages(list(examples), where="ToolEnvironment(examples=...)")
+        self.call_reward = float(call_reward)
+        self.attempt_reward = float(attempt_reward)
+        self._rewarded_call = False
+
+    # -- the conversation ----------------------------------------------------------------------
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        return [t.schema for t in self.tools.values()] or None
+
+    def system_message(self) -> str | None:
+        """The system prompt; it lists the tools itself when the chat template cannot."""
+        if self.system_prompt is None:
+            return None
+        listed = ""
+        if not self.context.template_renders_tools and self.tools:
+            lines = [json.dumps(t.schema["function"]) for t in self.tools.values()]
+            listed = "\n\nTools:\n" + "\n".join(lines)
+        return self.system_prompt.format(
+            tools=listed, call_format=CALL_FORMATS.get(self.parser, "")
+        )
+
+    def reset(self, row: dict[str, Any]) -> list[Message]:
+        prompt = to_messages(row["prompt"], where="ToolEnvironment.reset", column="prompt")
+        system = self.system_message()
+        head: list[Message] = []
+        if prompt and prompt[0]["role"] == "system":  # the row's own system text comes after
+            own, prompt = prompt[0]["content"], prompt[1:]
+            system = own if system is None else system + "\n\n" + own
+        if system is not None:
+            head.append({"role": "system", "content": system})
+        return [*head, *(dict(m) for m in self.examples), *prompt]
+
+    # -- a turn --------------------------------------------------------------------------------
+    def turn_reward(self, parsed: ParsedTurn, outcomes: list[ToolOutcome]) -> float | None:
+        """This turn's reward (None: none), shaping credits given once per trajectory, to its
+        first turn that calls a tool: ``call_reward`` when every call ran without error, else
+        ``attempt_reward`` (a call was written but is malformed or failed). The final answer's
+        turn is left unrewarded, so the run's reward scores it."""
+        if self._rewarded_call or not (self.call_reward or self.attempt_reward):
+            return None
+        self._rewarded_call = True
+        if not parsed.errors and outcomes and all(o.ok for o in outcomes):
+            return self.call_reward
+        return self.attempt_reward
+
+    async def step(self, messages: list[Message]) -> Step:
+        parsed = self.parse(messages[-1]["content"])
+        if not parsed.attempted:
+            return Step(done=True, metrics={"tool_calls": 0.0})
+        pool = self.context.pool or ToolPool()
+        calls = parsed.calls[: self.max_tool_calls]
+        over = len(parsed.calls) - len(calls)
+        outcomes = list(await asyncio.gather(*(pool.call(self.tools, c) for c in calls)))
+        results = [_message(c, o) for c, o in zip(calls, outcomes, strict=True)]
+        errors = [{"role": "tool", "content": f"error: {e}"} for e in parsed.errors]
+        refused = [
+            {"role": "tool", "content": f"error: at most {self.max_tool_calls} tool calls per turn"}
+        ] * over
+        metrics = {
+            "tool_calls": float(parsed.attempted),
+            "tool_errors": float(sum(not o.ok for o in outcomes) + len(errors) + over),
+            "tool_s": float(sum(o.seconds for o in outcomes)),
+            "tool_truncated": float(sum(o.truncated for o in outcomes)),
+        }
+        return Step(
+            messages=results + errors + refused,
+            reward=self.turn_reward(parsed, outcomes),
+            metrics=metrics,
+        )
+
+
+def _message(call: ToolCall, outcome: ToolOutcome) -> Message:
+    return {"role": "tool", "name": call.name, "content": outcome.content}

@@ -1,0 +1,150 @@
+"""The multi-turn rollout: trajectories generated turn by turn over the rollout engine seam.
+
+Every turn, all active trajectories of an engine go to the engine in one ``generate`` call
+(turn-level batching), each with its own seed (run seed, rollout index, sample, turn: the same
+tokens whatever the layout) and its own token budget (``min(per-turn limit, what the trajectory
+has left)``). The environments then answer the turn, concurrently; their messages come back as
+token deltas of the chat template, appended to the trajectories for the next turn.
+
+Environments run on one rank of the engine (its *executing* rank, holding an
+:class:`~megarl.envs.runner.EnvRunner`); ``share`` hands that rank's results to the others, so a
+tool with side effects runs once per sample, never once per tensor-parallel rank, and every rank
+of the engine sends the engine the same requests. The loop knows nothing else of the training
+layout: an asynchronous rollout worker can drive it over its own engine with ``share`` the
+identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from megarl.envs.runner import EnvRunner, Started
+from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
+
+Share = Callable[[Any], Any]  # the executing rank's value -> the same value on every rank
+
+
+class TurnEngine(Protocol):
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int = 0,
+        *,
+        seeds: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
+    ) -> RolloutOutput: ...
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int  # model turns per trajectory
+    max_response_tokens: int  # everything after the prompt: model turns and environment tokens
+    max_turn_tokens: int  # new tokens of one model turn
+
+
+@dataclass(frozen=True)
+class SampleStart:
+    sample: int  # index in the whole step
+    row: dict[str, Any]  # the dataset row reset() reads
+    fallback_prompt: list[int]  # the row's own prompt ids (a failed reset's trajectory)
+
+
+def turn_seed(
+    sampling: SamplingConfig,
+    rollout_index: int,
+    samples: int,
+    sample: int,
+    turn: int,
+    max_turns: int,
+) -> int:
+    """The request seed of one model turn: distinct for every (rollout, sample, turn)."""
+    return sampling.seed + ((rollout_index * samples + sample) * max_turns + turn)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def run_trajectories(
+    engine: TurnEngine,
+    starts: Sequence[SampleStart],
+    runner: EnvRunner | None,
+    sampling: SamplingConfig,
+    limits: TurnLimits,
+    *,
+    rollout_index: int,
+    step_samples: int,
+    pad_id: int,
+    share: Share = _identity,
+) -> list[Trajectory]:
+    """The trajectories of ``starts`` (one environment instance each). ``runner`` is the
+    executing rank's (None elsewhere); ``step_samples`` (all samples of the step) keeps seeds
+    apart between rollouts."""
+    started: list[Started] = []
+    if runner is not None:
+        started = runner.reset_all([(s.sample, s.row) for s in starts], rollout_index)
+    heads = share([(st.prompt_ids, st.error) for st in started] if runner is not None else None)
+    trajectories = []
+    for k, (start, (prompt, error)) in enumerate(zip(starts, heads, strict=True)):
+        t = Trajectory(sample=start.sample, prompt_ids=list(prompt or start.fallback_prompt))
+        if runner is not None:
+            t.messages = started[k].messages
+        if error is not None:
+            t.add_env_tokens([pad_id])  # one masked token: the sample trains nothing
+            t.end("error", error)
+        trajectories.append(t)
+    turn_sampling = replace(sampling, n=1)
+    while active := [k for k, t in enumerate(trajectories) if not t.done]:
+        ts = [trajectories[k] for k in active]
+        out = engine.generate(
+            [t.prompt_ids + t.response_ids for t in ts],
+            turn_sampling,
+            seeds=[
+                turn_seed(
+                    sampling, rollout_index, step_samples, t.sample, t.turns, limits.max_turns
+                )
+                for t in ts
+            ],
+            max_new_tokens=[
+                min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response_ids))
+                for t in ts
+            ],
+        )
+        if len(out.token_ids) != len(ts):
+            raise RuntimeError(
+                f"the rollout engine returned {len(out.token_ids)} responses for {len(ts)} turns"
+            )
+        mine = None if runner is None else list(zip(out.token_ids, out.logprobs, strict=True))
+        model = share(mine)  # the executing rank's tokens are the trajectory's on every rank
+        for t, (ids, logprobs) in zip(ts, model, strict=True):
+            t.add_model_turn(list(ids), list(logprobs))
+        answers = None
+        if runner is not None:
+            items = []
+            for k, t, (ids, _) in zip(active, ts, model, strict=True):
+                room = limits.max_response_tokens - len(t.response_ids)
+                items.append((started[k], ids, t.turns < limits.max_turns and room > 1))
+            answers = [
+                (a.env_ids, a.step.reward, a.step.done, a.step.metrics, None)
+                if a.step is not None
+                else ([], None, True, {}, a.error)
+                for a in runner.step_all(items)
+            ]
+        for t, (env_ids, reward, done, metrics, error) in zip(ts, share(answers), strict=True):
+            t.turn_rewards.append(reward)
+            t.add_metrics(metrics)
+            if error is not None:
+                t.end("error", error)
+            elif done:
+                t.end("stop")
+            elif t.turns >= limits.max_turns:
+                t.end("turns")
+            elif len(t.response_ids) + len(env_ids) >= limits.max_response_tokens:
+                t.end("length")
+            else:
+                t.add_env_tokens(list(env_ids))
+    return trajectories

@@ -1,0 +1,165 @@
+"""Host (CPU) memory of each rank and node, phase by phase: what megarl keeps off the GPUs.
+
+Per rank of pipeline stage k (P: the stage's parameters on this TP rank, S: this rank's
+distributed-optimizer shard of them):
+
+- always: the optimizer offload's share f (``actor.optimizer_offload``) of the shard lives on
+  the host in megatron's hybrid optimizer: fp32 master params, Adam's m and v and an fp32 copy of
+  the grads, 16 bytes per parameter of f x S;
+- rollout: megarl's hybrid engine moves the actor's Adam m and v (the GPU's part) to the host
+  while vLLM generates; with param offload the actor's weights, master params and moments, the
+  reference's weights and the critic's weights, grads and optimizer state go there too;
+- training (scoring, update): vLLM asleep at ``sleep_level`` 1 keeps its weights (its TP shard,
+  bf16) in host memory; at level 2 it drops them;
+- save: + the checkpoint's staging. megarl writes the ``fully_reshardable`` optimizer format;
+  :data:`OPTIMIZER_SAVE` says where megatron gathers its state (see :func:`optimizer_staging`),
+  and each rank stages the weights it writes (DP rank 0 of each TP x PP shard; megatron's
+  default strategy saves a replicated tensor from its first replica).
+
+A node's host memory is the sum over the ranks it holds (consecutive global ranks, megatron's
+TP-fastest order), so a layout whose DP ranks share a node counts each of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
+from megarl.plan.lora import lora_layer_params
+from megarl.plan.memory import (
+    Numerics,
+    Options,
+    optimizer_shard_elements,
+    vllm_weight_bytes,
+)
+from megarl.plan.params import stage_params
+from megarl.plan.workload import Workload
+
+# Where a fully_reshardable save gathers the distributed optimizer's state, per rank:
+# "all": every DP rank receives its TP x PP shard's whole state (megatron's default exchange);
+# "dp0": only DP rank 0 does (megatron's memory-efficient exchange); "shard": each rank stages
+# only its own shard. megarl/run/checkpointing.py saves with megatron's default.
+OPTIMIZER_SAVE = "all"
+HOST_PHASES = ("rollout", "training", "save")
+OFFLOADED_BYTES = 16  # per parameter of megatron's hybrid optimizer on the host (see above)
+
+
+def optimizer_staging(form: str, state_bytes: int, shard_bytes: int, dp_rank: int) -> int:
+    """Host bytes of the optimizer state one rank stages for a save (``state_bytes``: its TP x PP
+    shard's whole state, ``shard_bytes``: its own DP shard of it)."""
+    if form == "all":
+        return state_bytes
+    if form == "dp0":
+        return state_bytes if dp_rank == 0 else 0
+    if form == "shard":
+        return shard_bytes
+    raise ValueError(f"unknown optimizer save form {form!r}")
+
+
+@dataclass
+class HostMemory:
+    """Host bytes per rank (by stage and DP rank: ``ranks[(stage, dp_rank)]``) and per node."""
+
+    ranks: dict[tuple[int, int], dict[str, dict[str, int]]]
+    nodes: list[dict[str, int]]  # per node: phase -> bytes
+    notes: list[str] = field(default_factory=list)
+
+    def node_peak(self) -> tuple[int, str, int]:
+        """(bytes, phase, node) of the largest node phase."""
+        best = (0, HOST_PHASES[0], 0)
+        for i, phases in enumerate(self.nodes):
+            for phase, value in phases.items():
+                if value > best[0]:
+                    best = (value, phase, i)
+        return best
+
+    def rank_items(self, phase: str) -> dict[str, int]:
+        """The items of the rank with the most host memory in ``phase``."""
+        return max((r[phase] for r in self.ranks.values()), key=lambda items: sum(items.values()))
+
+
+def _rank_host(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    w: Workload,
+    num: Numerics,
+    opts: Options,
+    stage: int,
+    dp_rank: int,
+) -> dict[str, dict[str, int]]:
+    tp, pp, dp, ep = layout.tp, layout.pp, layout.dp, layout.ep
+    layers = layout.layers_per_stage(dims.num_layers)[stage]
+    p = stage_params(dims, tp, pp, stage, layers, "actor", ep)
+    adapters = layers * lora_layer_params(dims, tp, w.lora_rank) or None
+    shard = optimizer_shard_elements(p, dp, ep, adapters)
+    f = float(opts.optimizer_offload)
+    opt_state = num.main_param_bytes + num.adam_bytes
+    saved = 4 + num.adam_bytes  # a save writes fp32 params, m and v (fp32 weights: the weights)
+    weights = (p.total + (adapters or 0)) * num.param_bytes
+    offloaded = int(f * shard * OFFLOADED_BYTES)
+    moments_gpu = int((1 - f) * shard * num.adam_bytes)
+    main_gpu = int((1 - f) * shard * num.main_param_bytes)
+    ref = 0
+    critic = 0
+    critic_state = 0
+    critic_shard = 0
+    if w.reference and adapters is None:
+        ref = stage_params(dims, tp, pp, stage, layers, "reference", ep).total * num.param_bytes
+    if w.critic:
+        cp = stage_params(dims, tp, pp, stage, layers, "critic", ep)
+        critic_shard = optimizer_shard_elements(cp, dp, ep, None)
+        critic = cp.total * (num.param_bytes + num.grad_bytes) + critic_shard * opt_state
+        critic_state = cp.total * saved
+    common = {"optimizer_offload": offloaded}
+    if opts.param_offload:
+        rollout = {
+            **common,
+            "actor": weights + main_gpu + moments_gpu,
+            "reference": ref,
+            "critic": critic,
+        }
+    else:
+        rollout = {**common, "adam_moments": moments_gpu}
+    asleep = vllm_weight_bytes(dims, layout.rollout_tp) if w.rollout and w.sleep_level == 1 else 0
+    training = {**common, "vllm_asleep": asleep}
+    trained = adapters if adapters is not None else p.total
+    staged = optimizer_staging(OPTIMIZER_SAVE, trained * saved, shard * saved, dp_rank)
+    if w.critic:
+        staged += optimizer_staging(OPTIMIZER_SAVE, critic_state, critic_shard * saved, dp_rank)
+    written_weights = 0
+    if dp_rank == 0:
+        written_weights = weights
+        if w.critic:
+            written_weights += stage_params(dims, tp, pp, stage, layers, "critic", ep).total * (
+                num.param_bytes
+            )
+    save = {**training, "checkpoint": staged + written_weights}
+    return {"rollout": rollout, "training": training, "save": save}
+
+
+def estimate_host_memory(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    workload: Workload,
+    numerics: Numerics,
+    options: Options,
+    gpus_per_node: int,
+) -> HostMemory:
+    """Host bytes of every (stage, DP rank) and of every node, by phase."""
+    ranks = {
+        (k, d): _rank_host(dims, layout, workload, numerics, options, k, d)
+        for k in range(layout.pp)
+        for d in range(layout.dp)
+    }
+    world = layout.world_size
+    per_node = max(1, min(gpus_per_node, world))
+    nodes = []
+    for first in range(0, world, per_node):
+        totals = dict.fromkeys(HOST_PHASES, 0)
+        for rank in range(first, min(world, first + per_node)):
+            _, d, k = layout.coords(rank)
+            for phase in HOST_PHASES:
+                totals[phase] += sum(ranks[(k, d)][phase].values())
+        nodes.append(totals)
+    return HostMemory(ranks=ranks, nodes=nodes)

@@ -1,0 +1,30 @@
+"""Arithmetic answers: the last number of the response against the exact value.
+
+Built in for ``data_source`` ``arithmetic`` (:mod:`megarl.data_prep.arithmetic`). A multi-turn
+trajectory is scored on its final model turn, so a tool call alone earns nothing: the model must
+state the answer. Thousands separators are ignored ("1,458" == "1458").
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def compute_score(solution_str: str, ground_truth: Any) -> float:
+    if ground_truth is None:
+        raise ValueError("arithmetic: ground_truth is missing (reward_model.ground_truth is null)")
+    answer = last_number(solution_str)
+    if answer is None:
+        return 0.0
+    try:
+        return 1.0 if float(answer) == float(str(ground_truth)) else 0.0
+    except ValueError:
+        return 0.0

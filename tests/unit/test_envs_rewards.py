@@ -1,0 +1,70 @@
+"""How a trajectory's reward is made: the environment's turn rewards, plus the run's rule scorer
+on the final answer when the environment leaves the final turn unrewarded; 0 for a failed
+sample; each turn's reward on its last model token, the rest on the last model token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.config import OverlongBufferConfig
+from megarl.data import PromptItem
+from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.engine import RolloutBatch
+from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+from megarl.rewards.manager import RewardManager
+from megarl.trainer.experience import RewardSources, score_rollout
+from megarl.trainer.model_ops import MicroBatching
+
+pytestmark = pytest.mark.unit
+
+
+def _trajectory(sample, rewards, answer, finish="stop"):
+    t = Trajectory(sample=sample, prompt_ids=[5, 6, 7])
+    for k, r in enumerate(rewards):
+        t.add_model_turn([10 + k, 11 + k], [-0.1, -0.2])
+        t.turn_rewards.append(r)
+        if k < len(rewards) - 1:
+            t.add_env_tokens([1, 2, 3])
+    t.messages = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": answer},
+    ]
+    t.end(finish, "boom" if finish == "error" else None)
+    return t
+
+
+def test_environment_rewards_and_the_rule_scorer_combine():
+    trajs = [
+        _trajectory(0, [0.5, 1.0], "The answer is 9."),  # the env scored the outcome: 1.5
+        _trajectory(1, [0.2, None], "The answer is 5."),  # + the scorer's 1.0: 1.2
+        _trajectory(2, [None, None], "It is 4."),  # the scorer's 0.0
+        _trajectory(3, [0.2, None], "The answer is 5.", finish="error"),  # failed: 0
+    ]
+    out = RolloutOutput(
+        prompt_index=[0, 0, 0, 0],
+        token_ids=[t.response_ids for t in trajs],
+        logprobs=[t.logprobs for t in trajs],
+        finish_reasons=[t.finish for t in trajs],
+        response_masks=[t.mask for t in trajs],
+    )
+    batch = RolloutBatch(prompts=[[5, 6, 7]], output=out, trajectories=trajs)
+    item = PromptItem(
+        uid=0, input_ids=[5, 6, 7], prompt="q", data_source="arithmetic", ground_truth="5"
+    )
+    rewards = RewardSources(RewardManager(), None, 1.0, 1.0, OverlongBufferConfig(), 64)
+    samples, scores, metrics, texts = score_rollout(
+        rewards, None, 0, [item], batch, MicroBatching(), shaping=False
+    )
+    assert scores.tolist() == pytest.approx([1.5, 1.2, 0.0, 0.0])
+    assert texts[1] == "The answer is 5."
+    tokens = samples.tensors["token_level_scores"]
+    assert tokens.sum(-1).tolist() == pytest.approx(scores.tolist())
+    # turn ends: 1 (first turn) and 6 (after 3 environment tokens); mask 0 at 2..4
+    assert samples.response_mask[0].tolist() == [1, 1, 0, 0, 0, 1, 1]
+    assert tokens[0, 1] == pytest.approx(0.5) and tokens[0, 6] == pytest.approx(1.0)
+    assert tokens[1, 1] == pytest.approx(0.2) and tokens[1, 6] == pytest.approx(1.0)
+    assert torch.all(tokens[:, 2:5] == 0)
+    assert metrics["reward/rule_mean"] == pytest.approx(0.5)  # scored: samples 1 and 2
+    assert metrics["reward/env_outcome_share"] == pytest.approx(0.25)
+    rewards.close()

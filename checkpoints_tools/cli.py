@@ -3,6 +3,8 @@
 Verbs:
   hf-to-mcore  --hf DIR --out DIR [--tp N --pp M --ep E] [--role actor|critic] [--dtype auto|...]
   mcore-to-hf  --ckpt DIR --out DIR [--dtype float32|bfloat16] [--nproc N] [--lora merged|adapter]
+               (DIR: a checkpoint, a training step folder, or a run's checkpoints/ folder; its
+               manifest is verified first, and every exported tensor must be finite)
   verify       --hf DIR --ckpt DIR [--tp N --pp M --ep E] [--no-logits]
 
 Everything a user can get wrong is checked here, before any process starts; errors print one
@@ -16,8 +18,9 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from megarl.errors import ConfigError, MegarlError
+from megarl.errors import CheckpointError, ConfigError, MegarlError
 
 PROG = "python -m checkpoints_tools"
 MODULE = "checkpoints_tools"
@@ -117,12 +120,21 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
         dtype_from_name,
         read_meta,
         resolve_checkpoint,
+        step_roles,
     )
     from megarl.launch import under_launcher
 
-    meta = read_meta(args.ckpt)  # missing / partial checkpoints fail here, before any work
-    check_lora_export(meta, args.lora, resolve_checkpoint(args.ckpt))
-    check_not_inside(args.out, resolve_checkpoint(args.ckpt), "checkpoint")
+    ckpt = resolve_checkpoint(args.ckpt)  # a run's checkpoints/, a step folder or a role folder
+    if ckpt != Path(args.ckpt).absolute() and ckpt != Path(args.ckpt):
+        others = [r for r in step_roles(ckpt.parent) if r != ckpt.name]
+        also = f"; pass {ckpt.parent / others[0]} for its {others[0]}" if others else ""
+        print(f"mcore-to-hf: exporting {ckpt} ({ckpt.name} of {ckpt.parent.name}{also})")
+    args.ckpt = str(ckpt)
+    if not args.verified:  # (the ranks this command relaunches under torchrun: checked here)
+        check_intact(ckpt)  # a damaged checkpoint is refused before anything is read from it
+    meta = read_meta(ckpt)  # missing / partial checkpoints fail here, before any work
+    check_lora_export(meta, args.lora, ckpt)
+    check_not_inside(args.out, ckpt, "checkpoint")
     if args.dtype:
         dtype_from_name(args.dtype)
     if not under_launcher():
@@ -154,7 +166,7 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
 
     if args.nproc == 1 and not under_launcher():
         return body()
-    argv = ["mcore-to-hf", "--ckpt", str(args.ckpt), "--out", str(args.out)]
+    argv = ["mcore-to-hf", "--ckpt", str(args.ckpt), "--out", str(args.out), "--verified"]
     argv += ["--max-shard-size", str(args.max_shard_size)]
     argv += (["--dtype", args.dtype] if args.dtype else []) + (
         ["--overwrite"] if args.overwrite else []
@@ -162,6 +174,25 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     argv += ["--quiet"] if args.quiet else []
     argv += ["--lora", args.lora] if args.lora else []
     return _in_world(args.nproc, argv, body)
+
+
+def check_intact(ckpt: Path) -> None:
+    """Every file of ``ckpt`` against its manifest (sizes and checksums); a CheckpointError
+    naming the damaged files."""
+    import megarl.checkpoint.manifest as manifest
+
+    problems = manifest.verify(ckpt)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(
+            f"checkpoint {ckpt} is damaged: {'; '.join(problems[:3])}{more}. Nothing was "
+            "exported; use an intact copy, or an earlier checkpoint of the run"
+        )
+    if manifest.read(ckpt) is None:
+        print(
+            f"note: {ckpt} has no manifest (saved by an older megarl): its files are not verified",
+            file=sys.stderr,
+        )
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -245,7 +276,12 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
         "saved chunk). A critic exports as *ForTokenClassification, a reward model as "
         "*ForSequenceClassification, with one label.",
     )
-    p.add_argument("--ckpt", required=True, help="checkpoint folder (or a root with `latest`)")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="checkpoint folder: a role folder, a training step_N folder (its actor, else its "
+        "reward model) or a run's checkpoints/ folder (follows `latest`)",
+    )
     p.add_argument("--out", required=True, help="Hugging Face folder to create")
     p.add_argument(
         "--dtype",
@@ -262,6 +298,7 @@ def add_verbs(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes sharing the files (torchrun)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verified", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--lora",
         default=None,

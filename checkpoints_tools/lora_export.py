@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoints_tools.finite import check_finite
 from megarl.checkpoint.keys import dist_checkpoint_key
 from megarl.checkpoint.reader import DistCheckpointReader
 from megarl.checkpoint.store import (
@@ -152,6 +153,8 @@ def export_adapter(
     if dtype is not None:
         cast = dtype_from_name(dtype)
         tensors = {k: v.to(cast) for k, v in tensors.items()}
+    for name, tensor in tensors.items():
+        check_finite(name, tensor, ckpt)
     import torch.distributed as dist
 
     with staged_output(out, overwrite=overwrite) as tmp:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoints_tools.finite import check_finite
 from checkpoints_tools.lora_export import (
     MergeDeltas,
     check_lora_export,
@@ -183,6 +184,7 @@ def _write_shard(
                 for block in reader.row_blocks(g.key):
                     # Cast in slices of ~16 MiB: a dtype change never doubles the chunk.
                     step = max(1, (16 << 20) // max(1, block[:1].numel() * block.element_size()))
+                    check_finite(g.hf[0][0], block, reader.root.parent)
                     for rows in block.split(step):
                         writer.write(g.hf[0][0], rows.to(dtype))
                     del block
@@ -191,7 +193,9 @@ def _write_shard(
                 for name, t in g.convert(full, dims):
                     if lora is not None:
                         t = lora.apply(name, t)
-                    writer.write(name, t.to(dtype))
+                    t = t.to(dtype)
+                    check_finite(name, t, reader.root.parent)
+                    writer.write(name, t)
                     del t
                 del full
             bar.update(g.out_bytes(dtype))

@@ -1,12 +1,16 @@
-"""``megarl`` command line: ``demo``, ``convert``; ``train``, ``plan`` as they land."""
+"""``megarl`` command line: ``train`` (and ``train-rm``, ``train-sft``, ``train-dpo``), ``demo``,
+``convert``, ``plan``, ``report``."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
 from megarl.cluster.options import add_launcher_options
+from megarl.console import START_ENV, announce
 from megarl.errors import MegarlError
 
 
@@ -40,7 +44,9 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.gpu_defaults import default_nproc_per_node
     from megarl.launch import under_launcher
     from megarl.run.checks import check_inputs
+    from megarl.run.output_dir import check_output_dir, move_aside
     from megarl.run.startup import layout_for
+    from megarl.run.verification import precheck_resume
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
@@ -60,10 +66,17 @@ def _train(args: argparse.Namespace) -> int:
     colocated = cfg.rollout.mode == "colocated"
     trainers = trainer_world_size(cfg, world)
     layout = layout_for(cfg, trainers, with_rollout=colocated)
-    reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data files
+    reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
+    move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved aside
+    if not move and cfg.trainer.resume == "auto":
+        precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
     refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
     if refused:
         return refused
+    if move:
+        move_aside(cfg.trainer.output_dir)
+        module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
+    announce(f"starting {world} rank(s) with {args.launcher}")
     return start_job(
         cfg,
         module_args,
@@ -96,6 +109,14 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show vLLM's and torch's log lines, known library warnings and torchrun's failure report",
     )
+
+
+# `megarl VERB CONFIG`: the trainers of trainer.kind other than policy
+SUPERVISED_VERBS = (
+    ("train-rm", "reward_model", "train a reward model on preference pairs (Bradley-Terry)"),
+    ("train-sft", "sft", "supervised fine-tuning on prompt/response rows or conversations"),
+    ("train-dpo", "dpo", "direct preference optimisation (DPO and variants) on preference pairs"),
+)
 
 
 def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,25 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_launcher_options(train)
     add_preflight_arguments(train)
     train.set_defaults(func=_train)
-    train_rm = sub.add_parser(
-        "train-rm",
-        help="train a reward model on preference pairs (Bradley-Terry); "
-        "the same as `train` with trainer.kind=reward_model",
-    )
-    train_rm.add_argument("config")
-    train_rm.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=64"
-    )
-    train_rm.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
-    )
-    _add_verbose(train_rm)
-    add_launcher_options(train_rm)
-    add_preflight_arguments(train_rm)
-    train_rm.set_defaults(func=_train, forced=["trainer.kind=reward_model"])
+    for verb, kind, what in SUPERVISED_VERBS:
+        sub_train = sub.add_parser(
+            verb, help=f"{what}; the same as `train` with trainer.kind={kind}"
+        )
+        sub_train.add_argument("config")
+        sub_train.add_argument(
+            "overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=64"
+        )
+        sub_train.add_argument(
+            "--nproc-per-node",
+            type=int,
+            default=None,
+            help="start torchrun with N local ranks (default: one per GPU on CUDA, tp*pp on CPU)",
+        )
+        _add_verbose(sub_train)
+        add_launcher_options(sub_train)
+        add_preflight_arguments(sub_train)
+        sub_train.set_defaults(func=_train, forced=[f"trainer.kind={kind}"])
     from checkpoints_tools.cli import add_verbs
 
     convert = sub.add_parser(
@@ -178,8 +198,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Verbs whose positional arguments end with ``key=value`` overrides, which may come anywhere on
+# the command line (before, between or after the options).
+OVERRIDE_VERBS = ("train", "train-rm")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with a training verb's overrides taken wherever they stand."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in OVERRIDE_VERBS:
+        stray = [a for a in rest if a.startswith("-") or "=" not in a]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    os.environ[START_ENV] = str(time.time())  # the start-up lines count from the command
+    args = parse(argv)
     try:
         return int(args.func(args) or 0)
     except MegarlError as e:

@@ -1,20 +1,21 @@
 """The typed run configuration: one dataclass per section, one default per setting.
 
-A run is a YAML file plus dotted overrides (``actor.lr=1e-6``), merged onto these dataclasses by
-OmegaConf. Unknown keys, wrong types and inconsistent batch sizes are :class:`ConfigError` s that
-name the setting and the fix, raised before any model or process starts.
+A run is a YAML file plus dotted overrides (``actor.optim.lr=1e-6``), merged onto these
+dataclasses by OmegaConf. Unknown keys (named in full, with megarl's key for verl's: see
+:mod:`megarl.config_keys`), wrong types and inconsistent batch sizes are :class:`ConfigError` s
+that name the setting and the fix, raised before any model or process starts.
 """
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megarl.config_keys import prepare_layer, unknown_keys_error
 from megarl.errors import ConfigError
 from megarl.loggers import check_loggers
 from megarl.lora_settings import check_lora_settings
@@ -97,9 +98,13 @@ class RolloutConfig:
     # sampler (per-request seeds force its per-request sampling loop and turn its FlashInfer
     # top-k/top-p kernel off), at the price of both guarantees (docs/gpu_settings.md)
     per_request_seeds: bool = True
-    # CUDA vLLM between rollouts: 1 keeps its weights in host memory, 2 discards them (the
-    # reshard reloads them); both free the KV cache
-    sleep_level: int = 1
+    # CUDA rollout engine between rollouts: 2 discards its weights (the reshard refills every
+    # one), 1 copies them to host memory and back; both free the KV cache
+    sleep_level: int = 2
+    # How the actor's weights reach the rollout engine: shard (each rank receives only the
+    # slices its rollout TP rank loads), full (whole tensors on every rank), auto (shard where
+    # the backend can load slices of the model, else full). See docs/resharding.md.
+    reshard_mode: str = "auto"
     # colocated: every rank rolls out, then trains. async: parallel.rollout_ranks ranks generate
     # while the others train (docs/async.md)
     mode: str = "colocated"
@@ -124,6 +129,21 @@ class RolloutConfig:
     # Share of a step's samples whose environment may fail (raise, break the API) before the run
     # stops with the first error; failed samples score 0 and are counted (rollout/env_failures).
     max_env_failures: float = 0.5
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation: a frozen teacher scores the student's own rollouts and the
+    per-token reverse KL (student logprob - teacher logprob) steers the student."""
+
+    teacher_path: str | None = (
+        None  # Hugging Face folder of the teacher (same tokenizer); None: off
+    )
+    # Weight of the reverse KL. mode=reward: a dense reward, each response token's advantage gets
+    # -coef * its own KL (beside the outcome advantages); mode=loss: coef * a KL term in the
+    # actor loss whose gradient is the reverse KL's (k2 estimator).
+    coef: float = 1.0
+    mode: str = "reward"  # reward | loss
 
 
 @dataclass
@@ -168,6 +188,8 @@ class AlgorithmConfig:
     # data.train_batch_size prompts are filled (else the step trains on the groups it kept).
     filter_groups: bool = False
     filter_groups_max_batches: int = 4
+    # On-policy distillation from a frozen teacher (megarl.trainer.distill); off without a path.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -249,6 +271,9 @@ class RewardConfig:
     num_workers: int = 0
     timeout_s: float = 30.0
     strict: bool = False
+    # A step (or validation batch) where more than this share of the samples fail to score (the
+    # scorer raises, times out, or returns NaN/inf) stops the run with the first error; 1.0: never
+    max_failed_fraction: float = 0.5
     # A reward model scoring prompt + response: an HF *ForSequenceClassification folder (e.g. one
     # exported from `megarl train-rm`) or a megarl reward-model checkpoint; same tokenizer as the
     # policy. Score = rule_weight * rule score + model_weight * reward-model score; rule_weight 0
@@ -275,6 +300,42 @@ class RewardModelConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`trainer.kind: sft` (``megarl train-sft``): supervised fine-tuning. data.train_files /
+    val_files hold `prompt` + `response` rows or `messages` conversations; data.train_batch_size
+    and val_batch_size count sequences (global). The loss is the token-mean NLL of the response
+    (assistant) tokens over the whole batch."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    micro_batch_size: int = 4  # sequences per micro-batch per rank
+    max_tokens_per_micro_batch: int | None = None  # token budget instead of a count
+    packing: bool = True  # each micro-batch as one pack of its sequences (no padding)
+    max_length: int = 1024  # tokens of prompt + response
+    truncation: str = "filter"  # error | filter | truncate (cuts the response's end)
+
+
+@dataclass
+class DPOConfig:
+    """`trainer.kind: dpo` (``megarl train-dpo``): direct preference optimisation on
+    prompt/chosen/rejected pairs against a frozen reference. data.train_batch_size and
+    val_batch_size count pairs (global)."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    loss: str = (
+        "sigmoid"  # a registered DPO loss: sigmoid | ipo | hinge | robust | ... (megarl.algos.dpo)
+    )
+    beta: float = 0.1
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # other parameters of the loss
+    # The frozen reference policy; None: model.path (with actor.lora: the actor's own base).
+    # Reference-free losses (simpo) build none.
+    reference_path: str | None = None
+    micro_batch_size: int = 4  # pairs per micro-batch per rank (chosen + rejected together)
+    packing: bool = True
+    max_length: int = 1024  # tokens of prompt + the longer response
+    truncation: str = "filter"  # error | filter | truncate
+
+
+@dataclass
 class ElasticConfig:
     """Elastic recovery (``megarl train`` as the launcher: torchrun's, Ray's or Slurm's path):
     when a rank dies, the job restarts by itself from its latest intact checkpoint on the ranks
@@ -289,14 +350,20 @@ class ElasticConfig:
 
 @dataclass
 class TrainerConfig:
-    kind: str = "policy"  # policy (PPO/GRPO) | reward_model (Bradley-Terry)
+    # policy (PPO/GRPO) | reward_model (Bradley-Terry) | sft | dpo
+    kind: str = "policy"
     total_steps: int = 100
     save_freq: int = 0  # 0: only at the end
     test_freq: int = 0  # 0: never; validation runs over the whole data.val_files
-    val_before_train: bool = False  # validate once before the first step
+    # validate once before the first step (policy runs; the reward-model, SFT and DPO trainers,
+    # whose validation is a forward pass, always do when validation is on)
+    val_before_train: bool = False
     val_pass_score: float = 1.0  # a validation sample "passes" (pass@k) when it scores >= this
     output_dir: str = "outputs/run"
     resume: str = "auto"  # auto | never
+    # A fresh run in an output_dir holding an earlier run's checkpoints or metrics is refused
+    # unless this is true: then the earlier run's folder is renamed to OUT.old-<time> (never deleted)
+    overwrite: bool = False
     seed: int = 1
     nan_policy: str = "stop"  # stop | skip
     # Where metrics go, besides OUTPUT/metrics.jsonl: any of console, mlflow, tensorboard, wandb.
@@ -329,6 +396,8 @@ class RunConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -341,47 +410,18 @@ CHOICES = {
     "rollout.dtype": ("auto", "float32", "bfloat16"),
     "actor.old_log_prob_forward": ("auto", "always"),
     "rollout.sleep_level": (1, 2),
+    "rollout.reshard_mode": ("auto", "shard", "full"),
     "data.overlong_prompts": ("filter", "error"),
     "trainer.resume": ("auto", "never"),
     "trainer.nan_policy": ("stop", "skip"),
-    "trainer.kind": ("policy", "reward_model"),
+    "trainer.kind": ("policy", "reward_model", "sft", "dpo"),
     "reward_model.truncation": ("error", "filter", "truncate"),
+    "sft.truncation": ("error", "filter", "truncate"),
+    "dpo.truncation": ("error", "filter", "truncate"),
 }
 
 
 WANDB_MODES = ("online", "offline", "disabled")
-
-
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    for f in fields(cls):
-        name = f"{prefix}{f.name}"
-        keys.append(name)
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            keys += _all_keys(type(default), name + ".")
-    return keys
-
-
-def _unknown_key_error(key: str) -> ConfigError:
-    if key == "algorithm.tis_cap":
-        return ConfigError(
-            "algorithm.tis_cap is replaced by the rollout corrections: set "
-            "algorithm.rollout_correction=token_tis and algorithm.rollout_correction_kwargs.cap="
-            "<the cap> (e.g. 2.0); seq_tis, masked_is, icepop and decoupled_ppo are the others"
-        )
-    if key.startswith("critic.lora"):
-        return ConfigError(
-            f"unknown setting {key!r}: LoRA is for the actor only (actor.lora.*); the critic "
-            "trains all its weights"
-        )
-    close = difflib.get_close_matches(key, _all_keys(RunConfig), n=3, cutoff=0.6)
-    hint = (
-        f"; did you mean {', '.join(close)}?"
-        if close
-        else "; see megarl/config.py for every setting"
-    )
-    return ConfigError(f"unknown setting {key!r}{hint}")
 
 
 def load_config(
@@ -395,14 +435,17 @@ def load_config(
         if not file.is_file():
             raise ConfigError(f"config file {file} does not exist")
         try:
-            layers.append(OmegaConf.load(file))
+            layers.append((OmegaConf.load(file), str(file)))
         except Exception as e:  # yaml errors come in several types
             raise ConfigError(f"cannot parse {file}: {e}") from e
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    # Hydra's "+key=value" (add a key) and "++key=value" mean a plain override here.
+    dotlist = [item.lstrip("+") for item in overrides]
+    layers.append((OmegaConf.from_dotlist(dotlist), "the command line overrides"))
     try:
+        layers = [_checked_layer(layer, source) for layer, source in layers]
         merged = OmegaConf.merge(schema, *layers)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
@@ -411,13 +454,25 @@ def load_config(
             )
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ConfigKeyError as e:
-        raise _unknown_key_error(str(e.full_key)) from None
+        raise unknown_keys_error(RunConfig, [str(e.full_key)], "the config") from None
     except ValidationError as e:
         raise ConfigError(f"setting {e.full_key!r}: {e.msg}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(str(e)) from None
     validate(cfg)
     return cfg
+
+
+def _checked_layer(layer: Any, source: str) -> Any:
+    """A config layer with its keys checked against the schema (every unknown one named, with
+    megarl's key for verl's) and single values taken as one-element lists where lists go."""
+    tree = OmegaConf.to_container(layer, resolve=False)
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source} is not a mapping of sections (model:, data:, ...)")
+    unknown = prepare_layer(RunConfig, tree)
+    if unknown:
+        raise unknown_keys_error(RunConfig, unknown, source)
+    return OmegaConf.create(tree)
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
@@ -458,8 +513,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "as logged; remove or fix these"
         )
     _validate_reliability(cfg)
-    if cfg.trainer.kind == "reward_model":
-        _validate_reward_model(cfg, world_size)
+    supervised = _SUPERVISED_VALIDATORS.get(cfg.trainer.kind)
+    if supervised is not None:
+        supervised(cfg, world_size)
         return
     data, actor = cfg.data, cfg.actor
     positive = {
@@ -485,6 +541,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     _validate_sampling(cfg)
     _validate_async(cfg, world_size)
+    _validate_distill(cfg)
     _validate_multi_turn(cfg.rollout)
     algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
     if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
@@ -793,6 +850,11 @@ def _validate_reliability(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.keep_every={t.keep_every} must be >= 0 (0 keeps no extra checkpoints)"
         )
+    if not 0.0 <= cfg.reward.max_failed_fraction <= 1.0:
+        raise ConfigError(
+            f"reward.max_failed_fraction={cfg.reward.max_failed_fraction} must be in [0, 1]: the "
+            "share of a step's samples that may fail to score before the run stops (1.0: never)"
+        )
     if not t.hang_timeout_s > 0:
         raise ConfigError(
             f"trainer.hang_timeout_s={t.hang_timeout_s} must be > 0 seconds; set it above the "
@@ -835,8 +897,9 @@ def _validate_parallel(par: ParallelConfig) -> None:
 
 def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
     """The longest sequence a run trains on, and the settings that make it up."""
-    if cfg.trainer.kind == "reward_model":
-        return cfg.reward_model.max_length, "reward_model.max_length"
+    if cfg.trainer.kind in _SUPERVISED_VALIDATORS:  # one max_length setting per such trainer
+        section = cfg.trainer.kind
+        return getattr(cfg, section).max_length, f"{section}.max_length"
     return (
         cfg.data.max_prompt_length + cfg.rollout.max_response_length,
         "data.max_prompt_length + rollout.max_response_length",
@@ -880,22 +943,110 @@ def _check_dp_split(cfg: RunConfig, world_size: int, batches: dict[str, int]) ->
             )
 
 
-def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
-    rm, data = cfg.reward_model, cfg.data
+def _validate_supervised(
+    cfg: RunConfig, world_size: int | None, section: str, micro_batch_size: int, max_length: int
+) -> None:
+    """What the reward-model, SFT and DPO trainers share: positive sizes, a usable max_length,
+    batches that split over the data-parallel ranks."""
+    data = cfg.data
     _check_positive(
         {
             "data.train_batch_size": data.train_batch_size,
-            "reward_model.micro_batch_size": rm.micro_batch_size,
+            f"{section}.micro_batch_size": micro_batch_size,
             "trainer.total_steps": cfg.trainer.total_steps,
         }
     )
-    if rm.max_length < 2:
-        raise ConfigError(f"reward_model.max_length must be >= 2 tokens, got {rm.max_length}")
+    if max_length < 2:
+        raise ConfigError(f"{section}.max_length must be >= 2 tokens, got {max_length}")
     if world_size is not None:
         batches = {"data.train_batch_size": data.train_batch_size}
         if data.val_files:
             batches["data.val_batch_size"] = data.val_batch_size
         _check_dp_split(cfg, world_size, batches)
+
+
+def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
+    rm = cfg.reward_model
+    _validate_supervised(cfg, world_size, "reward_model", rm.micro_batch_size, rm.max_length)
+
+
+def _validate_sft(cfg: RunConfig, world_size: int | None) -> None:
+    sft = cfg.sft
+    _validate_supervised(cfg, world_size, "sft", sft.micro_batch_size, sft.max_length)
+    budget = sft.max_tokens_per_micro_batch
+    if budget is not None and budget < 2:
+        raise ConfigError(
+            f"sft.max_tokens_per_micro_batch={budget} must be >= 2 tokens (or null: "
+            "sft.micro_batch_size sequences per micro-batch)"
+        )
+
+
+def _validate_dpo(cfg: RunConfig, world_size: int | None) -> None:
+    dpo = cfg.dpo
+    _validate_supervised(cfg, world_size, "dpo", dpo.micro_batch_size, dpo.max_length)
+    dpo_loss_kwargs(cfg, try_it=True)
+    if dpo.reference_path is not None and not dpo_needs_reference(cfg):
+        raise ConfigError(
+            f"dpo.reference_path={dpo.reference_path} is set but dpo.loss={dpo.loss!r} is "
+            "reference-free; remove dpo.reference_path, or choose a loss that uses a reference "
+            "(e.g. sigmoid)"
+        )
+
+
+def dpo_loss_kwargs(cfg: RunConfig, try_it: bool = False) -> dict[str, Any]:
+    """The keyword arguments of the configured DPO loss (``dpo.beta`` and ``dpo.loss_kwargs``),
+    resolved against its signature; ConfigError naming the fix for an unknown loss or setting.
+    ``try_it`` also calls it once on a tiny batch (a value it refuses fails here)."""
+    from megarl.algos.dpo import DPO_LOSSES, try_dpo_loss
+    from megarl.algos.settings import Choice, SettingError, resolve_kwargs
+
+    d = cfg.dpo
+    choice = Choice(
+        "dpo.loss",
+        DPO_LOSSES,
+        d.loss,
+        {"beta": ("dpo.beta", d.beta)},
+        dict(d.loss_kwargs),
+        "dpo.loss_kwargs",
+    )
+    try:
+        kwargs = resolve_kwargs(choice)
+        if try_it:
+            try_dpo_loss(d.loss, kwargs)
+    except SettingError as e:
+        raise ConfigError(str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"dpo.loss={d.loss!r} refuses its settings (dpo.beta, dpo.loss_kwargs): {e}"
+        ) from None
+    return kwargs
+
+
+def dpo_needs_reference(cfg: RunConfig) -> bool:
+    """Whether the configured DPO loss compares against a reference policy."""
+    from megarl.algos.dpo import DPO_LOSSES, needs_reference
+
+    return needs_reference(DPO_LOSSES.get(cfg.dpo.loss))
+
+
+_SUPERVISED_VALIDATORS = {
+    "reward_model": _validate_reward_model,
+    "sft": _validate_sft,
+    "dpo": _validate_dpo,
+}
+
+DISTILL_MODES = ("reward", "loss")
+
+
+def _validate_distill(cfg: RunConfig) -> None:
+    d = cfg.algorithm.distill
+    if d.mode not in DISTILL_MODES:
+        raise ConfigError(f"algorithm.distill.mode={d.mode!r} is not one of {list(DISTILL_MODES)}")
+    if d.teacher_path is not None and not d.coef > 0:
+        raise ConfigError(
+            f"algorithm.distill.coef={d.coef} must be > 0 with a teacher "
+            "(algorithm.distill.teacher_path); remove the teacher to train without distillation"
+        )
 
 
 def model_dtype(cfg: RunConfig, cuda: bool) -> str:

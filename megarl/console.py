@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 import warnings
 
 VERBOSE_ENV = "MEGARL_VERBOSE"
@@ -53,3 +55,25 @@ def quiet_rank_console() -> None:
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     for category, message in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+
+
+START_ENV = "MEGARL_START_TIME"  # when the user's command started (time.time()), set by the CLI
+
+
+def start_time() -> float:
+    """When the user's command started (the CLI sets it for the ranks), else this process."""
+    try:
+        return float(os.environ[START_ENV])
+    except (KeyError, ValueError):
+        return _PROCESS_START
+
+
+_PROCESS_START = time.time()
+
+
+def announce(what: str) -> None:
+    """A start-up progress line on global rank 0: ``megarl: [  12.3s] what``, the time counted
+    from the user's command, so that the minutes before the first step are not silent."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    print(f"megarl: [{time.time() - start_time():6.1f}s] {what}", file=sys.stderr, flush=True)

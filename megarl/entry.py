@@ -34,8 +34,25 @@ def _rollout_group() -> Trainer:
     return serve_rollouts
 
 
+def _sft() -> Trainer:
+    from megarl.sft.train import train_sft
+
+    return train_sft
+
+
+def _dpo() -> Trainer:
+    from megarl.dpo.train import train_dpo
+
+    return train_dpo
+
+
 # trainer.kind -> the function that runs such a config (imported lazily: each pulls in megatron)
-TRAINERS: dict[str, Callable[[], Trainer]] = {"policy": _policy, "reward_model": _reward_model}
+TRAINERS: dict[str, Callable[[], Trainer]] = {
+    "policy": _policy,
+    "reward_model": _reward_model,
+    "sft": _sft,
+    "dpo": _dpo,
+}
 
 
 def program(cfg: RunConfig) -> Trainer:
@@ -56,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported
     from megarl.backends import set_rank_env
+    from megarl.run.preemption import stop_exit_code  # imports torch
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -71,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code
-    return 0
+    return stop_exit_code()  # 130 when a Ctrl-C stopped the run (after its checkpoint)
 
 
 if __name__ == "__main__":

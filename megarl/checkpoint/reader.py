@@ -17,15 +17,14 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.safe_metadata import DIST_METADATA, read_dist_metadata
 from megarl.errors import CheckpointError
 
-DIST_METADATA = ".metadata"
 MEGATRON_METADATA = "metadata.json"
 
 
@@ -71,11 +70,7 @@ class DistCheckpointReader:
                 f"{self.root} is not a complete megatron dist checkpoint ({DIST_METADATA} or "
                 f"{MEGATRON_METADATA} is missing); save or convert it again"
             )
-        try:
-            with open(meta_file, "rb") as f:
-                self._md = pickle.load(f)
-        except Exception as e:
-            raise CheckpointError(f"cannot read {meta_file}: {e}; the checkpoint is damaged") from e
+        self._md = read_dist_metadata(meta_file)  # allow-listed: never runs code from the file
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self._tensors = {

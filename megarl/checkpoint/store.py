@@ -3,8 +3,10 @@
 A checkpoint is a folder::
 
     CKPT/
-      megarl_checkpoint.json   what it holds (role, dtype, the layout it was saved at); written
-                               last, so a folder without it is not a (complete) checkpoint
+      megarl_checkpoint.json   what it holds (role, dtype, the layout it was saved at); a folder
+                               without it is not a (complete) checkpoint
+      manifest.json            every other file's size and checksum (megarl.checkpoint.manifest),
+                               written last
       hf/                      config.json, generation_config.json and tokenizer files of the model
       mcore/                   a megatron-core ``dist_checkpointing`` checkpoint (torch_dist):
                                global tensors, loadable at any TP/PP
@@ -32,6 +34,9 @@ from typing import Any
 
 import torch
 
+import megarl.checkpoint.manifest as manifest
+from megarl.checkpoint.safe_load import safe_strategies
+from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.dims import ModelDims
 from megarl.models.heads import has_scalar_head
@@ -110,8 +115,20 @@ def megatron_core_version() -> str:
 # Finding a checkpoint
 
 
+# A training step folder holds one checkpoint per trained role; asked for "the" checkpoint of a
+# step, the first of these present is the one meant (the policy, or the reward model of train-rm).
+ROLE_PREFERENCE = ("actor", "reward", "critic", "reference")
+
+
+def step_roles(folder: Path) -> list[str]:
+    """The roles a training step folder holds checkpoints for, in :data:`ROLE_PREFERENCE` order."""
+    return [r for r in ROLE_PREFERENCE if (folder / r / META_FILE).is_file()]
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder ``path`` names: itself, or the one its ``latest`` file points to.
+    """The checkpoint folder ``path`` names: itself; the one its ``latest`` file points to (a
+    training run's ``checkpoints/`` folder); or, for a training step folder (``step_N/`` with one
+    checkpoint per role), its actor's (else its reward model's, critic's, reference's).
 
     Raises :class:`CheckpointError` with what is wrong for missing, partial or foreign folders.
     """
@@ -119,20 +136,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint folder {path} does not exist; pass the folder written by "
-            "`megarl convert hf-to-mcore` or by training (or its root with a `latest` file)"
+            "`megarl convert hf-to-mcore` or by training (a run's checkpoints/ folder, one of its "
+            "step_N folders, or a role folder inside one)"
         )
     if (path / META_FILE).is_file():
         return path
+    roles = step_roles(path)
+    if roles:
+        return path / roles[0]
     latest = path / LATEST_FILE
     if latest.is_file():
         name = latest.read_text().strip()
         target = path / name
-        if not (target / META_FILE).is_file():
+        if not (target / META_FILE).is_file() and not step_roles(target):
             raise CheckpointError(
                 f"{latest} points to {name!r}, but {target} is missing or incomplete; "
                 f"pass one of the complete checkpoints in {path}: {list_checkpoints(path) or 'none'}"
             )
-        return target
+        return resolve_checkpoint(target)
     if (path / MCORE_SUBDIR).is_dir() or (path / ".metadata").is_file():
         raise CheckpointError(
             f"{path} is an incomplete checkpoint: {META_FILE} is missing (the save did not "
@@ -142,15 +163,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     steps = list_checkpoints(path)
     hint = f"; checkpoints inside it: {steps}" if steps else ""
     raise CheckpointError(
-        f"{path} is not a megarl checkpoint (no {META_FILE} and no `{LATEST_FILE}` file){hint}"
+        f"{path} is not a megarl checkpoint (no {META_FILE}, no role folders and no "
+        f"`{LATEST_FILE}` file){hint}"
     )
 
 
 def list_checkpoints(root: str | Path) -> list[str]:
+    """The complete checkpoints in ``root``: role checkpoints and training step folders."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if (p / META_FILE).is_file())
+    return sorted(p.name for p in root.iterdir() if (p / META_FILE).is_file() or step_roles(p))
 
 
 def read_meta(path: str | Path) -> CheckpointMeta:
@@ -368,8 +391,10 @@ def save_checkpoint(
             mcore.mkdir()
             copy_hf_assets(hf_assets, tmp / HF_SUBDIR)
         _barrier()
-        with _quiet_dist_checkpointing():
+        with _quiet_dist_checkpointing(), hashed_writes():
             dist_checkpointing.save(state, str(mcore))
+        _barrier()
+        records = written_records(tmp)  # collective: each rank hashes the files it wrote
         if _is_rank0():
             from megarl.checkpoint.hf_assets import read_json
 
@@ -385,7 +410,43 @@ def save_checkpoint(
                 lora=lora_record(gpt),
             )
             (tmp / META_FILE).write_text(meta.to_json())
+            manifest.write(tmp, [*records, manifest.record(tmp, META_FILE)])
     return Path(path).absolute()
+
+
+def written_records(folder: Path) -> list[manifest.FileRecord]:
+    """Size and checksum of every file below ``folder`` (a checkpoint just written); collective.
+
+    Each rank takes the digests of the dist-checkpoint files it wrote (``mcore/__R_*.distcp``)
+    from what the writer hashed as it wrote them (:mod:`megarl.checkpoint.write_hashing`; a file
+    without one is read back), rank 0 hashes everything else; rank 0 gets them all, the other
+    ranks an empty list.
+    """
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _dist_active() else (0, 1)
+    if rank == 0:
+        names = [
+            n
+            for n in manifest.files_under(folder)
+            if manifest.writer_rank(n, world) == 0 and not n.endswith(SIDECAR)
+        ]
+    else:
+        names = sorted(
+            f"{MCORE_SUBDIR}/{p.name}" for p in (folder / MCORE_SUBDIR).glob(f"__{rank}_*.distcp")
+        )
+    mine = []
+    for name in names:
+        digest = take_sidecar(folder / name) if name.endswith(".distcp") else None
+        if digest is None:
+            mine.append(manifest.record(folder, name))
+        else:
+            mine.append(manifest.FileRecord(name, (folder / name).stat().st_size, digest))
+    if world == 1:
+        return mine
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return [r for part in everyone for r in part] if rank == 0 else []
 
 
 def save_step(
@@ -445,7 +506,9 @@ def load_checkpoint(
     try:
         with _quiet_dist_checkpointing():
             loaded = dist_checkpointing.load(
-                {"model": model_sd, **(extra or {})}, str(ckpt / MCORE_SUBDIR)
+                {"model": model_sd, **(extra or {})},
+                str(ckpt / MCORE_SUBDIR),
+                **safe_strategies(),  # nothing in the checkpoint is unpickled unrestricted
             )
     except CheckpointError:
         raise

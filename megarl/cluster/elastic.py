@@ -33,9 +33,9 @@ from megarl.cluster.layouts import FitCheck, largest_layout, layout_overrides
 from megarl.config import RunConfig
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
-from megarl.run.checkpointing import latest_intact
 from megarl.run.elastic import AttemptRecord
 from megarl.run.resume import checkpoint_root
+from megarl.run.verification import latest_intact
 
 EVENTS_FILE = "elastic.jsonl"
 

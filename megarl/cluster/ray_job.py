@@ -37,7 +37,7 @@ from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
 from megarl.quiet_torchrun import describe_exit, exit_code_of
-from megarl.run.preemption import LAUNCHER_ENV
+from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
 
 EXTRA = "megarl[ray]"
 CONNECT_TIMEOUT_S = 30.0  # a cluster's GCS must answer within this; a local start too
@@ -207,6 +207,7 @@ class RayLauncher:
         self.kind = "GPU" if ray.cluster_resources().get("GPU", 0) >= 1 else "CPU"
         self.interrupted = False
         self._pending: list[int] = []
+        self._first_signal: int | None = None
         self._driver_node = ray.get_runtime_context().get_node_id()
 
     @classmethod
@@ -271,7 +272,7 @@ class RayLauncher:
         return placement.capacity(_nodes(self.ray, self.kind), lost, self.one_node)
 
     def run(self, spec: JobSpec) -> JobResult:
-        self.interrupted = False
+        self.interrupted, self._first_signal = False, None
         pg, ranks = self._place(spec)
         try:
             with self._forwarding_signals():
@@ -363,7 +364,10 @@ class RayLauncher:
             if failed:
                 return self._fail(ranks, failed)
             if all(r.poll is not None and r.poll.exit_code == 0 for r in ranks):
-                return JobResult(0)
+                # a Ctrl-C the ranks stopped for cleanly: the command's status is 130
+                return JobResult(
+                    INTERRUPTED_EXIT_CODE if self._first_signal == signal.SIGINT else 0
+                )
             time.sleep(POLL_S)
 
     def _poll(self, ranks: list[_Rank]) -> None:
@@ -436,13 +440,17 @@ class RayLauncher:
         self._pending.append(signum)
 
     def _forward_pending(self, ranks: list[_Rank]) -> None:
+        """Each signal to every rank: SIGUSR1 (preemption) or SIGUSR2 (Ctrl-C); the ranks finish
+        the step and checkpoint on the first, stop at once on a second."""
         while self._pending:
             signum = self._pending.pop(0)
-            to = signal.SIGINT if signum == signal.SIGINT else signal.SIGUSR1
-            if to == signal.SIGUSR1:
+            to = signal.SIGUSR2 if signum == signal.SIGINT else signal.SIGUSR1
+            if self._first_signal is None:
+                self._first_signal = signum
                 print(
                     f"megarl: {signal.Signals(signum).name} received: asking the {len(ranks)} "
-                    "ranks to finish the current step and save a checkpoint",
+                    "ranks to finish the current step and save a checkpoint (the same signal "
+                    "again stops them at once)",
                     file=sys.stderr,
                     flush=True,
                 )

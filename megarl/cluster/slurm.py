@@ -25,6 +25,7 @@ from contextlib import suppress
 from megarl.cluster.job import JobResult, JobSpec
 from megarl.console import rank_env
 from megarl.errors import ConfigError
+from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
 
 # srun's report of failed tasks ("srun: error: node3: task 5: Killed", "... tasks 0-3: Exited
 # with exit code 1") and of a lost node ("srun: error: Node failure on node3").
@@ -83,6 +84,7 @@ class SlurmLauncher:
         self.nodes = self.nodes[: nnodes or len(self.nodes)]
         self.per_node, self.verbose = nproc_per_node, verbose
         self.interrupted = False
+        self._first_signal: int | None = None
         self._attempt = 0
 
     def capacity(self, lost: Sequence[Hashable]) -> int:
@@ -100,6 +102,7 @@ class SlurmLauncher:
         job = int(os.environ.get("SLURM_JOB_ID", "0"))
         env = dict(os.environ, **rank_env(self.verbose), **spec.env)
         env.update(MASTER_ADDR=use[0], MASTER_PORT=str(20000 + (job * 7 + self._attempt) % 20000))
+        env[LAUNCHER_ENV] = str(os.getpid())  # the ranks take SIGUSR1/SIGUSR2 from this launcher
         self._attempt += 1
         cmd = [
             "srun",
@@ -114,7 +117,7 @@ class SlurmLauncher:
             spec.module,
             *spec.args,
         ]
-        self.interrupted = False
+        self.interrupted, self._first_signal = False, None
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
         failures: list[tuple[str, int | None, str]] = []
         reader = threading.Thread(target=self._relay, args=(proc, failures), daemon=True)
@@ -129,8 +132,8 @@ class SlurmLauncher:
             for s, h in old.items():
                 signal.signal(s, h)
         reader.join(timeout=10.0)
-        if code == 0:
-            return JobResult(0)
+        if code == 0:  # after a Ctrl-C the ranks stopped for cleanly, the status is 130
+            return JobResult(INTERRUPTED_EXIT_CODE if self._first_signal == signal.SIGINT else 0)
         if not failures:
             return JobResult(code, how=f"srun exited with code {code}")
         node, rank, how = failures[0]
@@ -147,15 +150,19 @@ class SlurmLauncher:
                 failures.append(found)
 
     def _forward(self, proc: subprocess.Popen, signum: int) -> None:
-        """Preemption (SIGTERM, SIGUSR1) reaches the ranks as SIGUSR1 (srun passes it on to every
-        task); Ctrl-C as srun's own stop (two SIGINTs within a second)."""
+        """Preemption (SIGTERM, SIGUSR1) reaches the ranks as SIGUSR1, a first Ctrl-C as SIGUSR2
+        (srun passes both on to every task: finish the step, checkpoint); a second Ctrl-C is
+        srun's own abort (two SIGINTs within a second)."""
         self.interrupted = True
+        second = self._first_signal is not None
+        if not second:
+            self._first_signal = signum
         with suppress(ProcessLookupError):
-            if signum == signal.SIGINT:
+            if signum == signal.SIGINT and second:
                 proc.send_signal(signal.SIGINT)
                 proc.send_signal(signal.SIGINT)
             else:
-                proc.send_signal(signal.SIGUSR1)
+                proc.send_signal(signal.SIGUSR2 if signum == signal.SIGINT else signal.SIGUSR1)
 
     def close(self) -> None:
         pass

@@ -188,3 +188,26 @@ def fingerprint(files: Sequence[ParquetFileInfo]) -> str:
     """
     shape = [[os.path.basename(f.path), list(f.row_group_rows)] for f in files]
     return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
+
+
+def distinct_strings(fs: pafs.FileSystem, info: ParquetFileInfo, column: str) -> set[str]:
+    """The distinct non-null values of a string column of one file: from the row groups' min/max
+    statistics where they agree (one value in the group, no read), else by reading that column
+    of the group only."""
+    pf = open_parquet(fs, info.path, info.metadata)
+    try:
+        meta = pf.metadata
+        # the column's leaf index (nested columns such as chat-message prompts have several)
+        index = next(j for j in range(meta.num_columns) if meta.schema.column(j).path == column)
+        out: set[str] = set()
+        for i in range(meta.num_row_groups):
+            stats = meta.row_group(i).column(index).statistics
+            if stats is not None and stats.has_min_max and stats.min == stats.max:
+                value = stats.min
+                out.add(value.decode() if isinstance(value, bytes) else str(value))
+                continue
+            values = pf.read_row_group(i, columns=[column]).column(0).unique()
+            out.update(str(v) for v in values.to_pylist() if v is not None)
+        return out
+    finally:
+        pf.close()

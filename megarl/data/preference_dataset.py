@@ -9,21 +9,31 @@ responses' ends (a pair whose prompt leaves no room for a response is dropped an
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from megarl.data.batching import Rows, ShardBatches
+from megarl.data.batching import Rows
 from megarl.data.chat import encode_responses, to_messages, tokenize_texts
 from megarl.data.errors import DataError
-from megarl.data.parquet_source import fingerprint, inspect_files, resolve_files
+from megarl.data.parquet_source import ParquetFileInfo
 from megarl.data.schema import TEXT_OR_MESSAGES, check_columns
-from megarl.data.shard_reader import ShardReader
+from megarl.data.sharded import ShardedDataset, check_truncation, open_files
 
 TruncationPolicy = Literal["error", "filter", "truncate"]
 _COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def check_preference_files(infos: Sequence[ParquetFileInfo]) -> None:
+    """Every file has prompt, chosen and rejected columns of text or chat messages."""
+    for info in infos:
+        check_columns(
+            info,
+            dict.fromkeys(_COLUMNS, TEXT_OR_MESSAGES),
+            hint="A preference file needs prompt, chosen and rejected columns.",
+        )
 
 
 @dataclass
@@ -38,7 +48,7 @@ class PreferenceItem:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class PreferenceDataset:
+class PreferenceDataset(ShardedDataset[PreferenceItem]):
     """This rank's preference pairs in lockstep batches; same sharding and state as PromptDataset."""
 
     def __init__(
@@ -60,74 +70,36 @@ class PreferenceDataset:
         filesystem: pafs.FileSystem | None = None,
         setting: str = "data.train_files",
     ) -> None:
-        if truncation not in ("error", "filter", "truncate"):
-            raise DataError(
-                f"truncation must be 'error', 'filter' or 'truncate', got {truncation!r}."
-            )
-        if max_length < 2:
-            raise DataError(f"max_length must be >= 2, got {max_length}.")
+        check_truncation(truncation, max_length)
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        fs, paths = resolve_files(files, filesystem, what=setting)
-        infos = inspect_files(fs, paths)
-        for info in infos:
-            check_columns(
-                info,
-                dict.fromkeys(_COLUMNS, TEXT_OR_MESSAGES),
-                hint="A preference file needs prompt, chosen and rejected columns.",
-            )
-        self.files = infos
-        self.reader = ShardReader(
+        fs, infos = open_files(files, filesystem, setting)
+        check_preference_files(infos)
+        super().__init__(
             fs,
             infos,
+            self._encode,
+            kind="preference",
+            batch_size_per_rank=batch_size_per_rank,
             dp_rank=dp_rank,
             dp_size=dp_size,
             seed=seed,
             shuffle=shuffle,
+            drop_last=drop_last,
             window_rows=window_rows,
         )
-        self._locate = self.reader.locate
-        self._batches: ShardBatches[PreferenceItem] = ShardBatches(
-            self.reader,
-            self._encode,
-            kind="preference",
-            batch_size=batch_size_per_rank,
-            drop_last=drop_last,
-            fingerprint=fingerprint(infos),
-        )
-        self._batches.state.counters.setdefault("truncated", 0)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self._batches.steps_per_epoch
-
-    @property
-    def epoch(self) -> int:
-        return self._batches.state.epoch
-
-    def __iter__(self) -> Iterator[list[PreferenceItem]]:
-        return iter(self._batches)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._batches.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._batches.load_state_dict(state)
 
     def metrics(self) -> dict[str, float]:
-        c = self._batches.state.counters
+        c = self.counters
         return {
             "data/epoch": float(self.epoch),
             "data/filtered_pairs": float(c["dropped"]),
             "data/truncated_pairs": float(c.get("truncated", 0)),
             "data/refilled_pairs": float(c["refilled"]),
         }
-
-    def close(self) -> None:
-        self.reader.close()
 
     def _cells(self, rows: Rows) -> dict[str, list[Any]]:
         cells: dict[str, list[Any]] = {c: [] for c in _COLUMNS}
@@ -189,7 +161,7 @@ class PreferenceDataset:
 
     def _encode(self, rows: Rows) -> list[PreferenceItem | None]:
         prompt_ids, chosen_ids, rejected_ids = self._tokenize(rows)
-        counters = self._batches.state.counters
+        counters = self.counters
         items: list[PreferenceItem | None] = []
         for (uid, row), p, c, r in zip(rows, prompt_ids, chosen_ids, rejected_ids, strict=True):
             longest = len(p) + max(len(c), len(r))

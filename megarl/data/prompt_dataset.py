@@ -18,12 +18,25 @@ import pyarrow.fs as pafs
 from megarl.data.batching import Rows, ShardBatches
 from megarl.data.chat import encode_prompts, to_messages
 from megarl.data.errors import DataError
-from megarl.data.parquet_source import fingerprint, inspect_files, resolve_files
+from megarl.data.parquet_source import ParquetFileInfo, fingerprint, inspect_files, resolve_files
 from megarl.data.schema import ANY, REWARD_MODEL, STRING, TEXT_OR_MESSAGES, check_columns
 from megarl.data.shard_reader import ShardReader
 
 OverlongPolicy = Literal["error", "filter"]
 _KNOWN = ("prompt", "data_source", "reward_model", "extra_info")
+
+
+def check_prompt_files(infos: Sequence[ParquetFileInfo], require_ground_truth: bool = True) -> None:
+    """Every file has verl's RL parquet columns (``reward_model`` only if ``require_ground_truth``)."""
+    required = {"prompt": TEXT_OR_MESSAGES, "data_source": STRING}
+    if require_ground_truth:
+        required["reward_model"] = REWARD_MODEL
+    hint = (
+        "Expected verl's RL parquet columns: prompt, data_source, reward_model.ground_truth "
+        "(set require_ground_truth=False if rewards come from a reward model), extra_info."
+    )
+    for info in infos:
+        check_columns(info, required, {"reward_model": REWARD_MODEL, "extra_info": ANY}, hint=hint)
 
 
 @dataclass
@@ -90,17 +103,7 @@ class PromptDataset:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         fs, paths = resolve_files(files, filesystem, what=setting)
         infos = inspect_files(fs, paths)
-        required = {"prompt": TEXT_OR_MESSAGES, "data_source": STRING}
-        if require_ground_truth:
-            required["reward_model"] = REWARD_MODEL
-        hint = (
-            "Expected verl's RL parquet columns: prompt, data_source, reward_model.ground_truth "
-            "(set require_ground_truth=False if rewards come from a reward model), extra_info."
-        )
-        for info in infos:
-            check_columns(
-                info, required, {"reward_model": REWARD_MODEL, "extra_info": ANY}, hint=hint
-            )
+        check_prompt_files(infos, require_ground_truth)
         columns = None
         if extra_columns is not None:
             for info in infos:

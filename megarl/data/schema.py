@@ -48,6 +48,11 @@ TEXT_OR_MESSAGES = ColumnRule(
     f"a string or a list of chat messages ({MESSAGES_TYPE})",
     "write each value as a string, or as a list of {'role': ..., 'content': ...} dicts",
 )
+MESSAGES = ColumnRule(
+    _is_messages,
+    f"a list of chat messages ({MESSAGES_TYPE})",
+    "write each conversation as a list of {'role': ..., 'content': ...} dicts",
+)
 REWARD_MODEL = ColumnRule(
     lambda t: pa.types.is_struct(t) and t.get_field_index("ground_truth") >= 0,
     "a struct with a 'ground_truth' field (verl's reward_model column)",

@@ -12,16 +12,19 @@ to the host, scoring the responses with the actor) is trainer code
 (:mod:`megarl.trainer.rollout_offload`, :mod:`megarl.trainer.old_log_probs`).
 
 Resharding follows a pure plan (:mod:`megarl.hybrid_engine.reshard_plan`) computed identically on every
-rank; the executor (:mod:`megarl.hybrid_engine.execute`) moves each bucket and hands it to vLLM in
-Hugging Face layout, cast to the rollout's dtype (``rollout.dtype``). Rollout prompts: each
+rank; the executor (:mod:`megarl.hybrid_engine.execute`) moves each bucket (the next one travelling
+while the current one loads) and hands it to the rollout engine in Hugging Face layout, cast to the
+rollout's dtype (``rollout.dtype``): in ``shard`` mode only the slices this rank's rollout TP rank
+loads, in ``full`` mode whole tensors (:mod:`megarl.hybrid_engine.reshard_mode`). Rollout prompts: each
 training DP rank passes its own prompts; they are spread over the ``world / infer_tp`` vLLM engines
 and every rank gets back the responses of its DP rank.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -39,6 +42,7 @@ from megarl.hybrid_engine.execute import (
 )
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
 from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_plan import plan_reshard
 from megarl.hybrid_engine.tensor_list import actor_tensor_specs
 from megarl.hybrid_engine.vllm_rollout import (
@@ -48,6 +52,7 @@ from megarl.hybrid_engine.vllm_rollout import (
     VLLMRollout,
     checkpoint_shapes,
 )
+from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard
 from megarl.models.dims import ModelDims
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
@@ -99,10 +104,15 @@ class RolloutEngine(Protocol):
     """The seam between the trainer and a rollout backend (vLLM, or transformers' generate)."""
 
     infer_tp: int
+    backend: str  # its rollout.backend name
 
     def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None: ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def validate_shards(self, shards: Sequence[ShardSpec]) -> None: ...
+
+    def load_shards(self, shards: Sequence[WeightShard]) -> None: ...
 
     def after_weight_update(self) -> None: ...
 
@@ -176,6 +186,7 @@ class HybridEngine:
         rollout: RolloutEngine | None = None,
         backend: str = "vllm",
         multi_turn: bool = False,
+        reshard_mode: str = "auto",
     ):
         from megarl.models.dims import expert_offset, layer_offset
 
@@ -197,9 +208,14 @@ class HybridEngine:
         specs = actor_tensor_specs(
             dims, layout.layers_per_stage(dims.num_layers), itemsize, ep=layout.ep
         )
-        # vLLM's CPU and CUDA builds both load HF-layout tensors: full mode (every rank gets whole
-        # tensors, vLLM cuts its shard). "shard" mode plans the zero-redundancy transition for
-        # engines that accept pre-sharded tensors.
+        # rollout.reshard_mode: shard (each rank receives only what its rollout TP rank loads)
+        # wherever the backend can load slices of this model, else full (whole tensors)
+        # (an engine handed in that implements only update_weights takes whole tensors)
+        if rollout is not None and not hasattr(rollout, "load_shards") and reshard_mode == "auto":
+            reshard_mode = "full"
+        self.reshard_mode = resolve_reshard_mode(
+            reshard_mode, getattr(rollout, "backend", backend), dims.is_moe
+        )
         self.plan = plan_reshard(
             specs,
             layout.tp,
@@ -207,8 +223,11 @@ class HybridEngine:
             layout.dp,
             layout.rollout_tp,
             bucket_bytes,
-            mode="full",
+            mode=self.reshard_mode,
             ep=layout.ep,
+            # slices come from a holder on the receiver's node where there is one (torchrun
+            # starts the same number of ranks per node: every rank plans alike)
+            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None,
         )
         self.executor = ReshardExecutor(self.plan, dims, self.rank)
         # rollout.dtype may differ from the actor's (e.g. bf16 training, fp32 sampling); an
@@ -217,6 +236,8 @@ class HybridEngine:
         if rollout is None or engine_config is not None:
             self.rollout_dtype = ROLLOUT_DTYPES[(engine_config or EngineConfig()).dtype]
         self.hf_shapes = hf_output_shapes(self.plan, dims)
+        # shard mode: the slices this rank hands its rollout engine (checked before each load)
+        self.shard_specs = self.executor.shard_specs() if self.reshard_mode == "shard" else []
         expected = checkpoint_shapes(model_dir)
         check_rollout_model(self.hf_shapes, expected, dims.tie_word_embeddings)
         if rollout is not None and rollout.infer_tp != layout.rollout_tp:
@@ -225,8 +246,14 @@ class HybridEngine:
                 f"{layout.rollout_tp}"
             )
         # One engine per process: a later HybridEngine (e.g. another training layout) reuses it.
+        # An engine built here starts from dummy weights: every one of them arrives with the
+        # first reshard, before anything is generated (vLLM skips reading the checkpoint).
         self.rollout = rollout or make_rollout(
-            backend, model_dir, layout.rollout_tp, engine_config, expected
+            backend,
+            model_dir,
+            layout.rollout_tp,
+            replace(engine_config or EngineConfig(), load_format="dummy"),
+            expected,
         )
         self.last_reshard: ReshardStats | None = None
         self._rollouts = 0
@@ -259,15 +286,13 @@ class HybridEngine:
 
         ``before_kv_cache``: the trainer's hook between the two (e.g. the actor's weights to the
         host once the reshard has read them); its metrics join the reshard's."""
-        self.rollout.validate(list(self.hf_shapes.items()))  # before anything is loaded
+        # before anything is loaded
+        if self.reshard_mode == "shard":
+            self.rollout.validate_shards(self.shard_specs)
+        else:
+            self.rollout.validate(list(self.hf_shapes.items()))
         self.rollout.wake_up(["weights"])
-        local = local_spec_tensors(
-            self.actor, self.dims, self._layer_offset, self.plan.specs, self._expert_offset
-        )
-        if has_lora(self.actor):
-            local = merged_local_tensors(self.actor, local, self.plan.specs, self._layer_offset)
-        stats = self.executor.run(local, self._load_into_rollout)
-        del local
+        stats = self.reshard(self._load_into_rollout)
         self.rollout.after_weight_update()
         hooked = before_kv_cache() if before_kv_cache is not None else {}
         self.rollout.wake_up(["kv_cache"])
@@ -275,12 +300,27 @@ class HybridEngine:
         self.metrics = {**stats.as_metrics(), **hooked, **gpu_memory_metrics("after_wake")}
         return dict(self.metrics)
 
-    def _load_into_rollout(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """One reshard bucket into the rollout engine, cast to its dtype (one bucket at a time)."""
+    def reshard(self, sink: Callable[[list], None]) -> ReshardStats:
+        """Run this rank's part of the reshard plan, bucket by bucket, into ``sink`` (the
+        rollout engine's load in :meth:`to_rollout`): the actor's weights (LoRA adapters merged)
+        as ``(hf_name, tensor)`` in full mode, ``(ShardSpec, slice)`` in shard mode."""
+        local = local_spec_tensors(
+            self.actor, self.dims, self._layer_offset, self.plan.specs, self._expert_offset
+        )
+        if has_lora(self.actor):
+            local = merged_local_tensors(self.actor, local, self.plan.specs, self._layer_offset)
+        return self.executor.run(local, sink)
+
+    def _load_into_rollout(self, weights: list) -> None:
+        """One reshard bucket into the rollout engine, cast to its dtype (one bucket at a time):
+        ``(hf_name, tensor)`` pairs in full mode, ``(ShardSpec, slice)`` in shard mode."""
         dtype = self.rollout_dtype
         if dtype is not None:
-            weights = [(name, t.to(dtype)) for name, t in weights]
-        self.rollout.update_weights(weights)
+            weights = [(key, t.to(dtype)) for key, t in weights]
+        if self.reshard_mode == "shard":
+            self.rollout.load_shards(weights)
+        else:
+            self.rollout.update_weights(weights)
 
     def to_train(self) -> None:
         """Put the rollout engine to sleep (its weights and KV cache leave the GPU)."""

@@ -1,11 +1,15 @@
 """Run a reshard plan over torch.distributed, bucket by bucket, and hand each bucket on in HF layout.
 
 Per bucket a rank allocates the tensors (or inference shards) it assembles, posts all its sends
-and receives of the bucket at once (``batch_isend_irecv``: gloo on CPU, NCCL on GPUs), copies the
-slices it already holds, converts the result to Hugging Face names and layout with the shared
-transforms of :mod:`megarl.models.hf_map`, passes it to ``sink`` and drops it before the next
-bucket. Bytes sent and received and the peak of the executor's own transient allocations are
-counted per rank (:class:`ReshardStats`).
+and receives of the bucket at once (``batch_isend_irecv``: gloo on CPU, NCCL on GPUs) and copies
+the slices it already holds. Buckets are double-buffered: once bucket ``k`` has arrived, bucket
+``k + 1``'s sends and receives are posted before bucket ``k`` is converted to Hugging Face names
+and layout (the shared transforms of :mod:`megarl.models.hf_map`) and passed to ``sink`` (the
+rollout engine's load), so the transfer of one bucket overlaps the load of the previous one and
+at most two buckets are in memory. In ``full`` mode the sink gets whole HF tensors
+``[(hf_name, tensor)]``; in ``shard`` mode the slices this rank's rollout TP rank loads
+``[(ShardSpec, tensor)]``. Bytes sent and received and the peak of the executor's own transient
+allocations are counted per rank (:class:`ReshardStats`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,20 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.hybrid_engine.reshard_plan import RankBucket, ReshardPlan, TensorSpec
+from megarl.hybrid_engine.reshard_plan import (
+    RankBucket,
+    ReshardPlan,
+    TensorSpec,
+    dest_offset,
+    range_length,
+)
+from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard
 from megarl.models.dims import ModelDims
-from megarl.models.hf_map import NameIndex, split_qkv, to_naming
+from megarl.models.hf_map import NameIndex, split_qkv, split_qkv_shard, to_naming
 
-Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
+# A bucket as the executor hands it on: [(hf_name, tensor)] in full mode, [(ShardSpec, slice)] in
+# shard mode, [(spec name, tensor)] unconverted.
+Sink = Callable[[list], None]
 
 
 @dataclass
@@ -105,6 +118,20 @@ def _global_expert_name(name: str, offset: int) -> str:
     return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}.", name, count=1)
 
 
+@dataclass
+class _Bucket:
+    """A bucket whose sends and receives are posted: its tensors, and what must live until the
+    transfers complete."""
+
+    rb: RankBucket
+    dest: dict[int, torch.Tensor]
+    works: list
+    keep: list[torch.Tensor]  # send views (and contiguous copies of them)
+    staged: list[tuple[torch.Tensor, torch.Tensor]]  # (target view, receive buffer)
+    nbytes: int  # dest bytes
+    staged_bytes: int
+
+
 class ReshardExecutor:
     """Runs one rank's part of a :class:`ReshardPlan` (the same plan on every rank)."""
 
@@ -115,15 +142,16 @@ class ReshardExecutor:
         self.group = group
         self.rank_plan: list[RankBucket] = plan.for_rank(rank)
         self._hf = NameIndex(dims, 0)
-        tp = plan.tp
-        self._train_tp_rank = rank % tp
+        self._train_tp_rank = rank % plan.tp
+        self._infer_rank = rank % plan.infer_tp
+        self._tags: dict[tuple[int, str], int] = {}
 
     # -- geometry ------------------------------------------------------------------------------
-    def _dest_shape(self, spec: TensorSpec, lo: int, hi: int) -> tuple[int, ...]:
+    def _dest_shape(self, spec: TensorSpec, ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
         if spec.tp_dim is None:
             return spec.shape
         shape = list(spec.shape)
-        shape[spec.tp_dim] = hi - lo
+        shape[spec.tp_dim] = range_length(ranges)
         return tuple(shape)
 
     def _src_view(self, spec: TensorSpec, local: torch.Tensor, start: int, stop: int):
@@ -131,6 +159,11 @@ class ReshardExecutor:
             return local
         piece_start = self._train_tp_rank * (spec.shape[spec.tp_dim] // self.plan.tp)
         return local.narrow(spec.tp_dim, start - piece_start, stop - start)
+
+    def _dest_view(self, spec: TensorSpec, dest: torch.Tensor, rb: RankBucket, s) -> torch.Tensor:
+        if spec.tp_dim is None:
+            return dest
+        return dest.narrow(spec.tp_dim, dest_offset(rb.needs[s.tensor], s.start), s.stop - s.start)
 
     # -- running -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -141,91 +174,96 @@ class ReshardExecutor:
         stats: ReshardStats | None = None,
         convert: bool = True,
     ) -> ReshardStats:
-        """Move every bucket; ``sink`` gets ``[(hf_name, tensor)]`` (or ``[(spec name, shard)]``
-        with ``convert=False``) and must not keep references it does not own afterwards."""
+        """Move every bucket; ``sink`` gets the bucket in HF layout (``convert=False``: as
+        ``[(spec name, tensor)]`` in megatron's layout) and must not keep references it does not
+        own afterwards."""
         stats = stats or ReshardStats()
         t_start = time.perf_counter()
-        specs = self.plan.specs
-        for rb in self.rank_plan:
-            dtype_of = {t: self._dtype(t, local) for t in rb.needs}
-            dest: dict[int, torch.Tensor] = {}
-            for t, (lo, hi) in rb.needs.items():
-                dest[t] = torch.empty(
-                    self._dest_shape(specs[t], lo, hi),
-                    dtype=dtype_of[t],
-                    device=self._device(local),
-                )
-                stats.alloc(_nbytes(dest[t]))
-            bucket_bytes = sum(_nbytes(d) for d in dest.values())
-            p2p, staged, pending = [], [], []
-            pair_count: dict[tuple[int, int], int] = {}
-            for op in rb.ops:
-                spec = specs[op.slice.tensor]
-                s = op.slice
-                if op.kind in ("send", "recv"):
-                    key = (op.peer, 0 if op.kind == "send" else 1)
-                    tag = pair_count.get(key, 0)
-                    pair_count[key] = tag + 1
-                if op.kind == "send":
-                    view = self._src_view(spec, local[s.tensor], s.start, s.stop)
-                    if not view.is_contiguous():
-                        view = view.contiguous()
-                        staged.append(view)
-                        stats.alloc(_nbytes(view))
-                    p2p.append(dist.P2POp(dist.isend, view, op.peer, self.group, tag))
-                    stats.sent_bytes += op.nbytes
-                elif op.kind == "recv":
-                    lo, _ = rb.needs[s.tensor]
-                    target = self._dest_view(spec, dest[s.tensor], s.start - lo, s.stop - s.start)
-                    if not target.is_contiguous():
-                        tmp = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-                        stats.alloc(_nbytes(tmp))
-                        pending.append((target, tmp))
-                        target = tmp
-                    p2p.append(dist.P2POp(dist.irecv, target, op.peer, self.group, tag))
-                    stats.recv_bytes += op.nbytes
-                else:  # copy
-                    lo, _ = rb.needs[s.tensor]
-                    target = self._dest_view(spec, dest[s.tensor], s.start - lo, s.stop - s.start)
-                    target.copy_(self._src_view(spec, local[s.tensor], s.start, s.stop))
-                    stats.copied_bytes += op.nbytes
-            if p2p:
-                t0 = time.perf_counter()
-                for work in dist.batch_isend_irecv(p2p):
-                    work.wait()
-                stats.comm_seconds += time.perf_counter() - t0
-            for target, tmp in pending:
-                target.copy_(tmp)
-                stats.free(_nbytes(tmp))
-            for view in staged:
-                stats.free(_nbytes(view))
-            del p2p, staged, pending
-            members = self.plan.buckets[rb.index]
+        self._tags = {}  # every rank starts each run's message count afresh
+        buckets = self.rank_plan
+        posted = self._post(buckets[0], local, stats) if buckets else None
+        for k in range(len(buckets)):
+            current = posted
+            assert current is not None
+            self._complete(current, stats)
+            # The next bucket travels while this one is converted and loaded.
+            posted = self._post(buckets[k + 1], local, stats) if k + 1 < len(buckets) else None
+            members = self.plan.buckets[current.rb.index]
             if convert:
-                out = list(self._to_hf(members, dest, stats))
+                out = list(self._to_hf(current.rb, members, current.dest, stats))
             else:
-                out = [(specs[t].name, dest[t]) for t in members]
+                out = [(self.plan.specs[t].name, current.dest[t]) for t in members]
             sink(out)
             del out
-            dest.clear()
-            release = getattr(local, "release", None)  # tensors made for this bucket on read
-            if release is not None:
-                release()
-            stats.free(bucket_bytes)
+            current.dest.clear()
+            stats.free(current.nbytes)
             stats.buckets += 1
         stats.seconds += time.perf_counter() - t_start
         return stats
 
-    def _dest_view(self, spec: TensorSpec, full: torch.Tensor, start: int, length: int):
-        if spec.tp_dim is None:
-            return full
-        return full.narrow(spec.tp_dim, start, length)
+    def _post(self, rb: RankBucket, local: dict[int, torch.Tensor], stats: ReshardStats) -> _Bucket:
+        """Allocate the bucket, copy what this rank holds, post its sends and receives."""
+        specs = self.plan.specs
+        dtype, device = self._dtype(local), self._device(local)
+        dest: dict[int, torch.Tensor] = {}
+        for t, ranges in rb.needs.items():
+            dest[t] = torch.empty(self._dest_shape(specs[t], ranges), dtype=dtype, device=device)
+        nbytes = sum(_nbytes(d) for d in dest.values())
+        stats.alloc(nbytes)
+        p2p, keep, staged = [], [], []
+        staged_bytes = 0
+        for op in rb.ops:
+            spec, s = specs[op.slice.tensor], op.slice
+            if op.kind == "copy":
+                target = self._dest_view(spec, dest[s.tensor], rb, s)
+                target.copy_(self._src_view(spec, local[s.tensor], s.start, s.stop))
+                stats.copied_bytes += op.nbytes
+                continue
+            # Tags count each pair's messages over the run, not the bucket: two buckets in flight
+            # between the same ranks never match each other's messages.
+            key = (op.peer, op.kind)
+            tag = self._tags.get(key, 0)
+            self._tags[key] = tag + 1
+            if op.kind == "send":
+                view = self._src_view(spec, local[s.tensor], s.start, s.stop)
+                if not view.is_contiguous():
+                    view = view.contiguous()
+                    staged_bytes += _nbytes(view)
+                keep.append(view)
+                p2p.append(dist.P2POp(dist.isend, view, op.peer, self.group, tag))
+                stats.sent_bytes += op.nbytes
+            else:
+                target = self._dest_view(spec, dest[s.tensor], rb, s)
+                if not target.is_contiguous():
+                    buf = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                    staged_bytes += _nbytes(buf)
+                    staged.append((target, buf))
+                    target = buf
+                p2p.append(dist.P2POp(dist.irecv, target, op.peer, self.group, tag))
+                stats.recv_bytes += op.nbytes
+        stats.alloc(staged_bytes)
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        release = getattr(local, "release", None)  # tensors made for this bucket on read
+        if release is not None:
+            release()
+        return _Bucket(rb, dest, works, keep, staged, nbytes, staged_bytes)
 
-    def _dtype(self, t: int, local: dict[int, torch.Tensor]) -> torch.dtype:
+    def _complete(self, bucket: _Bucket, stats: ReshardStats) -> None:
+        """Wait for the bucket's transfers; move staged receives into place."""
+        t0 = time.perf_counter()
+        for work in bucket.works:
+            work.wait()
+        stats.comm_seconds += time.perf_counter() - t0
+        for target, buf in bucket.staged:
+            target.copy_(buf)
+        bucket.works, bucket.keep, bucket.staged = [], [], []
+        stats.free(bucket.staged_bytes)
+
+    def _dtype(self, local: dict[int, torch.Tensor]) -> torch.dtype:
         if local:
             return next(iter(local.values())).dtype
         return {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[
-            self.plan.specs[t].itemsize
+            self.plan.specs[0].itemsize
         ]
 
     def _device(self, local: dict[int, torch.Tensor]) -> torch.device:
@@ -234,11 +272,50 @@ class ReshardExecutor:
         return platform.device()
 
     def _to_hf(
-        self, members: list[int], dest: dict[int, torch.Tensor], stats: ReshardStats
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.plan.mode != "full":
-            raise ValueError("HF conversion needs whole tensors (plan mode 'full')")
-        return to_hf_tensors(self.plan.specs, members, dest, self.dims, stats, self._hf)
+        self,
+        rb: RankBucket,
+        members: list[int],
+        dest: dict[int, torch.Tensor],
+        stats: ReshardStats,
+    ) -> Iterator:
+        """One bucket's megatron-layout tensors -> HF ``(name, tensor)`` (full mode) or
+        ``(ShardSpec, slice)`` (shard mode), one group at a time."""
+        if self.plan.mode == "shard":
+            for t in members:
+                yield from self._hf_shards(t, rb.needs[t], dest[t])
+            return
+        yield from to_hf_tensors(self.plan.specs, members, dest, self.dims, stats, self._hf)
+
+    def _hf_shards(
+        self, t: int, ranges: tuple[tuple[int, int], ...], shard: torch.Tensor
+    ) -> list[WeightShard]:
+        """One spec's inference shard as the HF slices it is made of."""
+        spec = self.plan.specs[t]
+        name, _, part = spec.name.partition("#")
+        tm, hf_names = self._hf.lookup(name)
+        if spec.tp_dim is None:
+            return [(ShardSpec(hf_names[0], tuple(shard.shape), None), shard)]
+        if tm.kind == "qkv":
+            pieces = split_qkv_shard(shard, self.dims, self.plan.infer_tp, self._infer_rank)
+            return [
+                (ShardSpec(n, tuple(p.shape), spec.tp_dim, start), p)
+                for n, (p, start) in zip(hf_names, pieces, strict=True)
+            ]
+        if len(ranges) != 1:
+            raise ValueError(f"{spec.name}: a {tm.kind} tensor is cut as one range, got {ranges}")
+        hf_name = hf_names[int(part)] if tm.kind == "gate_up" else hf_names[0]
+        return [(ShardSpec(hf_name, tuple(shard.shape), spec.tp_dim, ranges[0][0]), shard)]
+
+    def shard_specs(self) -> list[ShardSpec]:
+        """Every HF slice a shard-mode run hands this rank's rollout engine (computed on meta
+        tensors, before anything moves)."""
+        out = []
+        specs = self.plan.specs
+        for rb in self.rank_plan:
+            for t, ranges in rb.needs.items():
+                meta = torch.empty(self._dest_shape(specs[t], ranges), device="meta")
+                out += [s for s, _ in self._hf_shards(t, ranges, meta)]
+        return out
 
 
 def to_hf_tensors(

@@ -1,10 +1,12 @@
 """A rollout engine on Hugging Face transformers' ``generate``: ``rollout.backend=hf``.
 
 The same seam as :class:`megarl.hybrid_engine.vllm_rollout.VLLMRollout` (``update_weights`` with
-HF-named tensors, ``generate`` with per-request seeds returning tokens and logprobs,
-``sleep``/``wake_up``) for machines without vLLM and for debugging: it is much slower than vLLM
-and each rank holds a whole replica of the model (an inference-TP group generates the same
-responses on each of its ranks).
+HF-named tensors, ``load_shards`` with the slices of them a TP rank loads, ``generate`` with
+per-request seeds returning tokens and logprobs, ``sleep``/``wake_up``) for machines without vLLM
+and for debugging: it is much slower than vLLM and each rank holds a whole replica of the model
+(an inference-TP group generates the same responses on each of its ranks). In shard-mode
+resharding each rank of a group receives its slices only, and the group completes its replicas
+with one all-gather per bucket inside the group (consecutive ranks: one node).
 
 Each request (one prompt, ``n`` samples) is generated on its own, unpadded, so its samples do not
 depend on the batch; a sampled request draws from a generator seeded with its request seed
@@ -14,11 +16,13 @@ depend on the batch; a sampled request draws from a generator seeded with its re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megarl import platform
 from megarl.hybrid_engine.hf_saved_names import saved_tensor_index
@@ -31,12 +35,15 @@ from megarl.hybrid_engine.vllm_rollout import (
     eos_token_ids,
     request_seed,
 )
+from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard, check_shards
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFRollout:
     """transformers ``generate`` over a whole replica of the model on this process's device."""
+
+    backend = "hf"
 
     def __init__(
         self,
@@ -67,7 +74,9 @@ class HFRollout:
             if any(n not in self._params for n in self.expected_shapes)
             else {}
         )
+        self.group = _rollout_group(infer_tp)
         self.asleep = False
+        self.weights_dropped = False
 
     # -- weights -------------------------------------------------------------------------------
     def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None:
@@ -84,6 +93,27 @@ class HFRollout:
                 self._params[name].copy_(tensor)
             else:
                 self._saved[name].write(tensor)
+
+    def validate_shards(self, shards: Sequence[ShardSpec]) -> None:
+        check_shards(self.expected_shapes, shards, self.model_dir)
+
+    @torch.no_grad()
+    def load_shards(self, shards: Sequence[WeightShard]) -> None:
+        """Write this rank's slices, and those of the other ranks of its rollout TP group (one
+        all-gather of the bucket), into the model: every rank ends with the whole tensors."""
+        batch = list(shards)
+        self.validate_shards([spec for spec, _ in batch])
+        for spec, tensor in _gather_group(batch, self.group):
+            self._write(spec, tensor)
+
+    def _write(self, spec: ShardSpec, tensor: torch.Tensor) -> None:
+        if spec.name not in self._params:
+            self._saved[spec.name].write(tensor, spec.dim, spec.start)
+            return
+        target = self._params[spec.name].data
+        if spec.dim is not None:
+            target = target.narrow(spec.dim, spec.start, tensor.shape[spec.dim])
+        target.copy_(tensor)
 
     def after_weight_update(self) -> None:
         """Nothing computed from the old weights outlives a ``generate`` call here."""
@@ -171,16 +201,80 @@ class HFRollout:
 
     # -- memory --------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """GPU: the weights go to host memory (both sleep levels; the KV cache lives only inside
-        a ``generate`` call). CPU: nothing to free."""
+        """GPU: ``sleep_level`` 2 drops the weights (the next reshard refills every one), 1
+        moves them to host memory; the KV cache lives only inside a ``generate`` call. CPU:
+        nothing to free."""
         if self.device.type == "cuda" and not self.asleep:
-            self.model.to("cpu")
+            if self.config.sleep_level == 2:
+                drop_parameters(self.model)
+                self.weights_dropped = True
+            else:
+                self.model.to("cpu")
             torch.cuda.empty_cache()
         self.asleep = True
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """GPU: the weights come back with ``tags`` None or containing ``"weights"``."""
+        """GPU: the weights come back with ``tags`` None or containing ``"weights"`` (after
+        ``sleep_level`` 2 as uninitialised memory, for the reshard to fill)."""
         if self.device.type == "cuda" and (tags is None or "weights" in tags):
-            self.model.to(self.device)
+            if self.weights_dropped:
+                restore_parameters(self.model)
+                self.weights_dropped = False
+            else:
+                self.model.to(self.device)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
+
+
+def drop_parameters(model: torch.nn.Module) -> None:
+    """Free the memory of every parameter: its storage shrinks to nothing (shapes, dtypes and
+    tying kept; buffers untouched)."""
+    for param in model.parameters():  # a tied parameter is listed once
+        param.data.untyped_storage().resize_(0)
+
+
+def restore_parameters(model: torch.nn.Module) -> None:
+    """Give every parameter dropped by :func:`drop_parameters` its memory back, uninitialised."""
+    for param in model.parameters():
+        storage = param.data.untyped_storage()
+        if storage.nbytes() == 0 and param.numel():
+            storage.resize_(param.numel() * param.element_size())
+
+
+def _rollout_group(infer_tp: int):
+    """This rank's rollout TP group (consecutive ranks), made collectively by every rank; None
+    when the group is this rank alone."""
+    if infer_tp == 1 or not dist.is_initialized():
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = None
+    for first in range(0, world, infer_tp):
+        ranks = list(range(first, first + infer_tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _gather_group(batch: list[WeightShard], group) -> list[WeightShard]:
+    """Every rank's slices of one bucket, for every rank of ``group``: the slice specs by
+    ``all_gather_object``, the data in one flat ``all_gather`` (padded to the longest)."""
+    if group is None:
+        return batch
+    specs: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(specs, [spec for spec, _ in batch], group=group)
+    # every rank of the group has a slice (maybe empty) of each tensor of the bucket
+    flat = torch.cat([t.reshape(-1) for _, t in batch])
+    sizes = [sum(math.prod(s.shape) for s in rank_specs) for rank_specs in specs]
+    buf = torch.zeros(max(sizes), dtype=flat.dtype, device=platform.collective_device(group))
+    buf[: flat.numel()].copy_(flat)
+    gathered = [torch.empty_like(buf) for _ in specs]
+    dist.all_gather(gathered, buf, group=group)
+    out = []
+    for rank_specs, data in zip(specs, gathered, strict=True):
+        offset = 0
+        for spec in rank_specs:
+            n = math.prod(spec.shape)
+            out.append((spec, data[offset : offset + n].view(spec.shape)))
+            offset += n
+    return out

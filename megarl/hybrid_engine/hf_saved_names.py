@@ -25,9 +25,13 @@ class SavedTensor:
     positions: torch.Tensor  # flat indices into ``param``, shaped like the saved tensor
 
     @torch.no_grad()
-    def write(self, tensor: torch.Tensor) -> None:
+    def write(self, tensor: torch.Tensor, dim: int | None = None, start: int = 0) -> None:
+        """Write the saved tensor, or (``dim``) its slice starting at ``start`` along ``dim``."""
+        positions = self.positions
+        if dim is not None:
+            positions = positions.narrow(dim, start, tensor.shape[dim])
         flat = self.param.data.view(-1)
-        flat.index_copy_(0, self.positions.reshape(-1), tensor.reshape(-1).to(flat.dtype))
+        flat.index_copy_(0, positions.reshape(-1), tensor.reshape(-1).to(flat.dtype))
 
 
 def saved_tensor_index(model: torch.nn.Module) -> dict[str, SavedTensor]:

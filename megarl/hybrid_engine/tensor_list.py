@@ -2,17 +2,33 @@
 
 The planner (:mod:`megarl.hybrid_engine.reshard_plan`) receives these :class:`TensorSpec` and knows
 nothing of models; shapes, TP split dimensions and HF order come from the family spec
-(:mod:`megarl.models.specs`) through :func:`megarl.models.hf_map.tensor_maps`.
+(:mod:`megarl.models.specs`), as :func:`megarl.models.hf_map.tensor_maps` gives it; torch is not
+imported, so ``megarl plan`` can plan the reshard of any layout cheaply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megarl.hybrid_engine.reshard_plan import TensorSpec
+from megarl.hybrid_engine.reshard_plan import EVEN, ShardRule, TensorSpec
 from megarl.models.dims import ModelDims
-from megarl.models.hf_map import tensor_maps
 from megarl.models.specs import TensorMap
+
+# vLLM pads the vocabulary to a multiple of this before splitting it over its TP ranks
+# (``vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``).
+VLLM_VOCAB_PADDING = 64
+
+
+def shard_rule(tm: TensorMap, dims: ModelDims) -> ShardRule:
+    """How vLLM cuts this tensor over its TP ranks (shard mode): the vocabulary padded, the
+    fused attention rows by query group (key/value heads replicated when the rollout TP exceeds
+    them), everything else evenly."""
+    if tm.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return ShardRule("padded", pad_to=VLLM_VOCAB_PADDING)
+    if tm.kind == "qkv":
+        hd = dims.head_dim
+        return ShardRule("grouped", groups=dims.num_kv_heads, shared_rows=2 * hd, head_rows=hd)
+    return EVEN
 
 
 def megatron_global_name(template: str, layer: int | None, expert: int | None = None) -> str:
@@ -26,7 +42,8 @@ def actor_tensor_specs(
 
     Names are megatron names with *global* layer indices (the fused gate/up weight as
     ``...linear_fc1.weight#0`` (gate) and ``#1`` (up), so each part splits as one contiguous range
-    per TP rank). The tied output layer is left out (vLLM ties it to the embedding). An MoE
+    per TP rank), each with vLLM's split over its TP ranks (:func:`shard_rule`). The tied output
+    layer is left out (vLLM ties it to the embedding). An MoE
     layer's expert weights appear once per expert, under the *global* expert index, held by the
     expert-parallel rank ``expert // (experts / ep)``.
     """
@@ -36,7 +53,7 @@ def actor_tensor_specs(
         raise ValueError(
             f"layers per stage {list(layers_per_stage)} do not sum to {dims.num_layers} layers"
         )
-    maps = tensor_maps(dims)
+    maps = dims.spec.tensor_maps(dims, "actor")  # as hf_map.tensor_maps, without torch
     specs: list[TensorSpec] = []
 
     per_rank = dims.num_experts // ep if dims.is_moe else 1
@@ -44,6 +61,7 @@ def actor_tensor_specs(
     def add(tm: TensorMap, layer: int | None, stage: int, expert: int | None = None) -> None:
         name = megatron_global_name(tm.megatron, layer, expert)
         holder = None if expert is None else expert // per_rank
+        rule = shard_rule(tm, dims)
         # One group per module (weight and bias, gate and up): vLLM must get a whole module in one
         # weight update, or it processes the module half loaded.
         module = name.rsplit(".", 1)[0]
@@ -53,11 +71,20 @@ def actor_tensor_specs(
             for part in (0, 1):
                 specs.append(
                     TensorSpec(
-                        f"{name}#{part}", part_shape, tm.tp_dim, stage, itemsize, module, holder
+                        f"{name}#{part}",
+                        part_shape,
+                        tm.tp_dim,
+                        stage,
+                        itemsize,
+                        module,
+                        holder,
+                        rule,
                     )
                 )
         else:
-            specs.append(TensorSpec(name, tm.shape, tm.tp_dim, stage, itemsize, module, holder))
+            specs.append(
+                TensorSpec(name, tm.shape, tm.tp_dim, stage, itemsize, module, holder, rule)
+            )
 
     # HF order: embeddings, layer by layer, final norm, head.
     for tm in maps:

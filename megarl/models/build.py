@@ -14,6 +14,7 @@ import torch
 
 from megarl import parallel, platform
 from megarl.backends import resolve_transformer_impl, this_machine
+from megarl.console import announce
 from megarl.errors import LayoutError
 from megarl.gpu_defaults import kernel_options
 from megarl.models.dims import ModelDims
@@ -272,5 +273,6 @@ def build_model(
     layout.check_model(dims.shape)
     model = build_gpt_model(dims, layout, role, opts)
     if load:
+        announce(f"loading the {role}'s weights from {hf_dir}")
         load_hf_into_model(model, hf_dir, dims, layout, role=role)
     return model, dims

@@ -171,12 +171,13 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> 
 
 
 def split_qkv(
-    fused: torch.Tensor, dims: ModelDims
+    fused: torch.Tensor, dims: ModelDims, groups: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`fuse_qkv` for the full (all TP shards concatenated) tensor."""
-    groups = dims.num_kv_heads
+    """Inverse of :func:`fuse_qkv` for the full (all TP shards concatenated) tensor, or for
+    ``groups`` whole query groups of it."""
+    groups = dims.num_kv_heads if groups is None else groups
     hd = dims.head_dim
-    q_rows = dims.num_attention_heads // groups * hd
+    q_rows = dims.num_attention_heads // dims.num_kv_heads * hd
     rest = fused.shape[1:]
     per_group = fused.reshape(groups, q_rows + 2 * hd, *rest)
     q, k, v = per_group.split([q_rows, hd, hd], dim=1)
@@ -185,6 +186,27 @@ def split_qkv(
         k.reshape(-1, *rest).contiguous(),
         v.reshape(-1, *rest).contiguous(),
     )
+
+
+def split_qkv_shard(
+    shard: torch.Tensor, dims: ModelDims, infer_tp: int, infer_rank: int
+) -> list[tuple[torch.Tensor, int]]:
+    """The q, k, v slices (with their first row in the HF tensor) of the fused attention rows that
+    a rollout TP rank loads, as vLLM cuts them: whole query groups while ``infer_tp`` <= the KV
+    heads; beyond that, the rank's share of one group's query heads stacked on that group's key
+    and value heads (which the ranks sharing the group replicate)."""
+    hd, kv = dims.head_dim, dims.num_kv_heads
+    q_per_group = dims.num_attention_heads // kv
+    if infer_tp <= kv:
+        groups = kv // infer_tp
+        g0 = infer_rank * groups
+        q, k, v = split_qkv(shard, dims, groups)
+        return [(q, g0 * q_per_group * hd), (k, g0 * hd), (v, g0 * hd)]
+    sharing = infer_tp // kv
+    group, part = divmod(infer_rank, sharing)
+    own = q_per_group // sharing
+    q, k, v = (t.contiguous() for t in shard.split([own * hd, hd, hd], dim=0))
+    return [(q, (group * q_per_group + part * own) * hd), (k, group * hd), (v, group * hd)]
 
 
 def megatron_shards_to_hf(

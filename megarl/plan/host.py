@@ -11,9 +11,9 @@ distributed-optimizer shard of them):
   reference's weights and the critic's weights, grads and optimizer state go there too;
 - training (scoring, update): vLLM asleep at ``sleep_level`` 1 keeps its weights (its TP shard,
   bf16) in host memory; at level 2 it drops them;
-- save: + the checkpoint's staging. megarl writes the ``fully_reshardable`` optimizer format;
-  :data:`OPTIMIZER_SAVE` says where megatron gathers its state (see :func:`optimizer_staging`),
-  and each rank stages the weights it writes (DP rank 0 of each TP x PP shard; megatron's
+- save: + the checkpoint's staging. megarl writes the ``fully_reshardable`` optimizer format,
+  each rank its own shard of the state without a gather (:data:`OPTIMIZER_SAVE`, see
+  :func:`optimizer_staging`), and each rank stages the weights it writes (DP rank 0 of each TP x PP shard; megatron's
   default strategy saves a replicated tensor from its first replica).
 
 A node's host memory is the sum over the ranks it holds (consecutive global ranks, megatron's
@@ -39,8 +39,8 @@ from megarl.plan.workload import Workload
 # Where a fully_reshardable save gathers the distributed optimizer's state, per rank:
 # "all": every DP rank receives its TP x PP shard's whole state (megatron's default exchange);
 # "dp0": only DP rank 0 does (megatron's memory-efficient exchange); "shard": each rank stages
-# only its own shard. megarl/run/checkpointing.py saves with megatron's default.
-OPTIMIZER_SAVE = "all"
+# only its own shard: what megarl/run/checkpointing.py does (megarl/run/optimizer_shards.py).
+OPTIMIZER_SAVE = "shard"
 HOST_PHASES = ("rollout", "training", "save")
 OFFLOADED_BYTES = 16  # per parameter of megatron's hybrid optimizer on the host (see above)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from megarl.models.dims import ModelDims
 from megarl.plan.memory import Numerics
+from megarl.plan.reshard import reshard_figures
 from megarl.plan.search import Evaluated, PlanResult
 from megarl.plan.units import GIB, fmt_gib
 from megarl.plan.workload import Workload
@@ -30,6 +31,7 @@ COLUMNS = (
     ("peak", 6),
     ("step s", 7),
     ("bubble", 6),
+    ("reshard", 7),
 )
 TRAIN_PHASES = ("setup", "forward-backward", "grad-sync", "optimizer-step")
 
@@ -38,9 +40,10 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _row(i: int, e: Evaluated) -> list[str]:
+def _row(i: int, e: Evaluated, result: PlanResult) -> list[str]:
     """Train-phase items of the worst stage, vLLM's part of the rollout phase, phase totals
-    (``start``: the models beside vLLM when it starts; ``train``: the update's phases)."""
+    (``start``: the models beside vLLM when it starts; ``train``: the update's phases), and what
+    each rank receives per step when the actor is resharded into vLLM."""
     worst = e.memory.worst
     train = worst.phase_items["forward-backward"]
     rollout = worst.phase_items.get("rollout", {})
@@ -64,6 +67,13 @@ def _row(i: int, e: Evaluated) -> list[str]:
         fmt_gib(worst.peak),
         f"{e.time.total:.1f}",
         f"{bubble:.0%}",
+        fmt_gib(
+            int(
+                reshard_figures(result.dims, e.layout, result.cluster.gpus_per_node)[
+                    "recv_bytes_per_rank"
+                ]
+            )
+        ),
     ]
 
 
@@ -103,13 +113,14 @@ def format_text(result: PlanResult, top: int = 5) -> str:
         f"micro-batch {w.micro_batch}, {w.global_batch} sequences per optimizer step; "
         f"{result.numerics.name} weights, reserve {fmt_gib(c.reserve)} GiB per GPU",
         "memory in GiB per GPU at the worst pipeline stage's peak phase; step time from the "
-        "cost model in megarl/plan/cost.py",
+        "cost model in megarl/plan/cost.py; reshard: GiB each rank receives per step into vLLM "
+        "(docs/resharding.md)",
         "",
     ]
     if result.feasible:
         shown = result.feasible[:top]
         lines.append(f"Top {len(shown)} of {len(result.feasible)} feasible training layouts:")
-        lines += _table([_row(i + 1, e) for i, e in enumerate(shown)])
+        lines += _table([_row(i + 1, e, result) for i, e in enumerate(shown)])
         for e in shown:
             if e.layout.pp_layers:
                 lines.append(
@@ -293,6 +304,8 @@ def _evaluated_json(e: Evaluated, result: PlanResult) -> dict[str, Any]:
         "kv_capacity_tokens": worst.kv_capacity_tokens,
         "step_time_s": round(e.time.total, 3),
         "time_parts_s": {k: round(v, 3) for k, v in e.time.parts.items()},
+        # bytes per step into the rollout engine (megarl.plan.reshard)
+        "reshard": reshard_figures(result.dims, e.layout, result.cluster.gpus_per_node),
     }
 
 

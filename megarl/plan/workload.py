@@ -49,7 +49,7 @@ class Workload:
     samples_per_prompt: int = 1  # rollout.n
     # sequences of one rollout step (all ranks; data.train_batch_size x n); None: global_batch
     rollout_batch: int | None = None
-    sleep_level: int = 1  # rollout.sleep_level: 1 keeps vLLM's weights in host memory meanwhile
+    sleep_level: int = 2  # rollout.sleep_level: 1 keeps vLLM's weights in host memory meanwhile
     reward_model: ModelDims | None = None  # reward.model_path's shape: its weights stay resident
 
     def __post_init__(self) -> None:

@@ -10,30 +10,26 @@ export (``megarl convert mcore-to-hf``) as ``*ForSequenceClassification``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from megarl import parallel, platform
 from megarl.algos import bradley_terry_loss
 from megarl.config import RunConfig
+from megarl.console import announce
 from megarl.data import PreferenceDataset, PreferenceItem
-from megarl.metrics import StepMetrics, declare, mean
 from megarl.models.dims import ModelDims
-from megarl.models.forward import LossFn, broadcast_from_last_stage, run_schedule
+from megarl.models.forward import LossFn
 from megarl.parallel import ParallelLayout
 from megarl.reward_model.pairs import PairMicroBatch, pair_micro_batches
 from megarl.rewards.model import last_token_scores
-from megarl.run.epochs import EpochBatches
-from megarl.run.finite import NonFiniteError, all_finite
-from megarl.run.resume import resume, resume_point, save, save_due
-from megarl.run.startup import Startup, start
-from megarl.run.steps import log_step, summary
-from megarl.run.tracking import Tracker
+from megarl.run.evaluation import dataset_totals
+from megarl.run.startup import Startup
+from megarl.run.supervised import SupervisedParts, train_supervised
 from megarl.run.trainable import Trainable, build_trainable, model_options, optim_settings
+from megarl.run.update import optimizer_step
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -89,85 +85,56 @@ def _dataset(
 
 
 def _micro_batches(
-    cfg: RunConfig, items: list[PreferenceItem], pad_id: int
+    cfg: RunConfig, items: list[PreferenceItem], pad_id: int, sums: bool = False
 ) -> list[dict[str, Any]]:
+    """Micro-batches weighted by their share of the batch's pairs (``sums``: by their pairs, so
+    that the loss function's metrics add up to sums over pairs)."""
     mbs = pair_micro_batches(items, cfg.reward_model.micro_batch_size, pad_id, platform.device())
-    total = sum(mb.pairs for mb in mbs)
+    total = 1 if sums else sum(mb.pairs for mb in mbs)
     return [{"input_ids": mb.input_ids, "mb": mb, "weight": mb.pairs / total} for mb in mbs]
-
-
-def _sum_metrics(outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Pair-weighted means over this rank's micro-batches (each output is already weighted)."""
-    if not outs:
-        return {}
-    return {k: float(sum(o[k] for o in outs)) for k in outs[0]}
 
 
 def _update(
     model: Trainable, cfg: RunConfig, items: list[PreferenceItem], pad_id: int, loss_fn: LossFn
 ) -> dict[str, float]:
-    model.ddp.zero_grad_buffer()
-    model.optimizer.zero_grad()
-    outs = run_schedule(
-        [model.ddp], _micro_batches(cfg, items, pad_id), loss_fn, forward_only=False
+    return optimizer_step(
+        model,
+        _micro_batches(cfg, items, pad_id),
+        loss_fn,
+        prefix="rm",
+        skip_non_finite=cfg.trainer.nan_policy == "skip",
+        lr_setting="reward_model.optim.lr",
     )
-    if not all_finite(model.ddp, outs):
-        model.optimizer.zero_grad()
-        if cfg.trainer.nan_policy == "skip":
-            return {"rm/skipped_non_finite": 1.0}
-        raise NonFiniteError(
-            "NaN or inf in the reward-model loss or gradients; stopping before the optimizer "
-            "step (the last checkpoint is kept). Lower reward_model.optim.lr, or set "
-            "trainer.nan_policy=skip to skip such steps"
-        )
-    ok, grad_norm, _ = model.optimizer.step()
-    model.scheduler.step(increment=1)
-    out = {f"rm/{k}": v for k, v in _sum_metrics(outs).items()}
-    out.update(
-        {
-            "rm/grad_norm": float(grad_norm if grad_norm is not None else float("nan")),
-            "rm/lr": float(model.optimizer.param_groups[0]["lr"]),
-            "rm/update_ok": float(bool(ok)),
-            "rm/skipped_non_finite": 0.0,
-        }
-    )
-    return out
 
 
-@torch.no_grad()
 def evaluate(
     model: torch.nn.Module, cfg: RunConfig, dataset: PreferenceDataset, pad_id: int
 ) -> dict[str, float]:
     """Accuracy, loss and mean gap over one pass of ``dataset``; the same dict on every rank."""
-    loss_fn = _pair_loss(cfg.reward_model.margin, pad_id)
-    # pairs, correct, loss sum, gap sum
-    totals = torch.zeros(4, dtype=torch.float64, device=platform.collective_device())
-    for items in dataset:
-        outs = run_schedule([model], _micro_batches(cfg, items, pad_id), loss_fn, forward_only=True)
-        if outs:
-            m = _sum_metrics(outs)
-            n = len(items)
-            totals += torch.tensor(
-                [n, m["accuracy"] * n, m["loss"] * n, m["gap_mean"] * n],
-                dtype=torch.float64,
-                device=totals.device,
-            )
-    broadcast_from_last_stage(totals)
-    dist.all_reduce(totals, group=parallel.dp_group())
-    pairs = max(float(totals[0]), 1.0)
+    totals = dataset_totals(
+        model,
+        dataset,
+        lambda items: _micro_batches(cfg, items, pad_id, sums=True),
+        _pair_loss(cfg.reward_model.margin, pad_id),
+        ("accuracy", "loss", "gap_mean"),
+    )
+    pairs = max(totals["items"], 1.0)
     return {
-        "val/rm_accuracy": float(totals[1]) / pairs,
-        "val/rm_loss": float(totals[2]) / pairs,
-        "val/rm_gap_mean": float(totals[3]) / pairs,
-        "val/rm_pairs": float(totals[0]),
+        "val/rm_accuracy": totals["accuracy"] / pairs,
+        "val/rm_loss": totals["loss"] / pairs,
+        "val/rm_gap_mean": totals["gap_mean"] / pairs,
+        "val/rm_pairs": totals["items"],
     }
 
 
 def train_reward_model(cfg: RunConfig) -> dict[str, float]:
     """Run a reward-model config to ``trainer.total_steps`` (resuming when asked)."""
-    startup = start(cfg, with_rollout=False)
-    layout, pad_id = startup.layout, startup.pad_id
-    resume_from = resume_point(cfg, {"reward": cfg.model.path})  # before any model is built
+    return train_supervised(cfg, {"reward": cfg.model.path}, _setup)
+
+
+def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
+    cfg, layout, pad_id = startup.cfg, startup.layout, startup.pad_id
+    announce(f"reading data: {', '.join(cfg.data.train_files)}")
     train_data = _dataset(
         cfg,
         cfg.data.train_files,
@@ -177,6 +144,7 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         shuffle=cfg.data.shuffle,
         setting="data.train_files",
     )
+    announce("building models: reward model")
     reward, dims = build_trainable(
         cfg.model.path,
         layout,
@@ -185,45 +153,16 @@ def train_reward_model(cfg: RunConfig) -> dict[str, float]:
         optim_settings(cfg.reward_model.optim, cfg.trainer.total_steps),
     )
     roles = RewardModelRoles(reward, dims)
-    resumed = resume(resume_from, roles, startup.rank)
-    if resumed.state:
-        train_data.load_state_dict(resumed.state["data"])
-    first, history = resumed.step, list(resumed.history)
-    tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=first)
-    validating = bool(cfg.data.val_files and cfg.trainer.test_freq)
-    if first == 0 and validating:  # before training
-        tracker.log_metrics(_validation(roles, startup), 0)
-    batches = EpochBatches(
-        train_data, "the training data yields no batch: fewer pairs than data.train_batch_size"
-    )
     loss_fn = _pair_loss(cfg.reward_model.margin, pad_id)
-    last: dict[str, float] = {}
-    for step in range(first, cfg.trainer.total_steps):
-        t0 = time.perf_counter()
-        items = batches.next()
-        m: StepMetrics = declare(_update(roles.reward, cfg, items, pad_id, loss_fn))
-        m.update(declare(train_data.metrics()))
-        m["perf/step_s"] = mean(time.perf_counter() - t0)
-        m["perf/tokens_per_s"] = mean(_tokens(items) * layout.dp / m["perf/step_s"].value)
-        last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
-        if validating and (step + 1) % cfg.trainer.test_freq == 0:
-            val = _validation(roles, startup)
-            tracker.log_metrics(val, step + 1)
-            last.update(val)
-        if save_due(cfg, step + 1):
-            save(
-                cfg,
-                step + 1,
-                roles,
-                data=train_data.state_dict(),
-                tracker_run_id=tracker.run_id,
-                history=history,
-            )
-    if startup.rank == 0 and history:
-        print(summary(history, "rm/accuracy", last), flush=True)
-    tracker.close()
-    train_data.close()
-    return last
+    return SupervisedParts(
+        models=roles,
+        train_data=train_data,
+        step=lambda items: _update(roles.reward, cfg, items, pad_id, loss_fn),
+        validate=lambda: _validation(roles, startup),
+        tokens=_tokens,
+        summary_key="rm/accuracy",
+        empty="the training data yields no batch: fewer pairs than data.train_batch_size",
+    )
 
 
 def _tokens(items: list[PreferenceItem]) -> int:

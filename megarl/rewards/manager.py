@@ -1,7 +1,8 @@
-"""The reward manager: each sample to the scorer of its `data_source`, failures counted, never fatal.
+"""The reward manager: each sample to the scorer of its `data_source`, failures counted.
 
 A scorer that raises, returns something that is not a finite number, runs past `timeout_s`, or
-kills its worker process gives that sample reward 0 and is counted and logged; the run goes on.
+kills its worker process gives that sample reward 0 and is counted and logged; the run goes on
+unless too many fail (`reward.max_failed_fraction`, :mod:`megarl.rewards.failures`).
 `strict=True` turns the first such failure into a RewardError instead (for debugging scorers).
 A sample whose data_source has no scorer is a configuration error and is refused up front.
 """
@@ -117,6 +118,14 @@ class RewardManager:
             return spec
         return fn
 
+    def scorer_name(self, data_source: str) -> str:
+        """Which scorer scores ``data_source``, as a user would name it."""
+        fn = self.custom_fn if self.custom_fn is not None else self.scorers.get(data_source)
+        name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+        if self.custom_fn is not None:
+            return f"reward.custom_fn={name}"
+        return f"the built-in scorer of data_source {data_source!r} ({name})"
+
     def _tasks(self, samples: Sequence[RewardSample]) -> list[ScoreTask]:
         tasks = []
         for i, s in enumerate(samples):
@@ -127,8 +136,8 @@ class RewardManager:
             else:
                 raise ConfigError(
                     f"no scorer for data_source '{s.data_source}' (sample {i}); known: "
-                    f"{sorted(self.scorers)}. Add one with scorers={{'{s.data_source}': "
-                    "'module:function'}}, or give a custom_fn."
+                    f"{sorted(self.scorers)}. Set reward.custom_fn to a scorer for it (or pass "
+                    f"scorers={{'{s.data_source}': 'module:function'}} to the RewardManager)."
                 )
             tasks.append(
                 ScoreTask(

@@ -7,11 +7,14 @@ checkpoints_tools exports) and ``trainer/trainer_state.pt`` (plain data, written
 Everything is first written under the hidden ``.step_NNNNNNNN.partial`` and renamed at the end,
 so a crash or a failed write mid-save leaves the previous checkpoint as the latest and nothing
 half-written under a visible name. Older checkpoints are then removed as ``trainer.keep_last`` /
-``keep_every`` say (:mod:`megarl.run.retention`).
+``keep_every`` say (:mod:`megarl.run.retention`). Every file is listed with its size and checksum
+in a manifest (each role folder's, and the step folder's for ``trainer/``), which a resume checks
+before it loads anything (:mod:`megarl.run.verification`).
 
 Models and optimizer states are megatron dist checkpoints in model space (the distributed
-optimizer.s ``fully_reshardable`` format): one global tensor per parameter and state,
-whatever the TP x PP x DP layout, so they load at any other.
+optimizer's ``fully_reshardable`` format): one global tensor per parameter and state,
+whatever the TP x PP x DP layout, so they load at any other. Each data-parallel rank writes its
+own part of the optimizer state without gathering the rest (:mod:`megarl.run.optimizer_shards`).
 """
 
 from __future__ import annotations
@@ -23,14 +26,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import megarl.checkpoint.manifest as manifest
 from megarl import platform
 from megarl.checkpoint import load_checkpoint, save_checkpoint
-from megarl.checkpoint.store import model_sharded_state_dict, step_name, write_latest
+from megarl.checkpoint.safe_metadata import read_dist_metadata
+from megarl.checkpoint.store import MCORE_SUBDIR, model_sharded_state_dict, step_name, write_latest
 from megarl.config import RunConfig
 from megarl.data.global_state import merge_rank_states
 from megarl.errors import CheckpointError
-from megarl.run import faults, retention, watchdog
+from megarl.run import faults, retention, verification, watchdog
 from megarl.run import trainer_state as state_file
+from megarl.run.optimizer_shards import sharded_optimizer_state
 
 OPTIMIZER_FORMAT = "fully_reshardable"
 
@@ -102,6 +108,8 @@ def _optimizer_state(trainable, is_loading: bool):
                 with torch.no_grad():
                     opt._init_optimizer_states_with_dummy_values()
     model_sd = model_sharded_state_dict(trainable.model)
+    if not is_loading:  # each rank its own blocks, no gather (megatron's save gathers)
+        return sharded_optimizer_state(trainable.optimizer, model_sd)
     return trainable.optimizer.sharded_state_dict(
         model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
     )
@@ -235,7 +243,9 @@ def _save(root, step, roles, hf_dir, state_in, keep_last, keep_every) -> Path:
             state["schedulers"] = {n: t.scheduler.state_dict() for n, t in trainables.items()}
             state["adam_steps"] = {n: _adam_steps(t) for n, t in trainables.items()}
             (stage / "trainer").mkdir(parents=True, exist_ok=True)
-            state_file.write(stage / "trainer", state)
+            written = state_file.write(stage / "trainer", state)
+            # the step's own manifest: what is not in a role folder (those carry theirs)
+            manifest.write(stage, [manifest.record(stage, written.relative_to(stage).as_posix())])
             replaced = root / f".{final.name}.replaced"
             if final.exists():  # the same step saved again: `latest` never names a missing folder
                 shutil.rmtree(replaced, ignore_errors=True)
@@ -264,24 +274,6 @@ def _raise_if_failed(failed: str | None, root: Path, stage: Path, step: int) -> 
     )
 
 
-def latest(root: Path) -> Path | None:
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{pointer} names {path.name}, which does not exist; delete {pointer} or restore the folder"
-        )
-    return path
-
-
-def latest_intact(root: Path) -> Path | None:
-    """The newest checkpoint under ``root`` a run can resume from, or None: what a resume and an
-    elastic restart go back to (today the one ``latest`` names; every save is atomic)."""
-    return latest(root)
-
-
 def check_resume(path: Path, roles: list[str], model_paths: dict[str, str]) -> dict[str, Any]:
     """Cheap checks before any model is built: the trainer state is plain data, the checkpoint
     trains the same roles (e.g. a critic, or none) and holds the same model. Returns the state."""
@@ -293,8 +285,7 @@ def check_resume(path: Path, roles: list[str], model_paths: dict[str, str]) -> d
     if saved != sorted(roles):
         raise CheckpointError(
             f"checkpoint {path} trains {saved}, this run trains {sorted(roles)}: it was saved by "
-            "a run with another algorithm (e.g. a critic for GAE, none for GRPO); resume with "
-            "the settings it was saved with, or use another trainer.output_dir"
+            f"a run with another algorithm (e.g. a critic for GAE, none for GRPO). {ANOTHER_RUN}"
         )
     for role, model_path in model_paths.items():
         want, have = ModelDims.from_pretrained(model_path), checkpoint_dims(path / role)
@@ -302,19 +293,27 @@ def check_resume(path: Path, roles: list[str], model_paths: dict[str, str]) -> d
             raise CheckpointError(
                 f"checkpoint {path} holds another {role} model ({have.architecture}, hidden "
                 f"{have.hidden_size}, {have.shape}) than {model_path} ({want.architecture}, hidden "
-                f"{want.hidden_size}, {want.shape}); resume with the model it was saved with, or "
-                "use another trainer.output_dir"
+                f"{want.hidden_size}, {want.shape}). {ANOTHER_RUN}"
             )
+        read_dist_metadata(path / role / MCORE_SUBDIR)  # refuses metadata that would run code
     return state
 
 
+# The ways on when trainer.output_dir holds checkpoints of another run.
+ANOTHER_RUN = (
+    "Resume with the settings it was saved with, set trainer.overwrite=true to move that run "
+    "aside (nothing is deleted) and start afresh, or use another trainer.output_dir"
+)
+
+
 def resume_point(cfg: RunConfig, model_paths: dict[str, str]) -> Path | None:
-    """The checkpoint a run resumes from (``trainer.resume=auto``: the latest), after the cheap
-    checks of :func:`check_resume` against the roles the run trains (role -> its HF folder);
-    None to start afresh."""
+    """The checkpoint a run resumes from (``trainer.resume=auto``: the newest intact one, see
+    :mod:`megarl.run.verification`), after the cheap checks of :func:`check_resume` against the
+    roles the run trains (role -> its HF folder); None to start afresh. Collective."""
     if cfg.trainer.resume != "auto":
         return None
-    path = latest_intact(Path(cfg.trainer.output_dir) / "checkpoints")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = verification.newest_intact(Path(cfg.trainer.output_dir) / "checkpoints", rank)
     if path is None:
         return None
     check_resume(path, sorted(model_paths), model_paths)
@@ -330,8 +329,7 @@ def _check_same_lora(ckpt: Path, model) -> None:
     if saved != wanted:
         raise CheckpointError(
             f"checkpoint {ckpt} holds LoRA adapters {saved or 'none'}, this run's actor "
-            f"{wanted or 'none'}: resume with the actor.lora settings it was saved with, or use "
-            "another trainer.output_dir"
+            f"{wanted or 'none'} (actor.lora). {ANOTHER_RUN}"
         )
 
 

@@ -3,25 +3,87 @@ the CLI and again on every rank before any heavy work."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from megarl.config import RunConfig
+from megarl.errors import ConfigError
+from megarl.import_paths import check_import_path
 from megarl.parallel import ParallelLayout
 
 if TYPE_CHECKING:
+    from megarl.data.parquet_source import ParquetFileInfo
     from megarl.models.dims import ModelDims
+
+
+# Settings that name Python code, with the keyword arguments megarl calls it with: each is
+# imported and checked (check_import_path) before any model is built. Add yours here.
+IMPORT_SETTINGS: dict[str, tuple[str, ...]] = {
+    "reward.custom_fn": ("data_source", "solution_str", "ground_truth", "extra_info"),
+}
+
+
+def setting_value(cfg: RunConfig, key: str) -> object:
+    """The value of a dotted config key (``reward.custom_fn``) in ``cfg``."""
+    value: object = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_import_settings(cfg: RunConfig) -> None:
+    """Import every path of :data:`IMPORT_SETTINGS` that ``cfg`` sets, and check its signature."""
+    for key, keywords in IMPORT_SETTINGS.items():
+        spec = setting_value(cfg, key)
+        if spec:
+            check_import_path(key, str(spec), keywords)
+
+
+def rules_need_ground_truth(cfg: RunConfig) -> bool:
+    """Whether the run's rule scorers read each prompt's ``reward_model.ground_truth``: the
+    built-in scorers do; a ``reward.custom_fn`` gets it if present; a reward model alone never."""
+    return cfg.reward.rule_weight != 0 and cfg.reward.custom_fn is None
+
+
+def check_reward_columns(cfg: RunConfig, files: list[ParquetFileInfo], fs, what: str) -> None:
+    """The prompt files carry what the chosen scorers need: with the built-in scorers, verl's
+    ``reward_model`` column (with ``ground_truth``) and only data sources they know."""
+    if cfg.trainer.kind != "policy" or not rules_need_ground_truth(cfg):
+        return
+    from megarl.data.parquet_source import distinct_strings
+    from megarl.data.schema import REWARD_MODEL, STRING, check_columns
+    from megarl.rewards.registry import BUILTIN_SCORERS
+
+    why = (
+        "The built-in rule scorers read each prompt's reward_model.ground_truth (no "
+        "reward.custom_fn is set). Add the column (python scripts/prepare_gsm8k.py writes it), "
+        "set reward.custom_fn to your scorer, or score with a reward model alone "
+        "(reward.model_path=..., reward.rule_weight=0)."
+    )
+    for info in files:
+        check_columns(info, {"data_source": STRING, "reward_model": REWARD_MODEL}, hint=why)
+        unknown = sorted(distinct_strings(fs, info, "data_source") - set(BUILTIN_SCORERS))
+        if unknown:
+            raise ConfigError(
+                f"{what}: {info.path} has prompts of data_source {unknown[:5]}, which no built-in "
+                f"scorer scores (they score {sorted(BUILTIN_SCORERS)}); set reward.custom_fn to a "
+                "scorer for them, or score with a reward model alone (reward.model_path=..., "
+                "reward.rule_weight=0)"
+            )
 
 
 def check_inputs(
     cfg: RunConfig, layout: ParallelLayout, this_machine: bool = True
 ) -> ModelDims | None:
-    """Backends (``this_machine``: the run starts here), model folder, layout against it,
-    reward model, rollout.env, data files (footers only); returns the reward model's shape (None:
-    none)."""
+    """Every import path the config names, backends (``this_machine``: the run starts here),
+    model folder, layout against it, reward model, rollout.env, data files (footers only), their
+    columns for the trainer's kind and the reward columns of the prompts, the companion models
+    (DPO reference, distillation teacher); returns the reward model's shape (None: none)."""
     from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.models.dims import ModelDims
 
+    check_import_settings(cfg)  # before anything slow: a typo costs seconds
     if this_machine:
         check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
     dims = ModelDims.from_pretrained(cfg.model.path)
@@ -41,24 +103,132 @@ def check_inputs(
         from megarl.envs.loading import check_environment
 
         check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
+    check_columns = _COLUMN_CHECKS[cfg.trainer.kind]
     for files, what in (
         (cfg.data.train_files, "data.train_files"),
         (cfg.data.val_files, "data.val_files"),
     ):
-        if files:  # unreadable files fail here
-            inspect_files(*resolve_files(files, what=what))
+        if files:  # unreadable files, missing columns and unscored data sources fail here
+            fs, paths = resolve_files(files, what=what)
+            infos = inspect_files(fs, paths)
+            check_columns(infos)
+            check_reward_columns(cfg, infos, fs, what)
+    for path, setting, what in _COMPANIONS.get(cfg.trainer.kind, _none)(cfg):
+        _check_companion(cfg, layout, dims, path, setting, what)
     return reward_model
 
 
+def _none(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    return []
+
+
+def _dpo_reference(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    path = cfg.dpo.reference_path
+    return [(path, "dpo.reference_path", "reference")] if path else []
+
+
+def _distill_teacher(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    path = cfg.algorithm.distill.teacher_path
+    return [(path, "algorithm.distill.teacher_path", "teacher")] if path else []
+
+
+# trainer.kind -> the frozen models of other folders that read the policy's token ids:
+# (path, setting, what)
+_COMPANIONS: dict[str, Callable[[RunConfig], list[tuple[str, str, str]]]] = {
+    "dpo": _dpo_reference,
+    "policy": _distill_teacher,
+}
+
+
+def _check_prompts(infos: list[ParquetFileInfo]) -> None:
+    from megarl.data.prompt_dataset import check_prompt_files
+
+    check_prompt_files(infos, require_ground_truth=False)  # rewards may come from a model
+
+
+def _check_preferences(infos: list[ParquetFileInfo]) -> None:
+    from megarl.data.preference_dataset import check_preference_files
+
+    check_preference_files(infos)
+
+
+def _check_sft(infos: list[ParquetFileInfo]) -> None:
+    from megarl.data.sft_dataset import check_sft_files
+
+    check_sft_files(infos)
+
+
+# trainer.kind -> the column check of its data files
+_COLUMN_CHECKS: dict[str, Callable[[list[ParquetFileInfo]], None]] = {
+    "policy": _check_prompts,
+    "reward_model": _check_preferences,
+    "dpo": _check_preferences,
+    "sft": _check_sft,
+}
+
+
+def _check_companion(
+    cfg: RunConfig, layout: ParallelLayout, dims: ModelDims, path: str, setting: str, what: str
+) -> None:
+    """A frozen model that reads the policy's token ids (DPO reference, distillation teacher): a
+    causal LM of the same tokenizer that fits the layout."""
+    from megarl.data.tokenizers import tokenizer_difference
+    from megarl.errors import ConfigError, MegarlError
+    from megarl.models.dims import ModelDims, read_hf_config
+    from megarl.models.heads import hf_folder_role
+
+    try:
+        hf_cfg = read_hf_config(path)
+    except MegarlError as e:
+        raise ConfigError(f"{setting}: {e}") from None
+    if hf_folder_role(hf_cfg) != "actor":
+        raise ConfigError(
+            f"{setting}={path} is not a causal language model (its architectures: "
+            f"{hf_cfg.get('architectures')}); the {what} must be a *ForCausalLM folder"
+        )
+    theirs = ModelDims.from_hf_config(hf_cfg)
+    try:
+        layout.check_model(theirs.shape)
+    except MegarlError as e:
+        raise ConfigError(
+            f"{setting}={path} does not fit the layout the {what} shares with the policy: {e}"
+        ) from None
+    if cfg.parallel.pp_layers and theirs.num_layers != dims.num_layers:
+        raise ConfigError(
+            f"parallel.pp_layers splits the policy's {dims.num_layers} layers; the {what} "
+            f"({setting}) has {theirs.num_layers}: remove parallel.pp_layers (an even split fits both)"
+        )
+    difference = tokenizer_difference(cfg.model.path, path)
+    if difference is not None:
+        raise ConfigError(
+            f"{setting}={path} has another tokenizer than model.path={cfg.model.path} "
+            f"({difference}); the {what} scores the policy's token ids, so both must share one "
+            "tokenizer"
+        )
+    if theirs.vocab_size < dims.vocab_size:
+        raise ConfigError(
+            f"{setting}={path} has an output vocabulary of {theirs.vocab_size} ids, fewer than "
+            f"the policy's {dims.vocab_size}; it could not score every id the policy can write"
+        )
+
+
 def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
-    """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one."""
-    from megarl.errors import ConfigError
+    """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one; vLLM takes
+    no pre-sharded experts."""
+    from megarl.hybrid_engine.reshard_mode import shard_refusal
 
     set_ = [n for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(cfg.model, n)]
     if set_ and not dims.is_moe:
         raise ConfigError(
             f"model.{set_[0]}={getattr(cfg.model, set_[0])} applies to mixture-of-experts models; "
             f"{cfg.model.path} is a dense {dims.family} model: remove it (or set it to 0)"
+        )
+    refusal = shard_refusal(cfg.rollout.backend, dims.is_moe)
+    if cfg.rollout.reshard_mode == "shard" and refusal:
+        raise ConfigError(
+            f"rollout.reshard_mode=shard with rollout.backend={cfg.rollout.backend} and the "
+            f"mixture-of-experts model {cfg.model.path}: {refusal}; set rollout.reshard_mode=auto "
+            "(full for this model) or rollout.backend=hf"
         )
     if cfg.actor.lora.rank and dims.is_moe:
         raise ConfigError(

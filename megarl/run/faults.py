@@ -8,6 +8,7 @@ Points: ``step`` (start of a step), ``sync`` (before the step-boundary agreement
 ``save`` (a checkpoint save, after the models are written, before the trainer state).
 Actions: ``kill`` (SIGKILL this rank), ``enospc`` (raise "No space left on device"),
 ``sigterm`` (send the preemption signal to the ``megarl train`` launcher, or this process),
+``sigint`` (the same with SIGINT, as a Ctrl-C in the terminal sends it),
 ``sleep`` (sleep for an hour).
 """
 
@@ -35,11 +36,22 @@ def _sigterm() -> None:
     os.kill(int(os.environ.get("MEGARL_LAUNCHER_PID", os.getpid())), signal.SIGTERM)
 
 
+def _sigint() -> None:
+    """A Ctrl-C: SIGINT to the ``megarl train`` launcher (or this process)."""
+    os.kill(int(os.environ.get("MEGARL_LAUNCHER_PID", os.getpid())), signal.SIGINT)
+
+
 def _sleep() -> None:
     time.sleep(3600)
 
 
-ACTIONS = {"kill": _kill, "enospc": _enospc, "sigterm": _sigterm, "sleep": _sleep}
+ACTIONS = {
+    "kill": _kill,
+    "enospc": _enospc,
+    "sigterm": _sigterm,
+    "sigint": _sigint,
+    "sleep": _sleep,
+}
 
 
 def parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:

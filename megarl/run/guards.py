@@ -4,6 +4,8 @@ boundaries, the hang watchdog over the step phases, and the test-only fault poin
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 from megarl.run import faults, watchdog
 from megarl.run.preemption import Preemption
@@ -32,6 +34,15 @@ class RunGuards:
 
     def report_stop(self, step: int, checkpoint: str) -> None:
         self.preemption.report(step, checkpoint)
+
+    def end_step(self, step: int, save_due: bool, save: Callable[[int], Path]) -> bool:
+        """At the end of step ``step`` (0-based) on every rank: checkpoint when ``save_due`` or
+        when a stop was asked for (``save(step + 1)``); True when the run must stop now."""
+        stop = self.should_stop(step)  # SIGTERM / SIGUSR1 / SIGINT on any rank
+        saved = save(step + 1) if save_due or stop else None
+        if stop:
+            self.report_stop(step + 1, str(saved))
+        return stop
 
     def close(self) -> None:
         watchdog.stop()

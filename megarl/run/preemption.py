@@ -1,13 +1,15 @@
-"""Graceful preemption: on SIGTERM or SIGUSR1 (Slurm's ``--signal``, Kubernetes' termination)
-every rank finishes its current step, one checkpoint is written, and the run ends with exit 0.
+"""Graceful stops: on SIGTERM or SIGUSR1 (Slurm's ``--signal``, Kubernetes' termination) or
+SIGINT (Ctrl-C) every rank finishes its current step, one checkpoint is written, and the run ends
+with exit 0 (SIGINT: 130, as an interrupted command does).
 
 The ranks agree at each step boundary with one all-reduce of a flag, so a signal that reaches
 only some ranks (or reaches them at different moments) still stops all of them after the same
 step. A second signal stops the rank at once.
 
-Under ``megarl train --nproc-per-node N`` the launcher receives the scheduler's signal and passes
-it on to every rank as SIGUSR1 (see :mod:`megarl.launch`); there SIGTERM keeps its default
-meaning for the ranks, since torchrun sends it to end them when another rank has failed.
+Under ``megarl train --nproc-per-node N`` the launcher receives the terminal's or the scheduler's
+signal and passes it on to every rank as SIGUSR1 (SIGUSR2 for a Ctrl-C; see :mod:`megarl.launch`);
+there SIGTERM and SIGINT keep their default meaning for the ranks, since torchrun uses them to end
+the ranks.
 """
 
 from __future__ import annotations
@@ -25,10 +27,27 @@ from megarl import platform
 LAUNCHER_ENV = "MEGARL_LAUNCHER_PID"
 
 
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+
+# The signal that stopped this process's run, if one did (read by the entry point's exit code).
+_stopped_by: signal.Signals | None = None
+
+
+# A user's interruption: Ctrl-C, or the launcher passing one on.
+INTERRUPTS = (signal.SIGINT, signal.SIGUSR2)
+
+
 def graceful_signals() -> tuple[signal.Signals, ...]:
     if os.environ.get(LAUNCHER_ENV):
-        return (signal.SIGUSR1,)
-    return (signal.SIGTERM, signal.SIGUSR1)
+        return (signal.SIGUSR1, signal.SIGUSR2)
+    return (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def stop_exit_code() -> int:
+    """This rank's exit code after its run ended: 130 when a Ctrl-C it received itself stopped
+    the run, else 0 (under megarl's launcher the ranks exit 0 and the launcher reports 130, so
+    that torchrun does not take a clean stop for a failed rank)."""
+    return INTERRUPTED_EXIT_CODE if _stopped_by == signal.SIGINT else 0
 
 
 class Preemption:
@@ -47,12 +66,13 @@ class Preemption:
             os.kill(os.getpid(), signum)
             return
         self.received = sig
-        print(
-            f"megarl: rank {self.rank}: {sig.name} received: finishing the current step, then "
-            "saving a checkpoint (a second signal stops at once)",
-            file=sys.stderr,
-            flush=True,
-        )
+        if not os.environ.get(LAUNCHER_ENV):  # (megarl's launcher has said it for all ranks)
+            print(
+                f"megarl: rank {self.rank}: {sig.name} received: finishing the current step, "
+                "then saving a checkpoint (a second signal stops at once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def requested(self) -> bool:
         """Whether any rank got a signal; collective (call at the same point on every rank)."""
@@ -63,9 +83,12 @@ class Preemption:
         return flag.item() > 0
 
     def report(self, step: int, checkpoint: str) -> None:
+        global _stopped_by
+        _stopped_by = self.received
         if self.rank == 0:
+            what = "interrupted" if self.received in INTERRUPTS else "preempted"
             print(
-                f"megarl: preempted: stopped after step {step}; checkpoint {checkpoint}. Run the "
+                f"megarl: {what}: stopped after step {step}; checkpoint {checkpoint}. Run the "
                 "same command again to resume from it (trainer.resume=auto).",
                 file=sys.stderr,
                 flush=True,

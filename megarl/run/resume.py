@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import RunConfig
-from megarl.run import checkpointing
+from megarl.console import announce
+from megarl.errors import CheckpointError
+from megarl.run import checkpointing, trainer_state
 from megarl.run.trainable import TrainedModels
 
 
@@ -36,8 +38,18 @@ def checkpoint_root(cfg: RunConfig) -> Path:
 
 def resume_point(cfg: RunConfig, model_paths: Mapping[str, str]) -> Path | None:
     """The checkpoint to resume from (the latest, with ``trainer.resume: auto``), checked against
-    the roles the run trains (role -> its Hugging Face folder) before any model is built."""
-    return checkpointing.resume_point(cfg, dict(model_paths))
+    the roles the run trains (role -> its Hugging Face folder) and the trainer that wrote it
+    before any model is built."""
+    path = checkpointing.resume_point(cfg, dict(model_paths))
+    if path is not None:
+        saved = trainer_state.read(path).get("kind", cfg.trainer.kind)  # older ones: unchecked
+        if saved != cfg.trainer.kind:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a trainer.kind={saved} run and this run is "
+                f"trainer.kind={cfg.trainer.kind}; use another trainer.output_dir (a trained model "
+                "moves between trainers as a Hugging Face folder: megarl convert mcore-to-hf)"
+            )
+    return path
 
 
 def resume(path: Path | None, models: TrainedModels, rank: int) -> Resumed:
@@ -45,9 +57,9 @@ def resume(path: Path | None, models: TrainedModels, rank: int) -> Resumed:
     without one."""
     if path is None:
         return Resumed()
+    announce(f"loading checkpoint {path}")
     state = checkpointing.load(path, models)
-    if rank == 0:
-        print(f"resumed from {path} at step {state['step']}", flush=True)
+    announce(f"resumed from {path} at step {state['step']}")
     return Resumed(
         step=state["step"],
         history=tuple(state.get("history", [])),
@@ -75,6 +87,7 @@ def save(
     """Checkpoint ``step`` with the trainer state both trainers keep (and ``extra`` entries)."""
     state = {
         "step": step,
+        "kind": cfg.trainer.kind,
         "data": data,
         **extra,
         "mlflow_run_id": tracker_run_id,

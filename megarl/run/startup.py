@@ -10,8 +10,10 @@ import torch
 
 from megarl.config import RunConfig
 from megarl.config import validate as validate_config
+from megarl.console import announce
 from megarl.parallel import ParallelLayout
 from megarl.run.checks import check_inputs
+from megarl.run.output_dir import prepare_output_dir
 from megarl.world_split import SplitWorld
 
 if TYPE_CHECKING:
@@ -55,9 +57,11 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     else:
         rank, world = init_distributed(timeout_s)
         job = world
+    announce(f"started {world} rank(s); checking the inputs")
     layout = layout_for(cfg, world, with_rollout=with_rollout)
     validate_config(cfg, job)
     check_inputs(cfg, layout)
+    prepare_output_dir(cfg, rank)  # an earlier run in trainer.output_dir: refused or moved aside
     initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

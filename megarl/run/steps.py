@@ -6,10 +6,19 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from megarl.console import announce
 from megarl.metrics import Metric, StepMetrics, mean, reduce_metrics
 from megarl.run import watchdog
 from megarl.run.elastic import elastic_metrics
 from megarl.run.tracking import Tracker
+
+
+def announce_steps(first: int, total: int) -> None:
+    """The start-up line that ends the start-up: which step comes first (or none to run)."""
+    if first >= total:
+        announce(f"nothing to run: the run is at step {first} of trainer.total_steps={total}")
+    else:
+        announce(f"first step: {first + 1} of {total}")
 
 
 @contextmanager

@@ -2,7 +2,9 @@
 ``trainer.loggers`` (console, MLflow, TensorBoard, W&B; see megarl/loggers/).
 
 Only global rank 0 writes; every metric it gets is already reduced over ranks. metrics.jsonl is
-always written (``megarl report`` draws from it), whatever the loggers.
+always written (``megarl report`` draws from it), whatever the loggers. A resumed run holds each
+step once everywhere: metrics.jsonl is cut back to the checkpoint's step, TensorBoard purges the
+later events, MLflow and W&B skip the steps their run already has.
 """
 
 from __future__ import annotations
@@ -24,6 +26,36 @@ from megarl.loggers import (
 )
 
 RUN_IDS_FILE = "tracking_ids.json"  # logger name -> run id, so that a resumed run continues it
+METRICS_FILE = "metrics.jsonl"
+
+
+def default_run_name(experiment: str, now: float | None = None) -> str:
+    """``<experiment>-YYYYmmdd-HHMMSS``: the run's name when trainer.run_name is not set."""
+    return f"{experiment}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+
+
+def cut_metrics(path: Path, step: int) -> int:
+    """Drop the lines of ``path`` (metrics.jsonl) logged after ``step``, rewriting it atomically;
+    returns how many went. A run resumed after ``step`` logs those steps again, so each step stays
+    in the file once. (A fresh run, step 0, starts in a folder without one: see run/output_dir.)"""
+    if step <= 0 or not path.is_file():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if _line_step(line) <= step]
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+    return len(lines) - len(keep)
+
+
+def _line_step(line: str) -> float:
+    try:
+        step = json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return float("inf")  # a line cut off by a crash mid-write: dropped
+    return step if isinstance(step, (int, float)) else float("inf")
 
 
 def table_step(rows: list[Row], name: str) -> int:
@@ -47,10 +79,14 @@ class Tracker:
         run_ids = self._saved_run_ids() if start_step or run_id else {}
         if run_id is not None:
             run_ids["mlflow"] = run_id
+        # Steps after the checkpoint were logged by the run that stopped: they run again now.
+        cut_metrics(self.output_dir / METRICS_FILE, start_step)
         settings = TrackingSettings(
             output_dir=self.output_dir,
             experiment=t.experiment,
-            run_name=t.run_name,
+            # A fresh run is named (the services' own name generators follow the seeded RNG and
+            # give every run the same name); a resumed one keeps its name unless one is set.
+            run_name=t.run_name or (None if run_ids else default_run_name(t.experiment)),
             params={k: str(v) for k, v in to_flat_dict(cfg).items()},
             mlflow_tracking_uri=t.mlflow_tracking_uri,
             wandb_mode=t.wandb_mode,
@@ -72,7 +108,7 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        with open(self.output_dir / "metrics.jsonl", "a") as f:
+        with open(self.output_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         for logger in self.loggers.values():
             logger.log_metrics(metrics, step)

@@ -101,3 +101,29 @@ def build_trainable(
         add_lora_for_layout(model, dims, layout, lora)
     ddp, optimizer, scheduler = wrap_for_training(model, settings)
     return Trainable(model, ddp, optimizer, scheduler), dims
+
+
+@dataclass(frozen=True)
+class PolicyModel:
+    """The one model the SFT and DPO trainers train and checkpoint: a causal LM under the
+    ``actor`` role, so that it exports (``megarl convert mcore-to-hf``) as policies do."""
+
+    actor: Trainable
+    dims: ModelDims
+
+    def trainables(self) -> dict[str, Trainable]:
+        return {"actor": self.actor}
+
+
+def build_policy(cfg: RunConfig, layout: ParallelLayout, optim: OptimConfig) -> PolicyModel:
+    """``model.path`` at ``layout``, trained with ``optim`` for ``trainer.total_steps`` steps
+    (LoRA adapters only with ``actor.lora``)."""
+    actor, dims = build_trainable(
+        cfg.model.path,
+        layout,
+        "actor",
+        model_options(cfg),
+        optim_settings(optim, cfg.trainer.total_steps),
+        lora=lora_settings(cfg),
+    )
+    return PolicyModel(actor, dims)

@@ -65,7 +65,8 @@ def read(checkpoint: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{checkpoint} was written by an older megarl (per-rank trainer files read with "
                 "pickle), which this version no longer loads; start the run afresh "
-                "(trainer.resume=never) or from a checkpoint written by this version"
+                "(trainer.overwrite=true moves the old one aside) or from a checkpoint written by "
+                "this version"
             )
         raise CheckpointError(
             f"{path} is missing: {checkpoint} is not a complete training checkpoint; point "
@@ -78,7 +79,8 @@ def read(checkpoint: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} holds more than plain data (tensors, numbers, strings): loading it could run "
             f"code, so megarl refuses it ({first}). Resume only from checkpoints written by "
-            "megarl that you trust, or start afresh with trainer.resume=never"
+            "megarl that you trust, or start afresh with trainer.overwrite=true (which moves "
+            "this run aside)"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from megarl import parallel, platform
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
+from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
 from megarl.envs.runner import EnvRunner
 from megarl.hybrid_engine.async_links import make_links, weight_plan
@@ -22,9 +23,11 @@ from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
 from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.dims import ModelDims
+from megarl.run.checks import rules_need_ground_truth
 from megarl.run.epochs import EpochBatches
 from megarl.run.resume import Resumed, resume, resume_point, save
 from megarl.run.startup import Startup, start
+from megarl.run.steps import announce_steps
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
@@ -150,7 +153,7 @@ def prompt_dataset(
         shuffle=cfg.data.shuffle and not validation,
         drop_last=not validation,
         overlong_prompts=cfg.data.overlong_prompts,
-        require_ground_truth=False,
+        require_ground_truth=rules_need_ground_truth(cfg),
         setting="data.val_files" if validation else "data.train_files",
     )
 
@@ -236,6 +239,7 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollou
         engine_config=engine_config(cfg, startup.rank // startup.layout.rollout_tp),
         backend=r.backend,
         multi_turn=r.env is not None,
+        reshard_mode=r.reshard_mode,
     )
     sampling, val_sampling = sampling_configs(cfg)
     turns, runner = None, None
@@ -334,6 +338,18 @@ def restore(
     rollout.engine.rollout_count = resumed.state["rollouts"]
 
 
+def spec_roles(spec: AlgorithmSpec, cfg: RunConfig) -> list[str]:
+    """The models this run builds, by role, as the start-up line names them."""
+    roles = ["actor"]
+    if spec.needs_reference:
+        roles.append("reference (the actor's base)" if cfg.actor.lora.rank else "reference")
+    if spec.needs_critic:
+        roles.append("critic")
+    if cfg.reward.model_path:
+        roles.append("reward model")
+    return roles
+
+
 def setup_run(cfg: RunConfig) -> PolicyRun:
     startup = start(cfg, with_rollout=True)
     spec = resolve_algorithm(cfg, ModelDims.from_pretrained(cfg.model.path).vocab_size)
@@ -341,9 +357,13 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
     resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
+    if startup.world is None:
+        announce(f"reading data: {', '.join(cfg.data.train_files)}")
     data = build_data(cfg, startup) if startup.world is None else None
+    announce(f"building models: {', '.join(spec_roles(spec, cfg))}")
     models = build_roles(cfg, startup.layout, spec)
     rewards = build_rewards(cfg, startup)
+    announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
     rollout = build_rollout(cfg, startup, models)
     if rollout.remote is not None:
         data = remote_data(cfg, rollout.remote)
@@ -351,6 +371,7 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     kl_ctrl = make_kl_in_reward_controller(cfg)
     resumed = resume(resume_from, models, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)
+    announce_steps(resumed.step, cfg.trainer.total_steps)
     return PolicyRun(
         cfg=cfg,
         startup=startup,

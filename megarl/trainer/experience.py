@@ -25,16 +25,19 @@ from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.metrics import StepMetrics, declare, mean
+from megarl.rewards.failures import Failures, describe_first
 from megarl.rewards.manager import RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
+from megarl.trainer.distill import distill_experience
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
     policy_log_probs,
     response_values,
 )
+from megarl.trainer.reward_failures import non_finite_model_scores, stop_on_failed_scores
 from megarl.trainer.roles import Roles
 from megarl.trainer.spec import AlgorithmSpec
 
@@ -53,6 +56,8 @@ class RewardSources:
     model_weight: float
     overlong: OverlongBufferConfig  # DAPO's overlong shaping (len 0: off)
     max_response_length: int
+    max_failed_fraction: float = 0.5  # reward.max_failed_fraction
+    model_path: str | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig, model: GPTModel | None) -> RewardSources:
@@ -67,6 +72,8 @@ class RewardSources:
             r.model_weight,
             r.overlong_buffer,
             cfg.rollout.max_response_length,
+            r.max_failed_fraction,
+            r.model_path,
         )
 
     def close(self) -> None:
@@ -87,9 +94,9 @@ def rule_scores(
     texts: list[str],
     device: torch.device,
     rows: Sequence[int] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """One rule score per sample (the reward manager's scorers, on ``device``) and their metrics;
-    with ``rows`` only those samples are scored (the others get 0)."""
+) -> tuple[torch.Tensor, dict[str, float], Failures]:
+    """One rule score per sample (the reward manager's scorers, on ``device``), their metrics and
+    failures; with ``rows`` only those samples are scored (the others get 0)."""
     rows = range(len(texts)) if rows is None else rows
     samples = [
         RewardSample(
@@ -102,10 +109,13 @@ def rule_scores(
     ]
     out = torch.zeros(len(texts), dtype=torch.float32, device=device)
     if not samples:
-        return out, {}
+        return out, {}, Failures(0, 0)
     result = rewards.score(samples)
     out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
-    return out, dict(result.metrics)
+    failures = Failures(
+        len(result.failures), len(samples), describe_first(rewards, samples, result)
+    )
+    return out, dict(result.metrics), failures
 
 
 def score_rollout(
@@ -140,10 +150,14 @@ def score_rollout(
         ]
     metrics: dict[str, float] = {}
     rule = torch.zeros(samples.size, device=device)
+    failures: list[Failures] = []
     if rewards.rule_weight != 0:
-        rule, metrics = rule_scores(rewards.rules, items, batch, texts, device, scored)
+        rule, metrics, rule_failures = rule_scores(
+            rewards.rules, items, batch, texts, device, scored
+        )
         if scored:
             metrics["reward/rule_mean"] = float(rule[scored].mean())
+        failures.append(rule_failures)
     model = None
     if rewards.model is not None:
         model = score_sequences(
@@ -156,6 +170,9 @@ def score_rollout(
         )
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
+        failures.append(non_finite_model_scores(model, rewards.model_path))
+    # reward.max_failed_fraction: a broken reward stops the run here, before any update
+    stop_on_failed_scores(failures, rewards.max_failed_fraction)
     scores = combine_scores(rule, model, rewards.rule_weight, rewards.model_weight)
     if trajectories is not None:
         scores = _with_environment_rewards(scores, trajectories, metrics)
@@ -315,6 +332,8 @@ def compute_experience(
         **extra,
         **spec.advantage_kwargs,
     )
+    if roles.teacher is not None:  # algorithm.distill: teacher logprobs (and per-token advantages)
+        metrics.update(distill_experience(cfg, roles.teacher, samples, batching, temperature))
     if spec.rollout_correction != "none":
         weights, correction = compute_rollout_correction(
             spec.rollout_correction,

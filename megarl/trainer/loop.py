@@ -98,11 +98,10 @@ def train(cfg: RunConfig) -> dict[str, float]:
         last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
         if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
             tracker.log_metrics(validation_rollout(run, step + 1), step + 1)
-        stop = guards.should_stop(step)  # SIGTERM / SIGUSR1 on any rank: save, then exit 0
-        if save_due(cfg, step + 1) or stop:
-            saved = run.save_checkpoint(step + 1, history)
-        if stop:
-            guards.report_stop(step + 1, str(saved))
+        # a stop signal on any rank (SIGTERM, SIGUSR1, Ctrl-C): checkpoint, then end the run
+        if guards.end_step(
+            step, save_due(cfg, step + 1), lambda s: run.save_checkpoint(s, history)
+        ):
             break
     guards.close()
     if run.startup.rank == 0:

@@ -9,6 +9,7 @@ import torch
 from megarl.algos import compute_policy_loss, compute_value_loss, entropy_bonus, kl_loss
 from megarl.config import RunConfig
 from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
+from megarl.trainer.distill import distill_loss_term
 from megarl.trainer.hparams import loss_agg_options, policy_loss_kwargs
 from megarl.trainer.model_ops import response_log_probs, response_values
 from megarl.trainer.old_log_probs import OLD_LOG_PROB, old_log_prob_from_update
@@ -68,6 +69,12 @@ def make_actor_policy_terms(
             )
             loss = loss + kl
             metrics["actor/kl_loss"] = kl_metrics["kl_loss"]
+        distill, distill_metrics = distill_loss_term(
+            cfg, logp, mb, a.loss_agg_mode, agg
+        )  # algorithm.distill.mode=loss
+        if distill is not None:
+            loss = loss + distill
+            metrics.update(distill_metrics)
         if entropy is not None:
             bonus, ent_metrics = entropy_bonus(
                 entropy,

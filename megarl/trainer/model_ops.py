@@ -10,12 +10,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl import parallel, platform
+from megarl import platform
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
 from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.models.moe_metrics import router_loss_metrics
 from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
+from megarl.run.update import data_parallel_mean
 from megarl.trainer.batch import Samples
 from megarl.trainer.ep_micro_batches import aligned_micro_batches
 
@@ -127,17 +128,6 @@ def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     return False
 
 
-def _data_parallel_mean(value: float) -> float:
-    """The mean of ``value`` over this rank's data-parallel group (a collective)."""
-    group = parallel.dp_group()
-    size = dist.get_world_size(group)
-    if size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
-    dist.all_reduce(t, group=group)
-    return float(t.item()) / size
-
-
 LossFn = Callable[[torch.Tensor, Samples], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -180,7 +170,7 @@ def ppo_update(
             mbs = batching.split(samples, rows)
             mini_tokens = float(samples.response_mask[list(rows)].sum())
             if token_level:
-                mini_tokens = _data_parallel_mean(mini_tokens)
+                mini_tokens = data_parallel_mean(mini_tokens)
             weights = [_weight(mb, mini_tokens, len(rows), token_level) for _, mb in mbs]
 
             def scaled(out: torch.Tensor, batch: dict[str, Any]):

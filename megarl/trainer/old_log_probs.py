@@ -49,6 +49,8 @@ def separate_forward_reasons(cfg: RunConfig) -> list[str]:
         )
     if a.use_kl_in_reward:
         reasons.append("algorithm.use_kl_in_reward: the KL penalty is computed before the update")
+    if a.distill.teacher_path is not None and a.distill.mode == "reward":
+        reasons.append("algorithm.distill.mode=reward: the KL reward is computed before the update")
     if actor.lora.rank > 0 and actor.lora.dropout > 0:
         reasons.append("actor.lora.dropout > 0: the update's forward is not the policy's")
     return reasons

@@ -20,6 +20,7 @@ from megarl.run.trainable import (
     model_options,
     optim_settings,
 )
+from megarl.trainer.distill import Teacher, build_teacher
 from megarl.trainer.spec import AlgorithmSpec
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class Roles:
     critic: Trainable | None
     # LoRA: the reference policy is the actor's frozen base (its adapters disabled), no model
     reference_is_actor_base: bool = False
+    teacher: Teacher | None = None  # on-policy distillation's frozen teacher (algorithm.distill)
 
     @property
     def has_reference(self) -> bool:
@@ -93,4 +95,5 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
         reference=reference,
         critic=critic,
         reference_is_actor_base=base_is_reference,
+        teacher=build_teacher(cfg, layout, opts),
     )

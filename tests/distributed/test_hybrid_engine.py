@@ -1,16 +1,25 @@
 """HybridEngine on 4 gloo ranks with the real CPU vLLM, against HF transformers and the actor.
 
 Two spawns (one vLLM engine per process each: infer_tp 2, then infer_tp 1), each running two
-training layouts (TP2xPP2, TP1xPP2xDP2) beside the same engine. Per layout: after ``to_rollout``
-vLLM's greedy output equals transformers' (token for token) and its logprobs equal the megatron
-actor's teacher-forced ones, scored as the trainer scores a rollout (micro-batched; < 1e-4,
-fp32); sampled at temperature 0.7, vLLM's logprobs equal transformers' log_softmax(logits / 0.7)
-and the actor's tempered ones (mean <= 1e-4); after an
+training layouts (TP2xPP2, TP1xPP2xDP2) beside the same engine. vLLM starts from dummy weights
+and is resharded in shard mode (each rank receives only the slices its vLLM TP rank loads: the
+default). Per layout: after ``to_rollout`` vLLM's greedy output equals transformers' (token for
+token) and its logprobs equal the megatron actor's teacher-forced ones, scored as the trainer
+scores a rollout (micro-batched; < 1e-4, fp32); sampled at temperature 0.7, vLLM's logprobs equal
+transformers' log_softmax(logits / 0.7) and the actor's tempered ones (mean <= 1e-4); after an
 optimizer step and another ``to_rollout`` the output equals transformers on the new weights; a
-plan/model shape mismatch raises naming the tensor and leaves vLLM's weights untouched. The
-Hugging Face rollout backend (``rollout.backend=hf``) runs beside vLLM in the same processes,
-resharded from the same actor: its greedy output equals vLLM's, its logprobs equal the actor's
-(< 1e-5, fp32), before and after the step.
+plan/model shape mismatch raises naming the tensor and leaves vLLM's weights untouched.
+
+Shard mode against full mode (every rank receives whole tensors), on the same actor: every slice
+the shard-mode executor hands the rollout engine equals the same slice of the full-mode tensor,
+bit for bit; vLLM reset to other weights and then loaded in shard mode generates the same tokens
+with bit-identical logprobs as after a full-mode load; ranks receive exactly the planner's
+minimum. The Hugging Face rollout backend (``rollout.backend=hf``) runs beside vLLM in the same
+processes, resharded from the same actor: its greedy output equals vLLM's, its logprobs equal
+the actor's (< 1e-5, fp32), before and after the step; its parameters after a shard-mode load
+(each rank's slices, completed by an all-gather in its rollout TP group) equal those after a
+full-mode load bit for bit, also at rollout TP 4 over 2 KV heads (the key/value heads
+replicated), in the second spawn.
 """
 
 from __future__ import annotations
@@ -85,7 +94,62 @@ def _scored(ddp, dims, batch, temperature: float = 1.0) -> dict[str, float]:
     return metrics
 
 
+def _recorded(engine) -> list:
+    """What the engine's executor hands the rollout engine, bucket by bucket."""
+    got: list = []
+    engine.reshard(got.extend)
+    return got
+
+
+def _shards_match_full(shards: list, full: list) -> tuple[bool, int]:
+    """Every shard-mode slice equals that slice of the full-mode tensor, bit for bit (and every
+    full-mode tensor is sliced at least once); the bytes of the slices."""
+    whole = dict(full)
+    names = {spec.name for spec, _ in shards}
+    ok = names == set(whole)
+    for spec, t in shards:
+        ref = whole[spec.name]
+        if spec.dim is not None:
+            ref = ref.narrow(spec.dim, spec.start, t.shape[spec.dim])
+        ok = ok and torch.equal(ref, t)
+    return ok, sum(t.numel() * t.element_size() for _, t in shards)
+
+
+def _reset_to_checkpoint(rollout, model_dir: str) -> None:
+    """Load the folder's own weights (whole tensors) into a rollout engine."""
+    from megarl.models.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(model_dir)
+    rollout.update_weights([(n, reader.read(n)) for n in reader.names()])
+    rollout.after_weight_update()
+
+
+def _hf_params(rollout) -> dict:
+    return {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
+
+
+def _hf_shard_equals_full(shard_engine, full_engine) -> bool:
+    """The HF backend's parameters after a shard-mode load (from zeros) equal those after a
+    full-mode load (from zeros), bit for bit."""
+    rollout = shard_engine.rollout
+    loaded = []
+    for engine in (shard_engine, full_engine):
+        with torch.no_grad():
+            for p in rollout.model.parameters():
+                p.zero_()
+        engine.to_rollout()
+        engine.to_train()
+        loaded.append(_hf_params(rollout))
+    shard, full = loaded
+    moved = all(bool(t.abs().sum() > 0) for t in shard.values())
+    return (
+        moved and shard.keys() == full.keys() and all(torch.equal(shard[n], full[n]) for n in full)
+    )
+
+
 def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
+    from dataclasses import replace
+
     from megarl.platform import adapt_megatron_for_cpu
 
     adapt_megatron_for_cpu()
@@ -120,21 +184,54 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
             rollout=rollout,
         )
         rollout = engine.rollout
+        # the same actor, whole tensors on every rank: the reference for shard mode
+        full_engine = HybridEngine(
+            model_dir,
+            layout,
+            dims,
+            ddp,
+            bucket_bytes=96 << 10,
+            rollout=rollout,
+            reshard_mode="full",
+        )
         hf_rollout = hf_rollout or HFRollout(model_dir, layout.rollout_tp)
         hf_engine = HybridEngine(
             model_dir, layout, dims, ddp, bucket_bytes=96 << 10, rollout=hf_rollout
         )
+        hf_full_engine = HybridEngine(
+            model_dir,
+            layout,
+            dims,
+            ddp,
+            bucket_bytes=96 << 10,
+            rollout=hf_rollout,
+            reshard_mode="full",
+        )
         dp = ps.get_data_parallel_rank()
         prompts = _prompts(dp, dims.vocab_size)
-        res: dict = {"dp": dp, "prompts": prompts}
+        res: dict = {"dp": dp, "prompts": prompts, "mode": engine.reshard_mode}
 
         engine.to_rollout()
         stats = engine.last_reshard
         res["recv_bytes"] = stats.recv_bytes
         res["min_recv_bytes"] = engine.plan.min_recv_bytes(rank)
+        res["full_recv_bytes"] = full_engine.plan.recv_bytes(rank)
         res["peak_transient"] = stats.peak_transient_bytes
-        res["peak_dest"] = engine.plan.peak_dest_bytes(rank)
+        res["peak_inflight"] = engine.plan.peak_inflight_dest_bytes(rank)
+        res["largest_dest"] = max(
+            n * engine.plan.specs[t].row_bytes()
+            if engine.plan.specs[t].tp_dim is not None
+            else engine.plan.specs[t].nbytes
+            for rb in engine.plan.for_rank(rank)
+            for t, ranges in rb.needs.items()
+            for n in [sum(b - a for a, b in ranges)]
+        )
         res["buckets"] = stats.buckets
+        res["shards_match_full"], res["shard_bytes"] = _shards_match_full(
+            _recorded(engine), _recorded(full_engine)
+        )
+        res["need_bytes"] = engine.plan.need_bytes(rank)
+        res["hf_shard_equals_full"] = _hf_shard_equals_full(hf_engine, hf_full_engine)
         batch = engine.generate(prompts, greedy)
         res["before"] = batch.output.token_ids
         res["before_metrics"] = _scored(ddp, dims, batch)
@@ -170,10 +267,19 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         ok, _, _ = optimizer.step()
         res["step_ok"] = bool(ok)
         res["weights"] = _stage_weights(ddp, dims, layout)
+        # full mode first, then vLLM back on the checkpoint's weights, then shard mode: the same
+        # tokens and bit-identical logprobs
+        full_engine.to_rollout()
+        full_batch = full_engine.generate(prompts, greedy)
+        _reset_to_checkpoint(rollout, model_dir)
         engine.to_rollout()
         batch = engine.generate(prompts, greedy)
         res["after"] = batch.output.token_ids
         res["after_metrics"] = _scored(ddp, dims, batch)
+        res["shard_equals_full_output"] = (
+            batch.output.token_ids == full_batch.output.token_ids
+            and batch.output.logprobs == full_batch.output.logprobs
+        )
         res["metrics_keys"] = sorted(engine.metrics)
         hf_engine.to_rollout()
         hf_batch = hf_engine.generate(prompts, greedy)
@@ -193,6 +299,16 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         engine.rollout.expected_shapes[name] = good
         res["after_mismatch"] = engine.generate(prompts, greedy).output.token_ids
         engine.to_train()
+        if infer_tp == 1 and spec == LAYOUTS[0]:
+            # HF backend at rollout TP 4 over 2 KV heads: query heads split, k/v replicated
+            wide = replace(layout, infer_tp=4)
+            hf4 = HFRollout(model_dir, 4)
+            hf4_engine = HybridEngine(model_dir, wide, dims, ddp, rollout=hf4)
+            hf4_full = HybridEngine(model_dir, wide, dims, ddp, rollout=hf4, reshard_mode="full")
+            res["itp4_shards_match_full"], _ = _shards_match_full(
+                _recorded(hf4_engine), _recorded(hf4_full)
+            )
+            res["itp4_hf_shard_equals_full"] = _hf_shard_equals_full(hf4_engine, hf4_full)
         out[str(layout)] = res
         destroy_model_parallel()
     return out
@@ -250,10 +366,17 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
             # logits / 0.7, and the megatron actor's (the trainer's) within 1e-4 on average
             assert _tempered_diff(hf, res["sampled"]) <= 1e-4, key
             assert res["sampled_metrics"]["rollout/logprob_diff_mean"] <= 1e-4, key
+            assert res["mode"] == "shard", key
             assert res["recv_bytes"] == res["min_recv_bytes"], key
+            if infer_tp > 1:  # only the slices vLLM loads: less than whole tensors
+                assert res["recv_bytes"] < res["full_recv_bytes"], key
+            assert res["shards_match_full"], key
+            assert res["shard_bytes"] == res["need_bytes"], key
+            assert res["hf_shard_equals_full"], key
             assert res["buckets"] > 3
-            # peak transient memory: the bucket plus at most one tensor in flight
-            assert res["peak_transient"] <= 2 * res["peak_dest"], key
+            # peak transient memory: two buckets (one loading, the next arriving) plus at most
+            # one tensor's copy
+            assert res["peak_transient"] <= res["peak_inflight"] + res["largest_dest"], key
             assert res["step_ok"]
             assert "reshard/recv_bytes" in res["metrics_keys"]
         # after a step: transformers on the new weights (exported independently of the reshard)
@@ -271,6 +394,9 @@ def test_hybrid_engine_matches_transformers_and_actor(infer_tp):
             # the HF backend followed the weight update
             assert res["hf_after"] == res["after"] != res["before"], key
             assert res["hf_after_metrics"]["rollout/logprob_diff_max"] < 1e-5, key
+            assert res["shard_equals_full_output"], key
+            if "itp4_shards_match_full" in res:
+                assert res["itp4_shards_match_full"] and res["itp4_hf_shard_equals_full"], key
             err = res["mismatch_error"]
             assert err is not None and "model.layers.1.mlp.down_proj.weight" in err, err
             assert res["after_mismatch"] == res["after"], key

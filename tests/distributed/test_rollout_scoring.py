@@ -16,11 +16,10 @@ megatron's groups take the run's collective timeout. One spawn of 2 gloo ranks (
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.assets import tiny_char_llama_dir
+from tests.config_dirs import qwen2_config_dir
 from tests.distributed.scoring_workers import SIZES, scoring_worker
 from tests.mp import run_gloo
 
@@ -28,24 +27,7 @@ TOLERANCE = 0.10
 
 
 def _config_dir(root):
-    """A config-only Qwen2-shaped folder: the ranks build it unloaded with random weights."""
-    from transformers import Qwen2Config
-
-    out = root / "qwen2-scoring"
-    out.mkdir()
-    config = Qwen2Config(
-        vocab_size=8192,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["Qwen2ForCausalLM"]
-    (out / "config.json").write_text(json.dumps(config.to_dict()))
-    return out
+    return qwen2_config_dir(root, "qwen2-scoring", 8192, 128, 256)
 
 
 @pytest.mark.timeout(300)

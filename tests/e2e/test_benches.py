@@ -27,6 +27,7 @@ BENCHES = [
     "data",
     "learn_gsm",
     "multi_turn",
+    "checkpoint_save",
 ]
 # calculator_base_rates is not smoke-run (CI time, ~40 s): its turn loop over vLLM is the one
 # multi_turn's smoke runs, and its ToolEnvironment is unit-tested.

@@ -38,7 +38,7 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     assert "GPU CHECK OK" in proc.stdout
     rows = _rows(proc.stdout)
     sections = {r[0] for r in rows}
-    assert sections == {"1 logits", "2 train step", "3 memory", "4 GRPO", "5 versions"}
+    assert sections == {"1 logits", "2 train step", "3 memory", "4 GRPO", "5 reshard", "6 versions"}
     by_check = {r[1]: r for r in rows}
     assert by_check["logits tiny-qwen2 fp32 (random tiny Qwen2)"][-1] == "ok"
     assert by_check["logits tiny-qwen2 bf16 (random tiny Qwen2)"][-1] == "ok"
@@ -48,6 +48,8 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     tokens = [r for r in rows if r[1].startswith("megarl tokens/s")]
     assert tokens and float(tokens[0][2].replace(",", "")) > 0
     assert (tmp_path / "grpo" / "hf" / "config.json").is_file()  # the verified export
+    assert by_check["rollout weights == checkpoint"][-1] == "ok"
+    assert by_check["refilled by the next reshard == checkpoint"][-1] == "ok"
 
 
 def test_gpu_check_uses_the_projects_interpreter():

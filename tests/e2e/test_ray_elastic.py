@@ -145,11 +145,14 @@ def test_bad_launches_are_refused_before_any_rank_starts(workdir, ray_head, monk
 
 
 def test_a_ranks_user_error_ends_the_ray_job_with_its_message_and_code_2(workdir, ray_head):
-    bad = "reward.custom_fn=megarl.rewards.toy:no_such_scorer"
-    proc = launch(workdir, "ray_bad", bad, QUIET, *ray_job(ray_head), nproc=1)
+    # A wrong import path is refused before launch now; a full disk at the step-1 save is found
+    # only by the rank (test-only fault point): a megarl error there, exit 2.
+    one = "trainer.total_steps=1"
+    fault = "enospc@save:step=1"
+    proc = launch(workdir, "ray_bad", one, QUIET, *ray_job(ray_head), nproc=1, fault=fault)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("megarl: error: scorer 'megarl.rewards.toy:no_such_scorer'"), lines
+    assert lines[-1].startswith("megarl: error: saving the checkpoint of step 1"), lines
     assert "Traceback" not in proc.stderr and "RayActorError" not in proc.stderr
 
 

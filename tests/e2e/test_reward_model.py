@@ -22,13 +22,20 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 
 
-def run(args: list[str], cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], cwd: Path, timeout: int = 1200, fault: str | None = None, code: int = 0
+) -> subprocess.CompletedProcess:
+    """``python ARGS`` as a user runs it; ``fault``: a test-only MEGARL_FAULT spec; ``code``: the
+    exit status it must end with."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
+    env.pop("MEGARL_FAULT", None)
+    if fault is not None:
+        env["MEGARL_FAULT"] = fault
     proc = subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
     )
-    assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.returncode == code, (args, proc.stdout[-2000:], proc.stderr[-4000:])
     return proc
 
 
@@ -40,8 +47,10 @@ def metrics(out: Path) -> dict[int, dict]:
     return steps
 
 
-def train_rm(work: Path, out: str, *overrides: str) -> dict[int, dict]:
-    run(
+def train_rm(
+    work: Path, out: str, *overrides: str, fault: str | None = None, code: int = 0, nproc: int = 2
+) -> subprocess.CompletedProcess:
+    return run(
         [
             "-m",
             "megarl.cli",
@@ -50,11 +59,12 @@ def train_rm(work: Path, out: str, *overrides: str) -> dict[int, dict]:
             f"trainer.output_dir={work / out}",
             *overrides,
             "--nproc-per-node",
-            "2",
+            str(nproc),
         ],
         work,
+        fault=fault,
+        code=code,
     )
-    return metrics(work / out)
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +107,14 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(work) -> dict[int, dict]:
-    return train_rm(
+    train_rm(
         work,
         "full",
         f"trainer.total_steps={STEPS}",
         "trainer.save_freq=4",
         f"trainer.test_freq={STEPS}",
     )
+    return metrics(work / "full")
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +127,10 @@ def exported(work, trained) -> Path:
     return out
 
 
-def test_accuracy_rises_and_resume_equals_uninterrupted(work, trained):
+def test_accuracy_rises_resume_equals_uninterrupted_and_ctrl_c_saves(work, trained):
+    """The resumed run is stopped by a Ctrl-C (SIGINT to `megarl train-rm`) during step 6: like
+    `megarl train`, it finishes the step, saves it, exits 130; retention (keep_last=1) then
+    leaves only that checkpoint."""
     before, after = trained[0]["val/rm_accuracy"], trained[STEPS]["val/rm_accuracy"]
     assert trained[0]["val/rm_pairs"] == 32
     assert before <= 0.75 and after >= 0.95, (before, after)  # measured: see the closing note
@@ -124,11 +138,39 @@ def test_accuracy_rises_and_resume_equals_uninterrupted(work, trained):
     ckpts = work / "resumed" / "checkpoints"
     shutil.copytree(work / "full" / "checkpoints" / "step_00000004", ckpts / "step_00000004")
     (ckpts / "latest").write_text("step_00000004\n")
-    resumed = train_rm(work, "resumed", f"trainer.total_steps={STEPS}", "trainer.save_freq=4")
-    assert min(resumed) == 5  # it did resume
-    for step in range(5, STEPS + 1):
+    proc = train_rm(
+        work,
+        "resumed",
+        f"trainer.total_steps={STEPS}",
+        "trainer.save_freq=4",
+        "trainer.keep_last=1",
+        fault="sigint@step:step=6",
+        code=130,
+    )
+    assert f"interrupted: stopped after step 6; checkpoint {ckpts / 'step_00000006'}" in proc.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000006"]
+    resumed = metrics(work / "resumed")
+    assert sorted(resumed) == [5, 6]  # it did resume, and stopped after step 6
+    for step in (5, 6):
         for key in ("rm/loss", "rm/accuracy", "rm/grad_norm", "rm/chosen_mean", "rm/gap_mean"):
             assert resumed[step][key] == pytest.approx(trained[step][key], abs=1e-6), (step, key)
+
+
+def test_a_hung_reward_model_step_is_reported_by_the_watchdog(work):
+    """train-rm runs its steps under the same hang watchdog as train: a rank that makes no
+    progress for trainer.hang_timeout_s prints where it is and the job stops."""
+    proc = train_rm(
+        work,
+        "rm_hang",
+        "parallel.pp=1",
+        "trainer.total_steps=2",
+        "trainer.hang_timeout_s=5",
+        fault="sleep@sync:step=1",
+        code=3,
+        nproc=1,
+    )
+    assert "rank 0: no progress for" in proc.stderr, proc.stderr[-3000:]
+    assert "megarl: error: rank 0 hung in phase 'sync' of step 1" in proc.stderr
 
 
 def test_export_scores_equal_in_transformers(work, trained, exported):

@@ -30,7 +30,8 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def make_workdir(work: Path) -> Path:
-    """GSM-Symbolic data (128 train, 16 validation prompts) and the run config ``run.yaml``."""
+    """GSM-Symbolic data (128 train, 16 validation prompts) and ``run.yaml``: 2 GRPO steps of the
+    tiny model, MLflow in WORK."""
     subprocess.run(
         [
             sys.executable,
@@ -92,6 +93,22 @@ def launch(
         str(nproc),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=1200)
+
+
+def megarl_command(work: Path, *args: str) -> subprocess.CompletedProcess:
+    """``megarl ARGS`` run in WORK as a user types it; stdout and stderr together in .stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    env.pop("MEGARL_FAULT", None)
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=work,
+        timeout=1200,
+    )
 
 
 def metrics(work: Path, out: str) -> list[dict]:
@@ -219,6 +236,9 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir, fu
     }
     assert expected <= logged, sorted(expected - logged)
     assert any(r.data.params.get("algorithm.adv_estimator") == "grpo" for r in runs)
+    # every fresh run is named after the experiment and its start (not MLflow's seeded names)
+    fresh = [r.info.run_name for r in runs]
+    assert all(re.fullmatch(r"megarl-\d{8}-\d{6}", n) for n in fresh), fresh
     # the validation generations: one MLflow table artifact per pass (before training, 2, 4)
     [run] = [r for r in runs if r.data.params.get("trainer.output_dir") == str(workdir / "full")]
     names = {a.path for a in client.list_artifacts(run.info.run_id, "validation")}
@@ -314,36 +334,44 @@ def test_console_is_quiet_by_default(workdir, full_run):
     assert not [line for line in lines if re.search(r"\bINFO\b", line)]
     assert "FutureWarning" not in text and "Loading safetensors checkpoint shards" not in text
     assert len([line for line in lines if re.match(r"\[[#.]{20}\] step [1-4]/4 ", line)]) == 4
-    assert len(lines) < 15, text
+    # start-up: what rank 0 is doing, timed from the command (no silent half minute)
+    startup = [
+        m.group(1) for line in lines if (m := re.match(r"megarl: \[ *\d+\.\ds\] (.*)", line))
+    ]
+    assert [s.split(":")[0].split(" (")[0] for s in startup] == [
+        "starting 1 rank(s) with torchrun",
+        "started 1 rank(s); checking the inputs",
+        "reading data",
+        "building models",
+        "loading the actor's weights from " + str(tiny_char_llama_dir()),
+        "loading the reference's weights from " + str(tiny_char_llama_dir()),
+        "starting the rollout engine",
+        "first step",
+    ], startup
+    assert len(lines) < 25, text
 
 
-def test_a_settings_error_on_a_rank_ends_the_output(workdir):
-    """reward.custom_fn is loaded inside the ranks (setup_run): its error must be the last line
-    the user sees, without torchrun's report, and the exit code must be the rank's (2)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megarl.cli",
-            "train",
-            str(workdir / "run.yaml"),
-            f"trainer.output_dir={workdir / 'bad_scorer'}",
-            "reward.custom_fn=megarl.rewards.toy:no_such_scorer",
-            "--nproc-per-node",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=workdir,
-        timeout=600,
+def test_a_wrong_scorer_path_is_refused_before_launch(workdir):
+    """reward.custom_fn is imported and its signature checked before any process starts (the
+    models of a large run take minutes to load): one line naming the setting, exit 2, no
+    traceback. (An error raised on the ranks ends the output the same way: see the failing
+    reward of tests/e2e/test_reliability.py.)"""
+    proc = megarl_command(
+        workdir,
+        "train",
+        str(workdir / "run.yaml"),
+        f"trainer.output_dir={workdir / 'bad_scorer'}",
+        "reward.custom_fn=megarl.rewards.toy:no_such_scorer",
+        "--nproc-per-node",
+        "1",
     )
     assert proc.returncode == 2, proc.stdout[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[-1].startswith("megarl: error: scorer 'megarl.rewards.toy:no_such_scorer'"), lines
+    assert lines[-1].startswith(
+        "megarl: error: reward.custom_fn='megarl.rewards.toy:no_such_scorer': "
+        "'megarl.rewards.toy' has no attribute 'no_such_scorer'"
+    ), lines
+    assert "starting 1 rank(s)" not in proc.stdout  # nothing was launched
     assert "ChildFailedError" not in proc.stdout and "Traceback" not in proc.stdout
 
 
@@ -406,17 +434,19 @@ def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
         print(step, "old-logprob forward", single[step]["timing/old_log_prob_s"], "s")
 
 
-def test_ray_launcher_tp2_pp2_equals_torchrun_and_sigterm_checkpoints(workdir, tp2pp2_run):
+def test_ray_launcher_tp2_pp2_equals_torchrun_and_ctrl_c_checkpoints(workdir, tp2pp2_run):
     """The same GRPO run at TP2 x PP2 as the torchrun fixture, on a local Ray instance (started
     by megarl: no --address) with 4 rank actors: steps 1 and 2 equal torchrun's (the same
-    processes and seeds; tolerance 1e-6 absolute, measured equal). SIGTERM to the driver during
-    step 2 (test-only fault point) reaches every rank: the step finishes, its checkpoint is
-    written, the job exits 0."""
+    processes and seeds; tolerance 1e-6 absolute, measured equal). A Ctrl-C (SIGINT to the
+    driver, test-only fault point) during step 2 reaches every rank as under torchrun: the step
+    finishes, its checkpoint is written, the job exits 130. (SIGTERM takes the same path to the
+    ranks as SIGUSR1; test_sigterm_* checks it under torchrun.)"""
     ray = ("--launcher", "ray")
-    proc = launch(workdir, "tp2pp2_ray", *TP2PP2, *ray, nproc=4, fault="sigterm@step:rank=0:step=2")
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    assert "SIGTERM received: asking the 4 ranks" in proc.stderr
-    assert "preempted: stopped after step 2" in proc.stderr
+    proc = launch(workdir, "tp2pp2_ray", *TP2PP2, *ray, nproc=4, fault="sigint@step:rank=0:step=2")
+    assert proc.returncode == 130, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "SIGINT received: asking the 4 ranks" in proc.stderr
+    assert "interrupted: stopped after step 2" in proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
     ckpts = workdir / "tp2pp2_ray" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
     ray_run, torchrun = by_step(metrics(workdir, "tp2pp2_ray")), tp2pp2_run[1]
@@ -529,6 +559,86 @@ def test_sigterm_checkpoints_and_exits_0_then_resume_continues_exactly(workdir, 
         for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert resumed[step][key] == pytest.approx(full_run[step][key], abs=1e-6), (step, key)
     assert resumed[4]["val/reward_mean"] == pytest.approx(full_run[4]["val/reward_mean"], abs=1e-6)
+
+
+def test_damaged_checkpoint_refused_by_convert_resume_falls_back_and_ctrl_c_saves(
+    workdir, full_run, capsys
+):
+    """The full run's folder, copied, with 4 KiB of random bytes written into one data file of its
+    latest checkpoint (step 4), and a copy of that checkpoint with a data file truncated.
+
+    `megarl convert mcore-to-hf` refuses both (exit 2, the file named, no traceback), following
+    `latest` from the run's checkpoints/ folder; the intact step-2 folder exports. `megarl train`
+    (resume=auto) reports the damaged checkpoint, keeps it as step_00000004.damaged and resumes
+    from step 2; a Ctrl-C (SIGINT to the launcher) during step 3 lets the step finish, saves it
+    and exits 130 saying where to resume. The steps the first run had logged after step 2 are
+    redone, and metrics.jsonl, MLflow and TensorBoard hold each step once."""
+    out = workdir / "damaged"
+    shutil.copytree(workdir / "full", out, ignore=shutil.ignore_patterns("wandb", "console.log"))
+    ckpts = out / "checkpoints"
+    data = ckpts / "step_00000004" / "actor" / "mcore" / "__0_1.distcp"
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        f.write(os.urandom(4096))
+    truncated = workdir / "truncated" / "step_00000004"
+    shutil.copytree(workdir / "full" / "checkpoints" / "step_00000004", truncated)
+    cut = truncated / "actor" / "mcore" / "__0_0.distcp"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 3])
+    for ckpt, found in (
+        (ckpts, "mcore/__0_1.distcp: its bytes differ from what was written (checksum mismatch)"),
+        (truncated, "mcore/__0_0.distcp is "),
+    ):
+        args = ["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(workdir / "hf_bad")]
+        assert cli_main([*args, "--quiet"]) == 2, ckpt
+        err = capsys.readouterr().err
+        assert found in err and "is damaged" in err and "Nothing was exported" in err, err
+        assert "Traceback" not in err and not (workdir / "hf_bad").exists()
+    good = ["--ckpt", str(ckpts / "step_00000002"), "--out", str(workdir / "hf_step2"), "--quiet"]
+    assert cli_main(["convert", "mcore-to-hf", *good]) == 0
+    assert "(actor of step_00000002)" in capsys.readouterr().out
+
+    proc = launch(
+        workdir,
+        "damaged",
+        *FULL,
+        "trainer.loggers=[console,mlflow,tensorboard]",
+        fault="sigint@step:step=3",
+    )
+    err = proc.stderr
+    assert proc.returncode == 130, err[-3000:]
+    assert f"checkpoint {ckpts / 'step_00000004'} is damaged: actor/mcore/__0_1.distcp" in err
+    assert "Kept as step_00000004.damaged" in err
+    assert "resuming from step_00000002, the newest intact checkpoint" in err
+    assert "SIGINT received" in err and "press Ctrl-C again to stop at once" in err
+    assert f"interrupted: stopped after step 3; checkpoint {ckpts / 'step_00000003'}" in err
+    assert "Traceback" not in err and "ChildFailedError" not in err
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "latest",
+        "step_00000002",
+        "step_00000003",
+        "step_00000004.damaged",
+    ]
+    assert (ckpts / "latest").read_text().strip() == "step_00000003"
+    records = metrics(workdir, "damaged")
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3]
+    assert [r["step"] for r in records if "val/reward_mean" in r] == [0, 2]
+    resumed = by_step(records)
+    for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert resumed[3][key] == pytest.approx(full_run[3][key], abs=1e-6), key
+
+    import mlflow
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_id = json.loads((out / "tracking_ids.json").read_text())["mlflow"]
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    for key in ("reward/mean", "actor/pg_loss", "val/reward_mean"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == sorted(set(steps)), (key, steps)  # each step once
+    assert sorted(m.step for m in client.get_metric_history(run_id, "reward/mean")) == [1, 2, 3, 4]
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("val/reward_mean")] == [0, 2]
 
 
 def test_a_rank_stuck_while_the_others_wait_in_a_collective_ends_the_job(workdir):

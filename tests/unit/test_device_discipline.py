@@ -87,6 +87,9 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
         "objects cross the worlds pickled over gloo bridges (host tensors); NCCL bridges carry "
         "only the weights"
     ),
+    ("megarl/algos/dpo.py", "try_dpo_loss"): (
+        "the pre-launch config check calls the chosen DPO loss on two made-up host pairs"
+    ),
     ("megarl/testing/assets.py", "randomize_"): (
         "fills CPU-built Hugging Face test models before they are saved to disk"
     ),
@@ -99,13 +102,20 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
 # file -> {function qualname: where the tensor of its collective comes from}
 COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/hybrid_engine/execute.py": {
-        "ReshardExecutor.run": "model parameter views and buckets made on the parameters' device",
+        "ReshardExecutor._post": "model parameter views and buckets made on the parameters' device",
+    },
+    "megarl/hybrid_engine/hf_rollout.py": {
+        "_gather_group": "the bucket's slices (on the actor's device) into a buffer made on "
+        "platform.collective_device()",
     },
     "megarl/hybrid_engine/mismatch.py": {
         "logprob_mismatch": "sums/peak made on platform.collective_device()",
     },
     "megarl/metrics.py": {
         "reduce_metrics": "values made on platform.collective_device()",
+    },
+    "megarl/trainer/reward_failures.py": {
+        "stop_on_failed_scores": "counts made on platform.collective_device()",
     },
     "megarl/trainer/experience.py": {
         "_dp_mean": "made on platform.collective_device()",
@@ -116,7 +126,6 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/trainer/model_ops.py": {
         "rollout_is_finite": "flag made on platform.collective_device()",
-        "_data_parallel_mean": "made on platform.collective_device()",
     },
     "megarl/run/checkpointing.py": {
         "_agree_on_failure": "flag made on platform.collective_device()",
@@ -149,8 +158,11 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/trainer/rollout_group.py": {
         "RolloutGroup._agree": "made on platform.collective_device()",
     },
-    "megarl/reward_model/train.py": {
-        "evaluate": "totals made on platform.device()",
+    "megarl/run/evaluation.py": {
+        "dataset_totals": "totals made on platform.collective_device()",
+    },
+    "megarl/run/update.py": {
+        "data_parallel_mean": "made on platform.collective_device()",
     },
 }
 

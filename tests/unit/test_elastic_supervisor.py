@@ -139,3 +139,26 @@ def test_waits_for_a_replacement_and_takes_the_full_size_back(tmp_path):
     # resume=never: the checkpoint on disk predates this job, so the restart starts afresh
     assert "trainer.resume=auto" not in launcher.specs[1].args
     assert "from the start (no checkpoint yet)" in console.getvalue()
+
+
+def test_a_restart_names_the_newest_intact_checkpoint_not_a_damaged_newer_one(tmp_path):
+    """The supervisor's notion of intact is the ranks' (megarl.run.verification): a newer
+    checkpoint whose manifest does not match its files is not the one the restart reports."""
+    import megarl.checkpoint.manifest as manifest
+
+    cfg, out = _setup(tmp_path, checkpoint_step=2, logged=5)
+    newer = out / "checkpoints" / "step_00000004"
+    (newer / "trainer").mkdir(parents=True)
+    (newer / "trainer" / "trainer_state.pt").write_bytes(b"state")
+    manifest.write(newer, [manifest.record(newer, "trainer/trainer_state.pt")])
+    (newer / "trainer" / "trainer_state.pt").write_bytes(b"st")  # truncated after the save
+    (out / "checkpoints" / "latest").write_text("step_00000004\n")
+    launcher = ScriptedLauncher(
+        [JobResult(137, failed_rank=3, how="was killed by SIGKILL", slot=3), JobResult(0)], 4
+    )
+    console = io.StringIO()
+    layout = ParallelLayout(tp=2, pp=1, dp=2)
+    assert Supervisor(cfg, ["run.yaml"], layout, launcher, console=console).run() == 0
+    assert "from step_00000002 (step 2)" in console.getvalue()
+    [event] = [json.loads(line) for line in (out / "elastic.jsonl").read_text().splitlines()]
+    assert event["checkpoint"] == "step_00000002" and event["steps_lost"] == 3

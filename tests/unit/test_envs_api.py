@@ -60,7 +60,7 @@ def test_rollout_env_loads_from_a_file_and_checks_its_kwargs(env_file, tmp_path)
         (f"{env_file}:Half", {}, "does not implement ['step']"),
         (f"{env_file}:Echo", {"levle": 3}, "do not fit Echo.__init__"),
         ("no_such_module_xyz:Env", {}, "cannot import module"),
-        ("Echo", {}, "is not a Class spec"),
+        ("Echo", {}, "is not an import path"),
     ]
     for spec, kwargs, message in cases:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -160,6 +160,7 @@ def test_request_seeds_or_the_batched_sampler(per_request, temperature):
 
     engine = object.__new__(VLLMRollout)  # no vLLM: only the request building runs
     engine.asleep = False
+    engine.weights_loaded = True  # as after the first reshard
     engine.llm = _Recorder()
     engine.sampling_params = lambda sampling, seed, max_tokens=None: seed
     sampling = SamplingConfig(temperature=temperature, seed=7, per_request_seeds=per_request)
@@ -212,12 +213,14 @@ def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(
-        pa.table({"prompt": [[{"role": "user", "content": "hi"}]] * 8}), tmp_path / "t.parquet"
+        pa.table({"prompt": [[{"role": "user", "content": "hi"}]] * 8, "data_source": ["t"] * 8}),
+        tmp_path / "t.parquet",
     )
     yaml = tmp_path / "run.yaml"
     yaml.write_text(
         f"model:\n  path: {tiny_qwen2_dir()}\ndata:\n  train_files: [{tmp_path}/t.parquet]\n"
         "  train_batch_size: 8\nactor:\n  ppo_mini_batch_size: 8\nrollout:\n  backend: hf\n"
+        "reward:\n  custom_fn: megarl.rewards.toy:vowel_rate\n"  # prompts without answers
     )
     assert cli.main(["train", str(yaml), "--no-preflight"]) == 0
     assert launched == [8]  # the 8 local GPUs: DP 8 at TP1

@@ -35,6 +35,7 @@ BASE = ["model.path=/models/x", "data.train_files=[a.parquet]"]
         ("rollout.gpu_memory_utilization=0", r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
         ("rollout.gpu_memory_utilization=1.2", r"gpu_memory_utilization=1.2 must be in \(0, 1\]"),
         ("rollout.backend=sglang", r"rollout.backend='sglang' is not one of \['vllm', 'hf'\]"),
+        ("rollout.reshard_mode=half", r"rollout.reshard_mode='half' is not one of"),
         ("model.transformer_impl=apex", r"model.transformer_impl='apex' is not one of"),
     ],
 )
@@ -46,12 +47,14 @@ def test_bad_gpu_settings_are_refused(override, match):
 def test_gpu_settings_defaults_and_bounds():
     cfg = load_config(overrides=BASE)
     r = cfg.rollout
-    assert (r.backend, r.gpu_memory_utilization, r.sleep_level) == ("vllm", 0.5, 1)
+    # sleep level 2: the reshard refills every weight, so vLLM drops them while it sleeps
+    assert (r.backend, r.gpu_memory_utilization, r.sleep_level) == ("vllm", 0.5, 2)
+    assert r.reshard_mode == "auto"
     assert cfg.model.transformer_impl == "auto"
     cfg = load_config(
-        overrides=[*BASE, "rollout.gpu_memory_utilization=1", "rollout.sleep_level=2"]
+        overrides=[*BASE, "rollout.gpu_memory_utilization=1", "rollout.sleep_level=1"]
     )
-    assert (cfg.rollout.gpu_memory_utilization, cfg.rollout.sleep_level) == (1.0, 2)
+    assert (cfg.rollout.gpu_memory_utilization, cfg.rollout.sleep_level) == (1.0, 1)
 
 
 def test_vllm_backend_without_vllm_names_the_fix(monkeypatch):

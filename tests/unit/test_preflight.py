@@ -141,12 +141,17 @@ def test_host_memory_per_rank_and_node(recipe):
     host = recipe.host
     dp0, dp1 = host.ranks[(0, 0)], host.ranks[(0, 1)]
     assert dp0["rollout"] == {"optimizer_offload": 0, "adam_moments": 2 * P}
-    assert dp0["training"] == {"optimizer_offload": 0, "vllm_asleep": 2 * P}  # sleep level 1
-    state = 12 * (P * DP // DP)  # megatron gathers the TP shard's fp32 params, m, v on each rank
+    # sleep level 2 (the default): vLLM drops its weights; level 1 keeps its TP shard on the host
+    assert dp0["training"] == {"optimizer_offload": 0, "vllm_asleep": 0}
+    level1 = _check("rollout.sleep_level=1").host
+    assert level1.ranks[(0, 0)]["training"] == {"optimizer_offload": 0, "vllm_asleep": 2 * P}
+    state = 12 * -(-P // DP)  # its own shard's fp32 params, m, v: no gather (optimizer_shards)
     assert dp1["save"]["checkpoint"] == state
     assert dp0["save"]["checkpoint"] == state + 2 * P  # DP rank 0 also writes the weights
-    node = 8 * (2 * P + state) + 2 * (2 * P)  # 8 ranks; 2 of them (TP0, TP1) are DP rank 0
-    assert host.nodes == [{"rollout": 8 * 2 * P, "training": 8 * 2 * P, "save": node}]
+    node = 8 * state + 2 * (2 * P)  # 8 ranks; 2 of them (TP0, TP1) are DP rank 0
+    assert host.nodes == [{"rollout": 8 * 2 * P, "training": 0, "save": node}]
+    assert level1.nodes[0]["training"] == 8 * 2 * P
+    assert level1.nodes[0]["save"] == node + 8 * 2 * P
 
 
 def test_micro_batch_shapes():
@@ -196,8 +201,8 @@ def test_a_kv_cache_smaller_than_one_sequence_is_refused():
 
 
 def test_host_memory_of_a_save_is_checked():
-    small = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, host_memory=400 * GIB)
-    cfg = load_config(overrides=RECIPE)
+    small = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, host_memory=128 * GIB)
+    cfg = load_config(overrides=[*RECIPE, "rollout.sleep_level=1"])
     pf = preflight(cfg, _dims(), small, GPU)
     [problem] = pf.problems
     assert problem.where == "host save" and problem.item == "checkpoint"
@@ -217,7 +222,16 @@ def _inputs(tmp_path: Path) -> list[str]:
         json.dumps({**KNOWN_MODELS["Qwen2.5-7B"], "model_type": "qwen2"})
     )
     rows = [[{"role": "user", "content": f"q{i}"}] for i in range(1024)]
-    pq.write_table(pa.table({"prompt": rows}), tmp_path / "train.parquet")
+    # columns of both a prompt file (the policy, scored by the built-in GSM8K scorer) and a
+    # preference file (train-rm)
+    table = {
+        "prompt": rows,
+        "data_source": ["openai/gsm8k"] * len(rows),  # what the built-in scorer reads
+        "reward_model": [{"ground_truth": "1", "style": "rule"}] * len(rows),
+        "chosen": ["a"] * len(rows),
+        "rejected": ["b"] * len(rows),
+    }
+    pq.write_table(pa.table(table), tmp_path / "train.parquet")
     return [
         f"model.path={model}",
         f"data.train_files=[{tmp_path / 'train.parquet'}]",

@@ -110,7 +110,7 @@ def test_reward_model_config_is_checked_on_its_own_terms():
     with pytest.raises(ConfigError, match=r"reward_model\.truncation"):
         load_config(overrides=[*base, "reward_model.truncation=cut"])
     with pytest.raises(ConfigError, match=r"trainer\.kind"):
-        load_config(overrides=[*base[:2], "trainer.kind=dpo"])
+        load_config(overrides=[*base[:2], "trainer.kind=kto"])
     with pytest.raises(ConfigError, match="rule_weight=0 leaves no reward"):
         load_config(overrides=[*base[:2], "reward.rule_weight=0"])
 

@@ -121,11 +121,11 @@ def test_unknown_data_source_is_a_config_error_naming_the_fix() -> None:
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("no_colon_here", "is not a function spec"),
+        ("no_colon_here", "is not an import path"),
         ("megarl.rewards.nope:fn", "cannot import module 'megarl.rewards.nope'"),
         ("megarl.rewards.gsm8k:nope", "'megarl.rewards.gsm8k' has no attribute 'nope'"),
         ("megarl.rewards.gsm8k:METHODS", "'METHODS' is not callable"),
-        ("/does/not/exist.py:fn", "scorer file '/does/not/exist.py' does not exist"),
+        ("/does/not/exist.py:fn", "file '/does/not/exist.py' does not exist"),
     ],
 )
 def test_bad_scorer_specs_fail_at_start_up(spec: str, expected: str) -> None:

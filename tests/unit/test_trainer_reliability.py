@@ -3,6 +3,7 @@ the preemption signal handlers (in small subprocesses, without torch.distributed
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -102,3 +103,54 @@ def test_first_signal_asks_to_stop_and_second_stops_at_once():
     assert "after first: SIGTERM" in proc.stdout and "not reached" not in proc.stdout
     assert proc.returncode == -15 or proc.returncode == -10, proc.returncode
     assert "second SIGUSR1: stopping now" in proc.stderr
+
+
+def test_the_launcher_turns_a_ctrl_c_into_a_graceful_stop_and_a_second_into_an_immediate_one():
+    """What `megarl train` does with Ctrl-C, against a stand-in for torchrun and one rank: the
+    first SIGINT asks the rank to finish its step (SIGUSR2: an interruption), the second kills
+    the job at once; the command's exit status is 130 either way."""
+    proc = run_python(
+        """
+        import os, signal, subprocess, sys, tempfile, time
+        from pathlib import Path
+        from megarl.launch import _forwarding_signals
+        ready = Path(tempfile.mkdtemp()) / "rank-ready"
+        rank = (
+            "import signal, time\\n"
+            "def got(*a):\\n"
+            "    print('rank: SIGUSR2', flush=True)\\n"
+            f"    open({str(ready)!r} + '-usr2', 'w').close()\\n"
+            "signal.signal(signal.SIGUSR2, got)\\n"
+            f"open({str(ready)!r}, 'w').close()\\n"
+            "print('rank up', flush=True)\\n"
+            "time.sleep(60)\\n"
+        )
+        torchrun = (
+            "import subprocess, sys\\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\\n"
+            "print('rank pid', p.pid, flush=True)\\n"
+            "p.wait()\\n"
+        )
+        job = subprocess.Popen([sys.executable, "-c", torchrun], start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:  # its handler is installed
+            time.sleep(0.1)
+        with _forwarding_signals(job) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            got = Path(str(ready) + "-usr2")
+            while not got.exists() and time.monotonic() < deadline:  # the rank was asked
+                time.sleep(0.1)
+            print("graceful exit status would be", stop.exit_code(0), flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+            code = job.wait(timeout=20)
+        print("exit status", stop.exit_code(code), flush=True)
+        """
+    )
+    out, err = proc.stdout, proc.stderr
+    assert "rank: SIGUSR2" in out, (out, err)
+    assert "graceful exit status would be 130" in out and "exit status 130" in out
+    assert "SIGINT received: asking the 1 ranks" in err and "press Ctrl-C again" in err
+    assert "second SIGINT: stopping at once" in err
+    pid = int(re.search(r"rank pid (\d+)", out).group(1))
+    stat = Path(f"/proc/{pid}/stat")  # the rank was killed with the job (gone, or a zombie)
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -84,7 +84,7 @@ def test_a_pickle_payload_is_refused_and_does_not_run(tmp_path, writer):
 def test_old_per_rank_files_are_refused_with_the_fix(tmp_path):
     folder = checkpoint_folder(tmp_path)
     torch.save({"step": 1}, folder / "trainer" / "rank_0.pt")
-    with pytest.raises(CheckpointError, match=r"older megarl.*trainer.resume=never"):
+    with pytest.raises(CheckpointError, match=r"older megarl.*trainer.overwrite=true"):
         trainer_state.read(folder)
 
 
@@ -109,7 +109,19 @@ def fake_training_checkpoint(tmp_path: Path, roles: list[str], hidden_size: int 
             role=role, architecture="LlamaForCausalLM", dtype="float32", saved_layout={}
         )
         (folder / role / META_FILE).write_text(meta.to_json())
+        write_tiny_dist_checkpoint(folder / role / "mcore")
     return folder
+
+
+def write_tiny_dist_checkpoint(path: Path) -> None:
+    """A one-tensor torch dist checkpoint (what resume reads the metadata of, the safe way)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        {"embedding.word_embeddings.weight": torch.zeros(2, 2)},
+        checkpoint_id=str(path),
+        no_dist=True,
+    )
 
 
 def test_resume_checks_roles_and_model_before_any_heavy_work(tmp_path):

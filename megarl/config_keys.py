@@ -1,0 +1,110 @@
+"""The keys of a config layer (a YAML file, or the ``key=value`` overrides) checked against the
+typed schema before OmegaConf merges them: every unknown key is named in full, with a suggestion
+(a close megarl key, or megarl's key for one of verl's), and a single value where the schema wants
+a list (``data.train_files=/x.parquet``) is taken as a one-element list.
+
+Pure: the schema is the dataclass passed in (``megarl.config.RunConfig``), nothing is imported
+from the config module, so it can use these functions without a cycle.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import is_dataclass
+from typing import Any
+
+from megarl.errors import ConfigError
+from megarl.verl_keys import verl_hint
+
+SHOWN_UNKNOWN = 5
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_list(tp: Any) -> bool:
+    if typing.get_origin(tp) is list:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_list(a) for a in typing.get_args(tp))
+    return False
+
+
+def _is_mapping(tp: Any) -> bool:
+    return typing.get_origin(tp) is dict or tp is dict
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections included."""
+    keys = []
+    for name, tp in _field_types(cls).items():
+        keys.append(f"{prefix}{name}")
+        if is_dataclass(tp):
+            keys += all_keys(tp, f"{prefix}{name}.")
+    return keys
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def prepare_layer(cls: type, tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Take single values as one-element lists where ``cls`` wants a list (in place); return the
+    unknown keys of ``tree`` in full (``a.b.c``, not the first unknown level)."""
+    types_ = _field_types(cls)
+    unknown: list[str] = []
+    for key in list(tree):
+        value, full = tree[key], f"{prefix}{key}"
+        if key not in types_:
+            unknown += list(_leaves(value, f"{full}.")) if isinstance(value, Mapping) else [full]
+            continue
+        tp = types_[key]
+        if is_dataclass(tp):
+            if isinstance(value, dict):
+                unknown += prepare_layer(tp, value, f"{full}.")
+        elif _is_mapping(tp):
+            continue  # free-form keyword arguments (e.g. algorithm.policy_loss_kwargs)
+        elif isinstance(value, Mapping) and value:
+            unknown += list(_leaves(value, f"{full}."))  # a scalar setting given sub-keys
+        elif _is_list(tp) and isinstance(value, str | int | float | bool):
+            tree[key] = [value]
+    return unknown
+
+
+def suggestion(cls: type, key: str) -> str:
+    """Why ``key`` is unknown and what to write instead."""
+    if key == "algorithm.tis_cap":
+        return (
+            f"{key!r}: it is replaced by the rollout corrections: set "
+            "algorithm.rollout_correction=token_tis and algorithm.rollout_correction_kwargs.cap="
+            "<the cap> (e.g. 2.0); seq_tis, masked_is, icepop and decoupled_ppo are the others"
+        )
+    if key.startswith("critic.lora"):
+        return (
+            f"{key!r}: LoRA is for the actor only (actor.lora.*); the critic trains all its weights"
+        )
+    verl = verl_hint(key)
+    if verl is not None:
+        return verl
+    close = difflib.get_close_matches(key, all_keys(cls), n=3, cutoff=0.6)
+    if close:
+        return f"{key!r}; did you mean {', '.join(close)}?"
+    return f"{key!r}"
+
+
+def unknown_keys_error(cls: type, keys: list[str], source: str) -> ConfigError:
+    shown = [suggestion(cls, k) for k in keys[:SHOWN_UNKNOWN]]
+    more = f" (and {len(keys) - SHOWN_UNKNOWN} more)" if len(keys) > SHOWN_UNKNOWN else ""
+    what = "unknown setting" if len(keys) == 1 else "unknown settings"
+    return ConfigError(
+        f"{what} {' | '.join(shown)}{more} (in {source}). Every setting is listed in "
+        "megarl/config.py"
+    )

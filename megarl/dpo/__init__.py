@@ -1,0 +1,1 @@
+"""The DPO trainer (``megarl train-dpo``): preference optimisation against a frozen reference."""

@@ -1,0 +1,56 @@
+"""When failed scores stop a run: more than ``reward.max_failed_fraction`` of a batch's samples
+failing to score (the scorer raised, timed out, died, or returned NaN/inf) is a broken reward,
+not noise; training on it would learn from zeros. The error names the scorer, its first error and
+one offending sample, so the fix is at hand."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megarl.rewards.manager import RewardError, RewardManager, RewardResult, RewardSample
+
+SHOWN_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Failures:
+    """One rank's failed scores in a batch; ``first`` describes its first failure."""
+
+    failed: int
+    total: int
+    first: str | None = None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def describe_first(
+    manager: RewardManager, samples: Sequence[RewardSample], result: RewardResult
+) -> str | None:
+    """The scorer, the first error and the sample it failed on, for the error message."""
+    if not result.failures:
+        return None
+    first = result.failures[0]
+    sample = samples[first.index]
+    error = first.message.strip().splitlines()[0] if first.message.strip() else first.status
+    return (
+        f"scorer: {manager.scorer_name(sample.data_source)}; first error ({first.status}): "
+        f"{error}; on the sample with data_source {sample.data_source!r}, response "
+        f"{_short(sample.solution_str)}, ground truth {_short(sample.ground_truth)}"
+    )
+
+
+def too_many_failed(failed: int, total: int, max_fraction: float) -> bool:
+    return total > 0 and failed / total > max_fraction
+
+
+def failed_scores_error(failed: int, total: int, max_fraction: float, first: str) -> RewardError:
+    return RewardError(
+        f"{failed} of {total} samples ({failed / total:.0%}) failed to score, more than "
+        f"reward.max_failed_fraction={max_fraction:g} allows; the run stops before training on "
+        f"them (the last checkpoint is kept). {first}. Fix the scorer (a NaN or inf score counts "
+        "as a failure), or raise reward.max_failed_fraction (1.0: never stop)"
+    )

@@ -1,0 +1,1 @@
+"""The supervised fine-tuning trainer (``megarl train-sft``): token-mean NLL of the response tokens."""

@@ -33,7 +33,7 @@ def check_prompt_files(infos: Sequence[ParquetFileInfo], require_ground_truth: b
         required["reward_model"] = REWARD_MODEL
     hint = (
         "Expected verl's RL parquet columns: prompt, data_source, reward_model.ground_truth "
-        "(set require_ground_truth=False if rewards come from a reward model), extra_info."
+        "(read by rule scorers), extra_info."
     )
     for info in infos:
         check_columns(info, required, {"reward_model": REWARD_MODEL, "extra_info": ANY}, hint=hint)

@@ -27,13 +27,17 @@ def stop_on_failed_scores(parts: list[Failures], max_fraction: float) -> None:
         return
     total = max((p.total for p in parts), default=0)  # the parts score the same samples
     failed = min(sum(p.failed for p in parts), total)
+    distributed = dist.is_available() and dist.is_initialized()  # else one process: its own
     counts = torch.tensor([failed, total], dtype=torch.float64, device=platform.collective_device())
-    dist.all_reduce(counts)
+    if distributed:
+        dist.all_reduce(counts)
     failed_all, total_all = int(counts[0]), int(counts[1])
     if not too_many_failed(failed_all, total_all, max_fraction):
         return
     mine = next((p.first for p in parts if p.first is not None), None)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: list = [mine]
+    if distributed:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
     first = next((m for m in everyone if m is not None), "no description")
     raise failed_scores_error(failed_all, total_all, max_fraction, first)

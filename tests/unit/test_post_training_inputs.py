@@ -31,7 +31,7 @@ def work(tmp_path_factory) -> Path:
         pa.Table.from_pylist([{"prompt": prompt, "chosen": "a", "rejected": "b"}] * 4),
         work / "prefs.parquet",
     )
-    rl = {"prompt": prompt, "data_source": "toy", "reward_model": {"ground_truth": "1"}}
+    rl = {"prompt": prompt, "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "1"}}
     pq.write_table(pa.Table.from_pylist([rl] * 4), work / "prompts.parquet")
     model = str(tiny_char_llama_dir())
     base = {"model": {"path": model}, "data": {"train_batch_size": 2}}

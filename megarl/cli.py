@@ -39,13 +39,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from megarl.backends import this_machine
     from megarl.cluster.start import start_job, world_size
-    from megarl.config import load_config, validate
+    from megarl.config import load_config, trainer_world_size, validate
     from megarl.dry_run import before_launch, dry_run
     from megarl.gpu_defaults import default_nproc_per_node
     from megarl.launch import under_launcher
-    from megarl.parallel import ParallelLayout
     from megarl.run.checks import check_inputs
     from megarl.run.output_dir import check_output_dir, move_aside
+    from megarl.run.startup import layout_for
     from megarl.run.verification import precheck_resume
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
@@ -59,12 +59,13 @@ def _train(args: argparse.Namespace) -> int:
 
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
-    # one process per local GPU on CUDA (DP derived), tp * pp on CPU
+    # one process per local GPU on CUDA (DP derived); on CPU tp * pp, plus the rollout group
     nproc = args.nproc_per_node or default_nproc_per_node(cfg, this_machine())
     world = world_size(args.launcher, args.nnodes, nproc, args.address)
     validate(cfg, world)
-    p = cfg.parallel
-    layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
+    colocated = cfg.rollout.mode == "colocated"
+    trainers = trainer_world_size(cfg, world)
+    layout = layout_for(cfg, trainers, with_rollout=colocated)
     reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
     move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved aside
     if not move and cfg.trainer.resume == "auto":
@@ -77,7 +78,14 @@ def _train(args: argparse.Namespace) -> int:
         module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
     announce(f"starting {world} rank(s) with {args.launcher}")
     return start_job(
-        cfg, module_args, layout, args.launcher, args.address, args.nnodes, args.verbose
+        cfg,
+        module_args,
+        layout,
+        args.launcher,
+        args.address,
+        args.nnodes,
+        args.verbose,
+        extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
     )
 
 

@@ -53,6 +53,9 @@ class ParallelConfig:
     # Expert parallel size (MoE models): each MoE layer's experts split over ep ranks taken from
     # the data-parallel ones; must divide dp and the number of experts
     ep: int = 1
+    # rollout.mode=async: the last rollout_ranks processes run only the rollout engine (a
+    # multiple of infer_tp); the others train, laid out tp x pp x dp. 0 in colocated mode.
+    rollout_ranks: int = 0
 
 
 @dataclass
@@ -102,6 +105,17 @@ class RolloutConfig:
     # slices its rollout TP rank loads), full (whole tensors on every rank), auto (shard where
     # the backend can load slices of the model, else full). See docs/resharding.md.
     reshard_mode: str = "auto"
+    # colocated: every rank rolls out, then trains. async: parallel.rollout_ranks ranks generate
+    # while the others train (docs/async.md)
+    mode: str = "colocated"
+    # async: the rollout runs at most this many policy versions (optimizer steps) behind the
+    # weights it is trained with; 0 is on-policy (the colocated run's samples)
+    max_staleness: int = 1
+    # async: generation in flight when new weights arrive continues with them (each token
+    # records its version); off: the new weights wait for the next batch
+    partial: bool = False
+    # async with partial: tokens generated between two checks for new weights
+    partial_chunk_tokens: int = 64
     # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
     # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
     env: str | None = None
@@ -164,7 +178,11 @@ class AlgorithmConfig:
     kl_coef: float = 0.001
     target_kl: float = 0.02
     kl_horizon: int = 10000
-    tis_cap: float | None = None  # truncated importance sampling cap; None: off
+    # Off-policy correction of the rollout's samples (megarl/algos/rollout_correction.py):
+    # none | token_tis | seq_tis | masked_is | icepop | decoupled_ppo | any registered, with its
+    # settings by name in rollout_correction_kwargs (e.g. {cap: 2.0} for token_tis)
+    rollout_correction: str = "none"
+    rollout_correction_kwargs: dict[str, Any] = field(default_factory=dict)
     # DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no advantage signal)
     # and draw further batches, at most filter_groups_max_batches per step, until the step's
     # data.train_batch_size prompts are filled (else the step trains on the groups it kept).
@@ -388,6 +406,7 @@ CHOICES = {
     "model.transformer_impl": ("auto", "local", "transformer_engine"),
     "model.recompute": ("none", "selective", "full"),
     "rollout.backend": ("vllm", "hf"),
+    "rollout.mode": ("colocated", "async"),
     "rollout.dtype": ("auto", "float32", "bfloat16"),
     "actor.old_log_prob_forward": ("auto", "always"),
     "rollout.sleep_level": (1, 2),
@@ -521,6 +540,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
         )
     _validate_sampling(cfg)
+    _validate_async(cfg, world_size)
     _validate_distill(cfg)
     _validate_multi_turn(cfg.rollout)
     algorithm_kwargs(cfg, try_them=True)  # names and settings, through the registries
@@ -532,7 +552,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if world_size is not None:
         _check_dp_split(
             cfg,
-            world_size,
+            trainer_world_size(cfg, world_size),
             {
                 "data.train_batch_size": data.train_batch_size,
                 "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
@@ -558,13 +578,21 @@ class AlgorithmKwargs:
     adv_estimator: dict[str, Any]
     loss_agg: dict[str, Any]  # static options of the loss aggregation mode (e.g. norm_length)
     adv_inputs: frozenset[str]  # which of values / group_ids the estimator takes
+    rollout_correction: dict[str, Any]  # settings of algorithm.rollout_correction
 
 
 def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
     """Resolve every algorithm choice of ``cfg`` through its registry; ConfigError naming the fix
     for an unknown name or a setting the chosen function does not take. ``try_them`` also calls
     the chosen policy loss and estimator once on a tiny batch (a value they refuse fails here)."""
-    from megarl.algos import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES
+    from megarl.algos import (
+        ADV_ESTIMATORS,
+        AGG_MODES,
+        KL_CONTROLLERS,
+        KL_ESTIMATORS,
+        POLICY_LOSSES,
+        ROLLOUT_CORRECTIONS,
+    )
     from megarl.algos.settings import (
         Choice,
         SettingError,
@@ -572,6 +600,7 @@ def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
         lookup,
         positional_inputs,
         resolve_kwargs,
+        try_call,
         try_on_tiny_batch,
     )
 
@@ -607,6 +636,13 @@ def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
         named(("loss_agg_norm_length", "norm_length")),
         supplied=frozenset({"num_tokens", "num_seqs"}),
     )
+    correction = Choice(
+        "algorithm.rollout_correction",
+        ROLLOUT_CORRECTIONS,
+        a.rollout_correction,
+        open=dict(a.rollout_correction_kwargs),
+        open_setting="algorithm.rollout_correction_kwargs",
+    )
     try:
         for key, registry in (
             ("kl_loss_estimator", KL_ESTIMATORS),
@@ -622,9 +658,11 @@ def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
             adv_estimator=resolve_kwargs(estimator),
             loss_agg=loss_agg,
             adv_inputs=frozenset(positional_inputs(lookup(estimator)) & {"values", "group_ids"}),
+            rollout_correction=resolve_kwargs(correction),
         )
         if try_them:
             try_on_tiny_batch(policy, out.policy_loss, estimator, out.adv_estimator)
+            try_call(correction, lambda: _try_correction(a.rollout_correction, out))
     except SettingError as e:
         raise ConfigError(str(e)) from None
     if "group_ids" in out.adv_inputs and cfg.rollout.n < 2:
@@ -634,6 +672,16 @@ def algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
             "rollout.n >= 2, or adv_estimator=gae (with a critic) / reinforce_plus_plus"
         )
     return out
+
+
+def _try_correction(name: str, kwargs: AlgorithmKwargs) -> None:
+    """The configured rollout correction on a 2 x 2 batch (an empty band fails here)."""
+    import torch
+
+    from megarl.algos import compute_rollout_correction
+
+    zeros = torch.zeros(2, 2)
+    compute_rollout_correction(name, zeros, zeros, torch.ones(2, 2), **kwargs.rollout_correction)
 
 
 def _validate_sampling(cfg: RunConfig) -> None:
@@ -677,6 +725,93 @@ def _validate_sampling(cfg: RunConfig) -> None:
             "rollout.ignore_eos=true runs every response to rollout.max_response_length, so "
             "reward.overlong_buffer would give every one the same full penalty; set "
             "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
+        )
+
+
+def trainer_world_size(cfg: RunConfig, world_size: int) -> int:
+    """Processes that train: the whole job, less the rollout group in async mode."""
+    return world_size - cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else world_size
+
+
+def job_world_size(cfg: RunConfig) -> int:
+    """The smallest job for ``cfg``: one tp x pp trainer replica (and the rollout group)."""
+    extra = cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else 0
+    return cfg.parallel.tp * cfg.parallel.pp + extra
+
+
+def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
+    """rollout.mode and the settings of asynchronous training (docs/async.md)."""
+    r, par = cfg.rollout, cfg.parallel
+    if r.max_staleness < 0:
+        raise ConfigError(
+            f"rollout.max_staleness={r.max_staleness} must be >= 0: how many optimizer steps "
+            "the rollout may run behind the trainer (0: on-policy)"
+        )
+    if r.partial_chunk_tokens < 1:
+        raise ConfigError(
+            f"rollout.partial_chunk_tokens={r.partial_chunk_tokens} must be >= 1 (tokens "
+            "generated between two checks for new weights)"
+        )
+    if r.mode != "async":
+        if par.rollout_ranks:
+            raise ConfigError(
+                f"parallel.rollout_ranks={par.rollout_ranks} sets aside ranks for the rollout "
+                "group of asynchronous training: add rollout.mode=async, or set "
+                "parallel.rollout_ranks=0 (colocated: every rank rolls out and trains)"
+            )
+        if r.partial:
+            raise ConfigError(
+                "rollout.partial=true continues generation across weight updates, which happen "
+                "during generation only in asynchronous training: set rollout.mode=async (with "
+                "parallel.rollout_ranks) or rollout.partial=false"
+            )
+        return
+    infer_tp = par.infer_tp or par.tp
+    if par.rollout_ranks < 1 or par.rollout_ranks % infer_tp:
+        raise ConfigError(
+            f"rollout.mode=async needs parallel.rollout_ranks, a positive multiple of "
+            f"parallel.infer_tp={infer_tp} (each rollout engine spans infer_tp ranks); got "
+            f"{par.rollout_ranks}"
+        )
+    for key, on in (
+        ("actor.param_offload", cfg.actor.param_offload),
+        ("ref.param_offload", cfg.ref.param_offload),
+        ("critic.param_offload", cfg.critic.param_offload),
+    ):
+        if on:
+            raise ConfigError(
+                f"{key}=true moves a model to host memory while the rollout engine generates on "
+                "the same GPU; in rollout.mode=async the trainer ranks hold no rollout engine: "
+                f"set {key}=false"
+            )
+    if cfg.trainer.elastic.max_restarts:
+        raise ConfigError(
+            "trainer.elastic.max_restarts re-plans the trainers' layout on the ranks left after "
+            "a failure, which does not yet account for the rollout group of rollout.mode=async: "
+            "set trainer.elastic.max_restarts=0 (resume from the latest checkpoint by hand) or "
+            "rollout.mode=colocated"
+        )
+    if cfg.algorithm.filter_groups:
+        raise ConfigError(
+            "algorithm.filter_groups (dynamic sampling) draws further batches after scoring "
+            "each one, which the asynchronous rollout group does not do yet: set "
+            "algorithm.filter_groups=false or rollout.mode=colocated"
+        )
+    if r.env is not None:
+        raise ConfigError(
+            f"rollout.env={r.env!r} runs multi-turn environments in the rollout engine's turn "
+            "loop, which the asynchronous rollout group does not run yet: unset rollout.env "
+            "(single-turn) or set rollout.mode=colocated"
+        )
+    if world_size is None:
+        return
+    trainers = world_size - par.rollout_ranks
+    if trainers < 1 or trainers % (par.tp * par.pp):
+        raise ConfigError(
+            f"parallel.rollout_ranks={par.rollout_ranks} of the job's {world_size} processes "
+            f"leave {max(trainers, 0)} trainer ranks, which must be a positive multiple of "
+            f"tp*pp = {par.tp * par.pp}; lower rollout_ranks or start "
+            f"{par.rollout_ranks + par.tp * par.pp} or more processes"
         )
 
 

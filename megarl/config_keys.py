@@ -81,6 +81,12 @@ def prepare_layer(cls: type, tree: dict[str, Any], prefix: str = "") -> list[str
 
 def suggestion(cls: type, key: str) -> str:
     """Why ``key`` is unknown and what to write instead."""
+    if key == "algorithm.tis_cap":
+        return (
+            f"{key!r}: it is replaced by the rollout corrections: set "
+            "algorithm.rollout_correction=token_tis and algorithm.rollout_correction_kwargs.cap="
+            "<the cap> (e.g. 2.0); seq_tis, masked_is, icepop and decoupled_ppo are the others"
+        )
     if key.startswith("critic.lora"):
         return (
             f"{key!r}: LoRA is for the actor only (actor.lora.*); the critic trains all its weights"

@@ -15,7 +15,7 @@ import os
 import sys
 
 from megarl.backends import this_machine
-from megarl.config import RunConfig, validate
+from megarl.config import RunConfig, trainer_world_size, validate
 from megarl.gpu_defaults import Target, check_for_target
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
@@ -74,6 +74,29 @@ def hardware_for(args: argparse.Namespace, machine: Target) -> Hardware:
     )
 
 
+def _layout(cfg: RunConfig, world: int) -> ParallelLayout:
+    """The trainers' layout over a job of ``world`` ranks (in rollout.mode=async, the ranks left
+    beside the rollout group, which do not roll out)."""
+    colocated = cfg.rollout.mode == "colocated"
+    return ParallelLayout.for_settings(trainer_world_size(cfg, world), cfg.parallel, colocated)
+
+
+def not_planned(cfg: RunConfig) -> str | None:
+    """Why the memory preflight cannot plan ``cfg`` (None: it can)."""
+    if cfg.trainer.kind != "policy":
+        return (
+            f"the memory preflight models policy runs (trainer.kind=policy), not "
+            f"trainer.kind={cfg.trainer.kind}"
+        )
+    if cfg.rollout.mode == "async":
+        return (
+            "the memory preflight models colocated runs (vLLM beside the models on every GPU), "
+            "not rollout.mode=async (trainer ranks without vLLM, parallel.rollout_ranks ranks "
+            "with vLLM only), so this job's memory per GPU is not planned"
+        )
+    return None
+
+
 def _checked(
     cfg: RunConfig, hardware: Hardware, target: Target, here: bool, config_name: str
 ) -> Preflight:
@@ -81,8 +104,7 @@ def _checked(
     preflight."""
     check_for_target(cfg, target)
     validate(cfg, hardware.world)
-    layout = ParallelLayout.for_settings(hardware.world, cfg.parallel)
-    reward_model = check_inputs(cfg, layout, this_machine=here)
+    reward_model = check_inputs(cfg, _layout(cfg, hardware.world), this_machine=here)
     dims = ModelDims.from_pretrained(cfg.model.path)
     return preflight(cfg, dims, hardware, target, reward_model, config_name=config_name)
 
@@ -92,17 +114,11 @@ def dry_run(args: argparse.Namespace, cfg: RunConfig) -> int:
     machine = this_machine()
     hardware = hardware_for(args, machine)
     target = machine if machine.cuda else Target.gpu_node(hardware.gpus_per_node)
-    if cfg.trainer.kind != "policy":
+    reason = not_planned(cfg)
+    if reason:
         validate(cfg, hardware.world)
-        check_inputs(
-            cfg,
-            ParallelLayout.for_settings(hardware.world, cfg.parallel),
-            this_machine=machine.cuda,
-        )
-        print(
-            f"megarl preflight: config checks passed; the memory preflight models policy runs "
-            f"(trainer.kind=policy), not trainer.kind={cfg.trainer.kind}"
-        )
+        check_inputs(cfg, _layout(cfg, hardware.world), this_machine=machine.cuda)
+        print(f"megarl preflight: config checks passed; {reason}")
         return 0
     pf = _checked(cfg, hardware, target, machine.cuda, args.config)
     if not machine.cuda:
@@ -123,10 +139,20 @@ def before_launch(
 ) -> int:
     """On CUDA (unless ``--no-preflight``): the preflight for ``nnodes`` nodes of ``nproc`` GPUs
     like this machine's, after the launch's input checks (``reward_model``: the shape they read);
-    0 to launch, 2 (the report printed) when a phase does not fit."""
+    0 to launch, 2 (the report printed) when a phase does not fit or, in rollout.mode=async,
+    cannot be planned."""
     machine = this_machine()
     if not machine.cuda or args.no_preflight or cfg.trainer.kind != "policy":
         return 0
+    reason = not_planned(cfg)
+    if reason:
+        print(
+            f"megarl: error: {reason}; start it with --no-preflight to launch without the "
+            "memory check, or use rollout.mode=colocated",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_DOES_NOT_FIT
     hardware = hardware_for(
         argparse.Namespace(**{**vars(args), "gpus_per_node": nproc, "nnodes": nnodes}), machine
     )

@@ -3,6 +3,7 @@ under torchrun or Slurm srun (``megarl train --nproc-per-node N`` starts torchru
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -27,6 +28,12 @@ def _reward_model() -> Trainer:
     return train_reward_model
 
 
+def _rollout_group() -> Trainer:
+    from megarl.trainer.rollout_group import serve_rollouts
+
+    return serve_rollouts
+
+
 def _sft() -> Trainer:
     from megarl.sft.train import train_sft
 
@@ -48,6 +55,18 @@ TRAINERS: dict[str, Callable[[], Trainer]] = {
 }
 
 
+def program(cfg: RunConfig) -> Trainer:
+    """What this rank runs: the trainer of ``trainer.kind``, or in rollout.mode=async on the
+    last parallel.rollout_ranks ranks the rollout group."""
+    if cfg.trainer.kind == "policy" and cfg.rollout.mode == "async":
+        from megarl.launch import job_split
+        from megarl.world_split import ROLLOUT
+
+        if job_split(cfg.parallel.rollout_ranks).role(int(os.environ["RANK"])) == ROLLOUT:
+            return _rollout_group()
+    return TRAINERS[cfg.trainer.kind]()
+
+
 def main(argv: list[str] | None = None) -> int:
     from megarl.config import load_config
     from megarl.console import quiet_rank_console
@@ -66,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args[0], args[1:])
         set_rank_env(cfg)  # e.g. CUDA_DEVICE_MAX_CONNECTIONS, before CUDA initialises
-        TRAINERS[cfg.trainer.kind]()(cfg)
+        program(cfg)(cfg)
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code

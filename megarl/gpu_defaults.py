@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.config import RunConfig, model_dtype
+from megarl.config import RunConfig, job_world_size, model_dtype
 from megarl.errors import ConfigError
 
 # Where megarl sets CUDA_DEVICE_MAX_CONNECTIONS (a user's own value is kept).
@@ -138,10 +138,11 @@ def launch_env(cfg: RunConfig, target: Target) -> dict[str, str]:
 
 def default_nproc_per_node(cfg: RunConfig, target: Target) -> int:
     """Processes ``megarl train`` starts on this node: one per local GPU on CUDA (DP follows from
-    the world size), ``tp * pp`` on CPU (one data-parallel rank)."""
+    the world size; in rollout.mode=async ``parallel.rollout_ranks`` of them roll out), on CPU
+    ``tp * pp`` (one data-parallel rank) and the rollout group's ``parallel.rollout_ranks``."""
     if target.cuda and target.local_gpus > 0:
         return target.local_gpus
-    return cfg.parallel.tp * cfg.parallel.pp
+    return job_world_size(cfg)
 
 
 def check_for_target(cfg: RunConfig, target: Target) -> None:

@@ -20,6 +20,7 @@ from megarl import platform
 from megarl.console import rank_env
 from megarl.errors import ConfigError
 from megarl.shm_segments import remove_leftover_segments, vllm_shm_segments
+from megarl.world_split import TRAINER, SplitWorld, WorldSplit, init_split_world
 
 
 def under_launcher() -> bool:
@@ -211,3 +212,26 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
         torch.set_num_threads(int(threads))
     platform.adapt_megatron_for_cpu()
     return dist.get_rank(), dist.get_world_size()
+
+
+def job_split(rollout_ranks: int) -> WorldSplit:
+    """The split of this job (rollout.mode=async) from the launcher's environment."""
+    _adopt_slurm_env()
+    return WorldSplit(int(os.environ["WORLD_SIZE"]), rollout_ranks)
+
+
+def init_split(rollout_ranks: int, timeout_s: float | None = None) -> SplitWorld:
+    """Asynchronous training's start-up: this process's default group over its own role's ranks
+    (the trainers' or the rollout group's, :mod:`megarl.world_split`); the CPU adaptation of
+    megatron on the trainers only."""
+    split = job_split(rollout_ranks)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = timedelta(seconds=timeout_s if timeout_s is not None else 1800.0)
+    world = init_split_world(split, platform.distributed_backend(), timeout)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and not torch.cuda.is_available():
+        torch.set_num_threads(int(threads))
+    if world.role == TRAINER:
+        platform.adapt_megatron_for_cpu()
+    return world

@@ -26,7 +26,13 @@ from megarl.algos.policy_loss import (
 )
 from megarl.algos.preference import bradley_terry_loss
 from megarl.algos.registry import DuplicateNameError, Registry, UnknownNameError
-from megarl.algos.tis import TIS_REDUCTIONS, compute_tis_weights, rollout_mismatch_metrics
+from megarl.algos.rollout_correction import (
+    ROLLOUT_CORRECTION_REDUCTIONS,
+    ROLLOUT_CORRECTIONS,
+    compute_rollout_correction,
+    register_rollout_correction,
+    rollout_mismatch_metrics,
+)
 from megarl.algos.value_loss import (
     compute_entropy_loss,
     compute_value_loss,
@@ -52,7 +58,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "POLICY_LOSS_REDUCTIONS",
-    "TIS_REDUCTIONS",
+    "ROLLOUT_CORRECTIONS",
+    "ROLLOUT_CORRECTION_REDUCTIONS",
     "AdaptiveKLController",
     "DuplicateNameError",
     "FixedKLController",
@@ -64,7 +71,7 @@ __all__ = [
     "compute_advantages",
     "compute_entropy_loss",
     "compute_policy_loss",
-    "compute_tis_weights",
+    "compute_rollout_correction",
     "compute_value_loss",
     "dpo_loss",
     "entropy_bonus",
@@ -83,6 +90,7 @@ __all__ = [
     "register_adv_estimator",
     "register_dpo_loss",
     "register_policy_loss",
+    "register_rollout_correction",
     "rollout_mismatch_metrics",
     "vocab_parallel_entropy",
     "vocab_parallel_is_argmax",

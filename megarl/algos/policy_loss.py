@@ -149,8 +149,9 @@ def compute_policy_loss(
 
     All tensors are [batch, response_len]. Padding (mask 0) may hold anything, NaN included; a
     NaN or inf at a valid position raises ValueError naming the tensor. ``rollout_is_weights``
-    (e.g. from :func:`megarl.algos.tis.compute_tis_weights`) multiply the per-token loss, as a
-    constant. ``hparams`` go to the loss itself; an unknown one raises TypeError.
+    (e.g. from :func:`megarl.algos.rollout_correction.compute_rollout_correction`) multiply the
+    per-token loss, as a constant. ``hparams`` go to the loss itself; an unknown one raises
+    TypeError.
     """
     check_same_shape(
         old_log_prob=old_log_prob,

@@ -127,23 +127,26 @@ def try_on_tiny_batch(
         extra["values"] = zeros
     if "group_ids" in inputs:
         extra["group_ids"] = [0, 0]
-    for choice, call in (
-        (
-            policy,
-            lambda: policy.registry.call(policy.name, zeros, zeros, zeros, mask, **policy_kwargs),
+    try_call(
+        policy,
+        lambda: policy.registry.call(policy.name, zeros, zeros, zeros, mask, **policy_kwargs),
+    )
+    try_call(
+        estimator,
+        lambda: estimator.registry.call(
+            estimator.name, zeros, mask.bool(), **extra, **estimator_kwargs
         ),
-        (
-            estimator,
-            lambda: estimator.registry.call(
-                estimator.name, zeros, mask.bool(), **extra, **estimator_kwargs
-            ),
-        ),
-    ):
-        try:
-            call()
-        except (TypeError, ValueError) as e:
-            given = choice.open_setting or choice.setting
-            raise SettingError(
-                f"{choice.setting}={choice.name!r} refuses its settings ({given} and the named "
-                f"algorithm.* values): {e}"
-            ) from None
+    )
+
+
+def try_call(choice: Choice, call: Callable[[], object]) -> None:
+    """Run ``call`` (the chosen function on a tiny batch); a TypeError or ValueError it raises
+    becomes a SettingError naming the setting."""
+    try:
+        call()
+    except (TypeError, ValueError) as e:
+        given = choice.open_setting or choice.setting
+        raise SettingError(
+            f"{choice.setting}={choice.name!r} refuses its settings ({given} and the named "
+            f"algorithm.* values): {e}"
+        ) from None

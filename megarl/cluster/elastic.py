@@ -104,8 +104,10 @@ class Supervisor:
         launcher: Launcher,
         fits: FitCheck | None = None,
         console: TextIO | None = None,
+        extra_ranks: int = 0,
     ) -> None:
         self.cfg, self.module_args, self.initial = cfg, module_args, layout
+        self.extra_ranks = extra_ranks  # beyond the layout: an asynchronous run's rollout group
         self.launcher, self.fits = launcher, fits
         self.console = console or sys.stderr
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -121,7 +123,8 @@ class Supervisor:
             )
             env = record.to_env() if e.max_restarts else {}
             args = [*self.module_args, *extra]
-            spec = JobSpec(module, args, layout.world_size, env, avoid=tuple(self.lost))
+            ranks = layout.world_size + self.extra_ranks
+            spec = JobSpec(module, args, ranks, env, avoid=tuple(self.lost))
             result = self.launcher.run(spec)
             if not result.restartable or self.launcher.interrupted or not e.max_restarts:
                 return result.exit_code

@@ -43,8 +43,10 @@ def start_job(
     address: str | None,
     nnodes: int | None,
     verbose: bool,
+    extra_ranks: int = 0,
 ) -> int:
-    """Run ``python -m megarl.entry module_args`` on ``layout.world_size`` ranks; its exit code."""
+    """Run ``python -m megarl.entry module_args`` on ``layout.world_size`` ranks (and
+    ``extra_ranks`` more: an asynchronous run's rollout group); its exit code."""
     dims = ModelDims.from_pretrained(cfg.model.path)
     fits = _memory_check(cfg, dims)
     check_min_world_size(cfg, dims, layout.world_size, fits)
@@ -57,9 +59,9 @@ def start_job(
         )
     if nnodes is None:
         nnodes = world_size(launcher, None, 1, address)  # slurm: the allocation's nodes; else 1
-    job = _launcher(launcher, address, nnodes, layout.world_size, verbose)
+    job = _launcher(launcher, address, nnodes, layout.world_size + extra_ranks, verbose)
     try:
-        return Supervisor(cfg, module_args, layout, job, fits).run()
+        return Supervisor(cfg, module_args, layout, job, fits, extra_ranks=extra_ranks).run()
     finally:
         job.close()
 

@@ -284,23 +284,7 @@ class ReshardExecutor:
             for t in members:
                 yield from self._hf_shards(t, rb.needs[t], dest[t])
             return
-        specs = self.plan.specs
-        for t in members:
-            spec = specs[t]
-            name, _, part = spec.name.partition("#")
-            tm, hf_names = self._hf.lookup(name)
-            if tm.kind == "gate_up":
-                yield hf_names[int(part)], dest[t]
-            elif tm.kind == "qkv":
-                # The split copies; the fused buffer is dropped right after (peak: + one tensor).
-                fused = dest.pop(t)
-                stats.alloc(_nbytes(fused))
-                q, k, v = split_qkv(fused, self.dims)
-                stats.free(_nbytes(fused))
-                del fused
-                yield from zip(hf_names, (q, k, v), strict=True)
-            else:
-                yield hf_names[0], dest[t]
+        yield from to_hf_tensors(self.plan.specs, members, dest, self.dims, stats, self._hf)
 
     def _hf_shards(
         self, t: int, ranges: tuple[tuple[int, int], ...], shard: torch.Tensor
@@ -334,12 +318,46 @@ class ReshardExecutor:
         return out
 
 
+def to_hf_tensors(
+    specs: Sequence[TensorSpec],
+    members: Sequence[int],
+    dest: dict[int, torch.Tensor],
+    dims: ModelDims,
+    stats: ReshardStats,
+    index: NameIndex | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole megatron-layout tensors of one bucket (``dest``: spec index -> tensor) -> HF
+    (name, tensor), one group at a time; a fused QKV leaves ``dest`` once split."""
+    index = index or NameIndex(dims, 0)
+    for t in members:
+        spec = specs[t]
+        name, _, part = spec.name.partition("#")
+        tm, hf_names = index.lookup(name)
+        if tm.kind == "gate_up":
+            yield hf_names[int(part)], dest[t]
+        elif tm.kind == "qkv":
+            # The split copies; the fused buffer is dropped right after (peak: + one tensor).
+            fused = dest.pop(t)
+            stats.alloc(_nbytes(fused))
+            q, k, v = split_qkv(fused, dims)
+            stats.free(_nbytes(fused))
+            del fused
+            yield from zip(hf_names, (q, k, v), strict=True)
+        else:
+            yield hf_names[0], dest[t]
+
+
 def hf_output_shapes(plan: ReshardPlan, dims: ModelDims) -> dict[str, tuple[int, ...]]:
     """The HF name and shape of every tensor a full-mode plan hands on (for validation up front)."""
+    return hf_shapes_of(plan.specs, dims)
+
+
+def hf_shapes_of(specs: Sequence[TensorSpec], dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """The HF name and shape of every tensor that whole ``specs`` convert to."""
     index = NameIndex(dims, 0)
     out: dict[str, tuple[int, ...]] = {}
     hd = dims.head_dim
-    for spec in plan.specs:
+    for spec in specs:
         name, _, part = spec.name.partition("#")
         tm, hf_names = index.lookup(name)
         if tm.kind == "gate_up":

@@ -93,6 +93,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu", type=float, default=0.4, help="share of peak training reaches")
     p.add_argument("--top", type=int, default=5, help="layouts in the table")
     p.add_argument("--json", action="store_true", help="print JSON for tools")
+    p.add_argument(
+        "--async",
+        dest="async_split",
+        action="store_true",
+        help="also rank rollout.mode=async splits (parallel.rollout_ranks) of the GPUs against "
+        "colocated, for the fastest layout (pipeline model)",
+    )
+    p.add_argument(
+        "--async-from",
+        default=None,
+        help="with --async: phase times measured by a colocated run (its trainer.output_dir) "
+        "instead of the cost model's",
+    )
+    p.add_argument(
+        "--async-from-devices",
+        type=int,
+        default=None,
+        help="the processes/GPUs that run used (default: --gpus)",
+    )
 
 
 def response_len(args: argparse.Namespace) -> int:
@@ -139,4 +158,56 @@ def run(args: argparse.Namespace) -> int:
     )
     result = search(name, dims, cluster, workload, numerics, filters)
     print(format_json(result) if args.json else format_text(result, top=args.top))
+    if args.async_split and result.feasible:
+        print()
+        print(async_splits(args, result))
     return 0
+
+
+def async_splits(args: argparse.Namespace, result) -> str:
+    """The asynchronous splits of the fastest feasible layout, by the pipeline model."""
+    import json
+    from pathlib import Path
+
+    from megarl.plan.pipeline import (
+        MeasuredScaling,
+        PhaseTimes,
+        PlannedScaling,
+        format_splits,
+        split_table,
+    )
+
+    best = result.feasible[0]
+    layout = best.layout
+    planned = PlannedScaling(
+        result.dims,
+        result.workload,
+        best.options,
+        result.cluster,
+        result.numerics,
+        layout.tp,
+        layout.pp,
+        layout.rollout_tp,
+        layout.ep,
+    )
+    transfer = planned.weight_transfer_s(args.gpus)
+    scaling, switch, source = (
+        planned,
+        transfer,
+        f"cost model, {layout}, infer_tp {layout.rollout_tp}",
+    )
+    if args.async_from:
+        path = Path(args.async_from) / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        phases = PhaseTimes.from_metrics(records, devices=args.async_from_devices or args.gpus)
+        scaling, switch = MeasuredScaling(phases), phases.switch_s
+        source = f"measured in {args.async_from} on {phases.devices} devices"
+    rows = split_table(
+        scaling,
+        args.gpus,
+        layout.rollout_tp,
+        switch,
+        switch,
+        trainer_multiple=layout.tp * layout.pp,
+    )
+    return format_splits(rows, source)

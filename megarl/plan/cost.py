@@ -143,6 +143,17 @@ def step_time(
     )
 
 
+def rollout_time(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    workload: Workload,
+    cluster: Cluster,
+    kv_tokens: int | None = None,
+) -> float:
+    """Predicted seconds of the step's generation on ``layout``'s vLLM engines."""
+    return _rollout_time(dims, layout, workload, cluster, kv_tokens)
+
+
 def _rollout_time(
     dims: ModelDims,
     layout: ParallelLayout,

@@ -88,6 +88,9 @@ def check_inputs(
         check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
+    if cfg.rollout.mode == "async":  # the rollout group's engines: infer_tp ranks each
+        p = cfg.parallel
+        ParallelLayout(dp=p.rollout_ranks, infer_tp=p.infer_tp or p.tp).check_model(dims.shape)
     _check_moe_options(cfg, dims)
     if cfg.model.critic_path:
         ModelDims.from_pretrained(cfg.model.critic_path)

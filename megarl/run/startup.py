@@ -14,6 +14,7 @@ from megarl.console import announce
 from megarl.parallel import ParallelLayout
 from megarl.run.checks import check_inputs
 from megarl.run.output_dir import prepare_output_dir
+from megarl.world_split import SplitWorld
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -28,6 +29,8 @@ class Startup:
     rank: int
     tokenizer: PreTrainedTokenizerBase
     pad_id: int
+    # rollout.mode=async: the job split into trainers (this world) and the rollout group
+    world: SplitWorld | None = None
 
 
 def layout_for(cfg: RunConfig, world: int, *, with_rollout: bool) -> ParallelLayout:
@@ -40,18 +43,26 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     from transformers import AutoTokenizer
 
     from megarl.data.chat import pad_token_id
-    from megarl.launch import init_distributed
+    from megarl.launch import init_distributed, init_split
     from megarl.parallel import initialize_model_parallel
     from megarl.run.watchdog import collective_timeout_s
 
     timeout_s = collective_timeout_s(cfg.trainer.hang_timeout_s)
-    rank, world = init_distributed(timeout_s)
+    split = None
+    if with_rollout and cfg.rollout.mode == "async":  # this world: the trainers only
+        split = init_split(cfg.parallel.rollout_ranks, timeout_s)
+        rank, world = split.split.local_rank(split.rank), split.split.trainers
+        job = split.split.world_size
+        with_rollout = False
+    else:
+        rank, world = init_distributed(timeout_s)
+        job = world
     announce(f"started {world} rank(s); checking the inputs")
     layout = layout_for(cfg, world, with_rollout=with_rollout)
-    validate_config(cfg, world)
+    validate_config(cfg, job)
     check_inputs(cfg, layout)
     prepare_output_dir(cfg, rank)  # an earlier run in trainer.output_dir: refused or moved aside
     initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)
+    return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0, split)

@@ -17,9 +17,11 @@ from megarl.config import RunConfig, rollout_dtype
 from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
 from megarl.envs.runner import EnvRunner
+from megarl.hybrid_engine.async_links import make_links, weight_plan
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
+from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.dims import ModelDims
 from megarl.run.checks import rules_need_ground_truth
 from megarl.run.epochs import EpochBatches
@@ -30,6 +32,13 @@ from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
+from megarl.trainer.remote_rollout import (
+    KeptActorMemory,
+    RemoteBatches,
+    RemoteRollout,
+    RemoteTrainData,
+    RemoteValidation,
+)
 from megarl.trainer.roles import Roles, build_roles
 from megarl.trainer.rollout_offload import (
     ActorMemory,
@@ -45,16 +54,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Rollout:
-    """The colocated rollout engine and how it samples (training and validation rollouts)."""
+    """The rollout engine and how it samples (training and validation rollouts): the colocated
+    hybrid engine, or in asynchronous mode the rollout group behind the same seam (``remote``)."""
 
-    engine: HybridEngine
+    engine: HybridEngine | RemoteRollout
     sampling: SamplingConfig
     val_sampling: SamplingConfig
     # the actor's grads freed, its optimizer state (GPU) or whole model on the host while the
-    # engine is awake (megarl.trainer.rollout_offload)
-    actor_memory: ActorMemory
+    # engine is awake (megarl.trainer.rollout_offload); async: kept as they are
+    actor_memory: ActorMemory | KeptActorMemory
     # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
     roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
+    remote: RemoteRollout | None = None  # rollout.mode=async
     # rollout.env: multi-turn trajectories (the runner exists on the ranks that run environments)
     turns: TurnLimits | None = None
     env_runner: EnvRunner | None = None
@@ -67,9 +78,11 @@ class Rollout:
 
 @dataclass(frozen=True)
 class PolicyData:
-    train: PromptDataset
-    val: PromptDataset | None
-    batches: EpochBatches[list[PromptItem]]  # the training prompts, epoch after epoch
+    """The prompts: read here (colocated), or by the rollout group (async: ``Remote*``)."""
+
+    train: PromptDataset | RemoteTrainData
+    val: PromptDataset | RemoteValidation | None
+    batches: EpochBatches[list[PromptItem]] | RemoteBatches  # epoch after epoch
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,9 @@ class PolicyRun:
 
     def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> Path:
         """Models, optimizers and the trainer state after ``step`` (collective); its folder."""
+        remote = self.rollout.remote
+        # async: first the batch in flight (its rollout count is the one to continue from)
+        in_flight = remote.checkpoint_state() if remote is not None else {}
         return save(
             self.cfg,
             step,
@@ -104,40 +120,53 @@ class PolicyRun:
             history=history,
             kl_ctrl=self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             rollouts=self.rollout.engine.rollout_count,
+            **in_flight,
         )
 
     def close(self) -> None:
+        if self.rollout.remote is not None:
+            self.rollout.remote.close()
         self.tracker.close()
         self.rewards.close()
         self.rollout.close()
 
 
+def prompt_dataset(
+    cfg: RunConfig,
+    tokenizer,
+    validation: bool,
+    dp_rank: int,
+    dp_size: int,
+) -> PromptDataset:
+    """Data-parallel rank ``dp_rank``'s training prompts (sharded, shuffled as configured) or
+    validation prompts (every prompt once per pass, in file order, no row dropped)."""
+    files = cfg.data.val_files if validation else cfg.data.train_files
+    batch = cfg.data.val_batch_size if validation else cfg.data.train_batch_size
+    return PromptDataset(
+        files,
+        tokenizer,
+        batch_size_per_rank=max(1, batch // dp_size),
+        max_prompt_length=cfg.data.max_prompt_length,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle and not validation,
+        drop_last=not validation,
+        overlong_prompts=cfg.data.overlong_prompts,
+        require_ground_truth=rules_need_ground_truth(cfg),
+        setting="data.val_files" if validation else "data.train_files",
+    )
+
+
+EMPTY_TRAIN_DATA = "the training data yields no batch: fewer prompts than data.train_batch_size"
+
+
 def build_data(cfg: RunConfig, startup: Startup) -> PolicyData:
-    """The training prompts (sharded over DP ranks, shuffled as configured) and the validation
-    set (every prompt once per pass, in file order, no row dropped)."""
-
-    def dataset(files: list[str], batch: int, setting: str, validation: bool) -> PromptDataset:
-        return PromptDataset(
-            files,
-            startup.tokenizer,
-            batch_size_per_rank=max(1, batch // startup.layout.dp),
-            max_prompt_length=cfg.data.max_prompt_length,
-            dp_rank=parallel.dp_rank(),
-            dp_size=startup.layout.dp,
-            seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle and not validation,
-            drop_last=not validation,
-            overlong_prompts=cfg.data.overlong_prompts,
-            require_ground_truth=rules_need_ground_truth(cfg),
-            setting=setting,
-        )
-
-    train = dataset(cfg.data.train_files, cfg.data.train_batch_size, "data.train_files", False)
-    val = None
-    if cfg.data.val_files:
-        val = dataset(cfg.data.val_files, cfg.data.val_batch_size, "data.val_files", True)
-    empty = "the training data yields no batch: fewer prompts than data.train_batch_size"
-    return PolicyData(train, val, EpochBatches(train, empty))
+    """This data-parallel rank's training and validation prompts."""
+    dp, rank = startup.layout.dp, parallel.dp_rank()
+    train = prompt_dataset(cfg, startup.tokenizer, False, rank, dp)
+    val = prompt_dataset(cfg, startup.tokenizer, True, rank, dp) if cfg.data.val_files else None
+    return PolicyData(train, val, EpochBatches(train, EMPTY_TRAIN_DATA))
 
 
 def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
@@ -150,34 +179,31 @@ def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
     return RewardSources.from_config(cfg, model)
 
 
-def _engine_seed(cfg: RunConfig, startup: Startup) -> int:
+def _engine_seed(cfg: RunConfig, engine_index: int) -> int:
     """vLLM's engine seed: with per-request seeds it drives no sampling; without them each engine
     draws from its own stream (engines seeded alike would repeat each other's random numbers)."""
     if cfg.rollout.per_request_seeds:
         return cfg.trainer.seed
-    return cfg.trainer.seed + startup.rank // startup.layout.rollout_tp
+    return cfg.trainer.seed + engine_index
 
 
-def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+def engine_config(cfg: RunConfig, engine_index: int) -> EngineConfig:
+    """The rollout engine's settings; ``engine_index``: which engine of the run this rank's is."""
     r = cfg.rollout
-    engine = HybridEngine(
-        cfg.model.path,
-        startup.layout,
-        models.dims,
-        models.actor.ddp,
-        engine_config=EngineConfig(
-            max_model_len=cfg.data.max_prompt_length + r.max_response_length,
-            kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-            dtype=rollout_dtype(cfg, platform.device().type == "cuda"),
-            seed=_engine_seed(cfg, startup),
-            max_num_seqs=r.max_num_seqs,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            sleep_level=r.sleep_level,
-        ),
-        backend=r.backend,
-        multi_turn=r.env is not None,
-        reshard_mode=r.reshard_mode,
+    return EngineConfig(
+        max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
+        dtype=rollout_dtype(cfg, platform.device().type == "cuda"),
+        seed=_engine_seed(cfg, engine_index),
+        max_num_seqs=r.max_num_seqs,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        sleep_level=r.sleep_level,
     )
+
+
+def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
+    """How training and validation rollouts sample."""
+    r = cfg.rollout
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
     stop_token_ids = () if r.ignore_eos else None
     sampling = SamplingConfig(
@@ -200,6 +226,22 @@ def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
     )
+    return sampling, val_sampling
+
+
+def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    r = cfg.rollout
+    engine = HybridEngine(
+        cfg.model.path,
+        startup.layout,
+        models.dims,
+        models.actor.ddp,
+        engine_config=engine_config(cfg, startup.rank // startup.layout.rollout_tp),
+        backend=r.backend,
+        multi_turn=r.env is not None,
+        reshard_mode=r.reshard_mode,
+    )
+    sampling, val_sampling = sampling_configs(cfg)
     turns, runner = None, None
     if r.env is not None:
         turns = TurnLimits(
@@ -244,12 +286,52 @@ def build_env_runner(cfg: RunConfig, startup: Startup) -> EnvRunner:
     )
 
 
+def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    """The trainers' link to the rollout group (megarl.trainer.rollout_group)."""
+    assert startup.world is not None
+    itemsize = next(models.actor.ddp.parameters()).element_size()
+    plan = weight_plan(models.dims, startup.layout, itemsize)
+    links = make_links(startup.world, plan, platform.distributed_backend())
+    assert links.batches is not None
+    rank = startup.rank
+    sender = WeightSender(plan, rank, links.weights.get(rank))
+    remote = RemoteRollout(
+        cfg,
+        plan,
+        models.dims,
+        startup.layout,
+        models.actor.ddp,
+        links.control,
+        links.batches,
+        sender,
+    )
+    sampling, val_sampling = sampling_configs(cfg)
+    return Rollout(remote, sampling, val_sampling, KeptActorMemory(), remote=remote)
+
+
+# rollout.mode -> how the trainers reach the rollout engine
+ROLLOUT_MODES = {"colocated": colocated_rollout, "async": async_rollout}
+
+
+def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, models)
+
+
+def remote_data(cfg: RunConfig, remote: RemoteRollout) -> PolicyData:
+    """An asynchronous run's prompts: the rollout group reads them, the trainers get them with
+    its generations."""
+    val = RemoteValidation(remote) if cfg.data.val_files else None
+    return PolicyData(RemoteTrainData(remote), val, RemoteBatches(remote))
+
+
 def restore(
     resumed: Resumed, data: PolicyData, kl_ctrl: KLController | None, rollout: Rollout
 ) -> None:
     """Put the resumed data position, KL coefficient and rollout count back (models are loaded)."""
     if not resumed.state:
         return
+    if rollout.remote is not None:
+        rollout.remote.restore(resumed.step, resumed.state)
     data.train.load_state_dict(resumed.state["data"])
     if kl_ctrl is not None and resumed.state["kl_ctrl"] is not None:
         kl_ctrl.load_state_dict(resumed.state["kl_ctrl"])
@@ -275,13 +357,17 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
     resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
-    announce(f"reading data: {', '.join(cfg.data.train_files)}")
-    data = build_data(cfg, startup)
+    if startup.world is None:
+        announce(f"reading data: {', '.join(cfg.data.train_files)}")
+    data = build_data(cfg, startup) if startup.world is None else None
     announce(f"building models: {', '.join(spec_roles(spec, cfg))}")
     models = build_roles(cfg, startup.layout, spec)
     rewards = build_rewards(cfg, startup)
     announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
     rollout = build_rollout(cfg, startup, models)
+    if rollout.remote is not None:
+        data = remote_data(cfg, rollout.remote)
+    assert data is not None
     kl_ctrl = make_kl_in_reward_controller(cfg)
     resumed = resume(resume_from, models, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)

@@ -16,6 +16,9 @@ import torch
 
 from megarl.models.packing import token_counts
 
+# Samples.tensors key of the importance weights of algorithm.rollout_correction (absent: none)
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+
 
 @dataclass
 class Samples:

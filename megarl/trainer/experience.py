@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 from megarl import parallel, platform
 from megarl.algos import (
-    TIS_REDUCTIONS,
+    ROLLOUT_CORRECTION_REDUCTIONS,
     apply_kl_in_reward,
     compute_advantages,
-    compute_tis_weights,
+    compute_rollout_correction,
     explained_variance_from_sums,
     explained_variance_sums,
     masked_mean,
@@ -29,7 +29,7 @@ from megarl.rewards.failures import Failures, describe_first
 from megarl.rewards.manager import RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
-from megarl.trainer.batch import Samples
+from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
 from megarl.trainer.distill import distill_experience
 from megarl.trainer.model_ops import (
     MicroBatching,
@@ -334,11 +334,17 @@ def compute_experience(
     )
     if roles.teacher is not None:  # algorithm.distill: teacher logprobs (and per-token advantages)
         metrics.update(distill_experience(cfg, roles.teacher, samples, batching, temperature))
-    if spec.tis_cap is not None:
-        t["tis_weights"], tis_metrics = compute_tis_weights(
-            t["old_log_prob"], t["rollout_log_prob"], mask, cap=spec.tis_cap
+    if spec.rollout_correction != "none":
+        weights, correction = compute_rollout_correction(
+            spec.rollout_correction,
+            t["old_log_prob"],
+            t["rollout_log_prob"],
+            mask,
+            **spec.rollout_correction_kwargs,
         )
-        metrics.update(declare(tis_metrics, TIS_REDUCTIONS, prefix="rollout/"))
+        if weights is not None:
+            t[ROLLOUT_IS_WEIGHTS] = weights
+        metrics.update(declare(correction, ROLLOUT_CORRECTION_REDUCTIONS, prefix="rollout/"))
     if "values" in t:
         # the critic before this step's update, on a batch it has not seen: the mean of its
         # values and of the returns, its squared error, and how much of the returns' variance

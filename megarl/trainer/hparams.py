@@ -22,6 +22,10 @@ def advantage_kwargs(cfg: RunConfig) -> dict[str, Any]:
     return dict(algorithm_kwargs(cfg).adv_estimator)
 
 
+def rollout_correction_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    return dict(algorithm_kwargs(cfg).rollout_correction)
+
+
 def kl_controller_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """The settings the configured KL controller (``algorithm.kl_ctrl``) takes."""
     a = cfg.algorithm

@@ -8,7 +8,7 @@ import torch
 
 from megarl.algos import compute_policy_loss, compute_value_loss, entropy_bonus, kl_loss
 from megarl.config import RunConfig
-from megarl.trainer.batch import Samples
+from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
 from megarl.trainer.distill import distill_loss_term
 from megarl.trainer.hparams import loss_agg_options, policy_loss_kwargs
 from megarl.trainer.model_ops import response_log_probs, response_values
@@ -52,7 +52,7 @@ def make_actor_policy_terms(
             response_mask=mb.response_mask,
             loss_agg_mode=a.loss_agg_mode,
             loss_agg_kwargs=agg,
-            rollout_is_weights=t.get("tis_weights"),
+            rollout_is_weights=t.get(ROLLOUT_IS_WEIGHTS),
             **hparams,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}

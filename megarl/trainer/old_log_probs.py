@@ -42,8 +42,11 @@ def separate_forward_reasons(cfg: RunConfig) -> list[str]:
             "actor.ppo_mini_batch_size < data.train_batch_size: later mini-batches see moved "
             "weights"
         )
-    if a.tis_cap is not None:
-        reasons.append("algorithm.tis_cap: the TIS weights are computed before the update")
+    if a.rollout_correction != "none":
+        reasons.append(
+            f"algorithm.rollout_correction={a.rollout_correction}: its weights are computed "
+            "before the update"
+        )
     if a.use_kl_in_reward:
         reasons.append("algorithm.use_kl_in_reward: the KL penalty is computed before the update")
     if a.distill.teacher_path is not None and a.distill.mode == "reward":

@@ -14,7 +14,12 @@ from megarl.algos import POLICY_LOSS_REDUCTIONS, make_kl_controller
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig
 from megarl.metrics import Reduce
-from megarl.trainer.hparams import advantage_inputs, advantage_kwargs, kl_controller_kwargs
+from megarl.trainer.hparams import (
+    advantage_inputs,
+    advantage_kwargs,
+    kl_controller_kwargs,
+    rollout_correction_kwargs,
+)
 from megarl.trainer.losses import make_actor_loss, make_critic_loss, sampling_temperature
 from megarl.trainer.model_ops import LossFn
 from megarl.trainer.old_log_probs import old_log_prob_from_update
@@ -32,7 +37,9 @@ class AlgorithmSpec:
     token_level: bool  # token-mean loss aggregation: micro-batches weigh by tokens, not rows
     kl_in_reward: bool
     kl_in_reward_estimator: str
-    tis_cap: float | None  # truncated importance sampling of the rollout; None: off
+    # the off-policy correction of the rollout (algorithm.rollout_correction) and its settings
+    rollout_correction: str
+    rollout_correction_kwargs: Mapping[str, object]
     # every actor/reference logprob is of softmax(logits / temperature), the distribution the
     # rollout sampled from (1 for greedy rollouts)
     temperature: float
@@ -56,7 +63,8 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
         token_level=a.loss_agg_mode == "token-mean",
         kl_in_reward=a.use_kl_in_reward,
         kl_in_reward_estimator=a.kl_in_reward_estimator,
-        tis_cap=a.tis_cap,
+        rollout_correction=a.rollout_correction,
+        rollout_correction_kwargs=rollout_correction_kwargs(cfg),
         temperature=sampling_temperature(cfg),
         old_log_prob_from_update=old_log_prob_from_update(cfg),
         update_reductions={f"actor/{k}": r for k, r in POLICY_LOSS_REDUCTIONS.items()},

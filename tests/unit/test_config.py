@@ -76,3 +76,78 @@ def test_profile_steps_are_numbered_from_one():
         1,
         3,
     ]
+
+
+ASYNC = [*BASE, "rollout.mode=async", "parallel.rollout_ranks=2"]
+
+
+def test_async_settings_refused_before_launch():
+    """rollout.mode=async and its settings: each bad combination fails at load (or with the
+    job's size, before torchrun starts), naming the setting and the fix."""
+    cfg = load_config(overrides=ASYNC)
+    assert (cfg.rollout.mode, cfg.rollout.max_staleness, cfg.rollout.partial) == ("async", 1, False)
+    validate(cfg, world_size=4)  # 2 rollout ranks + 2 trainers
+    cases = [
+        ([*BASE, "rollout.mode=async"], "positive multiple of parallel.infer_tp=1"),
+        ([*ASYNC, "parallel.infer_tp=4"], "positive multiple of parallel.infer_tp=4"),
+        ([*BASE, "parallel.rollout_ranks=2"], "add rollout.mode=async"),
+        ([*BASE, "rollout.partial=true"], "rollout.partial=true continues generation"),
+        ([*ASYNC, "rollout.max_staleness=-1"], "rollout.max_staleness=-1 must be >= 0"),
+        ([*ASYNC, "rollout.partial_chunk_tokens=0"], "partial_chunk_tokens=0 must be >= 1"),
+        ([*ASYNC, "actor.param_offload=true"], "trainer ranks hold no rollout engine"),
+        ([*ASYNC, "algorithm.filter_groups=true"], "does not do yet"),
+        ([*ASYNC, "trainer.elastic.max_restarts=2"], "does not yet account for the rollout"),
+        ([*BASE, "rollout.mode=later"], "rollout.mode='later' is not one of"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=overrides)
+    with pytest.raises(ConfigError, match="leave 0 trainer ranks"):
+        validate(cfg, world_size=2)
+    with pytest.raises(
+        ConfigError, match="leave 1 trainer ranks, which must be a positive multiple of tp"
+    ):
+        validate(load_config(overrides=[*ASYNC, "parallel.tp=2"]), world_size=3)
+
+
+def test_multi_turn_environments_refused_in_async_mode_naming_both_fixes():
+    """rollout.env runs in the colocated engine's turn loop; the rollout group has none yet, so
+    async with an environment stops at load, before any process starts."""
+    env = "rollout.env=megarl.envs.examples:CountdownEnv"
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[*ASYNC, env])
+    message = str(err.value)
+    assert "asynchronous rollout group does not run yet" in message
+    assert "unset rollout.env" in message and "rollout.mode=colocated" in message
+    assert load_config(overrides=[*BASE, env]).rollout.env.endswith(":CountdownEnv")
+
+
+def test_rollout_corrections_by_name_and_the_old_tis_key():
+    cfg = load_config(
+        overrides=[
+            *BASE,
+            "algorithm.rollout_correction=icepop",
+            "algorithm.rollout_correction_kwargs={alpha: 0.4, beta: 4.0}",
+        ]
+    )
+    assert cfg.algorithm.rollout_correction == "icepop"
+    for overrides, message in [
+        (["algorithm.tis_cap=2.0"], "rollout_correction=token_tis and algorithm"),
+        (["algorithm.rollout_correction=tis"], "known: decoupled_ppo, icepop, masked_is, none"),
+        (
+            [
+                "algorithm.rollout_correction=masked_is",
+                "algorithm.rollout_correction_kwargs={low: 2, high: 1}",
+            ],
+            "keeps no ratio",
+        ),
+        (
+            [
+                "algorithm.rollout_correction=token_tis",
+                "algorithm.rollout_correction_kwargs={alpha: 1}",
+            ],
+            "has 'alpha', which algorithm.rollout_correction='token_tis' does not take",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=[*BASE, *overrides])

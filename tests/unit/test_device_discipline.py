@@ -80,6 +80,13 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("megarl/algos/settings.py", "try_on_tiny_batch"): (
         "the pre-launch config check calls the chosen loss and estimator on a tiny host batch"
     ),
+    ("megarl/config.py", "_try_correction"): (
+        "the pre-launch config check calls the chosen rollout correction on a tiny host batch"
+    ),
+    ("megarl/world_split.py", "Bridge.broadcast_object"): (
+        "objects cross the worlds pickled over gloo bridges (host tensors); NCCL bridges carry "
+        "only the weights"
+    ),
     ("megarl/algos/dpo.py", "try_dpo_loss"): (
         "the pre-launch config check calls the chosen DPO loss on two made-up host pairs"
     ),
@@ -147,6 +154,9 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/algos/vocab_parallel.py": {
         "_all_reduce": "reductions of the logits shard (on the model's device)",
+    },
+    "megarl/trainer/rollout_group.py": {
+        "RolloutGroup._agree": "made on platform.collective_device()",
     },
     "megarl/run/evaluation.py": {
         "dataset_totals": "totals made on platform.collective_device()",

@@ -111,6 +111,10 @@ def test_set_rank_env_keeps_a_users_value(monkeypatch):
 def test_processes_per_node():
     assert default_nproc_per_node(_cfg("parallel.tp=2"), CUDA_TE) == 8  # one per GPU, DP 4
     assert default_nproc_per_node(_cfg("parallel.tp=2", "parallel.pp=2"), CPU) == 4
+    # rollout.mode=async on CPU: one trainer replica and the rollout group
+    split = ("parallel.tp=2", "rollout.mode=async", "parallel.rollout_ranks=2")
+    assert default_nproc_per_node(_cfg(*split), CPU) == 4
+    assert default_nproc_per_node(_cfg(*split), CUDA_TE) == 8  # the node's GPUs, split by rank
 
 
 def test_fp32_with_transformer_engine_and_packing_is_refused_naming_the_fix():
@@ -170,19 +174,13 @@ def test_request_seeds_or_the_batched_sampler(per_request, temperature):
 
 
 def test_engine_seed_differs_per_engine_without_request_seeds():
-    from megarl.parallel import ParallelLayout
-    from megarl.trainer.assembly import _engine_seed
+    from megarl.trainer.assembly import engine_config
 
-    class Start:
-        layout = ParallelLayout(tp=2, dp=2)
-
-        def __init__(self, rank):
-            self.rank = rank
-
+    # colocated TP2 ranks 0-3 (and a rollout group's ranks) hold engines rank // infer_tp
     seeded = _cfg("trainer.seed=3")
-    assert {_engine_seed(seeded, Start(r)) for r in range(4)} == {3}
+    assert {engine_config(seeded, r // 2).seed for r in range(4)} == {3}
     batched = _cfg("trainer.seed=3", "rollout.per_request_seeds=false")
-    assert [_engine_seed(batched, Start(r)) for r in range(4)] == [3, 3, 4, 4]
+    assert [engine_config(batched, r // 2).seed for r in range(4)] == [3, 3, 4, 4]
 
 
 def test_model_options_take_bf16_on_cuda(monkeypatch):

@@ -35,7 +35,7 @@ def test_auto_takes_the_update_logprobs_only_when_the_batch_gets_one_step():
         (["actor.old_log_prob_forward=always"], "old_log_prob_forward=always"),
         (["actor.ppo_epochs=2"], "actor.ppo_epochs=2"),
         (["actor.ppo_mini_batch_size=4"], "ppo_mini_batch_size < data.train_batch_size"),
-        (["algorithm.tis_cap=2.0"], "algorithm.tis_cap"),
+        (["algorithm.rollout_correction=token_tis"], "algorithm.rollout_correction=token_tis"),
         (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward"),
         (["actor.lora.rank=4", "actor.lora.dropout=0.1"], "actor.lora.dropout"),
     ]:

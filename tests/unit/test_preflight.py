@@ -305,6 +305,36 @@ def test_dry_run_of_a_reward_model_config_checks_it_only(tmp_path, capsys):
     assert "models policy runs" in capsys.readouterr().out
 
 
+def test_async_jobs_are_checked_on_the_trainer_ranks_and_not_planned(tmp_path, capsys):
+    """rollout.mode=async: the dry run makes the launch's checks over the trainer ranks (the job
+    less the rollout group) and says that it plans no memory; on CUDA the launch stops unless
+    --no-preflight."""
+    import argparse
+
+    from megarl import dry_run
+    from megarl.cli import main
+
+    argv = ["train", str(ROOT / "configs" / "grpo_qwen2_5_7b.yaml"), *_inputs(tmp_path)]
+    split = ["rollout.mode=async", "parallel.rollout_ranks=4"]  # 4 trainers at TP2: DP2
+    assert main([*argv, *split, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "config checks passed" in out and "not rollout.mode=async" in out
+    assert "every phase fits" not in out
+    # 2 rollout ranks leave 6 trainers (DP3), which cannot split the batch of 1024
+    assert main([*argv, "rollout.mode=async", "parallel.rollout_ranks=2", "--dry-run"]) == 2
+    assert "train_batch_size" in capsys.readouterr().err
+    cfg = load_config(overrides=[*RECIPE, *split])
+    cuda = Target(cuda=True, transformer_engine=True, local_gpus=8)
+    args = argparse.Namespace(config="run.yaml", no_preflight=False, gpu_memory=None)
+    args.host_memory = None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dry_run, "this_machine", lambda: cuda)
+        assert dry_run.before_launch(args, cfg, 8, 1, None) == dry_run.EXIT_DOES_NOT_FIT
+        assert "--no-preflight" in capsys.readouterr().err
+        args.no_preflight = True
+        assert dry_run.before_launch(args, cfg, 8, 1, None) == 0
+
+
 def test_a_reward_model_is_resident_and_scores_whole_sequences():
     cfg = load_config(overrides=[*RECIPE, "actor.micro_batch_size=64"])
     pf = preflight(cfg, _dims(), HW, GPU, reward_model=_dims(), suggest=False)

@@ -1,20 +1,16 @@
-"""Value loss, entropy terms and truncated importance sampling against loops (float64, 1e-12)."""
+"""Value loss and entropy terms against loops (float64, 1e-12)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from megarl.algos import (
     compute_entropy_loss,
-    compute_policy_loss,
-    compute_tis_weights,
     compute_value_loss,
     entropy_bonus,
 )
-from tests.unit.test_algos_refs import ragged_mask, ref_agg, ref_ppo_token, valid_positions
+from tests.unit.test_algos_refs import ragged_mask, ref_agg, valid_positions
 
 TOL = 1e-12
 
@@ -88,113 +84,6 @@ def test_entropy_bonus_is_minus_coef_times_mean_entropy():
     assert abs(m["entropy"].item() - h) < TOL
     assert abs(term.item() + 0.01 * h) < TOL
     assert abs(compute_entropy_loss(ent, mask).item() - h) < TOL
-
-
-# ------------------------------------------------------------------------------------------- TIS
-
-
-def _tis_inputs(seed: int, batch: int = 6, length: int = 6):
-    gen = torch.Generator().manual_seed(seed)
-    old = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3
-    rollout = old + 0.6 * torch.randn(batch, length, generator=gen, dtype=torch.float64)
-    return old, rollout, ragged_mask(gen, batch, length)
-
-
-def test_token_tis_weights_and_metrics_equal_loop():
-    old, rollout, mask = _tis_inputs(4)
-    w, m = compute_tis_weights(old, rollout, mask, cap=1.5, level="token")
-    n = n_trunc = 0
-    d_sum = k3_sum = abs_sum = abs_max = w_sum = 0.0
-    raw_max = 0.0
-    ppl = []
-    for i in range(mask.shape[0]):
-        pos = valid_positions(mask, i)
-        for t in range(mask.shape[1]):
-            if t not in pos:
-                assert w[i, t].item() == 0.0
-                continue
-            o, r = float(old[i, t]), float(rollout[i, t])
-            raw = math.exp(o - r)
-            assert abs(w[i, t].item() - min(raw, 1.5)) < TOL
-            n += 1
-            n_trunc += int(raw > 1.5)
-            raw_max = max(raw_max, raw)
-            w_sum += min(raw, 1.5)
-            d_sum += r - o
-            k3_sum += math.exp(o - r) - 1 - (o - r)
-            abs_sum += abs(r - o)
-            abs_max = max(abs_max, abs(r - o))
-        if pos:
-            ppl.append(math.exp(sum(float(rollout[i, t] - old[i, t]) for t in pos) / len(pos)))
-    assert 0 < n_trunc < n
-    assert abs(m["tis/clip_frac"].item() - n_trunc / n) < TOL
-    assert abs(m["tis/weight_mean"].item() - w_sum / n) < TOL
-    assert abs(m["tis/raw_weight_max"].item() - raw_max) < 1e-9
-    assert abs(m["mismatch/k1"].item() - d_sum / n) < TOL
-    assert abs(m["mismatch/k3"].item() - k3_sum / n) < TOL
-    assert abs(m["mismatch/abs_diff_mean"].item() - abs_sum / n) < TOL
-    assert abs(m["mismatch/abs_diff_max"].item() - abs_max) < TOL
-    assert abs(m["mismatch/ppl_ratio_mean"].item() - sum(ppl) / len(ppl)) < TOL
-
-
-def test_sequence_tis_weights_equal_loop():
-    old, rollout, mask = _tis_inputs(5)
-    w, m = compute_tis_weights(old, rollout, mask, cap=2.0, level="sequence")
-    n_seq = n_trunc = 0
-    for i in range(mask.shape[0]):
-        pos = valid_positions(mask, i)
-        if not pos:
-            assert bool((w[i] == 0).all())
-            continue
-        raw = math.exp(sum(float(old[i, t] - rollout[i, t]) for t in pos))
-        n_seq += 1
-        n_trunc += int(raw > 2.0)
-        for t in pos:
-            assert abs(w[i, t].item() - min(raw, 2.0)) < 1e-9
-    assert abs(m["tis/clip_frac"].item() - n_trunc / n_seq) < TOL
-
-
-def test_tis_weights_enter_the_policy_loss_as_constants():
-    old, rollout, mask = _tis_inputs(6)
-    gen = torch.Generator().manual_seed(7)
-    new = (old + 0.1 * torch.randn(old.shape, generator=gen, dtype=torch.float64)).requires_grad_()
-    adv = torch.randn(old.shape, generator=gen, dtype=torch.float64)
-    w, _ = compute_tis_weights(old, rollout, mask, cap=2.0)
-    loss, _ = compute_policy_loss(
-        "ppo_clip",
-        old_log_prob=old,
-        log_prob=new,
-        advantages=adv,
-        response_mask=mask,
-        rollout_is_weights=w,
-    )
-    (g,) = torch.autograd.grad(loss, new)
-    new_ref = new.detach().clone().requires_grad_()
-    total, n = 0.0, 0
-    for i in range(mask.shape[0]):
-        for t in valid_positions(mask, i):
-            weight = min(math.exp(float(old[i, t] - rollout[i, t])), 2.0)
-            tok = ref_ppo_token(float(old[i, t]), new_ref[i, t], float(adv[i, t]), 0.2, 0.2, 3.0)
-            total = total + weight * tok
-            n += 1
-    (g_ref,) = torch.autograd.grad(total / n, new_ref)
-    assert abs(loss.item() - (total / n).item()) < TOL
-    assert torch.allclose(g, g_ref, atol=TOL, rtol=0)
-
-
-def test_tis_errors():
-    old, rollout, mask = _tis_inputs(8)
-    with pytest.raises(ValueError, match="token, sequence"):
-        compute_tis_weights(old, rollout, mask, level="batch")
-    with pytest.raises(ValueError, match="cap"):
-        compute_tis_weights(old, rollout, mask, cap=0.0)
-    bad = rollout.clone()
-    bad[tuple(mask.nonzero()[0].tolist())] = float("-inf")
-    with pytest.raises(ValueError, match="rollout_log_prob"):
-        compute_tis_weights(old, bad, mask)
-    rollout[~mask] = float("nan")
-    w, m = compute_tis_weights(old, rollout, mask)
-    assert bool(torch.isfinite(w).all()) and all(bool(torch.isfinite(v)) for v in m.values())
 
 
 def test_explained_variance_against_numpy():

@@ -1,0 +1,89 @@
+"""What the trainers and the rollout group of asynchronous training tell each other.
+
+Control, trainer rank 0 -> every rollout rank (:class:`Start`, then :class:`Push` before each
+weight broadcast, :class:`Stop` at the end); generations, rollout leader -> every trainer
+(:class:`Generated`: a training batch or a validation pass of every data-parallel rank). A
+generation is plain data (:meth:`Generated.to_plain`), so a checkpoint can hold one that was
+generated but not trained yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megarl.data import PromptItem
+from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+
+TRAIN, VALIDATION = "train", "val"
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where the rollout group begins: the trainers' step (their weights' version), the first
+    batch to generate (one later when the checkpoint holds a generated batch), the data position
+    before that batch, and the rollout count the request seeds continue from."""
+
+    step: int
+    next_batch: int
+    data: dict[str, Any] | None
+    rollouts: int
+
+
+@dataclass(frozen=True)
+class Push:
+    """Weights of ``version`` (optimizer steps) follow on the broadcast groups."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The trainers are done: no more weights, no more batches wanted."""
+
+
+@dataclass
+class Part:
+    """One batch of one data-parallel rank: its prompts and their responses, with the policy
+    version of every response token."""
+
+    items: list[PromptItem]
+    output: RolloutOutput
+    versions: list[list[int]]
+
+
+@dataclass
+class Generated:
+    """Batch ``step`` (kind ``train``) or the validation of version ``step`` (kind ``val``):
+    ``parts[d]`` are data-parallel rank d's batches (one for training). ``rollouts``: the rollout
+    count after it; ``data``: the global data position after it (training); ``metrics``: the
+    rollout group's view (generation, waiting, loading seconds), the same for every rank."""
+
+    kind: str
+    step: int
+    parts: list[list[Part]]
+    rollouts: int
+    data: dict[str, Any] | None = None
+    data_metrics: list[dict[str, float]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_plain(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_plain(cls, plain: dict[str, Any]) -> Generated:
+        parts = [
+            [
+                Part(
+                    [PromptItem(**item) for item in p["items"]],
+                    RolloutOutput(**p["output"]),
+                    [list(v) for v in p["versions"]],
+                )
+                for p in rank
+            ]
+            for rank in plain["parts"]
+        ]
+        return cls(**{**plain, "parts": parts})
+
+
+__all__ = ["TRAIN", "VALIDATION", "Generated", "Part", "Push", "Start", "Stop"]

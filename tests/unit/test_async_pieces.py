@@ -1,0 +1,205 @@
+"""The pure pieces of asynchronous training: the world split's rank math, round-by-round
+generation with versions (on a fake engine), the rollout group's split and merge of a batch, the
+validation schedule, staleness metrics, the staging of weights and the plain-data form of a
+generated batch (what a checkpoint keeps)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from megarl.config import load_config
+from megarl.data import PromptItem
+from megarl.hybrid_engine.rollout_messages import TRAIN, Generated, Part
+from megarl.hybrid_engine.versioned import ROUND_SEED_STRIDE, VersionedOutput, generate_versioned
+from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
+from megarl.run.trainer_state import check_plain
+from megarl.trainer.remote_rollout import staleness_metrics
+from megarl.trainer.rollout_group import (
+    engine_slice,
+    merge_engines,
+    split_by_rank,
+    validation_due,
+)
+from megarl.world_split import ROLLOUT, TRAINER, WorldSplit
+
+STOP = 99
+
+
+class FakeEngine:
+    """Token k of a request is ``(seed + len(prompt) + k) % 50``; a sequence starting with 7
+    stops (token STOP) as its 6th token. Records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[list[int]], SamplingConfig, int]] = []
+
+    def generate(self, prompts, sampling: SamplingConfig, seed_offset: int) -> RolloutOutput:
+        self.calls.append(([list(p) for p in prompts], sampling, seed_offset))
+        out = RolloutOutput()
+        for i, p in enumerate(prompts):
+            for j in range(sampling.n):
+                seed = seed_offset + i + j
+                tokens, reason = [], "length"
+                for k in range(sampling.max_new_tokens):
+                    if p[0] == 7 and len(p) + k == 5:
+                        tokens.append(STOP)
+                        reason = "stop"
+                        break
+                    tokens.append((seed + len(p) + k) % 50)
+                out.prompt_index.append(i)
+                out.token_ids.append(tokens)
+                out.logprobs.append([-0.1 * (t + 1) for t in tokens])
+                out.finish_reasons.append(reason)
+        return out
+
+
+def test_world_split_rank_math():
+    split = WorldSplit(world_size=6, rollout_ranks=2)
+    assert split.trainers == 4 and split.trainer_ranks == [0, 1, 2, 3]
+    assert split.rollout_global_ranks == [4, 5] and split.rollout_leader == 4
+    assert [split.role(r) for r in range(6)] == [TRAINER] * 4 + [ROLLOUT] * 2
+    assert [split.local_rank(r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert split.world_of(1) == 4 and split.world_of(5) == 2
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="rollout ranks"):
+            WorldSplit(6, bad)
+    with pytest.raises(ValueError, match="outside"):
+        split.role(6)
+
+
+def test_one_round_without_partial_is_one_call_at_one_version():
+    engine = FakeEngine()
+    sampling = SamplingConfig(max_new_tokens=5, n=2)
+    out = generate_versioned(engine, [[1, 2], [3]], sampling, seed_offset=10, version=4)
+    assert len(engine.calls) == 1 and engine.calls[0][2] == 10
+    assert out.versions == [[4] * 5] * 4 and out.rounds == 1
+
+
+def test_rounds_continue_every_response_with_the_new_version():
+    engine, sampling = FakeEngine(), SamplingConfig(max_new_tokens=7, n=2)
+    prompts = [[1, 2, 3], [7, 8]]  # the second stops with its 4th new token (in round 2)
+    versions = iter([1, 2])
+    seen: list[bool] = []
+
+    def between(active: bool) -> int:
+        seen.append(active)
+        return next(versions)
+
+    out = generate_versioned(engine, prompts, sampling, 10, 0, chunk=3, between=between)
+    assert out.rounds == 3 and seen == [True, True]  # ceil(7 / 3) rounds, a check between each
+    first, second, third = engine.calls
+    assert first[1].max_new_tokens == 3 and first[1].n == 2 and first[2] == 10
+    # round 2 continues all 4 responses, one request each, prompt + its tokens so far
+    assert len(second[0]) == 4 and second[1].n == 1 and second[2] == 10 + ROUND_SEED_STRIDE
+    assert second[0][0] == prompts[0] + out.output.token_ids[0][:3]
+    # round 3: the stopped responses are done; the others need 1 more token (7 = 3 + 3 + 1)
+    assert len(third[0]) == 2 and third[1].max_new_tokens == 1
+    for k, reason in enumerate(out.output.finish_reasons):
+        tokens, versions = out.output.token_ids[k], out.versions[k]
+        assert len(tokens) == len(versions) == len(out.output.logprobs[k])
+        if out.output.prompt_index[k] == 1:
+            assert reason == "stop" and tokens[-1] == STOP and versions == [0, 0, 0, 1]
+        else:
+            assert reason == "length" and versions == [0] * 3 + [1] * 3 + [2]
+
+
+def test_rounds_keep_lockstep_after_this_engine_is_done():
+    engine, sampling = FakeEngine(), SamplingConfig(max_new_tokens=9, n=1)
+    calls: list[bool] = []
+    out = generate_versioned(
+        engine, [[7, 1]], sampling, 0, 0, chunk=3, between=lambda a: calls.append(a) or 0
+    )
+    # done after round 2, but the engine still meets the other engines at every round
+    assert calls == [True, False] and len(engine.calls) == 2 and out.rounds == 3
+
+
+def test_a_batch_is_split_over_engines_and_back_by_trainer_rank():
+    assert [engine_slice(10, 3, e) for e in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    outs = []
+    for engine, (lo, hi) in enumerate([engine_slice(5, 2, e) for e in range(2)]):
+        part = VersionedOutput(
+            RolloutOutput(
+                prompt_index=list(range(hi - lo)),
+                token_ids=[[lo + i] for i in range(hi - lo)],
+                logprobs=[[0.0]] * (hi - lo),
+                finish_reasons=["stop"] * (hi - lo),
+            ),
+            [[engine]] * (hi - lo),
+        )
+        outs += [(engine, lo, part), (engine, lo, part)]  # each engine's 2 TP ranks send it
+    merged = merge_engines(list(reversed(outs)))
+    assert merged.output.prompt_index == [0, 1, 2, 3, 4]
+    items = [[_item(0), _item(1)], [_item(2), _item(3), _item(4)]]
+    parts = split_by_rank(merged, items)
+    assert [p.output.prompt_index for p in parts] == [[0, 1], [0, 1, 2]]
+    assert [p.output.token_ids for p in parts] == [[[0], [1]], [[2], [3], [4]]]
+    assert parts[1].versions == [[1], [1], [1]] and parts[0].items == items[0]
+
+
+def _item(uid: int) -> PromptItem:
+    return PromptItem(uid, [1, uid], [{"role": "user", "content": str(uid)}], "toy", str(uid))
+
+
+def test_validation_schedule_of_the_rollout_group():
+    base = ["model.path=/m", "data.train_files=[a]", "data.val_files=[v]"]
+    cfg = load_config(
+        overrides=[
+            *base,
+            "trainer.total_steps=6",
+            "trainer.test_freq=2",
+            "trainer.val_before_train=true",
+        ]
+    )
+    assert [v for v in range(8) if validation_due(cfg, v, first=0)] == [0, 2, 4, 6]
+    assert [v for v in range(8) if validation_due(cfg, v, first=2)] == [4, 6]  # resumed at 2
+    none = load_config(overrides=[base[0], base[1], "trainer.test_freq=2"])
+    assert not any(validation_due(none, v, 0) for v in range(6))  # no validation files
+
+
+def test_staleness_metrics_per_sample():
+    m = staleness_metrics([[3, 3], [2, 3], [], [1]], trained_version=3)
+    assert m["rollout/staleness_mean"] == pytest.approx((0 + 1 + 2) / 3)
+    assert m["rollout/staleness_max"] == 2.0
+    assert m["rollout/mixed_version_frac"] == pytest.approx(1 / 3)
+
+
+def test_staged_weights_keep_a_pinned_version_until_it_is_loaded():
+    staged = StagedWeights()
+    staged.put(Staged(1, [], SyncStats(), pinned=False))
+    staged.put(Staged(2, [], SyncStats(), pinned=True))  # replaces 1, not yet loaded
+    assert staged.version() == 2 and staged.get(1) is None and staged.get(2) is not None
+    done = threading.Event()
+
+    def put_three() -> None:
+        staged.put(Staged(3, [], SyncStats()))
+        done.set()
+
+    threading.Thread(target=put_three, daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set() and staged.version() == 2  # 3 waits: 2 must be validated
+    staged.consume(2)
+    assert done.wait(5) and staged.version() == 3
+    staged.wait_newer(2)  # returns at once: 3 waits
+    staged.close(RuntimeError("link down"))
+    with pytest.raises(RuntimeError, match="receiving the trainers' weights failed"):
+        staged.version()
+
+
+def test_a_generated_batch_round_trips_as_plain_data():
+    part = Part(
+        [_item(5)],
+        RolloutOutput(
+            prompt_index=[0], token_ids=[[4, 2]], logprobs=[[-1.0, -2.0]], finish_reasons=["stop"]
+        ),
+        [[3, 4]],
+    )
+    message = Generated(TRAIN, 7, [[part]], rollouts=9, data={"format": "x"}, metrics={"g": 1.0})
+    plain = message.to_plain()
+    check_plain(plain)  # what the trainer state accepts
+    again = Generated.from_plain(plain)
+    assert again == message
+    assert replace(again, step=8) != message

@@ -177,7 +177,8 @@ COMPARED = (
 
 def _assert_restarted_at_tp2_dp1(proc: subprocess.CompletedProcess, rows: list[dict]) -> None:
     """One restart after rank 3 died at the start of step 4: from the step-2 checkpoint at
-    TP2 x DP1; steps 1-3 ran at 4 ranks, step 3 again and 4 at 2; the metrics say so."""
+    TP2 x DP1; steps 1-2 ran at 4 ranks, step 3 ran again and step 4 at 2. metrics.jsonl holds
+    each step once: the rerun step 3 replaces the one logged before the kill."""
     assert proc.returncode == 0, proc.stderr[-4000:]
     err = proc.stderr
     assert "megarl: elastic restart 1/1: rank 3 was killed by SIGKILL" in err, err[-3000:]
@@ -186,15 +187,8 @@ def _assert_restarted_at_tp2_dp1(proc: subprocess.CompletedProcess, rows: list[d
     steps = [
         (r["step"], r["elastic/restarts"], r["elastic/world_size"], r["elastic/dp"]) for r in rows
     ]
-    assert steps == [(1, 0, 4, 2), (2, 0, 4, 2), (3, 0, 4, 2), (3, 1, 2, 1), (4, 1, 2, 1)], steps
+    assert steps == [(1, 0, 4, 2), (2, 0, 4, 2), (3, 1, 2, 1), (4, 1, 2, 1)], steps
     assert rows[-1]["elastic/steps_lost"] == 1.0 and rows[-1]["elastic/tp"] == 2.0
-    # step 3 ran twice: at 4 ranks before the kill, at 2 after the restart from step 2. Rollouts
-    # are seeded per request, so both are the same step (fp32 sums in another order)
-    before, after = rows[2], rows[3]
-    assert after["reward/mean"] == pytest.approx(before["reward/mean"], abs=1e-6)
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-        assert after[key] == pytest.approx(before[key], abs=1e-4), key
-    assert after["actor/grad_norm"] == pytest.approx(before["actor/grad_norm"], rel=1e-4)
 
 
 @pytest.fixture(scope="module")

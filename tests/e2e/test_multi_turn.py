@@ -1,5 +1,5 @@
 """Multi-turn GRPO runs through `megarl train` at TP2 x PP2 (4 ranks), with an environment
-defined in this file through the public API (``rollout.env=<this file>:Relay``).
+defined in `relay_env.py` through the public API (``rollout.env=relay_env.py:Relay``).
 
 Three launches: the real CPU vLLM at TP2 (2 steps, validation at 2), the Hugging Face rollout
 backend (3 steps, checkpoint at 2) and its resume from step 2. Checked: each sample's environment
@@ -22,39 +22,12 @@ import yaml
 from transformers import AutoTokenizer
 
 from megarl.data_prep.arithmetic import prepare as prepare_arithmetic
-from megarl.envs import ChatDeltas, Environment, Step
+from megarl.envs import ChatDeltas
 from tests.assets import tiny_char_llama_dir
+from tests.e2e.relay_env import FOLLOW_UP
 from tests.e2e.test_train import by_step, train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-VOWELS = set("aeiou")
-FOLLOW_UP = "Say more, turn {k}."
-
-
-class Relay(Environment):
-    """Two model turns: the first answered with a follow-up question; each turn rewarded by its
-    share of vowels (learnable by a tiny model in a few steps)."""
-
-    def __init__(self, turns: int = 2, log_file: str | None = None):
-        self.turns, self.seen, self.log_file = turns, 0, log_file
-
-    def reset(self, row):
-        if self.log_file:  # a side effect: one line per reset, wherever it runs
-            with open(self.log_file, "a") as f:
-                f.write(f"{self.seed}\n")
-        prompt = row["prompt"]
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        return [{"role": "user", "content": f"{text[:30]} ({self.rng.randint(0, 9)})"}]
-
-    def step(self, messages):
-        self.seen += 1
-        text = messages[-1]["content"]
-        reward = sum(c in VOWELS for c in text) / max(len(text), 1)
-        if self.seen >= self.turns:
-            return Step(reward=reward, done=True)
-        follow = {"role": "user", "content": FOLLOW_UP.format(k=self.seen)}
-        return Step(messages=[follow], reward=reward, metrics={"follow_ups": 1})
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +48,7 @@ def workdir(tmp_path_factory) -> Path:
             "n": 4,
             "max_response_length": 72,  # 12-token turns around a 38-token environment turn
             "kv_cache_gib": 0.125,
-            "env": f"{Path(__file__).resolve()}:Relay",
+            "env": f"{Path(__file__).resolve().parent / 'relay_env.py'}:Relay",
             "max_turns": 3,
             "max_turn_tokens": 12,
         },

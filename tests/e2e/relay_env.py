@@ -1,0 +1,35 @@
+"""The environment of the multi-turn e2e runs, in a file of its own as a user's would be
+(``rollout.env=tests/e2e/relay_env.py:Relay``): it imports only megarl, so the training
+processes load it by path without the test suite on their import path."""
+
+from __future__ import annotations
+
+from megarl.envs import Environment, Step
+
+VOWELS = set("aeiou")
+FOLLOW_UP = "Say more, turn {k}."
+
+
+class Relay(Environment):
+    """Two model turns: the first answered with a follow-up question; each turn rewarded by its
+    share of vowels (learnable by a tiny model in a few steps)."""
+
+    def __init__(self, turns: int = 2, log_file: str | None = None):
+        self.turns, self.seen, self.log_file = turns, 0, log_file
+
+    def reset(self, row):
+        if self.log_file:  # a side effect: one line per reset, wherever it runs
+            with open(self.log_file, "a") as f:
+                f.write(f"{self.seed}\n")
+        prompt = row["prompt"]
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return [{"role": "user", "content": f"{text[:30]} ({self.rng.randint(0, 9)})"}]
+
+    def step(self, messages):
+        self.seen += 1
+        text = messages[-1]["content"]
+        reward = sum(c in VOWELS for c in text) / max(len(text), 1)
+        if self.seen >= self.turns:
+            return Step(reward=reward, done=True)
+        follow = {"role": "user", "content": FOLLOW_UP.format(k=self.seen)}
+        return Step(messages=[follow], reward=reward, metrics={"follow_ups": 1})

@@ -17,11 +17,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# The unit tier on two workers (its tests are single-threaded and independent); the multi-process
+# tiers one test at a time, as their ranks already share the cores.
 test: lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -m unit -n 2 --durations=5
+	$(PY) -m pytest -q -m "not unit" --durations=15
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m unit
+	$(PY) -m pytest -q -m unit -n 2
 
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q -m distributed

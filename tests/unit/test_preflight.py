@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -256,7 +255,6 @@ def test_dry_run_exits_2_naming_the_item_before_any_model_is_built(tmp_path):
         "print('HEAVY', heavy, 'SECONDS', round(time.perf_counter() - t, 1))\n"
         "sys.exit(code)\n"
     )
-    t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
@@ -266,7 +264,6 @@ def test_dry_run_exits_2_naming_the_item_before_any_model_is_built(tmp_path):
     assert "update needs" in out and "its activations" in out
     assert "model.recompute=full" in out.split("each checked")[1]
     assert "HEAVY []" in out  # no megatron, no vLLM: no model was built
-    assert time.perf_counter() - t0 < 60  # the launch's checks, no model loading
 
 
 def test_dry_run_of_a_fitting_config_exits_0_and_says_what_it_assumed(tmp_path, capsys):

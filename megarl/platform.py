@@ -252,13 +252,13 @@ def _cpu_tensor_methods() -> Iterator[None]:
     def cuda_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self
 
-    torch.Tensor.type = type_  # type: ignore[method-assign]
-    torch.Tensor.cuda = cuda_  # type: ignore[method-assign]
+    torch.Tensor.type = type_
+    torch.Tensor.cuda = cuda_
     try:
         yield
     finally:
-        torch.Tensor.type = original_type  # type: ignore[method-assign]
-        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
+        torch.Tensor.type = original_type
+        torch.Tensor.cuda = original_cuda
 
 
 def _resolve(module: Any, path: str) -> tuple[Any, str, Any]:
@@ -365,10 +365,11 @@ def _adapt_moe() -> None:
         name = getattr(module, "__name__", "")
         if not name.startswith("megatron."):
             continue
+        # (a module's own names, rebound: ModuleType declares none of them)
         if getattr(module, "maybe_move_tensor_to_cpu", None) is original_move:
-            module.maybe_move_tensor_to_cpu = move_to_cpu
+            module.maybe_move_tensor_to_cpu = move_to_cpu  # type: ignore[attr-defined]
         if getattr(module, "_gather_along_first_dim", None) is original_gather:
-            module._gather_along_first_dim = gather_first_dim
+            module._gather_along_first_dim = gather_first_dim  # type: ignore[attr-defined]
 
 
 def adapt_megatron_for_cpu() -> bool:
@@ -386,7 +387,7 @@ def adapt_megatron_for_cpu() -> bool:
                 f"megarl.platform: {name} no longer imports torch as `torch`; "
                 "the megatron-core CPU adaptation needs updating for this megatron-core version"
             )
-        module.torch = cpu_torch
+        module.torch = cpu_torch  # type: ignore[attr-defined]  # checked above: it has one
     for module_name, path in TENSOR_METHOD_FUNCTIONS:
         _wrap_tensor_methods(module_name, path)
     _adapt_rng_tracker()

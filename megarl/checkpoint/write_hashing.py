@@ -92,7 +92,7 @@ def hashed_writes() -> Iterator[None]:
         if had:
             module.open = previous  # type: ignore[attr-defined]
         else:
-            del module.open  # type: ignore[attr-defined]
+            del module.open
 
 
 def take_sidecar(path: Path) -> str | None:

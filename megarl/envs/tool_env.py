@@ -136,7 +136,8 @@ class ToolEnvironment(Environment):
             return self.call_reward
         return self.attempt_reward
 
-    async def step(self, messages: list[Message]) -> Step:
+    # Environment.step may be a coroutine function: the runner awaits it (megarl/envs/base.py).
+    async def step(self, messages: list[Message]) -> Step:  # type: ignore[override]
         parsed = self.parse(messages[-1]["content"])
         if not parsed.attempted:
             return Step(done=True, metrics={"tool_calls": 0.0})

@@ -44,6 +44,7 @@ class GymnasiumEnvironment(Environment):
             except gymnasium.error.Error as e:
                 raise ConfigError(f"gymnasium.make({env_id!r}) failed: {e}") from e
         else:
+            assert entry_point is not None  # exactly one of the two, checked above
             cls = load_callable(entry_point, what="gymnasium entry_point", name="Class")
             self.env = cls(**kwargs)
         self.system_prompt = system_prompt

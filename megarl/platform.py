@@ -27,9 +27,12 @@ import os
 import types
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # Modules whose `torch` global is replaced by the CPU view.
 ADAPTED_MODULES: tuple[str, ...] = (
@@ -110,7 +113,7 @@ def device() -> torch.device:
     return _CPU
 
 
-def collective_device(group: Any = None) -> torch.device:
+def collective_device(group: ProcessGroup | None = None) -> torch.device:
     """The device a collective's tensors must be on: CUDA for NCCL, the CPU for gloo."""
     import torch.distributed as dist
 
@@ -122,7 +125,7 @@ def distributed_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _cpu_device(value: Any) -> Any:
+def _cpu_device(value: object) -> object:
     if isinstance(value, str) and value.startswith("cuda"):
         return _CPU
     if isinstance(value, torch.device) and value.type == "cuda":

@@ -81,7 +81,7 @@ class Tool:
         return None
 
 
-def _is_json_type(value: Any, kind: str) -> bool:
+def _is_json_type(value: object, kind: str) -> bool:
     types = _JSON_TYPES.get(kind)
     if types is None:
         return True  # a schema type this check does not know: let the function decide

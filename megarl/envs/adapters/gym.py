@@ -50,7 +50,7 @@ class GymnasiumEnvironment(Environment):
         self.system_prompt = system_prompt
         self.observation_key = observation_key
 
-    def _text(self, observation: Any, where: str) -> str:
+    def _text(self, observation: object, where: str) -> str:
         if isinstance(observation, Mapping) and self.observation_key is not None:
             observation = observation.get(self.observation_key)
         if not isinstance(observation, str):

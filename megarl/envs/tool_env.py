@@ -46,7 +46,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-def resolve_tools(specs: Sequence[Tool | Callable[..., Any] | str]) -> list[Tool]:
+def resolve_tools(specs: Sequence[Tool | Callable[..., object] | str]) -> list[Tool]:
     """Tools from built-in names, "module:function" specs, functions or Tool objects."""
     out = []
     for spec in specs:
@@ -71,7 +71,7 @@ def resolve_tools(specs: Sequence[Tool | Callable[..., Any] | str]) -> list[Tool
 class ToolEnvironment(Environment):
     def __init__(
         self,
-        tools: Sequence[Tool | Callable[..., Any] | str] = ("calculator",),
+        tools: Sequence[Tool | Callable[..., object] | str] = ("calculator",),
         parser: str = "hermes",
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         max_tool_calls: int = 4,

@@ -68,7 +68,7 @@ class _Piece:
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
     prepend_axis_num: int
-    replica_id: Any
+    replica_id: int | tuple[int, ...]  # megatron's ReplicaId
     start: int  # first flat index in the parameter's local tensor
     shape: tuple[int, ...]
 

@@ -26,12 +26,12 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _is_section(tp: Any) -> TypeGuard[type]:
+def _is_section(tp: object) -> TypeGuard[type]:
     """A field whose type is a dataclass: a section of the schema."""
     return isinstance(tp, type) and is_dataclass(tp)
 
 
-def _is_list(tp: Any) -> bool:
+def _is_list(tp: object) -> bool:
     if typing.get_origin(tp) is list:
         return True
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
@@ -39,7 +39,7 @@ def _is_list(tp: Any) -> bool:
     return False
 
 
-def _is_mapping(tp: Any) -> bool:
+def _is_mapping(tp: object) -> bool:
     return typing.get_origin(tp) is dict or tp is dict
 
 
@@ -53,7 +53,7 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _leaves(tree: Mapping[str, Any], prefix: str) -> Iterator[str]:
+def _leaves(tree: Mapping[str, object], prefix: str) -> Iterator[str]:
     for key, value in tree.items():
         if isinstance(value, Mapping) and value:
             yield from _leaves(value, f"{prefix}{key}.")

@@ -26,13 +26,16 @@ import importlib
 import os
 import types
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+# what torch takes as a device argument
+DeviceLike: TypeAlias = torch.device | str | int
 
 # Modules whose `torch` global is replaced by the CPU view.
 ADAPTED_MODULES: tuple[str, ...] = (
@@ -136,10 +139,10 @@ def _cpu_device(value: object) -> object:
 class _Dummy:
     """A stand-in for CUDA streams, events and stream contexts: every call does nothing."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> _Dummy:
+    def __call__(self, *args: object, **kwargs: object) -> _Dummy:
         return self
 
     def __getattr__(self, name: str) -> Any:
@@ -148,7 +151,7 @@ class _Dummy:
     def __enter__(self) -> _Dummy:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
@@ -160,10 +163,10 @@ class _CpuCuda(types.SimpleNamespace):
 
 
 def _make_cpu_cuda() -> _CpuCuda:
-    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+    def set_rng_state(state: torch.Tensor, device: DeviceLike | None = None) -> None:
         torch.set_rng_state(state)
 
-    def get_rng_state(device: Any = None) -> torch.Tensor:
+    def get_rng_state(device: DeviceLike | None = None) -> torch.Tensor:
         return torch.get_rng_state()
 
     rng = types.SimpleNamespace(get_rng_state=get_rng_state, set_rng_state=set_rng_state)
@@ -307,7 +310,7 @@ def _adapt_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     def get_state(
-        device: Any = "cuda", clone: bool = False, graph_safe: bool = False
+        device: DeviceLike = "cuda", clone: bool = False, graph_safe: bool = False
     ) -> torch.Tensor:
         return torch.get_rng_state()
 
@@ -347,8 +350,8 @@ def _adapt_moe() -> None:
 
     def gather_first_dim(
         input_: torch.Tensor,
-        group: Any,
-        output_split_sizes: Any = None,
+        group: ProcessGroup,
+        output_split_sizes: Sequence[int] | torch.Tensor | None = None,
         use_global_buffer: bool = False,
     ) -> torch.Tensor:
         sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from megarl.errors import UnsupportedModelError
 
@@ -56,6 +56,15 @@ class Dims(Protocol):
     def moe_topk(self) -> int: ...
     @property
     def moe_norm_topk(self) -> bool: ...
+
+
+class MoeDims(TypedDict, total=False):
+    """The mixture-of-experts numbers of an HF config (none for a dense model)."""
+
+    num_experts: int
+    moe_ffn_hidden_size: int
+    moe_topk: int
+    moe_norm_topk: bool
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,7 @@ class FamilySpec:
     roles: tuple[str, ...] = ROLES_ALL
     known_models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     description: str = ""
-    moe_dims: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    moe_dims: Callable[[Mapping[str, Any]], MoeDims] | None = None
 
     @property
     def is_moe(self) -> bool:

@@ -16,6 +16,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The unit tier on two workers (its tests are single-threaded and independent); the multi-process
 # tiers one test at a time, as their ranks already share the cores.

@@ -104,6 +104,7 @@ def plan_groups(dims: ModelDims, role: str, reader: DistCheckpointReader) -> lis
     groups = []
     for tm, layer, expert in _ordered_maps(dims, role):
         key = dist_checkpoint_key(tm.megatron)
+        index: int | tuple[int, int] | None
         if layer is None:
             index = None
             shape = reader.shape(key)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -469,7 +469,8 @@ def _checked_layer(layer: Any, source: str) -> Any:
     tree = OmegaConf.to_container(layer, resolve=False)
     if not isinstance(tree, dict):
         raise ConfigError(f"{source} is not a mapping of sections (model:, data:, ...)")
-    unknown = prepare_layer(RunConfig, tree)
+    # A YAML mapping's keys: a key that is not a str is reported unknown like any other.
+    unknown = prepare_layer(RunConfig, cast(dict[str, Any], tree))
     if unknown:
         raise unknown_keys_error(RunConfig, unknown, source)
     return OmegaConf.create(tree)

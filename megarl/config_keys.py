@@ -14,7 +14,7 @@ import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import is_dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from megarl.errors import ConfigError
 from megarl.verl_keys import verl_hint
@@ -26,7 +26,12 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _is_list(tp: Any) -> bool:
+def _is_section(tp: object) -> TypeGuard[type]:
+    """A field whose type is a dataclass: a section of the schema."""
+    return isinstance(tp, type) and is_dataclass(tp)
+
+
+def _is_list(tp: object) -> bool:
     if typing.get_origin(tp) is list:
         return True
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
@@ -34,7 +39,7 @@ def _is_list(tp: Any) -> bool:
     return False
 
 
-def _is_mapping(tp: Any) -> bool:
+def _is_mapping(tp: object) -> bool:
     return typing.get_origin(tp) is dict or tp is dict
 
 
@@ -43,12 +48,12 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for name, tp in _field_types(cls).items():
         keys.append(f"{prefix}{name}")
-        if is_dataclass(tp):
+        if _is_section(tp):
             keys += all_keys(tp, f"{prefix}{name}.")
     return keys
 
 
-def _leaves(tree: Mapping[str, Any], prefix: str) -> Iterator[str]:
+def _leaves(tree: Mapping[str, object], prefix: str) -> Iterator[str]:
     for key, value in tree.items():
         if isinstance(value, Mapping) and value:
             yield from _leaves(value, f"{prefix}{key}.")
@@ -67,7 +72,7 @@ def prepare_layer(cls: type, tree: dict[str, Any], prefix: str = "") -> list[str
             unknown += list(_leaves(value, f"{full}.")) if isinstance(value, Mapping) else [full]
             continue
         tp = types_[key]
-        if is_dataclass(tp):
+        if _is_section(tp):
             if isinstance(value, dict):
                 unknown += prepare_layer(tp, value, f"{full}.")
         elif _is_mapping(tp):

@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank, world = init_distributed()
     model_dir = resolve_model(args.model) if rank == 0 else None
-    box = [model_dir]
+    box: list = [model_dir]
     dist.broadcast_object_list(box, src=0)
     report = _rank_report(box[0], args.tp, args.pp, args.seq)
-    reports = [None] * world
+    reports: list = [None] * world
     dist.all_gather_object(reports, report)
     ok, worst = parity_verdict(reports)  # every rank has every report: all exit alike
     if rank == 0:

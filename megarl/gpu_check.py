@@ -191,7 +191,7 @@ def _config_folder(root: Path, name: str) -> Path:
     """A config-only Hugging Face folder of a known model's shape (weights are random)."""
     from megarl.plan import KNOWN_MODELS
 
-    cfg = dict(TINY_TRAIN_CONFIG) if name == "tiny" else dict(KNOWN_MODELS[name])
+    cfg: dict[str, Any] = dict(TINY_TRAIN_CONFIG) if name == "tiny" else dict(KNOWN_MODELS[name])
     family = "llama" if cfg["architectures"][0].startswith("Llama") else "qwen2"
     cfg.update(model_type=family, hidden_act="silu", torch_dtype="bfloat16")
     out = root / f"config-{name}"
@@ -619,8 +619,8 @@ def grpo_end_to_end(report: Report, size: Size, root: Path) -> None:
     config = _grpo_config(work, size)
     t0 = time.perf_counter()
     codes = []
-    for steps in (3, 5):  # the second run resumes from the first one's checkpoint
-        codes.append(cli_main(["train", str(config), f"trainer.total_steps={steps}"]))
+    for total in (3, 5):  # the second run resumes from the first one's checkpoint
+        codes.append(cli_main(["train", str(config), f"trainer.total_steps={total}"]))
         destroy_model_parallel()
     seconds = time.perf_counter() - t0
     metrics_file = work / "run" / "metrics.jsonl"
@@ -692,6 +692,7 @@ def _random_checkpoint(root: Path, name: str, dtype: torch.dtype) -> Path:
 
 def resharding(report: Report, size: Size, root: Path) -> None:
     from megarl.hybrid_engine.engine import HybridEngine
+    from megarl.hybrid_engine.hf_rollout import HFRollout
     from megarl.hybrid_engine.vllm_rollout import EngineConfig
     from megarl.models.build import ModelOptions, build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -716,6 +717,7 @@ def resharding(report: Report, size: Size, root: Path) -> None:
         reshard_mode="shard",
     )
     reader = SafetensorsReader(folder)
+    assert isinstance(engine.rollout, HFRollout)  # backend="hf"
     params = dict(engine.rollout.model.named_parameters())
 
     def equal_to_checkpoint() -> bool:
@@ -730,6 +732,7 @@ def resharding(report: Report, size: Size, root: Path) -> None:
     _sync()
     seconds = time.perf_counter() - t0
     stats = engine.last_reshard
+    assert stats is not None  # to_rollout() records it
     moved = stats.copied_bytes + stats.recv_bytes
     section = "5 reshard"
     shape = f"{name}, {rollout_dtype}, {stats.buckets} buckets"

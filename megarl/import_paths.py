@@ -57,7 +57,7 @@ def load_object(spec: str, what: str) -> Any:
     if not where or not attr:
         raise ConfigError(f"{what} is not an import path; {FORM}.")
     if is_file_path(where):
-        module: Any = _module_from_file(where, what)
+        module: ModuleType = _module_from_file(where, what)
     else:
         try:
             module = importlib.import_module(where)
@@ -67,7 +67,7 @@ def load_object(spec: str, what: str) -> Any:
             raise ConfigError(
                 f"{what}: module '{where}' failed to import: {type(e).__name__}: {e}"
             ) from e
-    obj = module
+    obj: object = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:

@@ -322,7 +322,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        distributed_timeout_minutes=(timeout_s or MEGATRON_GROUP_TIMEOUT_S) / 60.0,  # type: ignore[arg-type]
+        distributed_timeout_minutes=(timeout_s or MEGATRON_GROUP_TIMEOUT_S) / 60.0,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

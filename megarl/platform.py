@@ -26,10 +26,16 @@ import importlib
 import os
 import types
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+# what torch takes as a device argument
+DeviceLike: TypeAlias = torch.device | str | int
 
 # Modules whose `torch` global is replaced by the CPU view.
 ADAPTED_MODULES: tuple[str, ...] = (
@@ -110,7 +116,7 @@ def device() -> torch.device:
     return _CPU
 
 
-def collective_device(group: Any = None) -> torch.device:
+def collective_device(group: ProcessGroup | None = None) -> torch.device:
     """The device a collective's tensors must be on: CUDA for NCCL, the CPU for gloo."""
     import torch.distributed as dist
 
@@ -122,7 +128,7 @@ def distributed_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _cpu_device(value: Any) -> Any:
+def _cpu_device(value: object) -> object:
     if isinstance(value, str) and value.startswith("cuda"):
         return _CPU
     if isinstance(value, torch.device) and value.type == "cuda":
@@ -133,10 +139,10 @@ def _cpu_device(value: Any) -> Any:
 class _Dummy:
     """A stand-in for CUDA streams, events and stream contexts: every call does nothing."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> _Dummy:
+    def __call__(self, *args: object, **kwargs: object) -> _Dummy:
         return self
 
     def __getattr__(self, name: str) -> Any:
@@ -145,7 +151,7 @@ class _Dummy:
     def __enter__(self) -> _Dummy:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
@@ -157,10 +163,10 @@ class _CpuCuda(types.SimpleNamespace):
 
 
 def _make_cpu_cuda() -> _CpuCuda:
-    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+    def set_rng_state(state: torch.Tensor, device: DeviceLike | None = None) -> None:
         torch.set_rng_state(state)
 
-    def get_rng_state(device: Any = None) -> torch.Tensor:
+    def get_rng_state(device: DeviceLike | None = None) -> torch.Tensor:
         return torch.get_rng_state()
 
     rng = types.SimpleNamespace(get_rng_state=get_rng_state, set_rng_state=set_rng_state)
@@ -252,13 +258,13 @@ def _cpu_tensor_methods() -> Iterator[None]:
     def cuda_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self
 
-    torch.Tensor.type = type_  # type: ignore[method-assign]
-    torch.Tensor.cuda = cuda_  # type: ignore[method-assign]
+    torch.Tensor.type = type_
+    torch.Tensor.cuda = cuda_
     try:
         yield
     finally:
-        torch.Tensor.type = original_type  # type: ignore[method-assign]
-        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
+        torch.Tensor.type = original_type
+        torch.Tensor.cuda = original_cuda
 
 
 def _resolve(module: Any, path: str) -> tuple[Any, str, Any]:
@@ -304,7 +310,7 @@ def _adapt_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     def get_state(
-        device: Any = "cuda", clone: bool = False, graph_safe: bool = False
+        device: DeviceLike = "cuda", clone: bool = False, graph_safe: bool = False
     ) -> torch.Tensor:
         return torch.get_rng_state()
 
@@ -344,8 +350,8 @@ def _adapt_moe() -> None:
 
     def gather_first_dim(
         input_: torch.Tensor,
-        group: Any,
-        output_split_sizes: Any = None,
+        group: ProcessGroup,
+        output_split_sizes: Sequence[int] | torch.Tensor | None = None,
         use_global_buffer: bool = False,
     ) -> torch.Tensor:
         sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
@@ -365,10 +371,11 @@ def _adapt_moe() -> None:
         name = getattr(module, "__name__", "")
         if not name.startswith("megatron."):
             continue
+        # (a module's own names, rebound: ModuleType declares none of them)
         if getattr(module, "maybe_move_tensor_to_cpu", None) is original_move:
-            module.maybe_move_tensor_to_cpu = move_to_cpu
+            module.maybe_move_tensor_to_cpu = move_to_cpu  # type: ignore[attr-defined]
         if getattr(module, "_gather_along_first_dim", None) is original_gather:
-            module._gather_along_first_dim = gather_first_dim
+            module._gather_along_first_dim = gather_first_dim  # type: ignore[attr-defined]
 
 
 def adapt_megatron_for_cpu() -> bool:
@@ -386,7 +393,7 @@ def adapt_megatron_for_cpu() -> bool:
                 f"megarl.platform: {name} no longer imports torch as `torch`; "
                 "the megatron-core CPU adaptation needs updating for this megatron-core version"
             )
-        module.torch = cpu_torch
+        module.torch = cpu_torch  # type: ignore[attr-defined]  # checked above: it has one
     for module_name, path in TENSOR_METHOD_FUNCTIONS:
         _wrap_tensor_methods(module_name, path)
     _adapt_rng_tracker()

@@ -18,7 +18,7 @@ batch; otherwise each micro-batch is normalised by its own counts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from megarl.algos.registry import Registry
 
 AGG_MODES: Registry = Registry("loss aggregation mode")
 
-Number = float | int | Tensor
+Number: TypeAlias = float | int | Tensor
 
 
 def _seq_denominator(mask: Tensor, num_seqs: Number | None, dtype: torch.dtype) -> Tensor:

@@ -163,7 +163,7 @@ def simpo(
     return -F.logsigmoid(c - r - gamma), c, r
 
 
-def loss_inputs(fn: Callable[..., Any]) -> tuple[str, ...]:
+def loss_inputs(fn: Callable[..., object]) -> tuple[str, ...]:
     """The inputs (of :data:`INPUTS`) a DPO loss takes, in its signature's order."""
     params = inspect.signature(fn).parameters.values()
     names = tuple(
@@ -179,7 +179,7 @@ def loss_inputs(fn: Callable[..., Any]) -> tuple[str, ...]:
     return names
 
 
-def needs_reference(fn: Callable[..., Any]) -> bool:
+def needs_reference(fn: Callable[..., object]) -> bool:
     """Whether a DPO loss compares against a reference policy (takes its logprobs)."""
     inputs = loss_inputs(fn)
     return "ref_chosen_logps" in inputs or "ref_rejected_logps" in inputs

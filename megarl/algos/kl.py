@@ -14,7 +14,7 @@ on tokens sampled from the policy, estimate KL(policy || ref):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch import Tensor
@@ -63,11 +63,18 @@ def kl_penalty(name: str, log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
     return KL_ESTIMATORS.call(name, log_prob, ref_log_prob)
 
 
+class KLState(TypedDict):
+    """A KL controller's checkpointed state."""
+
+    kind: str
+    value: float
+
+
 class KLController(Protocol):
     value: float
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> KLState: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
@@ -75,7 +82,7 @@ class _ControllerState:
     kind: str
     value: float
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> KLState:
         return {"kind": self.kind, "value": float(self.value)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -66,7 +66,7 @@ class Registry(Generic[F]):
         return fn(*args, **kwargs)
 
 
-def check_kwargs(fn: Callable[..., Any], what: str, n_positional: int, kwargs: dict) -> None:
+def check_kwargs(fn: Callable[..., object], what: str, n_positional: int, kwargs: dict) -> None:
     """Raise TypeError listing all unknown and all missing keyword arguments of a call to ``fn``.
 
     Python's own error names only the first bad argument; a config usually has several.

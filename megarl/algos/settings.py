@@ -22,7 +22,7 @@ class SettingError(ValueError):
     """A configured algorithm setting that cannot be applied; the message names the fix."""
 
 
-def keyword_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+def keyword_parameters(fn: Callable[..., object]) -> dict[str, inspect.Parameter]:
     """The hyperparameters of a registered function: its keyword-only parameters."""
     return {
         name: p
@@ -31,7 +31,7 @@ def keyword_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
     }
 
 
-def positional_inputs(fn: Callable[..., Any]) -> set[str]:
+def positional_inputs(fn: Callable[..., object]) -> set[str]:
     """Names of the data inputs a function takes positionally (e.g. ``values``, ``group_ids``)."""
     return {
         name

@@ -24,11 +24,13 @@ dtype and the gradient comes back in the logits' dtype.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ProcessGroup = dist.ProcessGroup
+ProcessGroup: TypeAlias = dist.ProcessGroup
 
 # exp() of anything below this underflows to 0 in fp32 and fp64 alike; clamping -inf logits (masked
 # vocabulary) to it turns 0 * -inf = NaN in the entropy into 0 * -1e4 = 0.
@@ -79,7 +81,7 @@ class _LogProbEntropy(torch.autograd.Function):
     """[N, V_local] logits (+ [N] targets) -> ([N] log p(target), [N] entropy)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx,
         logits: Tensor,
         target: Tensor | None,
@@ -130,7 +132,7 @@ class _LogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_log_prob: Tensor | None, grad_entropy: Tensor | None):  # type: ignore[override]
+    def backward(ctx, grad_log_prob: Tensor | None, grad_entropy: Tensor | None):
         logits, target, m, log_s, entropy = ctx.saved_tensors
         n_valid = ctx.n_valid
         acc = m.dtype

@@ -283,24 +283,26 @@ def staged_output(final: str | Path, *, overwrite: bool = False) -> Iterator[Pat
     never something at ``final``.
     """
     final = Path(final).absolute()
-    box: list[Any] = [None, None]  # (temporary folder, error message) decided by rank 0
+    box: list[str | None] = [None, None]  # (temporary folder, error message) decided by rank 0
     if _is_rank0():
         try:
             check_destination(final, overwrite)
             final.parent.mkdir(parents=True, exist_ok=True)
-            box[0] = tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent)
+            box[0] = made = tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent)
             umask = os.umask(0)
             os.umask(umask)
-            os.chmod(box[0], 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+            os.chmod(made, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
         except (CheckpointError, OSError) as e:
             box[1] = str(e) if isinstance(e, CheckpointError) else f"cannot create {final}: {e}"
     if _dist_active():
         import torch.distributed as dist
 
         dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise CheckpointError(box[1])  # on every rank, so none waits for the others
-    tmp = Path(box[0])
+    folder, error = box
+    if error is not None:
+        raise CheckpointError(error)  # on every rank, so none waits for the others
+    assert folder is not None  # rank 0 made it, or said why not
+    tmp = Path(folder)
     try:
         yield tmp
         _barrier()

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import xxhash
 
@@ -32,21 +32,21 @@ _WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 class HashingFile:
     """A binary file open for writing whose bytes are hashed on their way to it."""
 
-    def __init__(self, path: str | os.PathLike, raw: Any) -> None:
+    def __init__(self, path: str | os.PathLike, raw: IO[bytes]) -> None:
         self.path = os.fspath(path)
         self._raw = raw
         self._hash = xxhash.xxh3_64()
         self._bytes = 0
         self._sequential = True
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         n = self._raw.write(data)
         view = memoryview(data).cast("B")
         self._hash.update(view if n is None or n == len(view) else view[:n])
         self._bytes += len(view) if n is None else n
         return n
 
-    def seek(self, *args: Any) -> int:
+    def seek(self, *args: int) -> int:
         self._sequential = False  # the bytes written no longer follow each other: no digest
         return self._raw.seek(*args)
 
@@ -60,7 +60,7 @@ class HashingFile:
     def __enter__(self) -> HashingFile:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is not None:
             self._sequential = False
         self.close()
@@ -92,7 +92,7 @@ def hashed_writes() -> Iterator[None]:
         if had:
             module.open = previous  # type: ignore[attr-defined]
         else:
-            del module.open  # type: ignore[attr-defined]
+            del module.open
 
 
 def take_sidecar(path: Path) -> str | None:

@@ -115,7 +115,8 @@ class Supervisor:
 
     def run(self, module: str = "megarl.entry") -> int:
         e = self.cfg.trainer.elastic
-        layout, extra, restarts, steps_lost = self.initial, [], 0, 0
+        extra: list[str] = []
+        layout, restarts, steps_lost = self.initial, 0, 0
         started = time.time()
         while True:
             record = AttemptRecord(

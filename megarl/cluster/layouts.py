@@ -70,6 +70,7 @@ def _candidates(cfg: RunConfig, dims: ModelDims, world: int) -> Iterator[Paralle
         dp = world // (tp * pp)
         ep = max(e for e in divisors(p.ep) if dp % e == 0)
         infer_tp = p.infer_tp if p.infer_tp is not None and world % p.infer_tp == 0 else None
+        split: tuple[int, ...] | None
         if pp == p.pp and p.pp_layers:
             split = tuple(p.pp_layers)
         else:

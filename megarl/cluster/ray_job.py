@@ -29,7 +29,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megarl.cluster import placement
 from megarl.cluster.job import JobResult, JobSpec
@@ -38,6 +38,10 @@ from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
 from megarl.quiet_torchrun import describe_exit, exit_code_of
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
 EXTRA = "megarl[ray]"
 CONNECT_TIMEOUT_S = 30.0  # a cluster's GCS must answer within this; a local start too
@@ -189,7 +193,7 @@ def _nodes(ray: ModuleType, kind: str) -> list[placement.NodeSlots]:
 
 @dataclass
 class _Rank:
-    agent: Any  # the Ray actor handle
+    agent: ActorHandle
     node: placement.NodeSlots
     local_rank: int
     poll: Poll | None = None
@@ -282,7 +286,7 @@ class RayLauncher:
             self._stop(ranks)
             self.ray.util.remove_placement_group(pg)
 
-    def _place(self, spec: JobSpec) -> tuple[Any, list[_Rank]]:
+    def _place(self, spec: JobSpec) -> tuple[PlacementGroup, list[_Rank]]:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -314,7 +318,7 @@ class RayLauncher:
             ranks.append(_Rank(agent, node, local))
         return pg, ranks
 
-    def _ready(self, pg: Any, world: int) -> bool:
+    def _ready(self, pg: PlacementGroup, world: int) -> bool:
         waited = 0.0
         while waited < PLACEMENT_TIMEOUT_S:
             ready, _ = self.ray.wait([pg.ready()], timeout=10.0)

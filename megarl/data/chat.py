@@ -8,14 +8,17 @@ already holds them). Rendering first keeps us independent of how a transformers 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megarl.data.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Messages = list[dict[str, Any]]
 
 
-def to_messages(value: Any, *, where: str, column: str, role: str = "user") -> Messages:
+def to_messages(value: object, *, where: str, column: str, role: str = "user") -> Messages:
     """A cell as chat messages: a string becomes one `role` message; a message list is checked.
 
     Keys whose value is None are dropped: parquet structs give every row every field, and
@@ -39,14 +42,14 @@ def to_messages(value: Any, *, where: str, column: str, role: str = "user") -> M
     )
 
 
-def pad_token_id(tokenizer: Any) -> int | None:
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The id that pads a batch: the tokenizer's pad token, else its eos (None when it has neither).
 
     It is also where transformers' sequence classifiers stop reading a row."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _require_template(tokenizer: Any) -> None:
+def _require_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; give a "
@@ -55,7 +58,7 @@ def _require_template(tokenizer: Any) -> None:
 
 
 def render_chats(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     conversations: Sequence[Messages],
     *,
     add_generation_prompt: bool,
@@ -73,7 +76,7 @@ def render_chats(
 
 
 def tokenize_texts(
-    tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, add_special_tokens: bool
 ) -> list[list[int]]:
     """Token ids of each text (one batched call; fast tokenizers parallelise it)."""
     if not texts:
@@ -85,7 +88,7 @@ def tokenize_texts(
 
 
 def encode_prompts(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Messages | str],
     *,
     apply_chat_template: bool = True,
@@ -114,7 +117,7 @@ def encode_prompts(
 
 
 def encode_responses(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Messages],
     responses: Sequence[Messages],
     *,

@@ -17,7 +17,7 @@ from megarl.data.errors import DataError
 GLOBAL_FORMAT = "megarl.data.global_state/1"
 
 
-def is_global(state: Any) -> bool:
+def is_global(state: object) -> bool:
     return isinstance(state, dict) and state.get("format") == GLOBAL_FORMAT
 
 

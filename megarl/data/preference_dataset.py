@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow.fs as pafs
 
@@ -21,6 +21,9 @@ from megarl.data.errors import DataError
 from megarl.data.parquet_source import ParquetFileInfo
 from megarl.data.schema import TEXT_OR_MESSAGES, check_columns
 from megarl.data.sharded import ShardedDataset, check_truncation, open_files
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TruncationPolicy = Literal["error", "filter", "truncate"]
 _COLUMNS = ("prompt", "chosen", "rejected")
@@ -54,7 +57,7 @@ class PreferenceDataset(ShardedDataset[PreferenceItem]):
     def __init__(
         self,
         files: str | Sequence[str],
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         batch_size_per_rank: int,
         max_length: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow.fs as pafs
 
@@ -21,6 +21,9 @@ from megarl.data.errors import DataError
 from megarl.data.parquet_source import ParquetFileInfo, fingerprint, inspect_files, resolve_files
 from megarl.data.schema import ANY, REWARD_MODEL, STRING, TEXT_OR_MESSAGES, check_columns
 from megarl.data.shard_reader import ShardReader
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 OverlongPolicy = Literal["error", "filter"]
 _KNOWN = ("prompt", "data_source", "reward_model", "extra_info")
@@ -72,7 +75,7 @@ class PromptDataset:
     def __init__(
         self,
         files: str | Sequence[str],
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         batch_size_per_rank: int,
         max_prompt_length: int,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow.fs as pafs
 
@@ -27,6 +27,9 @@ from megarl.data.errors import DataError
 from megarl.data.parquet_source import ParquetFileInfo
 from megarl.data.schema import MESSAGES, TEXT_OR_MESSAGES, check_columns
 from megarl.data.sharded import ShardedDataset, check_truncation, open_files
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TruncationPolicy = Literal["error", "filter", "truncate"]
 
@@ -86,7 +89,10 @@ def _after(prefix: str, text: str, where: str) -> str:
 
 
 def conversation_pieces(
-    tokenizer: Any, messages: Messages, where: str, chat_template_kwargs: Mapping[str, Any]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Messages,
+    where: str,
+    chat_template_kwargs: Mapping[str, Any],
 ) -> _Pieces:
     """Cut a conversation's rendering into the prompt and the response pieces (assistant turns
     trained, the turns between them not); turns after the last assistant turn are dropped."""
@@ -122,7 +128,7 @@ class SFTDataset(ShardedDataset[SFTItem]):
     def __init__(
         self,
         files: str | Sequence[str],
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         batch_size_per_rank: int,
         max_length: int,

@@ -39,7 +39,7 @@ class DataState:
         return {"format": STATE_FORMAT, **dataclasses.asdict(self)}
 
     @classmethod
-    def from_dict(cls, d: Any) -> DataState:
+    def from_dict(cls, d: object) -> DataState:
         if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise DataError(

@@ -76,7 +76,7 @@ def problems(
         raise PrepareError(f"unknown arithmetic kind {kind!r}; known: {sorted(KINDS)}")
     rng = random.Random(f"arithmetic/{kind}/{seed}")
     seen = set(exclude or ())
-    out = []
+    out: list[tuple[str, int]] = []
     while len(out) < count:
         question, answer = rng.choice(KINDS[kind])(rng)
         if question not in seen:

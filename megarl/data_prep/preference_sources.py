@@ -417,7 +417,7 @@ def load_hub(source: str, split: str) -> list[RecordGroup]:
         import datasets
     except ImportError:
         datasets = None
-    hub = None
+    hub: Any = None
     if datasets is None:
         try:
             import huggingface_hub as hub

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,6 +25,7 @@ from megarl import parallel, platform
 from megarl.algos.dpo import dpo_loss
 from megarl.config import RunConfig, dpo_loss_kwargs, dpo_needs_reference
 from megarl.data import PreferenceDataset, PreferenceItem
+from megarl.data.preference_dataset import TruncationPolicy
 from megarl.models.build import build_model
 from megarl.models.dims import ModelDims
 from megarl.models.forward import LossFn, run_schedule
@@ -168,7 +169,9 @@ def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> Preferenc
         seed=d.seed,
         shuffle=d.shuffle and not validation,
         drop_last=not validation,  # validation: every pair once
-        truncation=cfg.dpo.truncation,
+        truncation=cast(
+            TruncationPolicy, cfg.dpo.truncation
+        ),  # a str in the schema, checked against CHOICES
         setting="data.val_files" if validation else "data.train_files",
     )
 

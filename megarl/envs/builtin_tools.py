@@ -79,8 +79,8 @@ def _eval(node: ast.AST) -> Number:
         value = node.value
         return _check_size(Fraction(value) if isinstance(value, int) else value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        value = _eval(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
+        operand = _eval(node.operand)
+        return -operand if isinstance(node.op, ast.USub) else operand
     if isinstance(node, ast.BinOp):
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow):

@@ -22,10 +22,13 @@ rendering of the whole conversation.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megarl.data.chat import render_chats, tokenize_texts
 from megarl.envs.base import EnvError, Message
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _S, _U, _A = "megarl-system-ffd3", "megarl-user-ffd3", "megarl-assistant-ffd3"
 _PROBE_TOOL = {
@@ -44,7 +47,9 @@ class ChatDeltas:
     """Token ids of prompts and environment turns under one tokenizer's chat template."""
 
     def __init__(
-        self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.kwargs = dict(chat_template_kwargs or {})

@@ -102,7 +102,7 @@ class ToolPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _as_text(value: Any) -> str:
+def _as_text(value: object) -> str:
     import json
 
     try:

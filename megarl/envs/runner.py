@@ -15,7 +15,7 @@ import inspect
 import random
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +77,7 @@ class EnvRunner:
         deltas: ChatDeltas,
         pool: ToolPool,
         run_seed: int,
-        stop_token_ids: Sequence[int],
+        stop_token_ids: Iterable[int],
         max_prompt_tokens: int,
     ) -> None:
         self.env_cls = env_cls

@@ -46,7 +46,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-def resolve_tools(specs: Sequence[Tool | Callable[..., Any] | str]) -> list[Tool]:
+def resolve_tools(specs: Sequence[Tool | Callable[..., object] | str]) -> list[Tool]:
     """Tools from built-in names, "module:function" specs, functions or Tool objects."""
     out = []
     for spec in specs:
@@ -71,7 +71,7 @@ def resolve_tools(specs: Sequence[Tool | Callable[..., Any] | str]) -> list[Tool
 class ToolEnvironment(Environment):
     def __init__(
         self,
-        tools: Sequence[Tool | Callable[..., Any] | str] = ("calculator",),
+        tools: Sequence[Tool | Callable[..., object] | str] = ("calculator",),
         parser: str = "hermes",
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         max_tool_calls: int = 4,
@@ -136,7 +136,8 @@ class ToolEnvironment(Environment):
             return self.call_reward
         return self.attempt_reward
 
-    async def step(self, messages: list[Message]) -> Step:
+    # Environment.step may be a coroutine function: the runner awaits it (megarl/envs/base.py).
+    async def step(self, messages: list[Message]) -> Step:  # type: ignore[override]
         parsed = self.parse(messages[-1]["content"])
         if not parsed.attempted:
             return Step(done=True, metrics={"tool_calls": 0.0})

@@ -18,7 +18,6 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from megarl.algos.registry import Registry
 from megarl.envs.tools import ToolCall
@@ -39,7 +38,7 @@ TOOL_PARSERS: Registry[ToolParser] = Registry("tool-call parser")
 register_tool_parser = TOOL_PARSERS.register
 
 
-def _call_from(obj: Any, args_key: str = "arguments") -> ToolCall | str:
+def _call_from(obj: object, args_key: str = "arguments") -> ToolCall | str:
     """A ToolCall from one decoded JSON object, or a message saying what is wrong with it."""
     if not isinstance(obj, dict):
         return f'a tool call must be a JSON object with "name" and "{args_key}", got {obj!r:.80}'

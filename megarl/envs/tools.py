@@ -51,7 +51,7 @@ class Tool:
     """A callable tool: the function (sync or ``async def``), its JSON schema, and the longest
     result (characters) handed back to the model; longer results are cut and counted."""
 
-    fn: Callable[..., Any]
+    fn: Callable[..., Any]  # returns the result, or (is_async) a coroutine of it
     schema: dict[str, Any]
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS
 
@@ -81,7 +81,7 @@ class Tool:
         return None
 
 
-def _is_json_type(value: Any, kind: str) -> bool:
+def _is_json_type(value: object, kind: str) -> bool:
     types = _JSON_TYPES.get(kind)
     if types is None:
         return True  # a schema type this check does not know: let the function decide
@@ -90,7 +90,7 @@ def _is_json_type(value: Any, kind: str) -> bool:
     return isinstance(value, types)
 
 
-def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, Any]:
+def function_schema(fn: Callable[..., object], name: str | None = None) -> dict[str, Any]:
     """The chat-template schema of ``fn`` (``{"type": "function", "function": {...}}``) from its
     type hints and docstring; a ConfigError says what the function lacks."""
     from transformers.utils import get_json_schema
@@ -111,7 +111,7 @@ def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str
 
 
 def tool(
-    fn: Callable[..., Any] | None = None,
+    fn: Callable[..., object] | None = None,
     *,
     name: str | None = None,
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
@@ -119,7 +119,7 @@ def tool(
     """A :class:`Tool` from a typed function; usable bare (``@tool``) or with options
     (``@tool(max_output_chars=1000)``)."""
 
-    def make(f: Callable[..., Any]) -> Tool:
+    def make(f: Callable[..., object]) -> Tool:
         if max_output_chars < 1:
             raise ConfigError(f"tool {f.__qualname__}: max_output_chars must be >= 1")
         return Tool(f, function_schema(f, name), max_output_chars)
@@ -127,7 +127,7 @@ def tool(
     return make(fn) if fn is not None else make
 
 
-def as_tool(value: Tool | Callable[..., Any]) -> Tool:
+def as_tool(value: Tool | Callable[..., object]) -> Tool:
     """A Tool as it is; a plain typed function made into one."""
     if isinstance(value, Tool):
         return value

@@ -117,7 +117,13 @@ class RolloutEngine(Protocol):
     def after_weight_update(self) -> None: ...
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, seed_offset: int
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int = 0,
+        *,
+        seeds: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput: ...
 
     def sleep(self) -> None: ...
@@ -336,7 +342,8 @@ class HybridEngine:
         per_dp: dict[int, list] = {}
         for d, p in gathered:
             per_dp.setdefault(d, p)
-        offsets, everything = {}, []
+        offsets: dict[int, int] = {}
+        everything: list = []
         for d in sorted(per_dp):
             offsets[d] = len(everything)
             everything += per_dp[d]

@@ -16,15 +16,21 @@ identity.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 
-Share = Callable[[Any], Any]  # the executing rank's value -> the same value on every rank
+T = TypeVar("T")
+
+
+class Share(Protocol):
+    """The executing rank's value (None on the other ranks) -> that value on every rank."""
+
+    def __call__(self, value: T | None, /) -> T: ...
 
 
 class TurnEngine(Protocol):
@@ -65,8 +71,8 @@ def turn_seed(
     return sampling.seed + ((rollout_index * samples + sample) * max_turns + turn)
 
 
-def _identity(value: Any) -> Any:
-    return value
+def _identity(value: T | None, /) -> T:
+    return cast(T, value)  # one rank: it is the executing one
 
 
 def run_trajectories(

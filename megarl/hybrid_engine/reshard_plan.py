@@ -37,6 +37,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 MODES = ("full", "shard")
 
@@ -466,9 +467,7 @@ def plan_reshard(
             for r in range(world):
                 rank_buckets[r].needs[t] = ranges(t, r)
             pieces = _pieces(specs[t], plan)
-            for r, src, s0, s1 in _deliveries(
-                t, pieces, world, lambda r, t=t: ranges(t, r), ranks_per_node
-            ):
+            for r, src, s0, s1 in _deliveries(t, pieces, world, partial(ranges, t), ranks_per_node):
                 sl = Slice(t, s0, s1)
                 nbytes = (s1 - s0) * row
                 if src is None:

@@ -35,7 +35,9 @@ class TensorBoardLogger(Logger):
         purge = settings.resume_step + 1 if settings.resume_step else None
         self._writer = SummaryWriter(str(self.log_dir), purge_step=purge)
         if not settings.resume_step:
-            params = [{"setting": k, "value": v} for k, v in sorted(settings.params.items())]
+            params: list[Row] = [
+                {"setting": k, "value": v} for k, v in sorted(settings.params.items())
+            ]
             if params:
                 self._writer.add_text("config", markdown_table(params), 0)
 

@@ -24,7 +24,9 @@ class WandbLogger(Logger):
             config=dict(settings.params),
             id=resumed,
             resume="allow" if resumed else None,
-            mode=settings.wandb_mode,  # None: WANDB_MODE, else W&B's default (online)
+            # None: WANDB_MODE, else W&B's default (online). A str here: the config validated it
+            # against WANDB_MODES (OmegaConf's schema has no Literal fields).
+            mode=settings.wandb_mode,  # type: ignore[arg-type]
             # console="off": W&B would otherwise wrap the process's stdout/stderr.
             settings=wandb.Settings(console="off", silent=not settings.verbose),
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 from megarl.errors import CheckpointError, UnsupportedModelError
 from megarl.models.specs import FamilySpec, family, family_for_architectures
+from megarl.models.specs.base import MoeDims
 from megarl.parallel import ModelShape, ParallelLayout
 
 
@@ -130,7 +131,7 @@ class ModelDims:
         return cls.from_hf_config(read_hf_config(hf_dir))
 
 
-def _moe_dims(spec: FamilySpec, cfg: dict[str, Any]) -> dict[str, Any]:
+def _moe_dims(spec: FamilySpec, cfg: dict[str, Any]) -> MoeDims:
     """The MoE numbers of an MoE family's config (empty for a dense family), validated."""
     if spec.moe_dims is None:
         return {}

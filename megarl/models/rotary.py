@@ -13,7 +13,7 @@ Interleaved and multi-latent-attention rope, and partial rope, go to megatron's 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,13 +41,14 @@ def apply_rotary_bshd(
 ) -> torch.Tensor:
     """``rope_utils._apply_rotary_pos_emb_bshd`` for rope over the whole head dimension."""
     if rotary_interleaved or multi_latent_attention or freqs.shape[-1] != t.shape[-1]:
+        assert _megatron_bshd is not None, "use_cached_rotary() installs this function"
         return _megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
     cos, sin = _cos_sin(freqs, mscale, t.dtype)
     x1, x2 = torch.chunk(t, 2, dim=-1)
     return t * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-_megatron_bshd = None
+_megatron_bshd: Callable[..., torch.Tensor] | None = None
 
 
 def use_cached_rotary() -> None:

@@ -77,7 +77,7 @@ class SafetensorsReader:
                 f"tensor {name!r} is missing from the checkpoint in {self.root}; "
                 "the checkpoint does not match its config.json (wrong architecture or a partial export)"
             )
-        return self._open(file).get_slice(name)  # type: ignore[attr-defined]
+        return self._open(file).get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())

@@ -191,6 +191,7 @@ def async_splits(args: argparse.Namespace, result) -> str:
         layout.ep,
     )
     transfer = planned.weight_transfer_s(args.gpus)
+    scaling: PlannedScaling | MeasuredScaling
     scaling, switch, source = (
         planned,
         transfer,

@@ -17,7 +17,6 @@ Needs torch; the rest of :mod:`megarl.plan` does not.
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 
 def _make_tracker_class():
@@ -84,7 +83,7 @@ def _make_tracker_class():
     return LiveTensorBytes
 
 
-_CLASS: Any = None
+_CLASS: type | None = None
 
 
 def live_tensor_tracker():

@@ -125,7 +125,8 @@ class Options:
     # as config's parallel.sequence_parallel: None is on when tp > 1 (splits the hidden-size
     # activations along the sequence over the TP group)
     sequence_parallel: bool | None = None
-    optimizer_offload: bool = False
+    # the search tries off and on; preflight passes the config's share offloaded (0..1)
+    optimizer_offload: bool | float = False
     param_offload: bool = False
     # as config's actor.packing: a micro-batch is one pack of its sequences' real tokens, so
     # activations scale with the workload's mean sequence length (the loss's outputs keep the

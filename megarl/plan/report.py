@@ -36,7 +36,7 @@ COLUMNS = (
 TRAIN_PHASES = ("setup", "forward-backward", "grad-sync", "optimizer-step")
 
 
-def _yes(flag: bool) -> str:
+def _yes(flag: bool | float) -> str:
     return "yes" if flag else "no"
 
 

@@ -8,7 +8,6 @@ state the answer. Thousands separators are ignored ("1,458" == "1458").
 from __future__ import annotations
 
 import re
-from typing import Any
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -18,7 +17,7 @@ def last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-def compute_score(solution_str: str, ground_truth: Any) -> float:
+def compute_score(solution_str: str, ground_truth: object) -> float:
     if ground_truth is None:
         raise ValueError("arithmetic: ground_truth is missing (reward_model.ground_truth is null)")
     answer = last_number(solution_str)

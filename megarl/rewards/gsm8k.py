@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Any
 
 _NUM = r"-?\$?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"
 _STRICT = re.compile(r"####\s*(" + _NUM + ")")
@@ -45,7 +44,7 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
 
 def compute_score(
     solution_str: str,
-    ground_truth: Any,
+    ground_truth: object,
     method: str = "strict",
     format_score: float = 0.0,
     score: float = 1.0,
@@ -67,7 +66,7 @@ FORMAT_CREDIT = 0.1
 
 
 def score_with_format_credit(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
+    data_source: str, solution_str: str, ground_truth: object, extra_info: object = None
 ) -> float:
     """`compute_score` (strict) with `FORMAT_CREDIT` for a wrong answer written after "####".
 

@@ -24,7 +24,7 @@ def load_callable(spec: str, what: str = "scorer", name: str = "function") -> Ca
     return fn
 
 
-def spec_of(fn: Callable[..., Any]) -> str | None:
+def spec_of(fn: Callable[..., object]) -> str | None:
     """A spec that re-imports `fn` in another process, or None when there is none (lambdas, closures)."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or "<" in qualname or module == "__main__":

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Literal
 
 from megarl.rewards.loading import load_callable
@@ -65,7 +66,7 @@ def soft_timeout(seconds: float | None) -> Iterator[None]:
         yield
         return
 
-    def on_alarm(signum: int, frame: Any) -> None:
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
         raise _SoftTimeout
 
     previous = signal.signal(signal.SIGALRM, on_alarm)

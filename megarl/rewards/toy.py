@@ -7,13 +7,11 @@ steps on a laptop CPU, so the reward curve shows learning end to end in minutes.
 
 from __future__ import annotations
 
-from typing import Any
-
 _VOWELS = frozenset("aeiouAEIOU")
 
 
 def vowel_rate(
-    data_source: str, solution_str: str, ground_truth: Any = None, extra_info: Any = None
+    data_source: str, solution_str: str, ground_truth: object = None, extra_info: object = None
 ) -> float:
     letters = [c for c in solution_str if c.isalpha()]
     if not letters:
@@ -22,7 +20,7 @@ def vowel_rate(
 
 
 def vowel_majority(
-    data_source: str, solution_str: str, ground_truth: Any = None, extra_info: Any = None
+    data_source: str, solution_str: str, ground_truth: object = None, extra_info: object = None
 ) -> float:
     """1.0 when more than half of the response's letters are vowels, else 0.0: a pass/fail
     version of :func:`vowel_rate`, so that whole groups of samples often score alike (what

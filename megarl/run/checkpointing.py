@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -59,16 +59,34 @@ def _rng_key(tp: int, pp: int, dp: int) -> str:
     return f"tp{tp}.pp{pp}.dp{dp}"
 
 
-def _rng_state() -> dict[str, Any]:
+class RankRng(TypedDict):
+    """One rank's random streams."""
+
+    torch: torch.Tensor  # the default CPU generator
+    tracker: dict[str, torch.Tensor]  # megatron's model-parallel RNG tracker streams
+    cuda: NotRequired[torch.Tensor]
+
+
+class SavedRng(TypedDict):
+    """Every rank's streams, and the (tp, pp, dp) sizes of the layout that saved them."""
+
+    layout: list[int]
+    ranks: dict[str, RankRng]  # by _rng_key
+
+
+def _rng_state() -> RankRng:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    state: RankRng = {
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _gathered_rng() -> dict[str, Any]:
+def _gathered_rng() -> SavedRng:
     """Every rank's RNG streams, keyed by its (tp, pp, dp) coordinates."""
     mine = (_rng_key(*_coords()), _rng_state())
     everyone: list = [None] * dist.get_world_size()
@@ -76,7 +94,7 @@ def _gathered_rng() -> dict[str, Any]:
     return {"layout": _sizes(), "ranks": dict(everyone)}
 
 
-def _restore_rng(saved: dict[str, Any]) -> None:
+def _restore_rng(saved: SavedRng) -> None:
     """This rank's own streams when the layout is the same; otherwise the streams that exist in
     both layouts: the default generator of rank (0, 0, 0) and the tensor-parallel tracker stream
     of the same TP rank (a TP rank the old layout lacked keeps its fresh seeding)."""
@@ -84,6 +102,7 @@ def _restore_rng(saved: dict[str, Any]) -> None:
 
     tp, pp, dp = _coords()
     ranks = saved["ranks"]
+    tracker: dict[str, torch.Tensor] | None
     if list(saved["layout"]) == _sizes():
         own = ranks[_rng_key(tp, pp, dp)]
         tracker = own["tracker"]

@@ -68,7 +68,7 @@ class _Piece:
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
     prepend_axis_num: int
-    replica_id: Any
+    replica_id: int | tuple[int, ...]  # megatron's ReplicaId
     start: int  # first flat index in the parameter's local tensor
     shape: tuple[int, ...]
 
@@ -194,7 +194,7 @@ def _distributed_optimizer_state(opt, model_sd) -> dict[str, Any]:
     return state
 
 
-def sharded_optimizer_state(optimizer, model_sd) -> dict[str, Any]:
+def sharded_optimizer_state(optimizer, model_sd) -> dict[str, Any] | dict[int, Any]:
     """The sharded state dict that ``optimizer.sharded_state_dict(model_sd, metadata=
     {"distrib_optim_sharding_type": "fully_reshardable"})`` saves, without its gather: for
     megatron's DistributedOptimizer, or a ChainedOptimizer of them (MoE: dense and expert
@@ -207,7 +207,7 @@ def sharded_optimizer_state(optimizer, model_sd) -> dict[str, Any]:
     if len(chained) == 1:
         return _distributed_optimizer_state(chained[0], model_sd)
     optimizer._synchronize_steps()
-    out = {}
+    out: dict[int, Any] = {}
     for i, opt in enumerate(chained):
         state = _distributed_optimizer_state(opt, model_sd)
         add_prefix_for_sharding(state, f"chained_{i}.")

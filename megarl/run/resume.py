@@ -79,7 +79,7 @@ def save(
     step: int,
     models: TrainedModels,
     *,
-    data: Mapping[str, Any],
+    data: Mapping[str, Any] | None,  # None: an async trainer's data lives in the rollout group
     tracker_run_id: str | None,
     history: list[dict[str, float]],
     **extra: Any,

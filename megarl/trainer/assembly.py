@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from megarl import parallel, platform
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig, rollout_dtype
 from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
+from megarl.data.prompt_dataset import OverlongPolicy
 from megarl.envs.runner import EnvRunner
 from megarl.hybrid_engine.async_links import make_links, weight_plan
 from megarl.hybrid_engine.engine import HybridEngine
@@ -152,7 +153,9 @@ def prompt_dataset(
         seed=cfg.data.seed,
         shuffle=cfg.data.shuffle and not validation,
         drop_last=not validation,
-        overlong_prompts=cfg.data.overlong_prompts,
+        overlong_prompts=cast(
+            OverlongPolicy, cfg.data.overlong_prompts
+        ),  # a str in the schema, checked against CHOICES
         require_ground_truth=rules_need_ground_truth(cfg),
         setting="data.val_files" if validation else "data.train_files",
     )
@@ -271,6 +274,7 @@ def build_env_runner(cfg: RunConfig, startup: Startup) -> EnvRunner:
     from megarl.envs.pool import ToolPool
 
     r = cfg.rollout
+    assert r.env is not None  # built for multi-turn rollouts (rollout.env) only
     # what ends a model turn: the rollout's stop tokens (the model's EOS ids) and the tokenizer's
     stop = set(eos_token_ids(cfg.model.path))
     if startup.tokenizer.eos_token_id is not None:

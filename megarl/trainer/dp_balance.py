@@ -11,6 +11,7 @@ group counts, heaviest rank <= mean + largest group) and keeps its share. Ranks 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,18 @@ from megarl.trainer.batch import Samples
 BEFORE = "perf/dp_token_imbalance_rollout"
 
 
-def _host_rows(samples: Samples, scores: torch.Tensor) -> list[dict[str, object]]:
+class _Row(TypedDict):
+    """One sample as a plain record on the host, for the all-gather."""
+
+    ids: torch.Tensor  # prompt + response tokens, unpadded
+    prompt_len: int
+    mask: list[int]  # the response's loss mask
+    group: Hashable
+    tensors: dict[str, torch.Tensor]  # per-response-token tensors, unpadded
+    score: torch.Tensor
+
+
+def _host_rows(samples: Samples, scores: torch.Tensor) -> list[_Row]:
     """One plain record per sample (host tensors, unpadded), for the all-gather."""
     lens = samples.seq_lens().tolist()
     resp = samples.response_lens.tolist()
@@ -45,7 +57,7 @@ def _host_rows(samples: Samples, scores: torch.Tensor) -> list[dict[str, object]
     ]
 
 
-def _from_rows(rows: list[dict[str, object]], pad_id: int, device: torch.device) -> Samples:
+def _from_rows(rows: list[_Row], pad_id: int, device: torch.device) -> Samples:
     prompts = [r["ids"][: r["prompt_len"]].tolist() for r in rows]
     responses = [r["ids"][r["prompt_len"] :].tolist() for r in rows]
     samples = Samples.from_sequences(
@@ -79,7 +91,7 @@ def balance_over_data_parallel(
     size = dist.get_world_size(group)
     if size == 1:
         return samples, scores, {}
-    gathered: list[list[dict[str, object]] | None] = [None] * size
+    gathered: list[list[_Row] | None] = [None] * size
     dist.all_gather_object(gathered, _host_rows(samples, scores), group=group)
     rows = [row for part in gathered for row in (part or [])]
     rank_tokens = [sum(int(r["ids"].numel()) for r in part or []) for part in gathered]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -325,12 +325,13 @@ def compute_experience(
         extra["values"] = t["values"]
     if "group_ids" in spec.advantage_inputs:
         extra["group_ids"] = samples.group_ids
+    hparams: Mapping[str, Any] = spec.advantage_kwargs  # not group_ids: a float or bool each
     t["advantages"], t["returns"] = compute_advantages(
         spec.adv_estimator,
         token_level_rewards=rewards,
         response_mask=mask,
         **extra,
-        **spec.advantage_kwargs,
+        **hparams,
     )
     if roles.teacher is not None:  # algorithm.distill: teacher logprobs (and per-token advantages)
         metrics.update(distill_experience(cfg, roles.teacher, samples, batching, temperature))

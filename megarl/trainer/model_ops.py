@@ -188,7 +188,7 @@ def ppo_update(
                 scaled,
                 forward_only=False,
             )
-            if kept is not None:
+            if keep and kept is not None:  # (kept exists only for a kept tensor)
                 per_token = [o.pop(keep) for o in outs]
                 if epoch == 0:
                     for (mb_rows, mb), values in zip(mbs, per_token, strict=False):
@@ -221,6 +221,6 @@ def ppo_update(
                     ).sum()
                     step_metrics[key] = float(vals)
             history.append(step_metrics)
-    if kept is not None:
+    if keep and kept is not None:
         samples.tensors[keep] = broadcast_from_last_stage(kept)
     return history

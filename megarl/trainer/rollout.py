@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from megarl.data import PromptItem
-from megarl.hybrid_engine.engine import RolloutBatch, gpu_memory_metrics
+from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch, gpu_memory_metrics
 from megarl.hybrid_engine.vllm_rollout import SamplingConfig
 from megarl.metrics import StepMetrics, declare
 from megarl.run.steps import timed
@@ -57,6 +57,8 @@ def generate(run: PolicyRun, items: list[PromptItem], sampling: SamplingConfig) 
     r = run.rollout
     if r.turns is None:
         return r.engine.generate([it.input_ids for it in items], sampling)
+    # multi-turn rollouts (turns) are built with the colocated engine only (trainer.assembly)
+    assert isinstance(r.engine, HybridEngine)
     return r.engine.generate_trajectories(
         [dataset_row(it) for it in items],
         [it.input_ids for it in items],

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megarl import parallel
 from megarl.trainer.batch import Samples
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def sample_records(samples: Samples, tokenizer: Any) -> list[dict[str, Any]]:
+
+def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
     seq = samples.seq_lens().tolist()
     prompt = samples.prompt_lens.tolist()
     resp = samples.response_lens.tolist()
@@ -43,7 +46,9 @@ def sample_records(samples: Samples, tokenizer: Any) -> list[dict[str, Any]]:
     return out
 
 
-def dump_rollout(output_dir: str, step: int, samples: Samples, tokenizer: Any) -> None:
+def dump_rollout(
+    output_dir: str, step: int, samples: Samples, tokenizer: PreTrainedTokenizerBase
+) -> None:
     """Write this DP rank's samples of ``step`` (1-based); atomically, one rank per DP rank."""
     if parallel.tp_rank() != 0 or parallel.pp_rank() != 0:
         return

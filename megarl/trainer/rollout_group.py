@@ -38,7 +38,12 @@ from megarl.config import validate as validate_config
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.hybrid_engine.async_links import Links, make_links, weight_plan
-from megarl.hybrid_engine.engine import ROLLOUT_DTYPES, check_rollout_model, make_rollout
+from megarl.hybrid_engine.engine import (
+    ROLLOUT_DTYPES,
+    RolloutEngine,
+    check_rollout_model,
+    make_rollout,
+)
 from megarl.hybrid_engine.execute import hf_shapes_of
 from megarl.hybrid_engine.rollout_messages import (
     TRAIN,
@@ -163,7 +168,7 @@ class RolloutGroup:
     cfg: RunConfig
     rank: int  # in the rollout world
     size: int
-    engine: object  # RolloutEngine (vLLM or HF) over this rank's inference-TP group
+    engine: RolloutEngine  # vLLM or HF, over this rank's inference-TP group
     links: Links
     receiver: WeightReceiver
     sampling: SamplingConfig

@@ -3,13 +3,20 @@ reduction over ranks it needs."""
 
 from __future__ import annotations
 
-from megarl.data import PromptDataset
+from typing import Protocol
+
 from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare, maximum, mean, minimum
 from megarl.trainer.batch import Samples, StepBatch
 
 
-def rollout_metrics(batch: StepBatch, dataset: PromptDataset) -> StepMetrics:
+class CountingData(Protocol):
+    """Training data that counts what it filtered (PromptDataset, or an async run's remote one)."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+def rollout_metrics(batch: StepBatch, dataset: CountingData) -> StepMetrics:
     """Rewards and response lengths of this rank's rollout, the reward scorers' and the data's
     counters, and the rollout-vs-trainer logprob mismatch of the scoring pass."""
     samples, scores = batch.samples, batch.scores

@@ -44,12 +44,13 @@ class GymnasiumEnvironment(Environment):
             except gymnasium.error.Error as e:
                 raise ConfigError(f"gymnasium.make({env_id!r}) failed: {e}") from e
         else:
+            assert entry_point is not None  # exactly one of the two, checked above
             cls = load_callable(entry_point, what="gymnasium entry_point", name="Class")
             self.env = cls(**kwargs)
         self.system_prompt = system_prompt
         self.observation_key = observation_key
 
-    def _text(self, observation: Any, where: str) -> str:
+    def _text(self, observation: object, where: str) -> str:
         if isinstance(observation, Mapping) and self.observation_key is not None:
             observation = observation.get(self.observation_key)
         if not isinstance(observation, str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from megarl.errors import UnsupportedModelError
 
@@ -22,20 +22,45 @@ ROLES_ALL = ("actor", "reference", "critic", "reward")
 
 
 class Dims(Protocol):
-    """The model numbers a spec reads (:class:`megarl.models.dims.ModelDims` has them)."""
+    """The model numbers a spec reads (:class:`megarl.models.dims.ModelDims` has them; read-only,
+    so frozen dataclasses match)."""
 
-    family: str
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_layernorm: bool
+    @property
+    def family(self) -> str: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def ffn_hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def qk_layernorm(self) -> bool: ...
     # Mixture of experts (0 experts: a dense model; the rest is then unused).
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def moe_ffn_hidden_size(self) -> int: ...
+    @property
+    def moe_topk(self) -> int: ...
+    @property
+    def moe_norm_topk(self) -> bool: ...
+
+
+class MoeDims(TypedDict, total=False):
+    """The mixture-of-experts numbers of an HF config (none for a dense model)."""
+
     num_experts: int
     moe_ffn_hidden_size: int
     moe_topk: int
@@ -111,7 +136,7 @@ class FamilySpec:
     roles: tuple[str, ...] = ROLES_ALL
     known_models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     description: str = ""
-    moe_dims: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    moe_dims: Callable[[Mapping[str, Any]], MoeDims] | None = None
 
     @property
     def is_moe(self) -> bool:

@@ -9,7 +9,7 @@ from functools import partial
 from typing import Any
 
 from megarl.errors import UnsupportedModelError
-from megarl.models.specs.base import FamilySpec, register_family
+from megarl.models.specs.base import FamilySpec, MoeDims, register_family
 from megarl.models.specs.dense import HF_DEFAULT
 from megarl.models.specs.moe import MoEHFNames, moe_tensor_maps
 
@@ -34,7 +34,7 @@ def _check(cfg: Mapping[str, Any]) -> None:
         )
 
 
-def _moe_dims(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _moe_dims(cfg: Mapping[str, Any]) -> MoeDims:
     return {
         "num_experts": int(cfg["num_local_experts"]),
         "moe_ffn_hidden_size": int(cfg["intermediate_size"]),

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megarl.errors import UnsupportedModelError
-from megarl.models.specs.base import FamilySpec, register_family
+from megarl.models.specs.base import FamilySpec, MoeDims, register_family
 from megarl.models.specs.moe import moe_tensor_maps
 
 
@@ -27,7 +27,7 @@ def _check(cfg: Mapping[str, Any]) -> None:
         )
 
 
-def _moe_dims(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _moe_dims(cfg: Mapping[str, Any]) -> MoeDims:
     # transformers 5 writes ``num_local_experts``; the public config.json files ``num_experts``.
     return {
         "num_experts": int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),

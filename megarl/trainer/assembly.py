@@ -50,6 +50,7 @@ from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, res
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def turn_limits(r: RolloutConfig) -> TurnLimits:
     )
 
 
-def build_env_runner(cfg: RunConfig, tokenizer) -> EnvRunner:
+def build_env_runner(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> EnvRunner:
     """The environments' executor on this rank: rollout.env's class, its kwargs, the template's
     deltas, and the tool pool."""
     from megarl.envs.chat_deltas import ChatDeltas

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,9 @@ from megarl.trainer.assembly import (
     turn_limits,
 )
 from megarl.trainer.rollout import dataset_row
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
@@ -211,7 +215,7 @@ class RolloutGroup:
     prompts: Prompts | None  # the leader's
     turns: TurnLimits | None = None  # rollout.env: multi-turn
     env_runner: EnvRunner | None = None  # the first rank of each engine's
-    engine_group: object = None  # this rank's engine's ranks (multi-turn, infer_tp > 1)
+    engine_group: dist.ProcessGroup | None = None  # its engine's ranks (multi-turn, infer_tp > 1)
     pad_id: int = 0
     staged: StagedWeights = field(default_factory=StagedWeights)
     loaded: int = -1
@@ -592,7 +596,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     return {}
 
 
-def multi_turn(group: RolloutGroup, tokenizer) -> None:
+def multi_turn(group: RolloutGroup, tokenizer: PreTrainedTokenizerBase) -> None:
     """``rollout.env``: the turn limits, an environment runner on each engine's first rank and a
     group over each engine's ranks to share its results (made by every rollout rank)."""
     from megarl.data.chat import pad_token_id

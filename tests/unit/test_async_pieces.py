@@ -14,13 +14,15 @@ import pytest
 from megarl.config import load_config
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.rollout_messages import TRAIN, Generated, Part
+from megarl.hybrid_engine.rollout_messages import TRAIN, Draws, Generated, Part
 from megarl.hybrid_engine.versioned import ROUND_SEED_STRIDE, VersionedOutput, generate_versioned
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import staleness_metrics
 from megarl.trainer.rollout_group import (
+    RolloutGroup,
+    Stopped,
     engine_slice,
     merge_engines,
     split_by_rank,
@@ -247,3 +249,31 @@ def test_trajectories_split_by_trainer_rank_keep_masks_and_round_trip():
     assert again == message and again.key == (TRAIN, 3, 1)
     assert again.parts[1][0].trajectories[0].final_text == ""  # no assistant message recorded
     assert again.parts[0][0].trajectories[1].env_reward == 1.5
+
+
+def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
+    """The rollout group draws again for batch ``s`` while the trainers ask for more, then moves
+    on; a verdict on another draw than the last one sent, or the trainers stopping, ends it."""
+    base = ["model.path=/m", "data.train_files=[a]", "algorithm.filter_groups=true"]
+    sampling = SamplingConfig(n=1, max_new_tokens=4)
+    group = RolloutGroup(
+        load_config(overrides=base), 0, 1, None, None, None, sampling, sampling, None
+    )
+    drawn: list[tuple[int, int]] = []
+    group._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
+    for draw, more in ((0, True), (1, True), (2, False)):
+        group._verdicts.put(Draws(3, draw, more))
+    group.train_batch(3)
+    assert drawn == [(3, 0), (3, 1), (3, 2)]
+    group._verdicts.put(Draws(4, 1, True))
+    with pytest.raises(RuntimeError, match="judged draw 1 of batch 4"):
+        group.train_batch(4)
+    group._verdicts.put(None)  # the trainers stopped
+    with pytest.raises(Stopped):
+        group.extra_draws(5)
+    off = RolloutGroup(
+        load_config(overrides=base[:2]), 0, 1, None, None, None, sampling, sampling, None
+    )
+    off._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
+    off.train_batch(6)  # no dynamic sampling: one draw, no verdict awaited
+    assert drawn[-1] == (6, 0) and off._verdicts.empty()

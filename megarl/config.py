@@ -793,7 +793,7 @@ def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
         )
     if r.env is not None and r.partial:
         raise ConfigError(
-            f"rollout.partial=true continues single-turn responses across weight updates; the "
+            "rollout.partial=true continues single-turn responses across weight updates; the "
             f"multi-turn trajectories of rollout.env={r.env!r} are generated turn by turn with "
             "one version's weights: set rollout.partial=false or unset rollout.env"
         )

@@ -792,17 +792,11 @@ def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
             "set trainer.elastic.max_restarts=0 (resume from the latest checkpoint by hand) or "
             "rollout.mode=colocated"
         )
-    if cfg.algorithm.filter_groups:
+    if r.env is not None and r.partial:
         raise ConfigError(
-            "algorithm.filter_groups (dynamic sampling) draws further batches after scoring "
-            "each one, which the asynchronous rollout group does not do yet: set "
-            "algorithm.filter_groups=false or rollout.mode=colocated"
-        )
-    if r.env is not None:
-        raise ConfigError(
-            f"rollout.env={r.env!r} runs multi-turn environments in the rollout engine's turn "
-            "loop, which the asynchronous rollout group does not run yet: unset rollout.env "
-            "(single-turn) or set rollout.mode=colocated"
+            "rollout.partial=true continues single-turn responses across weight updates; the "
+            f"multi-turn trajectories of rollout.env={r.env!r} are generated turn by turn with "
+            "one version's weights: set rollout.partial=false or unset rollout.env"
         )
     if world_size is None:
         return

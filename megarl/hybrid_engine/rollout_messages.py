@@ -1,7 +1,8 @@
 """What the trainers and the rollout group of asynchronous training tell each other.
 
 Control, trainer rank 0 -> every rollout rank (:class:`Start`, then :class:`Push` before each
-weight broadcast, :class:`Stop` at the end); generations, rollout leader -> every trainer
+weight broadcast, with dynamic sampling a :class:`Draws` verdict after each draw of a step,
+:class:`Stop` at the end); generations, rollout leader -> every trainer
 (:class:`Generated`: a training batch or a validation pass of every data-parallel rank). A
 generation is plain data (:meth:`Generated.to_plain`), so a checkpoint can hold one that was
 generated but not trained yet.
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megarl.data import PromptItem
+from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput
 
 TRAIN, VALIDATION = "train", "val"
@@ -38,6 +40,16 @@ class Push:
 
 
 @dataclass(frozen=True)
+class Draws:
+    """Dynamic sampling's verdict on draw ``draw`` of batch ``step``: whether the trainers want
+    another draw of prompts for the same step (``more``) or the step is full."""
+
+    step: int
+    draw: int
+    more: bool
+
+
+@dataclass(frozen=True)
 class Stop:
     """The trainers are done: no more weights, no more batches wanted."""
 
@@ -50,14 +62,17 @@ class Part:
     items: list[PromptItem]
     output: RolloutOutput
     versions: list[list[int]]
+    trajectories: list[Trajectory] | None = None  # rollout.env: each sample's, as colocated
 
 
 @dataclass
 class Generated:
-    """Batch ``step`` (kind ``train``) or the validation of version ``step`` (kind ``val``):
-    ``parts[d]`` are data-parallel rank d's batches (one for training). ``rollouts``: the rollout
-    count after it; ``data``: the global data position after it (training); ``metrics``: the
-    rollout group's view (generation, waiting, loading seconds), the same for every rank."""
+    """Batch ``step`` (kind ``train``; ``draw``: its dynamic-sampling draw, 0 first) or the
+    validation of version ``step`` (kind ``val``): ``parts[d]`` are data-parallel rank d's
+    batches (one for training). ``rollouts``: the rollout count after it; ``data``: the global
+    data position after it (training); ``metrics``: the rollout group's view (generation,
+    waiting, loading seconds), the same for every rank; ``rollout_metrics``: the multi-turn
+    ``rollout/*`` metrics of the whole batch (as the colocated engine gives them)."""
 
     kind: str
     step: int
@@ -66,6 +81,12 @@ class Generated:
     data: dict[str, Any] | None = None
     data_metrics: list[dict[str, float]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    draw: int = 0
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.kind, self.step, self.draw
 
     def to_plain(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +99,9 @@ class Generated:
                     [PromptItem(**item) for item in p["items"]],
                     RolloutOutput(**p["output"]),
                     [list(v) for v in p["versions"]],
+                    None
+                    if p.get("trajectories") is None
+                    else [Trajectory(**t) for t in p["trajectories"]],
                 )
                 for p in rank
             ]
@@ -86,4 +110,4 @@ class Generated:
         return cls(**{**plain, "parts": parts})
 
 
-__all__ = ["TRAIN", "VALIDATION", "Generated", "Part", "Push", "Start", "Stop"]
+__all__ = ["TRAIN", "VALIDATION", "Draws", "Generated", "Part", "Push", "Start", "Stop"]

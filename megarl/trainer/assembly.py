@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 from megarl import parallel, platform
 from megarl.algos.kl import KLController
-from megarl.config import RunConfig, rollout_dtype
+from megarl.config import RolloutConfig, RunConfig, rollout_dtype
 from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.prompt_dataset import OverlongPolicy
@@ -51,6 +51,7 @@ from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, res
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -247,13 +248,9 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollou
     sampling, val_sampling = sampling_configs(cfg)
     turns, runner = None, None
     if r.env is not None:
-        turns = TurnLimits(
-            max_turns=r.max_turns,
-            max_response_tokens=r.max_response_length,
-            max_turn_tokens=r.max_turn_tokens or r.max_response_length,
-        )
+        turns = turn_limits(r)
         if engine.runs_environments:
-            runner = build_env_runner(cfg, startup)
+            runner = build_env_runner(cfg, startup.tokenizer)
     return Rollout(
         engine,
         sampling,
@@ -266,7 +263,16 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollou
     )
 
 
-def build_env_runner(cfg: RunConfig, startup: Startup) -> EnvRunner:
+def turn_limits(r: RolloutConfig) -> TurnLimits:
+    """rollout.env's limits of a trajectory."""
+    return TurnLimits(
+        max_turns=r.max_turns,
+        max_response_tokens=r.max_response_length,
+        max_turn_tokens=r.max_turn_tokens or r.max_response_length,
+    )
+
+
+def build_env_runner(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> EnvRunner:
     """The environments' executor on this rank: rollout.env's class, its kwargs, the template's
     deltas, and the tool pool."""
     from megarl.envs.chat_deltas import ChatDeltas
@@ -277,12 +283,12 @@ def build_env_runner(cfg: RunConfig, startup: Startup) -> EnvRunner:
     assert r.env is not None  # built for multi-turn rollouts (rollout.env) only
     # what ends a model turn: the rollout's stop tokens (the model's EOS ids) and the tokenizer's
     stop = set(eos_token_ids(cfg.model.path))
-    if startup.tokenizer.eos_token_id is not None:
-        stop.add(int(startup.tokenizer.eos_token_id))
+    if tokenizer.eos_token_id is not None:
+        stop.add(int(tokenizer.eos_token_id))
     return EnvRunner(
         check_environment(r.env, r.env_kwargs),
         r.env_kwargs,
-        ChatDeltas(startup.tokenizer),
+        ChatDeltas(tokenizer),
         ToolPool(r.tool_concurrency, r.tool_timeout_s),
         run_seed=cfg.trainer.seed,
         stop_token_ids=stop,

@@ -12,7 +12,8 @@ entropy terms act; logged as ``dynamic_sampling/unfiltered``). ``dynamic_samplin
 what was drawn, kept and trained (group counts summed over data-parallel ranks); the reward
 metrics are the draws' means. The actor scores only what is kept, after the filter. Every draw
 reshards the (unchanged) weights into the rollout engine again through ``to_rollout``: simple, and
-on CPU cheap; on GPUs it costs one reshard per extra draw.
+on CPU cheap; on GPUs it costs one reshard per extra draw. In asynchronous training the draws come
+from the rollout group, which learns after each one whether another is wanted (``decided``).
 """
 
 from __future__ import annotations
@@ -134,10 +135,12 @@ def filter_groups(
     target_groups: int,
     pad_id: int,
     m: StepMetrics,
+    decided: Callable[[bool], None] | None = None,
 ) -> StepBatch:
     """Draws of ``draw`` (a rollout of the next prompts, rewarded) until every rank holds
     ``target_groups`` prompt groups whose rewards vary, or ``algorithm.filter_groups_max_batches``
-    draws; the kept groups as one batch. The ``dynamic_sampling/*`` counts go into ``m``."""
+    draws; the kept groups as one batch. ``decided(more)`` hears after each draw, on every rank,
+    whether another follows. The ``dynamic_sampling/*`` counts go into ``m``."""
     pool = GroupPool(target_groups=target_groups)
     sums: dict[str, float] = {}  # reward metrics, averaged over the draws
     while True:
@@ -146,7 +149,10 @@ def filter_groups(
         for k, v in batch.reward_metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         have = _world_min(pool.groups_kept)
-        if have >= pool.target_groups or pool.draws >= algorithm.filter_groups_max_batches:
+        full = have >= pool.target_groups or pool.draws >= algorithm.filter_groups_max_batches
+        if decided is not None:
+            decided(not full)
+        if full:
             break
     groups = min(have, pool.target_groups)
     stats = pool.metrics(groups)

@@ -121,7 +121,9 @@ def step_batch(run: PolicyRun, m: StepMetrics) -> StepBatch:
     a = run.cfg.algorithm
     if a.filter_groups:
         target = run.cfg.data.train_batch_size // run.startup.layout.dp
-        batch = filter_groups(lambda: draw(run, m), a, target, run.startup.pad_id, m)
+        remote = run.rollout.remote  # async: the rollout group draws again when told to
+        decided = remote.draws_decided if remote is not None else None
+        batch = filter_groups(lambda: draw(run, m), a, target, run.startup.pad_id, m, decided)
     else:
         batch = draw(run, m)
     score(run, batch, m)

@@ -12,10 +12,15 @@ FOLLOW_UP = "Say more, turn {k}."
 
 class Relay(Environment):
     """Two model turns: the first answered with a follow-up question; each turn rewarded by its
-    share of vowels (learnable by a tiny model in a few steps)."""
+    share of vowels (learnable by a tiny model in a few steps); with ``pass_share`` only the last
+    turn, pass/fail (1.0 from that share of vowels up), so that whole groups often score alike
+    (what dynamic sampling filters)."""
 
-    def __init__(self, turns: int = 2, log_file: str | None = None):
+    def __init__(
+        self, turns: int = 2, log_file: str | None = None, pass_share: float | None = None
+    ):
         self.turns, self.seen, self.log_file = turns, 0, log_file
+        self.pass_share = pass_share
 
     def reset(self, row):
         if self.log_file:  # a side effect: one line per reset, wherever it runs
@@ -30,6 +35,9 @@ class Relay(Environment):
         text = messages[-1]["content"]
         reward = sum(c in VOWELS for c in text) / max(len(text), 1)
         if self.seen >= self.turns:
+            if self.pass_share is not None:
+                reward = float(reward >= self.pass_share)
             return Step(reward=reward, done=True)
         follow = {"role": "user", "content": FOLLOW_UP.format(k=self.seen)}
+        reward = None if self.pass_share is not None else reward
         return Step(messages=[follow], reward=reward, metrics={"follow_ups": 1})

@@ -13,16 +13,20 @@ import pytest
 
 from megarl.config import load_config
 from megarl.data import PromptItem
-from megarl.hybrid_engine.rollout_messages import TRAIN, Generated, Part
+from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.rollout_messages import TRAIN, Draws, Generated, Part
 from megarl.hybrid_engine.versioned import ROUND_SEED_STRIDE, VersionedOutput, generate_versioned
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import staleness_metrics
 from megarl.trainer.rollout_group import (
+    RolloutGroup,
+    Stopped,
     engine_slice,
     merge_engines,
     split_by_rank,
+    split_trajectories,
     validation_due,
 )
 from megarl.world_split import ROLLOUT, TRAINER, WorldSplit
@@ -203,3 +207,73 @@ def test_a_generated_batch_round_trips_as_plain_data():
     again = Generated.from_plain(plain)
     assert again == message
     assert replace(again, step=8) != message
+    assert again.key == (TRAIN, 7, 0)
+
+
+def _trajectory(sample: int, model: list[int], env: list[int]) -> Trajectory:
+    t = Trajectory(sample=sample, prompt_ids=[1, sample])
+    t.messages = [{"role": "user", "content": f"q{sample}"}]
+    t.add_model_turn(model, [-0.5] * len(model))
+    t.add_env_tokens(env)
+    t.add_model_turn([9], [-0.25])
+    t.turn_rewards += [0.5, 1.0]
+    t.end("stop")
+    return t
+
+
+def test_trajectories_split_by_trainer_rank_keep_masks_and_round_trip():
+    """A multi-turn batch of 3 prompts x n=2 over 2 trainer ranks (2 prompts, 1 prompt): each
+    rank gets its samples' trajectories, indices local, masks 0 at the environment's tokens, every
+    token of the loaded version; the message round-trips through a checkpoint's plain data."""
+    n = 2
+    step = [_trajectory(s, [3] * (s + 1), [7, 7]) for s in range(3 * n)]
+    items = [[_item(0), _item(1)], [_item(2)]]
+    parts = split_trajectories(step, items, n, version=4)
+    assert [p.output.prompt_index for p in parts] == [[0, 0, 1, 1], [0, 0]]
+    assert [[t.sample for t in p.trajectories or []] for p in parts] == [[0, 1, 2, 3], [4, 5]]
+    for part in parts:
+        for t, ids, mask, v in zip(
+            part.trajectories or [],
+            part.output.token_ids,
+            part.output.response_masks or [],
+            part.versions,
+            strict=True,
+        ):
+            assert ids == t.response_ids and mask == t.mask
+            assert [i for i, m in zip(ids, mask, strict=True) if m == 0] == [7, 7]
+            assert v == [4] * len(ids)
+    message = Generated(TRAIN, 3, [[p] for p in parts], rollouts=2, draw=1)
+    plain = message.to_plain()
+    check_plain(plain)
+    again = Generated.from_plain(plain)
+    assert again == message and again.key == (TRAIN, 3, 1)
+    assert again.parts[1][0].trajectories[0].final_text == ""  # no assistant message recorded
+    assert again.parts[0][0].trajectories[1].env_reward == 1.5
+
+
+def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
+    """The rollout group draws again for batch ``s`` while the trainers ask for more, then moves
+    on; a verdict on another draw than the last one sent, or the trainers stopping, ends it."""
+    base = ["model.path=/m", "data.train_files=[a]", "algorithm.filter_groups=true"]
+    sampling = SamplingConfig(n=1, max_new_tokens=4)
+    group = RolloutGroup(
+        load_config(overrides=base), 0, 1, None, None, None, sampling, sampling, None
+    )
+    drawn: list[tuple[int, int]] = []
+    group._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
+    for draw, more in ((0, True), (1, True), (2, False)):
+        group._verdicts.put(Draws(3, draw, more))
+    group.train_batch(3)
+    assert drawn == [(3, 0), (3, 1), (3, 2)]
+    group._verdicts.put(Draws(4, 1, True))
+    with pytest.raises(RuntimeError, match="judged draw 1 of batch 4"):
+        group.train_batch(4)
+    group._verdicts.put(None)  # the trainers stopped
+    with pytest.raises(Stopped):
+        group.extra_draws(5)
+    off = RolloutGroup(
+        load_config(overrides=base[:2]), 0, 1, None, None, None, sampling, sampling, None
+    )
+    off._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
+    off.train_batch(6)  # no dynamic sampling: one draw, no verdict awaited
+    assert drawn[-1] == (6, 0) and off._verdicts.empty()

@@ -95,7 +95,6 @@ def test_async_settings_refused_before_launch():
         ([*ASYNC, "rollout.max_staleness=-1"], "rollout.max_staleness=-1 must be >= 0"),
         ([*ASYNC, "rollout.partial_chunk_tokens=0"], "partial_chunk_tokens=0 must be >= 1"),
         ([*ASYNC, "actor.param_offload=true"], "trainer ranks hold no rollout engine"),
-        ([*ASYNC, "algorithm.filter_groups=true"], "does not do yet"),
         ([*ASYNC, "trainer.elastic.max_restarts=2"], "does not yet account for the rollout"),
         ([*BASE, "rollout.mode=later"], "rollout.mode='later' is not one of"),
     ]
@@ -110,16 +109,19 @@ def test_async_settings_refused_before_launch():
         validate(load_config(overrides=[*ASYNC, "parallel.tp=2"]), world_size=3)
 
 
-def test_multi_turn_environments_refused_in_async_mode_naming_both_fixes():
-    """rollout.env runs in the colocated engine's turn loop; the rollout group has none yet, so
-    async with an environment stops at load, before any process starts."""
+def test_async_mode_runs_environments_and_dynamic_sampling_but_not_partial_trajectories():
+    """The rollout group runs multi-turn environments and dynamic sampling's draws; partial
+    rollouts (single-turn responses continued across weight updates) with an environment stop
+    at load, naming both fixes."""
     env = "rollout.env=megarl.envs.examples:CountdownEnv"
+    cfg = load_config(overrides=[*ASYNC, env, "algorithm.filter_groups=true"])
+    validate(cfg, world_size=4)
+    assert cfg.rollout.env.endswith(":CountdownEnv") and cfg.algorithm.filter_groups
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=[*ASYNC, env])
+        load_config(overrides=[*ASYNC, env, "rollout.partial=true"])
     message = str(err.value)
-    assert "asynchronous rollout group does not run yet" in message
-    assert "unset rollout.env" in message and "rollout.mode=colocated" in message
-    assert load_config(overrides=[*BASE, env]).rollout.env.endswith(":CountdownEnv")
+    assert "turn by turn" in message
+    assert "rollout.partial=false" in message and "unset rollout.env" in message
 
 
 def test_rollout_corrections_by_name_and_the_old_tis_key():

@@ -17,7 +17,9 @@ and which version each batch is generated with (the predicted ``rollout/stalenes
 How a phase's time changes with its devices is a :class:`Scaling`: :class:`MeasuredScaling`
 scales times measured on one run by ``(devices_measured / devices) ** exponent`` (1: the work is
 split evenly, as data parallelism does; below 1 when fewer devices work more efficiently, e.g.
-decoding more sequences per engine reads each weight once for more tokens).
+decoding more sequences per engine reads each weight once for more tokens, or when fixed
+per-step costs dominate); :meth:`MeasuredScaling.fitted` takes the exponents from two colocated
+runs on different device counts.
 """
 
 from __future__ import annotations
@@ -102,6 +104,31 @@ class MeasuredScaling:
     measured: PhaseTimes
     rollout_exponent: float = 1.0
     train_exponent: float = 1.0
+
+    @classmethod
+    def fitted(cls, wide: PhaseTimes, narrow: PhaseTimes) -> MeasuredScaling:
+        """The exponents that two colocated runs of the same task on different device counts
+        measured: ``log(t_narrow / t_wide) / log(d_wide / d_narrow)`` per phase, clamped to
+        [0, 2]. Where a step's fixed costs (launch overheads, collectives, a small model's
+        per-step work) dominate, doubling the devices does not halve a phase and the fitted
+        exponent is well below 1; scaling the work evenly (exponent 1) would overestimate what
+        fewer devices need."""
+        if wide.devices == narrow.devices:
+            raise ValueError("the two runs need different device counts to fit an exponent")
+        if wide.devices < narrow.devices:
+            wide, narrow = narrow, wide
+        spread = math.log(wide.devices / narrow.devices)
+
+        def exponent(t_wide: float, t_narrow: float) -> float:
+            if t_wide <= 0 or t_narrow <= 0:
+                return 1.0  # nothing measured: the even split
+            return min(2.0, max(0.0, math.log(t_narrow / t_wide) / spread))
+
+        return cls(
+            wide,
+            rollout_exponent=exponent(wide.generate_s, narrow.generate_s),
+            train_exponent=exponent(wide.train_s, narrow.train_s),
+        )
 
     def generate_s(self, devices: int) -> float:
         return self.measured.generate_s * (self.measured.devices / devices) ** self.rollout_exponent

@@ -106,3 +106,22 @@ def test_phase_times_from_a_runs_metrics():
         PhaseTimes.from_metrics(records[:1], devices=2)
     with pytest.raises(ValueError, match="max_staleness"):
         simulate_async(1.0, 1.0, 0.0, 0.0, -1)
+
+
+def test_two_runs_fit_the_exponents_that_reproduce_both():
+    wide = PhaseTimes(devices=4, generate_s=2.0, train_s=3.0, switch_s=0.1)
+    # generation halves with twice the devices (exponent 1); training only gains 2**0.25
+    narrow = PhaseTimes(devices=2, generate_s=4.0, train_s=3.0 * 2**0.25, switch_s=0.1)
+    fit = MeasuredScaling.fitted(narrow, wide)  # either order
+    assert fit.measured is wide
+    assert fit.rollout_exponent == pytest.approx(1.0)
+    assert fit.train_exponent == pytest.approx(0.25)
+    assert fit.generate_s(2) == pytest.approx(4.0) and fit.train_s(2) == pytest.approx(
+        narrow.train_s
+    )
+    assert fit.train_s(1) == pytest.approx(3.0 * 4**0.25)
+    # a phase that got slower with more devices is clamped to "no gain", not a negative law
+    slower = PhaseTimes(devices=2, generate_s=1.0, train_s=3.0, switch_s=0.1)
+    assert MeasuredScaling.fitted(wide, slower).rollout_exponent == 0.0
+    with pytest.raises(ValueError, match="different device counts"):
+        MeasuredScaling.fitted(wide, wide)

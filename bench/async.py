@@ -15,9 +15,10 @@ run as `megarl train` with the same total processes each way, one thread per pro
 
 From the colocated run the bench takes its phase times (megarl.plan.pipeline.PhaseTimes: the
 medians of its steps after the first) and predicts each async run's step time and staleness with
-the pipeline model (megarl.plan.pipeline.predict_async; the work of a phase split evenly over its
-devices, the weight broadcast costing what the colocated reshard did), then prints measured and
-predicted side by side, with the ratio of each run's throughput to the colocated run's. Step
+the pipeline model (megarl.plan.pipeline.predict_async; the weight broadcast costing what the
+colocated reshard did) twice: with the work of a phase split evenly over its devices ("pred"),
+and with each phase's scaling fitted from a second colocated run on half the processes ("fit",
+MeasuredScaling.fitted), then prints measured and predicted side by side, with the ratio of each run's throughput to the colocated run's. Step
 times are the medians after the first --warmup steps (start-up and the first weight transfer
 excluded). Writes bench/results/async.json. Nothing is asserted.
 
@@ -143,6 +144,12 @@ def main() -> None:
     colocated = run(cfg, work / "colocated", args.procs)
     phases = PhaseTimes.from_metrics(colocated, devices=args.procs, skip=args.warmup)
     scaling = MeasuredScaling(phases)
+    half = args.procs // 2
+    # The same task colocated on half the processes (the size of each async group): how each
+    # phase really scales with its devices, fitted into the model's exponents.
+    narrow_records = run(cfg, work / "colocated_narrow", half)
+    narrow = PhaseTimes.from_metrics(narrow_records, devices=half, skip=args.warmup)
+    fitted = MeasuredScaling.fitted(phases, narrow)
     co_step = steady(colocated, "timing/step_s", args.warmup)
     co_tps = steady(colocated, "perf/tokens_per_s", args.warmup)
     rows = [
@@ -158,9 +165,9 @@ def main() -> None:
             / (phases.generate_s + phases.switch_s + phases.train_s),
             "staleness_mean": 0.0,
             "predicted_staleness_mean": 0.0,
+            "predicted_step_s_fitted": phases.generate_s + phases.switch_s + phases.train_s,
         }
     ]
-    half = args.procs // 2
     for k in [int(x) for x in args.staleness.split(",")]:
         records = run(
             cfg,
@@ -171,6 +178,7 @@ def main() -> None:
             f"rollout.max_staleness={k}",
         )
         pred = predict_async(scaling, half, args.procs - half, k, sync_s=phases.switch_s)
+        pred_fit = predict_async(fitted, half, args.procs - half, k, sync_s=phases.switch_s)
         rows.append(
             {
                 "mode": "async",
@@ -183,6 +191,7 @@ def main() -> None:
                 "predicted_tokens_per_s": pred.tokens_per_s(phases.tokens),
                 "staleness_mean": steady(records, "rollout/staleness_mean", args.warmup),
                 "predicted_staleness_mean": pred.staleness_mean,
+                "predicted_step_s_fitted": pred_fit.step_s,
                 "sync_s": steady(records, "sync/seconds", args.warmup),
                 "rollout_generate_s": steady(records, "rollout_group/generate_s", args.warmup),
                 "rollout_wait_s": steady(records, "rollout_group/wait_s", args.warmup),
@@ -191,13 +200,19 @@ def main() -> None:
     for r in rows:
         r["speed_vs_colocated"] = co_step / r["step_s"]
         r["predicted_speed_vs_colocated"] = rows[0]["predicted_step_s"] / r["predicted_step_s"]
+        r["predicted_speed_vs_colocated_fitted"] = (
+            rows[0]["predicted_step_s_fitted"] / r["predicted_step_s_fitted"]
+        )
     print(
         f"\ncolocated phases ({args.procs} processes, medians): generate {phases.generate_s:.3f} s,"
-        f" switch {phases.switch_s:.3f} s, train {phases.train_s:.3f} s"
+        f" switch {phases.switch_s:.3f} s, train {phases.train_s:.3f} s; on {half}: generate "
+        f"{narrow.generate_s:.3f} s, train {narrow.train_s:.3f} s (fitted exponents: generate "
+        f"{fitted.rollout_exponent:.2f}, train {fitted.train_exponent:.2f}; 1 = the even split)"
     )
+    print("pred: the even split of each phase's work; fit: the fitted exponents")
     header = (
-        f"{'run':<22}{'step s':>9}{'pred':>8}{'tok/s':>9}{'pred':>8}"
-        f"{'x colo':>8}{'pred':>7}{'stale':>7}{'pred':>6}"
+        f"{'run':<22}{'step s':>9}{'pred':>8}{'fit':>8}{'tok/s':>9}{'pred':>8}"
+        f"{'x colo':>8}{'pred':>7}{'fit':>7}{'stale':>7}{'pred':>6}"
     )
     print(header)
     for r in rows:
@@ -207,9 +222,11 @@ def main() -> None:
             else (f"async {r['rollout_ranks']}+{r['trainers']} k={r['max_staleness']}")
         )
         print(
-            f"{name:<22}{r['step_s']:>9.3f}{r['predicted_step_s']:>8.3f}{r['tokens_per_s']:>9.0f}"
+            f"{name:<22}{r['step_s']:>9.3f}{r['predicted_step_s']:>8.3f}"
+            f"{r['predicted_step_s_fitted']:>8.3f}{r['tokens_per_s']:>9.0f}"
             f"{r['predicted_tokens_per_s']:>8.0f}{r['speed_vs_colocated']:>8.2f}"
-            f"{r['predicted_speed_vs_colocated']:>7.2f}{r['staleness_mean']:>7.2f}"
+            f"{r['predicted_speed_vs_colocated']:>7.2f}"
+            f"{r['predicted_speed_vs_colocated_fitted']:>7.2f}{r['staleness_mean']:>7.2f}"
             f"{r['predicted_staleness_mean']:>6.2f}"
         )
     write_results(
@@ -223,6 +240,11 @@ def main() -> None:
                 "switch_s": phases.switch_s,
                 "train_s": phases.train_s,
                 "tokens": phases.tokens,
+            },
+            "phases_on_half": {"generate_s": narrow.generate_s, "train_s": narrow.train_s},
+            "fitted_exponents": {
+                "generate": fitted.rollout_exponent,
+                "train": fitted.train_exponent,
             },
             "runs": rows,
         },

@@ -50,7 +50,7 @@ CONFIG = ROOT / "configs" / "quickstart_cpu.yaml"
 
 def prepare(work: Path) -> tuple[Path, Path]:
     """The quickstart's model and data (offline, cached under ``work``)."""
-    from megarl.testing.assets import tiny_char_llama_dir
+    from megarl.tools.testing.assets import tiny_char_llama_dir
 
     data = work / "data"
     if not (data / "train.parquet").is_file():

@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--examples", default="0,1,2")
-    ap.add_argument("--task", default="add3", help="a kind of megarl.data_prep.arithmetic")
+    ap.add_argument("--task", default="add3", help="a kind of megarl.tools.data_prep.arithmetic")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 problems; CI")
     args = ap.parse_args()
@@ -107,9 +107,9 @@ def main() -> None:
     from results_io import write_results
     from transformers import AutoTokenizer
 
-    from megarl.data_prep.arithmetic import problems
     from megarl.hybrid_engine.vllm_rollout import EngineConfig, VLLMRollout
-    from megarl.testing.assets import smollm2_dir, tiny_chat_llama_dir
+    from megarl.tools.data_prep.arithmetic import problems
+    from megarl.tools.testing.assets import smollm2_dir, tiny_chat_llama_dir
 
     if args.smoke:
         args.problems, args.samples, args.examples = 2, 2, "1"

@@ -93,7 +93,7 @@ def main() -> int:
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.run import checkpointing
     from megarl.run.trainable import build_trainable
-    from megarl.testing.assets import smollm2_dir, tiny_llama_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_llama_dir
 
     adapt_megatron_for_cpu()
     model_dir = tiny_llama_dir() if args.smoke else smollm2_dir()

@@ -83,7 +83,7 @@ def main() -> int:
     if args.smoke:
         args.model, args.tp, args.pp = "tiny-qwen2", 1, 2
 
-    from megarl.demo import resolve_model
+    from megarl.tools.demo import resolve_model
 
     hf_dir = resolve_model(args.model)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="megarl-bench-convert-"))

@@ -8,7 +8,7 @@ Two models, each loaded by every side from the same HF folder, fp32 (megarl's si
 and roll out in bf16: --dtype, --rollout-dtype):
 - ``tiny``: a random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
   Qwen2.5 vocabulary (151,936 rows) and tokenizer: the vocabulary dominates its cost;
-- ``smollm2``: the real SmolLM2-135M-Instruct (weights and tokenizer, megarl.testing.assets).
+- ``smollm2``: the real SmolLM2-135M-Instruct (weights and tokenizer, megarl.tools.testing.assets).
 The same GSM-Symbolic prompts in the same order (each model's chat template), 4 prompts x 4
 samples x up to 32 new tokens per step, temperature 1; the same reward (megarl.rewards.toy:
 vowel_rate, loaded from its file by the TRL side); GRPO without a KL term; AdamW with the same lr,
@@ -98,7 +98,7 @@ def build_model(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.testing.assets import (
+    from megarl.tools.testing.assets import (
         QWEN25_VOCAB_SIZE,
         qwen25_tokenizer_dir,
         randomize_,
@@ -533,7 +533,7 @@ def print_trl_update(name: str, run: dict, timed: list[dict], megarl: dict | Non
 def model_folder(name: str, work: Path) -> Path:
     if name == "tiny":
         return build_model(work / "model")
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     return smollm2_dir()
 

@@ -5,7 +5,7 @@ over training time.
     .venv/bin/python bench/learn_gsm.py --minutes 5 --sides megarl --layout sequential
     .venv/bin/python bench/learn_gsm.py --smoke                    # seconds: megarl, 1 step
 
-Both sides start from SmolLM2-135M-Instruct (real weights and tokenizer, megarl.testing.assets)
+Both sides start from SmolLM2-135M-Instruct (real weights and tokenizer, megarl.tools.testing.assets)
 in fp32 and train every weight with GRPO on the same GSM-Symbolic training problems in the same
 order (scripts/prepare_gsm8k.py --source gsm-symbolic, rows permuted by the seed), with the same
 reward (megarl.rewards.gsm8k:score_with_format_credit: 1 for a correct "#### <answer>", 0.1 for a
@@ -439,7 +439,7 @@ def main() -> None:
         ap.error(f"--test-size must be at most {TEST_ROWS}")
     seeds = [int(s) for s in args.seeds.split(",")]
 
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     args.model = smollm2_dir()
     root = Path(args.workdir).expanduser()

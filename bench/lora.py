@@ -71,7 +71,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
     from megarl.models.lora import LoraSettings, add_lora_for_layout
     from megarl.parallel import ParallelLayout, initialize_model_parallel, tp_group
     from megarl.platform import adapt_megatron_for_cpu, device
-    from megarl.testing.assets import smollm2_dir, tiny_qwen2_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_qwen2_dir
 
     adapt_megatron_for_cpu()
     model_dir = tiny_qwen2_dir() if args.smoke else smollm2_dir()

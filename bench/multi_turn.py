@@ -262,7 +262,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from results_io import write_results
 
-    from megarl.testing.assets import smollm2_dir, tiny_chat_llama_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_chat_llama_dir
 
     if args.smoke:
         args.prompts, args.n, args.turns, args.turn_tokens, args.repeats = 2, 2, 2, 4, 1

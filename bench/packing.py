@@ -66,7 +66,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.run.trainable import Trainable
-    from megarl.testing.assets import smollm2_dir, tiny_qwen2_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_qwen2_dir
     from megarl.trainer.batch import Samples
     from megarl.trainer.losses import make_actor_loss
     from megarl.trainer.model_ops import MicroBatching, ppo_update

@@ -269,7 +269,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the gloo spawn helper in tests/
     from results_io import write_results
 
-    from megarl.testing.assets import smollm2_dir, tiny_qwen2_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_qwen2_dir
     from tests.mp import run_gloo
 
     ap = argparse.ArgumentParser()

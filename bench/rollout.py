@@ -67,7 +67,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, VLLMRollout
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     model_dir = str(smollm2_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -118,7 +118,7 @@ def main() -> None:
     from megarl.models.rotary import megatron_rotary
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     adapt_megatron_for_cpu()
     dtype = getattr(torch, args.dtype)

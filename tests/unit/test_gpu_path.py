@@ -242,7 +242,7 @@ def test_hf_rollout_seeds_and_stop_tokens(hf_rollout):
 
 def test_hf_rollout_follows_a_weight_update(hf_rollout, tmp_path):
     from megarl.hybrid_engine.vllm_rollout import SamplingConfig
-    from megarl.testing.assets import randomize_
+    from megarl.tools.testing.assets import randomize_
 
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=6, stop_token_ids=())
     other = _reference(tiny_qwen2_dir())

@@ -1,8 +1,8 @@
 """GRPO step throughput: megarl (1 process, vLLM rollouts + megatron update) vs TRL's GRPOTrainer.
 
-    .venv/bin/python bench/grpo_step.py                 # both models, all sides, 2 + 5 steps
-    .venv/bin/python bench/grpo_step.py --models smollm2 --sides megarl,trl-vllm --steps 3
-    .venv/bin/python bench/grpo_step.py --smoke         # seconds: megarl, tiny model, 1 step
+    .venv/bin/python -m bench.grpo_step                 # both models, all sides, 2 + 5 steps
+    .venv/bin/python -m bench.grpo_step --models smollm2 --sides megarl,trl-vllm --steps 3
+    .venv/bin/python -m bench.grpo_step --smoke         # seconds: megarl, tiny model, 1 step
 
 Two models, each loaded by every side from the same HF folder, fp32 (megarl's side may train
 and roll out in bf16: --dtype, --rollout-dtype):
@@ -54,10 +54,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.precision_args import add_precision_args, results_suffix
+from bench.results_io import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from precision_args import add_precision_args, results_suffix  # noqa: E402
-from results_io import write_results  # noqa: E402
 
 WORKER = ROOT / "bench" / "_trl_grpo_worker.py"
 REWARD_FILE = ROOT / "megarl" / "rewards" / "toy.py"

@@ -38,7 +38,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	$(PY) bench/train_step.py
+	$(PY) -m bench.train_step
 
 quickstart: $(STAMP)
 	$(PY) -m megarl.quickstart --out outputs/quickstart

@@ -1,9 +1,9 @@
 """Colocated vs asynchronous training on this CPU, with the pipeline model's prediction beside
 each measured figure.
 
-    .venv/bin/python bench/async.py                   # 2 processes, 12 steps per run
-    .venv/bin/python bench/async.py --procs 4 --steps 16 --staleness 0,1,2
-    .venv/bin/python bench/async.py --smoke           # seconds: 2 steps per run
+    .venv/bin/python -m bench.async                   # 2 processes, 12 steps per run
+    .venv/bin/python -m bench.async --procs 4 --steps 16 --staleness 0,1,2
+    .venv/bin/python -m bench.async --smoke           # seconds: 2 steps per run
 
 The task is the quickstart's (configs/quickstart_cpu.yaml: a tiny random character-level Llama
 learning the vowel reward on GSM-Symbolic prompts; 8 prompts x 4 samples x 32 tokens per step),
@@ -39,19 +39,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-from results_io import matmul_peaks, write_results  # noqa: E402
+from bench.results_io import matmul_peaks, write_results
+from megarl.plan.pipeline import MeasuredScaling, PhaseTimes, predict_async
 
-from megarl.plan.pipeline import MeasuredScaling, PhaseTimes, predict_async  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = ROOT / "configs" / "quickstart_cpu.yaml"
 
 
 def prepare(work: Path) -> tuple[Path, Path]:
     """The quickstart's model and data (offline, cached under ``work``)."""
-    from megarl.testing.assets import tiny_char_llama_dir
+    from megarl.tools.testing.assets import tiny_char_llama_dir
 
     data = work / "data"
     if not (data / "train.parquet").is_file():

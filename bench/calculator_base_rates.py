@@ -1,8 +1,8 @@
 """Does SmolLM2-135M-Instruct use a calculator before any training? Base rates of the calculator
 recipe (configs/smollm2_calculator_cpu.yaml), measured through megarl's own turn loop.
 
-    .venv/bin/python bench/calculator_base_rates.py            # 32 problems, 8 samples, 0-2 examples
-    .venv/bin/python bench/calculator_base_rates.py --smoke    # seconds: tiny model, 2 problems
+    .venv/bin/python -m bench.calculator_base_rates            # 32 problems, 8 samples, 0-2 examples
+    .venv/bin/python -m bench.calculator_base_rates --smoke    # seconds: tiny model, 2 problems
 
 For each number of worked examples in the prompt (0, 1, 2: a question, the calculator call, its
 result, the answer) the recipe's ToolEnvironment (its system prompt, the calculator tool, the Hermes
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -97,19 +96,18 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--examples", default="0,1,2")
-    ap.add_argument("--task", default="add3", help="a kind of megarl.data_prep.arithmetic")
+    ap.add_argument("--task", default="add3", help="a kind of megarl.tools.data_prep.arithmetic")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 problems; CI")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    sys.path.insert(0, str(ROOT / "bench"))
     import torch
-    from results_io import write_results
     from transformers import AutoTokenizer
 
-    from megarl.data_prep.arithmetic import problems
+    from bench.results_io import write_results
     from megarl.hybrid_engine.vllm_rollout import EngineConfig, VLLMRollout
-    from megarl.testing.assets import smollm2_dir, tiny_chat_llama_dir
+    from megarl.tools.data_prep.arithmetic import problems
+    from megarl.tools.testing.assets import smollm2_dir, tiny_chat_llama_dir
 
     if args.smoke:
         args.problems, args.samples, args.examples = 2, 2, "1"

@@ -1,7 +1,7 @@
 """What checksumming costs a training checkpoint save of SmolLM2-135M (printed, not asserted).
 
-    .venv/bin/python bench/checkpoint_save.py [--repeats 5] [--dir /tmp/x]
-    .venv/bin/python bench/checkpoint_save.py --smoke     # a tiny model, seconds; nothing stored
+    .venv/bin/python -m bench.checkpoint_save [--repeats 5] [--dir /tmp/x]
+    .venv/bin/python -m bench.checkpoint_save --smoke     # a tiny model, seconds; nothing stored
 
 One process (gloo world of 1) builds SmolLM2-135M as megarl trains it (megatron DDP + the
 distributed optimizer, Adam's states filled), then saves full training checkpoints
@@ -21,18 +21,15 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import write_results
+from bench.results_io import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 LIMIT = 0.05  # the manifests may add at most 5% to a save
 
@@ -93,7 +90,7 @@ def main() -> int:
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.run import checkpointing
     from megarl.run.trainable import build_trainable
-    from megarl.testing.assets import smollm2_dir, tiny_llama_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_llama_dir
 
     adapt_megatron_for_cpu()
     model_dir = tiny_llama_dir() if args.smoke else smollm2_dir()

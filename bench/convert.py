@@ -1,6 +1,6 @@
 """Seconds and peak memory of exporting a megatron checkpoint to Hugging Face (printed, not asserted).
 
-    .venv/bin/python bench/convert.py [--model smollm2] [--tp 1 --pp 2] [--dtype float32]
+    .venv/bin/python -m bench.convert [--model smollm2] [--tp 1 --pp 2] [--dtype float32]
 
 Converts the model to a megarl checkpoint at the given layout (SmolLM2-135M has 9 heads: TP2 is
 impossible, so the default is the nearest layout that fits, TP3xPP2 = 6 processes), then exports it
@@ -21,11 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import write_results
+from bench.results_io import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CHILD = r"""
 import json, sys, time
@@ -83,7 +81,7 @@ def main() -> int:
     if args.smoke:
         args.model, args.tp, args.pp = "tiny-qwen2", 1, 2
 
-    from megarl.demo import resolve_model
+    from megarl.tools.demo import resolve_model
 
     hf_dir = resolve_model(args.model)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="megarl-bench-convert-"))

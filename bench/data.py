@@ -10,7 +10,7 @@ Each path runs in its own subprocess, so its peak RSS is its own; the fastest of
 counts (the machine may be shared). Prints, asserts nothing.
 Targets: >= 3x rows/s, and peak RSS below half of the pandas path's.
 
-    python bench/data.py [--rows 1000000 --files 8 --dp 4 --rank 1 --dir /tmp/megarl-bench-data]
+    python -m bench.data [--rows 1000000 --files 8 --dp 4 --rank 1 --dir /tmp/megarl-bench-data]
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import write_results
+from bench.results_io import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -111,7 +110,6 @@ def cpu_seconds() -> float:
 
 
 def run_megarl(paths: list[str], dp: int, rank: int, batch: int) -> dict[str, float]:
-    sys.path.insert(0, str(REPO))
     from megarl.data.parquet_source import inspect_files, resolve_files
     from megarl.data.shard_reader import ShardReader
 
@@ -187,9 +185,10 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {"megarl": [], "pandas": []}
     for _ in range(args.repeat):  # alternate the paths, so a noisy neighbour hits both
         for worker in runs:
-            cmd = [sys.executable, __file__, "--worker", worker, "--dp", str(args.dp)]
+            cmd = [sys.executable, "-m", "bench.data", "--worker", worker, "--dp", str(args.dp)]
             cmd += ["--rank", str(args.rank), "--batch", str(args.batch), "--paths", *paths]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             runs[worker].append(json.loads(out.stdout.strip().splitlines()[-1]))
     best = {w: min(rs, key=lambda r: r["seconds"]) for w, rs in runs.items()}

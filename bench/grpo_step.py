@@ -1,14 +1,14 @@
 """GRPO step throughput: megarl (1 process, vLLM rollouts + megatron update) vs TRL's GRPOTrainer.
 
-    .venv/bin/python bench/grpo_step.py                 # both models, all sides, 2 + 5 steps
-    .venv/bin/python bench/grpo_step.py --models smollm2 --sides megarl,trl-vllm --steps 3
-    .venv/bin/python bench/grpo_step.py --smoke         # seconds: megarl, tiny model, 1 step
+    .venv/bin/python -m bench.grpo_step                 # both models, all sides, 2 + 5 steps
+    .venv/bin/python -m bench.grpo_step --models smollm2 --sides megarl,trl-vllm --steps 3
+    .venv/bin/python -m bench.grpo_step --smoke         # seconds: megarl, tiny model, 1 step
 
 Two models, each loaded by every side from the same HF folder, fp32 (megarl's side may train
 and roll out in bf16: --dtype, --rollout-dtype):
 - ``tiny``: a random Qwen2 (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32) with the real
   Qwen2.5 vocabulary (151,936 rows) and tokenizer: the vocabulary dominates its cost;
-- ``smollm2``: the real SmolLM2-135M-Instruct (weights and tokenizer, megarl.testing.assets).
+- ``smollm2``: the real SmolLM2-135M-Instruct (weights and tokenizer, megarl.tools.testing.assets).
 The same GSM-Symbolic prompts in the same order (each model's chat template), 4 prompts x 4
 samples x up to 32 new tokens per step, temperature 1; the same reward (megarl.rewards.toy:
 vowel_rate, loaded from its file by the TRL side); GRPO without a KL term; AdamW with the same lr,
@@ -54,10 +54,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.precision_args import add_precision_args, results_suffix
+from bench.results_io import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from precision_args import add_precision_args, results_suffix  # noqa: E402
-from results_io import write_results  # noqa: E402
 
 WORKER = ROOT / "bench" / "_trl_grpo_worker.py"
 REWARD_FILE = ROOT / "megarl" / "rewards" / "toy.py"
@@ -98,7 +98,7 @@ def build_model(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.testing.assets import (
+    from megarl.tools.testing.assets import (
         QWEN25_VOCAB_SIZE,
         qwen25_tokenizer_dir,
         randomize_,
@@ -533,7 +533,7 @@ def print_trl_update(name: str, run: dict, timed: list[dict], megarl: dict | Non
 def model_folder(name: str, work: Path) -> Path:
     if name == "tiny":
         return build_model(work / "model")
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     return smollm2_dir()
 

@@ -1,11 +1,11 @@
 """A real model learning GSM-style math on this CPU: megarl vs TRL's GRPOTrainer, validation score
 over training time.
 
-    .venv/bin/python bench/learn_gsm.py --minutes 10 --seeds 1,2   # both sides, side by side
-    .venv/bin/python bench/learn_gsm.py --minutes 5 --sides megarl --layout sequential
-    .venv/bin/python bench/learn_gsm.py --smoke                    # seconds: megarl, 1 step
+    .venv/bin/python -m bench.learn_gsm --minutes 10 --seeds 1,2   # both sides, side by side
+    .venv/bin/python -m bench.learn_gsm --minutes 5 --sides megarl --layout sequential
+    .venv/bin/python -m bench.learn_gsm --smoke                    # seconds: megarl, 1 step
 
-Both sides start from SmolLM2-135M-Instruct (real weights and tokenizer, megarl.testing.assets)
+Both sides start from SmolLM2-135M-Instruct (real weights and tokenizer, megarl.tools.testing.assets)
 in fp32 and train every weight with GRPO on the same GSM-Symbolic training problems in the same
 order (scripts/prepare_gsm8k.py --source gsm-symbolic, rows permuted by the seed), with the same
 reward (megarl.rewards.gsm8k:score_with_format_credit: 1 for a correct "#### <answer>", 0.1 for a
@@ -50,11 +50,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.grpo_step import ensure_trl_venv, log, read_prompts
+from bench.precision_args import add_precision_args, results_suffix
+from bench.results_io import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from grpo_step import ensure_trl_venv, log, read_prompts  # noqa: E402
-from precision_args import add_precision_args, results_suffix  # noqa: E402
-from results_io import write_results  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smollm2_gsm_cpu.yaml"
 TRL_WORKER = ROOT / "bench" / "_trl_learn_worker.py"
@@ -439,7 +439,7 @@ def main() -> None:
         ap.error(f"--test-size must be at most {TEST_ROWS}")
     seeds = [int(s) for s in args.seeds.split(",")]
 
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     args.model = smollm2_dir()
     root = Path(args.workdir).expanduser()

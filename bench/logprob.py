@@ -1,7 +1,7 @@
 """Peak memory and time of vocab-parallel log-prob + entropy vs gather-then-log_softmax, at TP2.
 
-    .venv/bin/python bench/logprob.py                      # CPU-sized default (see below)
-    .venv/bin/python bench/logprob.py --batch 8 --methods vocab_parallel   # the issue's size
+    .venv/bin/python -m bench.logprob                      # CPU-sized default (see below)
+    .venv/bin/python -m bench.logprob --batch 8 --methods vocab_parallel   # the issue's size
 
 Each method runs in its own set of gloo processes (one per TP rank), so each gets a clean
 high-water mark. Per rank we measure, for forward + backward of ``sum(logprob) + sum(entropy)``:
@@ -31,8 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results_io import write_results
 
+from bench.results_io import write_results
 from megarl.algos import vocab_parallel_log_probs_and_entropy
 
 ISSUE_BATCH = 8

@@ -1,8 +1,8 @@
 """Peak memory and step time of a GRPO actor update of SmolLM2-135M with LoRA (rank 64, alpha 16,
 every linear layer) against full fine-tuning, measured in the same run.
 
-    .venv/bin/python bench/lora.py [--batch 4] [--seq 256] [--iters 3] [--rank 64]
-    .venv/bin/python bench/lora.py --smoke        # a tiny model, one step each (CI)
+    .venv/bin/python -m bench.lora [--batch 4] [--seq 256] [--iters 3] [--rank 64]
+    .venv/bin/python -m bench.lora --smoke        # a tiny model, one step each (CI)
 
 One actor update = forward + backward of the PPO-clip loss (GRPO's policy loss) over
 vocab-parallel response logprobs + one distributed-optimizer step, through the same megatron
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _tensor_bytes(tensors) -> int:
@@ -71,7 +70,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
     from megarl.models.lora import LoraSettings, add_lora_for_layout
     from megarl.parallel import ParallelLayout, initialize_model_parallel, tp_group
     from megarl.platform import adapt_megatron_for_cpu, device
-    from megarl.testing.assets import smollm2_dir, tiny_qwen2_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_qwen2_dir
 
     adapt_megatron_for_cpu()
     model_dir = tiny_qwen2_dir() if args.smoke else smollm2_dir()
@@ -117,7 +116,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _child(variant: str, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--variant", variant, "--batch", str(args.batch)]
+    cmd = [sys.executable, "-m", "bench.lora", "--variant", variant, "--batch", str(args.batch)]
     cmd += ["--seq", str(args.seq), "--iters", str(args.iters), "--rank", str(args.rank)]
     cmd += ["--smoke"] if args.smoke else []
     env = dict(
@@ -167,7 +166,7 @@ def main() -> None:
         f"{ratios['peak_memory']:.2f}, training state (weights+grads+optimizer) "
         f"{ratios['training_state']:.2f}"
     )
-    from results_io import write_results  # bench/ is on sys.path: this file's folder
+    from bench.results_io import write_results
 
     figures = {"model": model, **vars(args), "full": full, "lora": lora, "lora_over_full": ratios}
     write_results("lora", figures, smoke=args.smoke, peak_size=256 if args.smoke else None)

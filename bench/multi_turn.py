@@ -1,8 +1,8 @@
 """The cost of turn-level batching: a multi-turn rollout vs a single-turn one of the same tokens.
 
-    .venv/bin/python bench/multi_turn.py                 # SmolLM2-135M: rollout + whole GRPO steps
-    .venv/bin/python bench/multi_turn.py --no-steps      # the in-process rollout comparison only
-    .venv/bin/python bench/multi_turn.py --smoke         # seconds: tiny model, rollout only
+    .venv/bin/python -m bench.multi_turn                 # SmolLM2-135M: rollout + whole GRPO steps
+    .venv/bin/python -m bench.multi_turn --no-steps      # the in-process rollout comparison only
+    .venv/bin/python -m bench.multi_turn --smoke         # seconds: tiny model, rollout only
 
 Both sides produce sequences of exactly the same length: the single-turn side samples
 ``turns x turn_tokens + (turns - 1) x env_tokens`` response tokens in one call (``ignore_eos``);
@@ -259,10 +259,8 @@ def main() -> None:
     ap.add_argument("--no-steps", action="store_true", help="the rollout comparison only")
     ap.add_argument("--smoke", action="store_true", help="tiny model, rollout only; CI")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "bench"))
-    from results_io import write_results
-
-    from megarl.testing.assets import smollm2_dir, tiny_chat_llama_dir
+    from bench.results_io import write_results
+    from megarl.tools.testing.assets import smollm2_dir, tiny_chat_llama_dir
 
     if args.smoke:
         args.prompts, args.n, args.turns, args.turn_tokens, args.repeats = 2, 2, 2, 4, 1

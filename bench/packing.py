@@ -1,8 +1,8 @@
 """Tokens/s and peak memory of one actor update (PPO loss, forward + backward + Adam step), padded
 micro-batches against packed ones (``actor.packing``), on SmolLM2-135M at TP1, same run.
 
-    .venv/bin/python bench/packing.py [--samples 12] [--max-tokens 4096] [--iters 1]
-    .venv/bin/python bench/packing.py --smoke      # tiny model, a few samples: seconds
+    .venv/bin/python -m bench.packing [--samples 12] [--max-tokens 4096] [--iters 1]
+    .venv/bin/python -m bench.packing --smoke      # tiny model, a few samples: seconds
 
 Response lengths are drawn like GSM8K answers: a log-normal body (median ~120 tokens) with a long
 tail up to ``--max-response`` tokens; prompts 60-160 tokens. Both modes cut micro-batches by the
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def gsm8k_like_lengths(n: int, max_response: int, seed: int) -> tuple[list[int], list[int]]:
@@ -66,7 +65,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.run.trainable import Trainable
-    from megarl.testing.assets import smollm2_dir, tiny_qwen2_dir
+    from megarl.tools.testing.assets import smollm2_dir, tiny_qwen2_dir
     from megarl.trainer.batch import Samples
     from megarl.trainer.losses import make_actor_loss
     from megarl.trainer.model_ops import MicroBatching, ppo_update
@@ -155,7 +154,7 @@ def main() -> None:
 
     results = {}
     for mode in ("padded", "packed"):
-        cmd = [sys.executable, __file__, "--mode", mode]
+        cmd = [sys.executable, "-m", "bench.packing", "--mode", mode]
         cmd += ["--samples", str(args.samples), "--max-tokens", str(args.max_tokens)]
         cmd += ["--max-response", str(args.max_response), "--iters", str(args.iters)]
         if args.smoke:
@@ -186,7 +185,7 @@ def main() -> None:
     print(f"RATIO packed/padded tokens/s = {ratio:.2f} (target >= 1.5)")
     mem = results["packed"]["peak_bytes"] / max(results["padded"]["peak_bytes"], 1)
     print(f"MEMORY packed/padded peak = {mem:.2f}")
-    from results_io import write_results  # bench/ is on sys.path: this file's folder
+    from bench.results_io import write_results
 
     figures = {"model": name, "threads": threads, **vars(args), "runs": results}
     figures.update(packed_over_padded_tokens_per_s=ratio, packed_over_padded_peak=mem)

@@ -1,7 +1,7 @@
 """Shard vs full resharding, side by side: bytes, seconds, transient memory; vLLM start-up saved.
 
-    .venv/bin/python bench/reshard.py                 # the stored figures (bench/results/reshard.json)
-    .venv/bin/python bench/reshard.py --smoke         # tiny model, executor only (CI)
+    .venv/bin/python -m bench.reshard                 # the stored figures (bench/results/reshard.json)
+    .venv/bin/python -m bench.reshard --smoke         # tiny model, executor only (CI)
 
 1. **Executor** (4 gloo ranks): the planner's plan run through the executor with a sink that
    drops each bucket, in ``full`` mode (every rank receives whole tensors) and ``shard`` mode
@@ -266,10 +266,8 @@ def _side_by_side(results: list[list[dict]]) -> list[dict]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the gloo spawn helper in tests/
-    from results_io import write_results
-
-    from megarl.testing.assets import smollm2_dir, tiny_qwen2_dir
+    from bench.results_io import write_results
+    from megarl.tools.testing.assets import smollm2_dir, tiny_qwen2_dir
     from tests.mp import run_gloo
 
     ap = argparse.ArgumentParser()

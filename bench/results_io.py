@@ -2,7 +2,7 @@
 
 One call at the end of a bench:
 
-    from results_io import write_results        # bench/ is on sys.path when a bench runs
+    from bench.results_io import write_results   # benches run as `python -m bench.<name>`
     write_results("train_step", {"megarl_tokens_per_s": 151.0, ...})
 
 The file records, beside the figures: the CPU model, its core count and bf16 instruction flags,

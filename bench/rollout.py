@@ -1,9 +1,9 @@
 """Rollout throughput: megarl's vLLM engine (CPU build) vs HF transformers ``generate``.
 
-    .venv/bin/python bench/rollout.py                      # SmolLM2-135M, 64 prompts x 128 tokens
-    .venv/bin/python bench/rollout.py --dtype bfloat16     # bf16 on both sides
-    .venv/bin/python bench/rollout.py --top-k 50 --top-p 0.95 --temperature 0.8
-    .venv/bin/python bench/rollout.py --smoke              # seconds: 4 prompts x 8 tokens
+    .venv/bin/python -m bench.rollout                      # SmolLM2-135M, 64 prompts x 128 tokens
+    .venv/bin/python -m bench.rollout --dtype bfloat16     # bf16 on both sides
+    .venv/bin/python -m bench.rollout --top-k 50 --top-p 0.95 --temperature 0.8
+    .venv/bin/python -m bench.rollout --smoke              # seconds: 4 prompts x 8 tokens
 
 One process using all cores, the same dtype, prompts and sampling on both sides (default: what
 megarl's recipes use, temperature 1 with top-p 1 and top-k off; the flags set others), exactly
@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import load_1min, matmul_peaks, write_results
+from bench.results_io import load_1min, matmul_peaks, write_results
 
 TOPICS = [
     "the sea",
@@ -67,7 +64,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, VLLMRollout
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     model_dir = str(smollm2_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -1,9 +1,9 @@
 """Tokens/s of one SmolLM2-135M training step (forward + backward + optimizer step) through megarl
 at TP1, against Hugging Face transformers with torch AdamW on the same batch, in the same run.
 
-    .venv/bin/python bench/train_step.py [--batch 4] [--seq 256] [--iters 5] [--dtype float32]
-    .venv/bin/python bench/train_step.py --smoke          # seconds: tiny sizes, nothing stored
-    .venv/bin/python bench/train_step.py --megatron-paths # + megarl on megatron's own CPU paths
+    .venv/bin/python -m bench.train_step [--batch 4] [--seq 256] [--iters 5] [--dtype float32]
+    .venv/bin/python -m bench.train_step --smoke          # seconds: tiny sizes, nothing stored
+    .venv/bin/python -m bench.train_step --megatron-paths # + megarl on megatron's own CPU paths
 
 Both sides: the same token ids, next-token cross-entropy over every position but the last, AdamW
 (lr 1e-5, weight decay 0.01, eps 1e-8) with gradient clipping at 1.0. megarl runs megatron's DDP
@@ -26,13 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from results_io import load_1min, matmul_peaks, write_results
+from bench.results_io import load_1min, matmul_peaks, write_results
 
 LR, WEIGHT_DECAY, EPS, CLIP = 1e-5, 0.01, 1e-8, 1.0
 MEGATRON_PATHS = "megarl on megatron's paths"
@@ -118,7 +114,7 @@ def main() -> None:
     from megarl.models.rotary import megatron_rotary
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
-    from megarl.testing.assets import smollm2_dir
+    from megarl.tools.testing.assets import smollm2_dir
 
     adapt_megatron_for_cpu()
     dtype = getattr(torch, args.dtype)

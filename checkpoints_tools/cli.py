@@ -117,11 +117,11 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from megarl.checkpoint.store import (
         check_destination,
         check_not_inside,
-        dtype_from_name,
         read_meta,
         resolve_checkpoint,
         step_roles,
     )
+    from megarl.dtypes import dtype_from_name
     from megarl.launch import under_launcher
 
     ckpt = resolve_checkpoint(args.ckpt)  # a run's checkpoints/, a step folder or a role folder

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.checkpoint.hf_assets import dims_from_config, hf_role
-from megarl.checkpoint.store import dtype_from_name, save_checkpoint
+from megarl.checkpoint.store import save_checkpoint
+from megarl.dtypes import dtype_from_name
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.dims import ModelDims, read_hf_config
 from megarl.models.heads import has_scalar_head

@@ -144,7 +144,7 @@ def export_adapter(
     ckpt: str | Path, out: str | Path, *, dtype: str | None = None, overwrite: bool = False
 ) -> AdapterExport:
     """A peft adapter folder (adapter_config.json + adapter_model.safetensors) from ``ckpt``."""
-    from megarl.checkpoint.store import dtype_from_name
+    from megarl.dtypes import dtype_from_name
 
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(ckpt)

@@ -38,12 +38,11 @@ from megarl.checkpoint.store import (
     HF_SUBDIR,
     MCORE_SUBDIR,
     checkpoint_dims,
-    dtype_from_name,
-    dtype_name,
     read_meta,
     resolve_checkpoint,
     staged_output,
 )
+from megarl.dtypes import dtype_from_name, dtype_name
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
 from megarl.models.heads import has_scalar_head

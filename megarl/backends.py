@@ -18,7 +18,6 @@ from megarl.errors import ConfigError
 from megarl.gpu_defaults import Target, check_for_target, launch_env, transformer_impl
 
 TRANSFORMER_IMPLS = CHOICES["model.transformer_impl"]
-ROLLOUT_BACKENDS = CHOICES["rollout.backend"]
 
 
 def installed(package: str) -> bool:
@@ -48,8 +47,9 @@ def resolve_transformer_impl(requested: str) -> str:
 
 
 def check_rollout_backend(backend: str) -> None:
-    if backend not in ROLLOUT_BACKENDS:
-        raise ConfigError(f"rollout.backend={backend!r} is not one of {list(ROLLOUT_BACKENDS)}")
+    backends = CHOICES["rollout.backend"]  # hybrid_engine.engine.ROLLOUT_BACKENDS builds them
+    if backend not in backends:
+        raise ConfigError(f"rollout.backend={backend!r} is not one of {list(backends)}")
     if backend == "vllm" and not installed("vllm"):
         raise ConfigError(
             "rollout.backend=vllm, but vLLM is not installed; install megarl[gpu] (CUDA) or "

@@ -33,7 +33,7 @@ def _demo(args: argparse.Namespace) -> int:
         "--seq",
         str(args.seq),
     ]
-    return run_torchrun("megarl.demo", module_args, args.nproc)
+    return run_torchrun("megarl.tools.demo", module_args, args.nproc)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ wrapped (:data:`TENSOR_METHOD_FUNCTIONS`). vLLM, transformers and user code keep
 (a global patch slowed vLLM's CPU decode by 15-20%).
 
 ``tests/unit/test_platform.py`` pins every CUDA-only call site of the megatron modules megarl
-loads, so an upgrade that moves one fails by name.
+loads, so an upgrade that moves one fails by name. All adaptations: :mod:`megarl.adaptations`.
 """
 
 from __future__ import annotations

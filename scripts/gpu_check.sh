@@ -7,7 +7,7 @@
 #               wheels or sdists; installed with pip --no-index into a temporary folder.
 # --cpu:        the same checks at tiny sizes on the CPU (what CI runs).
 # PYTHON:       the interpreter (default: the project's .venv/bin/python, which scripts/setup.sh
-#               makes; python3 where there is none). The check itself is megarl/gpu_check.py.
+#               makes; python3 where there is none). The check itself is megarl/tools/gpu_check.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -n "${PYTHON:-}" ]; then
@@ -41,4 +41,4 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cd "$ROOT"
-"$PY" -m megarl.gpu_check "${ARGS[@]}"
+"$PY" -m megarl.tools.gpu_check "${ARGS[@]}"

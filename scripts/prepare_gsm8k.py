@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megarl.data_prep.common import (
+from megarl.tools.data_prep.common import (
     GSM8K_DATA_SOURCE,
     GSM8K_INSTRUCTION,
     PrepareError,

@@ -32,8 +32,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from megarl.data.errors import DataError
-from megarl.data_prep.common import write_parquet_atomic
-from megarl.data_prep.preference_sources import (
+from megarl.tools.data_prep.common import write_parquet_atomic
+from megarl.tools.data_prep.preference_sources import (
     SOURCES,
     SYNTHETIC_SIZES,
     PairFilter,

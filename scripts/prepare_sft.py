@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from megarl.data.errors import DataError
-from megarl.data_prep.common import (
+from megarl.tools.data_prep.common import (
     GSM8K_INSTRUCTION,
     PrepareError,
     iter_symbolic_problems,

@@ -88,9 +88,9 @@ if [[ "$SMOKE" == 1 ]]; then
   SMOKE_EP="$("$PYTHON" -c 'import sys; from megarl.config import load_config; print(load_config(sys.argv[1]).parallel.ep)' "$CONFIG")" ||
     die "cannot read $CONFIG"
   if [[ "$SMOKE_EP" -gt 1 ]]; then
-    MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.testing.assets import tiny_char_qwen3_moe_dir; print(tiny_char_qwen3_moe_dir())')}"
+    MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.tools.testing.assets import tiny_char_qwen3_moe_dir; print(tiny_char_qwen3_moe_dir())')}"
   else
-    MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.testing.assets import tiny_char_llama_dir; print(tiny_char_llama_dir())')}"
+    MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.tools.testing.assets import tiny_char_llama_dir; print(tiny_char_llama_dir())')}"
   fi
 elif [[ -z "${MODEL_PATH:-}" ]]; then
   case "$(basename "$CONFIG")" in

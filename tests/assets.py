@@ -1,6 +1,6 @@
-"""Test assets (built once per machine and cached): see megarl.testing.assets."""
+"""Test assets (built once per machine and cached): see megarl.tools.testing.assets."""
 
-from megarl.testing.assets import (  # noqa: F401
+from megarl.tools.testing.assets import (  # noqa: F401
     QWEN25_SPECIAL_TOKENS,
     QWEN25_VOCAB_SIZE,
     qwen25_tokenizer_dir,

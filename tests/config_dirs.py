@@ -35,7 +35,7 @@ def add_random_weights(folder: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megarl.testing.assets import randomize_
+    from megarl.tools.testing.assets import randomize_
 
     model = AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(folder), dtype=torch.float32

@@ -37,6 +37,7 @@ import torch
 import megarl.checkpoint.manifest as manifest
 from megarl.checkpoint.safe_load import safe_strategies
 from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
+from megarl.dtypes import dtype_from_name, dtype_name
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.dims import ModelDims
 from megarl.models.heads import has_scalar_head
@@ -48,19 +49,6 @@ LATEST_FILE = "latest"
 FORMAT = "megarl-mcore-checkpoint"
 FORMAT_VERSION = 1
 ROLES = ("actor", "critic", "reference", "reward")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -180,16 +168,11 @@ def read_meta(path: str | Path) -> CheckpointMeta:
     return CheckpointMeta.from_file(resolve_checkpoint(path) / META_FILE)
 
 
-def read_hf_config(ckpt: str | Path) -> dict[str, Any]:
-    from megarl.checkpoint.hf_assets import read_json
-
-    return read_json(resolve_checkpoint(ckpt) / HF_SUBDIR / "config.json")
-
-
 def checkpoint_dims(ckpt: str | Path) -> ModelDims:
-    from megarl.checkpoint.hf_assets import dims_from_config
+    """The model shape of the Hugging Face config stored in checkpoint ``ckpt``."""
+    from megarl.checkpoint.hf_assets import dims_from_config, read_json
 
-    return dims_from_config(read_hf_config(ckpt))
+    return dims_from_config(read_json(resolve_checkpoint(ckpt) / HF_SUBDIR / "config.json"))
 
 
 def step_name(step: int) -> str:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import parallel, platform
+from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.execute import (
@@ -56,8 +57,6 @@ from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard
 from megarl.models.dims import ModelDims
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
-
-ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -240,7 +239,7 @@ class HybridEngine:
         # engine handed in without its config is left to cast on load itself
         self.rollout_dtype: torch.dtype | None = None
         if rollout is None or engine_config is not None:
-            self.rollout_dtype = ROLLOUT_DTYPES[(engine_config or EngineConfig()).dtype]
+            self.rollout_dtype = dtype_from_name((engine_config or EngineConfig()).dtype)
         self.hf_shapes = hf_output_shapes(self.plan, dims)
         # shard mode: the slices this rank hands its rollout engine (checked before each load)
         self.shard_specs = self.executor.shard_specs() if self.reshard_mode == "shard" else []

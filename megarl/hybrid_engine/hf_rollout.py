@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
+from megarl.dtypes import dtype_from_name
 from megarl.hybrid_engine.hf_saved_names import saved_tensor_index
 from megarl.hybrid_engine.vllm_rollout import (
     EngineConfig,
@@ -36,8 +37,6 @@ from megarl.hybrid_engine.vllm_rollout import (
     request_seed,
 )
 from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard, check_shards
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFRollout:
@@ -61,7 +60,7 @@ class HFRollout:
         self.default_stop = eos_token_ids(model_dir)
         self.expected_shapes = expected_shapes or checkpoint_shapes(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=_DTYPES[self.config.dtype]
+            self.model_dir, dtype=dtype_from_name(self.config.dtype)
         )
         self.model.to(self.device).eval()
         # The folder's generation defaults (repetition penalty, top-k ...) must not apply: every

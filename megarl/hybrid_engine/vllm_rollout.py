@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
 from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard, check_shards
 
@@ -100,11 +101,6 @@ def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (int(eos),)
     return ()
-
-
-def has_tokenizer(model_dir: str | Path) -> bool:
-    d = Path(model_dir)
-    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
 @contextlib.contextmanager

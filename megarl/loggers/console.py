@@ -14,7 +14,7 @@ SHOWN = (
     "critic/vf_loss",
     "rm/loss",
     "rm/accuracy",
-    "perf/step_s",
+    "timing/step_s",
 )
 BAR_WIDTH = 20
 

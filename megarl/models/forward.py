@@ -7,15 +7,19 @@ mask is exact for every real token and no attention mask tensor is needed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from megarl import parallel
 
+MicroBatch = TypeVar("MicroBatch")
 # loss_fn(output, micro_batch) -> (loss, metrics). ``output`` is the last stage's model output
-# (vocab-parallel logits [b, s, v/tp] for the actor, values [b, s, 1] for the critic).
-LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
+# (vocab-parallel logits [b, s, v/tp] for the actor, values [b, s, 1] for the critic);
+# ``micro_batch`` is what the caller splits its batch into (``LossOver[Samples]`` for the PPO
+# trainer's losses, which run_schedule's callers wrap).
+LossOver = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
+LossFn = LossOver[dict[str, Any]]  # the loss run_schedule takes: one micro-batch's dict
 
 
 def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:

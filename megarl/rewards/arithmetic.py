@@ -1,6 +1,6 @@
 """Arithmetic answers: the last number of the response against the exact value.
 
-Built in for ``data_source`` ``arithmetic`` (:mod:`megarl.data_prep.arithmetic`). A multi-turn
+Built in for ``data_source`` ``arithmetic`` (:mod:`megarl.tools.data_prep.arithmetic`). A multi-turn
 trajectory is scored on its final model turn, so a tool call alone earns nothing: the model must
 state the answer. Thousands separators are ignored ("1,458" == "1458").
 """

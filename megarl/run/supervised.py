@@ -92,9 +92,9 @@ def train_supervised(
         with timed(m, "update"):
             m.update(declare(parts.step(batch)))
         m.update(declare(parts.train_data.metrics()))
-        m["perf/step_s"] = mean(time.perf_counter() - t0)
+        m["timing/step_s"] = mean(time.perf_counter() - t0)
         m["perf/tokens_per_s"] = mean(
-            parts.tokens(batch) * startup.layout.dp / m["perf/step_s"].value
+            parts.tokens(batch) * startup.layout.dp / m["timing/step_s"].value
         )
         last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
         if validate is not None and (step + 1) % cfg.trainer.test_freq == 0:

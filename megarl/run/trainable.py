@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from megarl.config import OptimConfig, RunConfig, model_dtype
+from megarl.dtypes import dtype_from_name
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims
 from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -74,9 +75,7 @@ def model_options(cfg: RunConfig) -> ModelOptions:
     if cfg.actor.lora.rank and impl == "auto":
         impl = "local"  # LoRA adapts megatron's own parallel linears (not Transformer Engine's)
     return ModelOptions(
-        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[
-            model_dtype(cfg, torch.cuda.is_available())
-        ],
+        dtype=dtype_from_name(model_dtype(cfg, torch.cuda.is_available())),
         recompute=cfg.model.recompute,
         recompute_num_layers=cfg.model.recompute_num_layers,
         transformer_impl=impl,

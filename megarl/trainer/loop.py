@@ -90,7 +90,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
             m["actor/skipped_non_finite"] = mean(1.0)
         m.update(rollout_metrics(batch, run.data.train))
-        m["timing/step_s"] = m["perf/step_s"] = mean(time.perf_counter() - t_step)
+        m["timing/step_s"] = mean(time.perf_counter() - t_step)
         m["perf/tokens_per_s"] = mean(
             tokens_in(samples, run.startup.layout.dp) / m["timing/step_s"].value
         )

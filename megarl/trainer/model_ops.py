@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.models.forward import broadcast_from_last_stage, run_schedule
+from megarl.models.forward import LossOver, broadcast_from_last_stage, run_schedule
 from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.models.moe_metrics import router_loss_metrics
 from megarl.run.finite import NonFiniteError, all_finite
@@ -128,9 +128,6 @@ def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     return False
 
 
-LossFn = Callable[[torch.Tensor, Samples], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
 def _weight(mb: Samples, mini_tokens: float, mini_seqs: int, token_level: bool) -> float:
     """This micro-batch's share of the mini-batch, so micro-batch losses add up to the mini-batch's."""
     if token_level:
@@ -145,7 +142,7 @@ def ppo_update(
     mini_batches: Sequence[Sequence[int]],
     epochs: int,
     batching: MicroBatching,
-    loss_fn: LossFn,
+    loss_fn: LossOver[Samples],
     token_level: bool,
     skip_non_finite: bool = False,
     keep: str | None = None,

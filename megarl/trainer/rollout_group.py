@@ -47,15 +47,11 @@ from megarl.config import RunConfig, model_dtype, rollout_dtype
 from megarl.config import validate as validate_config
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
+from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.async_links import Links, make_links, weight_plan
-from megarl.hybrid_engine.engine import (
-    ROLLOUT_DTYPES,
-    RolloutEngine,
-    check_rollout_model,
-    make_rollout,
-)
+from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
 from megarl.hybrid_engine.execute import hf_shapes_of
 from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
 from megarl.hybrid_engine.rollout_messages import (
@@ -241,7 +237,7 @@ class RolloutGroup:
     # -- threads -------------------------------------------------------------------------------
     def receive_loop(self) -> None:
         """Control messages and weights from the trainers, until they stop."""
-        dtype = ROLLOUT_DTYPES[rollout_dtype(self.cfg, platform.device().type == "cuda")]
+        dtype = dtype_from_name(rollout_dtype(self.cfg, platform.device().type == "cuda"))
         try:
             assert self.links.control is not None
             while True:

@@ -14,6 +14,8 @@ from megarl.algos import POLICY_LOSS_REDUCTIONS, make_kl_controller
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig
 from megarl.metrics import Reduce
+from megarl.models.forward import LossOver
+from megarl.trainer.batch import Samples
 from megarl.trainer.hparams import (
     advantage_inputs,
     advantage_kwargs,
@@ -21,7 +23,6 @@ from megarl.trainer.hparams import (
     rollout_correction_kwargs,
 )
 from megarl.trainer.losses import make_actor_loss, make_critic_loss, sampling_temperature
-from megarl.trainer.model_ops import LossFn
 from megarl.trainer.old_log_probs import old_log_prob_from_update
 
 
@@ -32,8 +33,8 @@ class AlgorithmSpec:
     adv_estimator: str
     advantage_inputs: frozenset[str]  # which of values / group_ids the estimator takes
     advantage_kwargs: Mapping[str, float | bool]  # the hyperparameters it takes
-    actor_loss: LossFn
-    critic_loss: LossFn
+    actor_loss: LossOver[Samples]
+    critic_loss: LossOver[Samples]
     token_level: bool  # token-mean loss aggregation: micro-batches weigh by tokens, not rows
     kl_in_reward: bool
     kl_in_reward_estimator: str

@@ -27,7 +27,7 @@ def main(model_dir: str) -> None:
 
     from megarl.hybrid_engine.versioned import generate_versioned
     from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, VLLMRollout
-    from megarl.testing.assets import randomize_
+    from megarl.tools.testing.assets import randomize_
 
     torch.set_num_threads(2)
     v0 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

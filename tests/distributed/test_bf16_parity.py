@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.testing.assets import smollm2_dir
+from megarl.tools.testing.assets import smollm2_dir
 from tests.mp import run_gloo
 
 

@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 
-from megarl.testing.assets import _cached, _save_tiny, tiny_qwen2_config
+from megarl.tools.testing.assets import _cached, _save_tiny, tiny_qwen2_config
 from tests.mp import run_gloo
 
 MAX_NEW = 8

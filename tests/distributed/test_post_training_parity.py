@@ -79,7 +79,7 @@ def _bigger_teacher(src: Path, out: Path) -> Path:
     """A random causal LM with the policy's tokenizer and twice its depth and width."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.testing.assets import randomize_
+    from megarl.tools.testing.assets import randomize_
 
     config = AutoConfig.from_pretrained(src)
     config.num_hidden_layers *= 2
@@ -99,7 +99,7 @@ def _trainer_runs(work: Path) -> dict:
     """The SFT and DPO trainer runs that resume at another layout: configs/chain_{sft,dpo}_cpu.yaml
     with the toy task's rows on short prompts (DPO validates on held-out pairs), the tiny
     character model, 4 steps of 8 rows or pairs at TP2 x PP2."""
-    from megarl.data_prep.toy_vowels import preference_rows, sft_rows
+    from megarl.tools.data_prep.toy_vowels import preference_rows, sft_rows
     from tests.assets import tiny_char_llama_dir
 
     runs = work / "runs"

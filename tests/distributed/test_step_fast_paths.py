@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.testing.assets import tiny_qwen2_dir
+from megarl.tools.testing.assets import tiny_qwen2_dir
 from tests.mp import run_gloo
 
 pytestmark = pytest.mark.distributed

@@ -1,4 +1,4 @@
-"""``bench/packing.py --smoke`` runs both modes (padded, packed) end to end in seconds and reports
+"""``python -m bench.packing --smoke`` runs both modes (padded, packed) end to end in seconds and reports
 what it measures; the speed figure itself is the benchmark's to print, not a test's to assert."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_packing_bench_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env["MEGARL_BENCH_RESULTS_DIR"] = str(tmp_path)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "packing.py"), "--smoke"],
+        [sys.executable, "-m", "bench.packing", "--smoke"],  # bench/ is a package under ROOT
         env=env,
         capture_output=True,
         text=True,

@@ -40,7 +40,7 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / f"{bench}.py"), "--smoke"],
+        [sys.executable, "-m", f"bench.{bench}", "--smoke"],  # bench/ is a package under ROOT
         capture_output=True,
         text=True,
         env=env,

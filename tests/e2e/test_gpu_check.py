@@ -63,4 +63,4 @@ def test_gpu_check_uses_the_projects_interpreter():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "--cpu" in proc.stdout  # megarl.gpu_check's own usage, printed by .venv's python
+    assert "--cpu" in proc.stdout  # megarl.tools.gpu_check's own usage, printed by .venv's python

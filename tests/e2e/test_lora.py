@@ -97,10 +97,11 @@ def test_lora_exports_merged_and_as_a_peft_adapter(workdir, lora_run):
 
 
 def test_lora_benchmark_smoke(tmp_path):
-    """bench/lora.py at its smoke size: both variants run, the ratios are printed and stored."""
+    """`python -m bench.lora` at its smoke size: both variants run, the ratios are printed and stored."""
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, str(root / "bench" / "lora.py"), "--smoke"],
+        [sys.executable, "-m", "bench.lora", "--smoke"],
+        cwd=root,  # bench/ is a package under the repository root
         capture_output=True,
         text=True,
         timeout=600,

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from megarl.data_prep.arithmetic import prepare as prepare_arithmetic
 from megarl.envs import ChatDeltas
+from megarl.tools.data_prep.arithmetic import prepare as prepare_arithmetic
 from tests.assets import tiny_char_llama_dir
 from tests.e2e.relay_env import FOLLOW_UP
 from tests.e2e.test_train import by_step, train

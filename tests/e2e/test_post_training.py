@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.quickstart import prepare
+from megarl.tools.quickstart import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_STEPS, RL_STEPS = 12, 6

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 import megarl.checkpoint.manifest as manifest
 from megarl.cli import main as cli_main
 from megarl.run import trainer_state
-from megarl.testing.assets import tiny_char_llama_dir
+from megarl.tools.testing.assets import tiny_char_llama_dir
 from tests.e2e.test_train import make_workdir, megarl_command
 
 ROOT = Path(__file__).resolve().parents[2]

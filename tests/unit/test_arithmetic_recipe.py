@@ -6,10 +6,10 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from megarl.data_prep.arithmetic import prepare, problems
-from megarl.data_prep.common import PrepareError
 from megarl.rewards.arithmetic import compute_score
 from megarl.rewards.registry import BUILTIN_SCORERS
+from megarl.tools.data_prep.arithmetic import prepare, problems
+from megarl.tools.data_prep.common import PrepareError
 
 pytestmark = pytest.mark.unit
 

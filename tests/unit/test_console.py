@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from megarl import console
-from megarl.demo import parity_verdict
 from megarl.quiet_torchrun import exit_code_of, failure_note
+from megarl.tools.demo import parity_verdict
 
 pytestmark = pytest.mark.unit
 

@@ -90,7 +90,7 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("megarl/algos/dpo.py", "try_dpo_loss"): (
         "the pre-launch config check calls the chosen DPO loss on two made-up host pairs"
     ),
-    ("megarl/testing/assets.py", "randomize_"): (
+    ("megarl/tools/testing/assets.py", "randomize_"): (
         "fills CPU-built Hugging Face test models before they are saved to disk"
     ),
     ("megarl/hybrid_engine/hf_saved_names.py", "saved_tensor_index"): (

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from megarl.envs import ChatDeltas, EnvError
 from megarl.envs.builtin_tools import calculator_tool, python_tool
-from megarl.testing.assets import QWEN25_TOOLS_TEMPLATE
+from megarl.tools.testing.assets import QWEN25_TOOLS_TEMPLATE
 from tests.assets import qwen25_tokenizer_dir, smollm2_dir
 
 pytestmark = pytest.mark.unit

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megarl import backends
-from megarl.config import load_config
+from megarl.config import CHOICES, load_config
 from megarl.errors import ConfigError
+from megarl.hybrid_engine.engine import ROLLOUT_BACKENDS
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import (
     TE_NORM_NAMES,
@@ -65,6 +66,10 @@ def test_vllm_backend_without_vllm_names_the_fix(monkeypatch):
     backends.check_backends(load_config(overrides=[*BASE, "rollout.backend=hf"]))
     # a reward-model run does not roll out
     backends.check_backends(load_config(overrides=[*BASE, "trainer.kind=reward_model"]))
+
+
+def test_every_rollout_backend_the_config_accepts_has_an_engine():
+    assert set(ROLLOUT_BACKENDS) == set(CHOICES["rollout.backend"])
 
 
 def test_cli_refuses_vllm_without_vllm_before_launch(monkeypatch, tmp_path, capsys):
@@ -242,7 +247,7 @@ def test_hf_rollout_seeds_and_stop_tokens(hf_rollout):
 
 def test_hf_rollout_follows_a_weight_update(hf_rollout, tmp_path):
     from megarl.hybrid_engine.vllm_rollout import SamplingConfig
-    from megarl.testing.assets import randomize_
+    from megarl.tools.testing.assets import randomize_
 
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=6, stop_token_ids=())
     other = _reference(tiny_qwen2_dir())

@@ -1,5 +1,6 @@
-"""The shape of the code base: no import cycles (imports inside functions count), and one module,
-megarl.parallel, talks to megatron's parallel_state."""
+"""The shape of the code base: no import cycles (imports inside functions count), one module,
+megarl.parallel, talks to megatron's parallel_state, and the runtime never imports the tooling in
+megarl.tools."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from tests.import_graph import Import, cycles, imports, module_graph, modules, p
 pytestmark = pytest.mark.unit
 
 PARALLEL_STATE_DOOR = "megarl.parallel"
+TOOLS = "megarl.tools"
+# `python -m megarl.quickstart`, the command the README and the scripts use: a two-line entry that
+# only runs megarl.tools.quickstart.
+TOOL_ENTRIES = {"megarl.quickstart"}
 
 
 def _describe(components: list[list[str]], graph: dict[str, set[str]]) -> str:
@@ -53,4 +58,27 @@ def test_parallel_state_only_through_megarl_parallel():
     assert not others, (
         "import megatron's parallel_state only in megarl/parallel.py and ask it for ranks, sizes "
         f"and groups (megarl.parallel.dp_rank(), tp_group(), ...): {others}"
+    )
+
+
+def _in_tools(name: str) -> bool:
+    return name == TOOLS or name.startswith(TOOLS + ".")
+
+
+def test_the_runtime_never_imports_the_tooling():
+    found = [
+        imp
+        for module, path in modules().items()
+        if not _in_tools(module)
+        for imp in imports(module, path)
+        if _in_tools(imp.target)
+    ]
+    assert any(imp.module in TOOL_ENTRIES for imp in found)  # the check sees imports
+    others = [
+        f"{i.module}:{i.line} imports {i.target}" for i in found if i.module not in TOOL_ENTRIES
+    ]
+    assert not others, (
+        "megarl.tools (the GPU check, data preparation, test assets, the demo, the quickstart) is "
+        "tooling the runtime never imports: move what the runtime needs out of megarl.tools, or "
+        f"the importing code into it: {others}"
     )

@@ -5,14 +5,23 @@ TENSOR_METHOD_FUNCTIONS. If a megatron-core upgrade adds, moves or removes a CUD
 an adapted module, or a module megarl loads gains one without an adaptation, these tests fail
 and name the site. List a module's sites after an upgrade with
 ``python -m megarl.platform_sites MODULE``.
+
+Beyond megatron's CUDA calls: every change megarl makes to a library's behaviour (an assignment to
+an attribute of a library module, a warning filter) is listed in megarl.adaptations.ADAPTATIONS.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+from pathlib import Path
+
 import pytest
 
 from megarl import platform
-from megarl.platform_sites import module_sites
+from megarl.adaptations import ADAPTATIONS, Adaptation
+from megarl.platform_sites import dotted_name, module_sites
+from tests.import_graph import modules
 
 PINNED_SITES = {
     "megatron.core.utils": {
@@ -291,3 +300,125 @@ def test_adaptation_is_scoped_to_megatron():
     )
     mask = mutils.get_default_causal_mask(4)
     assert mask.device.type == "cpu" and mask.dtype == torch.bool and mask.sum().item() == 6
+
+
+LIBRARIES = ("megatron", "vllm", "transformers", "torch")
+WARNING_FILTERS = ("warnings.filterwarnings", "warnings.simplefilter")
+
+
+def _is_library(module: str) -> bool:
+    return module.split(".")[0] in LIBRARIES
+
+
+def _library_names(tree: ast.Module) -> set[str]:
+    """Names the file binds to a library module or a name inside one (at the top or in a body)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if _is_library(a.name)}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {a.asname or a.name for a in node.names} if _is_library(node.module) else set()
+    return names
+
+
+def _adapts(node: ast.AST, library: set[str]) -> bool:
+    if isinstance(node, ast.Call):
+        func = dotted_name(node.func)
+        if func in WARNING_FILTERS:
+            return True
+        target = node.args[0] if func == "setattr" and node.args else None
+    elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(
+            isinstance(t, ast.Attribute) and dotted_name(t).split(".")[0] in library
+            for t in targets
+        )
+    else:
+        return False
+    return target is not None and dotted_name(target).split(".")[0] in library
+
+
+def _scopes(tree: ast.Module) -> list[tuple[str | None, list[ast.AST]]]:
+    """(function or Class.method, its statements) of a module, and (None, the module's others)."""
+    out: list[tuple[str | None, list[ast.AST]]] = []
+    top: list[ast.AST] = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+            out.append((stmt.name, [stmt]))
+        elif isinstance(stmt, ast.ClassDef):
+            out += [
+                (f"{stmt.name}.{f.name}", [f])
+                for f in stmt.body
+                if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+            ]
+        else:
+            top.append(stmt)
+    return [*out, (None, top)]
+
+
+def library_adaptation_sites(root: str = "megarl") -> set[str]:
+    """``module:function`` (``module`` at module level) of every adaptation under ``root``."""
+    sites = set()
+    for module, path in modules(packages=(root,)).items():
+        if module.startswith(f"{root}.tools"):
+            continue
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        library = _library_names(tree)
+        for scope, stmts in _scopes(tree):
+            if any(_adapts(n, library) for stmt in stmts for n in ast.walk(stmt)):
+                sites.add(f"{module}:{scope}" if scope else module)
+    return sites
+
+
+def _helpers(a: Adaptation) -> set[str]:
+    module = a.by.partition(":")[0]
+    return {f"{module}:{helper}" for helper in a.helpers}
+
+
+def _registered() -> set[str]:
+    return {site for a in ADAPTATIONS for site in ({a.by} | _helpers(a))}
+
+
+def test_the_adaptation_finder_sees_assignments_setattr_and_warning_filters():
+    code = """
+import warnings
+from megatron.core import utils
+import torch
+def swap():
+    utils.fn = None
+def wrap(owner):
+    setattr(torch.Tensor, "cuda", None)
+    owner.x = 1  # not a library
+warnings.filterwarnings("ignore")
+"""
+    tree = ast.parse(code)
+    library = _library_names(tree)
+    found = {
+        s
+        for s, stmts in _scopes(tree)
+        if any(_adapts(n, library) for t in stmts for n in ast.walk(t))
+    }
+    assert found == {"swap", "wrap", None}
+    assert not any(
+        _adapts(n, library) for n in ast.walk(ast.parse("def f(owner):\n    owner.x = 1"))
+    )
+
+
+def test_every_library_adaptation_is_registered():
+    found = library_adaptation_sites()
+    assert "megarl.models.rotary:use_cached_rotary" in found  # the finder sees the rope swap
+    unlisted = sorted(found - _registered())
+    assert not unlisted, (
+        "these change a library's behaviour (an attribute of a library module, a warning filter) "
+        f"but are not in megarl.adaptations.ADAPTATIONS: list them there: {unlisted}"
+    )
+    stale = [a.by for a in ADAPTATIONS if not ({a.by} | _helpers(a)) & found]
+    assert not stale, f"ADAPTATIONS lists adaptations no code makes any more: {stale}"
+
+
+@pytest.mark.parametrize("adaptation", ADAPTATIONS, ids=lambda a: a.by)
+def test_registered_adaptations_name_real_functions(adaptation):
+    module_name, _, function = adaptation.by.partition(":")
+    module = importlib.import_module(module_name)
+    for name in [function, *adaptation.helpers] if function else adaptation.helpers:
+        assert callable(getattr(module, name)), (adaptation.by, name)

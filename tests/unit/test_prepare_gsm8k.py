@@ -64,7 +64,7 @@ def test_gsm_symbolic_is_deterministic_per_seed(tmp_path: Path) -> None:
 def test_the_quickstart_names_its_toy_task_in_data_source(tmp_path: Path) -> None:
     """The quickstart's prompts are GSM-Symbolic but its reward is the vowel toy: its rows say so,
     so validation reports `val/toy/vowels/...`, not a GSM8K score."""
-    from megarl import quickstart
+    from megarl.tools import quickstart
 
     prep = prepare_module()
     recipe = quickstart.RECIPES["vowels"]

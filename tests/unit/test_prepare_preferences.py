@@ -1,4 +1,4 @@
-"""scripts/prepare_preferences.py and megarl.data_prep.preference_sources: pairs in the schema
+"""scripts/prepare_preferences.py and megarl.tools.data_prep.preference_sources: pairs in the schema
 PreferenceDataset reads, from hh-rlhf / ultrafeedback rows, local files and synthetic GSM."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.data import PreferenceDataset
-from megarl.data_prep.common import PrepareError, iter_symbolic_problems, read_records
-from megarl.data_prep.preference_sources import (
+from megarl.rewards.gsm8k import compute_score
+from megarl.tools.data_prep.common import PrepareError, iter_symbolic_problems, read_records
+from megarl.tools.data_prep.preference_sources import (
     PREFERENCE_SCHEMA,
     PairFilter,
     build_splits,
@@ -29,7 +30,6 @@ from megarl.data_prep.preference_sources import (
     load_hub,
     parse_hh_transcript,
 )
-from megarl.rewards.gsm8k import compute_score
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "prepare_preferences.py"
@@ -351,7 +351,7 @@ def test_command_line(tmp_path: Path) -> None:
 
 
 def test_json_lines_keep_unicode_line_separators_inside_strings(tmp_path):
-    from megarl.data_prep.common import read_records
+    from megarl.tools.data_prep.common import read_records
 
     path = tmp_path / "rows.jsonl"
     path.write_text('{"q": "a\u2028b"}\r\n{"q": "c\u0085d"}\n\n', encoding="utf-8")

@@ -21,7 +21,7 @@ from megarl.hybrid_engine.weight_shards import ShardSpec, check_shards
 from megarl.models.dims import ModelDims
 from megarl.plan.known_models import resolve_model
 from megarl.run.checks import _check_moe_options
-from megarl.testing.assets import tiny_qwen3_dir, tiny_qwen3_moe_dir
+from megarl.tools.testing.assets import tiny_qwen3_dir, tiny_qwen3_moe_dir
 
 
 def test_auto_is_shard_where_the_backend_takes_slices():

@@ -18,7 +18,7 @@ MODELS = ("tiny-qwen2", "tiny-llama", "smollm2")
 
 
 def resolve_model(name: str) -> str:
-    from megarl.testing import assets
+    from megarl.tools.testing import assets
 
     builders = {
         "tiny-qwen2": assets.tiny_qwen2_dir,

@@ -16,7 +16,7 @@ Sources:
   column (string or messages) and `chosen`/`rejected` as message lists holding the whole
   conversation (prompt turns + reply) or only the reply, or as reply strings. The project's own
   output files have this shape too, so they read back as a local source.
-- synthetic-gsm: GSM-Symbolic problems (see megarl.data_prep.common) with a chosen reply ending in the
+- synthetic-gsm: GSM-Symbolic problems (see megarl.tools.data_prep.common) with a chosen reply ending in the
   correct '#### <answer>' and a rejected one that megarl.rewards.gsm8k scores 0:
   * default ("wrong-final"): both replies carry the same worked reasoning; the rejected one's
     final line gives the answer off by a small offset with the same number of digits, so both
@@ -45,7 +45,7 @@ import pyarrow as pa
 
 from megarl.data.chat import to_messages
 from megarl.data.errors import DataError
-from megarl.data_prep.common import (
+from megarl.tools.data_prep.common import (
     GSM8K_DATA_SOURCE,
     GSM8K_INSTRUCTION,
     PrepareError,
@@ -141,7 +141,7 @@ def pairs_table(pairs: Sequence[PreferencePair], split: str) -> pa.Table:
 class PairFilter:
     """Which pairs to keep: at most `max_chars` characters (prompt contents + the longer reply),
     and with `ascii_only` only printable ASCII and newlines (what the tiny character tokenizer
-    of megarl.testing.assets covers)."""
+    of megarl.tools.testing.assets covers)."""
 
     max_chars: int | None = None
     ascii_only: bool = False

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from megarl.data_prep.common import PrepareError, write_parquet_atomic
+from megarl.tools.data_prep.common import PrepareError, write_parquet_atomic
 
 DATA_SOURCE = "arithmetic"
 

@@ -202,7 +202,7 @@ def _config_folder(root: Path, name: str) -> Path:
 
 def _parity_folder(name: str, root: Path) -> tuple[Path, str]:
     """(HF folder, how it was made) for a parity model."""
-    from megarl.testing import assets as offline_assets
+    from megarl.tools.testing import assets as offline_assets
 
     if name == "tiny-qwen2":
         return offline_assets.tiny_qwen2_dir(), "random tiny Qwen2"
@@ -589,7 +589,7 @@ def _grpo_data(path: Path, rows: int) -> None:
 
 def _grpo_config(work: Path, size: Size) -> Path:
     from megarl.backends import installed
-    from megarl.testing import assets as offline_assets
+    from megarl.tools.testing import assets as offline_assets
 
     _grpo_data(work / "data" / "train.parquet", 4 * size.grpo_prompts)
     tracking = f"sqlite:///{work / 'mlflow.db'}" if installed("mlflow") else "none"

@@ -103,7 +103,8 @@ def run(cfg: Path, out: Path, procs: int, *overrides: str) -> list[dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"megarl train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    print(f"  {' '.join(overrides) or 'colocated'}: {time.perf_counter() - t0:.0f} s", flush=True)
+    what = " ".join(overrides) or "colocated"
+    print(f"  {what}, {procs} processes: {time.perf_counter() - t0:.0f} s", flush=True)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

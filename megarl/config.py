@@ -870,11 +870,6 @@ def _validate_elastic(e: ElasticConfig) -> None:
 
 
 def _validate_recompute(model: ModelConfig) -> None:
-    if model.recompute in ("True", "False", "true", "false"):
-        raise ConfigError(
-            f"model.recompute={model.recompute} is the old on/off form; it now names the kind: "
-            "none | selective | full (the old true is full)"
-        )
     if model.recompute_num_layers < 1:
         raise ConfigError(
             f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1 "

@@ -15,7 +15,8 @@ A training run keeps ``ROOT/step_00000100/`` folders and a ``ROOT/latest`` file 
 every function taking a checkpoint path also accepts such a root.
 
 Saving is atomic: every rank writes into a hidden ``.NAME.partial-*`` sibling folder, which rank 0
-renames to ``NAME`` once the whole checkpoint is on disk. A crash leaves only the hidden folder.
+flushes to disk and renames to ``NAME`` once the whole checkpoint is written
+(:func:`megarl.checkpoint.atomic.publish`). A crash leaves only the hidden folder.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 import megarl.checkpoint.manifest as manifest
+from megarl.checkpoint.atomic import publish
 from megarl.checkpoint.safe_load import safe_strategies
 from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
 from megarl.dtypes import dtype_from_name, dtype_name
@@ -247,14 +249,9 @@ def _barrier() -> None:
 
 
 def _commit(tmp: Path, final: Path, overwrite: bool) -> None:
-    old = None
     if final.exists():
         check_destination(final, overwrite)
-        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-        os.rename(final, old / final.name)
-    os.rename(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    publish(tmp, final)
 
 
 @contextmanager

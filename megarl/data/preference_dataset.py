@@ -93,6 +93,7 @@ class PreferenceDataset(ShardedDataset[PreferenceItem]):
             shuffle=shuffle,
             drop_last=drop_last,
             window_rows=window_rows,
+            counters=("truncated",),
         )
 
     def metrics(self) -> dict[str, float]:

@@ -9,18 +9,18 @@ Schema, per file:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow.fs as pafs
 
-from megarl.data.batching import Rows, ShardBatches
+from megarl.data.batching import Rows
 from megarl.data.chat import encode_prompts, to_messages
 from megarl.data.errors import DataError
-from megarl.data.parquet_source import ParquetFileInfo, fingerprint, inspect_files, resolve_files
+from megarl.data.parquet_source import ParquetFileInfo
 from megarl.data.schema import ANY, REWARD_MODEL, STRING, TEXT_OR_MESSAGES, check_columns
-from megarl.data.shard_reader import ShardReader
+from megarl.data.sharded import ShardedDataset, open_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,7 +56,7 @@ class PromptItem:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class PromptDataset:
+class PromptDataset(ShardedDataset[PromptItem]):
     """This data-parallel rank's prompts, `batch_size_per_rank` at a time, in lockstep with the
     other ranks (the same `steps_per_epoch` everywhere).
 
@@ -104,67 +104,35 @@ class PromptDataset:
         self.overlong_prompts = overlong_prompts
         self.apply_chat_template = apply_chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        fs, paths = resolve_files(files, filesystem, what=setting)
-        infos = inspect_files(fs, paths)
+        fs, infos = open_files(files, filesystem, setting)
         check_prompt_files(infos, require_ground_truth)
         columns = None
         if extra_columns is not None:
             for info in infos:
                 check_columns(info, dict.fromkeys(extra_columns, ANY), hint="(from extra_columns)")
             columns = [*_KNOWN, *extra_columns]
-        self.files = infos
-        self.reader = ShardReader(
+        super().__init__(
             fs,
             infos,
+            self._encode,
+            kind="prompt",
+            batch_size_per_rank=batch_size_per_rank,
             dp_rank=dp_rank,
             dp_size=dp_size,
             seed=seed,
             shuffle=shuffle,
+            drop_last=drop_last,
             window_rows=window_rows,
             columns=columns,
         )
-        self._locate = self.reader.locate
-        self._batches: ShardBatches[PromptItem] = ShardBatches(
-            self.reader,
-            self._encode,
-            kind="prompt",
-            batch_size=batch_size_per_rank,
-            drop_last=drop_last,
-            fingerprint=fingerprint(infos),
-        )
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self._batches.steps_per_epoch
-
-    @property
-    def epoch(self) -> int:
-        return self._batches.state.epoch
-
-    @property
-    def num_rows(self) -> int:
-        """Rows in the whole dataset (all ranks)."""
-        return self.reader.total_rows
-
-    def __iter__(self) -> Iterator[list[PromptItem]]:
-        return iter(self._batches)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._batches.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._batches.load_state_dict(state)
 
     def metrics(self) -> dict[str, float]:
-        c = self._batches.state.counters
+        c = self.counters
         return {
             "data/epoch": float(self.epoch),
             "data/filtered_overlong_prompts": float(c["dropped"]),
             "data/refilled_prompts": float(c["refilled"]),
         }
-
-    def close(self) -> None:
-        self.reader.close()
 
     def _encode(self, rows: Rows) -> list[PromptItem | None]:
         prompts = []

@@ -163,6 +163,7 @@ class SFTDataset(ShardedDataset[SFTItem]):
             shuffle=shuffle,
             drop_last=drop_last,
             window_rows=window_rows,
+            counters=("truncated",),
         )
 
     def metrics(self) -> dict[str, float]:

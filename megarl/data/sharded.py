@@ -1,5 +1,6 @@
-"""What the supervised datasets (preference pairs, SFT rows) share: files read by footer, this
-rank's shard in lockstep batches, a resumable position, and the counters of dropped rows."""
+"""What every dataset (RL prompts, preference pairs, SFT rows) shares: files read by footer, this
+rank's shard in lockstep batches (DP sharding and epoch shuffling: :mod:`megarl.data.shard_reader`),
+a resumable position, and the counters of dropped rows."""
 
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ class ShardedDataset(Generic[T]):
         shuffle: bool,
         drop_last: bool,
         window_rows: int,
+        columns: Sequence[str] | None = None,
+        counters: Sequence[str] = (),
     ) -> None:
+        """``columns``: the only ones read (None: all); ``counters``: the dataset's own counters
+        (besides ``dropped`` and ``refilled``), kept in its state from 0."""
         self.files = infos
         self.reader = ShardReader(
             fs,
@@ -60,6 +65,7 @@ class ShardedDataset(Generic[T]):
             seed=seed,
             shuffle=shuffle,
             window_rows=window_rows,
+            columns=columns,
         )
         self._locate = self.reader.locate
         self._batches: ShardBatches[T] = ShardBatches(
@@ -70,7 +76,8 @@ class ShardedDataset(Generic[T]):
             drop_last=drop_last,
             fingerprint=fingerprint(infos),
         )
-        self._batches.state.counters.setdefault("truncated", 0)
+        for name in counters:
+            self._batches.state.counters.setdefault(name, 0)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -83,6 +90,11 @@ class ShardedDataset(Generic[T]):
     @property
     def epoch(self) -> int:
         return self._batches.state.epoch
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the whole dataset (all ranks)."""
+        return self.reader.total_rows
 
     def __iter__(self) -> Iterator[list[T]]:
         return iter(self._batches)

@@ -1,8 +1,11 @@
-"""3D-HybridEngine: reshard the actor from megatron's TP x PP layout into a colocated vLLM engine.
+"""3D-HybridEngine: reshard the actor from megatron's TP x PP layout into a colocated rollout engine.
 
-``plan`` is pure (no vLLM, no megatron); ``execute`` moves the planned slices over
-torch.distributed; ``vllm_rollout`` is the rollout engine seam; ``engine`` holds the transitions.
-Import the heavy parts from their modules (``megarl.hybrid_engine.engine.HybridEngine``).
+The seam the trainer uses is :mod:`megarl.hybrid_engine.engine`: ``HybridEngine`` (``to_rollout``,
+``generate``, ``to_train``) over a ``RolloutEngine``, the protocol every rollout backend implements
+(``ROLLOUT_BACKENDS``: vLLM in ``vllm_rollout``, transformers' generate in ``hf_rollout``), built
+by ``make_rollout``. Below it, ``reshard_plan`` is pure (no vLLM, no megatron) and ``execute``
+moves the planned slices over torch.distributed. This package exports only the pure planning
+names; import the engine from its module (``megarl.hybrid_engine.engine.HybridEngine``).
 """
 
 from megarl.hybrid_engine.reshard_plan import ReshardPlan, TensorSpec, plan_reshard

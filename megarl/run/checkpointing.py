@@ -4,8 +4,8 @@ controller, data position and RNG streams, written atomically and loadable at an
 Layout: ``OUT/checkpoints/step_NNNNNNNN/{actor,critic,reward}/`` (megarl checkpoints, which
 checkpoints_tools exports) and ``trainer/trainer_state.pt`` (plain data, written by rank 0, see
 :mod:`megarl.run.trainer_state`); ``OUT/checkpoints/latest`` names the newest complete one.
-Everything is first written under the hidden ``.step_NNNNNNNN.partial`` and renamed at the end,
-so a crash or a failed write mid-save leaves the previous checkpoint as the latest and nothing
+Everything is first written under the hidden ``.step_NNNNNNNN.partial``, flushed to disk and
+renamed at the end (:func:`megarl.checkpoint.atomic.publish`), so a crash or a failed write mid-save leaves the previous checkpoint as the latest and nothing
 half-written under a visible name. Older checkpoints are then removed as ``trainer.keep_last`` /
 ``keep_every`` say (:mod:`megarl.run.retention`). Every file is listed with its size and checksum
 in a manifest (each role folder's, and the step folder's for ``trainer/``), which a resume checks
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import megarl.checkpoint.manifest as manifest
 from megarl import platform
 from megarl.checkpoint import load_checkpoint, save_checkpoint
+from megarl.checkpoint.atomic import publish
 from megarl.checkpoint.safe_metadata import read_dist_metadata
 from megarl.checkpoint.store import MCORE_SUBDIR, model_sharded_state_dict, step_name, write_latest
 from megarl.config import RunConfig
@@ -265,13 +266,8 @@ def _save(root, step, roles, hf_dir, state_in, keep_last, keep_every) -> Path:
             written = state_file.write(stage / "trainer", state)
             # the step's own manifest: what is not in a role folder (those carry theirs)
             manifest.write(stage, [manifest.record(stage, written.relative_to(stage).as_posix())])
-            replaced = root / f".{final.name}.replaced"
-            if final.exists():  # the same step saved again: `latest` never names a missing folder
-                shutil.rmtree(replaced, ignore_errors=True)
-                final.rename(replaced)
-            stage.rename(final)
+            publish(stage, final)  # the same step saved again: the old folder goes aside first
             write_latest(root, final.name)
-            shutil.rmtree(replaced, ignore_errors=True)
     except (OSError, TypeError) as e:
         error = e
     _raise_if_failed(_agree_on_failure(error), root, stage, step)

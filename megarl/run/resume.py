@@ -28,7 +28,7 @@ class Resumed:
 
     step: int = 0
     history: tuple[dict[str, float], ...] = ()
-    tracker_run_id: str | None = None
+    mlflow_run_id: str | None = None
     state: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -63,7 +63,7 @@ def resume(path: Path | None, models: TrainedModels, rank: int) -> Resumed:
     return Resumed(
         step=state["step"],
         history=tuple(state.get("history", [])),
-        tracker_run_id=state.get("mlflow_run_id"),
+        mlflow_run_id=state.get("mlflow_run_id"),
         state=state,
     )
 
@@ -80,7 +80,7 @@ def save(
     models: TrainedModels,
     *,
     data: Mapping[str, Any] | None,  # None: an async trainer's data lives in the rollout group
-    tracker_run_id: str | None,
+    mlflow_run_id: str | None,
     history: list[dict[str, float]],
     **extra: Any,
 ) -> Path:
@@ -90,7 +90,7 @@ def save(
         "kind": cfg.trainer.kind,
         "data": data,
         **extra,
-        "mlflow_run_id": tracker_run_id,
+        "mlflow_run_id": mlflow_run_id,
         "history": history,
     }
     return checkpointing.save(

@@ -70,7 +70,7 @@ def train_supervised(
     if resumed.state:
         parts.train_data.load_state_dict(resumed.state["data"])
     first, history = resumed.step, list(resumed.history)
-    tracker = Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=first)
+    tracker = Tracker(cfg, startup.rank, resumed.mlflow_run_id, start_step=first)
     announce_steps(first, cfg.trainer.total_steps)
     validate = parts.validate if cfg.data.val_files and cfg.trainer.test_freq else None
     if first == 0 and validate is not None:
@@ -79,8 +79,8 @@ def train_supervised(
     batches = EpochBatches(parts.train_data, parts.empty)
 
     def save_checkpoint(step: int) -> Path:
-        data, run_id = parts.train_data.state_dict(), tracker.run_id
-        return save(cfg, step, parts.models, data=data, tracker_run_id=run_id, history=history)
+        data, run_id = parts.train_data.state_dict(), tracker.mlflow_run_id
+        return save(cfg, step, parts.models, data=data, mlflow_run_id=run_id, history=history)
 
     last: dict[str, float] = {}
     for step in range(first, cfg.trainer.total_steps):

@@ -65,10 +65,14 @@ def table_step(rows: list[Row], name: str) -> int:
 
 
 class Tracker:
-    def __init__(self, cfg: RunConfig, rank: int, run_id: str | None = None, start_step: int = 0):
+    def __init__(
+        self, cfg: RunConfig, rank: int, mlflow_run_id: str | None = None, start_step: int = 0
+    ):
         self.enabled = rank == 0
         self.cfg = cfg
-        self.run_id = run_id  # MLflow's run id (kept in checkpoints as mlflow_run_id)
+        # MLflow's run id: kept in checkpoints (their trainer state's mlflow_run_id) and in
+        # RUN_IDS_FILE beside every other logger's
+        self.mlflow_run_id = mlflow_run_id
         self.t_start = time.perf_counter()
         self.output_dir = Path(cfg.trainer.output_dir)
         self.loggers: dict[str, Logger] = {}
@@ -76,9 +80,9 @@ class Tracker:
             return
         t = cfg.trainer
         check_loggers(t.loggers, t.mlflow_tracking_uri)
-        run_ids = self._saved_run_ids() if start_step or run_id else {}
-        if run_id is not None:
-            run_ids["mlflow"] = run_id
+        run_ids = self._saved_run_ids() if start_step or mlflow_run_id else {}
+        if mlflow_run_id is not None:
+            run_ids["mlflow"] = mlflow_run_id
         # Steps after the checkpoint were logged by the run that stopped: they run again now.
         cut_metrics(self.output_dir / METRICS_FILE, start_step)
         settings = TrackingSettings(
@@ -97,7 +101,7 @@ class Tracker:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.loggers = build_loggers(active_loggers(t.loggers, t.mlflow_tracking_uri), settings)
         if "mlflow" in self.loggers:
-            self.run_id = self.loggers["mlflow"].run_id
+            self.mlflow_run_id = self.loggers["mlflow"].run_id
         ids = {name: lg.run_id for name, lg in self.loggers.items() if lg.run_id is not None}
         (self.output_dir / RUN_IDS_FILE).write_text(json.dumps(ids) + "\n")
 

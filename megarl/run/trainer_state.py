@@ -61,13 +61,6 @@ def read(checkpoint: Path) -> dict[str, Any]:
     """The trainer state of a checkpoint folder; refuses anything but plain data."""
     path = checkpoint / "trainer" / FILE
     if not path.is_file():
-        if any((checkpoint / "trainer").glob("rank_*.pt")):
-            raise CheckpointError(
-                f"{checkpoint} was written by an older megarl (per-rank trainer files read with "
-                "pickle), which this version no longer loads; start the run afresh "
-                "(trainer.overwrite=true moves the old one aside) or from a checkpoint written by "
-                "this version"
-            )
         raise CheckpointError(
             f"{path} is missing: {checkpoint} is not a complete training checkpoint; point "
             f"`latest` in {checkpoint.parent} at a complete one or remove it"

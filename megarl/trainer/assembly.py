@@ -92,7 +92,7 @@ class PolicyRun:
     cfg: RunConfig
     startup: Startup  # layout, rank, tokenizer
     spec: AlgorithmSpec
-    models: Roles
+    roles: Roles
     rollout: Rollout
     data: PolicyData
     rewards: RewardSources
@@ -116,9 +116,9 @@ class PolicyRun:
         return save(
             self.cfg,
             step,
-            self.models,
+            self.roles,
             data=self.data.train.state_dict(),
-            tracker_run_id=self.tracker.run_id,
+            mlflow_run_id=self.tracker.mlflow_run_id,
             history=history,
             kl_ctrl=self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             rollouts=self.rollout.engine.rollout_count,
@@ -233,13 +233,13 @@ def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
     return sampling, val_sampling
 
 
-def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
     r = cfg.rollout
     engine = HybridEngine(
         cfg.model.path,
         startup.layout,
-        models.dims,
-        models.actor.ddp,
+        roles.dims,
+        roles.actor.ddp,
         engine_config=engine_config(cfg, startup.rank // startup.layout.rollout_tp),
         backend=r.backend,
         multi_turn=r.env is not None,
@@ -255,8 +255,8 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollou
         engine,
         sampling,
         val_sampling,
-        build_actor_memory(cfg, models),
-        build_role_offload(cfg, models),
+        build_actor_memory(cfg, roles),
+        build_role_offload(cfg, roles),
         turns=turns,
         env_runner=runner,
         max_env_failures=r.max_env_failures,
@@ -296,11 +296,11 @@ def build_env_runner(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> EnvR
     )
 
 
-def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
+def async_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
     """The trainers' link to the rollout group (megarl.trainer.rollout_group)."""
     assert startup.world is not None
-    itemsize = next(models.actor.ddp.parameters()).element_size()
-    plan = weight_plan(models.dims, startup.layout, itemsize)
+    itemsize = next(roles.actor.ddp.parameters()).element_size()
+    plan = weight_plan(roles.dims, startup.layout, itemsize)
     links = make_links(startup.world, plan, platform.distributed_backend())
     assert links.batches is not None
     rank = startup.rank
@@ -308,9 +308,9 @@ def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
     remote = RemoteRollout(
         cfg,
         plan,
-        models.dims,
+        roles.dims,
         startup.layout,
-        models.actor.ddp,
+        roles.actor.ddp,
         links.control,
         links.batches,
         sender,
@@ -323,8 +323,8 @@ def async_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
 ROLLOUT_MODES = {"colocated": colocated_rollout, "async": async_rollout}
 
 
-def build_rollout(cfg: RunConfig, startup: Startup, models: Roles) -> Rollout:
-    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, models)
+def build_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
+    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, roles)
 
 
 def remote_data(cfg: RunConfig, remote: RemoteRollout) -> PolicyData:
@@ -371,22 +371,22 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
         announce(f"reading data: {', '.join(cfg.data.train_files)}")
     data = build_data(cfg, startup) if startup.world is None else None
     announce(f"building models: {', '.join(spec_roles(spec, cfg))}")
-    models = build_roles(cfg, startup.layout, spec)
+    roles = build_roles(cfg, startup.layout, spec)
     rewards = build_rewards(cfg, startup)
     announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
-    rollout = build_rollout(cfg, startup, models)
+    rollout = build_rollout(cfg, startup, roles)
     if rollout.remote is not None:
         data = remote_data(cfg, rollout.remote)
     assert data is not None
     kl_ctrl = make_kl_in_reward_controller(cfg)
-    resumed = resume(resume_from, models, startup.rank)
+    resumed = resume(resume_from, roles, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)
     announce_steps(resumed.step, cfg.trainer.total_steps)
     return PolicyRun(
         cfg=cfg,
         startup=startup,
         spec=spec,
-        models=models,
+        roles=roles,
         rollout=rollout,
         data=data,
         rewards=rewards,
@@ -394,6 +394,6 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
         batching=MicroBatching(
             cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch, cfg.actor.packing
         ),
-        tracker=Tracker(cfg, startup.rank, run_id=resumed.tracker_run_id, start_step=resumed.step),
+        tracker=Tracker(cfg, startup.rank, resumed.mlflow_run_id, start_step=resumed.step),
         resumed=resumed,
     )

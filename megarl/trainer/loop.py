@@ -27,11 +27,11 @@ from megarl.trainer.validation import validation_rollout
 def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetrics:
     """Actor (and critic) PPO updates over the mini-batches; their last step's metrics. When the
     actor's update gives the old logprobs, also the rollout mismatch measured on them."""
-    cfg, models = run.cfg, run.models
+    cfg, roles = run.cfg, run.roles
     from_update = run.spec.old_log_prob_from_update
-    parts = [("actor", models.actor, run.spec.actor_loss, cfg.actor.ppo_epochs)]
-    if models.critic is not None:
-        parts.append(("critic", models.critic, run.spec.critic_loss, cfg.critic.ppo_epochs))
+    parts = [("actor", roles.actor, run.spec.actor_loss, cfg.actor.ppo_epochs)]
+    if roles.critic is not None:
+        parts.append(("critic", roles.critic, run.spec.critic_loss, cfg.critic.ppo_epochs))
     out: StepMetrics = {}
     for role, trainable, loss, epochs in parts:
         with timed(m, f"update_{role}"):
@@ -49,7 +49,7 @@ def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetri
             )
         out.update(declare(hist[-1], run.spec.update_reductions))
     if from_update:
-        mismatch = rollout_mismatch(samples, models.dims.is_moe)
+        mismatch = rollout_mismatch(samples, roles.dims.is_moe)
         out.update(declare(mismatch, LOGPROB_MISMATCH_REDUCTIONS))
     return out
 
@@ -80,9 +80,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         if rollout_is_finite(samples, cfg.trainer.nan_policy == "skip"):
             with timed(m, "experience"):
                 m.update(
-                    compute_experience(
-                        cfg, run.spec, run.models, samples, run.kl_ctrl, run.batching
-                    )
+                    compute_experience(cfg, run.spec, run.roles, samples, run.kl_ctrl, run.batching)
                 )
             m.update(update_models(run, samples, m))
             if cfg.trainer.dump_rollouts:

@@ -105,12 +105,12 @@ def score(run: PolicyRun, batch: StepBatch, m: StepMetrics) -> None:
         return
     with timed(m, "old_log_prob"):
         batch.mismatch = score_old_log_probs(
-            run.models.actor.model,
+            run.roles.actor.model,
             batch.samples,
-            run.models.dims.vocab_size,
+            run.roles.dims.vocab_size,
             run.spec.temperature,
             run.batching,
-            run.models.dims.is_moe,
+            run.roles.dims.is_moe,
         )
 
 

@@ -168,25 +168,25 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     startup = Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)
     spec = resolve_algorithm(cfg, ModelDims.from_pretrained(model_dir).vocab_size)
-    models = build_roles(cfg, layout, spec)
-    ddp = models.actor.ddp
+    roles = build_roles(cfg, layout, spec)
+    ddp = roles.actor.ddp
 
     def grad_bytes() -> int:
         return sum(b.grad_data.untyped_storage().nbytes() for b in ddp.buffers)
 
     events: list = []
-    fake = RecordingRollout(layout.rollout_tp, models.dims.vocab_size, events, grad_bytes)
-    models.actor.model.register_forward_pre_hook(
+    fake = RecordingRollout(layout.rollout_tp, roles.dims.vocab_size, events, grad_bytes)
+    roles.actor.model.register_forward_pre_hook(
         lambda module, args: events.append(("forward", grad_bytes()))
     )
-    engine = HybridEngine(model_dir, layout, models.dims, ddp, rollout=fake)
+    engine = HybridEngine(model_dir, layout, roles.dims, ddp, rollout=fake)
     sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_response_length, n=cfg.rollout.n)
     rollout = Rollout(
         engine,
         sampling,
         sampling,
-        build_actor_memory(cfg, models),
-        build_role_offload(cfg, models),
+        build_actor_memory(cfg, roles),
+        build_role_offload(cfg, roles),
     )
     items = [
         PromptItem(
@@ -198,7 +198,7 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         cfg=cfg,
         startup=startup,
         spec=spec,
-        models=models,
+        roles=roles,
         rollout=rollout,
         data=PolicyData(None, None, EpochBatches([items], "no prompts")),  # type: ignore[arg-type]
         rewards=RewardSources.from_config(cfg, None),

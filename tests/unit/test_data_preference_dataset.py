@@ -162,3 +162,25 @@ def test_plain_text_pairs_without_template_end_in_eos(tmp_path: Path) -> None:
     tok = tiny_tokenizer()
     assert tok.decode(item.prompt_ids) == "question 1"
     assert item.chosen_ids == [*tok("1", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+
+
+def test_dp2_rows_and_state_are_pinned(tmp_path: Path) -> None:
+    """The exact pairs each DP2 rank reads (seed 1) and its resume state, as before the datasets
+    shared one implementation."""
+    files = write(tmp_path, pair_rows(30))
+    pinned = {
+        0: [[27, 11, 14], [26, 12, 25], [13, 28, 29]],
+        1: [[19, 3, 18], [1, 17, 4], [2, 15, 16]],
+    }
+    for rank, first in pinned.items():
+        ds = make(files, rank, 2)
+        it = iter(ds)
+        assert [[item.uid for item in next(it)] for _ in range(3)] == first
+        state = ds.state_dict()
+        assert (state["kind"], state["step"], state["cursor"], state["dp_rank"]) == (
+            "preference",
+            3,
+            9,
+            rank,
+        )
+        assert state["counters"] == {"dropped": 0, "refilled": 0, "truncated": 0}

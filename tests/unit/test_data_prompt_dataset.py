@@ -307,3 +307,36 @@ def test_extra_columns_limits_what_is_read_and_passed_through(tmp_path: Path) ->
     assert read["none"] < read["all"] / 4, "the bulky 'document' column is not read at all"
     with pytest.raises(DataError, match=r"part-000\.parquet: missing column 'notes'"):
         make(pattern, extra_columns=["notes"])
+
+
+def test_dp2_rows_and_resume_state_are_pinned(files: str) -> None:
+    """The exact rows each DP2 rank reads (seed 5) before and after a resume, and the resume
+    state's fields, as the dataset gave them before the datasets shared one implementation."""
+    pinned = {
+        0: ([[64, 60, 44, 46], [63, 67, 72, 66], [69, 74, 45, 65]], [70, 68, 73, 62]),
+        1: ([[27, 91, 82, 89], [28, 84, 90, 87], [42, 76, 40, 38]], [43, 79, 85, 80]),
+    }
+    second_epoch = {0: [62, 67, 71, 63], 1: [5, 46, 28, 3]}
+    for rank, (first, after) in pinned.items():
+        ds = make(files, rank, 2)
+        it = iter(ds)
+        assert uids([next(it) for _ in range(3)]) == first
+        state = ds.state_dict()
+        assert {k: v for k, v in state.items() if k != "fingerprint"} == {
+            "format": "megarl.data.state/1",
+            "kind": "prompt",
+            "seed": 5,
+            "epoch": 0,
+            "step": 3,
+            "cursor": 12,
+            "dp_rank": rank,
+            "dp_size": 2,
+            "batch_size_per_rank": 4,
+            "counters": {"dropped": 0, "refilled": 0},
+        }
+        resumed = make(files, rank, 2)
+        resumed.load_state_dict(state)
+        assert uids([next(iter(resumed))]) == uids([next(it)]) == [after]
+        for _ in it:
+            pass
+        assert uids([next(iter(ds))]) == [second_epoch[rank]]

@@ -81,13 +81,6 @@ def test_a_pickle_payload_is_refused_and_does_not_run(tmp_path, writer):
     assert not marker.exists()
 
 
-def test_old_per_rank_files_are_refused_with_the_fix(tmp_path):
-    folder = checkpoint_folder(tmp_path)
-    torch.save({"step": 1}, folder / "trainer" / "rank_0.pt")
-    with pytest.raises(CheckpointError, match=r"older megarl.*trainer.overwrite=true"):
-        trainer_state.read(folder)
-
-
 def test_damaged_file_names_the_folder(tmp_path):
     folder = checkpoint_folder(tmp_path)
     (folder / "trainer" / trainer_state.FILE).write_bytes(b"PK\x03\x04 not really a zip")

@@ -42,7 +42,12 @@ from megarl.hybrid_engine.execute import (
     local_spec_tensors,
 )
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
-from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+from megarl.hybrid_engine.multi_turn import (
+    SampleStart,
+    TurnLimits,
+    rank_output,
+    run_trajectories,
+)
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_plan import plan_reshard
 from megarl.hybrid_engine.tensor_list import actor_tensor_specs
@@ -444,14 +449,7 @@ class HybridEngine:
             step += ts
             seconds = max(seconds, sec)
         check_env_failures(step, max_failed_share)
-        ours = [t for t in step if a * n <= t.sample < b * n]
-        output = RolloutOutput(
-            prompt_index=[t.sample // n - a for t in ours],
-            token_ids=[t.response_ids for t in ours],
-            logprobs=[t.logprobs for t in ours],
-            finish_reasons=[t.finish or "stop" for t in ours],
-            response_masks=[t.mask for t in ours],
-        )
+        ours, output = rank_output(step, a, b, n)
         return RolloutBatch(
             prompts=[p for _, p in mine],
             output=output,

@@ -154,3 +154,20 @@ def run_trajectories(
             else:
                 t.add_env_tokens(list(env_ids))
     return trajectories
+
+
+def rank_output(
+    step: Sequence[Trajectory], start: int, stop: int, n: int
+) -> tuple[list[Trajectory], RolloutOutput]:
+    """The trajectories of prompts ``[start, stop)`` (``n`` samples each, ``sample`` the global
+    index) and the engine output that carries them to a trainer rank, prompt indices counted
+    from ``start``: what both the colocated engine and the asynchronous rollout group hand out."""
+    ours = [t for t in step if start * n <= t.sample < stop * n]
+    output = RolloutOutput(
+        prompt_index=[t.sample // n - start for t in ours],
+        token_ids=[t.response_ids for t in ours],
+        logprobs=[t.logprobs for t in ours],
+        finish_reasons=[t.finish or "stop" for t in ours],
+        response_masks=[t.mask for t in ours],
+    )
+    return ours, output

@@ -53,7 +53,12 @@ from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_me
 from megarl.hybrid_engine.async_links import Links, make_links, weight_plan
 from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
 from megarl.hybrid_engine.execute import hf_shapes_of
-from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+from megarl.hybrid_engine.multi_turn import (
+    SampleStart,
+    TurnLimits,
+    rank_output,
+    run_trajectories,
+)
 from megarl.hybrid_engine.rollout_messages import (
     TRAIN,
     VALIDATION,
@@ -152,14 +157,7 @@ def split_trajectories(
     parts, start = [], 0
     for mine in items:
         stop = start + len(mine)
-        ours = [t for t in step if start * n <= t.sample < stop * n]
-        output = RolloutOutput(
-            prompt_index=[t.sample // n - start for t in ours],
-            token_ids=[t.response_ids for t in ours],
-            logprobs=[t.logprobs for t in ours],
-            finish_reasons=[t.finish or "stop" for t in ours],
-            response_masks=[t.mask for t in ours],
-        )
+        ours, output = rank_output(step, start, stop, n)
         parts.append(
             Part(list(mine), output, [[version] * len(t.response_ids) for t in ours], ours)
         )

@@ -43,10 +43,11 @@ from megarl.hybrid_engine.execute import (
 )
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
 from megarl.hybrid_engine.multi_turn import (
-    SampleStart,
     TurnLimits,
+    merge_engine_trajectories,
     rank_output,
     run_trajectories,
+    sample_starts,
 )
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_plan import plan_reshard
@@ -423,11 +424,7 @@ class HybridEngine:
         lo, hi = self._engine_slice(len(everything), engine)
         rollout_index = self._rollouts
         self._rollouts += 1
-        starts = [
-            SampleStart(sample=g * n + j, row=everything[g][0], fallback_prompt=everything[g][1])
-            for g in range(lo, hi)
-            for j in range(n)
-        ]
+        starts = sample_starts(everything, lo, hi, n)
         leader = self.runs_environments
         trajectories = run_trajectories(
             self.rollout,
@@ -443,11 +440,7 @@ class HybridEngine:
         env_s = runner.take_seconds() if leader and runner is not None else 0.0
         results: list = [None] * world
         dist.all_gather_object(results, (engine, trajectories, env_s) if leader else None)
-        step: list[Trajectory] = []
-        seconds = 0.0
-        for _, ts, sec in sorted((r for r in results if r is not None), key=lambda r: r[0]):
-            step += ts
-            seconds = max(seconds, sec)
+        step, seconds = merge_engine_trajectories(results)
         check_env_failures(step, max_failed_share)
         ours, output = rank_output(step, a, b, n)
         return RolloutBatch(

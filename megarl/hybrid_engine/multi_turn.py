@@ -171,3 +171,29 @@ def rank_output(
         response_masks=[t.mask for t in ours],
     )
     return ours, output
+
+
+def sample_starts(
+    rows: Sequence[tuple[dict, list[int]]], lo: int, hi: int, n: int
+) -> list[SampleStart]:
+    """The samples of prompts ``[lo, hi)`` of a step's ``rows`` ((dataset row, fallback prompt
+    ids) of every data-parallel rank in order), ``n`` each, numbered by their global index."""
+    return [
+        SampleStart(sample=g * n + j, row=rows[g][0], fallback_prompt=rows[g][1])
+        for g in range(lo, hi)
+        for j in range(n)
+    ]
+
+
+def merge_engine_trajectories(
+    gathered: Sequence[tuple[int, list[Trajectory], float] | None],
+) -> tuple[list[Trajectory], float]:
+    """Every engine's (engine index, trajectories, environment seconds), gathered from all ranks
+    (None from ranks that ran no environment), as one step in engine order and the slowest
+    engine's environment seconds."""
+    step: list[Trajectory] = []
+    seconds = 0.0
+    for _, trajectories, sec in sorted((r for r in gathered if r is not None), key=lambda r: r[0]):
+        step += trajectories
+        seconds = max(seconds, sec)
+    return step, seconds

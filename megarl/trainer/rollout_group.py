@@ -54,10 +54,11 @@ from megarl.hybrid_engine.async_links import Links, make_links, weight_plan
 from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
 from megarl.hybrid_engine.execute import hf_shapes_of
 from megarl.hybrid_engine.multi_turn import (
-    SampleStart,
     TurnLimits,
+    merge_engine_trajectories,
     rank_output,
     run_trajectories,
+    sample_starts,
 )
 from megarl.hybrid_engine.rollout_messages import (
     TRAIN,
@@ -400,11 +401,7 @@ class RolloutGroup:
         lo, hi = engine_slice(len(everything), engines, engine)
         rollout_index = self.rollouts
         self.rollouts += 1
-        starts = [
-            SampleStart(sample=g * n + j, row=everything[g][0], fallback_prompt=everything[g][1])
-            for g in range(lo, hi)
-            for j in range(n)
-        ]
+        starts = sample_starts(everything, lo, hi, n)
         runner = self.env_runner if self.rank % itp == 0 else None
         trajectories = run_trajectories(
             self.engine,
@@ -426,11 +423,7 @@ class RolloutGroup:
         if not self.leader:
             return None
         assert items is not None
-        step: list[Trajectory] = []
-        seconds = 0.0
-        for _, ts, sec in sorted((r for r in results if r is not None), key=lambda r: r[0]):
-            step += ts
-            seconds = max(seconds, sec)
+        step, seconds = merge_engine_trajectories(results)
         check_env_failures(step, self.cfg.rollout.max_env_failures)
         self._rollout_metrics = trajectory_metrics(step, seconds)
         return split_trajectories(step, items, n, self.loaded)

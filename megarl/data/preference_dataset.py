@@ -68,7 +68,7 @@ class PreferenceDataset(ShardedDataset[PreferenceItem]):
         drop_last: bool = True,
         truncation: TruncationPolicy = "error",
         apply_chat_template: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         window_rows: int = 8192,
         filesystem: pafs.FileSystem | None = None,
         setting: str = "data.train_files",

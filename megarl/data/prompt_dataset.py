@@ -86,7 +86,7 @@ class PromptDataset(ShardedDataset[PromptItem]):
         drop_last: bool = True,
         overlong_prompts: OverlongPolicy = "error",
         apply_chat_template: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         require_ground_truth: bool = True,
         extra_columns: Sequence[str] | None = None,
         window_rows: int = 8192,

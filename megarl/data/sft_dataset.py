@@ -92,7 +92,7 @@ def conversation_pieces(
     tokenizer: PreTrainedTokenizerBase,
     messages: Messages,
     where: str,
-    chat_template_kwargs: Mapping[str, Any],
+    chat_template_kwargs: Mapping[str, object],
 ) -> _Pieces:
     """Cut a conversation's rendering into the prompt and the response pieces (assistant turns
     trained, the turns between them not); turns after the last assistant turn are dropped."""
@@ -138,7 +138,7 @@ class SFTDataset(ShardedDataset[SFTItem]):
         shuffle: bool = True,
         drop_last: bool = True,
         truncation: TruncationPolicy = "error",
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         window_rows: int = 8192,
         filesystem: pafs.FileSystem | None = None,
         setting: str = "data.train_files",

@@ -48,7 +48,7 @@ class PreferenceItem:
     chosen_ids: list[int]
     rejected_ids: list[int]
     truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 class PreferenceDataset(ShardedDataset[PreferenceItem]):

@@ -50,10 +50,10 @@ class PromptItem:
     input_ids: list[int]
     prompt: list[dict[str, Any]] | str
     data_source: str
-    ground_truth: Any
-    reward_model: dict[str, Any] | None = None
-    extra_info: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    ground_truth: object
+    reward_model: dict[str, object] | None = None
+    extra_info: object = None
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 class PromptDataset(ShardedDataset[PromptItem]):

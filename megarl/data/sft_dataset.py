@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import pyarrow.fs as pafs
 
@@ -62,7 +62,7 @@ class SFTItem:
     response_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def trained_tokens(self) -> int:
@@ -175,14 +175,14 @@ class SFTDataset(ShardedDataset[SFTItem]):
             "data/refilled_rows": float(c["refilled"]),
         }
 
-    def _cell(self, uid: int, row: dict[str, Any], column: str) -> Any:
+    def _cell(self, uid: int, row: dict[str, object], column: str) -> object:
         if row.get(column) is None:
             raise DataError(
                 f"{self._locate(uid)}: column '{column}' is empty (null); fill or remove the row."
             )
         return row[column]
 
-    def _conversation(self, uid: int, row: dict[str, Any]) -> Messages:
+    def _conversation(self, uid: int, row: dict[str, object]) -> Messages:
         where = self._locate(uid)
         if row.get("messages") is not None or "response" not in row:
             return to_messages(self._cell(uid, row, "messages"), where=where, column="messages")

@@ -14,7 +14,7 @@ import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import is_dataclass
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from megarl.errors import ConfigError
 from megarl.verl_keys import verl_hint
@@ -22,7 +22,7 @@ from megarl.verl_keys import verl_hint
 SHOWN_UNKNOWN = 5
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+def _field_types(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
@@ -61,7 +61,7 @@ def _leaves(tree: Mapping[str, object], prefix: str) -> Iterator[str]:
             yield f"{prefix}{key}"
 
 
-def prepare_layer(cls: type, tree: dict[str, Any], prefix: str = "") -> list[str]:
+def prepare_layer(cls: type, tree: dict[str, object], prefix: str = "") -> list[str]:
     """Take single values as one-element lists where ``cls`` wants a list (in place); return the
     unknown keys of ``tree`` in full (``a.b.c``, not the first unknown level)."""
     types_ = _field_types(cls)

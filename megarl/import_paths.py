@@ -75,7 +75,9 @@ def load_object(spec: str, what: str) -> Any:
     return obj
 
 
-def check_import_path(setting: str, spec: str, keywords: Sequence[str] = ()) -> Callable[..., Any]:
+def check_import_path(
+    setting: str, spec: str, keywords: Sequence[str] = ()
+) -> Callable[..., object]:
     """Import the callable ``spec`` of the config key ``setting`` and check that it can be called
     with the keyword arguments ``keywords``; a ConfigError naming the setting and the fix."""
     what = f"{setting}={spec!r}"

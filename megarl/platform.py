@@ -26,12 +26,13 @@ import importlib
 import os
 import types
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 if TYPE_CHECKING:
+    import numpy as np
     from torch.distributed import ProcessGroup
 
 # what torch takes as a device argument
@@ -145,7 +146,7 @@ class _Dummy:
     def __call__(self, *args: object, **kwargs: object) -> _Dummy:
         return self
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> _Dummy:
         return _Dummy()
 
     def __enter__(self) -> _Dummy:
@@ -158,7 +159,7 @@ class _Dummy:
 class _CpuCuda(types.SimpleNamespace):
     """What megatron sees as ``torch.cuda`` on a CPU-only machine."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(torch.cuda, name)
 
 
@@ -222,9 +223,9 @@ class _CpuTorch(types.ModuleType):
             setattr(self, name, self._factory(getattr(torch, name)))
 
     @staticmethod
-    def _factory(fn):
+    def _factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: object, **kwargs: object) -> torch.Tensor:
             if "device" in kwargs:
                 kwargs["device"] = _cpu_device(kwargs["device"])
             kwargs.pop("pin_memory", None)
@@ -232,7 +233,7 @@ class _CpuTorch(types.ModuleType):
 
         return wrapper
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(torch, name)
 
 
@@ -249,13 +250,13 @@ def _cpu_tensor_methods() -> Iterator[None]:
     ``tensor.cuda()`` leaves a CPU tensor where it is."""
     original_type, original_cuda = torch.Tensor.type, torch.Tensor.cuda
 
-    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def type_(self: torch.Tensor, *args: object, **kwargs: object) -> str | torch.Tensor:
         result = original_type(self, *args, **kwargs)
         if not args and not kwargs:
             return _CUDA_TYPES.get(result, result)
         return result
 
-    def cuda_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def cuda_(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return self
 
     torch.Tensor.type = type_
@@ -267,8 +268,8 @@ def _cpu_tensor_methods() -> Iterator[None]:
         torch.Tensor.cuda = original_cuda
 
 
-def _resolve(module: Any, path: str) -> tuple[Any, str, Any]:
-    owner = module
+def _resolve(module: types.ModuleType, path: str) -> tuple[object, str, Any]:
+    owner: object = module
     *parents, leaf = path.split(".")
     for part in parents:
         owner = getattr(owner, part)
@@ -283,7 +284,7 @@ def _wrap_tensor_methods(module_name: str, path: str) -> None:
     fn = raw.__func__ if (is_static or is_class) else raw
 
     @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: object, **kwargs: object) -> object:
         with _cpu_tensor_methods():
             return fn(*args, **kwargs)
 
@@ -340,7 +341,9 @@ def _adapt_moe() -> None:
         moe_utils.te_general_gemm = None
     original_move = moe_utils.maybe_move_tensor_to_cpu
 
-    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    def move_to_cpu(
+        tensor: torch.Tensor, as_numpy: bool = False, record_stream: bool = False
+    ) -> torch.Tensor | np.ndarray:
         tensor = original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
         if as_numpy and torch.is_tensor(tensor):
             return tensor.numpy()

@@ -13,7 +13,6 @@ take no part in group or batch statistics.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -168,7 +167,7 @@ def compute_advantages(
     response_mask: Tensor,
     values: Tensor | None = None,
     group_ids: Sequence[Hashable] | None = None,
-    **hparams: Any,
+    **hparams: object,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns by the named estimator, computed without autograd (they are
     constants for the loss). NaN/inf in rewards or values at a valid position raises ValueError.
@@ -182,7 +181,7 @@ def compute_advantages(
         )
     mask = as_bool_mask(response_mask)
     check_finite(mask, token_level_rewards=token_level_rewards, values=values)
-    extra: dict[str, Any] = {}
+    extra: dict[str, object] = {}
     if values is not None:
         extra["values"] = values.detach()
     if group_ids is not None:

@@ -18,7 +18,7 @@ batch; otherwise each micro-batch is normalised by its own counts.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
@@ -73,7 +73,7 @@ def seq_mean_token_sum_norm(
     return per_seq.sum() / _seq_denominator(mask, num_seqs, loss_mat.dtype)
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", **kw: Any) -> Tensor:
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", **kw: object) -> Tensor:
     """Aggregate per-token losses with the named mode; ``kw`` are that mode's options."""
     check_same_shape(loss_mat=loss_mat, mask=mask)
     return AGG_MODES.call(mode, loss_mat, mask, **kw)

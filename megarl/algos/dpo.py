@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +185,7 @@ def needs_reference(fn: Callable[..., object]) -> bool:
 
 
 def dpo_loss(
-    name: str, inputs: Mapping[str, Tensor], **kwargs: Any
+    name: str, inputs: Mapping[str, Tensor], **kwargs: object
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """The named loss's per-pair losses ``[P]``, its pair-mean, and the pair-mean metrics:
     ``loss``, ``reward_accuracy`` (share of pairs whose chosen reward is the higher),
@@ -212,7 +211,7 @@ def dpo_loss(
     return losses, losses.mean(), metrics
 
 
-def try_dpo_loss(name: str, kwargs: Mapping[str, Any]) -> None:
+def try_dpo_loss(name: str, kwargs: Mapping[str, object]) -> None:
     """Call the named loss once on two made-up pairs, so a value it refuses fails before launch."""
     logps = torch.tensor([-3.0, -4.0])
     tokens = torch.tensor([2.0, 3.0])

@@ -14,7 +14,7 @@ on tokens sampled from the policy, estimate KL(policy || ref):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, TypedDict
+from typing import Protocol, TypedDict
 
 import torch
 from torch import Tensor
@@ -75,7 +75,7 @@ class KLController(Protocol):
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> None: ...
     def state_dict(self) -> KLState: ...
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def load_state_dict(self, state: KLState) -> None: ...
 
 
 class _ControllerState:
@@ -85,7 +85,7 @@ class _ControllerState:
     def state_dict(self) -> KLState:
         return {"kind": self.kind, "value": float(self.value)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: KLState) -> None:
         if state.get("kind") != self.kind:
             raise ValueError(
                 f"KL controller state is for {state.get('kind')!r}, this is {self.kind!r}"
@@ -137,7 +137,7 @@ class AdaptiveKLController(_ControllerState):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def make_kl_controller(kind: str, **hparams: Any) -> KLController:
+def make_kl_controller(kind: str, **hparams: object) -> KLController:
     """``make_kl_controller("fixed", kl_coef=0.001)`` or
     ``make_kl_controller("adaptive", kl_coef=0.2, target_kl=6.0, horizon=10000)``."""
     return KL_CONTROLLERS.call(kind, **hparams)
@@ -189,7 +189,7 @@ def kl_loss(
     kl_coef: float,
     estimator: str = "k3",
     loss_agg_mode: str = "token-mean",
-    loss_agg_kwargs: Mapping[str, Any] | None = None,
+    loss_agg_kwargs: Mapping[str, object] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL as a loss term (GRPO): ``kl_coef * agg(KL per token)``, with ``metrics["kl_loss"]`` the
     un-scaled KL. Gradients flow to ``log_prob`` only (the reference is a constant)."""

@@ -13,7 +13,6 @@ function and one config word::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -141,9 +140,9 @@ def compute_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
-    loss_agg_kwargs: Mapping[str, Any] | None = None,
+    loss_agg_kwargs: Mapping[str, object] | None = None,
     rollout_is_weights: Tensor | None = None,
-    **hparams: Any,
+    **hparams: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The named policy loss, aggregated to one scalar, and its metrics.
 

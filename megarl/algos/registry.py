@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
 class UnknownNameError(ValueError):
@@ -59,7 +59,7 @@ class Registry(Generic[F]):
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
-    def call(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, /, *args: object, **kwargs: object) -> Any:
         """Look ``name`` up and call it, naming every unknown or missing keyword in one TypeError."""
         fn = self.get(name)
         check_kwargs(fn, f"{self.kind} {name!r}", len(args), kwargs)

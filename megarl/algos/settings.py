@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from megarl.algos.registry import Registry, UnknownNameError
 
@@ -52,13 +51,13 @@ class Choice:
     setting: str
     registry: Registry
     name: str
-    named: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
-    open: Mapping[str, Any] = field(default_factory=dict)
+    named: Mapping[str, tuple[str, object]] = field(default_factory=dict)
+    open: Mapping[str, object] = field(default_factory=dict)
     open_setting: str | None = None
     supplied: frozenset[str] = frozenset()
 
 
-def lookup(choice: Choice) -> Callable[..., Any]:
+def lookup(choice: Choice) -> Callable[..., object]:
     try:
         return choice.registry.get(choice.name)
     except UnknownNameError:
@@ -69,13 +68,13 @@ def lookup(choice: Choice) -> Callable[..., Any]:
         ) from None
 
 
-def resolve_kwargs(choice: Choice) -> dict[str, Any]:
+def resolve_kwargs(choice: Choice) -> dict[str, object]:
     """The keyword arguments to call the chosen function with (only the values given)."""
     fn = lookup(choice)
     params = keyword_parameters(fn)
     takes = sorted(p for p in params if p not in choice.supplied)
     takes_text = ", ".join(takes) if takes else "no settings"
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for param, (setting, value) in choice.named.items():
         if value is None:
             continue
@@ -111,9 +110,9 @@ def resolve_kwargs(choice: Choice) -> dict[str, Any]:
 
 def try_on_tiny_batch(
     policy: Choice,
-    policy_kwargs: Mapping[str, Any],
+    policy_kwargs: Mapping[str, object],
     estimator: Choice,
-    estimator_kwargs: Mapping[str, Any],
+    estimator_kwargs: Mapping[str, object],
 ) -> None:
     """Call the chosen policy loss and advantage estimator once on a 2 x 2 batch, so a value
     they refuse (e.g. ``clip_ratio_c=0.5``) fails before launch rather than at the first update."""
@@ -122,7 +121,7 @@ def try_on_tiny_batch(
     mask = torch.ones(2, 2)
     zeros = torch.zeros(2, 2)
     inputs = positional_inputs(lookup(estimator))
-    extra: dict[str, Any] = {}
+    extra: dict[str, object] = {}
     if "values" in inputs:
         extra["values"] = zeros
     if "group_ids" in inputs:

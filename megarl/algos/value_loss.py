@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,7 +25,7 @@ def compute_value_loss(
     response_mask: Tensor,
     cliprange_value: float | None,
     loss_agg_mode: str = "token-mean",
-    loss_agg_kwargs: Mapping[str, Any] | None = None,
+    loss_agg_kwargs: Mapping[str, object] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss (PPO2 style): ``0.5 * max((V - R)^2, (V_clip - R)^2)`` per token.
 
@@ -62,7 +61,7 @@ def compute_entropy_loss(
     entropy: Tensor,
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
-    loss_agg_kwargs: Mapping[str, Any] | None = None,
+    loss_agg_kwargs: Mapping[str, object] | None = None,
 ) -> Tensor:
     """Aggregated entropy of the policy over the valid tokens (a quantity, not yet a loss sign)."""
     check_same_shape(entropy=entropy, response_mask=response_mask)
@@ -77,7 +76,7 @@ def entropy_bonus(
     *,
     entropy_coef: float,
     loss_agg_mode: str = "token-mean",
-    loss_agg_kwargs: Mapping[str, Any] | None = None,
+    loss_agg_kwargs: Mapping[str, object] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The term to add to the actor loss: ``-entropy_coef * agg(entropy)`` (minimising it raises
     entropy), and ``metrics["entropy"]`` = the aggregated entropy."""

@@ -77,13 +77,13 @@ def causal_lm_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "architectures": archs}
 
 
-def hf_role(cfg: dict[str, Any]) -> str:
+def hf_role(cfg: dict[str, object]) -> str:
     """``critic`` (``*ForTokenClassification``), ``reward`` (``*ForSequenceClassification``), both
     with one label, else ``actor``."""
     return hf_folder_role(cfg)
 
 
-def dims_from_config(cfg: dict[str, Any]) -> ModelDims:
+def dims_from_config(cfg: dict[str, object]) -> ModelDims:
     return ModelDims.from_hf_config(causal_lm_config(cfg))
 
 

@@ -319,7 +319,7 @@ def _unwrap(model):
     return unwrap(model)
 
 
-def model_sharded_state_dict(model) -> dict[str, Any]:
+def model_sharded_state_dict(model) -> dict[str, object]:
     """megatron's sharded state of ``model``, the same whichever layer spec built it.
 
     Tensor keys already agree between the local and the Transformer Engine spec (megatron saves
@@ -348,7 +348,7 @@ def save_checkpoint(
     overwrite: bool = False,
     step: int | None = None,
     source: str | None = None,
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> Path:
     """Save ``model`` (this rank's shard) as a megarl checkpoint at ``path``; collective.
 
@@ -469,7 +469,7 @@ def load_checkpoint(
     *,
     dims: ModelDims,
     role: str,
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (this rank's shard, at any layout); collective.
 

@@ -65,7 +65,7 @@ class HashingFile:
             self._sequential = False
         self.close()
 
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, closed, ...
+    def __getattr__(self, name: str) -> object:  # tell, flush, fileno, closed, ...
         return getattr(self._raw, name)
 
 

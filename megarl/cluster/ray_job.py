@@ -29,7 +29,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megarl.cluster import placement
 from megarl.cluster.job import JobResult, JobSpec
@@ -136,7 +136,7 @@ def _probe(address: str, timeout_s: float) -> None:
         ) from None
 
 
-def _init_within(ray: ModuleType, timeout_s: float, what: str, **kwargs: Any) -> None:
+def _init_within(ray: ModuleType, timeout_s: float, what: str, **kwargs: object) -> None:
     """``ray.init(**kwargs)`` to a running cluster, bounded in time: Ray itself keeps retrying a
     GCS that does not answer for minutes. (Not for a local start: see :meth:`connect`.)"""
     outcome: dict[str, BaseException | None] = {}
@@ -311,7 +311,7 @@ class RayLauncher:
         ranks = []
         for i, (node, local) in enumerate(table):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-            options: dict[str, Any] = {"num_cpus": 1, "num_gpus": 1 if self.kind == "GPU" else 0}
+            options: dict[str, object] = {"num_cpus": 1, "num_gpus": 1 if self.kind == "GPU" else 0}
             if "PYTHONPATH" in os.environ:  # the actor imports megarl from where the driver does
                 options["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
             agent = actor.options(scheduling_strategy=strategy, **options).remote()
@@ -467,7 +467,7 @@ class RayLauncher:
             self.ray.shutdown()
 
 
-def _local_resources(world: int) -> dict[str, Any]:
+def _local_resources(world: int) -> dict[str, object]:
     """A local instance: one CPU per rank on a CPU (so exactly the job's ranks fit), this
     machine's GPUs and CPUs on a GPU machine; a small object store; no dashboard."""
     import torch

@@ -67,7 +67,7 @@ class ShardBatches(Generic[T]):
         # ranks' batches this rank takes from, slice [lo, hi) of their concatenated batch).
         self._remainder: tuple[int, list[ShardBatches[T]], int, int] | None = None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         if self._remainder is not None:
             old_dp, parts, _, _ = self._remainder
             return global_state(old_dp, [p.state.to_dict() for p in parts])

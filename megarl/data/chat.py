@@ -62,7 +62,7 @@ def render_chats(
     conversations: Sequence[Messages],
     *,
     add_generation_prompt: bool,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, object] | None = None,
 ) -> list[str]:
     """Each conversation as the text its chat template makes of it."""
     _require_template(tokenizer)
@@ -92,7 +92,7 @@ def encode_prompts(
     prompts: Sequence[Messages | str],
     *,
     apply_chat_template: bool = True,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, object] | None = None,
 ) -> list[list[int]]:
     """Prompt ids ready for generation: the template with its assistant turn opened.
 
@@ -121,7 +121,7 @@ def encode_responses(
     prompts: Sequence[Messages],
     responses: Sequence[Messages],
     *,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, object] | None = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, response ids) per pair, such that prompt ids + response ids is the templated
     conversation: the response is the text the template adds after the opened assistant turn

@@ -21,7 +21,7 @@ def is_global(state: object) -> bool:
     return isinstance(state, dict) and state.get("format") == GLOBAL_FORMAT
 
 
-def global_state(dp_size: int, ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def global_state(dp_size: int, ranks: Sequence[dict[str, object]]) -> dict[str, object]:
     return {"format": GLOBAL_FORMAT, "dp_size": int(dp_size), "ranks": list(ranks)}
 
 

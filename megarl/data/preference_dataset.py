@@ -48,7 +48,7 @@ class PreferenceItem:
     chosen_ids: list[int]
     rejected_ids: list[int]
     truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 class PreferenceDataset(ShardedDataset[PreferenceItem]):
@@ -68,7 +68,7 @@ class PreferenceDataset(ShardedDataset[PreferenceItem]):
         drop_last: bool = True,
         truncation: TruncationPolicy = "error",
         apply_chat_template: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         window_rows: int = 8192,
         filesystem: pafs.FileSystem | None = None,
         setting: str = "data.train_files",

@@ -50,10 +50,10 @@ class PromptItem:
     input_ids: list[int]
     prompt: list[dict[str, Any]] | str
     data_source: str
-    ground_truth: Any
-    reward_model: dict[str, Any] | None = None
-    extra_info: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    ground_truth: object
+    reward_model: dict[str, object] | None = None
+    extra_info: object = None
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 class PromptDataset(ShardedDataset[PromptItem]):
@@ -86,7 +86,7 @@ class PromptDataset(ShardedDataset[PromptItem]):
         drop_last: bool = True,
         overlong_prompts: OverlongPolicy = "error",
         apply_chat_template: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         require_ground_truth: bool = True,
         extra_columns: Sequence[str] | None = None,
         window_rows: int = 8192,

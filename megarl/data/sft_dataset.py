@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import pyarrow.fs as pafs
 
@@ -62,7 +62,7 @@ class SFTItem:
     response_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def trained_tokens(self) -> int:
@@ -92,7 +92,7 @@ def conversation_pieces(
     tokenizer: PreTrainedTokenizerBase,
     messages: Messages,
     where: str,
-    chat_template_kwargs: Mapping[str, Any],
+    chat_template_kwargs: Mapping[str, object],
 ) -> _Pieces:
     """Cut a conversation's rendering into the prompt and the response pieces (assistant turns
     trained, the turns between them not); turns after the last assistant turn are dropped."""
@@ -138,7 +138,7 @@ class SFTDataset(ShardedDataset[SFTItem]):
         shuffle: bool = True,
         drop_last: bool = True,
         truncation: TruncationPolicy = "error",
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         window_rows: int = 8192,
         filesystem: pafs.FileSystem | None = None,
         setting: str = "data.train_files",
@@ -175,14 +175,14 @@ class SFTDataset(ShardedDataset[SFTItem]):
             "data/refilled_rows": float(c["refilled"]),
         }
 
-    def _cell(self, uid: int, row: dict[str, Any], column: str) -> Any:
+    def _cell(self, uid: int, row: dict[str, object], column: str) -> object:
         if row.get(column) is None:
             raise DataError(
                 f"{self._locate(uid)}: column '{column}' is empty (null); fill or remove the row."
             )
         return row[column]
 
-    def _conversation(self, uid: int, row: dict[str, Any]) -> Messages:
+    def _conversation(self, uid: int, row: dict[str, object]) -> Messages:
         where = self._locate(uid)
         if row.get("messages") is not None or "response" not in row:
             return to_messages(self._cell(uid, row, "messages"), where=where, column="messages")

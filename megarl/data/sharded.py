@@ -5,7 +5,7 @@ a resumable position, and the counters of dropped rows."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -99,10 +99,10 @@ class ShardedDataset(Generic[T]):
     def __iter__(self) -> Iterator[list[T]]:
         return iter(self._batches)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return self._batches.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self._batches.load_state_dict(state)
 
     def close(self) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from megarl.data.errors import DataError
 
@@ -35,7 +34,7 @@ class DataState:
     def at_epoch_start(self) -> bool:
         return self.step == 0 and self.cursor == 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"format": STATE_FORMAT, **dataclasses.asdict(self)}
 
     @classmethod

@@ -72,14 +72,14 @@ class Environment:
 
     context: EnvContext
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: object) -> None:
         if kwargs:
             raise TypeError(
                 f"{type(self).__name__} takes no keyword arguments, got {sorted(kwargs)}; define "
                 "__init__(self, **kwargs) to accept rollout.env_kwargs"
             )
 
-    def reset(self, row: dict[str, Any]) -> list[Message]:
+    def reset(self, row: dict[str, object]) -> list[Message]:
         """The conversation the model answers first, from a dataset row (its columns)."""
         raise NotImplementedError(f"{type(self).__name__} must implement reset(row)")
 
@@ -87,7 +87,7 @@ class Environment:
         """The answer to the model's turn (``messages[-1]``, role ``assistant``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement step(messages)")
 
-    def tool_schemas(self) -> list[dict[str, Any]] | None:
+    def tool_schemas(self) -> list[dict[str, object]] | None:
         """JSON schemas of the tools the model may call (the chat template's ``tools``)."""
         return None
 

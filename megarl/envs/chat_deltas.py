@@ -22,7 +22,7 @@ rendering of the whole conversation.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megarl.data.chat import render_chats, tokenize_texts
 from megarl.envs.base import EnvError, Message
@@ -40,7 +40,7 @@ _PROBE_TOOL = {
     },
 }
 
-Tools = Sequence[Mapping[str, Any]] | None
+Tools = Sequence[Mapping[str, object]] | None
 
 
 class ChatDeltas:
@@ -49,7 +49,7 @@ class ChatDeltas:
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.kwargs = dict(chat_template_kwargs or {})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any
 
 from megarl.envs.base import Environment
 from megarl.errors import ConfigError
@@ -27,7 +26,7 @@ def load_environment(spec: str) -> type[Environment]:
     return cls
 
 
-def check_environment(spec: str, kwargs: Mapping[str, Any]) -> type[Environment]:
+def check_environment(spec: str, kwargs: Mapping[str, object]) -> type[Environment]:
     """The class, with ``rollout.env_kwargs`` checked against its ``__init__`` (no instance made)."""
     cls = load_environment(spec)
     try:
@@ -43,5 +42,5 @@ def check_environment(spec: str, kwargs: Mapping[str, Any]) -> type[Environment]
     return cls
 
 
-def make_environment(cls: type[Environment], kwargs: Mapping[str, Any]) -> Environment:
+def make_environment(cls: type[Environment], kwargs: Mapping[str, object]) -> Environment:
     return cls(**dict(kwargs))

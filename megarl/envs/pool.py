@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from megarl.envs.tools import Tool, ToolCall, ToolError
 
@@ -62,7 +62,7 @@ class ToolPool:
             self._loop, self._semaphore = loop, asyncio.Semaphore(self.max_concurrency)
         return self._semaphore
 
-    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+    async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` in one of the pool's threads (a synchronous environment step)."""
         async with self._slots():
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

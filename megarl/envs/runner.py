@@ -17,7 +17,6 @@ import time
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -49,7 +48,7 @@ class Started:
     env: Environment | None
     messages: list[Message]
     prompt_ids: list[int]
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, object]] | None = None
     error: str | None = None
 
 
@@ -73,7 +72,7 @@ class EnvRunner:
     def __init__(
         self,
         env_cls: type[Environment],
-        env_kwargs: Mapping[str, Any],
+        env_kwargs: Mapping[str, object],
         deltas: ChatDeltas,
         pool: ToolPool,
         run_seed: int,
@@ -91,12 +90,12 @@ class EnvRunner:
         self.loop = asyncio.new_event_loop()
         self.env_seconds = 0.0  # wall time spent in resets and steps, since the last reading
 
-    def _tools(self, env: Environment) -> list[dict[str, Any]] | None:
+    def _tools(self, env: Environment) -> list[dict[str, object]] | None:
         schemas = env.tool_schemas()
         return list(schemas) if schemas and self.deltas.renders_tools else None
 
     # -- resets --------------------------------------------------------------------------------
-    def _reset_one(self, sample: int, row: dict[str, Any], rollout_index: int) -> Started:
+    def _reset_one(self, sample: int, row: dict[str, object], rollout_index: int) -> Started:
         where = f"{self.env_cls.__qualname__}"
         try:
             env = make_environment(self.env_cls, self.env_kwargs)
@@ -130,7 +129,7 @@ class EnvRunner:
         return Started(env, messages, ids, tools)
 
     def reset_all(
-        self, samples: Sequence[tuple[int, dict[str, Any]]], rollout_index: int
+        self, samples: Sequence[tuple[int, dict[str, object]]], rollout_index: int
     ) -> list[Started]:
         t0 = time.perf_counter()
         out = [self._reset_one(s, row, rollout_index) for s, row in samples]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from megarl.data.chat import to_messages
 from megarl.envs.base import Environment, Message, Step, check_messages
@@ -97,7 +96,7 @@ class ToolEnvironment(Environment):
         self._rewarded_call = False
 
     # -- the conversation ----------------------------------------------------------------------
-    def tool_schemas(self) -> list[dict[str, Any]] | None:
+    def tool_schemas(self) -> list[dict[str, object]] | None:
         return [t.schema for t in self.tools.values()] or None
 
     def system_message(self) -> str | None:
@@ -112,7 +111,7 @@ class ToolEnvironment(Environment):
             tools=listed, call_format=CALL_FORMATS.get(self.parser, "")
         )
 
-    def reset(self, row: dict[str, Any]) -> list[Message]:
+    def reset(self, row: dict[str, object]) -> list[Message]:
         prompt = to_messages(row["prompt"], where="ToolEnvironment.reset", column="prompt")
         system = self.system_message()
         head: list[Message] = []

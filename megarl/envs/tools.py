@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from megarl.errors import ConfigError
 
@@ -43,7 +43,7 @@ class ToolCall:
     """One call the model wrote: the tool's name and its arguments (already JSON-decoded)."""
 
     name: str
-    arguments: dict[str, Any]
+    arguments: dict[str, object]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Tool:
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.fn)
 
-    def check_arguments(self, arguments: Mapping[str, Any]) -> str | None:
+    def check_arguments(self, arguments: Mapping[str, object]) -> str | None:
         """Why a call with ``arguments`` cannot run (a message for the model), or None."""
         params = self.schema["function"].get("parameters", {})
         props: dict[str, Any] = params.get("properties", {})
@@ -110,12 +110,20 @@ def function_schema(fn: Callable[..., object], name: str | None = None) -> dict[
     return {"type": "function", "function": function}
 
 
+@overload
+def tool(
+    fn: Callable[..., object], *, name: str | None = None, max_output_chars: int = ...
+) -> Tool: ...
+@overload
+def tool(
+    fn: None = None, *, name: str | None = None, max_output_chars: int = ...
+) -> Callable[[Callable[..., object]], Tool]: ...
 def tool(
     fn: Callable[..., object] | None = None,
     *,
     name: str | None = None,
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
-) -> Any:
+) -> Tool | Callable[[Callable[..., object]], Tool]:
     """A :class:`Tool` from a typed function; usable bare (``@tool``) or with options
     (``@tool(max_output_chars=1000)``)."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory
@@ -55,7 +55,7 @@ class TurnLimits:
 @dataclass(frozen=True)
 class SampleStart:
     sample: int  # index in the whole step
-    row: dict[str, Any]  # the dataset row reset() reads
+    row: dict[str, object]  # the dataset row reset() reads
     fallback_prompt: list[int]  # the row's own prompt ids (a failed reset's trajectory)
 
 

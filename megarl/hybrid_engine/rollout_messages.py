@@ -28,7 +28,7 @@ class Start:
 
     step: int
     next_batch: int
-    data: dict[str, Any] | None
+    data: dict[str, object] | None
     rollouts: int
 
 
@@ -78,7 +78,7 @@ class Generated:
     step: int
     parts: list[list[Part]]
     rollouts: int
-    data: dict[str, Any] | None = None
+    data: dict[str, object] | None = None
     data_metrics: list[dict[str, float]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     draw: int = 0
@@ -88,7 +88,7 @@ class Generated:
     def key(self) -> tuple[str, int, int]:
         return self.kind, self.step, self.draw
 
-    def to_plain(self) -> dict[str, Any]:
+    def to_plain(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod

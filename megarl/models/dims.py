@@ -131,7 +131,7 @@ class ModelDims:
         return cls.from_hf_config(read_hf_config(hf_dir))
 
 
-def _moe_dims(spec: FamilySpec, cfg: dict[str, Any]) -> MoeDims:
+def _moe_dims(spec: FamilySpec, cfg: dict[str, object]) -> MoeDims:
     """The MoE numbers of an MoE family's config (empty for a dense family), validated."""
     if spec.moe_dims is None:
         return {}

@@ -17,12 +17,12 @@ from megarl.models.dims import ModelDims
 from megarl.models.specs import families
 
 
-def _collect() -> dict[str, dict[str, Any]]:
+def _collect() -> dict[str, dict[str, object]]:
     """Canonical name -> config.json subset, from every family spec's ``known_models``."""
     return {name: dict(cfg) for spec in families() for name, cfg in spec.known_models.items()}
 
 
-KNOWN_MODELS: dict[str, dict[str, Any]] = _collect()
+KNOWN_MODELS: dict[str, dict[str, object]] = _collect()
 
 
 def _key(name: str) -> str:
@@ -43,7 +43,7 @@ def known_model_names() -> list[str]:
     return list(KNOWN_MODELS)
 
 
-def known_config(name: str) -> dict[str, Any] | None:
+def known_config(name: str) -> dict[str, object] | None:
     """The config.json subset of a known model (``Qwen/Qwen2.5-7B-Instruct`` works), else None."""
     canonical = _BY_KEY.get(_key(name))
     return dict(KNOWN_MODELS[canonical]) if canonical else None

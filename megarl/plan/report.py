@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 
 from megarl.models.dims import ModelDims
 from megarl.plan.memory import Numerics
@@ -274,7 +273,7 @@ def config_overrides(e: Evaluated, w: Workload | None = None, gpu_memory: int = 
     return out
 
 
-def _evaluated_json(e: Evaluated, result: PlanResult) -> dict[str, Any]:
+def _evaluated_json(e: Evaluated, result: PlanResult) -> dict[str, object]:
     worst = e.memory.worst
     w = result.workload
     overrides = workload_overrides(w, result.numerics) + config_overrides(
@@ -309,7 +308,7 @@ def _evaluated_json(e: Evaluated, result: PlanResult) -> dict[str, Any]:
     }
 
 
-def to_json(result: PlanResult) -> dict[str, Any]:
+def to_json(result: PlanResult) -> dict[str, object]:
     c, w, d = result.cluster, result.workload, result.dims
     groups = result.rejected_by_reason()
     return {

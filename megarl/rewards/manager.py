@@ -13,7 +13,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from megarl.errors import ConfigError, MegarlError
 from megarl.rewards.loading import load_callable, spec_of
@@ -23,7 +22,7 @@ from megarl.rewards.scoring import ScoreOutcome, ScoreTask, run_task
 
 logger = logging.getLogger(__name__)
 
-Scorer = str | Callable[..., Any]
+Scorer = str | Callable[..., object]
 
 
 class RewardError(MegarlError):
@@ -36,8 +35,8 @@ class RewardSample:
 
     data_source: str
     solution_str: str
-    ground_truth: Any
-    extra_info: Any = None
+    ground_truth: object
+    extra_info: object = None
 
 
 @dataclass
@@ -71,7 +70,7 @@ class RewardManager:
         scorers: Mapping[str, Scorer] | None = None,
         *,
         custom_fn: Scorer | None = None,
-        scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+        scorer_kwargs: Mapping[str, Mapping[str, object]] | None = None,
         include_builtin: bool = True,
         num_workers: int = 0,
         timeout_s: float | None = 30.0,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Literal
+from typing import Literal
 
 from megarl.rewards.loading import load_callable
 
@@ -33,13 +33,13 @@ class ScoreTask:
     """
 
     index: int
-    fn: str | Callable[..., Any]
+    fn: str | Callable[..., object]
     style: CallStyle
     data_source: str
     solution_str: str
-    ground_truth: Any
-    extra_info: Any = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    ground_truth: object
+    extra_info: object = None
+    kwargs: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def soft_timeout(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def as_score(value: Any) -> float:
+def as_score(value: object) -> float:
     """A scorer's return value as a finite float: a number, a bool, or a dict with a 'score'."""
     if isinstance(value, dict):
         if "score" not in value:
@@ -92,10 +92,10 @@ def as_score(value: Any) -> float:
     return out
 
 
-_loaded: dict[str, Callable[..., Any]] = {}
+_loaded: dict[str, Callable[..., object]] = {}
 
 
-def resolve_scorer(fn: str | Callable[..., Any]) -> Callable[..., Any]:
+def resolve_scorer(fn: str | Callable[..., object]) -> Callable[..., object]:
     """The scorer a task names, imported once per process."""
     if callable(fn):
         return fn

@@ -204,7 +204,7 @@ def save(
     step: int,
     roles,
     hf_dir: str,
-    state: dict[str, Any],
+    state: dict[str, object],
     *,
     keep_last: int | None = None,
     keep_every: int = 0,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from collections import ChainMap
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -153,7 +152,7 @@ def _owned_blocks(piece: _Piece, lo: int, hi: int, flat: torch.Tensor, key: str)
     return out
 
 
-def _distributed_optimizer_state(opt, model_sd) -> dict[str, Any]:
+def _distributed_optimizer_state(opt, model_sd) -> dict[str, object]:
     """One DistributedOptimizer's sharded state dict, as its ``fully_reshardable`` save would
     make it, with this rank's blocks only."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -194,7 +193,9 @@ def _distributed_optimizer_state(opt, model_sd) -> dict[str, Any]:
     return state
 
 
-def sharded_optimizer_state(optimizer, model_sd) -> dict[str, Any] | dict[int, Any]:
+def sharded_optimizer_state(
+    optimizer, model_sd
+) -> dict[str, object] | dict[int, dict[str, object]]:
     """The sharded state dict that ``optimizer.sharded_state_dict(model_sd, metadata=
     {"distrib_optim_sharding_type": "fully_reshardable"})`` saves, without its gather: for
     megatron's DistributedOptimizer, or a ChainedOptimizer of them (MoE: dense and expert
@@ -207,7 +208,7 @@ def sharded_optimizer_state(optimizer, model_sd) -> dict[str, Any] | dict[int, A
     if len(chained) == 1:
         return _distributed_optimizer_state(chained[0], model_sd)
     optimizer._synchronize_steps()
-    out: dict[int, Any] = {}
+    out: dict[int, dict[str, object]] = {}
     for i, opt in enumerate(chained):
         state = _distributed_optimizer_state(opt, model_sd)
         add_prefix_for_sharding(state, f"chained_{i}.")

@@ -79,10 +79,10 @@ def save(
     step: int,
     models: TrainedModels,
     *,
-    data: Mapping[str, Any] | None,  # None: an async trainer's data lives in the rollout group
+    data: Mapping[str, object] | None,  # None: an async trainer's data lives in the rollout group
     mlflow_run_id: str | None,
     history: list[dict[str, float]],
-    **extra: Any,
+    **extra: object,
 ) -> Path:
     """Checkpoint ``step`` with the trainer state both trainers keep (and ``extra`` entries)."""
     state = {

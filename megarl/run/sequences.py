@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,10 +41,10 @@ class TokenRows:
         """``[b]`` trained tokens per row."""
         return self.loss_mask.sum(-1)
 
-    def schedule_inputs(self, packing: bool) -> dict[str, Any]:
+    def schedule_inputs(self, packing: bool) -> dict[str, Tensor]:
         """What :func:`megarl.models.forward.run_schedule` takes for these rows (with
         ``packing``, one pack of them)."""
-        out: dict[str, Any] = {"input_ids": self.input_ids, "positions": self.positions()}
+        out: dict[str, Tensor] = {"input_ids": self.input_ids, "positions": self.positions()}
         if packing:
             out["seq_lens"] = self.seq_lens
         return out

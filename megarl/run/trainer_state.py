@@ -46,7 +46,7 @@ def check_plain(value: object, where: str = "trainer state") -> None:
     )
 
 
-def write(folder: Path, state: dict[str, Any]) -> Path:
+def write(folder: Path, state: dict[str, object]) -> Path:
     """Write ``state`` (plain data, see :func:`check_plain`) to ``folder/trainer_state.pt``."""
     record = {"format": FORMAT, **state}
     check_plain(record)

@@ -3,7 +3,7 @@ megatron's forward-backward schedule, the finiteness check, the distributed opti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
 
 
-def sum_outputs(outs: Sequence[dict[str, Any]]) -> dict[str, float]:
+def sum_outputs(outs: Sequence[Mapping[str, torch.Tensor | float]]) -> dict[str, float]:
     """The loss function's metrics summed over this rank's micro-batches (each output already
     weighted by its micro-batch's share: the sum is the rank's batch value)."""
     if not outs:

@@ -45,11 +45,14 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megarl import platform
+
+if TYPE_CHECKING:
+    from megarl.models.dims import ModelDims
 
 FP32_LOGIT_BOUND = 1e-4  # max |megarl - transformers| in fp32
 BF16_LOGIT_RELATIVE_BOUND = 2e-2  # max |diff| / max |logit| in bf16
@@ -297,7 +300,7 @@ def _offload_round_trip(ddp, optimizer) -> tuple[bool, int, float, float]:
     return exact, moved.bytes_moved, moved.seconds, onload_s
 
 
-def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, Any, int, tuple]:
+def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, ModelDims, int, tuple]:
     """(seconds per step, dims, measured peak bytes, offload round trip) of megarl's training
     step."""
     from megarl.algos import vocab_parallel_log_probs

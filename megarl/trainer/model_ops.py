@@ -30,7 +30,7 @@ class MicroBatching:
     def split(self, samples: Samples, rows: Sequence[int]) -> list[tuple[list[int], Samples]]:
         return aligned_micro_batches(samples, rows, self.size, self.max_tokens, self.packing)
 
-    def inputs(self, mb: Samples) -> dict[str, Any]:
+    def inputs(self, mb: Samples) -> dict[str, torch.Tensor | Samples]:
         """What :func:`megarl.models.forward.run_schedule` takes for this micro-batch: its ids,
         the response positions, and with packing the rows' real lengths."""
         batch = {"input_ids": mb.input_ids, "mb": mb, "positions": response_positions(mb)}

@@ -96,7 +96,7 @@ class RemoteRollout:
         self._untrained = 0  # 1 while a delivered batch's responses wait for generate()
         self.pushed = -1  # newest weights version broadcast
         self._started = False
-        self._data: dict[str, Any] | None = None  # data position after the delivered batches
+        self._data: dict[str, object] | None = None  # data position after the delivered batches
         self._data_metrics: dict[str, float] = {}
         self._rollouts = 0
         self._step = -1  # the training batch delivered last, and its draw
@@ -248,10 +248,10 @@ class RemoteRollout:
         return {}
 
     # -- data position, checkpoint, end --------------------------------------------------------
-    def data_state(self) -> dict[str, Any] | None:
+    def data_state(self) -> dict[str, object] | None:
         return self._data
 
-    def set_data_state(self, state: dict[str, Any] | None) -> None:
+    def set_data_state(self, state: dict[str, object] | None) -> None:
         self._data = state
 
     def data_metrics(self) -> dict[str, float]:
@@ -266,7 +266,7 @@ class RemoteRollout:
         pending = state.get(PENDING)
         self.pending = Generated.from_plain(pending) if pending else None
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> dict[str, object]:
         """What a checkpoint keeps of the rollout: the next batch when it may already come from
         older weights than the checkpoint's (``max_staleness >= 1``)."""
         if self.cfg.rollout.max_staleness > 0:
@@ -303,10 +303,10 @@ class RemoteTrainData:
     def __init__(self, remote: RemoteRollout) -> None:
         self.remote = remote
 
-    def state_dict(self) -> dict[str, Any] | None:
+    def state_dict(self) -> dict[str, object] | None:
         return self.remote.data_state()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self.remote.set_data_state(state)
 
     def metrics(self) -> dict[str, float]:

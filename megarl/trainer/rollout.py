@@ -16,8 +16,6 @@ Timings: ``timing/rollout_s`` (the transitions and generation), ``timing/reward_
 
 from __future__ import annotations
 
-from typing import Any
-
 from megarl.data import PromptItem
 from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch, gpu_memory_metrics
 from megarl.hybrid_engine.vllm_rollout import SamplingConfig
@@ -70,7 +68,7 @@ def generate(run: PolicyRun, items: list[PromptItem], sampling: SamplingConfig) 
     )
 
 
-def dataset_row(item: PromptItem) -> dict[str, Any]:
+def dataset_row(item: PromptItem) -> dict[str, object]:
     """The parquet row an environment's reset reads: the schema's columns and every other one."""
     return {
         "prompt": item.prompt,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megarl import parallel
 from megarl.trainer.batch import Samples
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
+def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list[dict[str, object]]:
     seq = samples.seq_lens().tolist()
     prompt = samples.prompt_lens.tolist()
     resp = samples.response_lens.tolist()
@@ -31,7 +31,7 @@ def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list
     out = []
     for i in range(samples.size):
         row = ids[i][: seq[i]]
-        record: dict[str, Any] = {
+        record: dict[str, object] = {
             "group": str(samples.group_ids[i]),
             "prompt_ids": row[: prompt[i]],
             "response_ids": row[prompt[i] :],

@@ -61,7 +61,7 @@ class GymnasiumEnvironment(Environment):
             )
         return observation
 
-    def reset(self, row: dict[str, Any]) -> list[Message]:
+    def reset(self, row: dict[str, object]) -> list[Message]:
         observation, _ = self.env.reset(seed=self.seed % (1 << 32), options={"row": row})
         messages: list[Message] = []
         if self.system_prompt is not None:

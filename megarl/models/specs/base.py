@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict
+from typing import Protocol, TypeAlias, TypedDict
 
 from megarl.errors import UnsupportedModelError
 
 ROLES_ALL = ("actor", "reference", "critic", "reward")
+
+# keyword arguments of megatron's TransformerConfig and layer-spec functions: plain values
+MegatronOptions: TypeAlias = dict[str, int | float | str | bool | None]
 
 
 class Dims(Protocol):
@@ -130,21 +133,21 @@ class FamilySpec:
     name: str
     architectures: tuple[str, ...]
     tensor_maps: Callable[[Dims, str], list[TensorMap]]
-    qkv_bias: Callable[[Mapping[str, Any]], bool]
+    qkv_bias: Callable[[Mapping[str, object]], bool]
     qk_layernorm: bool = False
-    check_config: Callable[[Mapping[str, Any]], None] = lambda cfg: None
+    check_config: Callable[[Mapping[str, object]], None] = lambda cfg: None
     roles: tuple[str, ...] = ROLES_ALL
-    known_models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    known_models: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     description: str = ""
-    moe_dims: Callable[[Mapping[str, Any]], MoeDims] | None = None
+    moe_dims: Callable[[Mapping[str, object]], MoeDims] | None = None
 
     @property
     def is_moe(self) -> bool:
         return self.moe_dims is not None
 
-    def megatron_options(self, dims: Dims) -> dict[str, Any]:
+    def megatron_options(self, dims: Dims) -> MegatronOptions:
         """The ``TransformerConfig`` options that depend on the family (the rest are common)."""
-        options = {
+        options: MegatronOptions = {
             "num_layers": dims.num_layers,
             "hidden_size": dims.hidden_size,
             "ffn_hidden_size": dims.ffn_hidden_size,
@@ -161,12 +164,12 @@ class FamilySpec:
             options.update(moe_megatron_options(dims))
         return options
 
-    def layer_spec_options(self, dims: Dims | None = None) -> dict[str, Any]:
+    def layer_spec_options(self, dims: Dims | None = None) -> MegatronOptions:
         """Keyword arguments of megatron's ``get_gpt_layer_*_spec`` for this family.
 
         MoE layers use megatron's sequential experts (one MLP per local expert, the names the
         tensor map knows), not grouped GEMM, which needs Transformer Engine or grouped_gemm."""
-        options: dict[str, Any] = {"qk_layernorm": self.qk_layernorm}
+        options: MegatronOptions = {"qk_layernorm": self.qk_layernorm}
         if dims is not None and dims.num_experts:
             options.update(num_experts=dims.num_experts, moe_grouped_gemm=False)
         return options
@@ -178,7 +181,7 @@ class FamilySpec:
             )
 
 
-def moe_megatron_options(dims: Dims) -> dict[str, Any]:
+def moe_megatron_options(dims: Dims) -> MegatronOptions:
     """megatron's MoE options for a routed-experts layer as the HF families define it.
 
     Router: softmax over all experts then top-k without renormalising (``pre_softmax``), or

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from megarl.models.specs.base import FamilySpec, register_family
 from megarl.models.specs.dense import dense_tensor_maps
 
 
 def _config(
     hidden, layers, heads, kv, ffn, vocab, tied, *, rope_theta, llama31=False, head_dim=None
-) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
+) -> dict[str, object]:
+    cfg: dict[str, object] = {
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": layers,

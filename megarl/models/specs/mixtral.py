@@ -22,7 +22,7 @@ MIXTRAL_NAMES = MoEHFNames(
 )
 
 
-def _check(cfg: Mapping[str, Any]) -> None:
+def _check(cfg: Mapping[str, object]) -> None:
     if cfg.get("sliding_window"):
         raise UnsupportedModelError(
             f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
@@ -43,7 +43,7 @@ def _moe_dims(cfg: Mapping[str, Any]) -> MoeDims:
     }
 
 
-def _config(hidden, layers, heads, kv, ffn, vocab, rope_theta, max_pos) -> dict[str, Any]:
+def _config(hidden, layers, heads, kv, ffn, vocab, rope_theta, max_pos) -> dict[str, object]:
     return {
         "architectures": ["MixtralForCausalLM"],
         "hidden_size": hidden,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from megarl.errors import UnsupportedModelError
 from megarl.models.specs.base import FamilySpec, register_family
 from megarl.models.specs.dense import dense_tensor_maps
 
 
-def _check(cfg: Mapping[str, Any]) -> None:
+def _check(cfg: Mapping[str, object]) -> None:
     if cfg.get("use_sliding_window"):
         raise UnsupportedModelError(
             "sliding-window attention (use_sliding_window=true) is not supported; "
@@ -18,7 +17,7 @@ def _check(cfg: Mapping[str, Any]) -> None:
         )
 
 
-def _config(hidden, layers, heads, kv, ffn, vocab, tied) -> dict[str, Any]:
+def _config(hidden, layers, heads, kv, ffn, vocab, tied) -> dict[str, object]:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "hidden_size": hidden,

@@ -37,7 +37,7 @@ def _moe_dims(cfg: Mapping[str, Any]) -> MoeDims:
     }
 
 
-def _config(hidden, layers, heads, kv, ffn, moe_ffn, experts, topk) -> dict[str, Any]:
+def _config(hidden, layers, heads, kv, ffn, moe_ffn, experts, topk) -> dict[str, object]:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "hidden_size": hidden,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -85,7 +84,7 @@ def problems(
     return out
 
 
-def make_row(question: str, answer: int, split: str, index: int) -> dict[str, Any]:
+def make_row(question: str, answer: int, split: str, index: int) -> dict[str, object]:
     return {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": question}],

@@ -53,7 +53,7 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
-def _json_lines(path: Path, text: str) -> list[dict[str, Any]]:
+def _json_lines(path: Path, text: str) -> list[dict[str, object]]:
     records = []
     # Split on "\n" only: str.splitlines also breaks at U+2028/U+2029/U+0085, which JSON strings
     # may hold unescaped.
@@ -66,7 +66,7 @@ def _json_lines(path: Path, text: str) -> list[dict[str, Any]]:
     return records
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, object]]:
     """The rows of a .parquet, .jsonl or .json file (optionally gzipped) as dicts.
 
     A .json file may hold one JSON list of objects or JSON lines (what `datasets`' to_json

@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Final, Literal
 
 import pyarrow as pa
@@ -58,7 +59,7 @@ from megarl.tools.data_prep.common import (
 
 Messages = list[dict[str, str]]
 Format = Literal["hh-rlhf", "ultrafeedback"]
-RecordGroup = tuple[str, list[dict[str, Any]]]  # (origin, records)
+RecordGroup = tuple[str, list[dict[str, object]]]  # (origin, records)
 
 HH_RLHF: Final = "hh-rlhf"
 ULTRAFEEDBACK: Final = "ultrafeedback"
@@ -119,7 +120,7 @@ class PreferencePair:
             len(self.chosen), len(self.rejected)
         )
 
-    def to_row(self, split: str, index: int) -> dict[str, Any]:
+    def to_row(self, split: str, index: int) -> dict[str, object]:
         return {
             "prompt": [{"role": m["role"], "content": m["content"]} for m in self.prompt],
             "chosen": self.chosen,
@@ -202,7 +203,7 @@ def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages,
     return prompt, c, r
 
 
-def _messages(value: Any, where: str, column: str, role: str) -> Messages:
+def _messages(value: object, where: str, column: str, role: str) -> Messages:
     try:
         messages = to_messages(value, where=where, column=column, role=role)
     except DataError as e:
@@ -210,7 +211,7 @@ def _messages(value: Any, where: str, column: str, role: str) -> Messages:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _string(record: dict[str, Any], column: str, where: str, fmt: str) -> str:
+def _string(record: dict[str, object], column: str, where: str, fmt: str) -> str:
     value = record.get(column)
     if not isinstance(value, str):
         raise PrepareError(
@@ -220,14 +221,14 @@ def _string(record: dict[str, Any], column: str, where: str, fmt: str) -> str:
     return value
 
 
-def hh_rlhf_pair(record: dict[str, Any], where: str) -> tuple[Messages, str, str]:
+def hh_rlhf_pair(record: dict[str, object], where: str) -> tuple[Messages, str, str]:
     """The pair in an hh-rlhf row ({'chosen': transcript, 'rejected': transcript})."""
     chosen = parse_hh_transcript(_string(record, "chosen", where, HH_RLHF))
     rejected = parse_hh_transcript(_string(record, "rejected", where, HH_RLHF))
     return split_conversations(chosen, rejected)
 
 
-def ultrafeedback_pair(record: dict[str, Any], where: str) -> tuple[Messages, str, str]:
+def ultrafeedback_pair(record: dict[str, object], where: str) -> tuple[Messages, str, str]:
     """The pair in a prompt/chosen/rejected row: replies as strings, as message lists of the
     reply alone, or as whole conversations starting with the prompt's turns."""
     chosen = _messages(record.get("chosen"), where, "chosen", "assistant")
@@ -245,7 +246,7 @@ def ultrafeedback_pair(record: dict[str, Any], where: str) -> tuple[Messages, st
     return split_conversations(prompt + chosen, prompt + rejected)
 
 
-_CONVERTERS: dict[str, Callable[[dict[str, Any], str], tuple[Messages, str, str]]] = {
+_CONVERTERS: dict[str, Callable[[dict[str, object], str], tuple[Messages, str, str]]] = {
     HH_RLHF: hh_rlhf_pair,
     ULTRAFEEDBACK: ultrafeedback_pair,
 }
@@ -265,7 +266,7 @@ def detect_format(columns: Iterable[str], where: str) -> Format:
 
 
 def convert_records(
-    records: Sequence[dict[str, Any]],
+    records: Sequence[dict[str, object]],
     *,
     origin: str,
     fmt: Format | None = None,
@@ -385,13 +386,15 @@ def synthetic_gsm_pairs(
 # Loading: the hub and local files
 
 
-def _hub_records_datasets(datasets: Any, repo: str, hub_split: str) -> list[RecordGroup]:
+def _hub_records_datasets(datasets: ModuleType, repo: str, hub_split: str) -> list[RecordGroup]:
     ds = datasets.load_dataset(repo, split=hub_split)
     keep = [c for c in ("prompt", "chosen", "rejected") if c in ds.column_names]
     return [(f"{repo}[{hub_split}]", ds.select_columns(keep).to_list())]
 
 
-def _hub_records_files(hub: Any, source: str, repo: str, hub_split: str) -> list[RecordGroup]:
+def _hub_records_files(
+    hub: ModuleType, source: str, repo: str, hub_split: str
+) -> list[RecordGroup]:
     if source == HH_RLHF:
         files = [f"{subset}/{hub_split}.jsonl.gz" for subset in HH_RLHF_SUBSETS]
     else:

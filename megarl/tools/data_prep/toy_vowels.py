@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
 
 import pyarrow as pa
 
@@ -30,7 +29,7 @@ def _rng(seed: int, index: int, kind: str) -> random.Random:
     return random.Random(f"{seed}/{kind}/{index}")
 
 
-def sft_rows(prompts: Sequence[Any], seed: int = 0) -> list[dict[str, Any]]:
+def sft_rows(prompts: Sequence[object], seed: int = 0) -> list[dict[str, object]]:
     """One SFT row per prompt: the prompt and a reply of vowels."""
     return [
         {"prompt": p, "response": reply(VOWELS, _rng(seed, i, "sft"))}
@@ -38,7 +37,7 @@ def sft_rows(prompts: Sequence[Any], seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
-def preference_rows(prompts: Sequence[Any], seed: int = 0) -> list[dict[str, Any]]:
+def preference_rows(prompts: Sequence[object], seed: int = 0) -> list[dict[str, object]]:
     """One pair per prompt: a reply of vowels (chosen) against one of consonants (rejected)."""
     out = []
     for i, p in enumerate(prompts):
@@ -47,5 +46,5 @@ def preference_rows(prompts: Sequence[Any], seed: int = 0) -> list[dict[str, Any
     return out
 
 
-def table(rows: list[dict[str, Any]]) -> pa.Table:
+def table(rows: list[dict[str, object]]) -> pa.Table:
     return pa.Table.from_pylist(rows)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from megarl.algos.registry import Registry, UnknownNameError
 
 
@@ -117,7 +119,6 @@ def try_on_tiny_batch(
 ) -> None:
     """Call the chosen policy loss and advantage estimator once on a 2 x 2 batch, so a value
     they refuse (e.g. ``clip_ratio_c=0.5``) fails before launch rather than at the first update."""
-    import torch
 
     mask = torch.ones(2, 2)
     zeros = torch.zeros(2, 2)

@@ -13,8 +13,11 @@ from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from megarl import parallel
+from megarl.models.loading import unwrap
+from megarl.models.packing import all_positions, pack, packed_positions
 
 MicroBatch = TypeVar("MicroBatch")
 # loss_fn(output, micro_batch) -> (loss, metrics). ``output`` is the last stage's model output
@@ -95,7 +98,6 @@ _POSITIONS: ContextVar[tuple[_OutputHooks, torch.Tensor | None] | None] = Contex
 def _output_hooks(model) -> _OutputHooks | None:
     """The hooks of the model's output layer (LM head or scalar head), installed on first use;
     None on a stage without one (not the last pipeline stage)."""
-    from megarl.models.loading import unwrap
 
     layer = getattr(unwrap(model), "output_layer", None)
     if layer is None:
@@ -115,7 +117,6 @@ def use_batch_major_output(model, on: bool = True) -> None:
 
 
 def _sequence_parallel(model) -> bool:
-    from megarl.models.loading import unwrap
 
     config = getattr(unwrap(model), "config", None)
     return bool(getattr(config, "sequence_parallel", False)) and parallel.tp_size() > 1
@@ -224,7 +225,6 @@ def _tokens_in(batch: dict[str, Any]) -> int:
 def _packed_forward(model_chunk, batch: dict[str, Any], multiple: int) -> torch.Tensor:
     """The model's output for a micro-batch run as one pack, at ``positions`` (or at every
     position) of the padded rows."""
-    from megarl.models.packing import all_positions, pack, packed_positions
 
     ids = batch["input_ids"]
     packed = pack(ids, batch["seq_lens"], multiple)
@@ -254,7 +254,6 @@ def pad_to_multiple(input_ids: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the last pipeline stage holds it, on every stage (in place; collective)."""
-    import torch.distributed as dist
 
     if parallel.pp_size() > 1:
         dist.broadcast(tensor, src=parallel.pp_last_rank(), group=parallel.pp_group())

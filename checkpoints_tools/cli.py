@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from megarl.errors import CheckpointError, ConfigError, MegarlError
+from megarl.parallel import ParallelLayout
 
 PROG = "python -m checkpoints_tools"
 MODULE = "checkpoints_tools"
@@ -66,7 +68,6 @@ def _in_world(nproc: int, verb_argv: list[str], body: Callable[[], int]) -> int:
 
 
 def _free_port() -> int:
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,7 +85,6 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     from checkpoints_tools.hf_to_mcore import check_hf_source, hf_to_mcore
     from megarl.checkpoint.store import check_destination, check_not_inside
     from megarl.launch import under_launcher
-    from megarl.parallel import ParallelLayout
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.ep, ep=args.ep)
     source = check_hf_source(args.hf, layout, args.role, args.dtype)
@@ -198,7 +198,6 @@ def check_intact(ckpt: Path) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from checkpoints_tools.verify import compare_outputs, compare_tensors, start_report
     from megarl.checkpoint.store import checkpoint_dims
-    from megarl.parallel import ParallelLayout
 
     report = start_report(args.hf, args.ckpt, args.rtol)
     layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.ep, ep=args.ep)

@@ -12,15 +12,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megarl.checkpoint.hf_assets import dims_from_config, hf_role
 from megarl.checkpoint.store import save_checkpoint
 from megarl.dtypes import dtype_from_name
 from megarl.errors import CheckpointError, ConfigError
+from megarl.models.build import ModelOptions, build_gpt_model
 from megarl.models.dims import ModelDims, read_hf_config
 from megarl.models.heads import has_scalar_head
 from megarl.models.hf_map import HEAD_MAPS, tensor_maps
+from megarl.models.loading import load_hf_into_model
 from megarl.models.safetensors_io import SafetensorsReader
-from megarl.parallel import ParallelLayout
+from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
 
 _CONFIG_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -78,11 +82,6 @@ def hf_to_mcore(
     source: HfSource, out: str | Path, layout: ParallelLayout, *, overwrite: bool = False
 ) -> Path:
     """Convert on every rank of ``layout`` (collective; torch.distributed initialised)."""
-    import torch.distributed as dist
-
-    from megarl.models.build import ModelOptions, build_gpt_model
-    from megarl.models.loading import load_hf_into_model
-    from megarl.parallel import destroy_model_parallel, initialize_model_parallel
 
     rank = dist.get_rank()
     t0 = time.perf_counter()

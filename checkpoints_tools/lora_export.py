@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from checkpoints_tools.finite import check_finite
 from megarl.checkpoint.keys import dist_checkpoint_key
@@ -27,6 +28,7 @@ from megarl.checkpoint.store import (
     resolve_checkpoint,
     staged_output,
 )
+from megarl.dtypes import dtype_from_name
 from megarl.errors import CheckpointError
 from megarl.lora_settings import MEGATRON_MODULES, resolve_targets
 from megarl.models.dims import ModelDims
@@ -144,7 +146,6 @@ def export_adapter(
     ckpt: str | Path, out: str | Path, *, dtype: str | None = None, overwrite: bool = False
 ) -> AdapterExport:
     """A peft adapter folder (adapter_config.json + adapter_model.safetensors) from ``ckpt``."""
-    from megarl.dtypes import dtype_from_name
 
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(ckpt)
@@ -155,7 +156,6 @@ def export_adapter(
         tensors = {k: v.to(cast) for k, v in tensors.items()}
     for name, tensor in tensors.items():
         check_finite(name, tensor, ckpt)
-    import torch.distributed as dist
 
     with staged_output(out, overwrite=overwrite) as tmp:
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -12,6 +12,7 @@ The output is written into a hidden temporary folder and renamed at the end.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import shutil
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from checkpoints_tools.finite import check_finite
 from checkpoints_tools.lora_export import (
@@ -42,6 +44,7 @@ from megarl.checkpoint.store import (
     resolve_checkpoint,
     staged_output,
 )
+from megarl.data.chat import pad_token_id
 from megarl.dtypes import dtype_from_name, dtype_name
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
@@ -146,7 +149,6 @@ def shard_file_name(i: int, n: int) -> str:
 
 
 def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -217,8 +219,6 @@ def _pad_token_id(hf_src: Path) -> int | None:
         return None
     from transformers import AutoTokenizer
 
-    from megarl.data.chat import pad_token_id
-
     return pad_token_id(AutoTokenizer.from_pretrained(hf_src))
 
 
@@ -233,7 +233,6 @@ def _write_side_files(tmp: Path, hf_src: Path, cfg: dict, role: str, dtype: torc
         )
         + "\n"
     )
-    import fnmatch
 
     for path in sorted(hf_src.iterdir()):
         if path.name == "config.json" or not path.is_file():

@@ -12,20 +12,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from checkpoints_tools.mcore_to_hf import plan_groups
-from megarl import platform
+from megarl import parallel, platform
 from megarl.checkpoint.hf_assets import read_json
 from megarl.checkpoint.reader import DistCheckpointReader
 from megarl.checkpoint.store import (
     MCORE_SUBDIR,
+    build_model_from_checkpoint,
     checkpoint_dims,
     read_meta,
     resolve_checkpoint,
 )
 from megarl.errors import CheckpointError
+from megarl.models.build import ModelOptions
+from megarl.models.forward import gather_vocab, run_schedule
 from megarl.models.heads import has_scalar_head, hf_folder_role
 from megarl.models.safetensors_io import SafetensorsReader
+from megarl.parallel import destroy_model_parallel, initialize_model_parallel
 
 # Buffers some older HF checkpoints store; they are recomputed, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -164,13 +169,6 @@ def compare_outputs(
     precision than float32, the megatron weights are rounded to it first, so both sides run the
     same weights in float32.
     """
-    import torch.distributed as dist
-
-    from megarl import parallel
-    from megarl.checkpoint.store import build_model_from_checkpoint
-    from megarl.models.build import ModelOptions
-    from megarl.models.forward import gather_vocab, run_schedule
-    from megarl.parallel import destroy_model_parallel, initialize_model_parallel
 
     hf_dir = Path(hf_dir)
     hf_dtype = _hf_dtype(SafetensorsReader(hf_dir))

@@ -9,19 +9,23 @@ import sys
 import time
 from pathlib import Path
 
+from checkpoints_tools.cli import add_verbs
 from megarl.cluster.options import add_launcher_options
-from megarl.console import START_ENV, announce
+from megarl.console import START_ENV, announce, rank_env
+from megarl.entry import main as rank_main
 from megarl.errors import MegarlError
+from megarl.models.dims import ModelDims
+from megarl.parallel import ParallelLayout
+from megarl.plan.cli import add_arguments as add_plan_arguments
+from megarl.plan.cli import run
+from megarl.report import write_report
 
 
 def _demo(args: argparse.Namespace) -> int:
     from megarl.launch import run_torchrun
-    from megarl.parallel import ParallelLayout
 
     layout = ParallelLayout.for_world(args.nproc, tp=args.tp, pp=args.pp)
     if args.model not in ("tiny-qwen2", "tiny-llama", "smollm2"):
-        from megarl.models.dims import ModelDims
-
         layout.check_model(ModelDims.from_pretrained(args.model).shape)
     module_args = [
         "--model",
@@ -54,9 +58,6 @@ def _train(args: argparse.Namespace) -> int:
         return dry_run(args, cfg)
     module_args = [args.config, *overrides]
     if under_launcher():  # already one of torchrun's / srun's ranks
-        from megarl.console import rank_env
-        from megarl.entry import main as rank_main
-
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
     # one process per local GPU on CUDA (DP derived); on CPU tp * pp, plus the rollout group
@@ -90,7 +91,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from megarl.report import write_report
 
     out = write_report(args.run_dir, args.out)
     print(f"report written to {out}")
@@ -98,7 +98,6 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from megarl.plan.cli import run
 
     return run(args)
 
@@ -174,14 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_launcher_options(sub_train)
         add_preflight_arguments(sub_train)
         sub_train.set_defaults(func=_train, forced=[f"trainer.kind={kind}"])
-    from checkpoints_tools.cli import add_verbs
 
     convert = sub.add_parser(
         "convert",
         help="Megatron dist checkpoints <-> Hugging Face (hf-to-mcore, mcore-to-hf, verify)",
     )
     add_verbs(convert)
-    from megarl.plan.cli import add_arguments as add_plan_arguments
 
     plan = sub.add_parser(
         "plan", help="which TP/PP/DP layouts fit a model on N GPUs, memory per GPU, step time"

@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 from megarl.backends import this_machine
 from megarl.config import RunConfig, trainer_world_size, validate
 from megarl.gpu_defaults import Target, check_for_target
@@ -50,8 +52,6 @@ def hardware_for(args: argparse.Namespace, machine: Target) -> Hardware:
     if args.gpu_memory is not None:
         gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
     elif machine.cuda:
-        import torch
-
         gpu_memory = torch.cuda.get_device_properties(0).total_memory
         sources.append(("gpu_memory", "this machine"))
     else:

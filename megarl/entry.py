@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from megarl.console import quiet_rank_console
 from megarl.errors import MegarlError
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ def program(cfg: RunConfig) -> Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     from megarl.config import load_config
-    from megarl.console import quiet_rank_console
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported
     from megarl.backends import set_rank_env

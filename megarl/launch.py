@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -51,7 +52,6 @@ def _adopt_slurm_env() -> None:
 
 def _free_port() -> int:
     """A free local port, so that runs side by side on one machine do not collide."""
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,12 +24,14 @@ import contextlib
 import functools
 import importlib
 import os
+import sys
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     import numpy as np
@@ -119,7 +121,6 @@ def device() -> torch.device:
 
 def collective_device(group: ProcessGroup | None = None) -> torch.device:
     """The device a collective's tensors must be on: CUDA for NCCL, the CPU for gloo."""
-    import torch.distributed as dist
 
     backend = dist.get_backend(group) if dist.is_initialized() else distributed_backend()
     return device() if str(backend) == "nccl" else _CPU
@@ -296,7 +297,6 @@ def _wrap_tensor_methods(module_name: str, path: str) -> None:
     setattr(owner, leaf, wrapped)
     if not isinstance(owner, type):
         # Modules that did `from ... import fn` hold the original: rebind them too.
-        import sys
 
         for mod in list(sys.modules.values()):
             if (
@@ -332,7 +332,6 @@ def _adapt_moe() -> None:
     - gloo's all-gather takes equal pieces only; the dispatcher gathers uneven token counts over
       the TP x EP group (TP>1 with EP>1): pad each piece to the largest, gather, strip.
     """
-    import sys
 
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils
@@ -360,7 +359,6 @@ def _adapt_moe() -> None:
         sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
         if sizes is None or len(set(sizes)) == 1 or group.size() == 1:
             return original_gather(input_, group, output_split_sizes, use_global_buffer)
-        import torch.distributed as dist
 
         padded = torch.zeros(
             (max(sizes), *input_.shape[1:]), dtype=input_.dtype, device=input_.device

@@ -24,6 +24,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -107,7 +109,6 @@ class SplitWorld:
             raise ValueError(f"bridge {name!r}: repeated members {members}")
         if self.rank not in members:
             return None
-        from torch.distributed import PrefixStore
 
         store = PrefixStore(f"megarl/bridge/{name}/", self.store)
         index = members.index(self.rank)
@@ -119,7 +120,6 @@ def make_backend(backend: str, store: dist.Store, rank: int, size: int, timeout:
     """A gloo (CPU tensors) or NCCL (CUDA tensors) process group of its own ranks over
     ``store``, outside torch.distributed's registry of the default group's subgroups: it is
     used through its own methods (:class:`Bridge`)."""
-    import torch.distributed as dist
 
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -145,7 +145,6 @@ class Bridge:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """``tensor`` of member ``src`` into every member's ``tensor`` (contiguous, in place)."""
-        import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = src
@@ -171,7 +170,6 @@ def init_split_world(split: WorldSplit, backend: str, timeout: timedelta) -> Spl
     srun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On a rollout rank RANK and
     WORLD_SIZE are set to its place in the rollout world afterwards, as vLLM's external launcher
     reads them; ``MEGARL_JOB_RANK`` keeps the job's."""
-    import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != split.world_size:

@@ -122,3 +122,79 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+@dataclass(frozen=True)
+class LocalImport:
+    module: str  # the importing module
+    target: str  # the imported module (an own module: the project module it names)
+    own: bool  # a module of the project
+    line: int
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _split_imports(module: str, path: Path, known: dict[str, Path]):
+    """(imports at module level, imports inside functions) of one module; ``if TYPE_CHECKING``
+    blocks are neither (they never run)."""
+    is_package = path.name == "__init__.py"
+    top: list[LocalImport] = []
+    local: list[LocalImport] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                continue
+            inside = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                if isinstance(child, ast.Import):
+                    names = [a.name for a in child.names]
+                else:
+                    base = _absolute(child, module, is_package)
+                    names = [f"{base}.{a.name}" for a in child.names]
+                    if not child.level and base.split(".")[0] not in PACKAGES:
+                        names = [base]
+                for name in names:
+                    owner = _owner(name, known)
+                    found = LocalImport(module, owner or name, owner is not None, child.lineno)
+                    (local if in_function else top).append(found)
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return top, local
+
+
+def local_imports(known: dict[str, Path]) -> list[LocalImport]:
+    """Every import inside a function body (``from m import a, b``: one per name of an own
+    module, one for a library)."""
+    return [imp for m, p in known.items() for imp in _split_imports(m, p, known)[1]]
+
+
+def _libraries(target: str) -> set[str]:
+    """The top-level packages importing ``target`` loads (``safetensors.torch`` loads torch)."""
+    top = target.split(".")[0]
+    return {top, "torch"} if target.startswith("safetensors.torch") else {top}
+
+
+def import_time_libraries(known: dict[str, Path]) -> dict[str, frozenset[str]]:
+    """Module -> the third-party top-level packages importing it loads (its module-level imports,
+    those of the own modules they import and of its enclosing packages, transitively)."""
+    direct: dict[str, tuple[set[str], set[str]]] = {}
+    for m, p in known.items():
+        top = _split_imports(m, p, known)[0]
+        own = {i.target for i in top if i.own and i.target != m}
+        parts = m.split(".")
+        own |= {".".join(parts[:i]) for i in range(1, len(parts))} & set(known)
+        libraries = set().union(*(_libraries(i.target) for i in top if not i.own))
+        direct[m] = (own, libraries)
+    found = {m: set(libraries) for m, (_, libraries) in direct.items()}
+    changed = True
+    while changed:  # to a fixed point: a package and its parts import each other
+        changed = False
+        for m, (own, _) in direct.items():
+            grown = found[m].union(*(found[t] for t in own))
+            if grown != found[m]:
+                found[m], changed = grown, True
+    return {m: frozenset(libraries) for m, libraries in found.items()}

@@ -14,6 +14,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from megarl.algos.registry import Registry, UnknownNameError
 
 
@@ -116,7 +118,6 @@ def try_on_tiny_batch(
 ) -> None:
     """Call the chosen policy loss and advantage estimator once on a 2 x 2 batch, so a value
     they refuse (e.g. ``clip_ratio_c=0.5``) fails before launch rather than at the first update."""
-    import torch
 
     mask = torch.ones(2, 2)
     zeros = torch.zeros(2, 2)

@@ -30,19 +30,26 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import megarl.checkpoint.manifest as manifest
 from megarl.checkpoint.atomic import publish
+from megarl.checkpoint.hf_assets import copy_hf_assets, dims_from_config, read_json
 from megarl.checkpoint.safe_load import safe_strategies
 from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
 from megarl.dtypes import dtype_from_name, dtype_name
 from megarl.errors import CheckpointError, ConfigError
+from megarl.models.build import ModelOptions, build_gpt_model
 from megarl.models.dims import ModelDims
 from megarl.models.heads import has_scalar_head
+from megarl.models.loading import unwrap
+from megarl.models.lora import lora_record
+from megarl.parallel import current_ranks
 
 META_FILE = "megarl_checkpoint.json"
 HF_SUBDIR = "hf"
@@ -94,8 +101,6 @@ class CheckpointMeta:
 
 def megatron_core_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("megatron-core")
     except Exception:
         return ""
@@ -172,7 +177,6 @@ def read_meta(path: str | Path) -> CheckpointMeta:
 
 def checkpoint_dims(ckpt: str | Path) -> ModelDims:
     """The model shape of the Hugging Face config stored in checkpoint ``ckpt``."""
-    from megarl.checkpoint.hf_assets import dims_from_config, read_json
 
     return dims_from_config(read_json(resolve_checkpoint(ckpt) / HF_SUBDIR / "config.json"))
 
@@ -230,21 +234,17 @@ def check_not_inside(out: str | Path, source: str | Path, what: str) -> None:
 
 
 def _dist_active() -> bool:
-    import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _is_rank0() -> bool:
-    import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _barrier() -> None:
     if _dist_active():
-        import torch.distributed as dist
-
         dist.barrier()
 
 
@@ -275,8 +275,6 @@ def staged_output(final: str | Path, *, overwrite: bool = False) -> Iterator[Pat
         except (CheckpointError, OSError) as e:
             box[1] = str(e) if isinstance(e, CheckpointError) else f"cannot create {final}: {e}"
     if _dist_active():
-        import torch.distributed as dist
-
         dist.broadcast_object_list(box, src=0)
     folder, error = box
     if error is not None:
@@ -314,7 +312,6 @@ def _quiet_dist_checkpointing() -> Iterator[None]:
 
 
 def _unwrap(model):
-    from megarl.models.loading import unwrap
 
     return unwrap(model)
 
@@ -333,7 +330,6 @@ def model_sharded_state_dict(model) -> dict[str, object]:
 
 
 def _layout_dict() -> dict[str, int]:
-    from megarl.parallel import current_ranks
 
     r = current_ranks()
     return {"tp": r["tp_size"], "pp": r["pp_size"], "dp": r["dp_size"]}
@@ -359,9 +355,6 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    from megarl.checkpoint.hf_assets import copy_hf_assets
-    from megarl.models.lora import lora_record
-
     if role not in ROLES:
         raise ConfigError(f"unknown role {role!r}; choose one of {ROLES}")
     gpt = _unwrap(model)
@@ -378,8 +371,6 @@ def save_checkpoint(
         _barrier()
         records = written_records(tmp)  # collective: each rank hashes the files it wrote
         if _is_rank0():
-            from megarl.checkpoint.hf_assets import read_json
-
             cfg = read_json(tmp / HF_SUBDIR / "config.json")
             meta = CheckpointMeta(
                 role=role,
@@ -404,7 +395,6 @@ def written_records(folder: Path) -> list[manifest.FileRecord]:
     without one is read back), rank 0 hashes everything else; rank 0 gets them all, the other
     ranks an empty list.
     """
-    import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if _dist_active() else (0, 1)
     if rank == 0:
@@ -517,7 +507,6 @@ def build_model_from_checkpoint(path: str | Path, layout, role: str | None = Non
 
     Returns ``(model, dims, meta)``. ``role`` defaults to the checkpoint's own.
     """
-    from megarl.models.build import ModelOptions, build_gpt_model
 
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)

@@ -17,6 +17,7 @@ gives that module its own ``open`` for the duration of a save (pinned by
 from __future__ import annotations
 
 import builtins
+import importlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,7 +81,6 @@ def hashing_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
 @contextmanager
 def hashed_writes() -> Iterator[None]:
     """Around a ``dist_checkpointing.save``: its data files leave digests beside them."""
-    import importlib
 
     module = importlib.import_module(_WRITER_MODULE)
     had = "open" in vars(module)

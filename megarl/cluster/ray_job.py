@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING
+
+import torch
 
 from megarl.cluster import placement
 from megarl.cluster.job import JobResult, JobSpec
@@ -123,7 +126,6 @@ def resolve_address(address: str | None) -> str:
 
 def _probe(address: str, timeout_s: float) -> None:
     """The head's port accepts connections (fails fast for a wrong host or port)."""
-    import socket
 
     host, _, port = address.rpartition(":")
     try:
@@ -470,7 +472,6 @@ class RayLauncher:
 def _local_resources(world: int) -> dict[str, object]:
     """A local instance: one CPU per rank on a CPU (so exactly the job's ranks fit), this
     machine's GPUs and CPUs on a GPU machine; a small object store; no dashboard."""
-    import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {

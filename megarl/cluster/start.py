@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from megarl.cluster.elastic import Supervisor
 from megarl.cluster.job import Launcher
 from megarl.cluster.layouts import FitCheck, check_min_world_size
+from megarl.cluster.local import LocalLauncher
+from megarl.cluster.memory_fit import gpu_memory_check
+from megarl.cluster.ray_job import RayLauncher
+from megarl.cluster.slurm import SlurmLauncher, allocation_nodes
 from megarl.config import RunConfig
 from megarl.errors import ConfigError
 from megarl.models.dims import ModelDims
@@ -29,8 +35,6 @@ def world_size(launcher: str, nnodes: int | None, nproc_per_node: int, address: 
             "allocation (docs/slurm.md)"
         )
     if launcher == "slurm" and nnodes is None:
-        from megarl.cluster.slurm import allocation_nodes
-
         nnodes = len(allocation_nodes())
     return (nnodes or 1) * nproc_per_node
 
@@ -68,24 +72,17 @@ def start_job(
 
 def _launcher(kind: str, address: str | None, nnodes: int, world: int, verbose: bool) -> Launcher:
     if kind == "ray":
-        from megarl.cluster.ray_job import RayLauncher
-
         return RayLauncher.connect(address, nnodes, world // nnodes, verbose)
     if kind == "slurm":
-        from megarl.cluster.slurm import SlurmLauncher
-
         return SlurmLauncher(nnodes, world // nnodes, verbose)
-    from megarl.cluster.local import LocalLauncher
 
     return LocalLauncher(world, verbose)
 
 
 def _memory_check(cfg: RunConfig, dims: ModelDims) -> FitCheck | None:
     """On CUDA, the planner's memory check of a restart's layout; none on a CPU."""
-    import torch
 
     if not torch.cuda.is_available():
         return None
-    from megarl.cluster.memory_fit import gpu_memory_check
 
     return gpu_memory_check(dims, torch.cuda.get_device_properties(0).total_memory)

@@ -12,6 +12,7 @@ sandboxed Python tool, which is killed.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +104,6 @@ class ToolPool:
 
 
 def _as_text(value: object) -> str:
-    import json
 
     try:
         return json.dumps(value)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import parallel, platform
+from megarl.backends import check_rollout_backend
 from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
@@ -41,6 +42,7 @@ from megarl.hybrid_engine.execute import (
     hf_output_shapes,
     local_spec_tensors,
 )
+from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
 from megarl.hybrid_engine.multi_turn import (
     TurnLimits,
@@ -60,7 +62,7 @@ from megarl.hybrid_engine.vllm_rollout import (
     checkpoint_shapes,
 )
 from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard
-from megarl.models.dims import ModelDims
+from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
 
@@ -141,7 +143,6 @@ def _vllm_rollout(*args) -> RolloutEngine:
 
 
 def _hf_rollout(*args) -> RolloutEngine:
-    from megarl.hybrid_engine.hf_rollout import HFRollout
 
     return HFRollout(*args)
 
@@ -161,7 +162,6 @@ def make_rollout(
     expected_shapes: dict[str, tuple[int, ...]],
 ) -> RolloutEngine:
     """The rollout engine ``rollout.backend`` names, over this rank's inference-TP group."""
-    from megarl.backends import check_rollout_backend
 
     check_rollout_backend(backend)
     return ROLLOUT_BACKENDS[backend](model_dir, infer_tp, config, expected_shapes)
@@ -199,7 +199,6 @@ class HybridEngine:
         multi_turn: bool = False,
         reshard_mode: str = "auto",
     ):
-        from megarl.models.dims import expert_offset, layer_offset
 
         layout.check_rollout()
         self.layout = layout

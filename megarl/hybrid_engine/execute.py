@@ -33,6 +33,7 @@ from megarl.hybrid_engine.reshard_plan import (
 from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import NameIndex, split_qkv, split_qkv_shard, to_naming
+from megarl.models.loading import mapped_parameters
 
 # A bucket as the executor hands it on: [(hf_name, tensor)] in full mode, [(ShardSpec, slice)] in
 # shard mode, [(spec name, tensor)] unconverted.
@@ -83,7 +84,6 @@ def local_spec_tensors(
     The plan names tensors in the local spec's naming; a Transformer Engine model's parameter
     names are converted to it first. An expert's weight is named by its global expert index
     (this rank's first expert is ``expert_offset``)."""
-    from megarl.models.loading import mapped_parameters
 
     index = {s.name: i for i, s in enumerate(specs)}
     local = NameIndex(dims, layer_offset)

@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
 from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard, check_shards
+from megarl.models.safetensors_io import SafetensorsReader
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,6 @@ class VLLMRollout:
         config: EngineConfig | None = None,
         expected_shapes: dict[str, tuple[int, ...]] | None = None,
     ):
-        import torch.distributed as dist
 
         self.model_dir = str(model_dir)
         self.config = config or EngineConfig()
@@ -435,7 +436,6 @@ def _rebuild_cpu_lm_head(worker) -> None:
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes of the checkpoint the rollout engine was built from."""
-    from megarl.models.safetensors_io import SafetensorsReader
 
     reader = SafetensorsReader(model_dir)
     return {n: tuple(reader.shape(n)) for n in reader.names()}

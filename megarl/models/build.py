@@ -19,6 +19,10 @@ from megarl.errors import LayoutError
 from megarl.gpu_defaults import kernel_options
 from megarl.models.dims import ModelDims
 from megarl.models.heads import SCALAR_HEADS, has_scalar_head
+from megarl.models.hf_map import NameIndex
+from megarl.models.loading import load_hf_into_model
+from megarl.models.norm import SequenceParallelTorchNorm
+from megarl.models.rotary import use_cached_rotary
 from megarl.models.value_head import ValueHead
 from megarl.parallel import ParallelLayout
 
@@ -157,8 +161,6 @@ def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None, co
     from megatron.core.transformer.identity_op import IdentityOp
 
     from megarl.models.attention import SDPACoreAttention
-    from megarl.models.norm import SequenceParallelTorchNorm
-    from megarl.models.rotary import use_cached_rotary
 
     use_cached_rotary()  # the local spec's unfused rope, without its per-layer cos/sin and copy
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **family_opts)
@@ -245,8 +247,6 @@ def _mark_tensor_parallel_params(model, dims: ModelDims) -> None:
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    from megarl.models.hf_map import NameIndex
-
     index = NameIndex(dims)
     for name, param in model.named_parameters():
         tm, _ = index.lookup(name)
@@ -267,7 +267,6 @@ def build_model(
     head (critic, reward) is loaded when ``hf_dir`` holds one of that role (a token- or
     sequence-classification folder); from a causal LM it starts fresh (see megarl.models.heads).
     """
-    from megarl.models.loading import load_hf_into_model
 
     dims = ModelDims.from_pretrained(hf_dir)
     layout.check_model(dims.shape)

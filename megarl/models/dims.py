@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import CheckpointError, UnsupportedModelError
+from megarl.models.heads import causal_architecture
 from megarl.models.specs import FamilySpec, family, family_for_architectures
 from megarl.models.specs.base import MoeDims
 from megarl.parallel import ModelShape, ParallelLayout
@@ -80,7 +81,6 @@ class ModelDims:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
-        from megarl.models.heads import causal_architecture
 
         archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
         arch, spec = family_for_architectures(archs, cfg.get("model_type"))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.gpu_defaults import grad_reduce_overlap
+from megarl.models.grad_scale import use_in_place_grad_scaling
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,6 @@ def wrap_for_training(model, settings: OptimSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megarl.models.grad_scale import use_in_place_grad_scaling
     from megarl.models.single_rank_sync import skip_single_rank_collectives
 
     config = model.config

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import parallel
-from megarl.models.dims import ModelDims
+from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.heads import has_scalar_head
 from megarl.models.hf_map import NameIndex, megatron_shards_to_hf
 from megarl.models.loading import mapped_parameters, unwrap
@@ -48,7 +48,6 @@ def iter_stage_hf_tensors(
     An MoE layer's experts are gathered over expert tensor parallelism, then over expert
     parallelism (one expert at a time: every rank of the EP group yields every expert).
     """
-    from megarl.models.dims import layer_offset
 
     pp_rank = parallel.pp_rank()
     index = NameIndex(dims, layer_offset(dims, layout, pp_rank), role=role)
@@ -72,7 +71,6 @@ def iter_stage_hf_tensors(
 def _iter_moe_stage(
     model, dims: ModelDims, layout: ParallelLayout, use_main_grad: bool, role: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    from megarl.models.dims import expert_offset, layer_offset
 
     offset = layer_offset(dims, layout, parallel.pp_rank())
     ep = parallel.ep_size()

@@ -6,12 +6,18 @@ mask is exact for every real token and no attention mask tensor is needed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from megarl import parallel
+from megarl.models.loading import unwrap
+from megarl.models.packing import all_positions, pack, packed_positions
 
 MicroBatch = TypeVar("MicroBatch")
 # loss_fn(output, micro_batch) -> (loss, metrics). ``output`` is the last stage's model output
@@ -28,92 +34,122 @@ def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _select_hook(module, args, kwargs):
-    """Forward pre-hook of the output layer: gather the sequence-parallel hidden states (if the
-    model splits them along the sequence), then keep only those at the chosen positions."""
-    hidden = args[0]  # [s, b, h]; [s / tp, b, h] under sequence parallelism
-    if getattr(module, "_megarl_gather_sequence", False):
-        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+class _OutputHooks:
+    """The output layer's two hooks and their setting, held by the hooks themselves (megarl sets no
+    attribute of its own on megatron's modules): the pre-hook gathers a sequence-parallel input
+    and keeps only the positions of the active :func:`output_positions` scope; the forward hook
+    hands GPTModel an ``[s, b, v]`` view of a batch-major projection."""
 
-        # Backward only splits: the TP reduction of the input gradient is the output layer's own
-        # (ColumnParallelLinear, now run without sequence parallelism, all-reduces it), and a
-        # replicated scalar head gives every TP rank the whole gradient already.
-        hidden = gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=False, group=parallel.tp_group()
-        )
-    index = getattr(module, "_megarl_positions", None)
-    if index is not None and hidden.shape[1] == 1 and index.shape[0] != 1:
-        # A pack ([T, 1, h], see megarl.models.packing): ``index`` holds [b, P] pack positions.
-        hidden = hidden[:, 0][index.to(hidden.device)].transpose(0, 1)  # [P, b, h]
-    elif index is not None:
-        rows = index.t().to(hidden.device)  # [P, b]
-        hidden = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    if getattr(module, "_megarl_batch_major", True):
-        # Batch-major rows: the projection's output is then [b, s, v] in memory, which GPTModel's
-        # closing ``transpose(0, 1).contiguous()`` returns without a copy (_sequence_major_view).
-        hidden = hidden.transpose(0, 1).contiguous()
-    return (hidden, *args[1:]), kwargs
+    def __init__(self, gather_sequence: bool) -> None:
+        self.gather_sequence = gather_sequence
+        self.batch_major = True
+
+    def before(self, module, args, kwargs):
+        """Forward pre-hook: gather the sequence-parallel hidden states (if the model splits them
+        along the sequence), then keep only those at the chosen positions."""
+        hidden = args[0]  # [s, b, h]; [s / tp, b, h] under sequence parallelism
+        if self.gather_sequence:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # Backward only splits: the TP reduction of the input gradient is the output layer's
+            # own (ColumnParallelLinear, now run without sequence parallelism, all-reduces it),
+            # and a replicated scalar head gives every TP rank the whole gradient already.
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=parallel.tp_group()
+            )
+        scope = _POSITIONS.get()
+        index = scope[1] if scope is not None and scope[0] is self else None
+        if index is not None and hidden.shape[1] == 1 and index.shape[0] != 1:
+            # A pack ([T, 1, h], see megarl.models.packing): ``index`` holds [b, P] pack positions.
+            hidden = hidden[:, 0][index.to(hidden.device)].transpose(0, 1)  # [P, b, h]
+        elif index is not None:
+            rows = index.t().to(hidden.device)  # [P, b]
+            hidden = hidden.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        if self.batch_major:
+            # Batch-major rows: the projection's output is then [b, s, v] in memory, which
+            # GPTModel's closing ``transpose(0, 1).contiguous()`` returns without a copy (after).
+            hidden = hidden.transpose(0, 1).contiguous()
+        return (hidden, *args[1:]), kwargs
+
+    def after(self, module, args, kwargs, output):
+        """Forward hook, after :meth:`before` made the rows batch-major: hand GPTModel the
+        ``[s, b, v]`` view it expects of the ``[b, s, v]`` projection.
+
+        GPTModel returns ``logits.transpose(0, 1).contiguous()``; from a sequence-major projection
+        that is a copy of the whole logits tensor, and its backward two more (the transposed
+        gradient made contiguous for the weight and input gradients). Transposing the hidden
+        states instead copies ``hidden / vocab`` as much (576 vs 49,152 values per token on
+        SmolLM2).
+        """
+        if not self.batch_major:
+            return output
+        out, bias = output
+        return out.transpose(0, 1), bias
 
 
-def _sequence_major_view(module, args, kwargs, output):
-    """Forward hook of the output layer, after :func:`_select_hook` made its rows batch-major:
-    hand GPTModel the ``[s, b, v]`` view it expects of the ``[b, s, v]`` projection.
+# The hooks installed on each output layer (weak: a freed model takes its entry with it), and the
+# positions the active output_positions scope selects, with the hooks they are meant for.
+_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, _OutputHooks] = weakref.WeakKeyDictionary()
+_POSITIONS: ContextVar[tuple[_OutputHooks, torch.Tensor | None] | None] = ContextVar(
+    "megarl_output_positions", default=None
+)
 
-    GPTModel returns ``logits.transpose(0, 1).contiguous()``; from a sequence-major projection that
-    is a copy of the whole logits tensor, and its backward two more (the transposed gradient made
-    contiguous for the weight and input gradients). Transposing the hidden states instead copies
-    ``hidden / vocab`` as much (576 vs 49,152 values per token on SmolLM2).
-    """
-    if not getattr(module, "_megarl_batch_major", True):
-        return output
-    out, bias = output
-    return out.transpose(0, 1), bias
+
+def _output_hooks(model) -> _OutputHooks | None:
+    """The hooks of the model's output layer (LM head or scalar head), installed on first use;
+    None on a stage without one (not the last pipeline stage)."""
+
+    layer = getattr(unwrap(model), "output_layer", None)
+    if layer is None:
+        return None
+    hooks = _HOOKS.get(layer)
+    if hooks is None:
+        hooks = _install_output_hooks(layer, _sequence_parallel(model))
+    return hooks
 
 
 def use_batch_major_output(model, on: bool = True) -> None:
     """Whether the model's output layer projects batch-major rows (the default; ``False``:
     megatron's sequence-major layout and its logits copies, for comparisons)."""
-    from megarl.models.loading import unwrap
-
-    layer = getattr(unwrap(model), "output_layer", None)
-    if layer is not None:
-        layer._megarl_batch_major = on
+    hooks = _output_hooks(model)
+    if hooks is not None:
+        hooks.batch_major = on
 
 
 def _sequence_parallel(model) -> bool:
-    from megarl.models.loading import unwrap
 
     config = getattr(unwrap(model), "config", None)
     return bool(getattr(config, "sequence_parallel", False)) and parallel.tp_size() > 1
 
 
-def _install_select_hook(layer, sequence_parallel: bool) -> None:
+def _install_output_hooks(layer: torch.nn.Module, sequence_parallel: bool) -> _OutputHooks:
     """Under sequence parallelism megatron's output layer all-gathers the sequence itself, after
     any pre-hook: the hook takes that gather over (positions are chosen on the whole sequence)
-    and the layer runs as a plain column-parallel linear."""
-    layer.register_forward_pre_hook(_select_hook, with_kwargs=True)
-    layer.register_forward_hook(_sequence_major_view, with_kwargs=True)
-    layer._megarl_select_hook = True
-    layer._megarl_gather_sequence = sequence_parallel
+    and the layer runs as a plain column-parallel linear (its own ``sequence_parallel`` off)."""
+    hooks = _OutputHooks(sequence_parallel)
+    layer.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    layer.register_forward_hook(hooks.after, with_kwargs=True)
     if sequence_parallel and hasattr(layer, "sequence_parallel"):
         layer.sequence_parallel = False
+    _HOOKS[layer] = hooks
+    return hooks
 
 
-def select_output_positions(model, positions: torch.Tensor | None) -> None:
-    """Make the model's output layer (LM head or scalar head) project only ``positions``
-    (``[b, P]`` sequence positions per row) in its next forward, so the output is ``[b, P, ...]``.
+@contextlib.contextmanager
+def output_positions(model, positions: torch.Tensor | None) -> Iterator[None]:
+    """Inside the block, the model's output layer (LM head or scalar head) projects only
+    ``positions`` (``[b, P]`` sequence positions per row), so the output is ``[b, P, ...]``;
+    ``None``: every position. The scope ends with the block, exception or not.
 
     RL losses need the outputs at response positions only; projecting every prompt position onto a
-    150k vocabulary dominates a step's time and memory. ``None`` restores all positions.
+    150k vocabulary dominates a step's time and memory.
     """
-    from megarl.models.loading import unwrap
-
-    layer = getattr(unwrap(model), "output_layer", None)
-    if layer is None:  # not the last pipeline stage
-        return
-    if not getattr(layer, "_megarl_select_hook", False):
-        _install_select_hook(layer, _sequence_parallel(model))
-    layer._megarl_positions = positions
+    hooks = _output_hooks(model)
+    token = _POSITIONS.set(None if hooks is None else (hooks, positions))
+    try:
+        yield
+    finally:
+        _POSITIONS.reset(token)
 
 
 def run_schedule(
@@ -126,7 +162,7 @@ def run_schedule(
     """Run megatron's forward(-backward) schedule; returns loss_fn's metrics (last stage, else []).
 
     A micro-batch may carry ``positions`` ([b, P]): the last stage then computes its output at
-    those sequence positions only (see :func:`select_output_positions`). A micro-batch carrying
+    those sequence positions only (see :func:`output_positions`). A micro-batch carrying
     ``seq_lens`` ([b] real lengths of its right-padded rows) runs packed: its rows end to end in
     one sequence, attention and rotary positions per row (:mod:`megarl.models.packing`); the
     output keeps the padded run's ``[b, P or L, ...]`` shape.
@@ -152,10 +188,10 @@ def run_schedule(
             all_positions = False  # the pack's outputs come at [b, L] positions already
         else:
             padded = pad_to_multiple(ids, multiple)
-            select_output_positions(model_chunk, batch.get("positions"))
-            output = model_chunk(
-                input_ids=padded, position_ids=position_ids_like(padded), attention_mask=None
-            )
+            with output_positions(model_chunk, batch.get("positions")):
+                output = model_chunk(
+                    input_ids=padded, position_ids=position_ids_like(padded), attention_mask=None
+                )
 
         def loss_func(out: torch.Tensor):
             if all_positions and out.shape[1] != seq:
@@ -189,20 +225,19 @@ def _tokens_in(batch: dict[str, Any]) -> int:
 def _packed_forward(model_chunk, batch: dict[str, Any], multiple: int) -> torch.Tensor:
     """The model's output for a micro-batch run as one pack, at ``positions`` (or at every
     position) of the padded rows."""
-    from megarl.models.packing import all_positions, pack, packed_positions
 
     ids = batch["input_ids"]
     packed = pack(ids, batch["seq_lens"], multiple)
     positions = batch.get("positions")
     if positions is None:
         positions = all_positions(ids)
-    select_output_positions(model_chunk, packed_positions(packed, positions))
-    return model_chunk(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
-        attention_mask=None,
-        packed_seq_params=packed.seq_params(),
-    )
+    with output_positions(model_chunk, packed_positions(packed, positions)):
+        return model_chunk(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            packed_seq_params=packed.seq_params(),
+        )
 
 
 def pad_to_multiple(input_ids: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -219,7 +254,6 @@ def pad_to_multiple(input_ids: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the last pipeline stage holds it, on every stage (in place; collective)."""
-    import torch.distributed as dist
 
     if parallel.pp_size() > 1:
         dist.broadcast(tensor, src=parallel.pp_last_rank(), group=parallel.pp_group())

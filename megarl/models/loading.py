@@ -8,7 +8,8 @@ import torch
 
 from megarl import parallel
 from megarl.errors import CheckpointError
-from megarl.models.dims import ModelDims
+from megarl.models.dims import ModelDims, expert_offset, layer_offset, read_hf_config
+from megarl.models.heads import has_scalar_head, hf_folder_role
 from megarl.models.hf_map import NameIndex, hf_to_megatron_shard
 from megarl.models.safetensors_io import SafetensorsReader
 from megarl.models.value_head import ValueHead
@@ -43,8 +44,6 @@ def load_hf_into_model(
     A scalar head (critic, reward) is loaded too when ``hf_dir`` is a folder of that role;
     otherwise it keeps its fresh start.
     """
-    from megarl.models.dims import expert_offset, layer_offset, read_hf_config
-    from megarl.models.heads import has_scalar_head, hf_folder_role
 
     tp_rank, tp_size = parallel.tp_rank(), parallel.tp_size()
     pp_rank = parallel.pp_rank()

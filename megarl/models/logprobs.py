@@ -3,7 +3,7 @@ engine and by the trainer (old, reference and current logprobs).
 
 Sequences are right padded ``[b, L]``; position ``p`` predicts token ``p + 1``. Callers pick the
 positions whose outputs they need (``[b, P]``, usually a response: ``start - 1 + j``), the output
-layer projects only those (:func:`megarl.models.forward.select_output_positions`), and the
+layer projects only those (:func:`megarl.models.forward.output_positions`), and the
 logprobs are computed chunk by chunk on the vocabulary shard, without a gathered ``[b, P, V]``.
 """
 

@@ -38,7 +38,8 @@ from torch import nn
 from megarl import parallel
 from megarl.errors import ConfigError
 from megarl.lora_settings import ALL_LINEAR, MEGATRON_MODULES, resolve_targets
-from megarl.models.dims import ModelDims
+from megarl.models.dims import ModelDims, layer_offset
+from megarl.models.loading import unwrap
 
 LORA_MARK = ".lora."
 
@@ -266,7 +267,6 @@ def add_lora(model: nn.Module, dims: ModelDims, layer_offset: int, settings: Lor
 
     ``layer_offset``: global index of the stage's first layer (adapters are initialised from the
     global name, so every layout starts from the same adapters)."""
-    from megarl.models.loading import unwrap
 
     gpt = unwrap(model)
     targeted = resolve_targets(settings.target_modules)
@@ -309,7 +309,6 @@ def global_layer_name(name: str, offset: int) -> str:
 
 def adapters(model: nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
     """(linear module name, adapter) of every adapted linear of ``model``."""
-    from megarl.models.loading import unwrap
 
     for name, module in unwrap(model).named_modules():
         if isinstance(module, LoraAdapter):
@@ -341,7 +340,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
 
 def add_lora_for_layout(model: nn.Module, dims: ModelDims, layout, settings: LoraSettings) -> int:
     """:func:`add_lora` on this rank's pipeline stage of ``layout``."""
-    from megarl.models.dims import layer_offset
 
     return add_lora(model, dims, layer_offset(dims, layout, parallel.pp_rank()), settings)
 

@@ -8,6 +8,7 @@ peft names the pair of a Hugging Face projection ``model.layers.3.self_attn.q_pr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -121,7 +122,6 @@ def write_peft_folder(
     base: str | None = None,
 ) -> Path:
     """``adapter_config.json`` + ``adapter_model.safetensors`` in ``out`` (which must exist)."""
-    import json
 
     from safetensors.torch import save_file
 

@@ -13,7 +13,7 @@ sequence; both follow from the cumulative sequence lengths handed to megatron as
   restarts positions per sequence.
 
 The model's output layer projects only the positions a loss needs
-(:func:`megarl.models.forward.select_output_positions`): :func:`packed_positions` maps the padded
+(:func:`megarl.models.forward.output_positions`): :func:`packed_positions` maps the padded
 batch's ``[b, P]`` positions into the pack, so the output has the padded run's ``[b, P, ...]``
 shape and every loss is unchanged.
 """

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from megarl.plan.hardware import Cluster
 from megarl.plan.known_models import known_model_names, resolve_model
 from megarl.plan.memory import GPU_BF16, with_grad_bytes
+from megarl.plan.pipeline import (
+    MeasuredScaling,
+    PhaseTimes,
+    PlannedScaling,
+    format_splits,
+    split_table,
+)
 from megarl.plan.report import format_json, format_text
 from megarl.plan.search import Filters, search
 from megarl.plan.units import parse_bytes
@@ -166,16 +175,6 @@ def run(args: argparse.Namespace) -> int:
 
 def async_splits(args: argparse.Namespace, result) -> str:
     """The asynchronous splits of the fastest feasible layout, by the pipeline model."""
-    import json
-    from pathlib import Path
-
-    from megarl.plan.pipeline import (
-        MeasuredScaling,
-        PhaseTimes,
-        PlannedScaling,
-        format_splits,
-        split_table,
-    )
 
     best = result.feasible[0]
     layout = best.layout

@@ -26,7 +26,7 @@ import argparse
 import copy
 from dataclasses import dataclass, field, replace
 
-from megarl.config import RunConfig, model_dtype, validate
+from megarl.config import RunConfig, algorithm_kwargs, model_dtype, validate
 from megarl.errors import ConfigError, MegarlError
 from megarl.gpu_defaults import Target, kernel_options, transformer_impl
 from megarl.models.dims import ModelDims
@@ -217,7 +217,6 @@ def workload_for(
     cfg: RunConfig, layout: ParallelLayout, reward_model: ModelDims | None = None
 ) -> tuple[Workload, Options]:
     """The planner's workload and options for exactly this config."""
-    from megarl.config import algorithm_kwargs
 
     a, r, actor = cfg.algorithm, cfg.rollout, cfg.actor
     critic = "values" in algorithm_kwargs(cfg).adv_inputs

@@ -7,6 +7,7 @@ import math
 
 from megarl.models.dims import ModelDims
 from megarl.plan.memory import Numerics
+from megarl.plan.params import stage_params
 from megarl.plan.reshard import reshard_figures
 from megarl.plan.search import Evaluated, PlanResult
 from megarl.plan.units import GIB, fmt_gib
@@ -170,7 +171,6 @@ def _overrides_lines(result: PlanResult, shown: list[Evaluated]) -> list[str]:
 
 def _moe_line(e: Evaluated, d: ModelDims) -> str:
     """Experts per rank, their share of the worst stage's weights and the all-to-all time."""
-    from megarl.plan.params import stage_params
 
     lay = e.layout
     worst = e.memory.worst

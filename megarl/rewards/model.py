@@ -10,9 +10,19 @@ from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.store import (
+    LATEST_FILE,
+    META_FILE,
+    build_model_from_checkpoint,
+    checkpoint_dims,
+    read_meta,
+    resolve_checkpoint,
+)
 from megarl.errors import ConfigError
-from megarl.models.dims import ModelDims
+from megarl.models.build import build_model
+from megarl.models.dims import ModelDims, read_hf_config
 from megarl.models.forward import broadcast_from_last_stage, run_schedule
+from megarl.models.heads import hf_folder_role
 
 _KINDS = {"actor": "causal LM", "reference": "causal LM", "critic": "value model (critic)"}
 
@@ -21,7 +31,6 @@ def megarl_checkpoint(path: Path) -> Path | None:
     """The reward-model checkpoint ``path`` names: a checkpoint folder, a trainer step folder
     (``step_N/reward``) or a root with ``latest`` (``OUT/checkpoints`` of `megarl train-rm`);
     None for anything else (e.g. a Hugging Face folder)."""
-    from megarl.checkpoint.store import LATEST_FILE, META_FILE
 
     for _ in range(2):
         if (path / META_FILE).is_file():
@@ -37,9 +46,6 @@ def megarl_checkpoint(path: Path) -> Path | None:
 def check_reward_model(path: str, policy_vocab_size: int) -> ModelDims:
     """Cheap checks before any process starts: the folder is a reward model of the same
     vocabulary; returns its shape."""
-    from megarl.checkpoint.store import checkpoint_dims, read_meta, resolve_checkpoint
-    from megarl.models.dims import read_hf_config
-    from megarl.models.heads import hf_folder_role
 
     folder = Path(path)
     if not folder.is_dir():
@@ -70,13 +76,10 @@ def check_reward_model(path: str, policy_vocab_size: int) -> ModelDims:
 
 def build_reward_model(path: str, layout, opts):
     """This rank's frozen shard of the reward model (HF folder or megarl checkpoint)."""
-    from megarl.models.build import build_model
 
     folder = Path(path)
     ckpt = megarl_checkpoint(folder)
     if ckpt is not None:
-        from megarl.checkpoint.store import build_model_from_checkpoint
-
         model, _, _ = build_model_from_checkpoint(ckpt, layout, role="reward", opts=opts)
     else:
         model, _ = build_model(folder, layout, "reward", opts)

@@ -31,10 +31,20 @@ from megarl import platform
 from megarl.checkpoint import load_checkpoint, save_checkpoint
 from megarl.checkpoint.atomic import publish
 from megarl.checkpoint.safe_metadata import read_dist_metadata
-from megarl.checkpoint.store import MCORE_SUBDIR, model_sharded_state_dict, step_name, write_latest
+from megarl.checkpoint.store import (
+    MCORE_SUBDIR,
+    checkpoint_dims,
+    model_sharded_state_dict,
+    read_meta,
+    step_name,
+    write_latest,
+)
 from megarl.config import RunConfig
 from megarl.data.global_state import merge_rank_states
 from megarl.errors import CheckpointError
+from megarl.models.dims import ModelDims
+from megarl.models.lora import lora_record
+from megarl.parallel import current_ranks
 from megarl.run import faults, retention, verification, watchdog
 from megarl.run import trainer_state as state_file
 from megarl.run.optimizer_shards import sharded_optimizer_state
@@ -43,14 +53,12 @@ OPTIMIZER_FORMAT = "fully_reshardable"
 
 
 def _coords() -> tuple[int, int, int]:
-    from megarl.parallel import current_ranks
 
     r = current_ranks()
     return r["tp_rank"], r["pp_rank"], r["dp_rank"]
 
 
 def _sizes() -> list[int]:
-    from megarl.parallel import current_ranks
 
     r = current_ranks()
     return [r["tp_size"], r["pp_size"], r["dp_size"]]
@@ -292,8 +300,6 @@ def _raise_if_failed(failed: str | None, root: Path, stage: Path, step: int) -> 
 def check_resume(path: Path, roles: list[str], model_paths: dict[str, str]) -> dict[str, Any]:
     """Cheap checks before any model is built: the trainer state is plain data, the checkpoint
     trains the same roles (e.g. a critic, or none) and holds the same model. Returns the state."""
-    from megarl.checkpoint.store import checkpoint_dims
-    from megarl.models.dims import ModelDims
 
     state = state_file.read(path)
     saved = sorted(state.get("roles", []))
@@ -337,8 +343,6 @@ def resume_point(cfg: RunConfig, model_paths: dict[str, str]) -> Path | None:
 
 def _check_same_lora(ckpt: Path, model) -> None:
     """A LoRA checkpoint resumes only into the same adapters, a full one only without them."""
-    from megarl.checkpoint.store import read_meta
-    from megarl.models.lora import lora_record
 
     saved, wanted = read_meta(ckpt).lora, lora_record(model)
     if saved != wanted:

@@ -7,9 +7,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from megarl.config import RunConfig
-from megarl.errors import ConfigError
+from megarl.errors import ConfigError, MegarlError
+from megarl.hybrid_engine.reshard_mode import shard_refusal
 from megarl.import_paths import check_import_path
+from megarl.models.dims import ModelDims, read_hf_config
+from megarl.models.heads import hf_folder_role
 from megarl.parallel import ParallelLayout
+from megarl.rewards.registry import BUILTIN_SCORERS
 
 if TYPE_CHECKING:
     from megarl.data.parquet_source import ParquetFileInfo
@@ -52,7 +56,6 @@ def check_reward_columns(cfg: RunConfig, files: list[ParquetFileInfo], fs, what:
         return
     from megarl.data.parquet_source import distinct_strings
     from megarl.data.schema import REWARD_MODEL, STRING, check_columns
-    from megarl.rewards.registry import BUILTIN_SCORERS
 
     why = (
         "The built-in rule scorers read each prompt's reward_model.ground_truth (no "
@@ -81,7 +84,6 @@ def check_inputs(
     (DPO reference, distillation teacher); returns the reward model's shape (None: none)."""
     from megarl.backends import check_backends
     from megarl.data.parquet_source import inspect_files, resolve_files
-    from megarl.models.dims import ModelDims
 
     check_import_settings(cfg)  # before anything slow: a typo costs seconds
     if this_machine:
@@ -173,9 +175,6 @@ def _check_companion(
     """A frozen model that reads the policy's token ids (DPO reference, distillation teacher): a
     causal LM of the same tokenizer that fits the layout."""
     from megarl.data.tokenizers import tokenizer_difference
-    from megarl.errors import ConfigError, MegarlError
-    from megarl.models.dims import ModelDims, read_hf_config
-    from megarl.models.heads import hf_folder_role
 
     try:
         hf_cfg = read_hf_config(path)
@@ -215,7 +214,6 @@ def _check_companion(
 def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
     """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one; vLLM takes
     no pre-sharded experts."""
-    from megarl.hybrid_engine.reshard_mode import shard_refusal
 
     set_ = [n for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(cfg.model, n)]
     if set_ and not dims.is_moe:

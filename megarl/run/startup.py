@@ -11,9 +11,12 @@ import torch
 from megarl.config import RunConfig
 from megarl.config import validate as validate_config
 from megarl.console import announce
-from megarl.parallel import ParallelLayout
+from megarl.data.chat import pad_token_id
+from megarl.launch import init_distributed, init_split
+from megarl.parallel import ParallelLayout, initialize_model_parallel
 from megarl.run.checks import check_inputs
 from megarl.run.output_dir import prepare_output_dir
+from megarl.run.watchdog import collective_timeout_s
 from megarl.world_split import SplitWorld
 
 if TYPE_CHECKING:
@@ -41,11 +44,6 @@ def layout_for(cfg: RunConfig, world: int, *, with_rollout: bool) -> ParallelLay
 def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     """Everything before the first model is built; the cheap checks come before any heavy work."""
     from transformers import AutoTokenizer
-
-    from megarl.data.chat import pad_token_id
-    from megarl.launch import init_distributed, init_split
-    from megarl.parallel import initialize_model_parallel
-    from megarl.run.watchdog import collective_timeout_s
 
     timeout_s = collective_timeout_s(cfg.trainer.hang_timeout_s)
     split = None

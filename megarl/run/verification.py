@@ -24,6 +24,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 import megarl.checkpoint.manifest as manifest
 from megarl.checkpoint.safe_metadata import read_dist_metadata
 from megarl.checkpoint.store import MCORE_SUBDIR, step_roles, write_latest
@@ -87,7 +89,6 @@ def verify_step(step: Path, *, full: bool = True) -> list[str]:
     Collective when torch.distributed is initialised: rank r checks every world-th file of the
     manifests (largest first, so the work spreads evenly), and all ranks get all findings.
     """
-    import torch.distributed as dist
 
     entries, problems = _records(step)
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -123,7 +124,6 @@ def _summary(problems: list[str], limit: int = 3) -> str:
 def newest_intact(root: Path, rank: int) -> Path | None:
     """The newest intact checkpoint of ``root`` (None: there is none to resume from); damaged
     newer ones are set aside on the way (by rank 0). Collective."""
-    import torch.distributed as dist
 
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     tried = candidates(root)

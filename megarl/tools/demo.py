@@ -12,13 +12,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from megarl import platform
+from megarl import parallel, platform
+from megarl.launch import init_distributed
+from megarl.models.build import build_model
+from megarl.models.forward import forward_logits
+from megarl.parallel import ParallelLayout, initialize_model_parallel
+from megarl.tools.testing import assets
 
 MODELS = ("tiny-qwen2", "tiny-llama", "smollm2")
 
 
 def resolve_model(name: str) -> str:
-    from megarl.tools.testing import assets
 
     builders = {
         "tiny-qwen2": assets.tiny_qwen2_dir,
@@ -30,11 +34,6 @@ def resolve_model(name: str) -> str:
 
 def _rank_report(model_dir: str, tp: int, pp: int, seq: int) -> dict:
     from transformers import AutoModelForCausalLM
-
-    from megarl import parallel
-    from megarl.models.build import build_model
-    from megarl.models.forward import forward_logits
-    from megarl.parallel import ParallelLayout, initialize_model_parallel
 
     layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp)
     initialize_model_parallel(layout)
@@ -77,7 +76,6 @@ def parity_verdict(reports: list[dict]) -> tuple[bool, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarl.launch import init_distributed
 
     parser = argparse.ArgumentParser(prog="megarl demo (rank)")
     parser.add_argument("--model", default="tiny-qwen2")

@@ -44,12 +44,37 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from checkpoints_tools.mcore_to_hf import export_to_hf
+from checkpoints_tools.verify import compare_outputs, compare_tensors
 from megarl import platform
+from megarl.algos import vocab_parallel_log_probs
+from megarl.backends import installed, this_machine
+from megarl.cli import main as cli_main
+from megarl.config import load_config
+from megarl.hybrid_engine.engine import HybridEngine
+from megarl.hybrid_engine.hf_rollout import HFRollout
+from megarl.hybrid_engine.vllm_rollout import EngineConfig
+from megarl.launch import _free_port, init_distributed
+from megarl.models.build import ModelOptions, build_model
+from megarl.models.distributed import OptimSettings, wrap_for_training
+from megarl.models.forward import forward_logits, run_schedule
+from megarl.models.offload import model_tensors, offload, onload
+from megarl.models.safetensors_io import SafetensorsReader
+from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+from megarl.plan import KNOWN_MODELS, Options, Workload, estimate_memory
+from megarl.plan.measure import live_tensor_tracker
+from megarl.plan.params import flops_params
+from megarl.plan.preflight import UPDATE_PHASES, numerics_for
+from megarl.tools.testing import assets as offline_assets
+from megarl.trainer.batch import Samples
+from megarl.trainer.model_ops import MicroBatching
+from megarl.trainer.old_log_probs import score_old_log_probs
 
 if TYPE_CHECKING:
     from megarl.models.dims import ModelDims
@@ -192,7 +217,6 @@ def matmul_peak(n: int, dtype: torch.dtype) -> float:
 
 def _config_folder(root: Path, name: str) -> Path:
     """A config-only Hugging Face folder of a known model's shape (weights are random)."""
-    from megarl.plan import KNOWN_MODELS
 
     cfg: dict[str, Any] = dict(TINY_TRAIN_CONFIG) if name == "tiny" else dict(KNOWN_MODELS[name])
     family = "llama" if cfg["architectures"][0].startswith("Llama") else "qwen2"
@@ -205,7 +229,6 @@ def _config_folder(root: Path, name: str) -> Path:
 
 def _parity_folder(name: str, root: Path) -> tuple[Path, str]:
     """(HF folder, how it was made) for a parity model."""
-    from megarl.tools.testing import assets as offline_assets
 
     if name == "tiny-qwen2":
         return offline_assets.tiny_qwen2_dir(), "random tiny Qwen2"
@@ -228,10 +251,6 @@ def _parity_folder(name: str, root: Path) -> tuple[Path, str]:
 @torch.no_grad()
 def logits_parity(report: Report, size: Size, root: Path) -> None:
     from transformers import AutoModelForCausalLM
-
-    from megarl.models.build import ModelOptions, build_model
-    from megarl.models.forward import forward_logits
-    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
 
     device = platform.device()
     for name in size.parity_models:
@@ -281,7 +300,6 @@ def logits_parity(report: Report, size: Size, root: Path) -> None:
 def _flops_per_token(dims, seq: int) -> float:
     """Forward + backward matmul FLOPs per token: 6 x matmul parameters, plus causal attention
     (scores and weighted values: 2 x 2 x seq x hidden per layer forward, halved by the mask)."""
-    from megarl.plan.params import flops_params
 
     return 6.0 * flops_params(dims) + 6.0 * dims.num_layers * dims.hidden_size * seq
 
@@ -289,7 +307,6 @@ def _flops_per_token(dims, seq: int) -> float:
 def _offload_round_trip(ddp, optimizer) -> tuple[bool, int, float, float]:
     """(exact, bytes moved, offload s, onload s): the trained model's weights, grads and Adam
     states to host memory and back (actor/ref/critic.param_offload around the rollout)."""
-    from megarl.models.offload import model_tensors, offload, onload
 
     tensors = model_tensors(ddp, optimizer)
     before = [t.detach().clone() for t in tensors]
@@ -303,11 +320,6 @@ def _offload_round_trip(ddp, optimizer) -> tuple[bool, int, float, float]:
 def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, ModelDims, int, tuple]:
     """(seconds per step, dims, measured peak bytes, offload round trip) of megarl's training
     step."""
-    from megarl.algos import vocab_parallel_log_probs
-    from megarl.models.build import ModelOptions, build_model
-    from megarl.models.distributed import OptimSettings, wrap_for_training
-    from megarl.models.forward import run_schedule
-    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
 
     layout = ParallelLayout(tp=1, pp=1)
     initialize_model_parallel(layout)
@@ -383,7 +395,6 @@ class _HostPeak:
     """Peak live tensor bytes on the CPU (megarl.plan.measure, as the planner's own CPU test)."""
 
     def __enter__(self) -> dict[str, int]:
-        from megarl.plan.measure import live_tensor_tracker
 
         self.tracker = live_tensor_tracker()
         self.tracker.__enter__()
@@ -443,9 +454,6 @@ def training_step(report: Report, size: Size, root: Path) -> None:
 
 def _preflight_numerics(folder: Path, size: Size):
     """The numerics the preflight plans with on this machine for the check's dtype."""
-    from megarl.backends import this_machine
-    from megarl.config import load_config
-    from megarl.plan.preflight import numerics_for
 
     dtype = "bfloat16" if size.train_dtype == torch.bfloat16 else "float32"
     cfg = load_config(
@@ -457,8 +465,6 @@ def _preflight_numerics(folder: Path, size: Size):
 def _preflight_scoring_bytes(folder: Path, dims, size: Size) -> tuple[int, str]:
     """(bytes, numerics) the preflight plans for the scoring pass measured above beyond the
     weights: one token-budgeted packed micro-batch's forward working set and the scores."""
-    from megarl.parallel import ParallelLayout
-    from megarl.plan import Options, Workload, estimate_memory
 
     numerics = _preflight_numerics(folder, size)
     response = size.scoring_len - size.scoring_len // 4
@@ -483,9 +489,6 @@ def _preflight_update_peak(folder: Path, dims, size: Size) -> tuple[int, str]:
     """(bytes, numerics) the preflight plans for the step measured above: its numerics for this
     machine (dtype, layer implementation, fused kernels), the planner's memory model, no reserve
     (the measurement starts after the CUDA context), the loss over every position."""
-    from megarl.parallel import ParallelLayout
-    from megarl.plan import Workload, estimate_memory
-    from megarl.plan.preflight import UPDATE_PHASES
 
     numerics = _preflight_numerics(folder, size)
     workload = Workload(
@@ -508,9 +511,6 @@ SCORING_FLAT_BOUND = 1.10  # peak at 4x the rollout / peak at 1x, at a fixed tok
 def _scoring_peak(model, dims, size: Size, seqs: int, peak_tracker) -> int:
     """Peak memory of one scoring pass over ``seqs`` random sequences (a quarter prompt, the rest
     response) in ``size.scoring_budget``-token packed micro-batches."""
-    from megarl.trainer.batch import Samples
-    from megarl.trainer.model_ops import MicroBatching
-    from megarl.trainer.old_log_probs import score_old_log_probs
 
     device = platform.device()
     prompt = size.scoring_len // 4
@@ -529,8 +529,6 @@ def _scoring_peak(model, dims, size: Size, seqs: int, peak_tracker) -> int:
 
 
 def scoring_pass(report: Report, size: Size, root: Path) -> None:
-    from megarl.models.build import ModelOptions, build_model
-    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
 
     cuda = torch.cuda.is_available()
     layout = ParallelLayout(tp=1, pp=1)
@@ -591,8 +589,6 @@ def _grpo_data(path: Path, rows: int) -> None:
 
 
 def _grpo_config(work: Path, size: Size) -> Path:
-    from megarl.backends import installed
-    from megarl.tools.testing import assets as offline_assets
 
     _grpo_data(work / "data" / "train.parquet", 4 * size.grpo_prompts)
     tracking = f"sqlite:///{work / 'mlflow.db'}" if installed("mlflow") else "none"
@@ -613,10 +609,6 @@ def _grpo_config(work: Path, size: Size) -> Path:
 
 
 def grpo_end_to_end(report: Report, size: Size, root: Path) -> None:
-    from checkpoints_tools.mcore_to_hf import export_to_hf
-    from checkpoints_tools.verify import compare_outputs, compare_tensors
-    from megarl.cli import main as cli_main
-    from megarl.parallel import ParallelLayout, destroy_model_parallel
 
     work = root / "grpo"
     config = _grpo_config(work, size)
@@ -694,13 +686,6 @@ def _random_checkpoint(root: Path, name: str, dtype: torch.dtype) -> Path:
 
 
 def resharding(report: Report, size: Size, root: Path) -> None:
-    from megarl.hybrid_engine.engine import HybridEngine
-    from megarl.hybrid_engine.hf_rollout import HFRollout
-    from megarl.hybrid_engine.vllm_rollout import EngineConfig
-    from megarl.models.build import ModelOptions, build_model
-    from megarl.models.distributed import OptimSettings, wrap_for_training
-    from megarl.models.safetensors_io import SafetensorsReader
-    from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
 
     name = "tiny" if size.train_model == "tiny" else "Qwen2.5-0.5B"
     dtype = size.train_dtype
@@ -784,7 +769,6 @@ def resharding(report: Report, size: Size, root: Path) -> None:
 
 
 def versions(report: Report) -> None:
-    from importlib.metadata import PackageNotFoundError, version
 
     def v(*names: str) -> str:
         for name in names:  # a package's distribution names (CPU and CUDA builds differ)
@@ -825,12 +809,9 @@ SECTIONS: tuple[tuple[str, Callable[..., None]], ...] = (
 
 
 def _init_single_process() -> None:
-    from megarl.launch import init_distributed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from megarl.launch import _free_port
-
         os.environ["MASTER_PORT"] = str(_free_port())
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     init_distributed()

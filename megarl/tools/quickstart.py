@@ -27,8 +27,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from megarl.tools.data_prep.arithmetic import prepare as prepare_arithmetic
 from megarl.tools.data_prep.common import write_parquet_atomic
 from megarl.tools.data_prep.toy_vowels import preference_rows, sft_rows, table
+from megarl.tools.testing.assets import smollm2_dir, tiny_char_llama_dir
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,11 @@ class Recipe:
 
 
 def _tiny_char_llama() -> Path:
-    from megarl.tools.testing.assets import tiny_char_llama_dir
 
     return tiny_char_llama_dir()
 
 
 def _smollm2() -> Path:
-    from megarl.tools.testing.assets import smollm2_dir
 
     return smollm2_dir()
 
@@ -108,8 +108,6 @@ def prepare(
         shutil.copytree(spec.model_dir(), model)
     data = out / "data"
     if spec.arithmetic is not None and not (data / "train.parquet").is_file():
-        from megarl.tools.data_prep.arithmetic import prepare as prepare_arithmetic
-
         prepare_arithmetic(data, spec.arithmetic, spec.train_size, spec.test_size)
     if not (data / "train.parquet").is_file():
         script = Path(__file__).resolve().parents[2] / "scripts" / "prepare_gsm8k.py"

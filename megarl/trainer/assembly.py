@@ -17,6 +17,9 @@ from megarl.config import RolloutConfig, RunConfig, rollout_dtype
 from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.prompt_dataset import OverlongPolicy
+from megarl.envs.chat_deltas import ChatDeltas
+from megarl.envs.loading import check_environment
+from megarl.envs.pool import ToolPool
 from megarl.envs.runner import EnvRunner
 from megarl.hybrid_engine.async_links import make_links, weight_plan
 from megarl.hybrid_engine.engine import HybridEngine
@@ -24,6 +27,7 @@ from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
 from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.dims import ModelDims
+from megarl.rewards.model import build_reward_model
 from megarl.run.checks import rules_need_ground_truth
 from megarl.run.epochs import EpochBatches
 from megarl.run.resume import Resumed, resume, resume_point, save
@@ -177,8 +181,6 @@ def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
     """Rule scorers, and the frozen reward model of ``reward.model_path`` when one is set."""
     model: GPTModel | None = None
     if cfg.reward.model_path:
-        from megarl.rewards.model import build_reward_model
-
         model = build_reward_model(cfg.reward.model_path, startup.layout, model_options(cfg))
     return RewardSources.from_config(cfg, model)
 
@@ -275,9 +277,6 @@ def turn_limits(r: RolloutConfig) -> TurnLimits:
 def build_env_runner(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> EnvRunner:
     """The environments' executor on this rank: rollout.env's class, its kwargs, the template's
     deltas, and the tool pool."""
-    from megarl.envs.chat_deltas import ChatDeltas
-    from megarl.envs.loading import check_environment
-    from megarl.envs.pool import ToolPool
 
     r = cfg.rollout
     assert r.env is not None  # built for multi-turn rollouts (rollout.env) only

@@ -46,6 +46,7 @@ from megarl import platform
 from megarl.config import RunConfig, model_dtype, rollout_dtype
 from megarl.config import validate as validate_config
 from megarl.data import PromptDataset, PromptItem
+from megarl.data.chat import pad_token_id
 from megarl.data.global_state import merge_rank_states
 from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
@@ -73,9 +74,13 @@ from megarl.hybrid_engine.rollout_messages import (
 from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig, checkpoint_shapes
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, WeightReceiver
+from megarl.launch import init_split
 from megarl.models.dims import ModelDims
+from megarl.run.checks import check_inputs
 from megarl.run.epochs import EpochBatches
+from megarl.run.preemption import Preemption
 from megarl.run.startup import layout_for
+from megarl.run.watchdog import collective_timeout_s
 from megarl.trainer.assembly import (
     EMPTY_TRAIN_DATA,
     build_env_runner,
@@ -528,11 +533,6 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     """The rollout group's program (entry point of a rollout rank in rollout.mode=async)."""
     from transformers import AutoTokenizer
 
-    from megarl.launch import init_split
-    from megarl.run.checks import check_inputs
-    from megarl.run.preemption import Preemption
-    from megarl.run.watchdog import collective_timeout_s
-
     world = init_split(cfg.parallel.rollout_ranks, collective_timeout_s(cfg.trainer.hang_timeout_s))
     split = world.split
     validate_config(cfg, split.world_size)
@@ -591,7 +591,6 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
 def multi_turn(group: RolloutGroup, tokenizer: PreTrainedTokenizerBase) -> None:
     """``rollout.env``: the turn limits, an environment runner on each engine's first rank and a
     group over each engine's ranks to share its results (made by every rollout rank)."""
-    from megarl.data.chat import pad_token_id
 
     cfg, itp = group.cfg, group.engine.infer_tp
     group.turns = turn_limits(cfg.rollout)

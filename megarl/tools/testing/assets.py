@@ -18,8 +18,10 @@ cache (default ``~/.cache/megarl/test-assets``).
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import shutil
+import string
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -328,7 +330,6 @@ CHAR_VOCAB_SIZE = 128
 
 def _char_tokenizer():
     """A character-level tokenizer (printable ASCII + newline) with ChatML turns."""
-    import string
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -403,7 +404,6 @@ def tiny_char_llama_dir() -> Path:
 
 
 def _build_smollm2(out: Path) -> None:
-    import importlib.util
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -217,10 +217,10 @@ def workload_for(
     cfg: RunConfig, layout: ParallelLayout, reward_model: ModelDims | None = None
 ) -> tuple[Workload, Options]:
     """The planner's workload and options for exactly this config."""
-    from megarl.config import algorithm_kwargs
+    from megarl.algos.choices import resolve_algorithm_kwargs
 
     a, r, actor = cfg.algorithm, cfg.rollout, cfg.actor
-    critic = "values" in algorithm_kwargs(cfg).adv_inputs
+    critic = "values" in resolve_algorithm_kwargs(cfg).adv_inputs
     reference = a.use_kl_loss or a.use_kl_in_reward
     n = r.n
     rollout_batch = cfg.data.train_batch_size * n

@@ -1,14 +1,17 @@
 """The cheap checks of a run's inputs (model folders, layout, data files), made before launch by
-the CLI and again on every rank before any heavy work."""
+the CLI and again on every rank before any heavy work, and of the words a config's field types
+cannot check (loggers, algorithm names: :func:`check_choices`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from megarl.algos.choices import check_algorithm_choices
 from megarl.config import RunConfig
 from megarl.errors import ConfigError
 from megarl.import_paths import check_import_path
+from megarl.loggers import check_loggers
 from megarl.parallel import ParallelLayout
 
 if TYPE_CHECKING:
@@ -21,6 +24,13 @@ if TYPE_CHECKING:
 IMPORT_SETTINGS: dict[str, tuple[str, ...]] = {
     "reward.custom_fn": ("data_source", "solution_str", "ground_truth", "extra_info"),
 }
+
+
+def check_choices(cfg: RunConfig) -> None:
+    """The config's words chosen from registries: ``trainer.loggers`` and the trainer's algorithm
+    words (each lists the known names); the CLI runs this right after loading the config."""
+    check_loggers(cfg.trainer.loggers, cfg.trainer.mlflow_tracking_uri)
+    check_algorithm_choices(cfg)
 
 
 def setting_value(cfg: RunConfig, key: str) -> object:

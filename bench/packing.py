@@ -59,6 +59,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     dist.init_process_group("gloo", rank=0, world_size=1)
 
+    from megarl.algos.choices import resolve_algorithm_kwargs
     from megarl.config import RunConfig
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -90,7 +91,8 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     samples.tensors["advantages"] = torch.randn(shape, generator=gen).to(device)
     samples.tensors["old_log_prob"] = (-torch.rand(shape, generator=gen) * 8).to(device)
     samples.tensors["ref_log_prob"] = samples.tensors["old_log_prob"].clone()
-    loss_fn = make_actor_loss(RunConfig(), dims.vocab_size)
+    cfg = RunConfig()
+    loss_fn = make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg))
     batching = MicroBatching(args.samples, args.max_tokens, args.mode == "packed")
     rows = list(range(args.samples))
 

@@ -13,11 +13,11 @@ import os
 
 import torch
 
-from megarl.config import CHOICES
+from megarl.config import choices
 from megarl.errors import ConfigError
 from megarl.gpu_defaults import Target, check_for_target, launch_env, transformer_impl
 
-TRANSFORMER_IMPLS = CHOICES["model.transformer_impl"]
+TRANSFORMER_IMPLS = choices("model.transformer_impl")
 
 
 def installed(package: str) -> bool:
@@ -47,7 +47,7 @@ def resolve_transformer_impl(requested: str) -> str:
 
 
 def check_rollout_backend(backend: str) -> None:
-    backends = CHOICES["rollout.backend"]  # hybrid_engine.engine.ROLLOUT_BACKENDS builds them
+    backends = choices("rollout.backend")  # hybrid_engine.engine.ROLLOUT_BACKENDS builds them
     if backend not in backends:
         raise ConfigError(f"rollout.backend={backend!r} is not one of {list(backends)}")
     if backend == "vllm" and not installed("vllm"):

@@ -47,13 +47,14 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.dry_run import before_launch, dry_run
     from megarl.gpu_defaults import default_nproc_per_node
     from megarl.launch import under_launcher
-    from megarl.run.checks import check_inputs
+    from megarl.run.checks import check_choices, check_inputs
     from megarl.run.output_dir import check_output_dir, move_aside
     from megarl.run.startup import layout_for
     from megarl.run.verification import precheck_resume
 
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
+    check_choices(cfg)  # loggers and algorithm names, through their registries
     if args.dry_run:
         return dry_run(args, cfg)
     module_args = [args.config, *overrides]

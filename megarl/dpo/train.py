@@ -17,15 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megarl import parallel, platform
+from megarl.algos.choices import DPOLoss, resolve_dpo_loss
 from megarl.algos.dpo import dpo_loss
-from megarl.config import RunConfig, dpo_loss_kwargs, dpo_needs_reference
+from megarl.config import RunConfig
 from megarl.data import PreferenceDataset, PreferenceItem
-from megarl.data.preference_dataset import TruncationPolicy
 from megarl.models.build import build_model
 from megarl.models.dims import ModelDims
 from megarl.models.forward import LossFn, run_schedule
@@ -61,9 +61,11 @@ class Reference:
             yield self.model
 
 
-def build_reference(cfg: RunConfig, startup: Startup, policy: PolicyModel) -> Reference | None:
+def build_reference(
+    cfg: RunConfig, startup: Startup, policy: PolicyModel, loss: DPOLoss
+) -> Reference | None:
     """The reference of ``dpo.loss`` (None for a reference-free loss)."""
-    if not dpo_needs_reference(cfg):
+    if not loss.needs_reference:
         return None
     path = cfg.dpo.reference_path
     if path is None and lora_settings(cfg) is not None:
@@ -169,9 +171,7 @@ def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> Preferenc
         seed=d.seed,
         shuffle=d.shuffle and not validation,
         drop_last=not validation,  # validation: every pair once
-        truncation=cast(
-            TruncationPolicy, cfg.dpo.truncation
-        ),  # a str in the schema, checked against CHOICES
+        truncation=cfg.dpo.truncation,
         setting="data.val_files" if validation else "data.train_files",
     )
 
@@ -199,10 +199,11 @@ def train_dpo(cfg: RunConfig) -> dict[str, float]:
 
 def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
     cfg, pad_id = startup.cfg, startup.pad_id
+    loss = resolve_dpo_loss(cfg, try_it=True)  # once, before any model is built
     train_data = _dataset(cfg, startup, validation=False)
     policy = build_policy(cfg, startup.layout, cfg.dpo.optim)
-    reference = build_reference(cfg, startup, policy)
-    loss_fn = dpo_loss_fn(cfg.dpo.loss, dpo_loss_kwargs(cfg), policy.dims.vocab_size)
+    reference = build_reference(cfg, startup, policy, loss)
+    loss_fn = dpo_loss_fn(cfg.dpo.loss, loss.kwargs, policy.dims.vocab_size)
     train_mbs = _with_reference(cfg, pad_id, reference, sums=False)
     val_mbs = _with_reference(cfg, pad_id, reference, sums=True)
 

@@ -24,8 +24,8 @@ class WandbLogger(Logger):
             config=dict(settings.params),
             id=resumed,
             resume="allow" if resumed else None,
-            # None: WANDB_MODE, else W&B's default (online). A str here: the config validated it
-            # against WANDB_MODES (OmegaConf's schema has no Literal fields).
+            # None: WANDB_MODE, else W&B's default (online). A str here: one of the words of the
+            # config's trainer.wandb_mode field (loggers sit below the config and take a str).
             mode=settings.wandb_mode,  # type: ignore[arg-type]
             # console="off": W&B would otherwise wrap the process's stdout/stderr.
             settings=wandb.Settings(console="off", silent=not settings.verbose),

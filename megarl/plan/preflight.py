@@ -26,7 +26,7 @@ import argparse
 import copy
 from dataclasses import dataclass, field, replace
 
-from megarl.config import RunConfig, algorithm_kwargs, model_dtype, validate
+from megarl.config import RunConfig, model_dtype, validate
 from megarl.errors import ConfigError, MegarlError
 from megarl.gpu_defaults import Target, kernel_options, transformer_impl
 from megarl.models.dims import ModelDims
@@ -217,9 +217,10 @@ def workload_for(
     cfg: RunConfig, layout: ParallelLayout, reward_model: ModelDims | None = None
 ) -> tuple[Workload, Options]:
     """The planner's workload and options for exactly this config."""
+    from megarl.algos.choices import resolve_algorithm_kwargs
 
     a, r, actor = cfg.algorithm, cfg.rollout, cfg.actor
-    critic = "values" in algorithm_kwargs(cfg).adv_inputs
+    critic = "values" in resolve_algorithm_kwargs(cfg).adv_inputs
     reference = a.use_kl_loss or a.use_kl_in_reward
     n = r.n
     rollout_batch = cfg.data.train_batch_size * n

@@ -11,7 +11,7 @@ export (``megarl convert mcore-to-hf``) as ``*ForSequenceClassification``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,7 +20,6 @@ from megarl.algos import bradley_terry_loss
 from megarl.config import RunConfig
 from megarl.console import announce
 from megarl.data import PreferenceDataset, PreferenceItem
-from megarl.data.preference_dataset import TruncationPolicy
 from megarl.models.dims import ModelDims
 from megarl.models.forward import LossFn
 from megarl.parallel import ParallelLayout
@@ -80,9 +79,7 @@ def _dataset(
         dp_size=layout.dp,
         seed=cfg.data.seed,
         shuffle=shuffle,
-        truncation=cast(
-            TruncationPolicy, cfg.reward_model.truncation
-        ),  # a str in the schema, checked against CHOICES
+        truncation=cfg.reward_model.truncation,
         setting=setting,
     )
 

@@ -1,23 +1,34 @@
 """The cheap checks of a run's inputs (model folders, layout, data files), made before launch by
-the CLI and again on every rank before any heavy work."""
+the CLI and again on every rank before any heavy work, and of the words a config's field types
+cannot check (loggers, algorithm names: :func:`check_choices`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from megarl.algos.choices import check_algorithm_choices
+from megarl.backends import check_backends
 from megarl.config import RunConfig
+from megarl.data.parquet_source import distinct_strings, inspect_files, resolve_files
+from megarl.data.preference_dataset import check_preference_files
+from megarl.data.prompt_dataset import check_prompt_files
+from megarl.data.schema import REWARD_MODEL, STRING, check_columns
+from megarl.data.sft_dataset import check_sft_files
+from megarl.data.tokenizers import tokenizer_difference
+from megarl.envs.loading import check_environment
 from megarl.errors import ConfigError, MegarlError
 from megarl.hybrid_engine.reshard_mode import shard_refusal
 from megarl.import_paths import check_import_path
+from megarl.loggers import check_loggers
 from megarl.models.dims import ModelDims, read_hf_config
 from megarl.models.heads import hf_folder_role
 from megarl.parallel import ParallelLayout
+from megarl.rewards.model import check_reward_model
 from megarl.rewards.registry import BUILTIN_SCORERS
 
 if TYPE_CHECKING:
     from megarl.data.parquet_source import ParquetFileInfo
-    from megarl.models.dims import ModelDims
 
 
 # Settings that name Python code, with the keyword arguments megarl calls it with: each is
@@ -25,6 +36,13 @@ if TYPE_CHECKING:
 IMPORT_SETTINGS: dict[str, tuple[str, ...]] = {
     "reward.custom_fn": ("data_source", "solution_str", "ground_truth", "extra_info"),
 }
+
+
+def check_choices(cfg: RunConfig) -> None:
+    """The config's words chosen from registries: ``trainer.loggers`` and the trainer's algorithm
+    words (each lists the known names); the CLI runs this right after loading the config."""
+    check_loggers(cfg.trainer.loggers, cfg.trainer.mlflow_tracking_uri)
+    check_algorithm_choices(cfg)
 
 
 def setting_value(cfg: RunConfig, key: str) -> object:
@@ -54,8 +72,6 @@ def check_reward_columns(cfg: RunConfig, files: list[ParquetFileInfo], fs, what:
     ``reward_model`` column (with ``ground_truth``) and only data sources they know."""
     if cfg.trainer.kind != "policy" or not rules_need_ground_truth(cfg):
         return
-    from megarl.data.parquet_source import distinct_strings
-    from megarl.data.schema import REWARD_MODEL, STRING, check_columns
 
     why = (
         "The built-in rule scorers read each prompt's reward_model.ground_truth (no "
@@ -82,8 +98,6 @@ def check_inputs(
     model folder, layout against it, reward model, rollout.env, data files (footers only), their
     columns for the trainer's kind and the reward columns of the prompts, the companion models
     (DPO reference, distillation teacher); returns the reward model's shape (None: none)."""
-    from megarl.backends import check_backends
-    from megarl.data.parquet_source import inspect_files, resolve_files
 
     check_import_settings(cfg)  # before anything slow: a typo costs seconds
     if this_machine:
@@ -98,12 +112,8 @@ def check_inputs(
         ModelDims.from_pretrained(cfg.model.critic_path)
     reward_model = None
     if cfg.reward.model_path:
-        from megarl.rewards.model import check_reward_model
-
         reward_model = check_reward_model(cfg.reward.model_path, dims.vocab_size)
     if cfg.rollout.env is not None:
-        from megarl.envs.loading import check_environment
-
         check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
     check_columns = _COLUMN_CHECKS[cfg.trainer.kind]
     for files, what in (
@@ -143,19 +153,16 @@ _COMPANIONS: dict[str, Callable[[RunConfig], list[tuple[str, str, str]]]] = {
 
 
 def _check_prompts(infos: list[ParquetFileInfo]) -> None:
-    from megarl.data.prompt_dataset import check_prompt_files
 
     check_prompt_files(infos, require_ground_truth=False)  # rewards may come from a model
 
 
 def _check_preferences(infos: list[ParquetFileInfo]) -> None:
-    from megarl.data.preference_dataset import check_preference_files
 
     check_preference_files(infos)
 
 
 def _check_sft(infos: list[ParquetFileInfo]) -> None:
-    from megarl.data.sft_dataset import check_sft_files
 
     check_sft_files(infos)
 
@@ -174,7 +181,6 @@ def _check_companion(
 ) -> None:
     """A frozen model that reads the policy's token ids (DPO reference, distillation teacher): a
     causal LM of the same tokenizer that fits the layout."""
-    from megarl.data.tokenizers import tokenizer_difference
 
     try:
         hf_cfg = read_hf_config(path)

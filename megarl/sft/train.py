@@ -12,7 +12,7 @@ policy as ``actor``: they resume at any layout and export with ``megarl convert 
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -20,7 +20,6 @@ from megarl import parallel, platform
 from megarl.algos import vocab_parallel_is_argmax
 from megarl.config import RunConfig
 from megarl.data import SFTDataset, SFTItem
-from megarl.data.sft_dataset import TruncationPolicy
 from megarl.models.forward import LossFn
 from megarl.models.logprobs import log_probs_at, targets_at
 from megarl.run.evaluation import dataset_totals
@@ -89,9 +88,7 @@ def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> SFTDatase
         seed=d.seed,
         shuffle=d.shuffle and not validation,
         drop_last=not validation,  # validation: every row once
-        truncation=cast(
-            TruncationPolicy, cfg.sft.truncation
-        ),  # a str in the schema, checked against CHOICES
+        truncation=cfg.sft.truncation,
         setting="data.val_files" if validation else "data.train_files",
     )
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from megarl import parallel, platform
 from megarl.algos.kl import KLController
 from megarl.config import RolloutConfig, RunConfig, rollout_dtype
 from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
-from megarl.data.prompt_dataset import OverlongPolicy
 from megarl.envs.chat_deltas import ChatDeltas
 from megarl.envs.loading import check_environment
 from megarl.envs.pool import ToolPool
@@ -158,9 +157,7 @@ def prompt_dataset(
         seed=cfg.data.seed,
         shuffle=cfg.data.shuffle and not validation,
         drop_last=not validation,
-        overlong_prompts=cast(
-            OverlongPolicy, cfg.data.overlong_prompts
-        ),  # a str in the schema, checked against CHOICES
+        overlong_prompts=cfg.data.overlong_prompts,
         require_ground_truth=rules_need_ground_truth(cfg),
         setting="data.val_files" if validation else "data.train_files",
     )
@@ -377,7 +374,7 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     if rollout.remote is not None:
         data = remote_data(cfg, rollout.remote)
     assert data is not None
-    kl_ctrl = make_kl_in_reward_controller(cfg)
+    kl_ctrl = make_kl_in_reward_controller(spec)
     resumed = resume(resume_from, roles, startup.rank)
     restore(resumed, data, kl_ctrl, rollout)
     announce_steps(resumed.step, cfg.trainer.total_steps)

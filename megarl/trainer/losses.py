@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from megarl.algos import compute_policy_loss, compute_value_loss, entropy_bonus, kl_loss
+from megarl.algos.choices import AlgorithmKwargs
 from megarl.config import RunConfig
 from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
 from megarl.trainer.distill import distill_loss_term
-from megarl.trainer.hparams import loss_agg_options, policy_loss_kwargs
 from megarl.trainer.model_ops import response_log_probs, response_values
 from megarl.trainer.old_log_probs import OLD_LOG_PROB, old_log_prob_from_update
 
@@ -25,8 +26,23 @@ def sampling_temperature(cfg: RunConfig) -> float:
     return t if t > 0 else 1.0
 
 
+def loss_agg_options(kwargs: AlgorithmKwargs) -> Callable[[int], dict[str, Any]]:
+    """Options of the loss aggregation for a micro-batch of ``rows`` sequences: ``fn(rows)``.
+
+    Sequence-level modes divide by the micro-batch's row count (padding rows included): the
+    trainer weighs each micro-batch by its share of the mini-batch's rows, so the sum over
+    micro-batches is the mini-batch's loss whatever the micro-batching.
+    """
+    static = dict(kwargs.loss_agg)
+
+    def options(rows: int) -> dict[str, Any]:
+        return {**static, "num_seqs": rows} if kwargs.loss_agg_per_rows else dict(static)
+
+    return options
+
+
 def make_actor_policy_terms(
-    cfg: RunConfig,
+    cfg: RunConfig, kwargs: AlgorithmKwargs
 ) -> Callable[[torch.Tensor, torch.Tensor | None, Samples], tuple[torch.Tensor, Metrics]]:
     """Policy loss (+ KL to the reference as a loss term, + entropy bonus) of one micro-batch from
     its response logprobs (and entropy): the actor loss once the logits are reduced.
@@ -36,8 +52,8 @@ def make_actor_policy_terms(
     """
     a = cfg.algorithm
     from_update = old_log_prob_from_update(cfg)
-    hparams = policy_loss_kwargs(cfg)
-    agg_options = loss_agg_options(cfg)
+    hparams = dict(kwargs.policy_loss)
+    agg_options = loss_agg_options(kwargs)
     want_entropy = a.entropy_coef != 0.0
 
     def terms(logp: torch.Tensor, entropy: torch.Tensor | None, mb: Samples):
@@ -93,13 +109,13 @@ def make_actor_policy_terms(
     return terms
 
 
-def make_actor_loss(cfg: RunConfig, vocab_size: int):
+def make_actor_loss(cfg: RunConfig, vocab_size: int, kwargs: AlgorithmKwargs):
     """The actor loss on vocab-parallel logits (divided by the sampling temperature).
 
     Samples need ``advantages``, ``old_log_prob`` unless the update's own logprobs are the old
     ones, and ``ref_log_prob`` with use_kl_loss.
     """
-    terms = make_actor_policy_terms(cfg)
+    terms = make_actor_policy_terms(cfg, kwargs)
     temperature = sampling_temperature(cfg)
 
     def loss_fn(logits_shard: torch.Tensor, mb: Samples):
@@ -111,8 +127,8 @@ def make_actor_loss(cfg: RunConfig, vocab_size: int):
     return loss_fn
 
 
-def make_critic_loss(cfg: RunConfig):
-    agg_options = loss_agg_options(cfg)
+def make_critic_loss(cfg: RunConfig, kwargs: AlgorithmKwargs):
+    agg_options = loss_agg_options(kwargs)
 
     def loss_fn(output: torch.Tensor, mb: Samples):
         values = response_values(output, mb)

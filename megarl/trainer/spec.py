@@ -11,17 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megarl.algos import POLICY_LOSS_REDUCTIONS, make_kl_controller
+from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.algos.kl import KLController
 from megarl.config import RunConfig
 from megarl.metrics import Reduce
 from megarl.models.forward import LossOver
 from megarl.trainer.batch import Samples
-from megarl.trainer.hparams import (
-    advantage_inputs,
-    advantage_kwargs,
-    kl_controller_kwargs,
-    rollout_correction_kwargs,
-)
 from megarl.trainer.losses import make_actor_loss, make_critic_loss, sampling_temperature
 from megarl.trainer.old_log_probs import old_log_prob_from_update
 
@@ -38,6 +33,8 @@ class AlgorithmSpec:
     token_level: bool  # token-mean loss aggregation: micro-batches weigh by tokens, not rows
     kl_in_reward: bool
     kl_in_reward_estimator: str
+    kl_ctrl: str  # the KL coefficient's controller of a KL penalty in the reward
+    kl_ctrl_kwargs: Mapping[str, float]  # the settings it takes
     # the off-policy correction of the rollout (algorithm.rollout_correction) and its settings
     rollout_correction: str
     rollout_correction_kwargs: Mapping[str, object]
@@ -51,30 +48,33 @@ class AlgorithmSpec:
 
 
 def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
+    """The run's algorithm: its config words resolved once through the registries (ConfigError
+    naming the fix for a bad one, before any model is built) and the losses built from them."""
     a = cfg.algorithm
-    inputs = advantage_inputs(cfg)
+    kwargs = resolve_algorithm_kwargs(cfg, try_them=True)
     return AlgorithmSpec(
         needs_reference=a.use_kl_loss or a.use_kl_in_reward,
-        needs_critic="values" in inputs,
+        needs_critic="values" in kwargs.adv_inputs,
         adv_estimator=a.adv_estimator,
-        advantage_inputs=inputs,
-        advantage_kwargs=advantage_kwargs(cfg),
-        actor_loss=make_actor_loss(cfg, vocab_size),
-        critic_loss=make_critic_loss(cfg),
+        advantage_inputs=kwargs.adv_inputs,
+        advantage_kwargs=dict(kwargs.adv_estimator),
+        actor_loss=make_actor_loss(cfg, vocab_size, kwargs),
+        critic_loss=make_critic_loss(cfg, kwargs),
         token_level=a.loss_agg_mode == "token-mean",
         kl_in_reward=a.use_kl_in_reward,
         kl_in_reward_estimator=a.kl_in_reward_estimator,
+        kl_ctrl=a.kl_ctrl,
+        kl_ctrl_kwargs=dict(kwargs.kl_controller),
         rollout_correction=a.rollout_correction,
-        rollout_correction_kwargs=rollout_correction_kwargs(cfg),
+        rollout_correction_kwargs=dict(kwargs.rollout_correction),
         temperature=sampling_temperature(cfg),
         old_log_prob_from_update=old_log_prob_from_update(cfg),
         update_reductions={f"actor/{k}": r for k, r in POLICY_LOSS_REDUCTIONS.items()},
     )
 
 
-def make_kl_in_reward_controller(cfg: RunConfig) -> KLController | None:
+def make_kl_in_reward_controller(spec: AlgorithmSpec) -> KLController | None:
     """The KL coefficient's controller of a run with a KL penalty in the reward (None without)."""
-    a = cfg.algorithm
-    if not a.use_kl_in_reward:
+    if not spec.kl_in_reward:
         return None
-    return make_kl_controller(a.kl_ctrl, **kl_controller_kwargs(cfg))
+    return make_kl_controller(spec.kl_ctrl, **spec.kl_ctrl_kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import load_config
 from megarl.models.build import build_model
 from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -82,7 +83,7 @@ def dr_grpo_worker(rank: int, world: int, model_dir: str, cases: list[dict]) -> 
             [list(range(mine.size))],
             epochs=1,
             batching=MicroBatching(size=case["micro"]),
-            loss_fn=make_actor_loss(cfg, dims.vocab_size),
+            loss_fn=make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg)),
             token_level=False,
         )
         loss = torch.tensor([metrics["actor/pg_loss"]], dtype=torch.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import load_config
 from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.models.build import build_model
@@ -111,7 +112,7 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
                 [list(range(mine.size))],
                 epochs=1,
                 batching=MicroBatching(size=3),
-                loss_fn=make_actor_loss(cfg, dims.vocab_size),
+                loss_fn=make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg)),
                 token_level=True,
                 keep=OLD_LOG_PROB if from_update else None,
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import RunConfig
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -75,7 +76,8 @@ def _random_head(model) -> None:
 
 def _actor_step(ddp, dims, layout, samples: Samples, batching: MicroBatching):
     """The actor loss (PPO clip + KL loss, token-mean over the batch) and its grads per HF name."""
-    loss_fn = make_actor_loss(RunConfig(), dims.vocab_size)
+    cfg = RunConfig()
+    loss_fn = make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg))
     mbs = batching.split(samples, range(samples.size))
     total = float(samples.response_mask.sum())
 

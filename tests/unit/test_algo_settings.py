@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from megarl.algos import POLICY_LOSSES, register_policy_loss
+from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.cli import main as cli_main
-from megarl.config import algorithm_kwargs, load_config
+from megarl.config import load_config
 from megarl.errors import ConfigError
-from megarl.trainer.hparams import loss_agg_options
+from megarl.run.checks import check_choices
+from megarl.trainer.losses import loss_agg_options
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cfg_with(*overrides: str):
-    return load_config(overrides=[*BASE, *overrides])
+    """The config as the CLI takes it: loaded, then its registry words checked."""
+    cfg = load_config(overrides=[*BASE, *overrides])
+    check_choices(cfg)
+    return cfg
 
 
 @pytest.mark.parametrize(
@@ -68,10 +73,10 @@ def test_a_setting_the_chosen_function_does_not_take_is_an_error():
 
 
 def test_named_and_open_settings_reach_the_functions():
-    kw = algorithm_kwargs(cfg_with("algorithm.clip_ratio_high=0.28"))
+    kw = resolve_algorithm_kwargs(cfg_with("algorithm.clip_ratio_high=0.28"))
     assert kw.policy_loss == {"clip_ratio_high": 0.28}  # the rest: the loss's own defaults
     assert kw.adv_inputs == {"group_ids"}
-    kw = algorithm_kwargs(
+    kw = resolve_algorithm_kwargs(
         cfg_with(
             "algorithm.adv_estimator=gae",
             "algorithm.gamma=0.99",
@@ -97,7 +102,7 @@ def test_a_registered_loss_gets_its_own_parameter_from_the_config():
     ):
         cfg_with(f"algorithm.policy_loss={name}")
     cfg = cfg_with(f"algorithm.policy_loss={name}", "algorithm.policy_loss_kwargs.beta=0.5")
-    assert algorithm_kwargs(cfg).policy_loss == {"beta": 0.5}
+    assert resolve_algorithm_kwargs(cfg).policy_loss == {"beta": 0.5}
 
 
 def test_group_estimators_refuse_one_sample_per_prompt():
@@ -113,12 +118,14 @@ def test_dr_grpo_norm_length_defaults_to_the_response_limit():
     cfg = cfg_with(
         "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_response_length=96"
     )
-    assert loss_agg_options(cfg)(3) == {"norm_length": 96, "num_seqs": 3}
+    assert loss_agg_options(resolve_algorithm_kwargs(cfg))(3) == {"norm_length": 96, "num_seqs": 3}
     cfg = cfg_with(
         "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_agg_norm_length=40"
     )
-    assert loss_agg_options(cfg)(2) == {"norm_length": 40, "num_seqs": 2}
-    assert loss_agg_options(cfg_with())(2) == {}  # token-mean: the trainer weighs by tokens
+    assert loss_agg_options(resolve_algorithm_kwargs(cfg))(2) == {"norm_length": 40, "num_seqs": 2}
+    assert (
+        loss_agg_options(resolve_algorithm_kwargs(cfg_with()))(2) == {}
+    )  # token-mean: the trainer weighs by tokens
 
 
 def test_sampling_and_validation_settings_are_checked():

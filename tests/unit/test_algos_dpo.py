@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
+from megarl.algos.choices import resolve_dpo_loss
 from megarl.algos.dpo import DPO_LOSSES, dpo_loss, loss_inputs, needs_reference
 from megarl.config import load_config
 from megarl.errors import ConfigError
+from megarl.run.checks import check_choices
 
 
 def _inputs(seed: int = 0, pairs: int = 6) -> dict[str, torch.Tensor]:
@@ -113,7 +115,8 @@ def test_inputs_come_from_the_signature_and_decide_the_reference():
 
 
 def _cfg(tmp_path, *overrides: str):
-    return load_config(
+    """The config as the CLI takes it: loaded, then its registry words checked."""
+    cfg = load_config(
         None,
         [
             "trainer.kind=dpo",
@@ -122,6 +125,8 @@ def _cfg(tmp_path, *overrides: str):
             *overrides,
         ],
     )
+    check_choices(cfg)
+    return cfg
 
 
 @pytest.mark.parametrize(
@@ -152,7 +157,6 @@ def test_bad_dpo_settings_fail_at_load_naming_the_fix(tmp_path, overrides, messa
 
 def test_simpo_takes_its_own_beta_and_gamma(tmp_path):
     cfg = _cfg(tmp_path, "dpo.loss=simpo", "dpo.beta=2.5", "dpo.loss_kwargs={gamma: 0.3}")
-    from megarl.config import dpo_loss_kwargs, dpo_needs_reference
-
-    assert dpo_loss_kwargs(cfg) == {"beta": 2.5, "gamma": 0.3}
-    assert not dpo_needs_reference(cfg)
+    loss = resolve_dpo_loss(cfg)
+    assert loss.kwargs == {"beta": 2.5, "gamma": 0.3}
+    assert not loss.needs_reference

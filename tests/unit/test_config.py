@@ -6,6 +6,7 @@ import pytest
 
 from megarl.config import RunConfig, load_config, to_flat_dict, validate
 from megarl.errors import ConfigError
+from megarl.run.checks import check_choices
 
 BASE = ["model.path=/models/x", "data.train_files=[a.parquet]"]
 
@@ -132,6 +133,7 @@ def test_rollout_corrections_by_name_and_the_old_tis_key():
             "algorithm.rollout_correction_kwargs={alpha: 0.4, beta: 4.0}",
         ]
     )
+    check_choices(cfg)  # the algorithm words, as the CLI checks them after loading
     assert cfg.algorithm.rollout_correction == "icepop"
     for overrides, message in [
         (["algorithm.tis_cap=2.0"], "rollout_correction=token_tis and algorithm"),
@@ -152,4 +154,4 @@ def test_rollout_corrections_by_name_and_the_old_tis_key():
         ),
     ]:
         with pytest.raises(ConfigError, match=message):
-            load_config(overrides=[*BASE, *overrides])
+            check_choices(load_config(overrides=[*BASE, *overrides]))

@@ -80,7 +80,7 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("megarl/algos/settings.py", "try_on_tiny_batch"): (
         "the pre-launch config check calls the chosen loss and estimator on a tiny host batch"
     ),
-    ("megarl/config.py", "_try_correction"): (
+    ("megarl/algos/choices.py", "_try_correction"): (
         "the pre-launch config check calls the chosen rollout correction on a tiny host batch"
     ),
     ("megarl/world_split.py", "Bridge.broadcast_object"): (

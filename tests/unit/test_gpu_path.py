@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl import backends
-from megarl.config import CHOICES, load_config
+from megarl.config import choices, load_config
 from megarl.errors import ConfigError
 from megarl.hybrid_engine.engine import ROLLOUT_BACKENDS
 from megarl.models.dims import ModelDims
@@ -69,7 +69,7 @@ def test_vllm_backend_without_vllm_names_the_fix(monkeypatch):
 
 
 def test_every_rollout_backend_the_config_accepts_has_an_engine():
-    assert set(ROLLOUT_BACKENDS) == set(CHOICES["rollout.backend"])
+    assert set(ROLLOUT_BACKENDS) == set(choices("rollout.backend"))
 
 
 def test_cli_refuses_vllm_without_vllm_before_launch(monkeypatch, tmp_path, capsys):

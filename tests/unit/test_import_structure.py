@@ -1,12 +1,16 @@
-"""The shape of the code base: no import cycles (imports inside functions count), one module,
-megarl.parallel, talks to megatron's parallel_state, the runtime never imports the tooling in
-megarl.tools, and imports stand at the top of a module unless they are heavy or optional."""
+"""The shape of the code base: no import cycles (imports inside functions count), the lower
+layers of docs/architecture.md's table import nothing above them, one module, megarl.parallel,
+talks to megatron's parallel_state, the runtime never imports the tooling in megarl.tools, and
+imports stand at the top of a module unless they are heavy or optional."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from tests.import_graph import (
+    REPO,
     Import,
     cycles,
     import_time_libraries,
@@ -49,6 +53,42 @@ def test_no_package_cycles():
     graph = package_graph(module_graph(modules()))
     found = cycles(graph)
     assert not found, "import cycles between packages:\n" + _describe(found, graph)
+
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def _layer(name: str) -> set[str]:
+    """The modules and packages the row ``name`` of docs/architecture.md's layer table names."""
+    for line in ARCHITECTURE.read_text(encoding="utf-8").splitlines():
+        if line.startswith(f"| {name} |"):
+            paths = re.findall(r"`(megarl/[\w/]+?)(?:\.py|/)`", line.split("|")[2])
+            return {p.replace("/", ".") for p in paths}
+    raise AssertionError(f"docs/architecture.md has no layer row {name!r}")
+
+
+def _within(module: str, names: set[str]) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+@pytest.mark.parametrize(
+    ("layer", "below"),
+    [("Foundations", ()), ("Algorithms", ("Foundations",))],
+)
+def test_a_lower_layer_imports_nothing_above_it(layer, below):
+    """E.g. megarl.config (Foundations) never imports megarl.algos or megarl.loggers, not even
+    inside a function: the algorithm words are resolved above it (megarl/algos/choices.py)."""
+    graph = module_graph(modules())
+    own = _layer(layer)
+    allowed = own.union(*(_layer(b) for b in below))
+    members = [m for m in graph if _within(m, own)]
+    assert all(any(_within(m, {n}) for m in members) for n in own)  # the table is current
+    assert any(graph[m] for m in members)  # the check sees imports
+    above = [f"{m} -> {t}" for m in members for t in sorted(graph[m]) if not _within(t, allowed)]
+    assert not above, (
+        f"docs/architecture.md puts {layer} below the layers these imports reach; move the "
+        f"code that needs them up a layer (or the import out): {above}"
+    )
 
 
 def _parallel_state_imports() -> list[Import]:

@@ -14,6 +14,7 @@ from megarl.config import RunConfig, TrainerConfig, load_config
 from megarl.errors import ConfigError
 from megarl.loggers import active_loggers, check_loggers
 from megarl.loggers import base as logger_base
+from megarl.run.checks import check_choices
 from megarl.run.tracking import RUN_IDS_FILE, Tracker
 from tests.wandb_records import history
 
@@ -162,9 +163,10 @@ REQUIRED = ["model.path=x", "data.train_files=[x.parquet]"]
 
 def test_config_errors_name_the_fix():
     with pytest.raises(ConfigError, match="unknown logger 'tb'"):
-        load_config(None, [*REQUIRED, "trainer.loggers=[console,tb]"])
+        check_choices(load_config(None, [*REQUIRED, "trainer.loggers=[console,tb]"]))
     with pytest.raises(ConfigError, match=r"trainer.wandb_mode='local' is not one of"):
         load_config(None, [*REQUIRED, "trainer.wandb_mode=local"])
     cfg = load_config(None, [*REQUIRED, "trainer.loggers=[console,tensorboard,wandb]"])
+    check_choices(cfg)
     assert cfg.trainer.loggers == ["console", "tensorboard", "wandb"]
     assert RunConfig().trainer.loggers == ["console", "mlflow"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.config import CHOICES, load_config
+from megarl.config import choices, load_config
 from megarl.errors import ConfigError, LayoutError
 from megarl.models.build import resolve_sequence_parallel
 from megarl.models.forward import pad_to_multiple
@@ -86,7 +86,7 @@ def test_planner_uses_the_config_recompute_names_and_follows_sequence_parallel()
     from megarl.plan.search import Filters, _knobs
 
     kinds = {o.recompute for o in _knobs(Filters(), flash_attention=False)}
-    assert kinds == set(CHOICES["model.recompute"])
+    assert kinds == set(choices("model.recompute"))
     assert {o.recompute for o in _knobs(Filters(), flash_attention=True)} == {"none", "full"}
     dims = ModelDims.from_hf_config(KNOWN_MODELS["Qwen2.5-0.5B"])
     layout = ParallelLayout(tp=2)

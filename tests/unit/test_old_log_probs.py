@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import load_config, rollout_dtype
 from megarl.errors import ConfigError
 from megarl.trainer.batch import Samples
@@ -90,10 +91,10 @@ def test_actor_loss_with_the_update_logprobs_equals_the_loss_with_them_given():
     a run given the same numbers as old logprobs, gradient included, and hands the logprobs back
     under OLD_LOG_PROB; a run that needs a separate forward still requires them."""
     samples, logp_values = _batch()
-    from_update = make_actor_policy_terms(load_config(overrides=ONE_STEP))
-    separate = make_actor_policy_terms(
-        load_config(overrides=[*ONE_STEP, "actor.old_log_prob_forward=always"])
-    )
+    one_step = load_config(overrides=ONE_STEP)
+    from_update = make_actor_policy_terms(one_step, resolve_algorithm_kwargs(one_step))
+    always = load_config(overrides=[*ONE_STEP, "actor.old_log_prob_forward=always"])
+    separate = make_actor_policy_terms(always, resolve_algorithm_kwargs(always))
     logp = logp_values.clone().requires_grad_()
     loss, metrics = from_update(logp, None, samples)
     loss.backward()

@@ -39,7 +39,7 @@ def test_gae_spec_has_a_critic_and_no_reference_without_kl():
     )
     spec = resolve_algorithm(cfg, 64)
     assert spec.needs_critic and not spec.needs_reference and not spec.token_level
-    assert make_kl_in_reward_controller(cfg) is None
+    assert make_kl_in_reward_controller(spec) is None
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_kl_in_reward_controller_gets_the_settings_it_takes(kind, cls, value):
     cfg = _cfg(
         "algorithm.use_kl_in_reward=true", f"algorithm.kl_ctrl={kind}", f"algorithm.kl_coef={value}"
     )
-    ctrl = make_kl_in_reward_controller(cfg)
+    ctrl = make_kl_in_reward_controller(resolve_algorithm(cfg, 64))
     assert isinstance(ctrl, cls) and ctrl.value == value
 
 

@@ -35,6 +35,7 @@ SCRIPT = textwrap.dedent(
     import megarl.cli, megarl.entry, megarl.trainer.loop, megarl.reward_model.train  # noqa
     from megarl.config import load_config
     from megarl.errors import ConfigError
+    from megarl.run.checks import check_choices
     from megarl.run.tracking import Tracker
 
     out, required = sys.argv[1], ["model.path=x", "data.train_files=[x.parquet]"]
@@ -45,7 +46,7 @@ SCRIPT = textwrap.dedent(
         tracker.close()
         print("tracked with", sorted(tracker.loggers))
     try:
-        load_config(None, required)  # the default loggers include MLflow
+        check_choices(load_config(None, required))  # the default loggers include MLflow
     except ConfigError as e:
         print("error:", e)
     assert "mlflow" not in sys.modules

@@ -81,8 +81,8 @@ def executor_worker(rank: int, world: int, model_dir: str, cases: list[dict], bu
     from megatron.core import parallel_state as ps
 
     from megarl.hybrid_engine.execute import ReshardExecutor, local_spec_tensors
-    from megarl.hybrid_engine.reshard_plan import plan_reshard
-    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.models.build import build_model
     from megarl.models.dims import layer_offset
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
@@ -92,12 +92,14 @@ def executor_worker(rank: int, world: int, model_dir: str, cases: list[dict], bu
         layout = ParallelLayout.for_world(world, tp=case["tp"], pp=case["pp"])
         initialize_model_parallel(layout)
         model, dims = build_model(model_dir, layout, load=case["load"])
-        specs = actor_tensor_specs(dims, layout.layers_per_stage(dims.num_layers))
+        specs = actor_planned_tensors(dims, layout.layers_per_stage(dims.num_layers))
         offset = layer_offset(dims, layout, ps.get_pipeline_model_parallel_rank())
         local = local_spec_tensors(model, dims, offset, specs)
         for infer_tp in case["infer"]:
             for mode in MODES:
-                plan = plan_reshard(specs, layout.tp, layout.pp, layout.dp, infer_tp, bucket, mode)
+                plan = schedule_reshard(
+                    specs, layout.tp, layout.pp, layout.dp, infer_tp, bucket, mode
+                )
                 ex = ReshardExecutor(plan, dims, rank)
                 ex.run(local, lambda b: None)  # warm-up
                 dist.barrier()
@@ -180,14 +182,14 @@ def _write_zero_checkpoint(out: Path, config: dict) -> None:
     from safetensors.torch import save_file
 
     from megarl.hybrid_engine.execute import hf_output_shapes
-    from megarl.hybrid_engine.reshard_plan import plan_reshard
-    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.models.dims import ModelDims
 
     (out / "config.json").write_text(json.dumps(config))
     dims = ModelDims.from_pretrained(out)
-    specs = actor_tensor_specs(dims, [dims.num_layers])
-    shapes = hf_output_shapes(plan_reshard(specs, 1, 1, 1, 1, 1 << 40), dims)
+    specs = actor_planned_tensors(dims, [dims.num_layers])
+    shapes = hf_output_shapes(schedule_reshard(specs, 1, 1, 1, 1, 1 << 40), dims)
     save_file({n: torch.zeros(s) for n, s in shapes.items()}, str(out / "model.safetensors"))
 
 
@@ -222,16 +224,16 @@ def vllm_startup(model_dir: str, repeats: int) -> dict:
 
 
 def at_scale() -> list[dict]:
-    from megarl.hybrid_engine.reshard_plan import plan_traffic
-    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+    from megarl.hybrid_engine.reshard_schedule import reshard_traffic
+    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.plan.known_models import resolve_model
 
     _, dims = resolve_model("Qwen2.5-72B")
-    specs = actor_tensor_specs(dims, [20] * 4, itemsize=2)
+    specs = actor_planned_tensors(dims, [20] * 4, itemsize=2)
     rows = []
     for mode in MODES:
         t0 = time.perf_counter()
-        traffic = plan_traffic(specs, 8, 4, 1, 8, mode=mode, ranks_per_node=8)
+        traffic = reshard_traffic(specs, 8, 4, 1, 8, mode=mode, ranks_per_node=8)
         rows.append(
             dict(
                 mode=mode,

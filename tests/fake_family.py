@@ -1,7 +1,7 @@
-"""A dense family megarl does not ship, added through a spec alone (for the family-spec tests).
+"""A dense family megarl does not ship, added through its ModelFamily alone (for the family tests).
 
 ``FakeDenseForCausalLM`` is the tiny Qwen2's trunk (q/k/v bias, untied head) under GPT-2-like
-tensor names, so nothing but its spec can map it. :func:`fake_dense_dir` writes it from the tiny
+tensor names, so nothing but its family can map it. :func:`fake_dense_dir` writes it from the tiny
 Qwen2's tensors; :func:`registered` adds the family for the length of a ``with`` block (a worker
 process calls :func:`register` once).
 """
@@ -14,8 +14,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from megarl.models.specs import FamilySpec, register_family, unregister_family
-from megarl.models.specs.dense import HFNames, dense_tensor_maps
+from megarl.models.families import ModelFamily, register_family, unregister_family
+from megarl.models.families.dense import HFNames, dense_tensor_maps
 
 ARCH = "FakeDenseForCausalLM"
 NAMES = HFNames(
@@ -33,7 +33,7 @@ NAMES = HFNames(
     final_norm="transformer.ln_f.weight",
     lm_head="head.weight",
 )
-SPEC = FamilySpec(
+FAMILY = ModelFamily(
     name="fakedense",
     architectures=(ARCH,),
     tensor_maps=lambda dims, role: dense_tensor_maps(dims, role, NAMES),
@@ -73,16 +73,16 @@ def fake_name(qwen2_name: str) -> str:
 
 
 def register() -> None:
-    register_family(SPEC)
+    register_family(FAMILY)
 
 
 @contextlib.contextmanager
-def registered() -> Iterator[FamilySpec]:
-    register_family(SPEC)
+def registered() -> Iterator[ModelFamily]:
+    register_family(FAMILY)
     try:
-        yield SPEC
+        yield FAMILY
     finally:
-        unregister_family(SPEC.name)
+        unregister_family(FAMILY.name)
 
 
 def fake_dense_dir(out: Path, qwen2_dir: Path) -> Path:

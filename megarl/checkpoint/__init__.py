@@ -1,4 +1,9 @@
-"""Megatron distributed checkpoints of megarl models (save, load at any TP/PP, stream-read).
+"""Checkpoint (1 of 3): the on-disk format of one model, a megatron dist checkpoint.
+
+Save, load at any TP/PP, stream-read. The word has one meaning in three places: this
+package (one model's checkpoint format), :mod:`megarl.run.checkpointing` (the loop's step
+checkpoints: one such model checkpoint per role plus the trainer state) and
+``checkpoints_tools`` (the CLIs converting model checkpoints to and from Hugging Face).
 
 See :mod:`megarl.checkpoint.store` for the folder layout; ``checkpoints_tools`` converts these
 checkpoints to and from Hugging Face.

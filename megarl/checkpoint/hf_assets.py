@@ -14,13 +14,13 @@ from typing import Any
 
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
+from megarl.models.families import supported_architectures
 from megarl.models.heads import (
     causal_architecture,
     has_scalar_head,
     head_architecture,
     hf_folder_role,
 )
-from megarl.models.specs import supported_architectures
 
 # Files copied from a Hugging Face folder: its config and everything a tokenizer may consist of.
 # Weights (*.safetensors, *.bin) and anything else (optimizer states, READMEs, images) stay behind.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from megarl.cluster.job import JobResult, JobSpec, Launcher
+from megarl.cluster.job import JobRequest, JobResult, Launcher
 from megarl.cluster.layouts import FitCheck, largest_layout, layout_overrides
 from megarl.config import RunConfig
 from megarl.models.dims import ModelDims
@@ -125,7 +125,7 @@ class Supervisor:
             env = record.to_env() if e.max_restarts else {}
             args = [*self.module_args, *extra]
             ranks = layout.world_size + self.extra_ranks
-            spec = JobSpec(module, args, ranks, env, avoid=tuple(self.lost))
+            spec = JobRequest(module, args, ranks, env, avoid=tuple(self.lost))
             result = self.launcher.run(spec)
             if not result.restartable or self.launcher.interrupted or not e.max_restarts:
                 return result.exit_code

@@ -15,7 +15,7 @@ FINAL_EXIT_CODES = (0, MegarlError.exit_code, 130)
 
 
 @dataclass(frozen=True)
-class JobSpec:
+class JobRequest:
     """``python -m module *args`` on ``world`` ranks, with ``env`` added to their environment,
     on none of the ``avoid`` slots (where earlier attempts' ranks failed)."""
 
@@ -47,7 +47,7 @@ class Launcher(Protocol):
 
     name: str
 
-    def run(self, spec: JobSpec) -> JobResult:
+    def run(self, spec: JobRequest) -> JobResult:
         """Start the job, stream its output, pass on the signals the caller gets; block until it
         ends (every rank stopped)."""
         ...

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.cluster.job import JobResult, JobSpec
+from megarl.cluster.job import JobRequest, JobResult
 from megarl.launch import run_torchrun
 from megarl.quiet_torchrun import FAILURE_FILE_ENV, describe_exit
 
@@ -47,7 +47,7 @@ class LocalLauncher:
     def capacity(self, lost: Sequence[Hashable]) -> int:
         return len([s for s in self.slots if s not in lost])
 
-    def run(self, spec: JobSpec) -> JobResult:
+    def run(self, spec: JobRequest) -> JobResult:
         slots = self._slots_for(spec)
         env = dict(spec.env)
         if self.devices is not None:
@@ -70,7 +70,7 @@ class LocalLauncher:
         rank = int(first["rank"])
         return JobResult(code, rank, describe_exit(int(first["exit_code"])), slots[rank])
 
-    def _slots_for(self, spec: JobSpec) -> list[Hashable]:
+    def _slots_for(self, spec: JobRequest) -> list[Hashable]:
         return [s for s in self.slots if s not in spec.avoid][: spec.world]
 
     def _signalled(self, signum: int) -> None:

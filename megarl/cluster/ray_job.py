@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl.cluster import placement
-from megarl.cluster.job import JobResult, JobSpec
+from megarl.cluster.job import JobRequest, JobResult
 from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
@@ -277,7 +277,7 @@ class RayLauncher:
     def capacity(self, lost: Sequence[Hashable]) -> int:
         return placement.capacity(_nodes(self.ray, self.kind), lost, self.one_node)
 
-    def run(self, spec: JobSpec) -> JobResult:
+    def run(self, spec: JobRequest) -> JobResult:
         self.interrupted, self._first_signal = False, None
         pg, ranks = self._place(spec)
         try:
@@ -288,7 +288,7 @@ class RayLauncher:
             self._stop(ranks)
             self.ray.util.remove_placement_group(pg)
 
-    def _place(self, spec: JobSpec) -> tuple[PlacementGroup, list[_Rank]]:
+    def _place(self, spec: JobRequest) -> tuple[PlacementGroup, list[_Rank]]:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -334,7 +334,7 @@ class RayLauncher:
             )
         return False
 
-    def _start(self, spec: JobSpec, ranks: list[_Rank]) -> None:
+    def _start(self, spec: JobRequest, ranks: list[_Rank]) -> None:
         infos = self.ray.get(
             [r.agent.describe.remote() for r in ranks], timeout=PLACEMENT_TIMEOUT_S
         )
@@ -483,7 +483,7 @@ def _local_resources(world: int) -> dict[str, object]:
     }
 
 
-def _rank_base_env(spec: JobSpec, verbose: bool) -> dict[str, str]:
+def _rank_base_env(spec: JobRequest, verbose: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
     env.update(rank_env(verbose))
     env.update(spec.env)

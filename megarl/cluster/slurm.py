@@ -22,7 +22,7 @@ import threading
 from collections.abc import Hashable, Sequence
 from contextlib import suppress
 
-from megarl.cluster.job import JobResult, JobSpec
+from megarl.cluster.job import JobRequest, JobResult
 from megarl.console import rank_env
 from megarl.errors import ConfigError
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
@@ -95,7 +95,7 @@ class SlurmLauncher:
             world % self.per_node == 0 or world < self.per_node
         )
 
-    def run(self, spec: JobSpec) -> JobResult:
+    def run(self, spec: JobRequest) -> JobResult:
         nodes = [n for n in self.nodes if n not in spec.avoid]
         count = -(-spec.world // self.per_node)
         use = nodes[:count]

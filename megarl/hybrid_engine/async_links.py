@@ -1,5 +1,5 @@
 """The links between the trainers and the rollout group of asynchronous training, made the same
-way on both sides: the weight broadcast plan, and the bridges in one fixed order (each bridge is
+way on both sides: the weight broadcast schedule, and the bridges in one fixed order (each bridge is
 a rendezvous of its members, so every process must make them in the same order).
 
 - ``control``: trainer rank 0 and every rollout rank (objects: start, push, stop);
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.hybrid_engine.broadcast_plan import BroadcastPlan, plan_broadcast
-from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+from megarl.hybrid_engine.broadcast_schedule import BroadcastSchedule, schedule_broadcast
+from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.world_split import Bridge, SplitWorld
@@ -21,14 +21,16 @@ from megarl.world_split import Bridge, SplitWorld
 BUCKET_BYTES = 256 << 20  # the colocated reshard's bucket size
 
 
-def weight_plan(
+def weight_schedule(
     dims: ModelDims, trainers: ParallelLayout, itemsize: int, bucket_bytes: int = BUCKET_BYTES
-) -> BroadcastPlan:
+) -> BroadcastSchedule:
     """The broadcast of the actor from the trainers' layout to the rollout group."""
-    specs = actor_tensor_specs(
+    specs = actor_planned_tensors(
         dims, trainers.layers_per_stage(dims.num_layers), itemsize, ep=trainers.ep
     )
-    return plan_broadcast(specs, trainers.tp, trainers.pp, trainers.dp, bucket_bytes, trainers.ep)
+    return schedule_broadcast(
+        specs, trainers.tp, trainers.pp, trainers.dp, bucket_bytes, trainers.ep
+    )
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Links:
     weights: dict[int, Bridge]  # source trainer -> its broadcast group (where this rank is in it)
 
 
-def make_links(world: SplitWorld, plan: BroadcastPlan, weight_backend: str) -> Links:
+def make_links(world: SplitWorld, plan: BroadcastSchedule, weight_backend: str) -> Links:
     split = world.split
     rollout = split.rollout_global_ranks
     control = world.bridge("control", [0, *rollout])
@@ -51,4 +53,4 @@ def make_links(world: SplitWorld, plan: BroadcastPlan, weight_backend: str) -> L
     return Links(control, batches, weights)
 
 
-__all__ = ["BUCKET_BYTES", "Links", "make_links", "weight_plan"]
+__all__ = ["BUCKET_BYTES", "Links", "make_links", "weight_schedule"]

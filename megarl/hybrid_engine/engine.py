@@ -11,7 +11,7 @@ What the trainer does around it (freeing the actor's grads, moving optimizer sta
 to the host, scoring the responses with the actor) is trainer code
 (:mod:`megarl.trainer.rollout_offload`, :mod:`megarl.trainer.old_log_probs`).
 
-Resharding follows a pure plan (:mod:`megarl.hybrid_engine.reshard_plan`) computed identically on every
+Resharding follows a pure plan (:mod:`megarl.hybrid_engine.reshard_schedule`) computed identically on every
 rank; the executor (:mod:`megarl.hybrid_engine.execute`) moves each bucket (the next one travelling
 while the current one loads) and hands it to the rollout engine in Hugging Face layout, cast to the
 rollout's dtype (``rollout.dtype``): in ``shard`` mode only the slices this rank's rollout TP rank
@@ -52,8 +52,8 @@ from megarl.hybrid_engine.multi_turn import (
     sample_starts,
 )
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
-from megarl.hybrid_engine.reshard_plan import plan_reshard
-from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.hybrid_engine.vllm_rollout import (
     EngineConfig,
     RolloutOutput,
@@ -61,7 +61,7 @@ from megarl.hybrid_engine.vllm_rollout import (
     VLLMRollout,
     checkpoint_shapes,
 )
-from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard
+from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
@@ -95,16 +95,18 @@ def check_rollout_model(
     for name, shape in produced.items():
         if name not in expected:
             raise ValueError(
-                f"reshard plan produces {name!r}, which the rollout model does not have"
+                f"reshard schedule produces {name!r}, which the rollout model does not have"
             )
         if tuple(expected[name]) != tuple(shape):
             raise ValueError(
-                f"reshard plan produces {name!r} with shape {list(shape)} but the rollout model "
+                f"reshard schedule produces {name!r} with shape {list(shape)} but the rollout model "
                 f"expects {list(expected[name])}"
             )
     missing = [n for n in expected if n not in produced and not (tied and n == "lm_head.weight")]
     if missing:
-        raise ValueError(f"reshard plan does not produce the rollout model's tensor {missing[0]!r}")
+        raise ValueError(
+            f"reshard schedule does not produce the rollout model's tensor {missing[0]!r}"
+        )
 
 
 class RolloutEngine(Protocol):
@@ -117,7 +119,7 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
-    def validate_shards(self, shards: Sequence[ShardSpec]) -> None: ...
+    def validate_shards(self, shards: Sequence[ShardSlice]) -> None: ...
 
     def load_shards(self, shards: Sequence[WeightShard]) -> None: ...
 
@@ -212,10 +214,10 @@ class HybridEngine:
         if dims.is_moe and parallel.ep_rank() != self.dp_rank % layout.ep:
             raise RuntimeError(
                 f"expert-parallel rank {parallel.ep_rank()} of DP replica {self.dp_rank}: the "
-                "reshard plan assumes megatron's layout (EP rank = DP rank % ep)"
+                "reshard schedule assumes megatron's layout (EP rank = DP rank % ep)"
             )
         itemsize = next(actor.parameters()).element_size()
-        specs = actor_tensor_specs(
+        specs = actor_planned_tensors(
             dims, layout.layers_per_stage(dims.num_layers), itemsize, ep=layout.ep
         )
         # rollout.reshard_mode: shard (each rank receives only what its rollout TP rank loads)
@@ -226,7 +228,7 @@ class HybridEngine:
         self.reshard_mode = resolve_reshard_mode(
             reshard_mode, getattr(rollout, "backend", backend), dims.is_moe
         )
-        self.plan = plan_reshard(
+        self.plan = schedule_reshard(
             specs,
             layout.tp,
             layout.pp,
@@ -311,9 +313,9 @@ class HybridEngine:
         return dict(self.metrics)
 
     def reshard(self, sink: Callable[[list], None]) -> ReshardStats:
-        """Run this rank's part of the reshard plan, bucket by bucket, into ``sink`` (the
+        """Run this rank's part of the reshard schedule, bucket by bucket, into ``sink`` (the
         rollout engine's load in :meth:`to_rollout`): the actor's weights (LoRA adapters merged)
-        as ``(hf_name, tensor)`` in full mode, ``(ShardSpec, slice)`` in shard mode."""
+        as ``(hf_name, tensor)`` in full mode, ``(ShardSlice, slice)`` in shard mode."""
         local = local_spec_tensors(
             self.actor, self.dims, self._layer_offset, self.plan.specs, self._expert_offset
         )
@@ -323,7 +325,7 @@ class HybridEngine:
 
     def _load_into_rollout(self, weights: list) -> None:
         """One reshard bucket into the rollout engine, cast to its dtype (one bucket at a time):
-        ``(hf_name, tensor)`` pairs in full mode, ``(ShardSpec, slice)`` in shard mode."""
+        ``(hf_name, tensor)`` pairs in full mode, ``(ShardSlice, slice)`` in shard mode."""
         dtype = self.rollout_dtype
         if dtype is not None:
             weights = [(key, t.to(dtype)) for key, t in weights]

@@ -1,4 +1,4 @@
-"""Run a reshard plan over torch.distributed, bucket by bucket, and hand each bucket on in HF layout.
+"""Run a reshard schedule over torch.distributed, bucket by bucket, and hand each bucket on in HF layout.
 
 Per bucket a rank allocates the tensors (or inference shards) it assembles, posts all its sends
 and receives of the bucket at once (``batch_isend_irecv``: gloo on CPU, NCCL on GPUs) and copies
@@ -8,7 +8,7 @@ and layout (the shared transforms of :mod:`megarl.models.hf_map`) and passed to 
 rollout engine's load), so the transfer of one bucket overlaps the load of the previous one and
 at most two buckets are in memory. In ``full`` mode the sink gets whole HF tensors
 ``[(hf_name, tensor)]``; in ``shard`` mode the slices this rank's rollout TP rank loads
-``[(ShardSpec, tensor)]``. Bytes sent and received and the peak of the executor's own transient
+``[(ShardSlice, tensor)]``. Bytes sent and received and the peak of the executor's own transient
 allocations are counted per rank (:class:`ReshardStats`).
 """
 
@@ -23,19 +23,19 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.hybrid_engine.reshard_plan import (
+from megarl.hybrid_engine.reshard_schedule import (
+    PlannedTensor,
     RankBucket,
-    ReshardPlan,
-    TensorSpec,
+    ReshardSchedule,
     dest_offset,
     range_length,
 )
-from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard
+from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import NameIndex, split_qkv, split_qkv_shard, to_naming
 from megarl.models.loading import mapped_parameters
 
-# A bucket as the executor hands it on: [(hf_name, tensor)] in full mode, [(ShardSpec, slice)] in
+# A bucket as the executor hands it on: [(hf_name, tensor)] in full mode, [(ShardSlice, slice)] in
 # shard mode, [(spec name, tensor)] unconverted.
 Sink = Callable[[list], None]
 
@@ -76,7 +76,7 @@ def local_spec_tensors(
     model,
     dims: ModelDims,
     layer_offset: int,
-    specs: Sequence[TensorSpec],
+    specs: Sequence[PlannedTensor],
     expert_offset: int = 0,
 ) -> dict[int, torch.Tensor]:
     """This rank's training shard of every spec it holds (views of the model's parameters).
@@ -133,9 +133,9 @@ class _Bucket:
 
 
 class ReshardExecutor:
-    """Runs one rank's part of a :class:`ReshardPlan` (the same plan on every rank)."""
+    """Runs one rank's part of a :class:`ReshardSchedule` (the same plan on every rank)."""
 
-    def __init__(self, plan: ReshardPlan, dims: ModelDims, rank: int, group=None):
+    def __init__(self, plan: ReshardSchedule, dims: ModelDims, rank: int, group=None):
         self.plan = plan
         self.dims = dims
         self.rank = rank
@@ -147,20 +147,24 @@ class ReshardExecutor:
         self._tags: dict[tuple[int, str], int] = {}
 
     # -- geometry ------------------------------------------------------------------------------
-    def _dest_shape(self, spec: TensorSpec, ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    def _dest_shape(
+        self, spec: PlannedTensor, ranges: tuple[tuple[int, int], ...]
+    ) -> tuple[int, ...]:
         if spec.tp_dim is None:
             return spec.shape
         shape = list(spec.shape)
         shape[spec.tp_dim] = range_length(ranges)
         return tuple(shape)
 
-    def _src_view(self, spec: TensorSpec, local: torch.Tensor, start: int, stop: int):
+    def _src_view(self, spec: PlannedTensor, local: torch.Tensor, start: int, stop: int):
         if spec.tp_dim is None:
             return local
         piece_start = self._train_tp_rank * (spec.shape[spec.tp_dim] // self.plan.tp)
         return local.narrow(spec.tp_dim, start - piece_start, stop - start)
 
-    def _dest_view(self, spec: TensorSpec, dest: torch.Tensor, rb: RankBucket, s) -> torch.Tensor:
+    def _dest_view(
+        self, spec: PlannedTensor, dest: torch.Tensor, rb: RankBucket, s
+    ) -> torch.Tensor:
         if spec.tp_dim is None:
             return dest
         return dest.narrow(spec.tp_dim, dest_offset(rb.needs[s.tensor], s.start), s.stop - s.start)
@@ -279,7 +283,7 @@ class ReshardExecutor:
         stats: ReshardStats,
     ) -> Iterator:
         """One bucket's megatron-layout tensors -> HF ``(name, tensor)`` (full mode) or
-        ``(ShardSpec, slice)`` (shard mode), one group at a time."""
+        ``(ShardSlice, slice)`` (shard mode), one group at a time."""
         if self.plan.mode == "shard":
             for t in members:
                 yield from self._hf_shards(t, rb.needs[t], dest[t])
@@ -294,19 +298,19 @@ class ReshardExecutor:
         name, _, part = spec.name.partition("#")
         tm, hf_names = self._hf.lookup(name)
         if spec.tp_dim is None:
-            return [(ShardSpec(hf_names[0], tuple(shard.shape), None), shard)]
+            return [(ShardSlice(hf_names[0], tuple(shard.shape), None), shard)]
         if tm.kind == "qkv":
             pieces = split_qkv_shard(shard, self.dims, self.plan.infer_tp, self._infer_rank)
             return [
-                (ShardSpec(n, tuple(p.shape), spec.tp_dim, start), p)
+                (ShardSlice(n, tuple(p.shape), spec.tp_dim, start), p)
                 for n, (p, start) in zip(hf_names, pieces, strict=True)
             ]
         if len(ranges) != 1:
             raise ValueError(f"{spec.name}: a {tm.kind} tensor is cut as one range, got {ranges}")
         hf_name = hf_names[int(part)] if tm.kind == "gate_up" else hf_names[0]
-        return [(ShardSpec(hf_name, tuple(shard.shape), spec.tp_dim, ranges[0][0]), shard)]
+        return [(ShardSlice(hf_name, tuple(shard.shape), spec.tp_dim, ranges[0][0]), shard)]
 
-    def shard_specs(self) -> list[ShardSpec]:
+    def shard_specs(self) -> list[ShardSlice]:
         """Every HF slice a shard-mode run hands this rank's rollout engine (computed on meta
         tensors, before anything moves)."""
         out = []
@@ -319,7 +323,7 @@ class ReshardExecutor:
 
 
 def to_hf_tensors(
-    specs: Sequence[TensorSpec],
+    specs: Sequence[PlannedTensor],
     members: Sequence[int],
     dest: dict[int, torch.Tensor],
     dims: ModelDims,
@@ -347,12 +351,12 @@ def to_hf_tensors(
             yield hf_names[0], dest[t]
 
 
-def hf_output_shapes(plan: ReshardPlan, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+def hf_output_shapes(plan: ReshardSchedule, dims: ModelDims) -> dict[str, tuple[int, ...]]:
     """The HF name and shape of every tensor a full-mode plan hands on (for validation up front)."""
     return hf_shapes_of(plan.specs, dims)
 
 
-def hf_shapes_of(specs: Sequence[TensorSpec], dims: ModelDims) -> dict[str, tuple[int, ...]]:
+def hf_shapes_of(specs: Sequence[PlannedTensor], dims: ModelDims) -> dict[str, tuple[int, ...]]:
     """The HF name and shape of every tensor that whole ``specs`` convert to."""
     index = NameIndex(dims, 0)
     out: dict[str, tuple[int, ...]] = {}

@@ -36,7 +36,7 @@ from megarl.hybrid_engine.vllm_rollout import (
     eos_token_ids,
     request_seed,
 )
-from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard, check_shards
+from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
 
 
 class HFRollout:
@@ -93,7 +93,7 @@ class HFRollout:
             else:
                 self._saved[name].write(tensor)
 
-    def validate_shards(self, shards: Sequence[ShardSpec]) -> None:
+    def validate_shards(self, shards: Sequence[ShardSlice]) -> None:
         check_shards(self.expected_shapes, shards, self.model_dir)
 
     @torch.no_grad()
@@ -105,7 +105,7 @@ class HFRollout:
         for spec, tensor in _gather_group(batch, self.group):
             self._write(spec, tensor)
 
-    def _write(self, spec: ShardSpec, tensor: torch.Tensor) -> None:
+    def _write(self, spec: ShardSlice, tensor: torch.Tensor) -> None:
         if spec.name not in self._params:
             self._saved[spec.name].write(tensor, spec.dim, spec.start)
             return

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megarl.hybrid_engine.reshard_plan import TensorSpec
+from megarl.hybrid_engine.reshard_schedule import PlannedTensor
 from megarl.models.loading import unwrap
 from megarl.models.lora import LoraAdapter, adapters, global_layer_name
 
@@ -49,7 +49,7 @@ def _merge(weight: torch.Tensor, adapter: LoraAdapter, part: int | None) -> Merg
 
 
 def merged_local_tensors(
-    model, base: dict[int, torch.Tensor], specs: Sequence[TensorSpec], layer_offset: int
+    model, base: dict[int, torch.Tensor], specs: Sequence[PlannedTensor], layer_offset: int
 ) -> MergedLocalTensors:
     """``base`` (``local_spec_tensors``' result) with every adapted weight merged on read."""
     index = {s.name: i for i, s in enumerate(specs)}

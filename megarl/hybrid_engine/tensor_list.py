@@ -1,8 +1,8 @@
-"""The reshard planner's tensor list for an actor model, from its family spec's tensor map.
+"""The reshard planner's tensor list for an actor model, from its model family's tensor map.
 
-The planner (:mod:`megarl.hybrid_engine.reshard_plan`) receives these :class:`TensorSpec` and knows
-nothing of models; shapes, TP split dimensions and HF order come from the family spec
-(:mod:`megarl.models.specs`), as :func:`megarl.models.hf_map.tensor_maps` gives it; torch is not
+The planner (:mod:`megarl.hybrid_engine.reshard_schedule`) receives these :class:`PlannedTensor` and knows
+nothing of models; shapes, TP split dimensions and HF order come from the model family
+(:mod:`megarl.models.families`), as :func:`megarl.models.hf_map.tensor_maps` gives it; torch is not
 imported, so ``megarl plan`` can plan the reshard of any layout cheaply.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megarl.hybrid_engine.reshard_plan import EVEN, ShardRule, TensorSpec
+from megarl.hybrid_engine.reshard_schedule import EVEN, PlannedTensor, ShardRule
 from megarl.models.dims import ModelDims
-from megarl.models.specs import TensorMap
+from megarl.models.families import TensorMap
 
 # vLLM pads the vocabulary to a multiple of this before splitting it over its TP ranks
 # (``vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``).
@@ -35,9 +35,9 @@ def megatron_global_name(template: str, layer: int | None, expert: int | None = 
     return template.format(layer=layer, expert=expert) if layer is not None else template
 
 
-def actor_tensor_specs(
+def actor_planned_tensors(
     dims: ModelDims, layers_per_stage: Sequence[int], itemsize: int = 4, ep: int = 1
-) -> list[TensorSpec]:
+) -> list[PlannedTensor]:
     """Every actor tensor that the rollout engine needs, in HF order, as planner specs.
 
     Names are megatron names with *global* layer indices (the fused gate/up weight as
@@ -53,8 +53,8 @@ def actor_tensor_specs(
         raise ValueError(
             f"layers per stage {list(layers_per_stage)} do not sum to {dims.num_layers} layers"
         )
-    maps = dims.spec.tensor_maps(dims, "actor")  # as hf_map.tensor_maps, without torch
-    specs: list[TensorSpec] = []
+    maps = dims.model_family.tensor_maps(dims, "actor")  # as hf_map.tensor_maps, without torch
+    specs: list[PlannedTensor] = []
 
     per_rank = dims.num_experts // ep if dims.is_moe else 1
 
@@ -70,7 +70,7 @@ def actor_tensor_specs(
             part_shape = (rows // 2, *rest)
             for part in (0, 1):
                 specs.append(
-                    TensorSpec(
+                    PlannedTensor(
                         f"{name}#{part}",
                         part_shape,
                         tm.tp_dim,
@@ -83,7 +83,7 @@ def actor_tensor_specs(
                 )
         else:
             specs.append(
-                TensorSpec(name, tm.shape, tm.tp_dim, stage, itemsize, module, holder, rule)
+                PlannedTensor(name, tm.shape, tm.tp_dim, stage, itemsize, module, holder, rule)
             )
 
     # HF order: embeddings, layer by layer, final norm, head.

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
-from megarl.hybrid_engine.weight_shards import ShardSpec, WeightShard, check_shards
+from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
 from megarl.models.safetensors_io import SafetensorsReader
 
 
@@ -206,14 +206,14 @@ class VLLMRollout:
         """Load HF-named full tensors in place (validated first: nothing loads on a mismatch).
 
         Every vLLM layer must get all its tensors in one call (q, k and v together; gate and up
-        together), which the reshard plan's buckets guarantee.
+        together), which the reshard schedule's buckets guarantee.
         """
         batch = list(weights)
         self.validate(batch)
         with _quiet_reload_logs():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch})
 
-    def validate_shards(self, shards: Sequence[ShardSpec]) -> None:
+    def validate_shards(self, shards: Sequence[ShardSlice]) -> None:
         check_shards(self.expected_shapes, shards, self.model_dir)
 
     def load_shards(self, shards: Sequence[WeightShard]) -> None:

@@ -1,7 +1,7 @@
 """Slices of Hugging Face tensors as a rollout engine's TP rank loads them (shard-mode resharding).
 
 In ``shard`` mode the reshard hands each rank only what its rollout TP rank loads: for every HF
-tensor a :class:`ShardSpec` (where the slice sits in the whole tensor) with the slice itself. The
+tensor a :class:`ShardSlice` (where the slice sits in the whole tensor) with the slice itself. The
 rollout engines check a bucket's specs against their model before loading any of it.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class ShardSpec:
+class ShardSlice:
     """A slice ``[start, start + shape[dim])`` along ``dim`` of the HF tensor ``name``."""
 
     name: str
@@ -27,11 +27,11 @@ class ShardSpec:
         return self.start if self.dim is None else self.start + self.shape[self.dim]
 
 
-WeightShard = tuple[ShardSpec, torch.Tensor]
+WeightShard = tuple[ShardSlice, torch.Tensor]
 
 
 def check_shards(
-    expected_shapes: dict[str, tuple[int, ...]], shards: Sequence[ShardSpec], model_dir: str
+    expected_shapes: dict[str, tuple[int, ...]], shards: Sequence[ShardSlice], model_dir: str
 ) -> None:
     """Raise naming the first slice that is not a slice of a tensor of the rollout model."""
     for s in shards:

@@ -3,7 +3,7 @@ step (:class:`WeightSender`), the rollout ranks receive it whole, in Hugging Fac
 (:class:`WeightReceiver`), into host memory (:class:`StagedWeights`), from where the rollout
 engine loads it between requests.
 
-Both sides walk the same :class:`~megarl.hybrid_engine.broadcast_plan.BroadcastPlan`: for each
+Both sides walk the same :class:`~megarl.hybrid_engine.broadcast_schedule.BroadcastSchedule`: for each
 bucket, each slice is broadcast by the trainer holding it over its broadcast group (the source
 and every rollout rank; NCCL on GPUs, gloo on CPU), the rollout ranks assemble whole tensors and
 convert the bucket to HF names with the reshard executor's transforms. Staging lets the
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.hybrid_engine.broadcast_plan import BroadcastPlan
+from megarl.hybrid_engine.broadcast_schedule import BroadcastSchedule
 from megarl.hybrid_engine.execute import ReshardStats, to_hf_tensors
 from megarl.models.dims import ModelDims
 from megarl.world_split import Bridge
@@ -49,7 +49,7 @@ class SyncStats:
 class WeightSender:
     """A trainer's part of the broadcast: the slices it is the source of."""
 
-    def __init__(self, plan: BroadcastPlan, trainer_rank: int, group: Bridge | None) -> None:
+    def __init__(self, plan: BroadcastSchedule, trainer_rank: int, group: Bridge | None) -> None:
         self.plan = plan
         self.rank = trainer_rank
         self.group = group  # this rank's broadcast group (None: it sends nothing)
@@ -89,7 +89,7 @@ class WeightReceiver:
 
     def __init__(
         self,
-        plan: BroadcastPlan,
+        plan: BroadcastSchedule,
         dims: ModelDims,
         groups: Mapping[int, Bridge],
         device: torch.device | str = "cpu",

@@ -1,7 +1,7 @@
 """Build actor, critic and reference megatron-core GPT models from a Hugging Face checkpoint.
 
 Parallelism comes from megatron's parallel_state (set up by :mod:`megarl.parallel`); the model
-definition itself is the family spec (:mod:`megarl.models.specs`) read through
+definition itself is the model family (:mod:`megarl.models.families`) read through
 :mod:`megarl.models.dims` and :mod:`megarl.models.hf_map`.
 """
 
@@ -66,8 +66,8 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
     cuda = torch.cuda.is_available()
     impl = resolve_transformer_impl(opts.transformer_impl)
     kwargs = dict(
-        # Family-specific: sizes, norm, gated MLP, biases, q/k norm (megarl.models.specs).
-        **dims.spec.megatron_options(dims),
+        # Family-specific: sizes, norm, gated MLP, biases, q/k norm (megarl.models.families).
+        **dims.model_family.megatron_options(dims),
         # Megatron's TransformerConfig calls the TP/PP sizes by these names; they must agree with
         # parallel_state or every stage silently builds all layers (megatron-core 0.16 reads the
         # stage's layer count from the config, not from the groups).
@@ -155,7 +155,7 @@ def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None, co
     impl = resolve_transformer_impl(transformer_impl)  # errors before megatron's specs import
     from megatron.core.models.gpt import gpt_layer_specs
 
-    family_opts = dims.spec.layer_spec_options(dims) if dims is not None else {}
+    family_opts = dims.model_family.layer_spec_options(dims) if dims is not None else {}
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**family_opts)
     from megatron.core.transformer.identity_op import IdentityOp

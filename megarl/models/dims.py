@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import CheckpointError, UnsupportedModelError
+from megarl.models.families import ModelFamily, family, family_for_architectures
+from megarl.models.families.base import MoeDims
 from megarl.models.heads import causal_architecture
-from megarl.models.specs import FamilySpec, family, family_for_architectures
-from megarl.models.specs.base import MoeDims
 from megarl.parallel import ModelShape, ParallelLayout
 
 
@@ -49,8 +49,8 @@ class ModelDims:
         return self.num_experts > 0
 
     @property
-    def spec(self) -> FamilySpec:
-        """The family's spec (megarl.models.specs): name map, megatron options, roles."""
+    def model_family(self) -> ModelFamily:
+        """The family's definition (megarl.models.families): name map, megatron options, roles."""
         return family(self.family)
 
     @property
@@ -83,8 +83,8 @@ class ModelDims:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
 
         archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
-        arch, spec = family_for_architectures(archs, cfg.get("model_type"))
-        spec.check_config(cfg)
+        arch, model_family = family_for_architectures(archs, cfg.get("model_type"))
+        model_family.check_config(cfg)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(
@@ -107,7 +107,7 @@ class ModelDims:
                 f"rope scaling type {rope_type!r} is not supported; supported: 'default', 'llama3'"
             )
         return cls(
-            family=spec.name,
+            family=model_family.name,
             architecture=arch,
             hidden_size=hidden,
             num_layers=int(cfg["num_hidden_layers"]),
@@ -120,10 +120,10 @@ class ModelDims:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=spec.qkv_bias(cfg),
+            qkv_bias=model_family.qkv_bias(cfg),
             rope_scaling_factor=scaling,
-            qk_layernorm=spec.qk_layernorm,
-            **_moe_dims(spec, cfg),
+            qk_layernorm=model_family.qk_layernorm,
+            **_moe_dims(model_family, cfg),
         )
 
     @classmethod
@@ -131,14 +131,14 @@ class ModelDims:
         return cls.from_hf_config(read_hf_config(hf_dir))
 
 
-def _moe_dims(spec: FamilySpec, cfg: dict[str, object]) -> MoeDims:
+def _moe_dims(model_family: ModelFamily, cfg: dict[str, object]) -> MoeDims:
     """The MoE numbers of an MoE family's config (empty for a dense family), validated."""
-    if spec.moe_dims is None:
+    if model_family.moe_dims is None:
         return {}
-    moe = spec.moe_dims(cfg)
+    moe = model_family.moe_dims(cfg)
     if moe["num_experts"] < 1 or not 1 <= moe["moe_topk"] <= moe["num_experts"]:
         raise UnsupportedModelError(
-            f"{spec.name}: config.json gives {moe['num_experts']} experts with "
+            f"{model_family.name}: config.json gives {moe['num_experts']} experts with "
             f"{moe['moe_topk']} per token; need at least one expert and 1 <= "
             "num_experts_per_tok <= the number of experts"
         )

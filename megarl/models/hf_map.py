@@ -1,6 +1,6 @@
 """The declarative map between Hugging Face tensors and megatron-core parameters, and its transforms.
 
-The table of each architecture comes from its family spec (:mod:`megarl.models.specs`); this
+The table of each architecture comes from its model family (:mod:`megarl.models.families`); this
 module applies it. Used by the model loader, checkpoints_tools and the hybrid engine. Transforms work on tensor-parallel *shards*:
 
 - ``copy``:    one HF tensor, split along ``tp_dim`` (or replicated when ``tp_dim`` is None).
@@ -25,8 +25,8 @@ from typing import Protocol
 import torch
 
 from megarl.models.dims import ModelDims
-from megarl.models.specs.base import TensorMap
-from megarl.models.specs.dense import SCORE_BIAS, SCORE_WEIGHT
+from megarl.models.families.base import TensorMap
+from megarl.models.families.dense import SCORE_BIAS, SCORE_WEIGHT
 
 
 class SliceReader(Protocol):
@@ -50,11 +50,11 @@ HEAD_MAPS: dict[str, tuple[TensorMap, ...]] = {
 
 
 def tensor_maps(dims: ModelDims, role: str = "actor") -> list[TensorMap]:
-    """Every parameter of ``role``'s model, in HF order, from the family's spec
-    (:mod:`megarl.models.specs`). Actor and reference: ``output_layer`` is the LM head, listed
+    """Every parameter of ``role``'s model, in HF order, from the family's `ModelFamily`
+    (:mod:`megarl.models.families`). Actor and reference: ``output_layer`` is the LM head, listed
     even when tied (its HF name is then the embedding's). Critic and reward model: the same
     trunk, and the scalar head as ``score``."""
-    spec = dims.spec
+    spec = dims.model_family
     spec.check_role(role)
     return spec.tensor_maps(dims, role)
 

@@ -1,6 +1,6 @@
 """Model shapes the planner knows by name, and reading a shape from a ``config.json``.
 
-Each family spec (:mod:`megarl.models.specs`) lists the numbers of its models' public Hugging Face
+Each model family (:mod:`megarl.models.families`) lists the numbers of its models' public Hugging Face
 ``config.json`` that decide memory and layout (hidden size, layers, attention and KV heads, FFN
 size, vocabulary, tied embeddings); the rest (QKV bias, q/k norm) follows from the architecture.
 Instruct and base checkpoints of a size share these numbers.
@@ -14,11 +14,11 @@ from typing import Any
 
 from megarl.errors import ConfigError, UnsupportedModelError
 from megarl.models.dims import ModelDims
-from megarl.models.specs import families
+from megarl.models.families import families
 
 
 def _collect() -> dict[str, dict[str, object]]:
-    """Canonical name -> config.json subset, from every family spec's ``known_models``."""
+    """Canonical name -> config.json subset, from every model family's ``known_models``."""
     return {name: dict(cfg) for spec in families() for name, cfg in spec.known_models.items()}
 
 

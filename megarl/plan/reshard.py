@@ -1,6 +1,6 @@
 """Reshard traffic of a layout for ``megarl plan``: the bytes each rank receives when the actor's
 weights move into the rollout engine every step, from the pure reshard planner
-(:func:`megarl.hybrid_engine.reshard_plan.plan_traffic`) over the model's real tensor list.
+(:func:`megarl.hybrid_engine.reshard_schedule.reshard_traffic`) over the model's real tensor list.
 
 The mode is the one a run of this layout would use with vLLM (``rollout.reshard_mode=auto``):
 ``shard`` for dense models, ``full`` for mixture-of-experts ones. Figures are the most any rank
@@ -12,8 +12,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
-from megarl.hybrid_engine.reshard_plan import RankTraffic, TensorSpec, plan_traffic
-from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+from megarl.hybrid_engine.reshard_schedule import PlannedTensor, RankTraffic, reshard_traffic
+from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 
@@ -21,15 +21,15 @@ ROLLOUT_WEIGHT_BYTES = 2  # bf16
 
 
 @lru_cache(maxsize=64)
-def _specs(dims: ModelDims, layers_per_stage: tuple[int, ...], ep: int) -> list[TensorSpec]:
-    return actor_tensor_specs(dims, layers_per_stage, ROLLOUT_WEIGHT_BYTES, ep=ep)
+def _specs(dims: ModelDims, layers_per_stage: tuple[int, ...], ep: int) -> list[PlannedTensor]:
+    return actor_planned_tensors(dims, layers_per_stage, ROLLOUT_WEIGHT_BYTES, ep=ep)
 
 
 def _traffic(
     dims: ModelDims, layout: ParallelLayout, mode: str, ranks_per_node: int
 ) -> list[RankTraffic]:
     specs = _specs(dims, tuple(layout.layers_per_stage(dims.num_layers)), layout.ep)
-    return plan_traffic(
+    return reshard_traffic(
         specs,
         layout.tp,
         layout.pp,

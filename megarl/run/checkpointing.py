@@ -1,5 +1,8 @@
-"""Training checkpoints: models + optimizers (megatron dist checkpoints), schedulers, KL
-controller, data position and RNG streams, written atomically and loadable at any layout.
+"""Checkpoint (2 of 3): the training loop's step checkpoints, written atomically.
+
+A step checkpoint holds models + optimizers (model checkpoints in the format of
+:mod:`megarl.checkpoint`, 1 of 3), schedulers, KL controller, data position and RNG
+streams, loadable at any layout; ``checkpoints_tools`` (3 of 3) exports its models.
 
 Layout: ``OUT/checkpoints/step_NNNNNNNN/{actor,critic,reward}/`` (megarl checkpoints, which
 checkpoints_tools exports) and ``trainer/trainer_state.pt`` (plain data, written by rank 0, see

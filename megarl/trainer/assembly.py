@@ -20,7 +20,7 @@ from megarl.envs.chat_deltas import ChatDeltas
 from megarl.envs.loading import check_environment
 from megarl.envs.pool import ToolPool
 from megarl.envs.runner import EnvRunner
-from megarl.hybrid_engine.async_links import make_links, weight_plan
+from megarl.hybrid_engine.async_links import make_links, weight_schedule
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
@@ -296,7 +296,7 @@ def async_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
     """The trainers' link to the rollout group (megarl.trainer.rollout_group)."""
     assert startup.world is not None
     itemsize = next(roles.actor.ddp.parameters()).element_size()
-    plan = weight_plan(roles.dims, startup.layout, itemsize)
+    plan = weight_schedule(roles.dims, startup.layout, itemsize)
     links = make_links(startup.world, plan, platform.distributed_backend())
     assert links.batches is not None
     rank = startup.rank

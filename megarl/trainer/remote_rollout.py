@@ -30,7 +30,7 @@ from typing import Any
 from megarl import parallel
 from megarl.config import RunConfig
 from megarl.data import PromptItem
-from megarl.hybrid_engine.broadcast_plan import BroadcastPlan
+from megarl.hybrid_engine.broadcast_schedule import BroadcastSchedule
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.hybrid_engine.execute import local_spec_tensors
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
@@ -73,7 +73,7 @@ class RemoteRollout:
     def __init__(
         self,
         cfg: RunConfig,
-        plan: BroadcastPlan,
+        plan: BroadcastSchedule,
         dims: ModelDims,
         layout: ParallelLayout,
         actor,

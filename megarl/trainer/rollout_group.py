@@ -51,7 +51,7 @@ from megarl.data.global_state import merge_rank_states
 from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
-from megarl.hybrid_engine.async_links import Links, make_links, weight_plan
+from megarl.hybrid_engine.async_links import Links, make_links, weight_schedule
 from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
 from megarl.hybrid_engine.execute import hf_shapes_of
 from megarl.hybrid_engine.multi_turn import (
@@ -540,7 +540,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     check_inputs(cfg, trainers)
     dims = ModelDims.from_pretrained(cfg.model.path)
     cuda = platform.device().type == "cuda"
-    plan = weight_plan(dims, trainers, ITEMSIZE[model_dtype(cfg, cuda)])
+    plan = weight_schedule(dims, trainers, ITEMSIZE[model_dtype(cfg, cuda)])
     expected = checkpoint_shapes(cfg.model.path)
     check_rollout_model(hf_shapes_of(plan.specs, dims), expected, dims.tie_word_embeddings)
     infer_tp = cfg.parallel.infer_tp or cfg.parallel.tp

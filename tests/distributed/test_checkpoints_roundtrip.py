@@ -186,8 +186,8 @@ def _reshard_checks(name, hf_dir, out):
     """Built from HF at TP2xPP2, then resharded by the hybrid engine's planner and executor into
     full HF tensors on every rank (inference TP2): each equals the HF file's tensor."""
     from megarl.hybrid_engine.execute import ReshardExecutor, local_spec_tensors
-    from megarl.hybrid_engine.reshard_plan import plan_reshard
-    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.models.build import build_model
     from megarl.models.dims import layer_offset
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
@@ -196,8 +196,8 @@ def _reshard_checks(name, hf_dir, out):
     initialize_model_parallel(layout)
     model, dims = build_model(hf_dir, layout)
     rank = torch.distributed.get_rank()
-    specs = actor_tensor_specs(dims, layout.layers_per_stage(dims.num_layers))
-    plan = plan_reshard(specs, 2, 2, 1, 2, bucket_bytes=64 << 10)
+    specs = actor_planned_tensors(dims, layout.layers_per_stage(dims.num_layers))
+    plan = schedule_reshard(specs, 2, 2, 1, 2, bucket_bytes=64 << 10)
     offset = layer_offset(dims, layout, rank // (layout.tp * layout.dp))
     received: dict[str, torch.Tensor] = {}
     ReshardExecutor(plan, dims, rank).run(
@@ -337,7 +337,7 @@ def roundtrip_worker(rank: int, world: int, work: str, models: dict[str, str]) -
     from megarl.platform import adapt_megatron_for_cpu
 
     adapt_megatron_for_cpu()
-    fake_family.register()  # a family known through its spec alone (tests/fake_family.py)
+    fake_family.register()  # a family known through its ModelFamily alone (tests/fake_family.py)
     work_dir = Path(work)
     out: dict = {}
     for name, hf_dir in models.items():
@@ -432,7 +432,7 @@ def test_tp2pp2_checkpoint_loads_at_tp1_pp4_tp4_identically(tiny):
 
 
 def test_models_load_through_the_hybrid_engine_reshard(tiny):
-    """Qwen3 and the spec-only family: HF -> megatron (TP2xPP2) -> reshard -> the HF tensors."""
+    """Qwen3 and the family defined only by its ModelFamily: HF -> megatron (TP2xPP2) -> reshard -> the HF tensors."""
     _, _, merged = tiny
     for name in RESHARD:
         assert merged[f"{name}:reshard_equal"] is True, name

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from megarl.cluster.elastic import Supervisor
-from megarl.cluster.job import JobResult, JobSpec
+from megarl.cluster.job import JobRequest, JobResult
 from megarl.config import load_config
 from megarl.parallel import ParallelLayout
 from megarl.run.elastic import ENV, AttemptRecord
@@ -19,11 +19,11 @@ class ScriptedLauncher:
 
     def __init__(self, results: list[JobResult], slots: int, can_grow: bool = False):
         self.results, self.slots, self.can_grow = list(results), slots, can_grow
-        self.specs: list[JobSpec] = []
+        self.specs: list[JobRequest] = []
         self.interrupted = False
         self.capacity_calls = 0
 
-    def run(self, spec: JobSpec) -> JobResult:
+    def run(self, spec: JobRequest) -> JobResult:
         self.specs.append(spec)
         return self.results.pop(0)
 

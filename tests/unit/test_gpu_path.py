@@ -168,10 +168,10 @@ class _NamedParams:
 
 def test_reshard_takes_te_named_parameters():
     from megarl.hybrid_engine.execute import local_spec_tensors
-    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 
     dims, local = _local_state_dict(tiny_qwen2_dir())
-    specs = actor_tensor_specs(dims, [dims.num_layers])
+    specs = actor_planned_tensors(dims, [dims.num_layers])
     te = state_dict_to_naming(local, "transformer_engine")
     from_local = local_spec_tensors(_NamedParams(local), dims, 0, specs)
     from_te = local_spec_tensors(_NamedParams(te), dims, 0, specs)

@@ -15,9 +15,9 @@ from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.hybrid_engine.hf_rollout import drop_parameters, restore_parameters
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
-from megarl.hybrid_engine.reshard_plan import plan_traffic
-from megarl.hybrid_engine.tensor_list import actor_tensor_specs
-from megarl.hybrid_engine.weight_shards import ShardSpec, check_shards
+from megarl.hybrid_engine.reshard_schedule import reshard_traffic
+from megarl.hybrid_engine.tensor_list import actor_planned_tensors
+from megarl.hybrid_engine.weight_shards import ShardSlice, check_shards
 from megarl.models.dims import ModelDims
 from megarl.plan.known_models import resolve_model
 from megarl.run.checks import _check_moe_options
@@ -52,13 +52,13 @@ def test_shard_mode_with_vllm_and_experts_is_refused_before_launch():
 
 def test_slices_are_checked_against_the_rollout_model():
     expected = {"w": (8, 4), "norm": (4,)}
-    check_shards(expected, [ShardSpec("w", (2, 4), 0, 6), ShardSpec("norm", (4,), None)], "m")
-    check_shards(expected, [ShardSpec("w", (8, 0), 1, 4)], "m")  # an empty slice fits
+    check_shards(expected, [ShardSlice("w", (2, 4), 0, 6), ShardSlice("norm", (4,), None)], "m")
+    check_shards(expected, [ShardSlice("w", (8, 0), 1, 4)], "m")  # an empty slice fits
     bad = [
-        (ShardSpec("x", (2, 4), 0, 0), r"'x' is not a parameter"),
-        (ShardSpec("w", (2, 4), 0, 7), r"'w' arrives as a slice of shape \[2, 4\] at \[7:9\]"),
-        (ShardSpec("w", (2, 5), 0, 0), r"does not fit the rollout model's \[8, 4\]"),
-        (ShardSpec("norm", (2,), None), r"'norm' arrives as a slice of shape \[2\], which"),
+        (ShardSlice("x", (2, 4), 0, 0), r"'x' is not a parameter"),
+        (ShardSlice("w", (2, 4), 0, 7), r"'w' arrives as a slice of shape \[2, 4\] at \[7:9\]"),
+        (ShardSlice("w", (2, 5), 0, 0), r"does not fit the rollout model's \[8, 4\]"),
+        (ShardSlice("norm", (2,), None), r"'norm' arrives as a slice of shape \[2\], which"),
     ]
     for spec, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -104,8 +104,8 @@ def test_plan_json_carries_each_layouts_reshard_bytes(capsys):
         assert r["mode"] == "shard" and r["recv_bytes_per_rank"] == r["min_bytes_per_rank"]
     r = out["feasible"][0]["reshard"]
     _, dims = resolve_model("Qwen2.5-72B")
-    traffic = plan_traffic(
-        actor_tensor_specs(dims, [20] * 4, itemsize=2), 8, 4, 1, 8, "shard", ranks_per_node=8
+    traffic = reshard_traffic(
+        actor_planned_tensors(dims, [20] * 4, itemsize=2), 8, 4, 1, 8, "shard", ranks_per_node=8
     )
     assert r["recv_bytes_per_rank"] == max(t.recv for t in traffic)
     assert 13.7e9 < r["recv_bytes_per_rank"] == r["cross_node_bytes_per_rank"] < 13.8e9

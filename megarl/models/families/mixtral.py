@@ -9,9 +9,9 @@ from functools import partial
 from typing import Any
 
 from megarl.errors import UnsupportedModelError
-from megarl.models.specs.base import FamilySpec, MoeDims, register_family
-from megarl.models.specs.dense import HF_DEFAULT
-from megarl.models.specs.moe import MoEHFNames, moe_tensor_maps
+from megarl.models.families.base import ModelFamily, MoeDims, register_family
+from megarl.models.families.dense import HF_DEFAULT
+from megarl.models.families.moe import MoEHFNames, moe_tensor_maps
 
 MIXTRAL_NAMES = MoEHFNames(
     router="block_sparse_moe.gate.weight",
@@ -69,8 +69,8 @@ KNOWN_MODELS = {
     "Mixtral-8x22B": _config(6144, 56, 48, 8, 16384, 32768, 1e6, 65536),
 }
 
-SPEC = register_family(
-    FamilySpec(
+FAMILY = register_family(
+    ModelFamily(
         name="mixtral",
         architectures=("MixtralForCausalLM",),
         tensor_maps=partial(moe_tensor_maps, names=HF_DEFAULT, moe_names=MIXTRAL_NAMES),

@@ -1,15 +1,15 @@
 """The weight broadcast of asynchronous training: which trainer sends which slice to the rollout
 group, in buckets. Pure and deterministic, like the reshard planner it builds on.
 
-The trainers hold the actor in megatron's TP x PP x DP layout (:class:`TensorSpec` pieces, as in
-:mod:`megarl.hybrid_engine.reshard_plan`); every rollout rank needs every tensor whole (vLLM cuts
+The trainers hold the actor in megatron's TP x PP x DP layout (:class:`PlannedTensor` pieces, as in
+:mod:`megarl.hybrid_engine.reshard_schedule`); every rollout rank needs every tensor whole (vLLM cuts
 its own TP shard from full Hugging Face tensors). Each piece goes out once, by one broadcast from
 one of the trainers holding it to all rollout ranks; the holders take turns over the DP replicas
 (spread by tensor), so the sending is shared among the trainers. Buckets group whole tensors
 (a fused group travels together) up to ``bucket_bytes`` of what a rollout rank assembles.
 
 Every trainer that sends anything is the root of one broadcast group (itself and the rollout
-ranks: :meth:`BroadcastPlan.sources`); both sides walk the ops in the same global order.
+ranks: :meth:`BroadcastSchedule.sources`); both sides walk the ops in the same global order.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megarl.hybrid_engine.reshard_plan import (
-    ReshardPlan,
+from megarl.hybrid_engine.reshard_schedule import (
+    PlannedTensor,
+    ReshardSchedule,
     Slice,
-    TensorSpec,
     _buckets,
     _pieces,
     check_specs,
@@ -37,13 +37,13 @@ class Broadcast:
 
 
 @dataclass(frozen=True)
-class BroadcastPlan:
+class BroadcastSchedule:
     tp: int
     pp: int
     dp: int
     ep: int
     bucket_bytes: int
-    specs: tuple[TensorSpec, ...]
+    specs: tuple[PlannedTensor, ...]
     buckets: tuple[tuple[int, ...], ...]  # spec indices per bucket
     ops: tuple[tuple[Broadcast, ...], ...]  # per bucket, in the global order
 
@@ -67,14 +67,14 @@ class BroadcastPlan:
         return max((sum(self.specs[t].nbytes for t in b) for b in self.buckets), default=0)
 
 
-def plan_broadcast(
-    specs: Sequence[TensorSpec],
+def schedule_broadcast(
+    specs: Sequence[PlannedTensor],
     tp: int,
     pp: int,
     dp: int,
     bucket_bytes: int,
     ep: int = 1,
-) -> BroadcastPlan:
+) -> BroadcastSchedule:
     """Plan sending every spec from the trainers' layout to the rollout group (module doc)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -82,7 +82,7 @@ def plan_broadcast(
         raise ValueError(f"ep={ep} must divide dp={dp}")
     specs = tuple(specs)
     check_specs(specs, tp, pp, 1, "full", ep)
-    layout = ReshardPlan(tp, pp, dp, 1, "full", bucket_bytes, specs, [], {}, ep)
+    layout = ReshardSchedule(tp, pp, dp, 1, "full", bucket_bytes, specs, [], {}, ep)
     buckets = _buckets(specs, lambda i: specs[i].nbytes, bucket_bytes)
     ops = []
     for members in buckets:
@@ -94,6 +94,6 @@ def plan_broadcast(
                 src = holders[(t + k) % len(holders)]
                 bucket.append(Broadcast(Slice(t, a, b), src, (b - a) * row))
         ops.append(tuple(bucket))
-    return BroadcastPlan(
+    return BroadcastSchedule(
         tp, pp, dp, ep, bucket_bytes, specs, tuple(tuple(b) for b in buckets), tuple(ops)
     )

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from megarl.errors import UnsupportedModelError
-from megarl.models.specs.base import FamilySpec, MoeDims, register_family
-from megarl.models.specs.moe import moe_tensor_maps
+from megarl.models.families.base import ModelFamily, MoeDims, register_family
+from megarl.models.families.moe import moe_tensor_maps
 
 
 def _check(cfg: Mapping[str, Any]) -> None:
@@ -69,8 +69,8 @@ KNOWN_MODELS = {
     "Qwen3-235B-A22B": _config(4096, 94, 64, 4, 12288, 1536, 128, 8),
 }
 
-SPEC = register_family(
-    FamilySpec(
+FAMILY = register_family(
+    ModelFamily(
         name="qwen3_moe",
         architectures=("Qwen3MoeForCausalLM",),
         tensor_maps=moe_tensor_maps,

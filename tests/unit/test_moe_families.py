@@ -29,12 +29,12 @@ def test_moe_dims_and_megatron_options(make_dir):
     # renormalises: megatron's pre-softmax router is the un-renormalised one.
     qwen = dims.family == "qwen3_moe"
     assert dims.moe_norm_topk is not qwen and dims.qk_layernorm is qwen
-    opts = dims.spec.megatron_options(dims)
+    opts = dims.model_family.megatron_options(dims)
     assert opts["num_moe_experts"] == 4 and opts["moe_router_topk"] == 2
     assert opts["moe_ffn_hidden_size"] == 32
     assert opts["moe_router_pre_softmax"] is qwen
     assert opts["moe_expert_capacity_factor"] is None  # no token dropping
-    assert dims.spec.layer_spec_options(dims) == {
+    assert dims.model_family.layer_spec_options(dims) == {
         "qk_layernorm": qwen,
         "num_experts": 4,
         "moe_grouped_gemm": False,
@@ -55,7 +55,7 @@ def test_moe_tensor_map_round_trips_every_expert(make_dir, etp, ep):
     seen: list[str] = []
     for ep_rank in range(ep):
         index = NameIndex(dims, expert_offset=expert_offset(dims, ep_rank, ep))
-        for tm in dims.spec.tensor_maps(dims, "actor"):
+        for tm in dims.model_family.tensor_maps(dims, "actor"):
             experts = range(local) if tm.per_expert else [None]
             layers = range(dims.num_layers) if tm.per_layer else [None]
             if not tm.per_expert and ep_rank > 0:
@@ -144,24 +144,24 @@ def test_mixtral_router_jitter_is_refused():
         ModelDims.from_hf_config(cfg)
 
 
-# -- the reshard plan with experts ---------------------------------------------------------------
+# -- the reshard schedule with experts ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("make_dir", MOE_DIRS)
 @pytest.mark.parametrize(("tp", "pp", "dp", "ep"), [(1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 2)])
-def test_reshard_plan_delivers_every_expert_once(make_dir, tp, pp, dp, ep):
+def test_reshard_schedule_delivers_every_expert_once(make_dir, tp, pp, dp, ep):
     """Every HF tensor (per-expert names included) reaches every rank whole, and each rank
     receives exactly the bytes it does not hold (expert weights only from their EP rank)."""
     from megarl.hybrid_engine.execute import hf_output_shapes
-    from megarl.hybrid_engine.reshard_plan import plan_reshard
-    from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 
     model_dir = make_dir()
     dims = ModelDims.from_pretrained(model_dir)
     reader = SafetensorsReader(model_dir)
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep)
-    specs = actor_tensor_specs(dims, layout.layers_per_stage(dims.num_layers), ep=ep)
-    plan = plan_reshard(specs, tp, pp, dp, infer_tp=1, bucket_bytes=32 << 10, ep=ep)
+    specs = actor_planned_tensors(dims, layout.layers_per_stage(dims.num_layers), ep=ep)
+    plan = schedule_reshard(specs, tp, pp, dp, infer_tp=1, bucket_bytes=32 << 10, ep=ep)
     assert hf_output_shapes(plan, dims) == {n: reader.shape(n) for n in reader.names()}
     experts = [s for s in specs if s.expert_rank is not None]
     assert {s.expert_rank for s in experts} == set(range(ep))

@@ -9,11 +9,11 @@ from collections import defaultdict
 
 import pytest
 
-from megarl.hybrid_engine.async_links import weight_plan
-from megarl.hybrid_engine.broadcast_plan import plan_broadcast
-from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+from megarl.hybrid_engine.async_links import weight_schedule
+from megarl.hybrid_engine.broadcast_schedule import schedule_broadcast
+from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.parallel import ParallelLayout
-from tests.unit.test_reshard_plan import DIMS, TIED
+from tests.unit.test_reshard_schedule import DIMS, TIED
 
 LAYOUTS = [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2, 4) for dp in (1, 2, 3)]
 
@@ -30,8 +30,8 @@ def _holds(tp: int, dp: int, spec, rank: int, start: int, stop: int, ep: int = 1
 
 @pytest.mark.parametrize(("tp", "pp", "dp"), LAYOUTS)
 def test_each_slice_once_from_a_holder(tp, pp, dp):
-    specs = actor_tensor_specs(DIMS, [DIMS.num_layers // pp] * pp, 4)
-    plan = plan_broadcast(specs, tp, pp, dp, bucket_bytes=48_000)
+    specs = actor_planned_tensors(DIMS, [DIMS.num_layers // pp] * pp, 4)
+    plan = schedule_broadcast(specs, tp, pp, dp, bucket_bytes=48_000)
     covered = defaultdict(list)
     for members, bucket in zip(plan.buckets, plan.ops, strict=True):
         keys = {specs[t].key for t in members}
@@ -58,14 +58,14 @@ def test_each_slice_once_from_a_holder(tp, pp, dp):
 
 
 def test_the_plan_of_a_run_and_its_refusals():
-    plan = weight_plan(TIED, ParallelLayout(tp=2, pp=2, dp=2), itemsize=2)
+    plan = weight_schedule(TIED, ParallelLayout(tp=2, pp=2, dp=2), itemsize=2)
     assert plan.specs[0].itemsize == 2 and plan.peak_bucket_bytes() <= plan.recv_bytes()
     assert "lm_head.weight" not in {s.name for s in plan.specs}  # tied: the embedding serves
     assert plan.sources() == sorted(plan.sources()) and len(plan.sources()) <= 8
-    specs = actor_tensor_specs(DIMS, [DIMS.num_layers], 4)
+    specs = actor_planned_tensors(DIMS, [DIMS.num_layers], 4)
     with pytest.raises(ValueError, match="bucket_bytes"):
-        plan_broadcast(specs, 1, 1, 1, bucket_bytes=0)
+        schedule_broadcast(specs, 1, 1, 1, bucket_bytes=0)
     with pytest.raises(ValueError, match="ep=3 must divide dp=2"):
-        plan_broadcast(specs, 1, 1, 2, bucket_bytes=1 << 20, ep=3)
+        schedule_broadcast(specs, 1, 1, 2, bucket_bytes=1 << 20, ep=3)
     with pytest.raises(ValueError, match="does not split"):
-        plan_broadcast(specs, 3, 1, 1, bucket_bytes=1 << 20)
+        schedule_broadcast(specs, 3, 1, 1, bucket_bytes=1 << 20)

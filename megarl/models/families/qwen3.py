@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from megarl.errors import UnsupportedModelError
-from megarl.models.specs.base import FamilySpec, register_family
-from megarl.models.specs.dense import dense_tensor_maps
+from megarl.models.families.base import ModelFamily, register_family
+from megarl.models.families.dense import dense_tensor_maps
 
 
 def _check(cfg: Mapping[str, object]) -> None:
@@ -48,8 +48,8 @@ KNOWN_MODELS = {
     "Qwen3-32B": _config(5120, 64, 64, 8, 25600, False),
 }
 
-SPEC = register_family(
-    FamilySpec(
+FAMILY = register_family(
+    ModelFamily(
         name="qwen3",
         architectures=("Qwen3ForCausalLM",),
         tensor_maps=dense_tensor_maps,

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megarl.hybrid_engine.reshard_plan import need_ranges, plan_reshard, plan_traffic
-from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+from megarl.hybrid_engine.reshard_schedule import need_ranges, reshard_traffic, schedule_reshard
+from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import fuse_qkv, split_qkv_shard
 from megarl.plan.known_models import resolve_model
@@ -108,13 +108,13 @@ def _check(plan):
 @pytest.mark.parametrize("infer_tp", [1, 2, 4, 8])  # 8 > 4 KV heads: each pair shares a group
 @pytest.mark.parametrize("mode", ["full", "shard"])
 def test_plan_delivers_every_byte_once(tp, pp, dp, infer_tp, mode):
-    specs = actor_tensor_specs(DIMS, [DIMS.num_layers // pp] * pp)
-    plan = plan_reshard(specs, tp, pp, dp, infer_tp, bucket_bytes=40_000, mode=mode)
+    specs = actor_planned_tensors(DIMS, [DIMS.num_layers // pp] * pp)
+    plan = schedule_reshard(specs, tp, pp, dp, infer_tp, bucket_bytes=40_000, mode=mode)
     _check(plan)
     assert len(plan.buckets) > 3
     # the fast byte count is the plan's, rank by rank (ranks_per_node: 4 ranks a node)
-    nodes = plan_reshard(specs, tp, pp, dp, infer_tp, 1 << 30, mode=mode, ranks_per_node=4)
-    traffic = plan_traffic(specs, tp, pp, dp, infer_tp, mode=mode, ranks_per_node=4)
+    nodes = schedule_reshard(specs, tp, pp, dp, infer_tp, 1 << 30, mode=mode, ranks_per_node=4)
+    traffic = reshard_traffic(specs, tp, pp, dp, infer_tp, mode=mode, ranks_per_node=4)
     for r, rt in enumerate(traffic):
         assert rt.recv == nodes.recv_bytes(r) == plan.recv_bytes(r) == rt.minimum
         assert rt.need == plan.need_bytes(r)
@@ -123,29 +123,29 @@ def test_plan_delivers_every_byte_once(tp, pp, dp, infer_tp, mode):
 
 @pytest.mark.parametrize("tp,pp", [(2, 2), (1, 4), (4, 1)])
 def test_plan_world_of_four_and_tied_model(tp, pp):
-    specs = actor_tensor_specs(TIED, [TIED.num_layers // pp] * pp)
+    specs = actor_planned_tensors(TIED, [TIED.num_layers // pp] * pp)
     assert not any(s.name.startswith("output_layer") for s in specs)
     for infer_tp in (1, 2, 4):
-        plan = plan_reshard(specs, tp, pp, 4 // (tp * pp), infer_tp, bucket_bytes=1 << 16)
+        plan = schedule_reshard(specs, tp, pp, 4 // (tp * pp), infer_tp, bucket_bytes=1 << 16)
         _check(plan)
 
 
 def test_buckets_respect_size_and_oversized_tensor_travels_alone():
-    specs = actor_tensor_specs(DIMS, [2, 2])
+    specs = actor_planned_tensors(DIMS, [2, 2])
     embed = specs[0].nbytes  # 512 x 64 x 4 bytes = 131072
-    plan = plan_reshard(specs, 2, 2, 1, 2, bucket_bytes=embed // 4)
+    plan = schedule_reshard(specs, 2, 2, 1, 2, bucket_bytes=embed // 4)
     _check(plan)
     first = plan.buckets[0]
     assert [plan.specs[i].name for i in first] == ["embedding.word_embeddings.weight"]
     for r in range(4):
         assert plan.peak_dest_bytes(r) == embed  # the one oversized tensor
-    big = plan_reshard(specs, 2, 2, 1, 2, bucket_bytes=1 << 40)
+    big = schedule_reshard(specs, 2, 2, 1, 2, bucket_bytes=1 << 40)
     assert len(big.buckets) == 1
 
 
 def test_modules_stay_in_one_bucket():
-    specs = actor_tensor_specs(DIMS, [4])
-    plan = plan_reshard(specs, 2, 1, 1, 1, bucket_bytes=1)  # every group alone
+    specs = actor_planned_tensors(DIMS, [4])
+    plan = schedule_reshard(specs, 2, 1, 1, 1, bucket_bytes=1)  # every group alone
     for members in plan.buckets:
         names = [plan.specs[i].name for i in members]
         assert len({plan.specs[i].key for i in members}) == 1
@@ -156,13 +156,13 @@ def test_modules_stay_in_one_bucket():
 
 
 def test_plan_is_deterministic_and_exact_minimum():
-    specs = actor_tensor_specs(DIMS, [2, 2])
-    a = plan_reshard(specs, 2, 2, 2, 2, bucket_bytes=50_000, mode="shard")
-    b = plan_reshard(list(specs), 2, 2, 2, 2, bucket_bytes=50_000, mode="shard")
+    specs = actor_planned_tensors(DIMS, [2, 2])
+    a = schedule_reshard(specs, 2, 2, 2, 2, bucket_bytes=50_000, mode="shard")
+    b = schedule_reshard(list(specs), 2, 2, 2, 2, bucket_bytes=50_000, mode="shard")
     assert a == b
     # zero-redundancy (shard mode) moves less than full mode, and a rank whose inference shard is
     # already local for a tensor receives nothing for it
-    full = plan_reshard(specs, 2, 2, 2, 2, bucket_bytes=50_000)
+    full = schedule_reshard(specs, 2, 2, 2, 2, bucket_bytes=50_000)
     assert all(a.recv_bytes(r) < full.recv_bytes(r) for r in range(8))
     # senders are spread over DP replicas
     senders = Counter(op.peer for rb in full.for_rank(0) for op in rb.ops if op.kind == "recv")
@@ -170,26 +170,26 @@ def test_plan_is_deterministic_and_exact_minimum():
 
 
 def test_plan_rejects_bad_inputs():
-    specs = actor_tensor_specs(DIMS, [4])
+    specs = actor_planned_tensors(DIMS, [4])
     with pytest.raises(ValueError, match="does not divide the world size"):
-        plan_reshard(specs, 2, 1, 1, 4, bucket_bytes=10)
+        schedule_reshard(specs, 2, 1, 1, 4, bucket_bytes=10)
     with pytest.raises(ValueError, match=r"embedding\.word_embeddings\.weight.*tp=3"):
-        plan_reshard(specs, 3, 1, 1, 1, bucket_bytes=10)
+        schedule_reshard(specs, 3, 1, 1, 1, bucket_bytes=10)
     with pytest.raises(ValueError, match="do not sum"):
-        actor_tensor_specs(DIMS, [1, 1])
+        actor_planned_tensors(DIMS, [1, 1])
 
 
 def test_shard_mode_cuts_attention_rows_as_vllm_loads_them():
     """The grouped ranges, stacked and split, are exactly the q/k/v rows vLLM's TP rank loads:
     its share of the query heads, and its group's key/value heads (replicated beyond 4 ranks)."""
-    specs = actor_tensor_specs(DIMS, [4])
+    specs = actor_planned_tensors(DIMS, [4])
     nh, kv, hd, h = DIMS.num_attention_heads, DIMS.num_kv_heads, DIMS.head_dim, DIMS.hidden_size
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n * hd, h, generator=gen) for n in (nh, kv, kv))
     fused = fuse_qkv(q, k, v, kv)
     t = next(i for i, s in enumerate(specs) if s.name.endswith("linear_qkv.weight"))
     for infer_tp in (1, 2, 4, 8):
-        plan = plan_reshard(specs, 1, 1, 8, infer_tp, 1 << 30, mode="shard")
+        plan = schedule_reshard(specs, 1, 1, 8, infer_tp, 1 << 30, mode="shard")
         for i in range(infer_tp):
             shard = torch.cat([fused[a:b] for a, b in need_ranges(specs[t], plan, i)])
             pieces = split_qkv_shard(shard, DIMS, infer_tp, i)
@@ -207,8 +207,8 @@ def test_shard_mode_pads_the_vocabulary_as_vllm(vocab, infer_tp):
     """vLLM pads the vocabulary to a multiple of 64 and splits that evenly: the last ranks hold
     fewer rows (or none)."""
     dims = replace(DIMS, vocab_size=vocab)
-    specs = actor_tensor_specs(dims, [2, 2])
-    plan = plan_reshard(specs, 2, 2, 2, infer_tp, bucket_bytes=1 << 30, mode="shard")
+    specs = actor_planned_tensors(dims, [2, 2])
+    plan = schedule_reshard(specs, 2, 2, 2, infer_tp, bucket_bytes=1 << 30, mode="shard")
     _check(plan)
     per = -(-vocab // 64) * 64 // infer_tp
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -235,8 +235,8 @@ MOE = replace(
 @pytest.mark.parametrize("infer_tp", [1, 2, 4])
 def test_shard_mode_with_experts(tp, pp, dp, ep, infer_tp):
     """Each rank receives its rollout TP slice of every expert (from that expert's EP rank)."""
-    specs = actor_tensor_specs(MOE, [MOE.num_layers // pp] * pp, ep=ep)
-    plan = plan_reshard(specs, tp, pp, dp, infer_tp, bucket_bytes=20_000, mode="shard", ep=ep)
+    specs = actor_planned_tensors(MOE, [MOE.num_layers // pp] * pp, ep=ep)
+    plan = schedule_reshard(specs, tp, pp, dp, infer_tp, bucket_bytes=20_000, mode="shard", ep=ep)
     _check(plan)
     fc2 = [i for i, s in enumerate(specs) if "local_experts" in s.name and "fc2" in s.name]
     assert len(fc2) == MOE.num_layers * MOE.num_experts
@@ -262,8 +262,8 @@ def test_qwen25_72b_tp8_pp4_to_vllm_tp8_on_four_nodes():
     ~110 GB of it across nodes."""
     _, d = resolve_model("Qwen2.5-72B")
     assert (d.num_layers, d.hidden_size, d.num_kv_heads) == (80, 8192, 8)
-    specs = actor_tensor_specs(d, [20] * 4, itemsize=2)
-    shard = plan_reshard(specs, 8, 4, 1, 8, 2 << 30, mode="shard", ranks_per_node=8)
+    specs = actor_planned_tensors(d, [20] * 4, itemsize=2)
+    shard = schedule_reshard(specs, 8, 4, 1, 8, 2 << 30, mode="shard", ranks_per_node=8)
     layer = _qwen72b_layer_shard_bytes(d, 8)
     vocab = 2 * d.vocab_size * d.hidden_size // 8  # embedding or LM head slice
     final_norm = 2 * d.hidden_size
@@ -271,7 +271,7 @@ def test_qwen25_72b_tp8_pp4_to_vllm_tp8_on_four_nodes():
     # what a rank holds of that: its stage's layers (same TP rank), the embedding on the first
     # stage, the LM head and the final norm on the last
     held = {0: 20 * layer + vocab, 1: 20 * layer, 2: 20 * layer, 3: 20 * layer + vocab + final_norm}
-    full = plan_traffic(specs, 8, 4, 1, 8, mode="full", ranks_per_node=8)
+    full = reshard_traffic(specs, 8, 4, 1, 8, mode="full", ranks_per_node=8)
     rows = []
     for r in range(32):
         stage = r // 8

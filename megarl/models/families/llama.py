@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megarl.models.specs.base import FamilySpec, register_family
-from megarl.models.specs.dense import dense_tensor_maps
+from megarl.models.families.base import ModelFamily, register_family
+from megarl.models.families.dense import dense_tensor_maps
 
 
 def _config(
@@ -50,8 +50,8 @@ KNOWN_MODELS = {
     "SmolLM2-135M": _config(576, 30, 9, 3, 1536, 49152, True, rope_theta=100000.0, head_dim=64),
 }
 
-SPEC = register_family(
-    FamilySpec(
+FAMILY = register_family(
+    ModelFamily(
         name="llama",
         architectures=("LlamaForCausalLM",),
         tensor_maps=dense_tensor_maps,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.models.specs.base import Dims, TensorMap
+from megarl.models.families.base import Dims, TensorMap
 
 # The critic's value head (megarl.models.value_head.ValueHead, replicated over TP) in Hugging Face
 # token-classification naming (``*ForTokenClassification`` with ``num_labels=1``): its ``score``

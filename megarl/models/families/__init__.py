@@ -1,19 +1,19 @@
-"""One spec per model architecture family (see :mod:`megarl.models.specs.base`).
+"""The model families: one module per architecture family (see :mod:`megarl.models.families.base`).
 
 Importing this package registers the built-in families; a new dense family is one module here
-(build a :class:`FamilySpec`, ``register_family`` it) plus its import below.
+(build a :class:`ModelFamily`, ``register_family`` it) plus its import below.
 """
 
-from megarl.models.specs import (  # noqa: F401  (registers the families)
+from megarl.models.families import (  # noqa: F401  (registers the families)
     llama,
     mixtral,
     qwen2,
     qwen3,
     qwen3_moe,
 )
-from megarl.models.specs.base import (
+from megarl.models.families.base import (
     Dims,
-    FamilySpec,
+    ModelFamily,
     TensorMap,
     families,
     family,
@@ -25,7 +25,7 @@ from megarl.models.specs.base import (
 
 __all__ = [
     "Dims",
-    "FamilySpec",
+    "ModelFamily",
     "TensorMap",
     "families",
     "family",

@@ -1,4 +1,4 @@
-"""Family specs (megarl.models.specs): the built-in families, Qwen3's tensor map against its HF
+"""Model families (megarl.models.families): the built-in families, Qwen3's tensor map against its HF
 files, a family added through a spec alone, and the errors for architectures megarl lacks."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import torch
 
 from megarl.errors import ConfigError, UnsupportedModelError
 from megarl.hybrid_engine.execute import hf_output_shapes
-from megarl.hybrid_engine.reshard_plan import plan_reshard
-from megarl.hybrid_engine.tensor_list import actor_tensor_specs
+from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims, read_hf_config
+from megarl.models.families import families, supported_architectures
 from megarl.models.hf_map import (
     NameIndex,
     hf_to_megatron_shard,
@@ -20,7 +21,6 @@ from megarl.models.hf_map import (
     tensor_maps,
 )
 from megarl.models.safetensors_io import SafetensorsReader
-from megarl.models.specs import families, supported_architectures
 from megarl.plan.known_models import resolve_model
 from megarl.plan.params import layer_params
 from tests import fake_family
@@ -55,9 +55,9 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
         resolve_model(str(tmp_path))
 
 
-def test_reshard_planner_imports_nothing_of_models():
-    path = modules()["megarl.hybrid_engine.reshard_plan"]
-    targets = [imp.target for imp in imports("megarl.hybrid_engine.reshard_plan", path)]
+def test_reshard_schedule_imports_nothing_of_models():
+    path = modules()["megarl.hybrid_engine.reshard_schedule"]
+    targets = [imp.target for imp in imports("megarl.hybrid_engine.reshard_schedule", path)]
     assert targets  # the check sees its imports
     assert not [t for t in targets if t.startswith("megarl.")], targets
 
@@ -68,10 +68,10 @@ def test_qwen3_dims_from_its_config(make_dir):
     assert dims.family == "qwen3" and dims.qk_layernorm and not dims.qkv_bias
     assert dims.head_dim == 32 != dims.hidden_size // dims.num_attention_heads
     assert dims.tie_word_embeddings == (make_dir is tiny_qwen3_tied_dir)
-    opts = dims.spec.megatron_options(dims)
+    opts = dims.model_family.megatron_options(dims)
     assert opts["qk_layernorm"] is True and opts["kv_channels"] == 32
     assert opts["add_qkv_bias"] is False
-    assert dims.spec.layer_spec_options() == {"qk_layernorm": True}
+    assert dims.model_family.layer_spec_options() == {"qk_layernorm": True}
     # Parameter count = the sum over the HF tensors (tied: the embedding counted once).
     reader = SafetensorsReader(make_dir())
     assert dims.num_parameters == sum(reader.read(n).numel() for n in reader.names())
@@ -150,11 +150,11 @@ def test_fake_family_is_read_mapped_and_round_trips(fake_dir):
         tensor_maps(dims, "critic")
 
 
-def test_fake_family_reshard_plan_delivers_every_hf_tensor(fake_dir):
+def test_fake_family_reshard_schedule_delivers_every_hf_tensor(fake_dir):
     dims = ModelDims.from_pretrained(fake_dir)
     reader = SafetensorsReader(fake_dir)
-    specs = actor_tensor_specs(dims, [2, 2])
-    plan = plan_reshard(specs, tp=2, pp=2, dp=1, infer_tp=2, bucket_bytes=64 << 10)
+    specs = actor_planned_tensors(dims, [2, 2])
+    plan = schedule_reshard(specs, tp=2, pp=2, dp=1, infer_tp=2, bucket_bytes=64 << 10)
     assert hf_output_shapes(plan, dims) == {n: reader.shape(n) for n in reader.names()}
     for rank in range(4):
         assert plan.recv_bytes(rank) == plan.min_recv_bytes(rank) > 0
@@ -162,6 +162,6 @@ def test_fake_family_reshard_plan_delivers_every_hf_tensor(fake_dir):
 
 def test_fake_family_is_unknown_once_unregistered(fake_dir):
     cfg = read_hf_config(fake_dir)
-    fake_family.unregister_family(fake_family.SPEC.name)
+    fake_family.unregister_family(fake_family.FAMILY.name)
     with pytest.raises(UnsupportedModelError, match="FakeDenseForCausalLM"):
         ModelDims.from_hf_config(cfg)

@@ -1,12 +1,12 @@
 """The reshard planner: which slice of which actor tensor moves from which rank to which, in buckets.
 
 Pure and deterministic: it imports nothing of vLLM, megatron or torch. Every rank computes the same
-:class:`ReshardPlan` from the same inputs and keeps its own ops (:meth:`ReshardPlan.for_rank`).
+:class:`ReshardSchedule` from the same inputs and keeps its own ops (:meth:`ReshardSchedule.for_rank`).
 
 Inputs
   - the training layout (TP x PP x DP, megatron's rank order) and the inference layout
     (``layout.rollout_tp``: vLLM TP over consecutive ranks, PP 1);
-  - the model's tensor list (:class:`TensorSpec`: name, full shape, the dimension split over TP
+  - the model's tensor list (:class:`PlannedTensor`: name, full shape, the dimension split over TP
     (None: replicated), the pipeline stage that owns it, bytes per element, and how the rollout
     engine cuts it over its own TP ranks: :class:`ShardRule`). Megatron's fused gate/up weight
     appears as two specs of one ``group`` (gate rows, up rows) so every spec is split as one
@@ -21,13 +21,13 @@ Inputs
   - ``bucket_bytes``: the most bytes of destination tensors a rank assembles per bucket (a group
     larger than that travels alone);
   - ``ep`` (mixture of experts): an expert's weights live only on the data-parallel replicas of
-    its expert-parallel rank (``TensorSpec.expert_rank``; megatron's layout puts DP replica ``d``
+    its expert-parallel rank (``PlannedTensor.expert_rank``; megatron's layout puts DP replica ``d``
     on EP rank ``d % ep``), split over TP like the dense tensors (expert TP = TP).
 
 Output: buckets of ops. A ``recv`` on rank B from A always has the matching ``send`` on A to B in
 the same bucket, in the same relative order; ``copy`` takes a slice this rank already holds.
 Each byte a rank needs arrives exactly once (by ``copy`` when it holds it, else by one ``recv``)
-and nothing it does not need is sent to it, so received bytes equal :meth:`ReshardPlan.min_recv_bytes`.
+and nothing it does not need is sent to it, so received bytes equal :meth:`ReshardSchedule.min_recv_bytes`.
 Sources are spread over the holders of a slice (DP replicas, TP ranks of replicated tensors).
 """
 
@@ -70,7 +70,7 @@ SHARD_RULE_KINDS = ("even", "padded", "grouped")
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class PlannedTensor:
     """One tensor of the training model as the planner sees it."""
 
     name: str  # unique key, e.g. the megatron name with the global layer index (+ "#0"/"#1" part)
@@ -135,7 +135,7 @@ class RankBucket:
     def send_bytes(self) -> int:
         return sum(op.nbytes for op in self.ops if op.kind == "send")
 
-    def dest_bytes(self, specs: Sequence[TensorSpec]) -> int:
+    def dest_bytes(self, specs: Sequence[PlannedTensor]) -> int:
         return sum(range_length(r) * specs[t].row_bytes() for t, r in self.needs.items())
 
 
@@ -154,14 +154,14 @@ def dest_offset(ranges: Sequence[Range], start: int) -> int:
 
 
 @dataclass
-class ReshardPlan:
+class ReshardSchedule:
     tp: int
     pp: int
     dp: int
     infer_tp: int
     mode: str
     bucket_bytes: int
-    specs: tuple[TensorSpec, ...]
+    specs: tuple[PlannedTensor, ...]
     buckets: list[list[int]]  # spec indices per bucket
     ranks: dict[int, list[RankBucket]]
     ep: int = 1
@@ -209,7 +209,7 @@ class ReshardPlan:
         return max(pairs or sizes or [0])
 
 
-def _extent(spec: TensorSpec) -> int:
+def _extent(spec: PlannedTensor) -> int:
     return 1 if spec.tp_dim is None else spec.shape[spec.tp_dim]
 
 
@@ -217,7 +217,7 @@ def _rank_of(tp: int, dp: int, t: int, d: int, p: int) -> int:
     return t + tp * (d + dp * p)
 
 
-def _pieces(spec: TensorSpec, plan: ReshardPlan) -> dict[Range, list[int]]:
+def _pieces(spec: PlannedTensor, plan: ReshardSchedule) -> dict[Range, list[int]]:
     """Training pieces of a spec: ``(start, stop) -> ranks holding it`` (ordered)."""
     tp, dp, p = plan.tp, plan.dp, spec.stage
     replicas = [d for d in range(dp) if spec.expert_rank is None or d % plan.ep == spec.expert_rank]
@@ -230,7 +230,7 @@ def _pieces(spec: TensorSpec, plan: ReshardPlan) -> dict[Range, list[int]]:
     }
 
 
-def _unheld_bytes(spec: TensorSpec, plan: ReshardPlan, rank: int) -> int:
+def _unheld_bytes(spec: PlannedTensor, plan: ReshardSchedule, rank: int) -> int:
     """Bytes of ``spec`` that ``rank`` needs and holds no training piece of."""
     total = 0
     for (a, b), holders in _pieces(spec, plan).items():
@@ -241,7 +241,7 @@ def _unheld_bytes(spec: TensorSpec, plan: ReshardPlan, rank: int) -> int:
     return total
 
 
-def shard_ranges(spec: TensorSpec, infer_tp: int, infer_rank: int) -> tuple[Range, ...]:
+def shard_ranges(spec: PlannedTensor, infer_tp: int, infer_rank: int) -> tuple[Range, ...]:
     """The ranges along ``tp_dim`` that inference TP rank ``infer_rank`` loads (its
     :class:`ShardRule`); the whole tensor when replicated."""
     n = _extent(spec)
@@ -265,14 +265,14 @@ def shard_ranges(spec: TensorSpec, infer_tp: int, infer_rank: int) -> tuple[Rang
     return ((infer_rank * step, (infer_rank + 1) * step),)
 
 
-def need_ranges(spec: TensorSpec, plan: ReshardPlan, rank: int) -> tuple[Range, ...]:
+def need_ranges(spec: PlannedTensor, plan: ReshardSchedule, rank: int) -> tuple[Range, ...]:
     """The ranges along ``tp_dim`` a rank needs of a spec (everything in ``full`` mode)."""
     if plan.mode == "full":
         return ((0, _extent(spec)),)
     return shard_ranges(spec, plan.infer_tp, rank % plan.infer_tp)
 
 
-def _check_shard_rule(spec: TensorSpec, infer_tp: int) -> str | None:
+def _check_shard_rule(spec: PlannedTensor, infer_tp: int) -> str | None:
     """Why the rollout engine cannot cut ``spec`` over ``infer_tp`` ranks (None: it can)."""
     n, rule = spec.shape[spec.tp_dim], spec.shard_rule  # type: ignore[index]
     if rule.kind not in SHARD_RULE_KINDS:
@@ -298,7 +298,7 @@ def _check_shard_rule(spec: TensorSpec, infer_tp: int) -> str | None:
 
 
 def check_specs(
-    specs: Sequence[TensorSpec], tp: int, pp: int, infer_tp: int, mode: str, ep: int = 1
+    specs: Sequence[PlannedTensor], tp: int, pp: int, infer_tp: int, mode: str, ep: int = 1
 ) -> None:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -325,7 +325,7 @@ def check_specs(
 
 
 def _buckets(
-    specs: Sequence[TensorSpec], per_rank_cost: Callable[[int], int], bucket_bytes: int
+    specs: Sequence[PlannedTensor], per_rank_cost: Callable[[int], int], bucket_bytes: int
 ) -> list[list[int]]:
     """Consecutive groups packed greedily: a bucket's largest per-rank cost stays <= bucket_bytes."""
     groups: list[list[int]] = []
@@ -353,7 +353,7 @@ def _buckets(
 
 
 def _check_inputs(
-    specs: Sequence[TensorSpec],
+    specs: Sequence[PlannedTensor],
     tp: int,
     pp: int,
     dp: int,
@@ -374,8 +374,8 @@ def _check_inputs(
     check_specs(specs, tp, pp, infer_tp, mode, ep)
 
 
-def _empty_plan(specs, tp, pp, dp, infer_tp, bucket_bytes, mode, ep) -> ReshardPlan:
-    return ReshardPlan(
+def _empty_plan(specs, tp, pp, dp, infer_tp, bucket_bytes, mode, ep) -> ReshardSchedule:
+    return ReshardSchedule(
         tp=tp,
         pp=pp,
         dp=dp,
@@ -426,15 +426,15 @@ def _deliveries(
     return out
 
 
-def _need_table(plan: ReshardPlan) -> Callable[[int, int], tuple[Range, ...]]:
+def _need_table(plan: ReshardSchedule) -> Callable[[int, int], tuple[Range, ...]]:
     """``(spec index, rank) -> ranges`` (each spec's ranges per inference TP rank, computed once)."""
     itp = plan.infer_tp if plan.mode == "shard" else 1
     table = [[need_ranges(s, plan, i) for i in range(itp)] for s in plan.specs]
     return lambda t, rank: table[t][rank % itp]
 
 
-def plan_reshard(
-    specs: Sequence[TensorSpec],
+def schedule_reshard(
+    specs: Sequence[PlannedTensor],
     tp: int,
     pp: int,
     dp: int,
@@ -443,7 +443,7 @@ def plan_reshard(
     mode: str = "full",
     ep: int = 1,
     ranks_per_node: int | None = None,
-) -> ReshardPlan:
+) -> ReshardSchedule:
     """Plan moving every spec from the training layout to the inference layout (see module doc);
     ``ranks_per_node`` (consecutive ranks per node; None: one node) makes each slice come from
     a holder on the receiver's node where there is one."""
@@ -492,8 +492,8 @@ class RankTraffic:
     cross_node: int
 
 
-def plan_traffic(
-    specs: Sequence[TensorSpec],
+def reshard_traffic(
+    specs: Sequence[PlannedTensor],
     tp: int,
     pp: int,
     dp: int,
@@ -502,13 +502,13 @@ def plan_traffic(
     ep: int = 1,
     ranks_per_node: int | None = None,
 ) -> list[RankTraffic]:
-    """Per rank, the bytes :func:`plan_reshard` moves, without building its ops (fast enough for
+    """Per rank, the bytes :func:`schedule_reshard` moves, without building its ops (fast enough for
     ``megarl plan`` at hundreds of GPUs). The plan delivers each byte a rank needs and does not
     hold exactly once, from a holder on its own node when there is one: so a rank receives
     exactly its minimum, and across nodes exactly the part of it no holder on its node has.
     Specs alike but for their name (same shape, split, stage, holder, rule: the same weight of
     every layer of a stage) are worked out once. The unit tests hold these figures equal to the
-    ops of :func:`plan_reshard`."""
+    ops of :func:`schedule_reshard`."""
     _check_inputs(specs, tp, pp, dp, infer_tp, mode, ep, ranks_per_node)
     plan = _empty_plan(specs, tp, pp, dp, infer_tp, 1, mode, ep)
     world = plan.world_size

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from megarl.errors import UnsupportedModelError
-from megarl.models.specs.base import FamilySpec, register_family
-from megarl.models.specs.dense import dense_tensor_maps
+from megarl.models.families.base import ModelFamily, register_family
+from megarl.models.families.dense import dense_tensor_maps
 
 
 def _check(cfg: Mapping[str, object]) -> None:
@@ -44,8 +44,8 @@ KNOWN_MODELS = {
     "Qwen2.5-72B": _config(8192, 80, 64, 8, 29568, 152064, False),
 }
 
-SPEC = register_family(
-    FamilySpec(
+FAMILY = register_family(
+    ModelFamily(
         name="qwen2",
         architectures=("Qwen2ForCausalLM",),
         tensor_maps=dense_tensor_maps,

@@ -4,15 +4,15 @@ place of its MLP a router plus routed experts (megatron's ``MoELayer`` with sequ
 Qwen3-MoE and Mixtral share it; they differ in HF names (:class:`MoEHFNames`), q/k norm and the
 router's normalisation (in the dims). An expert's weights are per expert: megatron names them by
 the index among this expert-parallel rank's experts, HF by the global index (see
-:class:`megarl.models.specs.base.TensorMap`).
+:class:`megarl.models.families.base.TensorMap`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.models.specs.base import Dims, TensorMap
-from megarl.models.specs.dense import HF_DEFAULT, HFNames, dense_tensor_maps
+from megarl.models.families.base import Dims, TensorMap
+from megarl.models.families.dense import HF_DEFAULT, HFNames, dense_tensor_maps
 
 DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 MEGATRON_ROUTER = "mlp.router.weight"

@@ -1,13 +1,13 @@
-"""What megarl knows of one model architecture: a :class:`FamilySpec`, and the registry of them.
+"""What megarl knows of one model architecture: a :class:`ModelFamily`, and the registry of them.
 
 A family (``qwen2``, ``llama``, ``qwen3``, ...) is one module in this package that builds a
-:class:`FamilySpec` and registers it. Everything else reads the spec: the dims parser
+:class:`ModelFamily` and registers it. Everything else reads the family: the dims parser
 (:mod:`megarl.models.dims`: which HF architectures map here, family-specific flags), the model
 builder (megatron ``TransformerConfig`` options and layer-spec options), the name map (loading,
 export, verify, checkpoints tools), the reshard tensor list and the planner's known models.
 
-Pure: no torch, no megatron, and nothing of the rest of :mod:`megarl.models` (the specs sit
-below it), so a spec reads the dims through the :class:`Dims` protocol.
+Pure: no torch, no megatron, and nothing of the rest of :mod:`megarl.models` (the families sit
+below it), so a family reads the dims through the :class:`Dims` protocol.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MegatronOptions: TypeAlias = dict[str, int | float | str | bool | None]
 
 
 class Dims(Protocol):
-    """The model numbers a spec reads (:class:`megarl.models.dims.ModelDims` has them; read-only,
+    """The model numbers a family reads (:class:`megarl.models.dims.ModelDims` has them; read-only,
     so frozen dataclasses match)."""
 
     @property
@@ -112,7 +112,7 @@ class TensorMap:
 
 
 @dataclass(frozen=True)
-class FamilySpec:
+class ModelFamily:
     """One architecture family.
 
     - ``architectures``: the HF ``*ForCausalLM`` names it reads (heads map to the same trunk).
@@ -203,24 +203,24 @@ def moe_megatron_options(dims: Dims) -> MegatronOptions:
     }
 
 
-_FAMILIES: dict[str, FamilySpec] = {}
+_FAMILIES: dict[str, ModelFamily] = {}
 
 
-def register_family(spec: FamilySpec) -> FamilySpec:
+def register_family(model_family: ModelFamily) -> ModelFamily:
     """Add a family; its architectures must not already belong to another one."""
     for other in _FAMILIES.values():
-        clash = set(other.architectures) & set(spec.architectures)
-        if other.name != spec.name and clash:
+        clash = set(other.architectures) & set(model_family.architectures)
+        if other.name != model_family.name and clash:
             raise ValueError(f"architectures {sorted(clash)} already belong to {other.name!r}")
-    _FAMILIES[spec.name] = spec
-    return spec
+    _FAMILIES[model_family.name] = model_family
+    return model_family
 
 
 def unregister_family(name: str) -> None:
     _FAMILIES.pop(name, None)
 
 
-def family(name: str) -> FamilySpec:
+def family(name: str) -> ModelFamily:
     try:
         return _FAMILIES[name]
     except KeyError:
@@ -229,18 +229,22 @@ def family(name: str) -> FamilySpec:
         ) from None
 
 
-def families() -> list[FamilySpec]:
+def families() -> list[ModelFamily]:
     return list(_FAMILIES.values())
 
 
 def supported_architectures() -> dict[str, str]:
     """HF architecture name -> family name, for every registered family."""
-    return {arch: spec.name for spec in _FAMILIES.values() for arch in spec.architectures}
+    return {
+        arch: model_family.name
+        for model_family in _FAMILIES.values()
+        for arch in model_family.architectures
+    }
 
 
 def family_for_architectures(
     archs: list[str], model_type: str | None = None
-) -> tuple[str, FamilySpec]:
+) -> tuple[str, ModelFamily]:
     """``(architecture, family)`` of the first supported name in ``archs``; else an error naming
     the supported ones."""
     table = supported_architectures()

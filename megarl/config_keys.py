@@ -111,5 +111,5 @@ def unknown_keys_error(cls: type, keys: list[str], source: str) -> ConfigError:
     what = "unknown setting" if len(keys) == 1 else "unknown settings"
     return ConfigError(
         f"{what} {' | '.join(shown)}{more} (in {source}). Every setting is listed in "
-        "megarl/config.py"
+        "megarl/config/schema.py"
     )

@@ -1,0 +1,414 @@
+"""The cross-setting checks of a run's config (batch splits, async and multi-turn settings,
+reliability, elastic, supervised trainers, distillation) and the values derived from several
+settings (dtype names, world sizes, the sequence budget)."""
+
+from __future__ import annotations
+
+from megarl.config.schema import (
+    ElasticConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+)
+from megarl.config.words import check_field_words
+from megarl.errors import ConfigError
+from megarl.lora_settings import check_lora_settings
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Cross-setting checks; with ``world_size`` also the batch split over data-parallel ranks."""
+    _validate_recompute(cfg.model)
+    lora = cfg.actor.lora
+    check_lora_settings(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    if lora.rank and cfg.model.transformer_impl == "transformer_engine":
+        raise ConfigError(
+            "actor.lora adapts megatron's own parallel linears, not Transformer Engine's: set "
+            "model.transformer_impl=local (or auto, which takes the local spec with LoRA)"
+        )
+    check_field_words(cfg)
+    if not 0.0 < cfg.rollout.gpu_memory_utilization <= 1.0:
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in "
+            "(0, 1]: the share of each GPU's memory vLLM may take (e.g. 0.5)"
+        )
+    _validate_parallel(cfg.parallel)
+    _validate_context_parallel(cfg)
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(cfg.model, name) < 0:
+            raise ConfigError(f"model.{name}={getattr(cfg.model, name)} must be >= 0 (0: off)")
+    if not 0.0 <= cfg.actor.optimizer_offload <= 1.0:
+        raise ConfigError(
+            f"actor.optimizer_offload={cfg.actor.optimizer_offload} must be in [0, 1]: the share "
+            "of the optimizer states kept on the host (0: none, 1: all)"
+        )
+    bad_steps = [s for s in cfg.trainer.profile_steps if s < 1]
+    if bad_steps:
+        raise ConfigError(
+            f"trainer.profile_steps={list(cfg.trainer.profile_steps)}: steps are numbered from 1, "
+            "as logged; remove or fix these"
+        )
+    _validate_reliability(cfg)
+    supervised = _SUPERVISED_VALIDATORS.get(cfg.trainer.kind)
+    if supervised is not None:
+        supervised(cfg, world_size)
+        return
+    data, actor = cfg.data, cfg.actor
+    positive = {
+        "data.train_batch_size": data.train_batch_size,
+        "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
+        "actor.micro_batch_size": actor.micro_batch_size,
+        "actor.ppo_epochs": actor.ppo_epochs,
+        "rollout.n": cfg.rollout.n,
+        "rollout.max_response_length": cfg.rollout.max_response_length,
+        "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
+        "trainer.total_steps": cfg.trainer.total_steps,
+    }
+    _check_positive(positive)
+    if actor.ppo_mini_batch_size > data.train_batch_size:
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is larger than "
+            f"data.train_batch_size={data.train_batch_size}; it must be at most the batch (and divide it)"
+        )
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={data.train_batch_size} is not a multiple of "
+            f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
+        )
+    _validate_sampling(cfg)
+    _validate_async(cfg, world_size)
+    _validate_distill(cfg)
+    _validate_multi_turn(cfg.rollout)
+    if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
+        raise ConfigError(
+            "reward.rule_weight=0 leaves no reward: set reward.model_path to a reward model, "
+            "or a rule_weight > 0"
+        )
+    if world_size is not None:
+        _check_dp_split(
+            cfg,
+            trainer_world_size(cfg, world_size),
+            {
+                "data.train_batch_size": data.train_batch_size,
+                "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
+            },
+        )
+
+
+def _validate_sampling(cfg: RunConfig) -> None:
+    r, a, trainer = cfg.rollout, cfg.algorithm, cfg.trainer
+    if r.temperature < 0 or r.val_temperature < 0:
+        raise ConfigError(
+            "rollout.temperature and rollout.val_temperature must be >= 0 (0: greedy)"
+        )
+    _check_positive({"rollout.val_n": r.val_n})
+    if r.val_n > 1 and r.val_temperature == 0:
+        raise ConfigError(
+            f"rollout.val_n={r.val_n} greedy samples are all the same answer; set "
+            "rollout.val_temperature > 0 (e.g. 0.6) or val_n=1"
+        )
+    if trainer.val_before_train and not cfg.data.val_files:
+        raise ConfigError("trainer.val_before_train=true needs data.val_files")
+    if a.loss_agg_norm_length is not None and a.loss_agg_norm_length < 1:
+        raise ConfigError(
+            f"algorithm.loss_agg_norm_length must be >= 1 (or null: rollout.max_response_length), "
+            f"got {a.loss_agg_norm_length}"
+        )
+    if a.filter_groups:
+        _check_positive({"algorithm.filter_groups_max_batches": a.filter_groups_max_batches})
+        if r.n < 2:
+            raise ConfigError(
+                f"algorithm.filter_groups keeps groups whose rewards differ, which needs "
+                f"rollout.n >= 2 samples per prompt (got {r.n})"
+            )
+    buf = cfg.reward.overlong_buffer
+    if not 0 <= buf.len < r.max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer.len={buf.len} must be in [0, rollout.max_response_length="
+            f"{r.max_response_length}); 0 turns the overlong penalty off"
+        )
+    if buf.penalty_factor < 0:
+        raise ConfigError(
+            f"reward.overlong_buffer.penalty_factor must be >= 0, got {buf.penalty_factor}"
+        )
+    if r.ignore_eos and buf.len > 0:
+        raise ConfigError(
+            "rollout.ignore_eos=true runs every response to rollout.max_response_length, so "
+            "reward.overlong_buffer would give every one the same full penalty; set "
+            "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
+        )
+
+
+def trainer_world_size(cfg: RunConfig, world_size: int) -> int:
+    """Processes that train: the whole job, less the rollout group in async mode."""
+    return world_size - cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else world_size
+
+
+def job_world_size(cfg: RunConfig) -> int:
+    """The smallest job for ``cfg``: one tp x pp trainer replica (and the rollout group)."""
+    extra = cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else 0
+    return cfg.parallel.tp * cfg.parallel.pp + extra
+
+
+def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
+    """rollout.mode and the settings of asynchronous training (docs/async.md)."""
+    r, par = cfg.rollout, cfg.parallel
+    if r.max_staleness < 0:
+        raise ConfigError(
+            f"rollout.max_staleness={r.max_staleness} must be >= 0: how many optimizer steps "
+            "the rollout may run behind the trainer (0: on-policy)"
+        )
+    if r.partial_chunk_tokens < 1:
+        raise ConfigError(
+            f"rollout.partial_chunk_tokens={r.partial_chunk_tokens} must be >= 1 (tokens "
+            "generated between two checks for new weights)"
+        )
+    if r.mode != "async":
+        if par.rollout_ranks:
+            raise ConfigError(
+                f"parallel.rollout_ranks={par.rollout_ranks} sets aside ranks for the rollout "
+                "group of asynchronous training: add rollout.mode=async, or set "
+                "parallel.rollout_ranks=0 (colocated: every rank rolls out and trains)"
+            )
+        if r.partial:
+            raise ConfigError(
+                "rollout.partial=true continues generation across weight updates, which happen "
+                "during generation only in asynchronous training: set rollout.mode=async (with "
+                "parallel.rollout_ranks) or rollout.partial=false"
+            )
+        return
+    infer_tp = par.infer_tp or par.tp
+    if par.rollout_ranks < 1 or par.rollout_ranks % infer_tp:
+        raise ConfigError(
+            f"rollout.mode=async needs parallel.rollout_ranks, a positive multiple of "
+            f"parallel.infer_tp={infer_tp} (each rollout engine spans infer_tp ranks); got "
+            f"{par.rollout_ranks}"
+        )
+    for key, on in (
+        ("actor.param_offload", cfg.actor.param_offload),
+        ("ref.param_offload", cfg.ref.param_offload),
+        ("critic.param_offload", cfg.critic.param_offload),
+    ):
+        if on:
+            raise ConfigError(
+                f"{key}=true moves a model to host memory while the rollout engine generates on "
+                "the same GPU; in rollout.mode=async the trainer ranks hold no rollout engine: "
+                f"set {key}=false"
+            )
+    if cfg.trainer.elastic.max_restarts:
+        raise ConfigError(
+            "trainer.elastic.max_restarts re-plans the trainers' layout on the ranks left after "
+            "a failure, which does not yet account for the rollout group of rollout.mode=async: "
+            "set trainer.elastic.max_restarts=0 (resume from the latest checkpoint by hand) or "
+            "rollout.mode=colocated"
+        )
+    if r.env is not None and r.partial:
+        raise ConfigError(
+            "rollout.partial=true continues single-turn responses across weight updates; the "
+            f"multi-turn trajectories of rollout.env={r.env!r} are generated turn by turn with "
+            "one version's weights: set rollout.partial=false or unset rollout.env"
+        )
+    if world_size is None:
+        return
+    trainers = world_size - par.rollout_ranks
+    if trainers < 1 or trainers % (par.tp * par.pp):
+        raise ConfigError(
+            f"parallel.rollout_ranks={par.rollout_ranks} of the job's {world_size} processes "
+            f"leave {max(trainers, 0)} trainer ranks, which must be a positive multiple of "
+            f"tp*pp = {par.tp * par.pp}; lower rollout_ranks or start "
+            f"{par.rollout_ranks + par.tp * par.pp} or more processes"
+        )
+
+
+def _validate_multi_turn(r: RolloutConfig) -> None:
+    """The pure checks of rollout.env's settings (the class itself is loaded by run/checks.py)."""
+    if r.env is None:
+        set_ = [k for k in ("env_kwargs",) if getattr(r, k)]
+        if set_:
+            raise ConfigError(f"rollout.{set_[0]} is set but rollout.env is not; set rollout.env")
+        return
+    _check_positive(
+        {"rollout.max_turns": r.max_turns, "rollout.tool_concurrency": r.tool_concurrency}
+    )
+    if r.max_turn_tokens is not None and not 1 <= r.max_turn_tokens <= r.max_response_length:
+        raise ConfigError(
+            f"rollout.max_turn_tokens={r.max_turn_tokens} must be in [1, rollout.max_response_length="
+            f"{r.max_response_length}] (or null: the whole budget)"
+        )
+    if not r.tool_timeout_s > 0:
+        raise ConfigError(f"rollout.tool_timeout_s={r.tool_timeout_s} must be > 0 seconds")
+    if not 0.0 <= r.max_env_failures <= 1.0:
+        raise ConfigError(
+            f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
+            "step's samples"
+        )
+
+
+def _validate_reliability(cfg: RunConfig) -> None:
+    t = cfg.trainer
+    if t.keep_last < 1:
+        raise ConfigError(
+            f"trainer.keep_last={t.keep_last}: at least the newest checkpoint must be kept; "
+            "set trainer.keep_last >= 1"
+        )
+    if t.keep_every < 0:
+        raise ConfigError(
+            f"trainer.keep_every={t.keep_every} must be >= 0 (0 keeps no extra checkpoints)"
+        )
+    if not 0.0 <= cfg.reward.max_failed_fraction <= 1.0:
+        raise ConfigError(
+            f"reward.max_failed_fraction={cfg.reward.max_failed_fraction} must be in [0, 1]: the "
+            "share of a step's samples that may fail to score before the run stops (1.0: never)"
+        )
+    if not t.hang_timeout_s > 0:
+        raise ConfigError(
+            f"trainer.hang_timeout_s={t.hang_timeout_s} must be > 0 seconds; set it above the "
+            "longest step phase (rollout, update, checkpoint save) of the run, e.g. 1800"
+        )
+    _validate_elastic(t.elastic)
+
+
+def _validate_elastic(e: ElasticConfig) -> None:
+    if e.max_restarts < 0:
+        raise ConfigError(
+            f"trainer.elastic.max_restarts={e.max_restarts} must be >= 0 (0: no restarts)"
+        )
+    if e.min_world_size < 1:
+        raise ConfigError(f"trainer.elastic.min_world_size={e.min_world_size} must be >= 1 (ranks)")
+    if e.wait_s < 0:
+        raise ConfigError(f"trainer.elastic.wait_s={e.wait_s} must be >= 0 seconds")
+
+
+def _validate_recompute(model: ModelConfig) -> None:
+    if model.recompute_num_layers < 1:
+        raise ConfigError(
+            f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1 "
+            "(layers per recomputed checkpoint with model.recompute=full)"
+        )
+
+
+def _validate_parallel(par: ParallelConfig) -> None:
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp > 1, or "
+            "parallel.sequence_parallel=false (unset, it is on exactly when tp > 1)"
+        )
+
+
+def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
+    """The longest sequence a run trains on, and the settings that make it up."""
+    if cfg.trainer.kind in _SUPERVISED_VALIDATORS:  # one max_length setting per such trainer
+        section = cfg.trainer.kind
+        return getattr(cfg, section).max_length, f"{section}.max_length"
+    return (
+        cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        "data.max_prompt_length + rollout.max_response_length",
+    )
+
+
+def _validate_context_parallel(cfg: RunConfig) -> None:
+    """The pure part of the parallel.cp checks (Transformer Engine's presence is checked with the
+    other backends, megarl.backends)."""
+    cp = cfg.parallel.cp
+    if cp < 1:
+        raise ConfigError(f"parallel.cp={cp} must be >= 1 (1: no context parallelism)")
+    if cp == 1:
+        return
+    budget, what = sequence_budget(cfg)
+    # Megatron's causal context parallelism cuts each sequence into 2 * cp chunks (each rank
+    # takes one early and one late chunk, to even out the causal attention's work).
+    if budget % (2 * cp):
+        raise ConfigError(
+            f"parallel.cp={cp} does not divide the sequence budget: {what} = {budget} must be a "
+            f"multiple of 2 * cp = {2 * cp}; change the lengths or parallel.cp"
+        )
+
+
+def _check_positive(values: dict[str, int]) -> None:
+    for key, value in values.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+
+
+def _check_dp_split(cfg: RunConfig, world_size: int, batches: dict[str, int]) -> None:
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} processes cannot hold parallel.tp*pp = {tp}*{pp}")
+    dp = world_size // (tp * pp)
+    for key, value in batches.items():
+        if value % dp:
+            raise ConfigError(
+                f"{key}={value} is not divisible by the {dp} data-parallel ranks "
+                f"({world_size} processes / tp*pp {tp * pp}); make it a multiple of {dp}"
+            )
+
+
+def _validate_supervised(
+    cfg: RunConfig, world_size: int | None, section: str, micro_batch_size: int, max_length: int
+) -> None:
+    """What the reward-model, SFT and DPO trainers share: positive sizes, a usable max_length,
+    batches that split over the data-parallel ranks."""
+    data = cfg.data
+    _check_positive(
+        {
+            "data.train_batch_size": data.train_batch_size,
+            f"{section}.micro_batch_size": micro_batch_size,
+            "trainer.total_steps": cfg.trainer.total_steps,
+        }
+    )
+    if max_length < 2:
+        raise ConfigError(f"{section}.max_length must be >= 2 tokens, got {max_length}")
+    if world_size is not None:
+        batches = {"data.train_batch_size": data.train_batch_size}
+        if data.val_files:
+            batches["data.val_batch_size"] = data.val_batch_size
+        _check_dp_split(cfg, world_size, batches)
+
+
+def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
+    rm = cfg.reward_model
+    _validate_supervised(cfg, world_size, "reward_model", rm.micro_batch_size, rm.max_length)
+
+
+def _validate_sft(cfg: RunConfig, world_size: int | None) -> None:
+    sft = cfg.sft
+    _validate_supervised(cfg, world_size, "sft", sft.micro_batch_size, sft.max_length)
+    budget = sft.max_tokens_per_micro_batch
+    if budget is not None and budget < 2:
+        raise ConfigError(
+            f"sft.max_tokens_per_micro_batch={budget} must be >= 2 tokens (or null: "
+            "sft.micro_batch_size sequences per micro-batch)"
+        )
+
+
+def _validate_dpo(cfg: RunConfig, world_size: int | None) -> None:
+    dpo = cfg.dpo
+    _validate_supervised(cfg, world_size, "dpo", dpo.micro_batch_size, dpo.max_length)
+
+
+_SUPERVISED_VALIDATORS = {
+    "reward_model": _validate_reward_model,
+    "sft": _validate_sft,
+    "dpo": _validate_dpo,
+}
+
+
+def _validate_distill(cfg: RunConfig) -> None:
+    d = cfg.algorithm.distill
+    if d.teacher_path is not None and not d.coef > 0:
+        raise ConfigError(
+            f"algorithm.distill.coef={d.coef} must be > 0 with a teacher "
+            "(algorithm.distill.teacher_path); remove the teacher to train without distillation"
+        )
+
+
+def model_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The models' dtype name: model.dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
+    if cfg.model.dtype == "auto":
+        return "bfloat16" if cuda else "float32"
+    return cfg.model.dtype
+
+
+def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The rollout engine's dtype name: rollout.dtype, where auto is the models' dtype."""
+    return model_dtype(cfg, cuda) if cfg.rollout.dtype == "auto" else cfg.rollout.dtype

@@ -9,6 +9,30 @@ The package: ``schema`` (the dataclasses), ``words`` (the valid words of ``Liter
 ``loading`` (YAML + overrides -> a checked config), ``validation`` (the cross-setting checks).
 """
 
+from megarl.config.derived import (
+    job_world_size,
+    model_dtype,
+    rollout_dtype,
+    sequence_budget,
+    trainer_world_size,
+)
+from megarl.config.literals import (
+    DistillMode,
+    Dtype,
+    NanPolicy,
+    OldLogProbForward,
+    OverlongPrompts,
+    Recompute,
+    ReshardMode,
+    ResumeMode,
+    RolloutBackend,
+    RolloutMode,
+    SleepLevel,
+    TrainerKind,
+    TransformerImpl,
+    Truncation,
+    WandbMode,
+)
 from megarl.config.loading import load_config, to_flat_dict
 from megarl.config.schema import (
     ActorConfig,
@@ -16,44 +40,22 @@ from megarl.config.schema import (
     CriticConfig,
     DataConfig,
     DistillConfig,
-    DistillMode,
     DPOConfig,
-    Dtype,
     ElasticConfig,
     LoraConfig,
     ModelConfig,
-    NanPolicy,
-    OldLogProbForward,
     OptimConfig,
     OverlongBufferConfig,
-    OverlongPrompts,
     ParallelConfig,
-    Recompute,
     RefConfig,
-    ReshardMode,
-    ResumeMode,
     RewardConfig,
     RewardModelConfig,
-    RolloutBackend,
     RolloutConfig,
-    RolloutMode,
     RunConfig,
     SFTConfig,
-    SleepLevel,
     TrainerConfig,
-    TrainerKind,
-    TransformerImpl,
-    Truncation,
-    WandbMode,
 )
-from megarl.config.validation import (
-    job_world_size,
-    model_dtype,
-    rollout_dtype,
-    sequence_budget,
-    trainer_world_size,
-    validate,
-)
+from megarl.config.validation import validate
 from megarl.config.words import choices
 
 __all__ = [

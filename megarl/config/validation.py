@@ -1,9 +1,10 @@
 """The cross-setting checks of a run's config (batch splits, async and multi-turn settings,
-reliability, elastic, supervised trainers, distillation) and the values derived from several
-settings (dtype names, world sizes, the sequence budget)."""
+reliability, elastic, supervised trainers, distillation) (the values derived from several settings are in
+:mod:`megarl.config.derived`)."""
 
 from __future__ import annotations
 
+from megarl.config.derived import sequence_budget, trainer_world_size
 from megarl.config.schema import (
     ElasticConfig,
     ModelConfig,
@@ -137,17 +138,6 @@ def _validate_sampling(cfg: RunConfig) -> None:
             "reward.overlong_buffer would give every one the same full penalty; set "
             "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
         )
-
-
-def trainer_world_size(cfg: RunConfig, world_size: int) -> int:
-    """Processes that train: the whole job, less the rollout group in async mode."""
-    return world_size - cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else world_size
-
-
-def job_world_size(cfg: RunConfig) -> int:
-    """The smallest job for ``cfg``: one tp x pp trainer replica (and the rollout group)."""
-    extra = cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else 0
-    return cfg.parallel.tp * cfg.parallel.pp + extra
 
 
 def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
@@ -295,17 +285,6 @@ def _validate_parallel(par: ParallelConfig) -> None:
         )
 
 
-def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
-    """The longest sequence a run trains on, and the settings that make it up."""
-    if cfg.trainer.kind in _SUPERVISED_VALIDATORS:  # one max_length setting per such trainer
-        section = cfg.trainer.kind
-        return getattr(cfg, section).max_length, f"{section}.max_length"
-    return (
-        cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-        "data.max_prompt_length + rollout.max_response_length",
-    )
-
-
 def _validate_context_parallel(cfg: RunConfig) -> None:
     """The pure part of the parallel.cp checks (Transformer Engine's presence is checked with the
     other backends, megarl.backends)."""
@@ -400,15 +379,3 @@ def _validate_distill(cfg: RunConfig) -> None:
             f"algorithm.distill.coef={d.coef} must be > 0 with a teacher "
             "(algorithm.distill.teacher_path); remove the teacher to train without distillation"
         )
-
-
-def model_dtype(cfg: RunConfig, cuda: bool) -> str:
-    """The models' dtype name: model.dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
-    if cfg.model.dtype == "auto":
-        return "bfloat16" if cuda else "float32"
-    return cfg.model.dtype
-
-
-def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
-    """The rollout engine's dtype name: rollout.dtype, where auto is the models' dtype."""
-    return model_dtype(cfg, cuda) if cfg.rollout.dtype == "auto" else cfg.rollout.dtype

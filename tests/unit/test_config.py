@@ -155,3 +155,9 @@ def test_rollout_corrections_by_name_and_the_old_tis_key():
     ]:
         with pytest.raises(ConfigError, match=message):
             check_choices(load_config(overrides=[*BASE, *overrides]))
+
+
+def test_the_supervised_trainers_are_the_same_in_validation_and_in_the_sequence_budget():
+    from megarl.config import derived, validation
+
+    assert set(derived.SUPERVISED_KINDS) == set(validation._SUPERVISED_VALIDATORS)

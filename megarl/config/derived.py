@@ -1,0 +1,47 @@
+"""Values a run derives from several settings: the dtype names on this device, the trainer's
+and the whole job's world sizes, the sequence budget."""
+
+from __future__ import annotations
+
+from megarl.config.schema import (
+    RunConfig,
+)
+
+
+def trainer_world_size(cfg: RunConfig, world_size: int) -> int:
+    """Processes that train: the whole job, less the rollout group in async mode."""
+    return world_size - cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else world_size
+
+
+# The trainers that learn from a dataset of finished sequences (no rollout), each with a section
+# of its own name that has a max_length.
+SUPERVISED_KINDS = ("reward_model", "sft", "dpo")
+
+
+def job_world_size(cfg: RunConfig) -> int:
+    """The smallest job for ``cfg``: one tp x pp trainer replica (and the rollout group)."""
+    extra = cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else 0
+    return cfg.parallel.tp * cfg.parallel.pp + extra
+
+
+def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
+    """The longest sequence a run trains on, and the settings that make it up."""
+    if cfg.trainer.kind in SUPERVISED_KINDS:  # one max_length setting per such trainer
+        section = cfg.trainer.kind
+        return getattr(cfg, section).max_length, f"{section}.max_length"
+    return (
+        cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        "data.max_prompt_length + rollout.max_response_length",
+    )
+
+
+def model_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The models' dtype name: model.dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
+    if cfg.model.dtype == "auto":
+        return "bfloat16" if cuda else "float32"
+    return cfg.model.dtype
+
+
+def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
+    """The rollout engine's dtype name: rollout.dtype, where auto is the models' dtype."""
+    return model_dtype(cfg, cuda) if cfg.rollout.dtype == "auto" else cfg.rollout.dtype

@@ -35,7 +35,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,19 +45,17 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.config import RunConfig, model_dtype, rollout_dtype
 from megarl.config import validate as validate_config
-from megarl.data import PromptDataset, PromptItem
+from megarl.data import PromptItem
 from megarl.data.chat import pad_token_id
-from megarl.data.global_state import merge_rank_states
 from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
-from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
+from megarl.envs.trajectory import check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.async_links import Links, make_links, weight_schedule
 from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
 from megarl.hybrid_engine.execute import hf_shapes_of
 from megarl.hybrid_engine.multi_turn import (
     TurnLimits,
     merge_engine_trajectories,
-    rank_output,
     run_trajectories,
     sample_starts,
 )
@@ -71,25 +69,30 @@ from megarl.hybrid_engine.rollout_messages import (
     Start,
     Stop,
 )
-from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig, checkpoint_shapes
+from megarl.hybrid_engine.versioned import generate_versioned
+from megarl.hybrid_engine.vllm_rollout import SamplingConfig, checkpoint_shapes
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, WeightReceiver
 from megarl.launch import init_split
 from megarl.models.dims import ModelDims
 from megarl.run.checks import check_inputs
-from megarl.run.epochs import EpochBatches
 from megarl.run.preemption import Preemption
 from megarl.run.startup import layout_for
 from megarl.run.watchdog import collective_timeout_s
 from megarl.trainer.assembly import (
-    EMPTY_TRAIN_DATA,
     build_env_runner,
     engine_config,
-    prompt_dataset,
     sampling_configs,
     turn_limits,
 )
 from megarl.trainer.rollout import dataset_row
+from megarl.trainer.rollout_group_parts import (
+    Prompts,
+    engine_slice,
+    merge_engines,
+    split_by_rank,
+    split_trajectories,
+    validation_due,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -99,110 +102,6 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 class Stopped(Exception):
     """The trainers are done."""
-
-
-def validation_due(cfg: RunConfig, version: int, first: int) -> bool:
-    """Whether the trainers validate the weights of ``version`` in a run that started at step
-    ``first``: before training (``val_before_train``) and every ``test_freq`` steps after."""
-    t = cfg.trainer
-    if not cfg.data.val_files or version > t.total_steps:
-        return False
-    if version == first == 0 and t.val_before_train:
-        return True
-    return bool(t.test_freq) and version > first and version % t.test_freq == 0
-
-
-def engine_slice(prompts: int, engines: int, engine: int) -> tuple[int, int]:
-    """``[lo, hi)`` of the step's prompts that engine ``engine`` of ``engines`` generates."""
-    return engine * prompts // engines, (engine + 1) * prompts // engines
-
-
-def merge_engines(
-    results: Sequence[tuple[int, int, VersionedOutput]],
-) -> VersionedOutput:
-    """The engines' outputs (``(engine, lo, output)`` from every rank; an engine's TP ranks send
-    the same) as one, prompt indices global."""
-    merged, seen = VersionedOutput(), set()
-    for engine, lo, out in sorted(results, key=lambda r: r[0]):
-        if engine not in seen:
-            seen.add(engine)
-            merged.extend(out, index_offset=lo)
-    return merged
-
-
-def split_by_rank(merged: VersionedOutput, items: Sequence[Sequence[PromptItem]]) -> list[Part]:
-    """The merged responses back to each trainer data-parallel rank (its prompts ``items[d]``,
-    consecutive in the global prompt order)."""
-    parts, start = [], 0
-    out = merged.output
-    for mine in items:
-        stop = start + len(mine)
-        keep = [k for k, i in enumerate(out.prompt_index) if start <= i < stop]
-        parts.append(
-            Part(
-                list(mine),
-                RolloutOutput(
-                    prompt_index=[out.prompt_index[k] - start for k in keep],
-                    token_ids=[out.token_ids[k] for k in keep],
-                    logprobs=[out.logprobs[k] for k in keep],
-                    finish_reasons=[out.finish_reasons[k] for k in keep],
-                ),
-                [merged.versions[k] for k in keep],
-            )
-        )
-        start = stop
-    return parts
-
-
-def split_trajectories(
-    step: Sequence[Trajectory], items: Sequence[Sequence[PromptItem]], n: int, version: int
-) -> list[Part]:
-    """A batch's trajectories (``sample``: the global index, ``n`` per prompt) back to each
-    trainer data-parallel rank, as the colocated engine hands them out; every token of
-    ``version``."""
-    parts, start = [], 0
-    for mine in items:
-        stop = start + len(mine)
-        ours, output = rank_output(step, start, stop, n)
-        parts.append(
-            Part(list(mine), output, [[version] * len(t.response_ids) for t in ours], ours)
-        )
-        start = stop
-    return parts
-
-
-@dataclass
-class Prompts:
-    """The leader's prompts: every trainer data-parallel rank's training and validation data."""
-
-    train: list[PromptDataset]
-    batches: list[EpochBatches[list[PromptItem]]]
-    val: list[PromptDataset] | None
-
-    @classmethod
-    def build(cls, cfg: RunConfig, tokenizer, dp: int) -> Prompts:
-        train = [prompt_dataset(cfg, tokenizer, False, d, dp) for d in range(dp)]
-        val = None
-        if cfg.data.val_files:
-            val = [prompt_dataset(cfg, tokenizer, True, d, dp) for d in range(dp)]
-        return cls(train, [EpochBatches(t, EMPTY_TRAIN_DATA) for t in train], val)
-
-    def restore(self, state: dict | None) -> None:
-        if state is not None:
-            for dataset in self.train:
-                dataset.load_state_dict(state)
-
-    def next(self) -> list[list[PromptItem]]:
-        return [b.next() for b in self.batches]
-
-    def position(self) -> dict:
-        return merge_rank_states([t.state_dict() for t in self.train])
-
-    def validation(self) -> list[list[list[PromptItem]]]:
-        """Per validation batch, every rank's prompts (ranks yield equally many batches)."""
-        assert self.val is not None
-        per_rank = [list(v) for v in self.val]
-        return [list(batch) for batch in zip(*per_rank, strict=True)]
 
 
 @dataclass

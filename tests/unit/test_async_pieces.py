@@ -20,9 +20,8 @@ from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import staleness_metrics
-from megarl.trainer.rollout_group import (
-    RolloutGroup,
-    Stopped,
+from megarl.trainer.rollout_group import RolloutGroup, Stopped
+from megarl.trainer.rollout_group_parts import (
     engine_slice,
     merge_engines,
     split_by_rank,

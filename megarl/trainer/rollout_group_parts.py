@@ -1,0 +1,123 @@
+"""The pure pieces of the asynchronous rollout group (:mod:`megarl.trainer.rollout_group`): when
+a weight version is validated, which prompts each engine generates, the engines' outputs merged
+and cut back into every trainer data-parallel rank's part, and the leader's prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megarl.config import RunConfig
+from megarl.data import PromptDataset, PromptItem
+from megarl.data.global_state import merge_rank_states
+from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.multi_turn import rank_output
+from megarl.hybrid_engine.rollout_messages import Part
+from megarl.hybrid_engine.versioned import VersionedOutput
+from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+from megarl.run.epochs import EpochBatches
+from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
+
+
+def validation_due(cfg: RunConfig, version: int, first: int) -> bool:
+    """Whether the trainers validate the weights of ``version`` in a run that started at step
+    ``first``: before training (``val_before_train``) and every ``test_freq`` steps after."""
+    t = cfg.trainer
+    if not cfg.data.val_files or version > t.total_steps:
+        return False
+    if version == first == 0 and t.val_before_train:
+        return True
+    return bool(t.test_freq) and version > first and version % t.test_freq == 0
+
+
+def engine_slice(prompts: int, engines: int, engine: int) -> tuple[int, int]:
+    """``[lo, hi)`` of the step's prompts that engine ``engine`` of ``engines`` generates."""
+    return engine * prompts // engines, (engine + 1) * prompts // engines
+
+
+def merge_engines(
+    results: Sequence[tuple[int, int, VersionedOutput]],
+) -> VersionedOutput:
+    """The engines' outputs (``(engine, lo, output)`` from every rank; an engine's TP ranks send
+    the same) as one, prompt indices global."""
+    merged, seen = VersionedOutput(), set()
+    for engine, lo, out in sorted(results, key=lambda r: r[0]):
+        if engine not in seen:
+            seen.add(engine)
+            merged.extend(out, index_offset=lo)
+    return merged
+
+
+def split_by_rank(merged: VersionedOutput, items: Sequence[Sequence[PromptItem]]) -> list[Part]:
+    """The merged responses back to each trainer data-parallel rank (its prompts ``items[d]``,
+    consecutive in the global prompt order)."""
+    parts, start = [], 0
+    out = merged.output
+    for mine in items:
+        stop = start + len(mine)
+        keep = [k for k, i in enumerate(out.prompt_index) if start <= i < stop]
+        parts.append(
+            Part(
+                list(mine),
+                RolloutOutput(
+                    prompt_index=[out.prompt_index[k] - start for k in keep],
+                    token_ids=[out.token_ids[k] for k in keep],
+                    logprobs=[out.logprobs[k] for k in keep],
+                    finish_reasons=[out.finish_reasons[k] for k in keep],
+                ),
+                [merged.versions[k] for k in keep],
+            )
+        )
+        start = stop
+    return parts
+
+
+def split_trajectories(
+    step: Sequence[Trajectory], items: Sequence[Sequence[PromptItem]], n: int, version: int
+) -> list[Part]:
+    """A batch's trajectories (``sample``: the global index, ``n`` per prompt) back to each
+    trainer data-parallel rank, as the colocated engine hands them out; every token of
+    ``version``."""
+    parts, start = [], 0
+    for mine in items:
+        stop = start + len(mine)
+        ours, output = rank_output(step, start, stop, n)
+        parts.append(
+            Part(list(mine), output, [[version] * len(t.response_ids) for t in ours], ours)
+        )
+        start = stop
+    return parts
+
+
+@dataclass
+class Prompts:
+    """The leader's prompts: every trainer data-parallel rank's training and validation data."""
+
+    train: list[PromptDataset]
+    batches: list[EpochBatches[list[PromptItem]]]
+    val: list[PromptDataset] | None
+
+    @classmethod
+    def build(cls, cfg: RunConfig, tokenizer, dp: int) -> Prompts:
+        train = [prompt_dataset(cfg, tokenizer, False, d, dp) for d in range(dp)]
+        val = None
+        if cfg.data.val_files:
+            val = [prompt_dataset(cfg, tokenizer, True, d, dp) for d in range(dp)]
+        return cls(train, [EpochBatches(t, EMPTY_TRAIN_DATA) for t in train], val)
+
+    def restore(self, state: dict | None) -> None:
+        if state is not None:
+            for dataset in self.train:
+                dataset.load_state_dict(state)
+
+    def next(self) -> list[list[PromptItem]]:
+        return [b.next() for b in self.batches]
+
+    def position(self) -> dict:
+        return merge_rank_states([t.state_dict() for t in self.train])
+
+    def validation(self) -> list[list[list[PromptItem]]]:
+        """Per validation batch, every rank's prompts (ranks yield equally many batches)."""
+        assert self.val is not None
+        per_rank = [list(v) for v in self.val]
+        return [list(batch) for batch in zip(*per_rank, strict=True)]

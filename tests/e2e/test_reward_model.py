@@ -144,7 +144,7 @@ def test_accuracy_rises_resume_equals_uninterrupted_and_ctrl_c_saves(work, train
         f"trainer.total_steps={STEPS}",
         "trainer.save_freq=4",
         "trainer.keep_last=1",
-        fault="sigint@step:step=6",
+        fault="sigint@step:rank=0:step=6",  # one Ctrl-C: one SIGINT
         code=130,
     )
     assert f"interrupted: stopped after step 6; checkpoint {ckpts / 'step_00000006'}" in proc.stderr

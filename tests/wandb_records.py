@@ -30,6 +30,8 @@ def records(path: Path) -> Iterator[object]:
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if length == 0 and kind == 0:
             break
+        if pos + HEADER + length > len(data):  # its writer is still appending this record
+            break
         pieces += data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind in (1, 4):

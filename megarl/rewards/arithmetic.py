@@ -27,3 +27,11 @@ def compute_score(solution_str: str, ground_truth: object) -> float:
         return 1.0 if float(answer) == float(str(ground_truth)) else 0.0
     except ValueError:
         return 0.0
+
+
+def score_answer(
+    data_source: str, solution_str: str, ground_truth: object, extra_info: object = None
+) -> float:
+    """`compute_score` in the ``reward.custom_fn`` form (what the learning benchmark gives both
+    megarl and TRL, so the two sides score with the same function)."""
+    return compute_score(solution_str, ground_truth)

@@ -2,7 +2,7 @@
 store its results file (figures, machine, measured matmul peaks, load, versions, commit).
 
 The figures are not checked (benchmarks print, they do not assert); the smoke sizes take seconds.
-grpo_step's and learn_gsm's smokes run megarl's side only: their TRL side needs a virtualenv that
+grpo_step's and learn's smokes run megarl's side only: their TRL side needs a virtualenv that
 the bench creates from the package registry on first use, which CI machines may not reach.
 """
 
@@ -25,7 +25,7 @@ BENCHES = [
     "reshard",
     "convert",
     "data",
-    "learn_gsm",
+    "learn",
     "multi_turn",
     "checkpoint_save",
 ]
@@ -35,7 +35,8 @@ BENCHES = [
 
 @pytest.mark.parametrize("bench", BENCHES)
 def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
-    stored = {"grpo_step": "grpo_step_tiny"}.get(bench, bench)  # its smoke runs the tiny model
+    # grpo_step's smoke runs the tiny model; learn's the default task (2 steps of SmolLM2)
+    stored = {"grpo_step": "grpo_step_tiny", "learn": "learn_arithmetic"}.get(bench, bench)
     env = dict(os.environ, MEGARL_BENCH_RESULTS_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env.pop("MASTER_PORT", None)
@@ -55,3 +56,10 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
     assert record["machine"]["cores"] >= 1 and record["machine"]["cpu_model"]
     assert set(record["load_1min"]) == {"start", "end"}
     assert "torch" in record["versions"] and len(record["git"]["commit"]) == 40
+    if bench == "learn":  # the interface of its summary, and the curves' picture
+        summary = record["figures"]["summary"]
+        assert set(summary["megarl"]) >= {"accuracy_start", "accuracy_end"}, summary
+        assert 0 <= summary["megarl"]["accuracy_end"] <= 1 and "time_to_trl_final_ratio" in summary
+        curve = record["figures"]["seeds"]["1"]["runs"]["megarl"]["curve"]
+        assert [p["step"] for p in curve] == [0, 2] and curve[-1]["samples"] == 8, curve
+        assert (tmp_path / f"{stored}.smoke.png").stat().st_size > 1000

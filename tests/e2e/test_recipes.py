@@ -9,7 +9,7 @@ gradient would be zero and the update at this layout would go untested).
 configs/smollm2_gsm_cpu.yaml (the real SmolLM2-135M-Instruct learning GSM-Symbolic problems) for 2
 steps: prepared by `python -m megarl.quickstart --recipe gsm`, as `make learn-gsm` does, and run at
 tiny sizes (2 prompts x 2 samples x 24 tokens, 8 validation problems) through the same model,
-data and scorer. Whether it learns is bench/learn_gsm.py's to measure, not a test's.
+data and scorer. Whether it learns is bench/learn.py's to measure, not a test's.
 """
 
 from __future__ import annotations

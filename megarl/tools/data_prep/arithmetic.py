@@ -5,7 +5,8 @@ Each row follows the RL prompt schema with ``data_source`` ``arithmetic`` (score
 Train and test problems are drawn from separate seeds, and no test problem appears in train.
 Kinds: ``add3`` (three-digit + three-digit), ``mul2`` (two-digit x two-digit), ``mixed`` (both,
 and three-digit - three-digit), ``words`` (the same three operations as one-sentence word
-problems: the model has to find the arithmetic in the text).
+problems: the model has to find the arithmetic in the text), ``add2`` (two-digit + two-digit,
+answered without a tool after two worked examples: the learning benchmark's task).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ DATA_SOURCE = "arithmetic"
 
 def _add3(rng: random.Random) -> tuple[str, int]:
     a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return f"What is {a} + {b}?", a + b
+
+
+def _add2(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
     return f"What is {a} + {b}?", a + b
 
 
@@ -65,7 +71,26 @@ KINDS: dict[str, list[Callable[[random.Random], tuple[str, int]]]] = {
     "mul2": [_mul2],
     "mixed": [_add3, _sub3, _mul2],
     "words": [_words],
+    "add2": [_add2],
 }
+
+# How many distinct problems a kind has, where that is small enough to run out of.
+SPACE = {"add2": 90 * 90 - 2}  # less the two worked examples
+
+# Worked examples put before every question of a kind as earlier chat turns. They show the form
+# of an answer ("a + b = c", which SmolLM2-135M-Instruct then keeps: 12 tokens on average instead
+# of 48 of rambling), so the reward measures the sums rather than the format. They are never a
+# train or test problem.
+SHOTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "add2": (("What is 23 + 14?", "23 + 14 = 37"), ("What is 48 + 35?", "48 + 35 = 83")),
+}
+
+
+def shot_messages(kind: str) -> list[dict[str, str]]:
+    out = []
+    for question, answer in SHOTS.get(kind, ()):
+        out += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return out
 
 
 def problems(
@@ -73,8 +98,13 @@ def problems(
 ) -> list[tuple[str, int]]:
     if kind not in KINDS:
         raise PrepareError(f"unknown arithmetic kind {kind!r}; known: {sorted(KINDS)}")
+    if kind in SPACE and count + len(exclude or ()) > SPACE[kind]:
+        raise PrepareError(
+            f"{count} {kind} problems asked for (plus {len(exclude or ())} excluded), but the kind "
+            f"has {SPACE[kind]} distinct problems: ask for fewer"
+        )
     rng = random.Random(f"arithmetic/{kind}/{seed}")
-    seen = set(exclude or ())
+    seen = set(exclude or ()) | {question for question, _ in SHOTS.get(kind, ())}
     out: list[tuple[str, int]] = []
     while len(out) < count:
         question, answer = rng.choice(KINDS[kind])(rng)
@@ -84,10 +114,12 @@ def problems(
     return out
 
 
-def make_row(question: str, answer: int, split: str, index: int) -> dict[str, object]:
+def make_row(
+    question: str, answer: int, split: str, index: int, shots: list[dict[str, str]] | None = None
+) -> dict[str, object]:
     return {
         "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": question}],
+        "prompt": [*(shots or []), {"role": "user", "content": question}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": {"split": split, "index": index},
@@ -103,9 +135,11 @@ def prepare(
     test = problems(kind, test_size, seed + 1)
     train = problems(kind, train_size, seed, exclude={q for q, _ in test})
     out.mkdir(parents=True, exist_ok=True)
-    paths = {}
+    paths, shots = {}, shot_messages(kind)
     for split, rows in (("train", train), ("test", test)):
         paths[split] = out / f"{split}.parquet"
-        table = pa.Table.from_pylist([make_row(q, a, split, i) for i, (q, a) in enumerate(rows)])
+        table = pa.Table.from_pylist(
+            [make_row(q, a, split, i, shots) for i, (q, a) in enumerate(rows)]
+        )
         write_parquet_atomic(table, paths[split], 512)
     return paths

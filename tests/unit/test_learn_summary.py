@@ -1,0 +1,73 @@
+"""bench/learn.py's summary: the time each side trains to reach the accuracy TRL ends with, their
+ratio, and the seeds' means (the keys the README quotes). Hand-made curves, figures by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.learn import TASKS, overall_summary, summarize, time_to, time_to_trl_final_ratio
+
+pytestmark = pytest.mark.unit
+
+
+def curve(*points: tuple[float, float]) -> list[dict]:
+    return [
+        {"step": 3 * i, "clock_s": t, "score": a, "accuracy": a} for i, (t, a) in enumerate(points)
+    ]
+
+
+def side(points: list[dict]) -> dict:
+    return {"curve": points, "step_s": [10.0, 30.0, 20.0]}
+
+
+def test_time_to_is_the_first_validation_reaching_the_accuracy():
+    c = curve((0, 0.4), (60, 0.55), (120, 0.7), (180, 0.65))
+    assert time_to(c, 0.55) == 60 and time_to(c, 0.6) == 120 and time_to(c, 0.71) is None
+    assert time_to(c, 0.3) == 0
+
+
+def test_ratio_and_means_over_seeds():
+    runs = {
+        "1": {  # megarl reaches TRL's final 0.6 at 60 s, TRL at 240 s: ratio 0.25
+            "runs": {
+                "megarl": side(curve((0, 0.4), (60, 0.6), (120, 0.8))),
+                "trl": side(curve((0, 0.4), (120, 0.5), (240, 0.6))),
+            }
+        },
+        "2": {  # megarl never reaches TRL's 0.9: no ratio for this seed
+            "runs": {
+                "megarl": side(curve((0, 0.5), (100, 0.7))),
+                "trl": side(curve((0, 0.5), (100, 0.9))),
+            }
+        },
+    }
+    for d in runs.values():
+        d["summary"] = summarize(d["runs"])
+    assert time_to_trl_final_ratio(runs["1"]["runs"]) == pytest.approx(0.25)
+    assert time_to_trl_final_ratio(runs["2"]["runs"]) is None
+    out = overall_summary(runs)
+    assert out["megarl"]["accuracy_start"] == pytest.approx(0.45)
+    assert out["megarl"]["accuracy_end"] == pytest.approx(0.75)
+    assert out["trl"]["accuracy_end"] == pytest.approx(0.75) and out["trl"]["seeds"] == 2
+    assert out["time_to_trl_final_ratio"] == pytest.approx(0.25)
+    assert out["time_to_trl_final_ratio_per_seed"] == [pytest.approx(0.25), None]
+    assert runs["1"]["summary"]["megarl"]["median_step_s"] == 20.0
+
+
+def test_no_ratio_when_trl_did_not_improve_or_a_side_failed():
+    flat = {"megarl": side(curve((0, 0.4), (60, 0.6))), "trl": side(curve((0, 0.4), (60, 0.4)))}
+    assert time_to_trl_final_ratio(flat) is None
+    failed = {"megarl": side(curve((0, 0.4))), "trl": {"failed": "exit 1: boom"}}
+    assert time_to_trl_final_ratio(failed) is None
+    assert set(overall_summary({"1": {"summary": summarize(failed), "runs": failed}})) == {
+        "megarl",
+        "time_to_trl_final_ratio",
+        "time_to_trl_final_ratio_per_seed",
+    }
+
+
+def test_tasks_name_metrics_after_their_rows():
+    assert TASKS["arithmetic"].val_accuracy == "val/arithmetic/pass@1"
+    assert TASKS["gsm"].val_score == "val/openai/gsm8k/mean@1"
+    for task in TASKS.values():
+        assert task.config.is_file() and task.scorer_file.is_file()

@@ -72,6 +72,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRL_WORKER = ROOT / "bench" / "_trl_learn_worker.py"
 SIDES = ("megarl", "trl")
 WEIGHT_DECAY = 0.0
+# accuracies whose first training minute per side and seed the summary lists as well
+ACCURACY_TARGETS = (0.6, 0.7)
 
 
 @dataclass(frozen=True)
@@ -502,8 +504,20 @@ def overall_summary(runs: dict[str, dict]) -> dict[str, object]:
                 "seeds": len(done),
             }
     ratios = [time_to_trl_final_ratio(d["runs"]) for d in runs.values()]
-    out["time_to_trl_final_ratio"] = mean([r for r in ratios if r is not None])
+    # a mean over the seeds where megarl got there would hide the ones where it did not
+    out["time_to_trl_final_ratio"] = None if None in ratios else mean(ratios)
     out["time_to_trl_final_ratio_per_seed"] = ratios
+    out["minutes_to_accuracy"] = {
+        f"{target:g}": {
+            side: [
+                None if (t := time_to(d["runs"][side].get("curve", []), target)) is None else t / 60
+                for d in runs.values()
+                if side in d["runs"]
+            ]
+            for side in SIDES
+        }
+        for target in ACCURACY_TARGETS
+    }
     return out
 
 

@@ -26,6 +26,7 @@ BENCHES = [
     "convert",
     "data",
     "learn",
+    "arithmetic_base_rates",
     "multi_turn",
     "checkpoint_save",
 ]

@@ -49,8 +49,12 @@ def test_ratio_and_means_over_seeds():
     assert out["megarl"]["accuracy_start"] == pytest.approx(0.45)
     assert out["megarl"]["accuracy_end"] == pytest.approx(0.75)
     assert out["trl"]["accuracy_end"] == pytest.approx(0.75) and out["trl"]["seeds"] == 2
-    assert out["time_to_trl_final_ratio"] == pytest.approx(0.25)
+    assert out["time_to_trl_final_ratio"] is None  # not reached in seed 2
     assert out["time_to_trl_final_ratio_per_seed"] == [pytest.approx(0.25), None]
+    assert out["minutes_to_accuracy"]["0.6"] == {"megarl": [1.0, 100 / 60], "trl": [4.0, 100 / 60]}
+    assert out["minutes_to_accuracy"]["0.7"]["megarl"] == [2.0, 100 / 60]
+    del runs["2"]
+    assert overall_summary(runs)["time_to_trl_final_ratio"] == pytest.approx(0.25)
     assert runs["1"]["summary"]["megarl"]["median_step_s"] == 20.0
 
 
@@ -63,6 +67,7 @@ def test_no_ratio_when_trl_did_not_improve_or_a_side_failed():
         "megarl",
         "time_to_trl_final_ratio",
         "time_to_trl_final_ratio_per_seed",
+        "minutes_to_accuracy",
     }
 
 

@@ -71,6 +71,7 @@ INTENDED = {
     "quickstart_cpu.yaml": (1, None),
     "dapo_quickstart_cpu.yaml": (1, None),
     "smollm2_gsm_cpu.yaml": (1, None),
+    "smollm2_arithmetic_cpu.yaml": (1, None),
     "chain_sft_cpu.yaml": (1, None),
     "chain_dpo_cpu.yaml": (1, None),
     "chain_grpo_cpu.yaml": (1, None),
@@ -179,3 +180,17 @@ def test_recipe_passes_the_preflight_on_the_hardware_it_names(name, tmp_path, ca
     )
     assert summary, out
     assert summary.groups() == (peak, f"{gib}.0", phase), out
+
+
+def test_quickstart_recipes_prepare_what_their_configs_read():
+    from megarl.tools.quickstart import RECIPES as QUICKSTART
+
+    for name, recipe in QUICKSTART.items():
+        cfg = load_config(Path(__file__).resolve().parents[2] / recipe.config)
+        if recipe.post_training:  # its SFT config reads OUT/sft/, prepared from OUT/data/
+            assert cfg.data.train_files[0].startswith(recipe.default_out + "/"), name
+            continue
+        assert cfg.model.path == f"{recipe.default_out}/model", name
+        assert list(cfg.data.train_files) == [f"{recipe.default_out}/data/train.parquet"], name
+        assert list(cfg.data.val_files) == [f"{recipe.default_out}/data/test.parquet"], name
+        assert cfg.data.val_batch_size <= recipe.test_size, name

@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.gsm_data import prepare_gsm_symbolic
 from bench.results_io import matmul_peaks, write_results
 from megarl.plan.pipeline import MeasuredScaling, PhaseTimes, predict_async
 
@@ -53,22 +54,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
     data = work / "data"
     if not (data / "train.parquet").is_file():
-        subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "scripts" / "prepare_gsm8k.py"),
-                "--out",
-                str(data),
-                "--source",
-                "gsm-symbolic",
-                "--train-size",
-                "512",
-                "--test-size",
-                "16",
-            ],
-            check=True,
-            capture_output=True,
-        )
+        prepare_gsm_symbolic(data, 512, 16)
     return tiny_char_llama_dir(), data / "train.parquet"
 
 

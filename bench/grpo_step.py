@@ -54,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.gsm_data import prepare_gsm_symbolic
 from bench.precision_args import add_precision_args, results_suffix
 from bench.results_io import write_results
 
@@ -137,22 +138,7 @@ def build_data(out: Path, prompts: int) -> Path:
 
         if pq.read_metadata(train).num_rows == prompts:
             return train
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "prepare_gsm8k.py"),
-            "--out",
-            str(out),
-            "--source",
-            "gsm-symbolic",
-            "--train-size",
-            str(prompts),
-            "--test-size",
-            "4",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    prepare_gsm_symbolic(out, prompts, 4)
     return train
 
 

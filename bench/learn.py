@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.grpo_step import ensure_trl_venv, log, read_prompts
+from bench.gsm_data import prepare_gsm_symbolic
 from bench.precision_args import add_precision_args, results_suffix
 from bench.results_io import write_results
 
@@ -155,22 +156,7 @@ def prepare_data(task_name: str, work: Path) -> Path:
 
         prepare(data, "add2", task.train_rows, task.test_rows)
         return data
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "prepare_gsm8k.py"),
-            "--out",
-            str(data),
-            "--source",
-            "gsm-symbolic",
-            "--train-size",
-            str(task.train_rows),
-            "--test-size",
-            str(task.test_rows),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    prepare_gsm_symbolic(data, task.train_rows, task.test_rows)
     return data
 
 

@@ -21,12 +21,11 @@ import random
 import time
 from collections.abc import Callable
 
+from megarl.tools.data_prep.arithmetic import KINDS
+
+_add2 = KINDS["add2"][0]  # the recipe's two-digit additions
+
 NUMBER_ONLY = " Answer with the number only."
-
-
-def _add2(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    return f"What is {a} + {b}?", a + b
 
 
 def _sum3(rng: random.Random) -> tuple[str, int]:
@@ -65,17 +64,15 @@ def messages(question: str, prompt: str) -> list[dict[str, str]]:
 
 
 def measure(engine, tok, row, count: int, samples: int, max_tokens: int) -> dict[str, object]:
+    from megarl.envs import ChatDeltas
     from megarl.hybrid_engine.vllm_rollout import SamplingConfig
     from megarl.rewards.arithmetic import compute_score
 
     task, make, prompt, temperature = row
     rng = random.Random(f"arithmetic-base-rates/{task}")
     problems = [make(rng) for _ in range(count)]
-    ids = [
-        tok.apply_chat_template(messages(q, prompt), add_generation_prompt=True, tokenize=True)
-        for q, _ in problems
-    ]
-    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    chat = ChatDeltas(tok)
+    ids = [chat.prompt_ids(messages(q, prompt)) for q, _ in problems]
     out: dict[str, object] = {"task": task, "prompt": prompt, "problems": count}
     for name, temp, n in (("greedy", 0.0, 1), ("sampled", temperature, samples)):
         t0 = time.perf_counter()

@@ -39,7 +39,8 @@ trainer.test_freq; TRL: a TrainerCallback); each side stops at its first validat
 --minutes, so its last point may lie up to --test-freq steps past the budget.
 
 The figure to report: how long megarl trains to first reach the accuracy TRL ends with, over how
-long TRL takes to first reach it (per seed, then the mean: ``time_to_trl_final_ratio``; below 1
+long TRL takes to first reach it (per seed, then the mean: ``time_to_trl_final_ratio``, null
+unless megarl got there in every seed; below 1
 is faster). --layout parallel (default) runs the two sides at the same time, each pinned to one
 core with one thread (taskset; vLLM's CPU threads bound to megarl's core); --layout sequential
 runs them one after the other with --threads threads each. Prints per seed a table for each side,
@@ -60,21 +61,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.grpo_step import ensure_trl_venv, log, read_prompts
 from bench.gsm_data import prepare_gsm_symbolic
+from bench.learn_report import SIDES, add_samples, overall_summary, plot, print_table, summarize
 from bench.precision_args import add_precision_args, results_suffix
 from bench.results_io import write_results
+from megarl.tools.data_prep.arithmetic import prepare as prepare_arithmetic
 
 ROOT = Path(__file__).resolve().parents[1]
 
 TRL_WORKER = ROOT / "bench" / "_trl_learn_worker.py"
-SIDES = ("megarl", "trl")
 WEIGHT_DECAY = 0.0
-# accuracies whose first training minute per side and seed the summary lists as well
-ACCURACY_TARGETS = (0.6, 0.7)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Task:
     test_rows: int  # prepared; the bench validates on the first --test-size of them
     description: str
     defaults: dict  # the bench's argument defaults for this task
+    prepare: Callable[[Path, int, int], object]  # (out folder, train rows, test rows)
 
     @property
     def scorer_file(self) -> Path:
@@ -122,6 +124,7 @@ TASKS = {
             "test_size": 128,
             "test_freq": 5,
         },
+        lambda out, train, test: prepare_arithmetic(out, "add2", train, test),
     ),
     "gsm": Task(
         ROOT / "configs" / "smollm2_gsm_cpu.yaml",
@@ -140,6 +143,7 @@ TASKS = {
             "test_size": 32,
             "test_freq": 2,
         },
+        prepare_gsm_symbolic,
     ),
 }
 
@@ -149,14 +153,8 @@ def prepare_data(task_name: str, work: Path) -> Path:
     """The task's train and test problems, prepared once per workdir."""
     task = TASKS[task_name]
     data = work / "data"
-    if (data / "test.parquet").is_file():
-        return data
-    if task_name == "arithmetic":
-        from megarl.tools.data_prep.arithmetic import prepare
-
-        prepare(data, "add2", task.train_rows, task.test_rows)
-        return data
-    prepare_gsm_symbolic(data, task.train_rows, task.test_rows)
+    if not (data / "test.parquet").is_file():
+        task.prepare(data, task.train_rows, task.test_rows)
     return data
 
 
@@ -411,141 +409,6 @@ def run_sides(args, work: Path, train: Path, test: Path, seed: int) -> dict[str,
 
 
 # -- report ---------------------------------------------------------------------------------------
-def median(values: list[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if v else float("nan")
-
-
-def print_table(seed: int, results: dict[str, dict]) -> None:
-    print(f"\nseed {seed}: validation over training time (start-up and validation excluded)")
-    print(f"  {'side':<8} {'minutes':>8} {'steps':>6} {'val score':>10} {'val accuracy':>13}")
-    for name, r in results.items():
-        if "failed" in r:
-            print(f"  {name:<8} failed: {r['failed']}")
-            continue
-        for p in r["curve"]:
-            print(
-                f"  {name:<8} {p['clock_s'] / 60:>8.2f} {p['step']:>6} {p['score']:>10.3f} "
-                f"{p['accuracy']:>13.3f}"
-            )
-        print(f"  {name:<8} median step {median(r['step_s']):.1f} s over {len(r['step_s'])} steps")
-
-
-def summarize(results: dict[str, dict]) -> dict[str, dict]:
-    out = {}
-    for name, r in results.items():
-        if "failed" in r:
-            continue
-        first, last = r["curve"][0], r["curve"][-1]
-        out[name] = {
-            "baseline_score": first["score"],
-            "baseline_accuracy": first["accuracy"],
-            "final_score": last["score"],
-            "final_accuracy": last["accuracy"],
-            "final_minutes": last["clock_s"] / 60,
-            "steps": last["step"],
-            "median_step_s": median(r["step_s"]),
-        }
-    return out
-
-
-def time_to(curve: list[dict], accuracy: float) -> float | None:
-    """Training seconds at the first validation reaching ``accuracy`` (None: never)."""
-    for point in curve:
-        if point["accuracy"] >= accuracy - 1e-9:
-            return point["clock_s"]
-    return None
-
-
-def time_to_trl_final_ratio(results: dict[str, dict]) -> float | None:
-    """megarl's training time to TRL's final accuracy over TRL's own; None where TRL did not
-    improve (its time is 0), either side failed, or megarl never reached it."""
-    if any("failed" in results.get(side, {"failed": "not run"}) for side in SIDES):
-        return None
-    target = results["trl"]["curve"][-1]["accuracy"]
-    trl_s, megarl_s = (
-        time_to(results["trl"]["curve"], target),
-        time_to(results["megarl"]["curve"], target),
-    )
-    if not trl_s or megarl_s is None:
-        return None
-    return megarl_s / trl_s
-
-
-def mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def overall_summary(runs: dict[str, dict]) -> dict[str, object]:
-    """The seeds' mean start and end accuracy per side, and the mean time ratio (the keys the
-    README and the issue tracker read)."""
-    out: dict[str, object] = {}
-    for side in SIDES:
-        done = [d["summary"][side] for d in runs.values() if side in d["summary"]]
-        if done:
-            out[side] = {
-                "accuracy_start": mean([d["baseline_accuracy"] for d in done]),
-                "accuracy_end": mean([d["final_accuracy"] for d in done]),
-                "minutes_end": mean([d["final_minutes"] for d in done]),
-                "seeds": len(done),
-            }
-    ratios = [time_to_trl_final_ratio(d["runs"]) for d in runs.values()]
-    # a mean over the seeds where megarl got there would hide the ones where it did not
-    out["time_to_trl_final_ratio"] = None if None in ratios else mean(ratios)
-    out["time_to_trl_final_ratio_per_seed"] = ratios
-    out["minutes_to_accuracy"] = {
-        f"{target:g}": {
-            side: [
-                None if (t := time_to(d["runs"][side].get("curve", []), target)) is None else t / 60
-                for d in runs.values()
-                if side in d["runs"]
-            ]
-            for side in SIDES
-        }
-        for target in ACCURACY_TARGETS
-    }
-    return out
-
-
-def add_samples(runs: dict[str, dict], samples_per_step: int) -> None:
-    for d in runs.values():
-        for r in d["runs"].values():
-            for point in r.get("curve", []):
-                point["samples"] = point["step"] * samples_per_step
-
-
-def plot(runs: dict[str, dict], path: Path, title: str) -> None:
-    """Held-out accuracy against training minutes and against samples, every side and seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    colors = {"megarl": "tab:blue", "trl": "tab:orange"}
-    styles = ["-", "--", ":", "-."]
-    for i, (seed, d) in enumerate(sorted(runs.items())):
-        for side, r in d["runs"].items():
-            curve = r.get("curve") or []
-            if not curve:
-                continue
-            accuracy = [p["accuracy"] for p in curve]
-            style = dict(color=colors.get(side), linestyle=styles[i % 4], marker="o", ms=3)
-            label = f"{side}, seed {seed}"
-            axes[0].plot([p["clock_s"] / 60 for p in curve], accuracy, label=label, **style)
-            axes[1].plot([p.get("samples", 0) for p in curve], accuracy, label=label, **style)
-    axes[0].set_xlabel("training minutes (start-up and validation excluded)")
-    axes[1].set_xlabel("training samples")
-    axes[0].set_ylabel("held-out accuracy (greedy)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def store(args, runs: dict[str, dict]) -> None:
     task = TASKS[args.task]
     add_samples(runs, args.prompts * args.n)

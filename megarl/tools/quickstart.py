@@ -78,7 +78,7 @@ RECIPES = {
         "arithmetic",
         arithmetic="add3",
     ),
-    # 128 test problems: the learning benchmark's held-out set (greedy, ~15 s on 2 cores).
+    # 128 test problems: the learning benchmark's held-out set, validated greedily.
     "arithmetic": Recipe(
         _smollm2,
         4096,

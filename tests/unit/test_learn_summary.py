@@ -1,11 +1,12 @@
-"""bench/learn.py's summary: the time each side trains to reach the accuracy TRL ends with, their
+"""bench/learn.py's summary (bench/learn_report.py): the time each side trains to reach the accuracy TRL ends with, their
 ratio, and the seeds' means (the keys the README quotes). Hand-made curves, figures by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.learn import TASKS, overall_summary, summarize, time_to, time_to_trl_final_ratio
+from bench.learn import TASKS
+from bench.learn_report import overall_summary, summarize, time_to, time_to_trl_final_ratio
 
 pytestmark = pytest.mark.unit
 

@@ -4,11 +4,14 @@ at TP1, against Hugging Face transformers with torch AdamW on the same batch, in
     .venv/bin/python -m bench.train_step [--batch 4] [--seq 256] [--iters 5] [--dtype float32]
     .venv/bin/python -m bench.train_step --smoke          # seconds: tiny sizes, nothing stored
     .venv/bin/python -m bench.train_step --megatron-paths # + megarl on megatron's own CPU paths
+    .venv/bin/python -m bench.train_step --matmuls 12     # + each side's matmuls by shape
 
 Both sides: the same token ids, next-token cross-entropy over every position but the last, AdamW
-(lr 1e-5, weight decay 0.01, eps 1e-8) with gradient clipping at 1.0. megarl runs megatron's DDP
-(fp32 grad buffer) + distributed optimizer; transformers runs ``model(input_ids, labels).loss``
-backward, ``clip_grad_norm_`` and ``torch.optim.AdamW`` (its default for CPU). Both models
+(lr 1e-5, weight decay 0.01, eps 1e-8) with gradient clipping at 1.0, in torch's fused AdamW
+kernel. megarl runs megatron's DDP (fp32 grad buffer) + distributed optimizer (whose torch AdamW
+megarl switches to the fused kernel); transformers runs ``model(input_ids, labels).loss``
+backward, ``clip_grad_norm_`` and ``torch.optim.AdamW(fused=True)``, what its ``Trainer`` uses by
+default (``adamw_torch_fused``). Both models
 live side by side and their steps alternate (a change of load hits both alike). Prints
 ms/step, tokens/s, the ratio megarl / transformers (target >= 1.0) and each side's share of the
 matmul peak measured in this run (model FLOPs: 6 x linear parameters per token + 12 x layers x
@@ -17,8 +20,11 @@ bench/results/train_step.json. Nothing is asserted.
 
 ``--megatron-paths`` adds a third side, alternating with the two: megarl with megatron-core's own
 code where megarl replaces it (the unfused rope, the copying clip-grad scale, the sequence-major
-output layer with its logits copies; see megarl.models.rotary, grad_scale, forward), and prints
-the speed-up of megarl's paths over them. ``--profile N`` prints each side's top N ops.
+output layer with its logits copies, torch's single-tensor Adam; see megarl.models.rotary,
+grad_scale, forward, fused_adam), and prints the speed-up of megarl's paths over them.
+``--profile N`` prints each side's top N ops. ``--matmuls N`` times every matmul of one more step
+of each side and prints the N costliest shapes with their GFLOP/s and the page faults inside them
+(bench/matmul_census.py); the figures go into the results file.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import statistics
 import time
 
+from bench.matmul_census import census_record, matmul_census, print_census
 from bench.results_io import load_1min, matmul_peaks, write_results
 
 LR, WEIGHT_DECAY, EPS, CLIP = 1e-5, 0.01, 1e-8, 1.0
@@ -90,6 +97,13 @@ def main() -> None:
         metavar="N",
         help="after timing, profile one step of each side and print its top N ops by self CPU time",
     )
+    parser.add_argument(
+        "--matmuls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, time every matmul of one step of each side; print the N costliest",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.seq, args.iters, args.warmup = 1, 32, 1, 1
@@ -110,6 +124,7 @@ def main() -> None:
     from megarl.models.build import ModelOptions, build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.models.forward import run_schedule, use_batch_major_output
+    from megarl.models.fused_adam import use_fused_adam
     from megarl.models.grad_scale import megatron_grad_scaling
     from megarl.models.rotary import megatron_rotary
     from megarl.parallel import ParallelLayout, initialize_model_parallel
@@ -126,7 +141,10 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     hf.train()
     flops_per_token = train_flops_per_token(hf, args.seq)
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    # transformers' Trainer default optimizer ("adamw_torch_fused" with torch >= 2.8)
+    hf_opt = torch.optim.AdamW(
+        hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, fused=True
+    )
 
     def hf_step():
         hf_opt.zero_grad(set_to_none=True)
@@ -162,6 +180,7 @@ def main() -> None:
             build_model(model_dir, layout, opts=ModelOptions(dtype=dtype))[0], optim
         )
         use_batch_major_output(ddp_m, False)
+        use_fused_adam(optimizer_m, on=False)
 
         def megatron_paths_step():
             with megatron_rotary(), megatron_grad_scaling():
@@ -171,6 +190,11 @@ def main() -> None:
     samples = _time_alternating(steps, args.iters, args.warmup)
     if args.profile:
         print_profiles(steps, args.profile)
+    census = {}
+    for name, step in steps.items() if args.matmuls else ():
+        groups, faulted_mib = matmul_census(step)
+        print_census(name, groups, faulted_mib, args.matmuls)
+        census[name] = census_record(groups, faulted_mib)
     hf_samples, mg_samples = samples["transformers"], samples["megarl"]
     hf_s, mg_s = statistics.median(hf_samples), statistics.median(mg_samples)
     peaks_end = matmul_peaks.__wrapped__(256 if args.smoke else 2048)
@@ -233,11 +257,14 @@ def main() -> None:
             "megarl_share_of_peak": share(mg_s),
             "ratio_megarl_over_transformers": hf_s / mg_s,
             **extra,
+            **({"matmul_census": census} if census else {}),
             "matmul_peaks_after": peaks_end,
             "peak_used_gflops": peak,
             "sides": {
-                "transformers": "HF forward with labels, backward, clip_grad_norm_, torch AdamW",
-                "megarl": "megatron GPTModel TP1, DDP fp32 grad buffer, distributed optimizer",
+                "transformers": "HF forward with labels, backward, clip_grad_norm_, "
+                "torch AdamW(fused=True)",
+                "megarl": "megatron GPTModel TP1, DDP fp32 grad buffer, distributed optimizer "
+                "(torch's fused AdamW)",
             },
         },
         smoke=args.smoke,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.gpu_defaults import grad_reduce_overlap
+from megarl.models.fused_adam import use_fused_adam
 from megarl.models.grad_scale import use_in_place_grad_scaling
 
 
@@ -83,6 +84,7 @@ def wrap_for_training(model, settings: OptimSettings):
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     use_in_place_grad_scaling()  # clipping without a temporary copy of every grad
+    use_fused_adam(optimizer)  # torch's one-pass Adam kernel where megatron uses torch's Adam
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if settings.warmup_steps else settings.lr,

@@ -46,6 +46,7 @@ from megarl.config import RunConfig
 from megarl.data.global_state import merge_rank_states
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
+from megarl.models.fused_adam import use_fused_adam
 from megarl.models.lora import lora_record
 from megarl.parallel import current_ranks
 from megarl.run import faults, retention, verification, watchdog
@@ -195,6 +196,7 @@ def _load_optimizer(trainable, loaded: dict) -> None:
         opt.load_parameter_state_from_fully_reshardable(param_state)
         for p, step in steps.items():
             inner[p]["step"] = step
+    use_fused_adam(trainable.optimizer)  # load_state_dict restored the groups' saved options
 
 
 def _agree_on_failure(error: BaseException | None) -> str | None:

@@ -146,6 +146,7 @@ def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSetting
         lr=settings.lr,
         betas=(settings.adam_beta1, settings.adam_beta2),
         eps=settings.adam_eps,
+        fused=True,  # transformers' Trainer default; megarl's optimizer runs the same kernel
     )
     norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), settings.clip_grad)
     import os

@@ -108,6 +108,7 @@ def _hf_sft_step(model_dir: str, items, pad_id: int):
         lr=SETTINGS.lr,
         betas=(SETTINGS.adam_beta1, SETTINGS.adam_beta2),
         eps=SETTINGS.adam_eps,
+        fused=True,  # transformers' Trainer default; megarl's optimizer runs the same kernel
     )
     torch.nn.utils.clip_grad_norm_(hf.parameters(), SETTINGS.clip_grad)
     opt.step()

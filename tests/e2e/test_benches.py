@@ -30,6 +30,8 @@ BENCHES = [
     "multi_turn",
     "checkpoint_save",
 ]
+# Options smoke-run too, so that they do not rot either.
+EXTRA_ARGS = {"train_step": ["--megatron-paths", "--matmuls", "3"]}
 # calculator_base_rates is not smoke-run (CI time, ~40 s): its turn loop over vLLM is the one
 # multi_turn's smoke runs, and its ToolEnvironment is unit-tested.
 
@@ -42,7 +44,8 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{bench}", "--smoke"],  # bench/ is a package under ROOT
+        # bench/ is a package under ROOT
+        [sys.executable, "-m", f"bench.{bench}", "--smoke", *EXTRA_ARGS.get(bench, [])],
         capture_output=True,
         text=True,
         env=env,
@@ -57,6 +60,10 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
     assert record["machine"]["cores"] >= 1 and record["machine"]["cpu_model"]
     assert set(record["load_1min"]) == {"start", "end"}
     assert "torch" in record["versions"] and len(record["git"]["commit"]) == 40
+    if bench == "train_step":  # every side's matmuls, timed by shape
+        census = record["figures"]["matmul_census"]
+        assert len(census) == 3, census.keys()
+        assert all(c["matmul_gflops"] > 0 and c["groups"] for c in census.values()), census
     if bench == "learn":  # the interface of its summary, and the curves' picture
         summary = record["figures"]["summary"]
         assert set(summary["megarl"]) >= {"accuracy_start", "accuracy_end"}, summary

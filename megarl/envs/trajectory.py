@@ -57,6 +57,18 @@ class Trajectory:
         return ""
 
     @property
+    def final_turn_ids(self) -> list[int]:
+        """The last model turn's token ids, its stop token included (empty when the model never
+        spoke): what the rule scorers read, decoded as a single-turn response is."""
+        end = len(self.mask)
+        while end and not self.mask[end - 1]:
+            end -= 1
+        start = end
+        while start and self.mask[start - 1]:
+            start -= 1
+        return self.response_ids[start:end]
+
+    @property
     def env_reward(self) -> float:
         """The sum of the environment's turn rewards (None counts as 0)."""
         return float(sum(r for r in self.turn_rewards if r is not None))

@@ -6,6 +6,11 @@ tokens whatever the layout) and its own token budget (``min(per-turn limit, what
 has left)``). The environments then answer the turn, concurrently; their messages come back as
 token deltas of the chat template, appended to the trajectories for the next turn.
 
+The first turn is the single-turn rollout's own request when it can be: when every prompt's
+samples start from the same ids, each prompt goes to the engine once with ``n`` samples and the
+single-turn seed (:func:`first_turn_seed`), so an environment that ends after one turn and adds
+nothing reproduces the run without an environment token for token.
+
 Environments run on one rank of the engine (its *executing* rank, holding an
 :class:`~megarl.envs.runner.EnvRunner`); ``share`` hands that rank's results to the others, so a
 tool with side effects runs once per sample, never once per tensor-parallel rank, and every rank
@@ -59,6 +64,17 @@ class SampleStart:
     fallback_prompt: list[int]  # the row's own prompt ids (a failed reset's trajectory)
 
 
+# Seeds of turns after the first start here, away from every first-turn seed.
+LATER_TURN_SEED_BASE = 1 << 40
+
+
+def first_turn_seed(sampling: SamplingConfig, rollout_index: int, prompts: int, prompt: int) -> int:
+    """The seed of a step's first-turn request for global prompt ``prompt`` of ``prompts``: the
+    single-turn rollout's (megarl.hybrid_engine.engine's ``generate``); its sample ``j`` draws
+    with this seed + ``j``, as vLLM seeds the ``n`` samples of one request."""
+    return sampling.seed + rollout_index * max(1, prompts) + prompt
+
+
 def turn_seed(
     sampling: SamplingConfig,
     rollout_index: int,
@@ -68,7 +84,86 @@ def turn_seed(
     max_turns: int,
 ) -> int:
     """The request seed of one model turn: distinct for every (rollout, sample, turn)."""
-    return sampling.seed + ((rollout_index * samples + sample) * max_turns + turn)
+    if turn == 0:
+        n = max(1, sampling.n)
+        prompt, j = divmod(sample, n)
+        return first_turn_seed(sampling, rollout_index, samples // n, prompt) + j
+    return (
+        sampling.seed
+        + LATER_TURN_SEED_BASE
+        + ((rollout_index * samples + sample) * max_turns + turn)
+    )
+
+
+def _first_turn_groups(ts: Sequence[Trajectory], n: int) -> list[list[int]] | None:
+    """Positions in ``ts`` of each prompt's ``n`` samples, in sample order, when every prompt has
+    all ``n`` on their first turn with the same prompt ids; None otherwise."""
+    if n <= 1 or len(ts) % n or any(t.turns or t.response_ids for t in ts):
+        return None
+    groups: list[list[int]] = []
+    for lo in range(0, len(ts), n):
+        members = list(range(lo, lo + n))
+        first = ts[lo]
+        if [ts[k].sample for k in members] != list(range(first.sample, first.sample + n)):
+            return None
+        if first.sample % n or any(ts[k].prompt_ids != first.prompt_ids for k in members):
+            return None
+        groups.append(members)
+    return groups
+
+
+def _generate_turn(
+    engine: TurnEngine,
+    ts: Sequence[Trajectory],
+    sampling: SamplingConfig,
+    limits: TurnLimits,
+    rollout_index: int,
+    step_samples: int,
+) -> list[tuple[list[int], list[float], str]]:
+    """One turn of ``ts`` in one ``generate`` call: (token ids, logprobs, finish reason) each."""
+    budgets = [
+        min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response_ids)) for t in ts
+    ]
+    n = max(1, sampling.n)
+    groups = _first_turn_groups(ts, n)
+    if groups is not None:
+        prompts = step_samples // n
+        out = engine.generate(
+            [ts[g[0]].prompt_ids for g in groups],
+            sampling,
+            seeds=[
+                first_turn_seed(sampling, rollout_index, prompts, ts[g[0]].sample // n)
+                for g in groups
+            ],
+            max_new_tokens=[budgets[g[0]] for g in groups],
+        )
+        order = [k for g in groups for k in g]
+        if list(out.prompt_index) != [q for q, g in enumerate(groups) for _ in g]:
+            raise RuntimeError(
+                f"the rollout engine returned {len(out.token_ids)} responses for "
+                f"{len(groups)} prompts x {n} samples"
+            )
+    else:
+        out = engine.generate(
+            [t.prompt_ids + t.response_ids for t in ts],
+            replace(sampling, n=1),
+            seeds=[
+                turn_seed(
+                    sampling, rollout_index, step_samples, t.sample, t.turns, limits.max_turns
+                )
+                for t in ts
+            ],
+            max_new_tokens=budgets,
+        )
+        if len(out.token_ids) != len(ts):
+            raise RuntimeError(
+                f"the rollout engine returned {len(out.token_ids)} responses for {len(ts)} turns"
+            )
+        order = list(range(len(ts)))
+    result: list = [None] * len(ts)
+    for q, k in enumerate(order):
+        result[k] = (list(out.token_ids[q]), list(out.logprobs[q]), out.finish_reasons[q])
+    return result
 
 
 def _identity(value: T | None, /) -> T:
@@ -103,35 +198,18 @@ def run_trajectories(
             t.add_env_tokens([pad_id])  # one masked token: the sample trains nothing
             t.end("error", error)
         trajectories.append(t)
-    turn_sampling = replace(sampling, n=1)
     while active := [k for k, t in enumerate(trajectories) if not t.done]:
         ts = [trajectories[k] for k in active]
-        out = engine.generate(
-            [t.prompt_ids + t.response_ids for t in ts],
-            turn_sampling,
-            seeds=[
-                turn_seed(
-                    sampling, rollout_index, step_samples, t.sample, t.turns, limits.max_turns
-                )
-                for t in ts
-            ],
-            max_new_tokens=[
-                min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response_ids))
-                for t in ts
-            ],
-        )
-        if len(out.token_ids) != len(ts):
-            raise RuntimeError(
-                f"the rollout engine returned {len(out.token_ids)} responses for {len(ts)} turns"
-            )
-        mine = None if runner is None else list(zip(out.token_ids, out.logprobs, strict=True))
-        model = share(mine)  # the executing rank's tokens are the trajectory's on every rank
-        for t, (ids, logprobs) in zip(ts, model, strict=True):
+        # every rank of the engine takes part in the call; the executing rank's tokens are the
+        # trajectory's on every rank
+        turn = _generate_turn(engine, ts, sampling, limits, rollout_index, step_samples)
+        model = share(turn if runner is not None else None)
+        for t, (ids, logprobs, _) in zip(ts, model, strict=True):
             t.add_model_turn(list(ids), list(logprobs))
         answers = None
         if runner is not None:
             items = []
-            for k, t, (ids, _) in zip(active, ts, model, strict=True):
+            for k, t, (ids, *_) in zip(active, ts, model, strict=True):
                 room = limits.max_response_tokens - len(t.response_ids)
                 items.append((started[k], ids, t.turns < limits.max_turns and room > 1))
             answers = [
@@ -140,13 +218,16 @@ def run_trajectories(
                 else ([], None, True, {}, a.error)
                 for a in runner.step_all(items)
             ]
-        for t, (env_ids, reward, done, metrics, error) in zip(ts, share(answers), strict=True):
+        shared = share(answers)
+        for t, (*_, finish), (env_ids, reward, done, metrics, error) in zip(
+            ts, model, shared, strict=True
+        ):
             t.turn_rewards.append(reward)
             t.add_metrics(metrics)
             if error is not None:
                 t.end("error", error)
-            elif done:
-                t.end("stop")
+            elif done:  # a last turn cut at its token budget leaves the trajectory truncated
+                t.end("length" if finish == "length" else "stop")
             elif t.turns >= limits.max_turns:
                 t.end("turns")
             elif len(t.response_ids) + len(env_ids) >= limits.max_response_tokens:

@@ -72,7 +72,7 @@ RECIPES = {
     "calculator": Recipe(
         _smollm2,
         4096,
-        32,
+        64,
         "outputs/learn_calculator",
         "configs/smollm2_calculator_cpu.yaml",
         "arithmetic",

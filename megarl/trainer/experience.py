@@ -81,10 +81,14 @@ class RewardSources:
 
 
 def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """What the rule scorers read: each response decoded; for a trajectory its last model turn."""
+    """What the rule scorers read: each response decoded without special tokens; for a
+    trajectory its last model turn, decoded the same way (so a one-turn trajectory reads as the
+    single-turn response does)."""
     if batch.trajectories is not None:
-        return [t.final_text for t in batch.trajectories]
-    return tokenizer.batch_decode(batch.output.token_ids, skip_special_tokens=True)
+        ids = [t.final_turn_ids for t in batch.trajectories]
+    else:
+        ids = list(batch.output.token_ids)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
 def rule_scores(

@@ -41,3 +41,18 @@ class Relay(Environment):
         follow = {"role": "user", "content": FOLLOW_UP.format(k=self.seen)}
         reward = None if self.pass_share is not None else reward
         return Step(messages=[follow], reward=reward, metrics={"follow_ups": 1})
+
+
+class OneTurn(Environment):
+    """The degenerate environment: the row's prompt as it is, one model turn, no messages and no
+    reward of its own (so the run's rule scorer scores the turn). A run with it must equal the
+    run without ``rollout.env``, metric for metric."""
+
+    def reset(self, row):
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return [dict(m) for m in prompt]
+
+    def step(self, messages):
+        return Step(done=True)

@@ -254,6 +254,37 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir, fu
     assert sum(scores) / len(scores) == pytest.approx(full[2]["val/openai/gsm8k/mean@2"])
 
 
+def test_a_one_turn_environment_equals_the_run_without_one(workdir, full_run):
+    """The single-turn path is the multi-turn machinery's degenerate case, exactly: with an
+    environment that keeps the row's prompt, ends after the first turn and adds no message or
+    reward, steps 1-2 and the validations before and after them equal the run without
+    ``rollout.env`` to the last bit (same seeds, same sampled tokens, same losses)."""
+    one_turn = f"rollout.env={Path(__file__).resolve().parent / 'relay_env.py'}:OneTurn"
+    run = by_step(
+        train(
+            workdir,
+            "one_turn",
+            one_turn,
+            "trainer.total_steps=2",
+            "trainer.save_freq=0",
+            "trainer.test_freq=2",
+            *VALIDATION,
+        )
+    )
+    assert sorted(run) == [0, 1, 2]
+    varying = ("timing/", "perf/", "memory/", "rollout/env", "rollout/tool", "rollout/turns")
+    varying += ("val/turns", "val/tool", "reward/env", "reshard/seconds")
+    for step in (0, 1, 2):
+        ours, reference = run[step], full_run[step]
+        compared = [k for k in reference if not k.startswith(varying)]
+        assert len(compared) >= (10 if step else 4), compared
+        assert {k: ours.get(k) for k in compared} == {k: reference[k] for k in compared}, step
+    for step in (1, 2):
+        assert run[step]["rollout/turns_mean"] == run[step]["rollout/turns_max"] == 1
+        assert run[step]["rollout/env_tokens_mean"] == 0
+        assert run[step]["rollout/env_failures"] == 0
+
+
 TRACKED = (
     "reward/mean",
     "actor/pg_loss",

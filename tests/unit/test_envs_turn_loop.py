@@ -42,23 +42,27 @@ class Quiz(Environment):
 
 class ScriptedEngine:
     """Answers each request with tokens derived from its seed (the same request, the same
-    answer, whatever else is in the call); records every call."""
+    answer, whatever else is in the call); ``sampling.n`` samples a request, sample j drawing
+    with the request's seed + j, as vLLM seeds them; records every call."""
 
     def __init__(self, tokenizer, words: int = 3):
-        self.tok, self.words, self.calls = tokenizer, words, []
+        self.tok, self.words, self.calls, self.seeds = tokenizer, words, [], []
 
     def generate(self, prompts, sampling, seed_offset=0, *, seeds=None, max_new_tokens=None):
-        self.calls.append((len(prompts), [len(p) for p in prompts], list(max_new_tokens)))
+        seeds = seeds or [sampling.seed + seed_offset + i for i in range(len(prompts))]
+        budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+        self.calls.append((len(prompts), [len(p) for p in prompts], list(budgets)))
+        self.seeds.append((sampling.n, list(seeds)))
         out = RolloutOutput()
-        for i, (seed, budget) in enumerate(zip(seeds, max_new_tokens, strict=True)):
-            ids = self.tok(
-                " ".join(f"w{seed % 97}" for _ in range(self.words)), add_special_tokens=False
-            )["input_ids"]
-            ids = [*ids, self.tok.eos_token_id][:budget]
-            out.prompt_index.append(i)
-            out.token_ids.append(ids)
-            out.logprobs.append([-0.5] * len(ids))
-            out.finish_reasons.append("stop")
+        for i, (seed, budget) in enumerate(zip(seeds, budgets, strict=True)):
+            for j in range(sampling.n):
+                words = " ".join(f"w{(seed + j) % 97}" for _ in range(self.words))
+                ids = self.tok(words, add_special_tokens=False)["input_ids"]
+                ids = [*ids, self.tok.eos_token_id][:budget]
+                out.prompt_index.append(i)
+                out.token_ids.append(ids)
+                out.logprobs.append([-0.5] * len(ids))
+                out.finish_reasons.append("stop" if ids[-1] == self.tok.eos_token_id else "length")
         return out
 
 
@@ -120,6 +124,9 @@ def test_turns_are_batched_and_the_mask_marks_the_model_tokens(tok):
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask, strict=True) if not m)
         assert [t.mask[e] for e in t.turn_ends] == [1, 1]
         assert t.messages[-1]["role"] == "assistant" and t.final_text.startswith("w")
+        # what the rule scorer reads: the last turn's ids, its stop token dropped in decoding
+        assert t.final_turn_ids == t.response_ids[t.turn_ends[0] + 1 + len(env) :]
+        assert tok.decode(t.final_turn_ids, skip_special_tokens=True) == t.final_text
     metrics = trajectory_metrics(trajs, 0.0)
     assert metrics["rollout/turns_mean"] == 2 and metrics["rollout/turns_max"] == 2
     assert metrics["rollout/env_tokens_mean"] == len(env) and metrics["rollout/truncated"] == 0
@@ -180,3 +187,54 @@ def test_trajectories_do_not_depend_on_the_split_over_engines(tok):
     assert [t.prompt_ids for t in whole] == [t.prompt_ids for t in halves]
     assert len({tuple(t.response_ids) for t in whole}) == 6  # seeds differ per sample and turn
     assert env_seed(7, 5, 0) != env_seed(7, 5, 1) != env_seed(7, 6, 0)
+
+
+class Echo(Environment):
+    """The row's prompt as it is, one turn, nothing added: the single-turn rollout's case."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages):
+        return Step(done=True)
+
+
+def test_a_first_turn_from_shared_prompts_is_the_single_turn_request(tok):
+    """Samples of a prompt that start alike go to the engine as that prompt's one request of n
+    samples with the single-turn seed: the tokens of the run without an environment. Samples
+    that start apart are sent one by one with the seeds such a request gives its samples."""
+    n, rollout_index, prompts = 4, 3, 5
+    sampling = SamplingConfig(temperature=1.0, n=n, seed=11, max_new_tokens=6)
+    deltas = ChatDeltas(tok)
+    rows = [{"id": g, "prompt": f"question {g}"} for g in range(prompts)]
+    heads = [deltas.prompt_ids([{"role": "user", "content": r["prompt"]}], None) for r in rows]
+    offset = rollout_index * prompts  # the single-turn rollout's seeds
+    single = ScriptedEngine(tok, words=1).generate(heads, sampling, seed_offset=offset)
+
+    def run(env, samples, words, budget=6):
+        engine = ScriptedEngine(tok, words=words)
+        runner = EnvRunner(env, {}, deltas, ToolPool(2, 5.0), 7, [tok.eos_token_id], 200)
+        starts = [SampleStart(s, rows[s // n], []) for s in samples]
+        limits = TurnLimits(max_turns=3, max_response_tokens=budget, max_turn_tokens=6)
+        trajs = run_trajectories(
+            engine, starts, runner, sampling, limits,
+            rollout_index=rollout_index, step_samples=prompts * n, pad_id=0,
+        )  # fmt: skip
+        return trajs, engine
+
+    # one engine holding prompts 1-3 of the step: one request per prompt, n samples each
+    trajs, engine = run(Echo, range(n, 4 * n), words=1)
+    assert engine.seeds == [(n, [11 + rollout_index * prompts + g for g in (1, 2, 3)])]
+    assert [t.response_ids for t in trajs] == single.token_ids[n : 4 * n]
+    assert [t.logprobs for t in trajs] == single.logprobs[n : 4 * n]
+    assert all(t.finish == "stop" and t.turns == 1 and all(t.mask) for t in trajs)
+    # a last turn cut at its budget leaves the trajectory truncated, as in a single-turn rollout
+    trajs, _ = run(Echo, range(n), words=9)
+    assert all(t.finish == "length" and t.truncated and len(t.response_ids) == 6 for t in trajs)
+    # prompts drawn per sample (Quiz): per-sample requests, the same seeds per (prompt, j)
+    trajs, engine = run(Quiz, range(n, 3 * n), words=1, budget=200)
+    n_first, first_seeds = engine.seeds[0]
+    assert n_first == 1
+    assert first_seeds == [11 + rollout_index * prompts + s // n + s % n for s in range(n, 3 * n)]
+    later = [seed for _, seeds in engine.seeds[1:] for seed in seeds]
+    assert later and min(later) > max(first_seeds) + 2**39  # later turns draw apart

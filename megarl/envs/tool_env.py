@@ -124,12 +124,18 @@ class ToolEnvironment(Environment):
 
     # -- a turn --------------------------------------------------------------------------------
     def turn_reward(self, parsed: ParsedTurn, outcomes: list[ToolOutcome]) -> float | None:
-        """This turn's reward (None: none), shaping credits given once per trajectory, to its
-        first turn that calls a tool: ``call_reward`` when every call ran without error, else
-        ``attempt_reward`` (a call was written but is malformed or failed). The final answer's
-        turn is left unrewarded, so the run's reward scores it."""
+        """The reward of a turn that calls a tool: the shaping credit, given once per trajectory
+        to its first such turn (``call_reward`` when every call ran without error, else
+        ``attempt_reward``: a call was written but is malformed or failed), else 0.
+
+        Never None: a turn that calls a tool is not an answer. A trajectory cut at
+        ``rollout.max_turns`` on such a turn thus keeps its credits and nothing more, where the
+        run's scorer would otherwise read the call as the final answer (a measured reward hack:
+        calling the calculator on the answer, ``{"expression": "1382"}``, scores as answering
+        1382). The final answer's turn (no call) is left unrewarded, so the run's reward scores
+        it."""
         if self._rewarded_call or not (self.call_reward or self.attempt_reward):
-            return None
+            return 0.0
         self._rewarded_call = True
         if not parsed.errors and outcomes and all(o.ok for o in outcomes):
             return self.call_reward

@@ -123,6 +123,9 @@ def test_tool_environment_turns():
     assert step == check_step(env, step)
     assert step.messages == [{"role": "tool", "name": "calculator", "content": "408"}]
     assert not step.done and step.metrics["tool_calls"] == 1 and step.metrics["tool_errors"] == 0
+    # a turn that calls a tool is never the answer: rewarded (0 without credits), so a trajectory
+    # cut on it at rollout.max_turns is not scored as if the call were its final answer
+    assert step.reward == 0.0
     wrong = asyncio.run(env.step([{"role": "assistant", "content": "<tool_call>{x</tool_call>"}]))
     assert wrong.metrics["tool_errors"] == 1 and "not valid JSON" in wrong.messages[0]["content"]
     final = asyncio.run(env.step([{"role": "assistant", "content": "It is 408."}]))
@@ -137,12 +140,12 @@ def test_tool_environment_turns():
     assert start[0]["content"].endswith("\n\nBe brief.") and start[1:3] == demo
     turn = [{"role": "assistant", "content": call}]
     assert asyncio.run(shaped.step(turn)).reward == 0.2  # the first good call earns the credit
-    assert asyncio.run(shaped.step(turn)).reward is None  # once per trajectory
+    assert asyncio.run(shaped.step(turn)).reward == 0.0  # once per trajectory
     bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
     fresh = ToolEnvironment(tools=["calculator"], call_reward=0.2, attempt_reward=0.05)
     bind_context(fresh, EnvContext(pool=pool))
     assert asyncio.run(fresh.step([{"role": "assistant", "content": bad}])).reward == 0.05
-    assert asyncio.run(fresh.step(turn)).reward is None  # a credit per trajectory, the first
+    assert asyncio.run(fresh.step(turn)).reward == 0.0  # a credit per trajectory, the first
     with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
         ToolEnvironment(tools=["abacus"])
     with pytest.raises(ConfigError, match="unknown tool-call parser"):

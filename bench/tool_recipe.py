@@ -7,9 +7,9 @@ Reads the run's ``metrics.jsonl`` (and, with ``trainer.dump_rollouts=true``, its
 trajectories) and writes ``bench/results/learn_calculator.json``: the held-out curve (greedy
 accuracy, tool calls and turns per problem at every validation) against steps and training
 minutes (the sum of step times: start-up and validation excluded), the training signal per step
-(reward, the rule scorer's share of correct answers, tool calls and failed calls per trajectory)
-and, from the last dumped step, its best-rewarded trajectory as text. Prints the curve. Nothing
-is asserted: the figures are what the run measured.
+(reward, the share of correct answers among the trajectories that answered, tool calls and
+failed calls per trajectory) and, from the last dumped step, its best-rewarded trajectory as
+text. Prints the curve. Nothing is asserted: the figures are what the run measured.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "arithmetic"  # the recipe rows' data_source: validation metrics are named after it
 STEP_KEYS = {
     "reward_mean": "reward/mean",
-    "correct_share": "reward/rule_mean",
+    "correct_among_answers": "reward/rule_mean",  # the scorer reads trajectories that answered
     "tool_calls_per_trajectory": "rollout/tool_calls_mean",
     "failed_calls": "rollout/tool_errors",
     "turns_mean": "rollout/turns_mean",

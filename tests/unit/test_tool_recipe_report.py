@@ -44,7 +44,7 @@ def test_the_curve_places_validations_at_training_minutes():
     assert [p["tool_calls_per_problem"] for p in val] == [0.0, 1.0, 1.0]
     train = figures["train"]
     assert [p["step"] for p in train] == [1, 2, 3, 4]
-    assert train[2]["correct_share"] == pytest.approx(0.15)
+    assert train[2]["correct_among_answers"] == pytest.approx(0.15)
     assert train[3]["failed_calls"] == 0.0 and train[0]["minutes"] == 0.5
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.console import rank_env
 from megarl.errors import ConfigError
+from megarl.host_allocator import cpu_allocator_env
 from megarl.shm_segments import remove_leftover_segments, vllm_shm_segments
 from megarl.world_split import TRAINER, SplitWorld, WorldSplit, init_split_world
 
@@ -58,6 +59,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_env(
+    base: Mapping[str, str],
+    nproc: int,
+    cuda: bool,
+    threads_per_rank: int | None = None,
+    verbose: bool = False,
+    env_extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The ranks' environment: ``base`` with the console's variables, ``env_extra``, and, where
+    ``base`` does not set them, the threads per rank and (CPU ranks) the allocator's settings
+    (megarl.host_allocator)."""
+    env = dict(base, **rank_env(verbose), **(env_extra or {}))
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // nproc) if not cuda else 4
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
+    for key, value in cpu_allocator_env(cuda).items():
+        env.setdefault(key, value)
+    return env
+
+
 def run_torchrun(
     module: str,
     args: Sequence[str],
@@ -71,12 +92,9 @@ def run_torchrun(
     megarl.quiet_torchrun), quiet unless ``verbose`` (megarl/console.py); returns the exit code
     of the rank that failed, or 0. ``env_extra``: more variables for the ranks; ``on_signal`` is
     told of each signal the launcher passes on to them."""
-    env = dict(os.environ, **rank_env(verbose), **(env_extra or {}))
-    if threads_per_rank is None:
-        threads_per_rank = (
-            max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else 4
-        )
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
+    env = launch_env(
+        os.environ, nproc, torch.cuda.is_available(), threads_per_rank, verbose, env_extra
+    )
     cmd = [
         sys.executable,
         "-m",

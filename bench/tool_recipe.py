@@ -30,11 +30,16 @@ STEP_KEYS = {
 }
 
 
-def by_step(records: list[dict]) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for r in records:
-        out.setdefault(int(r["step"]), {}).update(r)
-    return out
+def read_steps(run_dir: Path) -> dict[int, dict]:
+    """The run's metrics by step (megarl.report's reader: a resumed step keeps its last value)."""
+    from megarl.report import read_metrics
+
+    series, _ = read_metrics(run_dir)
+    steps: dict[int, dict] = {}
+    for key, points in series.items():
+        for step, value in points:
+            steps.setdefault(step, {"step": step})[key] = value
+    return steps
 
 
 def curve(steps: dict[int, dict]) -> dict[str, list[dict]]:
@@ -94,10 +99,9 @@ def main() -> int:
     parser.add_argument("--note", default="", help="recorded as is (the machine, the load...)")
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        raise SystemExit(f"no {metrics}: run `make learn-calculator` first (or give --run-dir)")
-    steps = by_step([json.loads(line) for line in metrics.read_text().splitlines()])
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise SystemExit(f"no {run_dir}/metrics.jsonl: run `make learn-calculator` first")
+    steps = read_steps(run_dir)
     figures = curve(steps)
     print(f"{'step':>5} {'minutes':>8} {'accuracy':>9} {'calls/problem':>14} {'turns':>6}")
     for p in figures["validation"]:

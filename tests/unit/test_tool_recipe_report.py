@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench.tool_recipe import best_trajectory, by_step, curve
+from bench.tool_recipe import best_trajectory, curve, read_steps
 from tests.assets import qwen25_tokenizer_dir
 
 pytestmark = pytest.mark.unit
@@ -35,8 +35,10 @@ def _records() -> list[dict]:
     return out
 
 
-def test_the_curve_places_validations_at_training_minutes():
-    figures = curve(by_step(_records()))
+def test_the_curve_places_validations_at_training_minutes(tmp_path):
+    lines = [json.dumps(r) for r in _records()]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    figures = curve(read_steps(tmp_path))
     val = figures["validation"]
     assert [p["step"] for p in val] == [0, 2, 4]
     assert [p["accuracy"] for p in val] == [0.0, 0.5, 1.0]

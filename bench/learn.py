@@ -112,7 +112,7 @@ TASKS = {
         "arithmetic",
         "score_answer",
         4096,
-        128,
+        256,
         "two-digit additions after two worked examples (megarl.tools.data_prep.arithmetic "
         "kind add2), train and test from separate seeds, disjoint",
         {
@@ -121,8 +121,8 @@ TASKS = {
             "max_new_tokens": 24,
             "lr": 1e-5,
             "micro_batch": 16,
-            "test_size": 128,
-            "test_freq": 5,
+            "test_size": 256,
+            "test_freq": 2,
         },
         lambda out, train, test: prepare_arithmetic(out, "add2", train, test),
     ),

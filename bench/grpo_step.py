@@ -14,7 +14,9 @@ samples x up to 32 new tokens per step, temperature 1; the same reward (megarl.r
 vowel_rate, loaded from its file by the TRL side); GRPO without a KL term; AdamW with the same lr,
 weight decay, eps and grad clip; one optimizer step per GRPO step over the 16 sequences.
 
-Sides: ``megarl``; ``trl-hf``: TRL's GRPOTrainer generating with HF ``generate``; ``trl-vllm``:
+Sides: ``megarl`` (with ``actor.share_prompts``, as the CPU recipes: each micro-batch puts each
+distinct prompt through the model once, its samples' responses after it); ``megarl-unshared``:
+the same without it (one sequence per sample), to show what the option is worth; ``trl-hf``: TRL's GRPOTrainer generating with HF ``generate``; ``trl-vllm``:
 the same with ``use_vllm=True, vllm_mode="colocate"`` (vLLM's CPU build in the trainer process).
 TRL runs in its own virtualenvs (created on first use; --trl-venv, --trl-vllm-venv) with the same
 CPU torch as megarl and pinned TRL/transformers, as a subprocess running
@@ -172,11 +174,11 @@ def run_streaming(cmd: list[str], env: dict[str, str], log_file: Path, show) -> 
 
 
 # -- megarl ---------------------------------------------------------------------------------------
-def run_megarl(args, work: Path, model: Path, train: Path) -> dict:
+def run_megarl(args, work: Path, model: Path, train: Path, share_prompts: bool = True) -> dict:
     import yaml
 
     total = args.warmup + args.steps
-    out = work / "megarl-run"
+    out = work / ("megarl-run" if share_prompts else "megarl-unshared-run")
     shutil.rmtree(out, ignore_errors=True)
     config = {
         "model": {"path": str(model), "dtype": args.dtype},
@@ -198,6 +200,7 @@ def run_megarl(args, work: Path, model: Path, train: Path) -> dict:
             "ppo_epochs": 1,
             "micro_batch_size": PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,
             "old_log_prob_forward": args.old_log_prob_forward,
+            "share_prompts": share_prompts,
             "optim": {"lr": args.lr, "weight_decay": WEIGHT_DECAY, "clip_grad": 1.0},
         },
         "algorithm": {"adv_estimator": "grpo", "use_kl_loss": False},
@@ -211,16 +214,18 @@ def run_megarl(args, work: Path, model: Path, train: Path) -> dict:
             "experiment": "bench-grpo-step",
         },
     }
-    cfg_file = work / "megarl.yaml"
+    name = out.name.removesuffix("-run")
+    cfg_file = work / f"{name}.yaml"
     cfg_file.write_text(yaml.safe_dump(config))
     cmd = [sys.executable, "-m", "megarl.cli", "train", str(cfg_file), "--nproc-per-node", "1"]
-    log(f"megarl: {total} steps ({args.warmup} warm-up), log in {work / 'megarl.log'}")
+    log_file = work / f"{name}.log"
+    log(f"{name}: {total} steps ({args.warmup} warm-up), log in {log_file}")
     t0 = time.perf_counter()
     rc = run_streaming(
-        cmd, thread_env(args.threads), work / "megarl.log", lambda s: "] step " in s or "Error" in s
+        cmd, thread_env(args.threads), log_file, lambda s: "] step " in s or "Error" in s
     )
     if rc != 0:
-        sys.exit(f"megarl failed (exit {rc}); see {work / 'megarl.log'}")
+        sys.exit(f"megarl failed (exit {rc}); see {log_file}")
     log(f"megarl done in {time.perf_counter() - t0:.0f} s (start-up and final checkpoint included)")
     by_step: dict[int, dict] = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
@@ -386,7 +391,7 @@ MODEL_TITLES = {
     "tiny": "tiny Qwen2 (hidden 128, 4 layers, vocab 151,936)",
     "smollm2": "SmolLM2-135M-Instruct (real weights, vocab 49,152)",
 }
-SIDES = ("megarl", "trl-hf", "trl-vllm")
+SIDES = ("megarl", "megarl-unshared", "trl-hf", "trl-vllm")
 
 
 def precision(args) -> str:
@@ -408,19 +413,19 @@ def print_report(args, model_name: str, results: dict[str, dict]) -> None:
         f"{args.threads} threads, {args.warmup} warm-up + {args.steps} timed steps"
     )
     header = (
-        f"{'':9} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
+        f"{'':15} {'steps':>5} {'gen tok/step':>12} {'trained tok/step':>16} {'s/step':>8} "
         f"{'tokens/s':>9} {'median s/step':>13} {'tokens/s@median':>15} {'load 1m':>11}"
     )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         if "failed" in r:
-            print(f"{name:9} could not run: {r['failed']}")
+            print(f"{name:15} could not run: {r['failed']}")
             continue
         s = rows[name]
         load = "{:.1f}->{:.1f}".format(*r["load"])
         print(
-            f"{name:9} {s['steps']:>5} {s['generated']:>12.1f} {s['trained']:>16.1f} "
+            f"{name:15} {s['steps']:>5} {s['generated']:>12.1f} {s['trained']:>16.1f} "
             f"{s['s_per_step']:>8.3f} {s['tokens_per_s']:>9.1f} {s['s_median']:>13.3f} "
             f"{s['tokens_per_s_median']:>15.1f} {load:>11}"
         )
@@ -436,6 +441,13 @@ def print_report(args, model_name: str, results: dict[str, dict]) -> None:
                 f"ratio megarl/{peer} (tokens/s): {ratio:.2f}x  (at the median step: "
                 f"{ratio_med:.2f}x)  target >= {target:g}"
             )
+    if "megarl" in rows and "megarl-unshared" in rows:
+        gain = rows["megarl"]["tokens_per_s"] / rows["megarl-unshared"]["tokens_per_s"]
+        print(f"actor.share_prompts: megarl/megarl-unshared (tokens/s): {gain:.2f}x")
+    for side in ("megarl-unshared",):
+        if side in ok:
+            steps = ok[side]["steps"][args.warmup :]
+            _phase_table(side, [s["phases"] for s in steps], sorted(steps[0]["phases"]))
     if "megarl" in ok:
         timed = ok["megarl"]["steps"][args.warmup :]
         keys = sorted({k for s in timed for k in s["phases"]})
@@ -582,8 +594,8 @@ def main() -> None:
         results: dict[str, dict] = {}
         for side in sides:
             load0 = os.getloadavg()[0]
-            if side == "megarl":
-                results[side] = run_megarl(args, work, model, train)
+            if side.startswith("megarl"):
+                results[side] = run_megarl(args, work, model, train, side == "megarl")
             else:
                 results[side] = run_trl(args, work, model, prompts, side.removeprefix("trl-"))
             results[side]["load"] = (load0, os.getloadavg()[0])

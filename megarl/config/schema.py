@@ -233,6 +233,12 @@ class ActorConfig:
     # end, attention and positions per sequence, in every forward and backward of the actor,
     # reference, critic and reward model; the budget above then counts real tokens.
     packing: bool = True
+    # With packing: each distinct prompt of a micro-batch goes through the model once, its
+    # samples' responses after it, each attending to the prompt and to itself only (the same
+    # maths as one sequence per sample, float rounding aside; megarl.models.shared_prompts).
+    # Micro-batches then keep each prompt's samples together. Needs rope and megarl's SDPA
+    # attention (the CPU layer spec), not Transformer Engine.
+    share_prompts: bool = False
     # After the rollout, whole prompt groups are re-dealt over the data-parallel ranks so each
     # trains about the same tokens (perf/dp_token_imbalance; as drawn: ..._rollout).
     balance_dp_tokens: bool = True

@@ -35,6 +35,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     _validate_parallel(cfg.parallel)
     _validate_context_parallel(cfg)
+    _validate_share_prompts(cfg)
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if getattr(cfg.model, name) < 0:
             raise ConfigError(f"model.{name}={getattr(cfg.model, name)} must be >= 0 (0: off)")
@@ -283,6 +284,35 @@ def _validate_parallel(par: ParallelConfig) -> None:
             "parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp > 1, or "
             "parallel.sequence_parallel=false (unset, it is on exactly when tp > 1)"
         )
+
+
+def _validate_share_prompts(cfg: RunConfig) -> None:
+    """actor.share_prompts rides on packing and on megarl's own SDPA attention (its masks)."""
+    if not cfg.actor.share_prompts:
+        return
+    problems = (
+        (
+            not cfg.actor.packing,
+            "actor.packing=false",
+            "set actor.packing=true (the shared prompt lives in a pack)",
+        ),
+        (
+            cfg.model.transformer_impl == "transformer_engine",
+            "model.transformer_impl=transformer_engine",
+            "set model.transformer_impl=local (Transformer Engine's fused attention cannot take "
+            "the per-group masks)",
+        ),
+        (
+            cfg.parallel.cp > 1,
+            f"parallel.cp={cfg.parallel.cp}",
+            "set parallel.cp=1 (context parallelism splits sequences, not prompt groups)",
+        ),
+    )
+    for bad, what, fix in problems:
+        if bad:
+            raise ConfigError(
+                f"actor.share_prompts=true with {what}: {fix}, or set actor.share_prompts=false"
+            )
 
 
 def _validate_context_parallel(cfg: RunConfig) -> None:

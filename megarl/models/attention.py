@@ -81,17 +81,20 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(f"packed sequences must be THD, got {packed_seq_params.qkv_format}")
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         lengths = [end - start for start, end in itertools.pairwise(bounds)]
+        # a shared-prompt pack (megarl.models.shared_prompts) masks some segments itself
+        masks = getattr(packed_seq_params, "segment_masks", None) or [None] * len(lengths)
         pieces = []
-        for q, k, v in zip(
-            query.split(lengths), key.split(lengths), value.split(lengths), strict=True
+        for q, k, v, mask in zip(
+            query.split(lengths), key.split(lengths), value.split(lengths), masks, strict=True
         ):
             # [len, heads, d] -> [heads, len, d]
             context = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
                 k.transpose(0, 1),
                 v.transpose(0, 1),
+                attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
-                is_causal=True,
+                is_causal=mask is None,
                 scale=self.softmax_scale,
                 enable_gqa=self.groups != self.heads,
             )

@@ -388,7 +388,10 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
         rewards=rewards,
         kl_ctrl=kl_ctrl,
         batching=MicroBatching(
-            cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch, cfg.actor.packing
+            cfg.actor.micro_batch_size,
+            cfg.actor.max_tokens_per_micro_batch,
+            cfg.actor.packing,
+            cfg.actor.share_prompts,
         ),
         tracker=Tracker(cfg, startup.rank, resumed.mlflow_run_id, start_step=resumed.step),
         resumed=resumed,

@@ -98,15 +98,25 @@ def micro_batches(
     micro_batch_size: int,
     max_tokens: int | None = None,
     packed: bool = False,
+    groups_together: bool = False,
 ) -> list[tuple[list[int], Samples]]:
     """Split ``rows`` into micro-batches after sorting by length, so padding stays small.
 
     By count (``micro_batch_size``) or, with ``max_tokens``, by a token budget per micro-batch
     (at least one sample each): padded tokens (rows x longest), or with ``packed`` the real
-    tokens the pack holds.
+    tokens the pack holds. ``groups_together``: the rows of a prompt group stay next to each
+    other (groups ordered by their shortest row), so a micro-batch holds whole groups where its
+    size allows: what a shared-prompt pack (actor.share_prompts) saves on.
     """
     lens = samples.seq_lens().tolist()  # one device-to-host copy, not one per row
-    ordered = sorted(rows, key=lambda r: (lens[r], r))
+    if groups_together:
+        shortest: dict = {}
+        for r in rows:
+            g = samples.group_ids[r]
+            shortest[g] = min(shortest.get(g, (lens[r], r)), (lens[r], r))
+        ordered = sorted(rows, key=lambda r: (shortest[samples.group_ids[r]], lens[r], r))
+    else:
+        ordered = sorted(rows, key=lambda r: (lens[r], r))
     groups: list[list[int]] = []
     current: list[int] = []
     for r in ordered:

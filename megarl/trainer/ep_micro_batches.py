@@ -42,10 +42,11 @@ def aligned_micro_batches(
     micro_batch_size: int,
     max_tokens: int | None = None,
     packed: bool = False,
+    groups_together: bool = False,
 ) -> list[tuple[list[int], Samples]]:
     """:func:`megarl.trainer.batch.micro_batches`, with as many micro-batches on every
     data-parallel rank when experts are split over them (a collective then)."""
-    mbs = micro_batches(samples, rows, micro_batch_size, max_tokens, packed)
+    mbs = micro_batches(samples, rows, micro_batch_size, max_tokens, packed, groups_together)
     if parallel.ep_size() == 1:
         return mbs
     count = _dp_max(len(mbs))

@@ -26,16 +26,27 @@ class MicroBatching:
     size: int = 4
     max_tokens: int | None = None
     packing: bool = True  # actor.packing: each micro-batch as one pack of its sequences
+    # actor.share_prompts: a pack holds each distinct prompt once (megarl.models.shared_prompts)
+    share_prompts: bool = False
 
     def split(self, samples: Samples, rows: Sequence[int]) -> list[tuple[list[int], Samples]]:
-        return aligned_micro_batches(samples, rows, self.size, self.max_tokens, self.packing)
+        return aligned_micro_batches(
+            samples, rows, self.size, self.max_tokens, self.packing, self.shares_prompts
+        )
+
+    @property
+    def shares_prompts(self) -> bool:
+        return self.packing and self.share_prompts
 
     def inputs(self, mb: Samples) -> dict[str, torch.Tensor | Samples]:
         """What :func:`megarl.models.forward.run_schedule` takes for this micro-batch: its ids,
-        the response positions, and with packing the rows' real lengths."""
+        the response positions, with packing the rows' real lengths, and with shared prompts
+        their prompt lengths."""
         batch = {"input_ids": mb.input_ids, "mb": mb, "positions": response_positions(mb)}
         if self.packing:
             batch["seq_lens"] = mb.seq_lens()
+        if self.shares_prompts:
+            batch["prompt_lens"] = mb.prompt_lens
         return batch
 
 

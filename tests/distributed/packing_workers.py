@@ -147,9 +147,61 @@ def packing_worker(rank: int, world: int, model_dir: str) -> dict[str, float]:
     s_pad = score_sequences(critic, samples.input_ids, lens, 2, pad_id=0)
     s_pack = score_sequences(critic, samples.input_ids, lens, 2, pad_id=0, packing=True)
     out["scores"] = float((s_pad - s_pack).abs().max())
+    out.update(shared_prompt_check(ddp, critic, dims, layout))
     destroy_model_parallel()
     out.update(balance_check(world))  # no model: the DP token balance on 4 DP ranks
     return out
+
+
+# Three prompts with 3, 1 and 2 samples (micro-batches of 4 split the first group's rows apart).
+GROUP_PROMPT_LENS = [5, 3, 6]
+GROUP_RESPONSE_LENS = [[4, 19, 1], [7], [12, 2]]
+
+
+def grouped_samples(vocab: int) -> Samples:
+    gen = torch.Generator().manual_seed(11)
+    prompts, responses, groups = [], [], []
+    for g, (p, lens) in enumerate(zip(GROUP_PROMPT_LENS, GROUP_RESPONSE_LENS, strict=True)):
+        prompt = torch.randint(1, vocab, (p,), generator=gen).tolist()
+        for n in lens:
+            prompts.append(prompt)
+            responses.append(torch.randint(1, vocab, (n,), generator=gen).tolist())
+            groups.append(f"g{g}")
+    samples = Samples.from_sequences(prompts, responses, groups, 0, "cpu")
+    shape = samples.response_mask.shape
+    samples.tensors["advantages"] = torch.randn(shape, generator=gen)
+    samples.tensors["ref_log_prob"] = -torch.rand(shape, generator=gen) * 8
+    return samples
+
+
+def shared_prompt_check(ddp, critic, dims, layout) -> dict[str, float]:
+    """actor.share_prompts against plain packing on groups of samples of one prompt: logprobs,
+    the PPO loss and its grads, critic values (TP2xPP2 + SP, fp32)."""
+    samples = grouped_samples(dims.vocab_size)
+    mask = samples.response_mask
+    packed, shared = MicroBatching(4, None, True), MicroBatching(4, None, True, True)
+
+    def logp(out_, mb):
+        return response_log_probs(out_, mb, dims.vocab_size)[0]
+
+    lp_pack = forward_response_tensor(ddp, samples, logp, packed)
+    lp_shared = forward_response_tensor(ddp, samples, logp, shared)
+    samples.tensors["old_log_prob"] = lp_pack + 0.01 * samples.tensors["advantages"]
+    loss_pack, grads_pack = _actor_step(ddp, dims, layout, samples, packed)
+    loss_shared, grads_shared = _actor_step(ddp, dims, layout, samples, shared)
+    v_pack = forward_response_tensor(critic, samples, response_values, packed)
+    v_shared = forward_response_tensor(critic, samples, response_values, shared)
+    return {
+        "shared_logprobs": _masked_rel(lp_pack, lp_shared, mask),
+        "shared_loss": abs(loss_pack - loss_shared),
+        "shared_loss_value": abs(loss_pack),
+        "shared_grads": max(
+            float((grads_pack[n] - grads_shared[n]).abs().max()) for n in grads_pack
+        ),
+        "shared_grad_scale": max(float(g.abs().max()) for g in grads_pack.values()),
+        "shared_values": _masked_max(v_pack, v_shared, mask),
+        "shared_value_scale": float((v_pack.abs() * mask).max()),
+    }
 
 
 def _skewed_rank_samples(dp_rank: int) -> tuple[Samples, torch.Tensor]:

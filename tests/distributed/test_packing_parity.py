@@ -3,7 +3,9 @@
 One 4-rank launch checks every RL forward and backward on a batch of very unequal lengths
 (responses of 1 to 57 tokens), fp32: old/reference logprobs (micro-batched), the rollout's
 teacher-forced scoring (one pack), the PPO actor loss and its gradients, critic values and
-reward-model scores. Tolerance 1e-6: absolute for values, scores and gradients; relative to the
+reward-model scores; and shared-prompt packs (actor.share_prompts: each distinct prompt once per
+micro-batch, its samples' responses after it) against plain packs on groups of samples of one
+prompt: logprobs, the PPO loss, its gradients and critic values. Tolerance 1e-6: absolute for values, scores and gradients; relative to the
 size (at least 1) for logprobs and the loss, since fp32 numbers near 10 lie 9.5e-7 apart. The
 packed logprobs also equal transformers' on each unpadded sequence within 1e-5.
 """
@@ -28,6 +30,11 @@ def test_packed_equals_padded_at_tp2_pp2_and_dp_token_balance():
     assert merged["grad_scale"] > 1e-4 and merged["value_scale"] > 1e-4, merged
     assert merged["loss"] <= 1e-6 * max(1.0, merged["loss_value"]), merged
     assert merged["packed_vs_hf"] <= 1e-5, merged
+    # actor.share_prompts (each prompt once per micro-batch) against plain packing, same launch
+    assert merged["shared_logprobs"] <= 1e-6 and merged["shared_values"] <= 1e-6, merged
+    assert merged["shared_loss"] <= 1e-6 * max(1.0, merged["shared_loss_value"]), merged
+    assert merged["shared_grads"] <= 1e-6, merged
+    assert merged["shared_grad_scale"] > 1e-4 and merged["shared_value_scale"] > 1e-4, merged
     # The same launch, 4 DP ranks: the DP token balance re-deals whole groups (rank 0 drew all
     # the long responses), keeps every sample with its tensors and score, and meets its bound.
     assert merged["balance_same_samples"] == 1.0 and merged["balance_whole_groups"] == 1.0

@@ -79,6 +79,20 @@ def test_profile_steps_are_numbered_from_one():
     ]
 
 
+@pytest.mark.parametrize(
+    "setting, fix",
+    [
+        ("actor.packing=false", "set actor.packing=true"),
+        ("model.transformer_impl=transformer_engine", "set model.transformer_impl=local"),
+        ("parallel.cp=2", "set parallel.cp=1"),
+    ],
+)
+def test_shared_prompts_refuse_what_cannot_carry_them(setting, fix):
+    with pytest.raises(ConfigError, match=f"actor.share_prompts=true with {setting}: {fix}"):
+        load_config(overrides=[*BASE, "actor.share_prompts=true", setting])
+    assert load_config(overrides=[*BASE, "actor.share_prompts=true"]).actor.share_prompts
+
+
 ASYNC = [*BASE, "rollout.mode=async", "parallel.rollout_ranks=2"]
 
 

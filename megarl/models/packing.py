@@ -41,15 +41,21 @@ class PackedBatch:
 
     def seq_params(self):
         """megatron's ``PackedSeqParams`` (THD layout) describing this pack."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        return thd_params(self.cu_seqlens, self.max_seqlen)
 
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            max_seqlen_q=self.max_seqlen,
-            max_seqlen_kv=self.max_seqlen,
-        )
+
+def thd_params(cu_seqlens: torch.Tensor, max_seqlen: int):
+    """megatron's ``PackedSeqParams`` in the THD layout: segments at ``cu_seqlens``, the same for
+    queries and keys."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
 
 
 def pack(input_ids: torch.Tensor, seq_lens: torch.Tensor, multiple: int = 1) -> PackedBatch:

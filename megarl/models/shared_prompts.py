@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.models.packing import thd_params
+
 # The pack's per-token positions ([T]) while a shared-prompt pack runs forward; None otherwise.
 _POSITIONS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
     "megarl_shared_prompt_positions", default=None
@@ -57,15 +59,7 @@ class SharedPromptPack:
 
     def seq_params(self):
         """megatron's ``PackedSeqParams`` (THD), carrying the segments' masks."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            max_seqlen_q=self.max_seqlen,
-            max_seqlen_kv=self.max_seqlen,
-        )
+        params = thd_params(self.cu_seqlens, self.max_seqlen)
         params.segment_masks = self.masks
         return params
 

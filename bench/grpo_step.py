@@ -16,8 +16,8 @@ weight decay, eps and grad clip; one optimizer step per GRPO step over the 16 se
 
 Sides: ``megarl`` (with ``actor.share_prompts``, as the CPU recipes: each micro-batch puts each
 distinct prompt through the model once, its samples' responses after it); ``megarl-unshared``:
-the same without it (one sequence per sample), to show what the option is worth; ``trl-hf``: TRL's GRPOTrainer generating with HF ``generate``; ``trl-vllm``:
-the same with ``use_vllm=True, vllm_mode="colocate"`` (vLLM's CPU build in the trainer process).
+the same without it (one sequence per sample), to show what the option is worth; ``trl-hf``:
+TRL's GRPOTrainer generating with HF ``generate``; ``trl-vllm``: the same with ``use_vllm=True, vllm_mode="colocate"`` (vLLM's CPU build in the trainer process).
 TRL runs in its own virtualenvs (created on first use; --trl-venv, --trl-vllm-venv) with the same
 CPU torch as megarl and pinned TRL/transformers, as a subprocess running
 bench/_trl_grpo_worker.py: ``num_iterations=1`` (so TRL needs no old-logprob forward),
@@ -444,10 +444,9 @@ def print_report(args, model_name: str, results: dict[str, dict]) -> None:
     if "megarl" in rows and "megarl-unshared" in rows:
         gain = rows["megarl"]["tokens_per_s"] / rows["megarl-unshared"]["tokens_per_s"]
         print(f"actor.share_prompts: megarl/megarl-unshared (tokens/s): {gain:.2f}x")
-    for side in ("megarl-unshared",):
-        if side in ok:
-            steps = ok[side]["steps"][args.warmup :]
-            _phase_table(side, [s["phases"] for s in steps], sorted(steps[0]["phases"]))
+    if "megarl-unshared" in ok:
+        steps = ok["megarl-unshared"]["steps"][args.warmup :]
+        _phase_table("megarl-unshared", [s["phases"] for s in steps], sorted(steps[0]["phases"]))
     if "megarl" in ok:
         timed = ok["megarl"]["steps"][args.warmup :]
         keys = sorted({k for s in timed for k in s["phases"]})

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from megarl import parallel
 from megarl.models.loading import unwrap
-from megarl.models.packing import all_positions, pack, packed_positions
-from megarl.models.shared_prompts import pack_shared_prompts, rotary_positions
+from megarl.models.packing import PackedBatch, all_positions, pack, packed_positions
+from megarl.models.shared_prompts import SharedPromptPack, pack_shared_prompts, rotary_positions
 
 MicroBatch = TypeVar("MicroBatch")
 # loss_fn(output, micro_batch) -> (loss, metrics). ``output`` is the last stage's model output
@@ -231,18 +231,19 @@ def _packed_forward(model_chunk, batch: dict[str, Any], multiple: int) -> torch.
     positions = batch.get("positions")
     if positions is None:
         positions = all_positions(ids)
+    packed: PackedBatch | SharedPromptPack
+    rotary: contextlib.AbstractContextManager[None]
     if "prompt_lens" in batch:  # one pass through each distinct prompt per micro-batch
         shared = pack_shared_prompts(ids, batch["prompt_lens"], batch["seq_lens"], multiple)
-        index = shared.index(positions)
-        with output_positions(model_chunk, index), rotary_positions(model_chunk, shared):
-            return model_chunk(
-                input_ids=shared.input_ids,
-                position_ids=shared.position_ids,
-                attention_mask=None,
-                packed_seq_params=shared.seq_params(),
-            )
-    packed = pack(ids, batch["seq_lens"], multiple)
-    with output_positions(model_chunk, packed_positions(packed, positions)):
+        packed, index, rotary = (
+            shared,
+            shared.index(positions),
+            rotary_positions(model_chunk, shared),
+        )
+    else:
+        plain = pack(ids, batch["seq_lens"], multiple)
+        packed, index, rotary = plain, packed_positions(plain, positions), contextlib.nullcontext()
+    with output_positions(model_chunk, index), rotary:
         return model_chunk(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,

@@ -156,11 +156,6 @@ def pack_shared_prompts(
     )
 
 
-def shared_token_count(prompt_ids: list[tuple[int, ...]], response_lens: list[int]) -> int:
-    """Tokens a shared-prompt pack of these rows puts through the model (pad tail aside)."""
-    return sum(len(p) for p in set(prompt_ids)) + sum(response_lens)
-
-
 def _rotary_hook(module, args, output):
     positions = _POSITIONS.get()
     if positions is None:

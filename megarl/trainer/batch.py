@@ -110,7 +110,7 @@ def micro_batches(
     """
     lens = samples.seq_lens().tolist()  # one device-to-host copy, not one per row
     if groups_together:
-        shortest: dict = {}
+        shortest: dict[Hashable, tuple[int, int]] = {}
         for r in rows:
             g = samples.group_ids[r]
             shortest[g] = min(shortest.get(g, (lens[r], r)), (lens[r], r))

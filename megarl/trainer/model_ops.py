@@ -31,12 +31,8 @@ class MicroBatching:
 
     def split(self, samples: Samples, rows: Sequence[int]) -> list[tuple[list[int], Samples]]:
         return aligned_micro_batches(
-            samples, rows, self.size, self.max_tokens, self.packing, self.shares_prompts
+            samples, rows, self.size, self.max_tokens, self.packing, self.share_prompts
         )
-
-    @property
-    def shares_prompts(self) -> bool:
-        return self.packing and self.share_prompts
 
     def inputs(self, mb: Samples) -> dict[str, torch.Tensor | Samples]:
         """What :func:`megarl.models.forward.run_schedule` takes for this micro-batch: its ids,
@@ -45,7 +41,7 @@ class MicroBatching:
         batch = {"input_ids": mb.input_ids, "mb": mb, "positions": response_positions(mb)}
         if self.packing:
             batch["seq_lens"] = mb.seq_lens()
-        if self.shares_prompts:
+        if self.share_prompts:  # config validation: only with packing
             batch["prompt_lens"] = mb.prompt_lens
         return batch
 

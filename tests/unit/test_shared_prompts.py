@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megarl.models.shared_prompts import pack_shared_prompts, shared_token_count
+from megarl.models.shared_prompts import check_supported, pack_shared_prompts
 from megarl.trainer.batch import Samples, micro_batches
 
 PROMPT_A, PROMPT_B = [5, 6, 7], [8, 9]
@@ -37,8 +37,7 @@ def test_each_prompt_once_then_its_responses_with_continuing_positions():
     assert pack.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 4, 0]
     assert pack.cu_seqlens.tolist() == [0, 6, 11, 12]  # group A, group B, the pad tail
     assert pack.num_tokens == 12 and pack.max_seqlen == 6
-    # sum(len) of the plain pack: 5 + 5 + 4 + 3 = 17 tokens; each prompt once: 3 + 2 + 6 = 11
-    assert shared_token_count([tuple(p) for p, _ in ROWS], [len(r) for _, r in ROWS]) == 11
+    # a plain pack of these rows holds 5 + 5 + 4 + 3 = 17 tokens; each prompt once: 11 + a pad
 
 
 def test_every_position_of_every_row_reads_its_own_token_at_its_own_rotary_position():
@@ -116,3 +115,10 @@ def test_micro_batches_keep_each_prompt_group_together():
     assert [[groups[r] for r in rows] for rows, _ in together] == [[0, 0, 0], [1, 1, 2], [2, 2]]
     by_length = micro_batches(samples, range(samples.size), 3)
     assert [[groups[r] for r in rows] for rows, _ in by_length] == [[0, 1, 1], [2, 0, 2], [2, 0]]
+
+
+def test_a_model_without_megarls_sdpa_attention_is_refused_naming_the_setting():
+    with pytest.raises(
+        ValueError, match=r"needs megarl's SDPA core attention.*share_prompts=false"
+    ):
+        check_supported(torch.nn.Sequential(torch.nn.Linear(2, 2)))

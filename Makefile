@@ -18,20 +18,22 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The unit tier on two workers (its tests are single-threaded and independent); the multi-process
-# tiers one test at a time, as their ranks already share the cores.
+# Both tiers on two workers. Unit tests are single-threaded and independent. The multi-process
+# tiers give each rank one thread and spend most of a launch importing and starting up on one
+# core, so two at a time keep both cores busy; tests that share a module fixture (one launch
+# checked by several tests) or a Ray cluster carry an xdist_group mark and run on one worker.
 test: lint
 	$(PY) -m pytest -q -m unit -n 2 --durations=5
-	$(PY) -m pytest -q -m "not unit" --durations=15
+	$(PY) -m pytest -q -m "not unit" -n 2 --dist loadgroup --durations=15
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m unit -n 2
 
 test-distributed: $(STAMP)
-	$(PY) -m pytest -q -m distributed
+	$(PY) -m pytest -q -m distributed -n 2 --dist loadgroup
 
 test-e2e: $(STAMP)
-	$(PY) -m pytest -q -m e2e
+	$(PY) -m pytest -q -m e2e -n 2 --dist loadgroup
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -21,6 +21,9 @@ import torch
 from tests.assets import tiny_char_llama_dir
 from tests.e2e.test_train import by_step, copy_checkpoint, launch, metrics, train, workdir
 
+# One xdist worker (make test runs two): one LoRA run (`lora_run`) checked by several tests.
+pytestmark = pytest.mark.xdist_group("lora")
+
 __all__ = ["workdir"]  # the module's fixture, shared with the plain training tests
 
 LORA = (

@@ -26,6 +26,9 @@ import torch
 
 from megarl.tools.quickstart import prepare
 
+# One xdist worker (make test runs two): the SFT and teacher runs are shared by the tests.
+pytestmark = pytest.mark.xdist_group("post_training")
+
 ROOT = Path(__file__).resolve().parents[2]
 SFT_STEPS, RL_STEPS = 12, 6
 QUIET = ("trainer.loggers=[console]", "trainer.mlflow_tracking_uri=none")

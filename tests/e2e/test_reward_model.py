@@ -18,6 +18,9 @@ import yaml
 
 from tests.assets import tiny_char_llama_dir
 
+# One xdist worker (make test runs two): the trained and exported reward model are shared by the tests.
+pytestmark = pytest.mark.xdist_group("reward_model")
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 
@@ -164,7 +167,7 @@ def test_a_hung_reward_model_step_is_reported_by_the_watchdog(work):
         "rm_hang",
         "parallel.pp=1",
         "trainer.total_steps=2",
-        "trainer.hang_timeout_s=5",
+        "trainer.hang_timeout_s=15",  # room for a slow phase with two tests at once
         fault="sleep@sync:step=1",
         code=3,
         nproc=1,

@@ -23,6 +23,12 @@ from tests.assets import tiny_char_llama_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# make test runs two xdist workers: the tests that check the module's shared runs (full_run,
+# tp2pp2_run) stay on one worker each, so that each run happens once; tp2pp2_run's worker is the
+# one of the Ray tests (its Ray launcher test starts a local cluster; one at a time on a machine).
+ON_FULL_RUN_WORKER = pytest.mark.xdist_group("train_full_run")
+ON_RAY_WORKER = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
@@ -167,6 +173,7 @@ def full_run(workdir) -> dict[int, dict]:
     return by_step(train(workdir, "full", *FULL, ALL_LOGGERS, env_extra={"WANDB_MODE": "offline"}))
 
 
+@ON_FULL_RUN_WORKER
 def test_full_run_validates_the_whole_set_per_source(full_run):
     # validation before training and every 2 steps, over all 16 validation prompts x 2 samples
     for step in (0, 2, 4):
@@ -178,6 +185,7 @@ def test_full_run_validates_the_whole_set_per_source(full_run):
         assert val["val/reward_mean"] == pytest.approx(val["val/openai/gsm8k/mean@2"])
 
 
+@ON_FULL_RUN_WORKER
 def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir, full_run):
     full = full_run
     # resume from a copy of the uninterrupted run's step-2 checkpoint, as if it had stopped there
@@ -254,6 +262,7 @@ def test_grpo_resume_equals_uninterrupted_and_mlflow_has_the_metrics(workdir, fu
     assert sum(scores) / len(scores) == pytest.approx(full[2]["val/openai/gsm8k/mean@2"])
 
 
+@ON_FULL_RUN_WORKER
 def test_a_one_turn_environment_equals_the_run_without_one(workdir, full_run):
     """The single-turn path is the multi-turn machinery's degenerate case, exactly: with an
     environment that keeps the row's prompt, ends after the first turn and adds no message or
@@ -296,6 +305,7 @@ TRACKED = (
 )
 
 
+@ON_FULL_RUN_WORKER
 def test_full_run_is_in_tensorboard_and_wandb(workdir, full_run):
     """The metrics of metrics.jsonl, read back from TensorBoard's event files (its own reader)
     and from the offline W&B run file, with the validation generations in both."""
@@ -330,6 +340,7 @@ def test_full_run_is_in_tensorboard_and_wandb(workdir, full_run):
     assert "is offline in" in (workdir / "full" / "console.log").read_text()
 
 
+@ON_FULL_RUN_WORKER
 def test_report_of_the_full_run(workdir, full_run):
     import base64
 
@@ -356,6 +367,7 @@ def test_report_of_the_full_run(workdir, full_run):
     assert "5 steps logged (0 to 4)" in page  # 0: the validation before training
 
 
+@ON_FULL_RUN_WORKER
 def test_console_is_quiet_by_default(workdir, full_run):
     """The full run's whole output: megarl's lines, no vLLM/MLflow INFO lines, no known
     deprecation warnings, no weight-loading progress bars."""
@@ -436,6 +448,7 @@ def tp2pp2_run(workdir) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
     return proc, by_step(metrics(workdir, "tp2pp2"))
 
 
+@ON_RAY_WORKER
 def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
     """At sampling temperature 0.7, one process (TP1) and TP2xPP2 alike: the trainer's logprobs
     of the sampled tokens equal vLLM's processed logprobs, i.e. those of softmax(logits / 0.7).
@@ -465,6 +478,7 @@ def test_grpo_tp2_pp2_matches_one_process(workdir, tp2pp2_run):
         print(step, "old-logprob forward", single[step]["timing/old_log_prob_s"], "s")
 
 
+@ON_RAY_WORKER
 def test_ray_launcher_tp2_pp2_equals_torchrun_and_ctrl_c_checkpoints(workdir, tp2pp2_run):
     """The same GRPO run at TP2 x PP2 as the torchrun fixture, on a local Ray instance (started
     by megarl: no --address) with 4 rank actors: steps 1 and 2 equal torchrun's (the same
@@ -506,6 +520,7 @@ def test_ray_launcher_tp2_pp2_equals_torchrun_and_ctrl_c_checkpoints(workdir, tp
 BF16_DIFF_MEAN, BF16_DIFF_MAX = 0.02, 0.1
 
 
+@ON_FULL_RUN_WORKER
 def test_bf16_grpo_steps_and_their_rollout_mismatch(workdir, full_run):
     """Two GRPO steps with the actor in bf16 (fp32 main weights in the optimizer), sampled by vLLM
     in bf16 (rollout.dtype auto: the model's) and in fp32 (rollout.dtype=float32, the reshard
@@ -540,6 +555,7 @@ def copy_checkpoint(workdir: Path, source: str, step: int, out: str) -> None:
     (ckpts / "latest").write_text(name + "\n")
 
 
+@ON_RAY_WORKER
 def test_rank_killed_mid_save_keeps_latest_and_the_run_resumes_at_other_layouts(
     workdir, tp2pp2_run
 ):
@@ -566,6 +582,7 @@ def test_rank_killed_mid_save_keeps_latest_and_the_run_resumes_at_other_layouts(
         assert_layout_invariant(resumed[2], uninterrupted[2], 2)
 
 
+@ON_FULL_RUN_WORKER
 def test_sigterm_checkpoints_and_exits_0_then_resume_continues_exactly(workdir, full_run):
     """SIGTERM to `megarl train` during step 1: the step finishes, a checkpoint is written, exit
     0 with where to resume. The resumed run (keep_last=1) continues exactly like the uninterrupted
@@ -592,6 +609,7 @@ def test_sigterm_checkpoints_and_exits_0_then_resume_continues_exactly(workdir, 
     assert resumed[4]["val/reward_mean"] == pytest.approx(full_run[4]["val/reward_mean"], abs=1e-6)
 
 
+@ON_FULL_RUN_WORKER
 def test_damaged_checkpoint_refused_by_convert_resume_falls_back_and_ctrl_c_saves(
     workdir, full_run, capsys
 ):
@@ -679,7 +697,9 @@ def test_a_rank_stuck_while_the_others_wait_in_a_collective_ends_the_job(workdir
         workdir,
         "hang",
         "trainer.total_steps=2",
-        "trainer.hang_timeout_s=8",
+        # room for a slow phase on a machine running two tests at once (make test): the hang
+        # must be the one injected
+        "trainer.hang_timeout_s=20",
         nproc=2,
         fault="sleep@sync:rank=1:step=1",
     )

@@ -34,6 +34,28 @@ from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_sh
 from megarl.models.safetensors_io import SafetensorsReader
 
 
+def name_cpu_shm_segments_per_run(ident: str) -> None:
+    """Give this run's vLLM CPU shared-memory segments (TP > 1) names no other run uses.
+
+    vLLM's CPU build names them ``{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm``, and its CPU worker
+    sets VLLM_DIST_IDENT from the distributed init method, which under megarl's external launcher
+    is ``env://`` on every run: two runs on one machine then open the same segments, and a run
+    killed with SIGKILL leaves segments that make every later run's engine fail ("create shm in
+    SHMManager failed. errno: 17"). The name is prefixed here with IDENT (the same on every rank
+    of the run); '/' is dropped, as shm_open takes no '/' inside a name.
+    """
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    vllm_name = getattr(shm.make_group_name, "vllm_name", shm.make_group_name)
+
+    def make_group_name(communicator: cpu_communicator.CpuCommunicator) -> str:
+        return f"{ident}-{vllm_name(communicator)}".replace("/", "")
+
+    make_group_name.vllm_name = vllm_name  # type: ignore[attr-defined]
+    shm.make_group_name = staticmethod(make_group_name)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How responses are sampled. ``temperature == 0`` is greedy."""
@@ -168,12 +190,10 @@ class VLLMRollout:
             kwargs["max_num_batched_tokens"] = self.config.max_model_len * self.config.max_num_seqs
         if dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-            # vLLM's CPU build names its shared-memory segments after VLLM_DIST_IDENT (empty by
-            # default): runs side by side, or a crashed run's leftovers, collide without it.
-            if not os.environ.get("VLLM_DIST_IDENT"):
+            if not self.cuda:
                 ident = [f"megarl-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
                 dist.broadcast_object_list(ident, src=0)
-                os.environ["VLLM_DIST_IDENT"] = ident[0]
+                name_cpu_shm_segments_per_run(ident[0])
         if self.cuda:
             kwargs.update(
                 enable_sleep_mode=True, gpu_memory_utilization=self.config.gpu_memory_utilization

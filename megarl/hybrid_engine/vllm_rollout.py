@@ -32,28 +32,7 @@ from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
 from megarl.models.safetensors_io import SafetensorsReader
-
-
-def name_cpu_shm_segments_per_run(ident: str) -> None:
-    """Give this run's vLLM CPU shared-memory segments (TP > 1) names no other run uses.
-
-    vLLM's CPU build names them ``{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm``, and its CPU worker
-    sets VLLM_DIST_IDENT from the distributed init method, which under megarl's external launcher
-    is ``env://`` on every run: two runs on one machine then open the same segments, and a run
-    killed with SIGKILL leaves segments that make every later run's engine fail ("create shm in
-    SHMManager failed. errno: 17"). The name is prefixed here with IDENT (the same on every rank
-    of the run); '/' is dropped, as shm_open takes no '/' inside a name.
-    """
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    shm = cpu_communicator._CPUSHMDistributed
-    vllm_name = getattr(shm.make_group_name, "vllm_name", shm.make_group_name)
-
-    def make_group_name(communicator: cpu_communicator.CpuCommunicator) -> str:
-        return f"{ident}-{vllm_name(communicator)}".replace("/", "")
-
-    make_group_name.vllm_name = vllm_name  # type: ignore[attr-defined]
-    shm.make_group_name = staticmethod(make_group_name)
+from megarl.shm_segments import name_cpu_shm_segments_per_run
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from tests.assets import (
 from tests.mp import run_gloo
 from tests.vllm_generate import assert_vllm_generates_like_transformers
 
-# One xdist worker (make test runs two): one 4-rank conversion (the `tiny` fixture) checked by every test here.
+# One xdist worker (make test runs two): one 4-rank conversion (the `tiny` fixture) is
+# checked by every test here.
 pytestmark = pytest.mark.xdist_group("checkpoints_roundtrip")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,8 @@ from tests.distributed.test_checkpoints_roundtrip import (
 from tests.mp import run_gloo
 from tests.vllm_generate import assert_vllm_generates_like_transformers
 
-# One xdist worker (make test runs two): one 4-rank conversion (the `converted` fixture) checked by every test here.
+# One xdist worker (make test runs two): one 4-rank conversion (the `converted` fixture) is
+# checked by every test here.
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("moe_checkpoints")]
 
 RELOAD_AT = [dict(ep=4), dict(pp=2, ep=2)]

@@ -23,7 +23,8 @@ import pytest
 from megarl.cli import main as cli_main
 from tests.e2e.test_train import by_step, launch, make_workdir, metrics
 
-# One xdist worker (make test runs two): one Ray head for the module; Ray clusters on one machine run one at a time.
+# One xdist worker (make test runs two): one Ray head for the module; Ray clusters on one
+# machine run one at a time.
 pytestmark = pytest.mark.xdist_group("ray")
 
 RAY = Path(sys.executable).with_name("ray")

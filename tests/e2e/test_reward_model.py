@@ -18,7 +18,8 @@ import yaml
 
 from tests.assets import tiny_char_llama_dir
 
-# One xdist worker (make test runs two): the trained and exported reward model are shared by the tests.
+# One xdist worker (make test runs two): the trained and exported reward model are shared by
+# the tests.
 pytestmark = pytest.mark.xdist_group("reward_model")
 
 ROOT = Path(__file__).resolve().parents[2]

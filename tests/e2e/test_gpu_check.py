@@ -4,6 +4,7 @@ when a check does, and this test reads its table back."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +29,15 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--workdir", str(tmp_path)],
+        [
+            "bash",
+            str(ROOT / "scripts" / "gpu_check.sh"),
+            "--cpu",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "table.json"),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -50,6 +59,19 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     assert (tmp_path / "grpo" / "hf" / "config.json").is_file()  # the verified export
     assert by_check["rollout weights == checkpoint"][-1] == "ok"
     assert by_check["refilled by the next reshard == checkpoint"][-1] == "ok"
+    assert (
+        by_check["bf16 error vs transformers fp32, tiny-qwen2: megarl / transformers"][-1] == "ok"
+    )
+    for which in ("first", "second"):
+        trip = by_check[f"param offload round trip, {which} (weights, grads, Adam states)"]
+        assert trip[-1] == "ok"
+    for who in ("megarl", "transformers"):  # "12.3 ms: 10.1 / 2.0 ms"
+        phases = by_check[f"{who} step: forward+backward / optimizer"][2]
+        assert all(float(x) > 0 for x in phases.replace("ms", "").replace(":", " /").split("/"))
+    # --json holds the same rows as the printed table
+    stored = json.loads((tmp_path / "table.json").read_text())
+    assert stored["ok"] is True
+    assert [[r["section"], r["check"], r["value"]] for r in stored["rows"]] == [r[:3] for r in rows]
 
 
 def test_gpu_check_uses_the_projects_interpreter():

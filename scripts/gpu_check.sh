@@ -40,5 +40,8 @@ if [ -n "$WHEELS" ]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# cuBLAS picks deterministic kernels with this workspace setting (read when its handle is made,
+# so before any matmul): the overlapped-reduce row compares runs bit for bit
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 cd "$ROOT"
 "$PY" -m megarl.tools.gpu_check "${ARGS[@]}"

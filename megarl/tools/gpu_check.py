@@ -28,7 +28,10 @@
    bucket, the next bucket in flight while one loads): its weights equal the checkpoint's bit for
    bit; ``sleep_level`` 2 frees them while it sleeps and the next reshard refills them, bit for
    bit again; bytes, seconds and GB/s;
-6. versions and the device.
+6. fidelity (megarl.tools.gpu_fidelity): what megatron, CUDA and PyTorch really allocate beside
+   what the memory plan assumes (optimizer offload, grad-buffer release, pinned rounding, the
+   reserve), and overlapped grad reduction bit for bit at one rank;
+7. versions and the device.
 
 ``--cpu`` runs the same code paths at tiny sizes on the CPU (fp32 training step; the planner's
 CPU numerics; measured peak = live tensor bytes): CI runs it so the check cannot rot.
@@ -51,17 +54,16 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from checkpoints_tools.mcore_to_hf import export_to_hf
 from checkpoints_tools.verify import compare_outputs, compare_tensors
 from megarl import platform
-from megarl.algos import vocab_parallel_log_probs
 from megarl.backends import installed, this_machine
 from megarl.cli import main as cli_main
 from megarl.config import load_config
@@ -70,8 +72,9 @@ from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.vllm_rollout import EngineConfig
 from megarl.launch import _free_port, init_distributed
 from megarl.models.build import ModelOptions, build_model
+from megarl.models.dims import ModelDims
 from megarl.models.distributed import OptimSettings, wrap_for_training
-from megarl.models.forward import forward_logits, run_schedule
+from megarl.models.forward import forward_logits
 from megarl.models.offload import model_tensors, offload, onload
 from megarl.models.safetensors_io import SafetensorsReader
 from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
@@ -79,13 +82,13 @@ from megarl.plan import KNOWN_MODELS, Options, Workload, estimate_memory
 from megarl.plan.measure import live_tensor_tracker
 from megarl.plan.params import flops_params
 from megarl.plan.preflight import UPDATE_PHASES, numerics_for
+from megarl.tools.gpu_fidelity import run_fidelity
+from megarl.tools.gpu_report import Report
+from megarl.tools.gpu_trainable import build_trainable
 from megarl.tools.testing import assets as offline_assets
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching
 from megarl.trainer.old_log_probs import score_old_log_probs
-
-if TYPE_CHECKING:
-    from megarl.models.dims import ModelDims
 
 FP32_LOGIT_BOUND = 1e-4  # max |megarl - transformers| in fp32
 BF16_LOGIT_RELATIVE_BOUND = 2e-2  # max |diff| / max |logit| in bf16
@@ -159,43 +162,6 @@ TINY_TRAIN_CONFIG = {
     "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-6,
 }
-
-
-@dataclass
-class Row:
-    section: str
-    check: str
-    value: str
-    bound: str = ""
-    status: str = "info"  # ok | FAIL | info
-
-
-@dataclass
-class Report:
-    rows: list[Row] = field(default_factory=list)
-
-    def add(self, section: str, check: str, value: str, bound: str = "", ok: bool | None = None):
-        status = "info" if ok is None else ("ok" if ok else "FAIL")
-        self.rows.append(Row(section, check, value, bound, status))
-
-    @property
-    def ok(self) -> bool:
-        return all(r.status != "FAIL" for r in self.rows)
-
-    def table(self) -> str:
-        head = Row("section", "check", "value", "bound / target", "status")
-        rows = [head, *self.rows]
-        widths = [max(len(getattr(r, f)) for r in rows) for f in Row.__dataclass_fields__]
-        lines = []
-        for i, r in enumerate(rows):
-            cells = [
-                getattr(r, f).ljust(w)
-                for f, w in zip(Row.__dataclass_fields__, widths, strict=True)
-            ]
-            lines.append(" | ".join(cells).rstrip())
-            if i == 0:
-                lines.append("-+-".join("-" * w for w in widths))
-        return "\n".join(lines)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -402,48 +368,22 @@ def _megarl_step(
     """(step times, dims, measured peak bytes, two offload round trips) of megarl's training
     step."""
 
-    layout = ParallelLayout(tp=1, pp=1)
-    initialize_model_parallel(layout)
-    device = platform.device()
     with peak_tracker() as peak:
-        model, dims = build_model(
-            folder, layout, "actor", ModelOptions(size.train_dtype), load=False
+        model = build_trainable(
+            folder, size.train_dtype, size.batch, size.seq, OptimSettings(lr=1e-5)
         )
-        gen = torch.Generator(device=device).manual_seed(0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02, generator=gen)
-        ddp, optimizer, _ = wrap_for_training(model, OptimSettings(lr=1e-5))
-        ids = torch.randint(
-            0, dims.vocab_size, (size.batch, size.seq), generator=gen, device=device
-        )
-
-        def loss_fn(logits, mb):
-            logp = vocab_parallel_log_probs(
-                logits[:, :-1], mb["input_ids"][:, 1:], None, vocab_size=dims.vocab_size
-            )
-            return -logp.mean(), {}
-
-        def forward_backward():
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            run_schedule([ddp], [{"input_ids": ids}], loss_fn, forward_only=False)
-
-        def step():
-            forward_backward()
-            optimizer.step()
-
         # Two steps: the second is steady state (Adam's moments exist), as every step of a run.
-        step()
-        step()
+        model.step()
+        model.step()
         _sync()
-    times = _time_step(forward_backward, optimizer.step, size.iters)  # outside the tracker
+    # timed outside the tracker
+    times = _time_step(model.forward_backward, model.optimizer.step, size.iters)
     if size.profile_dir is not None:
-        _profile_table(step, size.profile_dir / "profile_megarl_step.txt")
+        _profile_table(model.step, size.profile_dir / "profile_megarl_step.txt")
     # The first round trip pins its host buffers; the second reuses them (every later step).
-    trips = (_offload_round_trip(ddp, optimizer), _offload_round_trip(ddp, optimizer))
+    trips = tuple(_offload_round_trip(model.ddp, model.optimizer) for _ in range(2))
     destroy_model_parallel()  # the model and optimizer go with this frame
-    return times, dims, peak["bytes"], trips
+    return times, model.dims, peak["bytes"], (trips[0], trips[1])
 
 
 def _hf_step(folder: Path, size: Size) -> StepTimes:
@@ -873,7 +813,21 @@ def resharding(report: Report, size: Size, root: Path) -> None:
     destroy_model_parallel()
 
 
-# -- 6. versions --------------------------------------------------------------------------------
+# -- 6. fidelity ------------------------------------------------------------------------------
+
+
+def fidelity(report: Report, size: Size, root: Path) -> None:
+    """megarl.tools.gpu_fidelity's rows on a model of the scoring pass's shape (Qwen2.5-0.5B on a
+    GPU), 2,048 tokens a step."""
+    folder = _config_folder(root, size.scoring_model)
+
+    def build(settings: OptimSettings):
+        return build_trainable(folder, size.train_dtype, 1, min(size.seq, 2048), settings)
+
+    run_fidelity(report, build)
+
+
+# -- 7. versions --------------------------------------------------------------------------------
 
 
 def versions(report: Report) -> None:
@@ -886,8 +840,8 @@ def versions(report: Report) -> None:
                 continue
         return "absent"
 
-    report.add("6 versions", "python", host.python_version())
-    report.add("6 versions", "torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
+    report.add("7 versions", "python", host.python_version())
+    report.add("7 versions", "torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
     packages = {
         "transformers": ("transformers",),
         "megatron-core": ("megatron-core", "megatron_core"),
@@ -896,12 +850,12 @@ def versions(report: Report) -> None:
         "mlflow": ("mlflow",),
     }
     for label, names in packages.items():
-        report.add("6 versions", label, v(*names))
+        report.add("7 versions", label, v(*names))
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(platform.device())
     else:
         device = f"CPU ({host.processor() or host.machine()}, {os.cpu_count()} cores)"
-    report.add("6 versions", "device", device)
+    report.add("7 versions", "device", device)
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -913,6 +867,7 @@ SECTIONS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("3 memory", scoring_pass),
     ("4 GRPO", grpo_end_to_end),
     ("5 reshard", resharding),
+    ("6 fidelity", fidelity),
 )
 
 

@@ -47,7 +47,15 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     assert "GPU CHECK OK" in proc.stdout
     rows = _rows(proc.stdout)
     sections = {r[0] for r in rows}
-    assert sections == {"1 logits", "2 train step", "3 memory", "4 GRPO", "5 reshard", "6 versions"}
+    assert sections == {
+        "1 logits",
+        "2 train step",
+        "3 memory",
+        "4 GRPO",
+        "5 reshard",
+        "6 fidelity",
+        "7 versions",
+    }
     by_check = {r[1]: r for r in rows}
     assert by_check["logits tiny-qwen2 fp32 (random tiny Qwen2)"][-1] == "ok"
     assert by_check["logits tiny-qwen2 bf16 (random tiny Qwen2)"][-1] == "ok"
@@ -68,6 +76,10 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     for who in ("megarl", "transformers"):  # "12.3 ms: 10.1 / 2.0 ms"
         phases = by_check[f"{who} step: forward+backward / optimizer"][2]
         assert all(float(x) > 0 for x in phases.replace("ms", "").replace(":", " /").split("/"))
+    # the rollout's grad-buffer release (the fidelity rows that run without CUDA)
+    released = "grad buffers released before the rollout (bytes freed / buffer bytes)"
+    assert by_check[released][-1] == "ok"
+    assert by_check["grad buffers restored zeroed, next step finite"][-1] == "ok"
     # --json holds the same rows as the printed table
     stored = json.loads((tmp_path / "table.json").read_text())
     assert stored["ok"] is True

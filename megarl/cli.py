@@ -18,6 +18,7 @@ from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.cli import add_arguments as add_plan_arguments
 from megarl.plan.cli import run
+from megarl.process_exit import end_process
 from megarl.report import write_report
 
 
@@ -78,7 +79,9 @@ def _train(args: argparse.Namespace) -> int:
     if move:
         move_aside(cfg.trainer.output_dir)
         module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
-    announce(f"starting {world} rank(s) with {args.launcher}")
+    # a one-process local job runs its rank directly (megarl.launch.run_torchrun)
+    how = "(one process)" if args.launcher == "torchrun" and world == 1 else f"with {args.launcher}"
+    announce(f"starting {world} rank(s) {how}")
     return start_job(
         cfg,
         module_args,
@@ -225,5 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
+def command() -> None:
+    """The ``megarl`` command: :func:`main`, then the process ends without the interpreter's
+    teardown (megarl.process_exit; its ranks have ended by then). A command that used Ray ends
+    normally: Ray's exit handlers stop the local instance it may have started."""
+    code = main()
+    if "ray" in sys.modules:
+        raise SystemExit(code)
+    end_process(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

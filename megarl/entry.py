@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from megarl.console import quiet_rank_console
 from megarl.errors import MegarlError
+from megarl.lean_imports import import_transformers_lean
+from megarl.process_exit import end_process
 
 if TYPE_CHECKING:
     from megarl.config import RunConfig
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args[0], args[1:])
         set_rank_env(cfg)  # e.g. CUDA_DEVICE_MAX_CONNECTIONS, before CUDA initialises
+        import_transformers_lean()  # before the first tokenizer (megarl.lean_imports)
         program(cfg)(cfg)
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
@@ -93,4 +96,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # a rank process: once the program has returned, no interpreter teardown (megarl.process_exit)
+    end_process(main())

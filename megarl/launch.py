@@ -1,8 +1,9 @@
-"""Start a megarl entry point on N local processes with torchrun, or run it in place when already
-launched (torchrun or Slurm ``srun`` set RANK/WORLD_SIZE)."""
+"""Start a megarl entry point on N local processes (torchrun; one process directly), or run it in
+place when already launched (torchrun or Slurm ``srun`` set RANK/WORLD_SIZE)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.console import rank_env
+from megarl.console import is_verbose, rank_env
 from megarl.errors import ConfigError
 from megarl.host_allocator import cpu_allocator_env
-from megarl.shm_segments import remove_leftover_segments, vllm_shm_segments
+from megarl.lean_imports import import_megatron_lean
+from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note
+from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix, remove_run_segments
 from megarl.world_split import TRAINER, SplitWorld, WorldSplit, init_split_world
 
 
@@ -88,39 +91,60 @@ def run_torchrun(
     env_extra: Mapping[str, str] | None = None,
     on_signal: Callable[[int], None] | None = None,
 ) -> int:
-    """Run ``python -m module args`` on ``nproc`` local ranks with torchrun (through
-    megarl.quiet_torchrun), quiet unless ``verbose`` (megarl/console.py); returns the exit code
-    of the rank that failed, or 0. ``env_extra``: more variables for the ranks; ``on_signal`` is
-    told of each signal the launcher passes on to them."""
+    """Run ``python -m module args`` on ``nproc`` local ranks, quiet unless ``verbose``
+    (megarl/console.py); returns the exit code of the rank that failed, or 0. ``env_extra``: more
+    variables for the ranks; ``on_signal`` is told of each signal the launcher passes on to them.
+
+    Several ranks run under torchrun (through megarl.quiet_torchrun). One rank runs as a direct
+    child with the environment torchrun would give it (:func:`single_rank_env`): the same
+    program, without torchrun's interpreter, elastic agent and rendezvous (about 1.5 s of every
+    one-process launch)."""
     env = launch_env(
         os.environ, nproc, torch.cuda.is_available(), threads_per_rank, verbose, env_extra
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.quiet_torchrun",
-        f"--nproc-per-node={nproc}",
-        "--master-port",
-        env.get("MASTER_PORT") or str(_free_port()),
-        "-m",
-        module,
-        *args,
-    ]
+    port = env.get("MASTER_PORT") or str(_free_port())
+    if nproc == 1:
+        env.update(single_rank_env(port))
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "megarl.quiet_torchrun",
+            f"--nproc-per-node={nproc}",
+            "--master-port",
+            port,
+            "-m",
+            module,
+            *args,
+        ]
     # The ranks learn that the launcher forwards preemption signals (megarl.run.preemption).
     env["MEGARL_LAUNCHER_PID"] = str(os.getpid())
-    # torchrun runs in its own session so that a terminal's or a scheduler's signal reaches it
-    # only through _forwarding_signals: otherwise torchrun would end the ranks on SIGTERM itself
-    # (after 30 s) and exit non-zero, where megarl wants them to finish the step and exit 0.
-    segments_before = vllm_shm_segments()
+    # This job's vLLM shared-memory segments carry this prefix (megarl.shm_segments): removed
+    # when the job ends, however it ends.
+    env.setdefault(RUN_SEGMENTS_ENV, new_segment_prefix())
+    # torchrun (or the one rank) runs in its own session so that a terminal's or a scheduler's
+    # signal reaches it only through _forwarding_signals: otherwise torchrun would end the ranks
+    # on SIGTERM itself (after 30 s) and exit non-zero, where megarl wants them to finish the
+    # step and exit 0.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    direct = nproc == 1
+
+    def rank_pids() -> list[int]:
+        return [proc.pid] if direct else _children(proc.pid)
+
     ranks: set[int] = set()
     try:
-        with _forwarding_signals(proc, on_signal) as stop:
+        with _forwarding_signals(proc, on_signal, rank_pids) as stop:
             while True:
                 try:
-                    return stop.exit_code(proc.wait(timeout=2.0))
+                    code = proc.wait(timeout=2.0)
+                    break
                 except subprocess.TimeoutExpired:
-                    ranks.update(_children(proc.pid))
+                    ranks.update(rank_pids())
+        if direct and code != 0:
+            code = _report_single_rank_failure(code, env.get(FAILURE_FILE_ENV))
+        return stop.exit_code(code)
     finally:
         # Helpers a rank started (e.g. megatron's checkpoint-writer Manager) outlive a rank that
         # was killed or hung; torchrun starts each rank in its own session, and the helpers
@@ -128,8 +152,35 @@ def run_torchrun(
         for group in (proc.pid, *ranks):
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)
-        if proc.returncode != 0:
-            remove_leftover_segments(vllm_shm_segments() - segments_before)
+        remove_run_segments(env[RUN_SEGMENTS_ENV])
+
+
+def single_rank_env(port: str) -> dict[str, str]:
+    """What torchrun tells its one rank of a one-process job (torch.distributed's env://
+    rendezvous reads MASTER_ADDR/PORT, RANK and WORLD_SIZE; megarl reads the local ones)."""
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "ROLE_RANK": "0",
+        "ROLE_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+
+
+def _report_single_rank_failure(returncode: int, failure_file: str | None) -> int:
+    """What megarl.quiet_torchrun does for a failed rank, for the one rank run directly: the
+    failure record for the elastic supervisor, the one-line note, a shell's exit status."""
+    rank_code = returncode  # Popen: -N for a rank killed by signal N, as torchrun reports it
+    if failure_file:
+        Path(failure_file).write_text(json.dumps({"rank": 0, "exit_code": rank_code}))
+    note = failure_note(0, rank_code) if not is_verbose() else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return exit_code_of(rank_code)
 
 
 def _children(pid: int) -> list[int]:
@@ -150,10 +201,15 @@ class _Stop:
     whether a second one ended the job at once. ``on_signal`` is told of each one."""
 
     def __init__(
-        self, proc: subprocess.Popen, on_signal: Callable[[int], None] | None = None
+        self,
+        proc: subprocess.Popen,
+        on_signal: Callable[[int], None] | None = None,
+        rank_pids: Callable[[], list[int]] | None = None,
     ) -> None:
         self.proc = proc
         self.on_signal = on_signal
+        # the ranks: torchrun's children, or the process itself when it is the one rank
+        self.rank_pids = rank_pids or (lambda: _children(proc.pid))
         self.first: signal.Signals | None = None
         self.killed = False
 
@@ -161,7 +217,7 @@ class _Stop:
         sig = signal.Signals(signum)
         if self.on_signal is not None:
             self.on_signal(signum)
-        ranks = _children(self.proc.pid)
+        ranks = self.rank_pids()
         if self.first is not None:
             print(
                 f"megarl: second {sig.name}: stopping at once (what the ranks did since their "
@@ -170,7 +226,7 @@ class _Stop:
                 flush=True,
             )
             self.killed = True
-            for group in (self.proc.pid, *ranks):  # each rank leads its own process group
+            for group in {self.proc.pid, *ranks}:  # each rank leads its own process group
                 with suppress(ProcessLookupError, PermissionError):
                     os.killpg(group, signal.SIGKILL)
             return
@@ -200,11 +256,13 @@ class _Stop:
 
 @contextmanager
 def _forwarding_signals(
-    proc: subprocess.Popen, on_signal: Callable[[int], None] | None = None
+    proc: subprocess.Popen,
+    on_signal: Callable[[int], None] | None = None,
+    rank_pids: Callable[[], list[int]] | None = None,
 ) -> Iterator[_Stop]:
     """SIGTERM/SIGUSR1/SIGINT to the launcher -> every rank finishes its step, checkpoints and
     exits (SIGUSR1 to the ranks; SIGUSR2 for SIGINT); a second one ends the job at once."""
-    stop = _Stop(proc, on_signal)
+    stop = _Stop(proc, on_signal, rank_pids)
     signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     old = {s: signal.signal(s, stop.handle) for s in signals}
     try:
@@ -220,6 +278,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     ``timeout_s``: how long a collective may wait for the other ranks (None: torch's default).
     """
     _adopt_slurm_env()
+    import_megatron_lean()  # every trainer rank imports it: without what megarl never uses
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -251,5 +310,6 @@ def init_split(rollout_ranks: int, timeout_s: float | None = None) -> SplitWorld
     if threads and not torch.cuda.is_available():
         torch.set_num_threads(int(threads))
     if world.role == TRAINER:
+        import_megatron_lean()
         platform.adapt_megatron_for_cpu()
     return world

@@ -2,23 +2,34 @@
 
 vLLM names them after the TP group (``...-cpushm_N``), not the job, so the next run on the
 machine - the resume, an elastic restart, another job beside it - would fail to create them
-("create shm in SHMManager failed. errno: 17"). Each run prefixes the names with its own
-identifier (:func:`name_cpu_shm_segments_per_run`, called by the rollout before vLLM starts), and
-launchers note the segments present before a job and remove the new ones after a job that did
-not end cleanly.
+("create shm in SHMManager failed. errno: 17"). Each job prefixes the names with its own
+identifier (:func:`name_cpu_shm_segments_per_run`, called by the rollout before vLLM starts):
+megarl's launchers choose it (:data:`RUN_SEGMENTS_ENV`, the same for every rank) and remove the
+job's segments when it ends, however it ends (a rank ends without vLLM's own clean-up, see
+megarl.entry, and a killed one never runs it); only this job's, never another's beside it.
 """
 
 from __future__ import annotations
 
+import os
+import uuid
 from contextlib import suppress
 from pathlib import Path
 
 _SHM = Path("/dev/shm")
+# The prefix of a job's segment names, set by the launcher in every rank's environment.
+RUN_SEGMENTS_ENV = "MEGARL_SHM_PREFIX"
 
 
-def vllm_shm_segments() -> set[str]:
-    """vLLM's CPU shared-memory segments present now."""
-    return {p.name for p in _SHM.glob("*cpushm*")} if _SHM.is_dir() else set()
+def new_segment_prefix() -> str:
+    """A prefix no other job on this machine uses."""
+    return f"megarl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_run_segments(prefix: str) -> None:
+    """Remove the segments whose names start with a job's prefix (a no-op for an empty one)."""
+    if prefix and _SHM.is_dir():
+        remove_leftover_segments({p.name for p in _SHM.glob(f"{prefix}*")})
 
 
 def remove_leftover_segments(names: set[str]) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megarl.process_exit import end_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,6 +49,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         if dist.is_initialized():
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group()
+    # The result is sent (the queue's feeder thread joined): end the worker as megarl's ranks
+    # end, without the interpreter's teardown (megarl.process_exit; seconds per worker).
+    queue.close()
+    queue.join_thread()
+    end_process(0)
 
 
 def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:

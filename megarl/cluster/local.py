@@ -17,7 +17,7 @@ import torch
 
 from megarl.cluster.job import JobRequest, JobResult
 from megarl.launch import run_torchrun
-from megarl.quiet_torchrun import FAILURE_FILE_ENV, describe_exit
+from megarl.rank_exit import FAILURE_FILE_ENV, describe_exit
 
 
 def local_devices() -> list[str] | None:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
-from megarl.shm_segments import remove_leftover_segments, vllm_shm_segments
+from megarl.shm_segments import RUN_SEGMENTS_ENV, remove_run_segments
 
 _PR_SET_PDEATHSIG = 1
 
@@ -52,7 +52,7 @@ class RankAgent:
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
         self._ended_at: float | None = None
-        self._shm_before: set[str] = set()
+        self._segments = ""  # this job's vLLM segment prefix (megarl.shm_segments)
 
     def describe(self) -> dict:
         """Where this actor runs: node id, IP, the GPUs Ray gave it, its CPU count."""
@@ -80,7 +80,7 @@ class RankAgent:
                 f"{self.describe()['ip']}; run megarl from a folder every node sees at the same "
                 "path (a shared filesystem)"
             )
-        self._shm_before = vllm_shm_segments()
+        self._segments = env.get(RUN_SEGMENTS_ENV, "")
         self.child = subprocess.Popen(
             [sys.executable, *argv],
             env={**os.environ, **env},
@@ -128,11 +128,11 @@ class RankAgent:
 
     def stop(self) -> Poll:
         """End the rank and the processes it started (its process group); its last output.
-        Leftover vLLM shared-memory segments of a stopped job are removed (see megarl.launch)."""
+        The job's vLLM shared-memory segments are removed (megarl.shm_segments)."""
         if self.child is not None:
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.child.pid, signal.SIGKILL)
             self.child.wait()
             self._ended_at = self._ended_at or time.time()
-            remove_leftover_segments(vllm_shm_segments() - self._shm_before)
+            remove_run_segments(self._segments)
         return self.poll()

@@ -39,8 +39,9 @@ from megarl.cluster.job import JobRequest, JobResult
 from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
-from megarl.quiet_torchrun import describe_exit, exit_code_of
+from megarl.rank_exit import describe_exit, exit_code_of
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
+from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -489,6 +490,8 @@ def _rank_base_env(spec: JobRequest, verbose: bool) -> dict[str, str]:
     env.update(spec.env)
     # The ranks take SIGUSR1 (from this driver) as the preemption signal, SIGTERM as "stop now".
     env[LAUNCHER_ENV] = str(os.getpid())
+    # this job's vLLM shared-memory segments (each node's agent removes them when it stops)
+    env.setdefault(RUN_SEGMENTS_ENV, new_segment_prefix())
     return env
 
 

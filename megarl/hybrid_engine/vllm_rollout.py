@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,11 @@ from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
 from megarl.models.safetensors_io import SafetensorsReader
-from megarl.shm_segments import name_cpu_shm_segments_per_run
+from megarl.shm_segments import (
+    RUN_SEGMENTS_ENV,
+    name_cpu_shm_segments_per_run,
+    new_segment_prefix,
+)
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,8 @@ class VLLMRollout:
         if dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             if not self.cuda:
-                ident = [f"megarl-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+                # the launcher's prefix (it removes the job's segments); else rank 0's own
+                ident = [os.environ.get(RUN_SEGMENTS_ENV) or new_segment_prefix()]
                 dist.broadcast_object_list(ident, src=0)
                 name_cpu_shm_segments_per_run(ident[0])
         if self.cuda:

@@ -213,7 +213,7 @@ def pinned_rounding(report: Report) -> None:
     for request in (int(1.5 * GIB) + 1, 3 * GIB + 1):
         torch._C._host_emptyCache()
         before = pinned_bytes()
-        block = torch.empty(request, dtype=torch.uint8, pin_memory=True)
+        block = torch.empty(request, dtype=torch.uint8, device="cpu", pin_memory=True)
         taken = pinned_bytes() - before
         figures.append(f"{request / GIB:.2f} -> {taken / GIB:.2f} GiB ({taken / request:.2f}x)")
         del block
@@ -232,7 +232,7 @@ def device_reserve(report: Report) -> None:
     _free_device_cache()
     before = outside_torch()
     group = dist.new_group([dist.get_rank()])
-    ones = torch.ones(1, device=platform.device())
+    ones = torch.ones(1, device=platform.collective_device(group))
     dist.all_reduce(ones, group=group)
     after = outside_torch()
     dist.destroy_process_group(group)

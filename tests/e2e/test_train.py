@@ -382,7 +382,7 @@ def test_console_is_quiet_by_default(workdir, full_run):
         m.group(1) for line in lines if (m := re.match(r"megarl: \[ *\d+\.\ds\] (.*)", line))
     ]
     assert [s.split(":")[0].split(" (")[0] for s in startup] == [
-        "starting 1 rank(s) with torchrun",
+        "starting 1 rank(s)",  # "(one process)": no torchrun for one rank
         "started 1 rank(s); checking the inputs",
         "reading data",
         "building models",

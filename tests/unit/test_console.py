@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from megarl import console
-from megarl.quiet_torchrun import exit_code_of, failure_note
+from megarl.rank_exit import exit_code_of, failure_note
 from megarl.tools.demo import parity_verdict
 
 pytestmark = pytest.mark.unit

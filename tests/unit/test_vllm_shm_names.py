@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.distributed.device_communicators import cpu_communicator
 
+from megarl import shm_segments
 from megarl.shm_segments import name_cpu_shm_segments_per_run
 
 
@@ -24,3 +25,17 @@ def test_segments_are_named_per_run_and_never_prefixed_twice(monkeypatch: pytest
     assert shm.make_group_name(group) == "megarl-11-aaaa--tp:0-[2-3]-cpushm"
     name_cpu_shm_segments_per_run("megarl-12-bbbb")  # a second engine in the same process
     assert shm.make_group_name(group) == "megarl-12-bbbb--tp:0-[2-3]-cpushm"
+
+
+def test_a_jobs_segments_are_removed_by_its_prefix_and_no_others(tmp_path, monkeypatch):
+    """The launcher removes the segments of the job it ran, whatever its end, and leaves those of
+    a job beside it alone."""
+    monkeypatch.setattr(shm_segments, "_SHM", tmp_path)
+    mine, other = shm_segments.new_segment_prefix(), "megarl-999-beside00"
+    assert mine != shm_segments.new_segment_prefix()  # a fresh one for every job
+    for prefix in (mine, other):
+        (tmp_path / f"{prefix}--tp:0-[0-1]-cpushm_0").write_bytes(b"x")
+    shm_segments.remove_run_segments(mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{other}--tp:0-[0-1]-cpushm_0"]
+    shm_segments.remove_run_segments("")  # no prefix: nothing is removed
+    assert len(list(tmp_path.iterdir())) == 1

@@ -1,0 +1,36 @@
+"""How a rank ended, as megarl's launchers report it: a shell's exit status for a rank killed by a
+signal, the one line added after a failed rank's output, and the record of the first failed rank
+that the elastic supervisor reads (``MEGARL_FAILURE_FILE``)."""
+
+from __future__ import annotations
+
+import signal
+
+from megarl.errors import MegarlError
+
+FAILURE_FILE_ENV = "MEGARL_FAILURE_FILE"
+
+
+def exit_code_of(rank_exit_code: int) -> int:
+    """The launcher's exit code for a rank's: the same, or 128 + N for a rank killed by signal N
+    (torchrun reports those as -N), as a shell would."""
+    return 128 - rank_exit_code if rank_exit_code < 0 else rank_exit_code
+
+
+def describe_exit(rank_exit_code: int) -> str:
+    """How a rank ended, for a message: "was killed by SIGKILL", "exited with code 1"."""
+    if rank_exit_code < 0:
+        try:
+            return f"was killed by {signal.Signals(-rank_exit_code).name}"
+        except ValueError:
+            return f"was killed by signal {-rank_exit_code}"
+    return f"exited with code {rank_exit_code}"
+
+
+def failure_note(rank: int, rank_exit_code: int) -> str | None:
+    """The one line added after a failed rank's output, or None when the rank's own message
+    (a megarl user error) must stay the last line."""
+    if rank_exit_code == MegarlError.exit_code:
+        return None
+    how = describe_exit(rank_exit_code)
+    return f"megarl: rank {rank} {how}; its output is above (--verbose shows torchrun's report)"

@@ -7,8 +7,10 @@ is the operating-system boundary alone."""
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,14 +23,15 @@ pytestmark = pytest.mark.unit
 
 LIMITS = SandboxLimits(cpu_s=2, wall_s=60, memory_bytes=256 << 20, output_bytes=4000)
 
-# What an attacker writes first: the hook lives in the bootstrap's module, its code is writable.
+# What an attacker writes first: every audit hook written in Python (a function of
+# (event, args) defined outside a file) gets the code of one that does nothing.
 UNHOOK = textwrap.dedent(
     """
-    import sys
-    for _m in list(sys.modules.values()):
-        _h = getattr(_m, "hook", None)
-        if callable(_h) and hasattr(_h, "__code__"):
-            _h.__code__ = (lambda event, args: None).__code__
+    import gc, types
+    for _f in gc.get_objects():
+        if isinstance(_f, types.FunctionType) and _f.__code__.co_filename == "<string>" \\
+                and _f.__code__.co_argcount == 2:
+            _f.__code__ = (lambda event, args: None).__code__
     """
 )
 
@@ -130,7 +133,7 @@ def test_host_files_and_the_trainers_environment_and_memory_are_out_of_sight(tmp
             import os
             for path in ("{tmp_path}/secret.txt", "/proc/{pid}/environ", "/proc/{pid}/cmdline"):
                 try:
-                    print(open(path, "rb").read().decode(errors="replace"))
+                    print("READ", path, open(path, "rb").read().decode(errors="replace"))
                 except Exception as e:
                     print(path, type(e).__name__)
             try:
@@ -140,7 +143,7 @@ def test_host_files_and_the_trainers_environment_and_memory_are_out_of_sight(tmp
                 print("mem", type(e).__name__)
             for folder in ("/root", "/home", "{Path.cwd()}"):
                 try:
-                    print(folder, os.listdir(folder))
+                    print("LISTED", folder, os.listdir(folder))
                 except Exception as e:
                     print(folder, type(e).__name__)
             """
@@ -149,8 +152,13 @@ def test_host_files_and_the_trainers_environment_and_memory_are_out_of_sight(tmp
     )
     assert secret not in result.stdout and secret not in result.stderr, result
     assert "trainer memory writable" not in result.stdout, result
-    assert "pytest" not in result.stdout, result  # the trainer's command line
+    assert "READ" not in result.stdout, result  # neither the file nor the trainer's /proc
     assert "pyproject.toml" not in result.stdout, result  # the project's folder
+    interpreter = set(Path(sys.executable).resolve().parts)
+    for line in result.stdout.splitlines():  # a folder shows at most the interpreter's path
+        if line.startswith("LISTED "):
+            entries = ast.literal_eval(line.split(" ", 2)[2])
+            assert set(entries) <= interpreter, line
 
 
 def _processes_with(token: str) -> list[int]:

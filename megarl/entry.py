@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from megarl.console import quiet_rank_console
 from megarl.errors import MegarlError
+from megarl.hardening import make_undumpable
 
 if TYPE_CHECKING:
     from megarl.config import RunConfig
@@ -69,6 +70,7 @@ def program(cfg: RunConfig) -> Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    make_undumpable()  # before anything reads the config, its secrets or the environment's
     from megarl.config import load_config
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported

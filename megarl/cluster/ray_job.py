@@ -39,6 +39,7 @@ from megarl.cluster.job import JobRequest, JobResult
 from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
+from megarl.loopback import LOOPBACK_IFNAMES
 from megarl.quiet_torchrun import describe_exit, exit_code_of
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
 
@@ -177,6 +178,20 @@ def _use_token_if_present() -> None:
         env["RAY_AUTH_MODE"] = "token"
 
 
+# Ray's switch for its node address: off, a node takes the loopback address, and Ray's servers
+# (GCS, raylet, workers, agents) listen on it (measured with Ray 2.60: on, they listen on `::`
+# and on the machine's address). Named for Windows and macOS, where it is off by default.
+RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _local_on_loopback() -> None:
+    """A local Ray instance (one machine, nothing joins it) listens on loopback only."""
+    os.environ[RAY_CLUSTER_SWITCH] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # Ray imported already (it read the switch then): tell it too
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 (a module of Ray)
+
+
 def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -227,6 +242,8 @@ class RayLauncher:
         if target != "local":
             _probe(target, min(10.0, CONNECT_TIMEOUT_S))
             _use_token_if_present()  # before Ray is imported: it reads the mode at import
+        else:
+            _local_on_loopback()  # before Ray is imported: it reads the setting at import
         ray = import_ray()
         world = nnodes * nproc_per_node
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network calls from the driver
@@ -341,6 +358,9 @@ class RayLauncher:
         port = self.ray.get(ranks[0].agent.free_port.remote())
         base = _rank_base_env(spec, self.verbose)
         base.update(MASTER_ADDR=infos[0]["ip"], MASTER_PORT=str(port), WORLD_SIZE=str(spec.world))
+        if self.local:  # one machine: the ranks' gloo/NCCL sockets on loopback too
+            for key, value in LOOPBACK_IFNAMES.items():
+                base.setdefault(key, value)
         on_node: dict[str, list[int]] = {}
         for i, r in enumerate(ranks):
             on_node.setdefault(r.node.node_id, []).append(i)

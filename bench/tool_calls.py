@@ -14,9 +14,15 @@ trajectories), after a warm-up. Each variant is a ``python_tool(...)`` setting:
 - ``ready``: ``ready=--ready``, calls take a sandbox started ahead of them (the pool refills
   while the program runs).
 
-Writes bench/results/tool_calls<--suffix>.json (``--suffix _before`` stored the figures of the
-in-process audit-hook sandbox, megarl's before issue 43: ``--variants default``). Nothing is
-asserted.
+Writes bench/results/tool_calls<--suffix>.json. ``tool_calls_before.json`` holds the figures of
+the sandbox megarl had before the operating-system boundary (a plain child process with an audit
+hook), measured in the same session with that code on PYTHONPATH::
+
+    git archive a6f0e4e megarl | tar -x -C /tmp/before
+    PYTHONPATH=/tmp/before .venv/bin/python -m bench.tool_calls --variants default \\
+        --suffix _before --note "megarl/ of a6f0e4e"
+
+Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ def main() -> None:
     p.add_argument("--variants", default="default,cold,ready")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds per variant")
     p.add_argument("--suffix", default="", help="stored as bench/results/tool_calls<suffix>.json")
+    p.add_argument("--note", default="", help="stored with the figures (e.g. which code ran)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     names = [v for v in args.variants.split(",") if v]
@@ -111,6 +118,7 @@ def main() -> None:
         f"tool_calls{args.suffix}",
         {
             "program": PROGRAM,
+            "note": args.note,
             "calls": args.calls,
             "concurrency": args.concurrency,
             "ready": args.ready,

@@ -1,7 +1,7 @@
 """Python tool calls per second: what the sandbox costs a multi-turn rollout.
 
     .venv/bin/python -m bench.tool_calls                      # the stored figures
-    .venv/bin/python -m bench.tool_calls --calls 16 --smoke   # seconds, writes *.smoke.json
+    .venv/bin/python -m bench.tool_calls --smoke              # seconds, writes *.smoke.json
 
 Each call runs a small program (``print(sum(i * i for i in range(1000)))``) through the rollout's
 tool pool (megarl.envs.ToolPool), as a ToolEnvironment runs a model's call: the tool's process is
@@ -98,6 +98,8 @@ def main() -> None:
     p.add_argument("--note", default="", help="stored with the figures (e.g. which code ran)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
+    if args.smoke:  # seconds: a few calls of each variant, once
+        args.calls, args.repeats = min(args.calls, 8), 1
     names = [v for v in args.variants.split(",") if v]
     rounds: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for _ in range(args.repeats):  # alternate, so a load change hits every variant alike

@@ -187,9 +187,10 @@ RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 def _local_on_loopback() -> None:
     """A local Ray instance (one machine, nothing joins it) listens on loopback only."""
     os.environ[RAY_CLUSTER_SWITCH] = "0"
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:  # Ray imported already (it read the switch then): tell it too
-        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 (a module of Ray)
+    if "ray._private.ray_constants" in sys.modules:  # imported already: it read the switch then
+        import ray._private.ray_constants as constants
+
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 def _exit_now(code: int) -> None:

@@ -139,7 +139,17 @@ def _sandboxes() -> list[psutil.Process]:
     return [p for p in psutil.Process().children() if p.name() == "bwrap"]
 
 
-def test_sandboxes_started_ahead_run_one_program_each_and_end_with_the_pool():
+@pytest.fixture
+def no_waiting_sandboxes():
+    """None of this process's pools hold sandboxes (earlier tests' tools keep some ready)."""
+    close_all()
+    yield
+    close_all()
+
+
+def test_sandboxes_started_ahead_run_one_program_each_and_end_with_the_pool(
+    no_waiting_sandboxes,
+):
     first = run_python("open('left.txt', 'w').write('x')\nprint('wrote')", LIMITS, ready=2)
     second = run_python("import os\nprint(os.listdir('.'))", LIMITS, ready=2)
     assert first.stdout == "wrote\n" and second.stdout == "[]\n"  # nothing of one call in the next
@@ -150,7 +160,7 @@ def test_sandboxes_started_ahead_run_one_program_each_and_end_with_the_pool():
     assert _sandboxes() == [] and left == []
 
 
-def test_a_cancelled_call_ends_its_sandbox_and_threads_may_run():
+def test_a_cancelled_call_ends_its_sandbox_and_threads_may_run(no_waiting_sandboxes):
     python = python_tool(SandboxLimits(cpu_s=5, wall_s=60), ready=0)
     pool = ToolPool(max_concurrency=2, timeout_s=1.0)
     call = ToolCall("python", {"code": "import time\ntime.sleep(50)"})

@@ -3,7 +3,7 @@
 - ``bwrap`` (the default): bubblewrap. The program runs in its own user (uid 65534 inside, no
   capabilities, no further user namespaces), pid, ipc, uts, cgroup, network (none: loopback
   only, its own) and mount namespaces. Its file system is :class:`InterpreterView` read-only
-  plus a throwaway in-memory working folder (``/work``, ``SandboxLimits.work_bytes``), its own
+  plus a throwaway in-memory working folder (``/sandbox``, ``SandboxLimits.work_bytes``), its own
   ``/proc`` and a minimal ``/dev``; the root is read-only. A system-call filter
   (:mod:`megarl.envs.seccomp`) keeps it to one process, so its address-space, CPU-time and
   file-size limits bound the whole sandbox, and ending that process (with ``--die-with-parent``
@@ -32,7 +32,7 @@ from megarl.envs.sandbox_limits import SandboxLimits
 from megarl.envs.seccomp import machine_arch, single_process_filter
 from megarl.errors import ConfigError
 
-WORK = "/work"  # the program's working folder inside the bwrap sandbox
+WORK = "/sandbox"  # the program's working folder in the sandbox (no path shown may be under it)
 UNSAFE = "unsafe_no_boundary"
 DEFAULT = "bwrap"
 
@@ -82,6 +82,12 @@ class Bwrap(Boundary):
         self.executable = executable
 
     def launch(self, view: InterpreterView, limits: SandboxLimits, program: list[str]) -> Launch:
+        hidden = [p for p in view.read_only if p == WORK or p.startswith(WORK + "/")]
+        if hidden:
+            raise SandboxUnavailable(
+                f"the sandbox's working folder {WORK} would hide {hidden[0]}, which the "
+                "interpreter needs; install Python (or its packages) elsewhere"
+            )
         seccomp = os.memfd_create("megarl-seccomp", 0)
         os.write(seccomp, single_process_filter())
         os.lseek(seccomp, 0, os.SEEK_SET)

@@ -23,6 +23,7 @@ from megarl.envs.loading import check_environment
 from megarl.envs.sandbox_pool import close_all
 from megarl.envs.seccomp import ARCHES, CLONE_THREAD, single_process_filter
 from megarl.errors import ConfigError
+from tests.unit.test_sandbox_attacks import UNHOOK
 
 pytestmark = pytest.mark.unit
 
@@ -190,4 +191,13 @@ def test_the_working_folder_is_bounded_and_in_memory():
     result = run_python(
         "import os\nprint(os.getcwd())\nopen('big', 'wb').write(b'x' * (4 << 20))", small
     )
-    assert result.stdout == "/work\n" and "No space left" in result.stderr, result
+    assert result.stdout == "/sandbox\n" and "No space left" in result.stderr, result
+
+
+def test_installed_packages_are_shown_read_only_when_asked():
+    code = UNHOOK + "import numpy\nprint(numpy.arange(4).sum())\nopen(numpy.__file__, 'a')"
+    limits = SandboxLimits(cpu_s=10, wall_s=60, memory_bytes=1 << 30)
+    shown = run_python(code, limits, packages=True)
+    assert shown.stdout == "6\n" and "Read-only file system" in shown.stderr, shown
+    hidden = run_python("import numpy", limits)
+    assert "No module named 'numpy'" in hidden.stderr, hidden

@@ -12,7 +12,6 @@ The output is written into a hidden temporary folder and renamed at the end.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import shutil
@@ -33,7 +32,7 @@ from checkpoints_tools.lora_export import (
     export_adapter,
 )
 from checkpoints_tools.safetensors_writer import SafetensorsStreamWriter, nbytes
-from megarl.checkpoint.hf_assets import ASSET_PATTERNS, export_config, has_tokenizer, read_json
+from megarl.checkpoint.hf_assets import asset_files, export_config, has_tokenizer, read_json
 from megarl.checkpoint.keys import dist_checkpoint_key
 from megarl.checkpoint.reader import DistCheckpointReader
 from megarl.checkpoint.store import (
@@ -234,11 +233,8 @@ def _write_side_files(tmp: Path, hf_src: Path, cfg: dict, role: str, dtype: torc
         + "\n"
     )
 
-    for path in sorted(hf_src.iterdir()):
-        if path.name == "config.json" or not path.is_file():
-            continue
-        if any(fnmatch.fnmatch(path.name, p) for p in ASSET_PATTERNS):
-            shutil.copy2(path, tmp / path.name)
+    for path in asset_files(hf_src, skip=("config.json",)):  # links out of it are refused
+        shutil.copy2(path, tmp / path.name)
     if not has_scalar_head(role) and not (tmp / "generation_config.json").exists():
         (tmp / "generation_config.json").write_text(
             json.dumps(_generation_config(cfg), indent=2) + "\n"

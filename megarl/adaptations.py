@@ -70,6 +70,20 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
         "checkpoint metadata read through an allow-listed unpickler",
     ),
     Adaptation(
+        "torch",
+        "elastic.rendezvous.static_tcp_rendezvous.TCPStore: the agent's store on loopback",
+        "megarl.quiet_torchrun:_store_on_loopback",
+        "process (megarl's torchrun agent, when the ranks meet at a loopback address)",
+        "TCPStore listens on every interface whatever host it is given (megarl.loopback)",
+    ),
+    Adaptation(
+        "ray",
+        "_private.ray_constants.ENABLE_RAY_CLUSTER (and its environment variable) off",
+        "megarl.cluster.ray_job:_local_on_loopback",
+        "process (a local Ray instance)",
+        "the local instance takes the loopback address, and its servers listen there only",
+    ),
+    Adaptation(
         "warnings",
         "megatron-core's CPU-fallback warnings ignored",
         "megarl.platform",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from megarl.console import quiet_rank_console
 from megarl.errors import MegarlError
+from megarl.hardening import make_undumpable
 from megarl.lean_imports import import_transformers_lean
 from megarl.process_exit import end_process
 
@@ -71,6 +72,7 @@ def program(cfg: RunConfig) -> Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    make_undumpable()  # before anything reads the config, its secrets or the environment's
     from megarl.config import load_config
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported

@@ -21,11 +21,15 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.console import is_verbose, rank_env
 from megarl.errors import ConfigError
+from megarl.hardening import make_undumpable
 from megarl.host_allocator import cpu_allocator_env
 from megarl.lean_imports import import_megatron_lean
+from megarl.loopback import LOOPBACK_IFNAMES, rank_store
 from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note
 from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix, remove_run_segments
 from megarl.world_split import TRAINER, SplitWorld, WorldSplit, init_split_world
+
+DEFAULT_STORE_TIMEOUT = timedelta(minutes=30)  # torch's default for its process groups
 
 
 def under_launcher() -> bool:
@@ -71,9 +75,11 @@ def launch_env(
     env_extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The ranks' environment: ``base`` with the console's variables, ``env_extra``, and, where
-    ``base`` does not set them, the threads per rank and (CPU ranks) the allocator's settings
-    (megarl.host_allocator)."""
+    ``base`` does not set them, the threads per rank, (CPU ranks) the allocator's settings
+    (megarl.host_allocator) and gloo's and NCCL's sockets on loopback (one machine's job)."""
     env = dict(base, **rank_env(verbose), **(env_extra or {}))
+    for key, value in LOOPBACK_IFNAMES.items():
+        env.setdefault(key, value)
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc) if not cuda else 4
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
@@ -112,6 +118,8 @@ def run_torchrun(
             "-m",
             "megarl.quiet_torchrun",
             f"--nproc-per-node={nproc}",
+            "--master-addr",
+            "127.0.0.1",  # one machine: the ranks meet on loopback, where the store listens
             "--master-port",
             port,
             "-m",
@@ -277,13 +285,25 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
     ``timeout_s``: how long a collective may wait for the other ranks (None: torch's default).
     """
+    make_undumpable()
     _adopt_slurm_env()
     import_megatron_lean()  # every trainer rank imports it: without what megarl never uses
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        dist.init_process_group(platform.distributed_backend(), timeout=timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = rank_store(rank, world, timeout or DEFAULT_STORE_TIMEOUT)
+        if store is None:
+            dist.init_process_group(platform.distributed_backend(), timeout=timeout)
+        else:  # a one-machine job without torchrun's agent store: rank 0's, on loopback
+            dist.init_process_group(
+                platform.distributed_backend(),
+                store=store,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+            )
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and not torch.cuda.is_available():
         torch.set_num_threads(int(threads))
@@ -301,6 +321,7 @@ def init_split(rollout_ranks: int, timeout_s: float | None = None) -> SplitWorld
     """Asynchronous training's start-up: this process's default group over its own role's ranks
     (the trainers' or the rollout group's, :mod:`megarl.world_split`); the CPU adaptation of
     megatron on the trainers only."""
+    make_undumpable()
     split = job_split(rollout_ranks)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

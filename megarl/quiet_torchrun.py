@@ -5,7 +5,9 @@ failures, ~30 lines) would follow the rank's message. megarl's ranks print their
 themselves (``megarl: error: ...`` for user errors, a traceback otherwise), so this launcher ends
 with that output and exits with the rank's exit code. ``MEGARL_VERBOSE=1`` keeps torchrun's report.
 With ``MEGARL_FAILURE_FILE`` set, the first failed rank and its exit code are also written there
-as JSON (the elastic supervisor reads which rank to leave out of a restart).
+as JSON (the elastic supervisor reads which rank to leave out of a restart). When the ranks
+meet at a loopback address (megarl's single-node launches), the agent's rendezvous store listens
+on loopback only (megarl.loopback), and the agent is not dumpable (megarl.hardening).
 """
 
 from __future__ import annotations
@@ -16,18 +18,35 @@ import os
 import sys
 
 from megarl.console import is_verbose
+from megarl.hardening import make_undumpable
+from megarl.loopback import is_loopback, loopback_store
 from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note
 
 
+def _store_on_loopback() -> None:
+    """The agent's rendezvous store (torchrun's static rendezvous) listens on 127.0.0.1 only:
+    the ranks are told to meet there, and TCPStore would otherwise listen on every interface."""
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+
+    def store(host, port, world_size, is_master, timeout, **kwargs):
+        return loopback_store(int(port), world_size, bool(is_master), timeout, **kwargs)
+
+    static_tcp_rendezvous.TCPStore = store
+
+
 def main(argv: list[str] | None = None) -> int:
+    make_undumpable()  # the agent holds the job's environment too
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     verbose = is_verbose()
     if not verbose:  # torchrun's own log lines: failures, "closing signal SIGTERM" to other ranks
         logging.disable(logging.ERROR)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if is_loopback(args.master_addr):
+        _store_on_loopback()
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         record = os.environ.get(FAILURE_FILE_ENV)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.errors import MegarlError
+from megarl.files import replace_file
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], by step
 
@@ -157,7 +158,4 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     series, bad = read_metrics(run)
     target = Path(out) if out is not None else run / "report.html"
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".partial")
-    tmp.write_text(render(run, series, bad))
-    tmp.replace(target)
-    return target
+    return replace_file(target, render(run, series, bad))

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+from megarl.loopback import rank_store
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -174,7 +176,9 @@ def init_split_world(split: WorldSplit, backend: str, timeout: timedelta) -> Spl
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != split.world_size:
         raise ValueError(f"the job has {world} processes, the split {split.world_size}")
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store = rank_store(rank, world, timeout)  # a one-machine job: rank 0's, on loopback
+    if store is None:
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     role = split.role(rank)
     dist.init_process_group(
         backend,

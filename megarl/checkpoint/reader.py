@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.contained import inside
 from megarl.checkpoint.safe_metadata import DIST_METADATA, read_dist_metadata
 from megarl.errors import CheckpointError
 
@@ -91,7 +92,7 @@ class DistCheckpointReader:
             end = info.offset + info.length
             need[info.relative_path] = max(need.get(info.relative_path, 0), end)
         for name, end in sorted(need.items()):
-            path = self.root / name
+            path = inside(self.root, name, f"checkpoint {self.root.parent}")  # no link, no ..
             if not path.is_file():
                 raise CheckpointError(
                     f"checkpoint {self.root.parent} is partial: data file {path.name} is missing; "

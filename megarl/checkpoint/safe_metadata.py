@@ -4,7 +4,9 @@ torch.distributed.checkpoint writes ``.metadata`` with ``pickle`` and reads it b
 ``pickle.load``, which calls whatever a crafted file names (``os.system`` ...). This module
 unpickles it through an allow-list instead: the metadata classes of torch.distributed.checkpoint
 (dataclasses and enums, which rebuild plain fields), ``torch.Size``, torch's dtypes, layouts and
-memory formats, ``pathlib`` paths, and nothing else; anything else is refused naming the file. A checkpoint that
+memory formats, ``pathlib`` paths, and nothing else; anything else is refused naming the file.
+Every storage path it lists must be a file name inside the checkpoint (megarl.checkpoint.contained):
+an absolute or ``..`` path would make a load read bytes from elsewhere. A checkpoint that
 declares pickled objects (``BytesStorageMetadata``: loading them runs ``torch.load`` without
 ``weights_only``) is refused too: megarl's checkpoints hold tensors only. The one exception is
 Transformer Engine's ``_extra_state``, which megarl never loads (see ``IGNORED_OBJECTS``).
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megarl.checkpoint.contained import check_entry, refuse_links
 from megarl.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -101,6 +104,9 @@ def read_dist_metadata(path: str | Path) -> Metadata:
             f"{path} holds a {type(md).__name__}, not dist-checkpoint metadata; the checkpoint "
             "is damaged"
         )
+    for index, info in (getattr(md, "storage_data", None) or {}).items():
+        rel = getattr(info, "relative_path", None)  # where a chunk's bytes are: inside, by name
+        check_entry(str(rel), f"{path} (the storage of {getattr(index, 'fqn', index)!r})")
     objects = sorted(
         k
         for k, v in md.state_dict_metadata.items()
@@ -129,6 +135,7 @@ def safe_filesystem_reader(checkpoint_dir: str | Path):
             if kwargs.get("rank") is not None:  # per-rank metadata files: not written by megarl
                 raise CheckpointError(f"{checkpoint_dir}: per-rank metadata is not supported")
             if self._metadata is None:
+                refuse_links(Path(checkpoint_dir))  # its data files are read by name
                 md = read_dist_metadata(Path(checkpoint_dir))
                 if getattr(md, "storage_meta", None) is None:
                     md.storage_meta = StorageMeta()

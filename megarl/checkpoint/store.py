@@ -39,11 +39,13 @@ import torch.distributed as dist
 
 import megarl.checkpoint.manifest as manifest
 from megarl.checkpoint.atomic import publish
+from megarl.checkpoint.contained import inside, read_pointer, refuse_links
 from megarl.checkpoint.hf_assets import copy_hf_assets, dims_from_config, read_json
 from megarl.checkpoint.safe_load import safe_strategies
 from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
 from megarl.dtypes import dtype_from_name, dtype_name
 from megarl.errors import CheckpointError, ConfigError
+from megarl.files import replace_file
 from megarl.models.build import ModelOptions, build_gpt_model
 from megarl.models.dims import ModelDims
 from megarl.models.heads import has_scalar_head
@@ -125,7 +127,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     training run's ``checkpoints/`` folder); or, for a training step folder (``step_N/`` with one
     checkpoint per role), its actor's (else its reward model's, critic's, reference's).
 
-    Raises :class:`CheckpointError` with what is wrong for missing, partial or foreign folders.
+    Raises :class:`CheckpointError` with what is wrong for missing, partial or foreign folders,
+    and for a checkpoint that holds a symbolic link or whose ``latest`` leaves its folder
+    (megarl.checkpoint.contained): nothing outside the checkpoint is ever read through it.
     """
     path = Path(path)
     if not path.is_dir():
@@ -135,13 +139,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
             "step_N folders, or a role folder inside one)"
         )
     if (path / META_FILE).is_file():
+        refuse_links(path)
         return path
     roles = step_roles(path)
     if roles:
-        return path / roles[0]
-    latest = path / LATEST_FILE
-    if latest.is_file():
-        name = latest.read_text().strip()
+        inside(path, roles[0], f"training step {path}")
+        return resolve_checkpoint(path / roles[0])
+    name = read_pointer(path, LATEST_FILE)
+    if name is not None:
+        latest = path / LATEST_FILE
         target = path / name
         if not (target / META_FILE).is_file() and not step_roles(target):
             raise CheckpointError(
@@ -186,11 +192,8 @@ def step_name(step: int) -> str:
 
 
 def write_latest(root: str | Path, name: str) -> None:
-    """Point ``root/latest`` at ``name`` (atomically: write a temp file, then rename)."""
-    root = Path(root)
-    tmp = root / f".{LATEST_FILE}.{os.getpid()}"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, root / LATEST_FILE)
+    """Point ``root/latest`` at ``name`` (atomically: a fresh temporary file, then rename)."""
+    replace_file(Path(root) / LATEST_FILE, name + "\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import TextIO
 from megarl.cluster.job import JobRequest, JobResult, Launcher
 from megarl.cluster.layouts import FitCheck, largest_layout, layout_overrides
 from megarl.config import RunConfig
+from megarl.files import append_text
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.run.elastic import AttemptRecord
@@ -200,8 +201,7 @@ class Supervisor:
 
     def _record(self, restart: Restart) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.output_dir / EVENTS_FILE, "a") as f:
-            f.write(json.dumps(restart.event()) + "\n")
+        append_text(self.output_dir / EVENTS_FILE, json.dumps(restart.event()) + "\n")
 
     def _say(self, line: str) -> None:
         print(line, file=self.console, flush=True)

@@ -39,6 +39,7 @@ from megarl.cluster.job import JobRequest, JobResult
 from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
+from megarl.loopback import LOOPBACK_IFNAMES
 from megarl.rank_exit import describe_exit, exit_code_of
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
 from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix
@@ -178,6 +179,21 @@ def _use_token_if_present() -> None:
         env["RAY_AUTH_MODE"] = "token"
 
 
+# Ray's switch for its node address: off, a node takes the loopback address, and Ray's servers
+# (GCS, raylet, workers, agents) listen on it (measured with Ray 2.60: on, they listen on `::`
+# and on the machine's address). Named for Windows and macOS, where it is off by default.
+RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _local_on_loopback() -> None:
+    """A local Ray instance (one machine, nothing joins it) listens on loopback only."""
+    os.environ[RAY_CLUSTER_SWITCH] = "0"
+    if "ray._private.ray_constants" in sys.modules:  # imported already: it read the switch then
+        import ray._private.ray_constants as constants
+
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -228,6 +244,8 @@ class RayLauncher:
         if target != "local":
             _probe(target, min(10.0, CONNECT_TIMEOUT_S))
             _use_token_if_present()  # before Ray is imported: it reads the mode at import
+        else:
+            _local_on_loopback()  # before Ray is imported: it reads the setting at import
         ray = import_ray()
         world = nnodes * nproc_per_node
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network calls from the driver
@@ -342,6 +360,9 @@ class RayLauncher:
         port = self.ray.get(ranks[0].agent.free_port.remote())
         base = _rank_base_env(spec, self.verbose)
         base.update(MASTER_ADDR=infos[0]["ip"], MASTER_PORT=str(port), WORLD_SIZE=str(spec.world))
+        if self.local:  # one machine: the ranks' gloo/NCCL sockets on loopback too
+            for key, value in LOOPBACK_IFNAMES.items():
+                base.setdefault(key, value)
         on_node: dict[str, list[int]] = {}
         for i, r in enumerate(ranks):
             on_node.setdefault(r.node.node_id, []).append(i)

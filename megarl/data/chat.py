@@ -2,7 +2,8 @@
 
 Templates are rendered to text, then tokenised without adding special tokens (the template
 already holds them). Rendering first keeps us independent of how a transformers release shapes
-`apply_chat_template(tokenize=True)`'s return value.
+`apply_chat_template(tokenize=True)`'s return value. Message content is data: a spelling of a
+control token in it stays text (megarl.data.literal_text), so only the template makes turns.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megarl.data.errors import DataError
+from megarl.data.literal_text import Literals, plain_text_ids, spellings, tokenize_with_literals
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -75,6 +77,27 @@ def render_chats(
     ]
 
 
+def encode_chats(
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: Sequence[Messages],
+    *,
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, object] | None = None,
+) -> list[list[int]]:
+    """Token ids of each conversation as its chat template renders it, the messages' strings
+    tokenised as plain text (control tokens come from the template only)."""
+    found = spellings(tokenizer)
+    literals = [Literals(found) for _ in conversations]
+    hidden = [lit.hide_messages(c) for lit, c in zip(literals, conversations, strict=True)]
+    texts = render_chats(
+        tokenizer,
+        hidden,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    return tokenize_with_literals(tokenizer, texts, literals)
+
+
 def tokenize_texts(
     tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, add_special_tokens: bool
 ) -> list[list[int]]:
@@ -104,16 +127,16 @@ def encode_prompts(
             to_messages(p, where="prompt", column="prompt") if isinstance(p, str) else p
             for p in prompts
         ]
-        texts = render_chats(
+        return encode_chats(
             tokenizer, convs, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs
         )
-        return tokenize_texts(tokenizer, texts, add_special_tokens=False)
-    if not all(isinstance(p, str) for p in prompts):
+    texts = [p for p in prompts if isinstance(p, str)]
+    if len(texts) != len(prompts):
         raise DataError(
             "prompts are chat messages but apply_chat_template=False; turn templating on, or "
             "store prompts as plain strings."
         )
-    return tokenize_texts(tokenizer, list(prompts), add_special_tokens=True)  # type: ignore[arg-type]
+    return plain_text_ids(tokenizer, texts, add_special_tokens=True)
 
 
 def encode_responses(
@@ -125,14 +148,24 @@ def encode_responses(
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, response ids) per pair, such that prompt ids + response ids is the templated
     conversation: the response is the text the template adds after the opened assistant turn
-    (the reply and its end-of-turn tokens), tokenised on its own.
+    (the reply and its end-of-turn tokens), tokenised on its own. Message strings are plain text.
     """
+    found = spellings(tokenizer)
+    literals = [Literals(found) for _ in prompts]
+    hidden_prompts = [lit.hide_messages(p) for lit, p in zip(literals, prompts, strict=True)]
+    hidden_full = [  # the same markers for the prompt's strings in both renderings
+        hp + lit.hide_messages(r)
+        for lit, hp, r in zip(literals, hidden_prompts, responses, strict=True)
+    ]
     prompt_texts = render_chats(
-        tokenizer, prompts, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs
+        tokenizer,
+        hidden_prompts,
+        add_generation_prompt=True,
+        chat_template_kwargs=chat_template_kwargs,
     )
     full_texts = render_chats(
         tokenizer,
-        [p + r for p, r in zip(prompts, responses, strict=True)],
+        hidden_full,
         add_generation_prompt=False,
         chat_template_kwargs=chat_template_kwargs,
     )
@@ -147,6 +180,6 @@ def encode_responses(
             )
         tails.append(f[len(p) :])
     return (
-        tokenize_texts(tokenizer, prompt_texts, add_special_tokens=False),
-        tokenize_texts(tokenizer, tails, add_special_tokens=False),
+        tokenize_with_literals(tokenizer, prompt_texts, literals),
+        tokenize_with_literals(tokenizer, tails, literals),
     )

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow.fs as pafs
 
 from megarl.data.batching import Rows
-from megarl.data.chat import encode_responses, to_messages, tokenize_texts
+from megarl.data.chat import encode_responses, to_messages
 from megarl.data.errors import DataError
+from megarl.data.literal_text import plain_text_ids
 from megarl.data.parquet_source import ParquetFileInfo
 from megarl.data.schema import TEXT_OR_MESSAGES, check_columns
 from megarl.data.sharded import ShardedDataset, check_truncation, open_files
@@ -126,17 +127,17 @@ class PreferenceDataset(ShardedDataset[PreferenceItem]):
                 )
             eos = getattr(self.tokenizer, "eos_token_id", None)
             tail = [] if eos is None else [eos]
-            return (
-                tokenize_texts(self.tokenizer, cells["prompt"], add_special_tokens=True),
+            return (  # the cells are data: spellings of control tokens stay text
+                plain_text_ids(self.tokenizer, cells["prompt"], add_special_tokens=True),
                 [
                     ids + tail
-                    for ids in tokenize_texts(
+                    for ids in plain_text_ids(
                         self.tokenizer, cells["chosen"], add_special_tokens=False
                     )
                 ],
                 [
                     ids + tail
-                    for ids in tokenize_texts(
+                    for ids in plain_text_ids(
                         self.tokenizer, cells["rejected"], add_special_tokens=False
                     )
                 ],

@@ -18,6 +18,7 @@ import pyarrow.fs as pafs
 from megarl.data.batching import Rows
 from megarl.data.chat import encode_prompts, to_messages
 from megarl.data.errors import DataError
+from megarl.data.literal_text import too_long
 from megarl.data.parquet_source import ParquetFileInfo
 from megarl.data.schema import ANY, REWARD_MODEL, STRING, TEXT_OR_MESSAGES, check_columns
 from megarl.data.sharded import ShardedDataset, open_files
@@ -136,6 +137,7 @@ class PromptDataset(ShardedDataset[PromptItem]):
 
     def _encode(self, rows: Rows) -> list[PromptItem | None]:
         prompts = []
+        fits = []  # whether the prompt's text can fit at all (checked before any templating)
         for uid, row in rows:
             value = row.get("prompt")
             if value is None:
@@ -146,19 +148,34 @@ class PromptDataset(ShardedDataset[PromptItem]):
                 raise DataError(
                     f"{self._locate(uid)}: column 'data_source' is empty (null); fill or remove the row."
                 )
+            chars = too_long(self.tokenizer, value, self.max_prompt_length)
+            if chars is not None and self.overlong_prompts == "error":
+                raise DataError(
+                    f"{self._locate(uid)}: the prompt holds {chars:,} characters, more than "
+                    f"max_prompt_length={self.max_prompt_length} tokens can ever hold. Raise "
+                    "max_prompt_length, or set overlong_prompts='filter' to drop (and count) "
+                    "such prompts."
+                )
+            fits.append(chars is None)
             prompts.append(
                 value
                 if isinstance(value, str)
                 else to_messages(value, where=self._locate(uid), column="prompt")
             )
-        ids = encode_prompts(
-            self.tokenizer,
-            prompts,
-            apply_chat_template=self.apply_chat_template,
-            chat_template_kwargs=self.chat_template_kwargs,
+        encoded = iter(
+            encode_prompts(
+                self.tokenizer,
+                [p for p, ok in zip(prompts, fits, strict=True) if ok],
+                apply_chat_template=self.apply_chat_template,
+                chat_template_kwargs=self.chat_template_kwargs,
+            )
         )
+        ids = [next(encoded) if ok else None for ok in fits]
         items: list[PromptItem | None] = []
         for (uid, row), prompt, input_ids in zip(rows, prompts, ids, strict=True):
+            if input_ids is None:
+                items.append(None)  # far too long: dropped (overlong_prompts='filter')
+                continue
             if len(input_ids) > self.max_prompt_length:
                 if self.overlong_prompts == "error":
                     raise DataError(

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Literal
 import pyarrow.fs as pafs
 
 from megarl.data.batching import Rows
-from megarl.data.chat import Messages, render_chats, to_messages, tokenize_texts
+from megarl.data.chat import Messages, render_chats, to_messages
 from megarl.data.errors import DataError
+from megarl.data.literal_text import Literals, spellings, tokenize_with_literals
 from megarl.data.parquet_source import ParquetFileInfo
 from megarl.data.schema import MESSAGES, TEXT_OR_MESSAGES, check_columns
 from megarl.data.sharded import ShardedDataset, check_truncation, open_files
@@ -75,6 +76,7 @@ class _Pieces:
 
     prompt: str
     response: list[tuple[str, bool]]
+    literals: Literals  # the message strings the pieces hide (tokenised as plain text)
 
 
 def _after(prefix: str, text: str, where: str) -> str:
@@ -102,10 +104,13 @@ def conversation_pieces(
             f"{where}: the conversation has no assistant turn to learn; fill or remove the row."
         )
 
+    literals = Literals(spellings(tokenizer))
+    hidden = literals.hide_messages(messages)  # control tokens come from the template only
+
     def render(upto: int, opened: bool) -> str:
         [text] = render_chats(
             tokenizer,
-            [messages[:upto]],
+            [hidden[:upto]],
             add_generation_prompt=opened,
             chat_template_kwargs=chat_template_kwargs,
         )
@@ -119,7 +124,7 @@ def conversation_pieces(
             pieces.append((_after(done, opened, where), False))
         done = render(i + 1, False)
         pieces.append((_after(opened, done, where), True))
-    return _Pieces(prompt, pieces)
+    return _Pieces(prompt, pieces, literals)
 
 
 class SFTDataset(ShardedDataset[SFTItem]):
@@ -194,7 +199,8 @@ class SFTDataset(ShardedDataset[SFTItem]):
 
     def _tokenize(self, pieces: list[_Pieces]) -> list[tuple[list[int], list[int], list[int]]]:
         texts = [p.prompt for p in pieces] + [t for p in pieces for t, _ in p.response]
-        ids = iter(tokenize_texts(self.tokenizer, texts, add_special_tokens=False))
+        literals = [p.literals for p in pieces] + [p.literals for p in pieces for _ in p.response]
+        ids = iter(tokenize_with_literals(self.tokenizer, texts, literals))
         prompts = [next(ids) for _ in pieces]
         out = []
         for prompt, p in zip(prompts, pieces, strict=True):

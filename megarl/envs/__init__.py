@@ -1,8 +1,10 @@
 """Multi-turn environments and tools: the :class:`Environment` / :class:`Step` API, tools with JSON
-schemas from their signatures, tool-call parsers by model family, the sandboxed Python tool and
-the calculator, and the chat-template deltas that keep trajectories as token ids."""
+schemas from their signatures, tool-call parsers by model family, the Python tool behind an
+operating-system boundary and the calculator, and the chat-template deltas that keep trajectories
+as token ids."""
 
 from megarl.envs.base import EnvContext, EnvError, Environment, Message, Step
+from megarl.envs.boundary import SandboxUnavailable
 from megarl.envs.builtin_tools import BUILTIN_TOOLS, calculator, python_tool
 from megarl.envs.chat_deltas import ChatDeltas
 from megarl.envs.loading import check_environment, load_environment
@@ -23,6 +25,7 @@ __all__ = [
     "ParsedTurn",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailable",
     "Step",
     "Tool",
     "ToolCall",

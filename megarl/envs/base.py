@@ -91,6 +91,11 @@ class Environment:
         """JSON schemas of the tools the model may call (the chat template's ``tools``)."""
         return None
 
+    @classmethod
+    def check_settings(cls, kwargs: Mapping[str, object]) -> None:
+        """Refuse ``rollout.env_kwargs`` that cannot work here (a ConfigError naming the fix);
+        called before any model is built, on the launching process and on every rank."""
+
     @property
     def rng(self) -> random.Random:
         """This sample's random generator (seeded from the run's seed and the sample index)."""

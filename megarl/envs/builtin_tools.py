@@ -3,7 +3,11 @@
 - ``calculator``: arithmetic on exact rationals (``+ - * / // % **``, parentheses, ``^`` as a
   power, and ``sqrt abs round min max floor ceil log exp``); no names, no attribute access, no
   unbounded powers.
-- ``python``: runs a program in :mod:`megarl.envs.sandbox` and returns what it prints.
+- ``python``: runs a program in :mod:`megarl.envs.sandbox` (behind an operating-system
+  boundary) and returns what it prints.
+
+:data:`CODE_TOOLS` names the built-ins that run model-written code: a run that lists one checks
+before any model is built that its sandbox can be made here (megarl.envs.boundary.require).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import operator
 from collections.abc import Callable
 from fractions import Fraction
 
+from megarl.envs.boundary import DEFAULT, require
 from megarl.envs.sandbox import SandboxLimits, run_python_async
 from megarl.envs.tools import Tool, ToolError, tool
+from megarl.errors import ConfigError
 
 MAX_DIGITS = 100  # operands and results past 10**100 are refused (no memory bombs)
 MAX_EXPONENT = 1000
@@ -139,9 +145,29 @@ def calculator(expression: str) -> str:
     return evaluate(expression)
 
 
-def python_tool(limits: SandboxLimits | None = None, name: str = "python") -> Tool:
-    """A tool that runs Python code in the sandbox and returns its printed output."""
+# Sandboxes started ahead of the python tool's calls, per process (megarl.envs.sandbox_pool):
+# bench/results/tool_calls.json measures calls per second with and without them.
+DEFAULT_READY = 2
+
+
+def python_tool(
+    limits: SandboxLimits | None = None,
+    name: str = "python",
+    *,
+    sandbox: str = DEFAULT,
+    packages: bool = False,
+    ready: int = DEFAULT_READY,
+) -> Tool:
+    """A tool that runs Python code in a sandbox and returns its printed output.
+
+    ``sandbox``: the boundary (megarl.envs.boundary.BOUNDARIES), checked here: a machine where
+    it cannot be made raises SandboxUnavailable with the fix. ``packages``: show the
+    environment's installed packages (read-only) to the program. ``ready``: sandboxes started
+    ahead of the calls."""
     limits = limits or SandboxLimits()
+    require(sandbox)
+    if ready < 0:
+        raise ConfigError(f"python_tool(ready={ready}): the number of ready sandboxes is >= 0")
 
     async def python(code: str) -> str:
         """Run a Python program in a sandbox and return what it prints.
@@ -149,7 +175,9 @@ def python_tool(limits: SandboxLimits | None = None, name: str = "python") -> To
         Args:
             code: The program; print the values you need, e.g. "print(2**10)".
         """
-        result = await run_python_async(code, limits)
+        result = await run_python_async(
+            code, limits, sandbox=sandbox, packages=packages, ready=ready
+        )
         out = result.stdout
         if result.truncated:
             out += "\n[output cut]"
@@ -173,3 +201,6 @@ BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {
     "calculator": calculator_tool,
     "python": python_tool,
 }
+# The built-ins that run model-written code, by name: their factories take the sandbox
+# (ToolEnvironment's ``sandbox``, rollout.env_kwargs.sandbox).
+CODE_TOOLS: dict[str, Callable[..., Tool]] = {"python": python_tool}

@@ -17,6 +17,9 @@ the templates that put each message in its own block (ChatML: Qwen2.5 with its m
 responses, SmolLM2, Llama 3). One whose rendering of earlier messages changes (e.g. Qwen3 drops
 past reasoning) still trains on exactly what was sampled, but no longer equals the template's
 rendering of the whole conversation.
+
+Message strings are data: a spelling of a control token in an environment's or a tool's message
+stays text (megarl.data.literal_text), so only the template opens and closes turns.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from megarl.data.chat import render_chats, tokenize_texts
+from megarl.data.chat import render_chats
+from megarl.data.literal_text import Literals, spellings, tokenize_with_literals
 from megarl.envs.base import EnvError, Message
 
 if TYPE_CHECKING:
@@ -111,9 +115,11 @@ class ChatDeltas:
 
     def prompt_ids(self, messages: list[Message], tools: Tools = None) -> list[int]:
         """The conversation with the assistant turn opened, as token ids."""
-        text = self._render(messages, gen=True, tools=tools)
-        _check_rendered(messages, text)
-        return tokenize_texts(self.tokenizer, [text], add_special_tokens=False)[0]
+        literals = Literals(spellings(self.tokenizer))
+        hidden = literals.hide_messages(messages)
+        text = self._render(hidden, gen=True, tools=tools)
+        _check_rendered(hidden, text)
+        return tokenize_with_literals(self.tokenizer, [text], [literals])[0]
 
     def turn_close(self, stop_text: str | None, tools: Tools = None) -> str:
         """What the template writes after an assistant turn's content that the model did not
@@ -133,7 +139,9 @@ class ChatDeltas:
         """Tokens after a model turn: its closing text, ``messages`` as the template renders them
         after an assistant turn, and (``open_next``) the next assistant turn opened."""
         base, closed, _ = self._base(tools)
-        full = self._render(base + list(messages), gen=open_next, tools=tools)
+        literals = Literals(spellings(self.tokenizer))
+        messages = literals.hide_messages(messages)
+        full = self._render(base + messages, gen=open_next, tools=tools)
         if not full.startswith(closed):
             raise EnvError(
                 "the chat template renders an assistant turn differently once messages follow "
@@ -143,7 +151,7 @@ class ChatDeltas:
         delta = full[len(closed) :]
         _check_rendered(messages, delta)
         text = self.turn_close(stop_text, tools) + delta
-        return tokenize_texts(self.tokenizer, [text], add_special_tokens=False)[0]
+        return tokenize_with_literals(self.tokenizer, [text], [literals])[0]
 
 
 def _check_rendered(messages: Sequence[Message], text: str) -> None:

@@ -27,7 +27,8 @@ def load_environment(spec: str) -> type[Environment]:
 
 
 def check_environment(spec: str, kwargs: Mapping[str, object]) -> type[Environment]:
-    """The class, with ``rollout.env_kwargs`` checked against its ``__init__`` (no instance made)."""
+    """The class, with ``rollout.env_kwargs`` checked against its ``__init__`` and its own
+    :meth:`Environment.check_settings` (no instance made)."""
     cls = load_environment(spec)
     try:
         inspect.signature(cls).bind(**dict(kwargs))
@@ -39,6 +40,7 @@ def check_environment(spec: str, kwargs: Mapping[str, object]) -> type[Environme
             f"rollout.env_kwargs {sorted(kwargs)} do not fit {cls.__qualname__}.__init__ ({e}); "
             f"it takes {params}"
         ) from None
+    cls.check_settings(kwargs)
     return cls
 
 

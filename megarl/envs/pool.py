@@ -76,7 +76,10 @@ class ToolPool:
             return ToolOutcome(
                 f"error: unknown tool {call.name!r} (tools: {known})", "unknown_tool", 0.0, False
             )
-        problem = tool.check_arguments(call.arguments)
+        try:
+            problem = tool.check_arguments(call.arguments)
+        except Exception as e:  # arguments a custom parser made that the check cannot print
+            problem = f"the arguments cannot be checked ({type(e).__name__})"
         if problem is not None:
             return ToolOutcome(f"error: {problem}", "bad_arguments", 0.0, False)
         t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megarl.data.literal_text import too_long
 from megarl.envs.base import (
     EnvContext,
     EnvError,
@@ -111,6 +112,13 @@ class EnvRunner:
                 ),
             )
             messages = check_reset(env, env.reset(dict(row)))
+            chars = too_long(self.tokenizer, messages, self.max_prompt_tokens)
+            if chars is not None:  # refused before any templating: a huge text costs a length
+                raise EnvError(
+                    f"{where}.reset gives a prompt of {chars:,} characters, more than "
+                    f"data.max_prompt_length={self.max_prompt_tokens} tokens can ever hold; "
+                    "raise it or shorten the environment's first messages"
+                )
             tools = self._tools(env)
             ids = self.deltas.prompt_ids(messages, tools)
         except Exception as e:

@@ -9,8 +9,10 @@ scores it. Calls past ``max_tool_calls`` in one turn are refused with an error r
 Chosen as ``rollout.env="megarl.envs:ToolEnvironment"`` with ``rollout.env_kwargs``, e.g.
 ``{tools: [calculator], parser: hermes, system_prompt: "..."}``; tools are built-in names
 (``calculator``, ``python``) or "module:function" / "file.py:function" specs of typed functions.
-``examples``: demonstration messages placed between the system message and the row's prompt
-(few-shot); ``call_reward`` / ``attempt_reward``: credits for the first turn that calls a tool,
+``sandbox``: the boundary the built-in tools that run model-written code (``python``) run
+behind (megarl.envs.boundary: ``bwrap``, or ``unsafe_no_boundary`` named explicitly); a run
+checks it can be made before any model is built. ``examples``: demonstration messages placed
+between the system message and the row's prompt (few-shot); ``call_reward`` / ``attempt_reward``: credits for the first turn that calls a tool,
 when all its calls succeed / when not. Subclass it
 for other rewards per turn (override :meth:`turn_reward`) or another prompt.
 """
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from megarl.data.chat import to_messages
 from megarl.envs.base import Environment, Message, Step, check_messages
-from megarl.envs.builtin_tools import BUILTIN_TOOLS
+from megarl.envs.boundary import DEFAULT, require
+from megarl.envs.builtin_tools import BUILTIN_TOOLS, CODE_TOOLS
 from megarl.envs.pool import ToolOutcome, ToolPool
-from megarl.envs.tool_parsers import TOOL_PARSERS, ParsedTurn
+from megarl.envs.tool_parsers import TOOL_PARSERS, ParsedTurn, parse_contained
 from megarl.envs.tools import Tool, ToolCall, as_tool
 from megarl.errors import ConfigError
 from megarl.rewards.loading import load_callable
@@ -45,11 +48,17 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-def resolve_tools(specs: Sequence[Tool | Callable[..., object] | str]) -> list[Tool]:
-    """Tools from built-in names, "module:function" specs, functions or Tool objects."""
+def resolve_tools(
+    specs: Sequence[Tool | Callable[..., object] | str], sandbox: str = DEFAULT
+) -> list[Tool]:
+    """Tools from built-in names, "module:function" specs, functions or Tool objects; built-ins
+    that run model-written code run behind ``sandbox``."""
     out = []
     for spec in specs:
         if isinstance(spec, str):
+            if spec in CODE_TOOLS:
+                out.append(CODE_TOOLS[spec](sandbox=sandbox))
+                continue
             if spec in BUILTIN_TOOLS:
                 out.append(BUILTIN_TOOLS[spec]())
                 continue
@@ -77,8 +86,9 @@ class ToolEnvironment(Environment):
         examples: Sequence[Message] = (),
         call_reward: float = 0.0,
         attempt_reward: float = 0.0,
+        sandbox: str = DEFAULT,
     ) -> None:
-        self.tools = {t.name: t for t in resolve_tools(tools)}
+        self.tools = {t.name: t for t in resolve_tools(tools, sandbox)}
         if parser not in TOOL_PARSERS:
             raise ConfigError(
                 f"unknown tool-call parser {parser!r}; known: {', '.join(TOOL_PARSERS.names())} "
@@ -94,6 +104,15 @@ class ToolEnvironment(Environment):
         self.call_reward = float(call_reward)
         self.attempt_reward = float(attempt_reward)
         self._rewarded_call = False
+
+    @classmethod
+    def check_settings(cls, kwargs: Mapping[str, object]) -> None:
+        """Before any model is built: the sandbox of the built-in code tools can be made here
+        (SandboxUnavailable says why not and what to do)."""
+        tools = kwargs.get("tools", ())
+        names = [t for t in tools if isinstance(t, str)] if isinstance(tools, Sequence) else []
+        if any(n in CODE_TOOLS for n in names):
+            require(str(kwargs.get("sandbox", DEFAULT)))
 
     # -- the conversation ----------------------------------------------------------------------
     def tool_schemas(self) -> list[dict[str, object]] | None:
@@ -143,7 +162,7 @@ class ToolEnvironment(Environment):
 
     # Environment.step may be a coroutine function: the runner awaits it (megarl/envs/base.py).
     async def step(self, messages: list[Message]) -> Step:  # type: ignore[override]
-        parsed = self.parse(messages[-1]["content"])
+        parsed = parse_contained(self.parse, messages[-1]["content"])
         if not parsed.attempted:
             return Step(done=True, metrics={"tool_calls": 0.0})
         pool = self.context.pool or ToolPool()
@@ -160,6 +179,7 @@ class ToolEnvironment(Environment):
             "tool_errors": float(sum(not o.ok for o in outcomes) + len(errors) + over),
             "tool_s": float(sum(o.seconds for o in outcomes)),
             "tool_truncated": float(sum(o.truncated for o in outcomes)),
+            "tool_malformed": float(len(errors)),
         }
         return Step(
             messages=results + errors + refused,

@@ -9,7 +9,10 @@ Registered by name (``ToolEnvironment(parser=...)``, i.e. ``rollout.env_kwargs.p
 - ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of calls.
 
 A parser returns the well-formed calls and, for each malformed one, a message the model gets back
-as that call's result. ``register_tool_parser("name")`` adds another format.
+as that call's result. ``register_tool_parser("name")`` adds another format. Parsers read model
+output, so they are called through :func:`parse_contained`: whatever one raises (a number past
+Python's 4,300-digit limit, nesting past the recursion limit, a registered parser's own bug)
+becomes one malformed call of that turn, never an exception of the rollout.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def _call_from(obj: object, args_key: str = "arguments") -> ToolCall | str:
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
-            return f"the arguments of {name!r} are not valid JSON: {e}"
+            return f"the arguments of {name[:80]!r} are not valid JSON: {e}"
+        except (ValueError, RecursionError) as e:
+            return f"the arguments of {name[:80]!r} cannot be read: {_short(e)}"
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -62,7 +67,10 @@ def _decode(body: str, parsed: ParsedTurn, args_key: str = "arguments") -> None:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
-        parsed.errors.append(f"the tool call is not valid JSON ({e}): {body.strip()!r:.120}")
+        parsed.errors.append(f"the tool call is not valid JSON ({e}): {body.strip()[:120]!r}")
+        return
+    except (ValueError, RecursionError) as e:  # a number past 4,300 digits, nesting too deep
+        parsed.errors.append(f"the tool call cannot be read: {_short(e)}")
         return
     for item in obj if isinstance(obj, list) else [obj]:
         call = _call_from(item, args_key)
@@ -70,6 +78,22 @@ def _decode(body: str, parsed: ParsedTurn, args_key: str = "arguments") -> None:
             parsed.calls.append(call)
         else:
             parsed.errors.append(call)
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def parse_contained(parse: ToolParser, text: str) -> ParsedTurn:
+    """``parse(text)``, or (it raised) one malformed call saying why."""
+    try:
+        parsed = parse(text)
+    except Exception as e:  # model output reached a parser's limit or its bug
+        return ParsedTurn(errors=[f"the tool call cannot be read: {_short(e)}"])
+    if not isinstance(parsed, ParsedTurn):
+        what = type(parsed).__name__
+        return ParsedTurn(errors=[f"the tool-call parser returned {what}, not a ParsedTurn"])
+    return parsed
 
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

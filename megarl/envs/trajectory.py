@@ -104,7 +104,11 @@ class Trajectory:
 # The per-trajectory counters environments report that have metric names of their own; any
 # other counter K is logged as rollout/env/K_mean.
 _NAMED = {"tool_calls": "rollout/tool_calls_mean"}
-_TOTALS = {"tool_errors": "rollout/tool_errors", "tool_truncated": "rollout/tool_truncated"}
+_TOTALS = {
+    "tool_errors": "rollout/tool_errors",
+    "tool_truncated": "rollout/tool_truncated",
+    "tool_malformed": "rollout/tool_malformed",  # calls that could not be read (in tool_errors)
+}
 
 
 def trajectory_metrics(trajectories: list[Trajectory], env_seconds: float) -> dict[str, float]:

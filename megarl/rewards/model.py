@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.contained import read_pointer
 from megarl.checkpoint.store import (
     LATEST_FILE,
     META_FILE,
@@ -37,9 +38,10 @@ def megarl_checkpoint(path: Path) -> Path | None:
             return path
         if (path / "reward" / META_FILE).is_file():
             return path / "reward"
-        if not (path / LATEST_FILE).is_file():
+        name = read_pointer(path, LATEST_FILE)  # a folder inside it, or refused
+        if name is None:
             return None
-        path = path / (path / LATEST_FILE).read_text().strip()
+        path = path / name
     return None
 
 

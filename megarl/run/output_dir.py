@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megarl.config import RunConfig
 from megarl.errors import ConfigError
+from megarl.files import replace_file
 from megarl.run.elastic import AttemptRecord
 from megarl.run.retention import checkpoint_steps
 
@@ -129,9 +130,7 @@ def restart_metrics(path: Path) -> None:
     """An elastic restart from the start (no checkpoint yet) logs every step again: the failed
     attempt's lines of ``path`` go (atomically), so each step is in it once."""
     if path.is_file() and path.stat().st_size:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("")
-        tmp.replace(path)
+        replace_file(path, "")
 
 
 def prepare_output_dir(cfg: RunConfig, rank: int) -> None:

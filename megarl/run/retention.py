@@ -18,11 +18,12 @@ HIDDEN_LEFTOVER = re.compile(r"^\.step_\d{8,}\.(partial|replaced|removing)$")
 
 
 def checkpoint_steps(root: Path) -> dict[int, Path]:
-    """Complete training checkpoints under ``root`` by step (visible ``step_N`` folders)."""
+    """Complete training checkpoints under ``root`` by step (visible ``step_N`` folders; a link
+    named so is not one: it is never resumed from nor removed)."""
     out = {}
     for p in root.iterdir() if root.is_dir() else []:
         m = STEP_DIR.match(p.name)
-        if m and p.is_dir():
+        if m and p.is_dir() and not p.is_symlink():
             out[int(m.group(1))] = p
     return out
 

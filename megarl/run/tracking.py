@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megarl.config import RunConfig, to_flat_dict
 from megarl.console import is_verbose
+from megarl.files import append_text, replace_file
 from megarl.loggers import (
     Logger,
     Progress,
@@ -44,9 +45,7 @@ def cut_metrics(path: Path, step: int) -> int:
     keep = [line for line in lines if _line_step(line) <= step]
     if len(keep) == len(lines):
         return 0
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(keep))
-    tmp.replace(path)
+    replace_file(path, "".join(keep))
     return len(lines) - len(keep)
 
 
@@ -103,7 +102,7 @@ class Tracker:
         if "mlflow" in self.loggers:
             self.mlflow_run_id = self.loggers["mlflow"].run_id
         ids = {name: lg.run_id for name, lg in self.loggers.items() if lg.run_id is not None}
-        (self.output_dir / RUN_IDS_FILE).write_text(json.dumps(ids) + "\n")
+        replace_file(self.output_dir / RUN_IDS_FILE, json.dumps(ids) + "\n")
 
     def _saved_run_ids(self) -> dict[str, str]:
         path = self.output_dir / RUN_IDS_FILE
@@ -112,8 +111,7 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        with open(self.output_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        append_text(self.output_dir / METRICS_FILE, json.dumps({"step": step, **metrics}) + "\n")
         for logger in self.loggers.values():
             logger.log_metrics(metrics, step)
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megarl.errors import CheckpointError
+from megarl.files import temporary_beside
 
 FILE = "trainer_state.pt"
 FORMAT = "megarl.trainer_state/2"
@@ -51,8 +52,8 @@ def write(folder: Path, state: dict[str, object]) -> Path:
     record = {"format": FORMAT, **state}
     check_plain(record)
     path = folder / FILE
-    tmp = folder / f".{FILE}.tmp"
-    torch.save(record, tmp)
+    with temporary_beside(path) as (f, tmp):
+        torch.save(record, f)
     os.replace(tmp, path)
     return path
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import megarl.checkpoint.manifest as manifest
+from megarl.checkpoint.contained import link_message, links_under
 from megarl.checkpoint.safe_metadata import read_dist_metadata
 from megarl.checkpoint.store import MCORE_SUBDIR, step_roles, write_latest
 from megarl.errors import CheckpointError
@@ -91,6 +92,10 @@ def verify_step(step: Path, *, full: bool = True) -> list[str]:
     """
 
     entries, problems = _records(step)
+    if step.is_symlink():  # a step folder linked in from elsewhere is not this run's
+        problems.append(link_message(step.parent, step.name))
+    else:
+        problems += [link_message(step, rel) for rel in links_under(step)]
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
     check = manifest.problem if full else manifest.size_problem

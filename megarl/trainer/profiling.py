@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from megarl.errors import ConfigError
+from megarl.files import temporary_beside
 
 
 class StepProfiler:
@@ -59,8 +60,8 @@ class StepProfiler:
             yield
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.trace_path(step, rank)
-        tmp = path.with_name(f".{path.name}.partial")
-        prof.export_chrome_trace(str(tmp))
+        with temporary_beside(path) as (_, tmp):  # made afresh, then written by its name
+            prof.export_chrome_trace(str(tmp))
         tmp.replace(path)
 
     def iterate(self, steps: Iterable[int]) -> Iterator[int]:

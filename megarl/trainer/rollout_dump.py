@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megarl import parallel
+from megarl.files import temporary_beside
 from megarl.trainer.batch import Samples
 
 if TYPE_CHECKING:
@@ -55,8 +56,7 @@ def dump_rollout(
     folder = Path(output_dir) / "rollouts"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}_dp{parallel.dp_rank()}.jsonl"
-    partial = path.with_suffix(".jsonl.partial")
-    with open(partial, "w") as f:
+    with temporary_beside(path) as (f, partial):
         for record in sample_records(samples, tokenizer):
-            f.write(json.dumps(record) + "\n")
+            f.write((json.dumps(record) + "\n").encode())
     os.replace(partial, path)

@@ -29,6 +29,7 @@ BENCHES = [
     "arithmetic_base_rates",
     "multi_turn",
     "checkpoint_save",
+    "tool_calls",
 ]
 # Options smoke-run too, so that they do not rot either.
 EXTRA_ARGS = {"train_step": ["--megatron-paths", "--matmuls", "3"]}

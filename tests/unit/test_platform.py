@@ -302,7 +302,7 @@ def test_adaptation_is_scoped_to_megatron():
     assert mask.device.type == "cpu" and mask.dtype == torch.bool and mask.sum().item() == 6
 
 
-LIBRARIES = ("megatron", "vllm", "transformers", "torch")
+LIBRARIES = ("megatron", "vllm", "transformers", "torch", "ray")
 WARNING_FILTERS = ("warnings.filterwarnings", "warnings.simplefilter")
 
 

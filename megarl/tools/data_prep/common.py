@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megarl.data.errors import DataError
+from megarl.files import temporary_beside
 
 T = TypeVar("T")
 
@@ -108,9 +109,9 @@ def read_records(path: Path) -> list[dict[str, object]]:
 def write_parquet_atomic(table: pa.Table, path: Path, row_group_size: int) -> None:
     """Write `table` to `path` through a hidden temporary file in the same folder, then rename,
     so a reader never sees a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    with temporary_beside(path) as (f, tmp):
+        pq.write_table(table, f, row_group_size=row_group_size)
     try:
-        pq.write_table(table, tmp, row_group_size=row_group_size)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

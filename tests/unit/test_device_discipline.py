@@ -93,6 +93,10 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("megarl/tools/testing/assets.py", "randomize_"): (
         "fills CPU-built Hugging Face test models before they are saved to disk"
     ),
+    ("megarl/tools/gpu_fidelity.py", "pinned_rounding"): (
+        "the GPU check measures what torch's pinned host allocator takes: its blocks are host "
+        "memory by design"
+    ),
     ("megarl/hybrid_engine/hf_saved_names.py", "saved_tensor_index"): (
         "a host index probe through transformers' save conversion; the positions it yields are "
         "moved to the parameter's device"
@@ -160,6 +164,9 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/run/evaluation.py": {
         "dataset_totals": "totals made on platform.collective_device()",
+    },
+    "megarl/tools/gpu_fidelity.py": {
+        "device_reserve": "one element made on platform.device() (the GPU check's own group)",
     },
     "megarl/run/update.py": {
         "data_parallel_mean": "made on platform.collective_device()",

@@ -204,8 +204,10 @@ class VLLMRollout:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors in place (validated first: nothing loads on a mismatch).
 
-        Every vLLM layer must get all its tensors in one call (q, k and v together; gate and up
-        together), which the reshard schedule's buckets guarantee.
+        Every vLLM module must get all its tensors in one call (q, k and v together; gate and up
+        together; every expert of a fused MoE layer), or vLLM's reload processes it half loaded:
+        the reshard schedule's buckets hold whole layers
+        (:func:`megarl.hybrid_engine.tensor_list.update_group`).
         """
         batch = list(weights)
         self.validate(batch)

@@ -8,7 +8,7 @@ mode), and generate batch after batch:
 1. before batch ``s``, load the newest weights the trainers broadcast, waiting until they are at
    least version ``s - rollout.max_staleness`` (every rollout rank loads the same version at the
    same point: they agree on it first);
-2. generate it: prompts spread over the engines, request seeds from the global prompt index and
+2. generate it: prompts spread over the engines, every sample seeded from its global index and
    the rollout count (so samples do not depend on the layout, as colocated); with
    ``rollout.partial`` in rounds of ``rollout.partial_chunk_tokens``, loading new weights between
    rounds; each token keeps its version;
@@ -259,11 +259,11 @@ class RolloutGroup:
         itp = self.engine.infer_tp
         engines, engine = self.size // itp, self.rank // itp
         lo, hi = engine_slice(len(prompts), engines, engine)
-        seed_offset = lo + self.rollouts * max(1, len(prompts))
+        rollout = self.rollouts
         self.rollouts += 1
         chunk = self.cfg.rollout.partial_chunk_tokens if between is not None else None
         out = generate_versioned(
-            self.engine, prompts[lo:hi], sampling, seed_offset, self.loaded, chunk, between
+            self.engine, prompts[lo:hi], sampling, rollout, lo, self.loaded, chunk, between
         )
         results: list = [None] * self.size
         if self.size > 1:
@@ -314,7 +314,6 @@ class RolloutGroup:
             sampling,
             self.turns,
             rollout_index=rollout_index,
-            step_samples=len(everything) * n,
             pad_id=self.pad_id,
             share=self._share,
         )

@@ -156,6 +156,7 @@ class _Recorder:
 
 @pytest.mark.parametrize(("per_request", "temperature"), [(True, 1.0), (False, 1.0), (True, 0.0)])
 def test_request_seeds_or_the_batched_sampler(per_request, temperature):
+    from megarl.hybrid_engine.seeds import sequence_seed
     from megarl.hybrid_engine.vllm_rollout import SamplingConfig, VLLMRollout
 
     engine = object.__new__(VLLMRollout)  # no vLLM: only the request building runs
@@ -165,7 +166,9 @@ def test_request_seeds_or_the_batched_sampler(per_request, temperature):
     engine.sampling_params = lambda sampling, seed, max_tokens=None: seed
     sampling = SamplingConfig(temperature=temperature, seed=7, per_request_seeds=per_request)
     engine.generate([[1, 2], [3], [4]], sampling, seed_offset=10)
-    want = [17, 18, 19] if per_request and temperature > 0 else [None, None, None]
+    # outside a run: the streams of samples 10, 11, 12 of the seed's rollout 0, one each
+    own = [sequence_seed(7, 0, 10 + i) for i in range(3)]
+    want = own if per_request and temperature > 0 else [None, None, None]
     assert engine.llm.seeds == want
     # a multi-turn turn's own request seeds, under the same rule
     engine.llm = _Recorder()

@@ -26,6 +26,7 @@ from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.known_models import resolve_model
+from megarl.plan.memory import reshard_buffer_bytes
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -78,6 +79,18 @@ def test_qwen3_30b_a3b_recipe_layout_sends_whole_layers():
     assert max(plan.peak_dest_bytes(r) for r in range(8)) > layer_bytes > 256 << 20
     broadcast = schedule_broadcast(specs, 4, 1, 2, BUCKET_BYTES, ep=2)
     _check_whole_layers(broadcast.specs, broadcast.buckets, dims)
+    # the memory plan's rollout phase holds two such buckets: at least what the schedule holds
+    planned = reshard_buffer_bytes(dims, 4)
+    inflight = max(plan.peak_inflight_dest_bytes(r) for r in range(8))
+    assert inflight <= planned <= 1.05 * inflight
+
+
+def test_the_planned_reshard_buffers_hold_the_dense_schedule():
+    _, dims = resolve_model("Qwen2.5-7B")
+    specs = actor_planned_tensors(dims, [28], 2)
+    plan = schedule_reshard(specs, 2, 1, 4, 2, 256 << 20, mode="shard")
+    inflight = max(plan.peak_inflight_dest_bytes(r) for r in range(8))
+    assert inflight <= reshard_buffer_bytes(dims, 2)
 
 
 def _moe_dims(layers: int, experts: int, topk: int, family: str) -> ModelDims:

@@ -107,10 +107,13 @@ def _rank_host(
     opt_state = num.main_param_bytes + num.adam_bytes
     saved = 4 + num.adam_bytes  # a save writes fp32 params, m and v (fp32 weights: the weights)
     weights = (p.total + (adapters or 0)) * num.param_bytes
-    # one pinned block per parameter tensor: what rounding each per-tensor copy takes
+    # one pinned block per parameter tensor: what rounding each per-tensor copy takes (pinned
+    # host memory is CUDA's: on a CPU target the copies are plain tensors)
+    pinned = not num.gloo
     numels = stage_tensor_numels(dims, tp, pp, stage, layers, ep)
-    fp32_ratio = pinned_ratio(n * 4 for n in numels)
-    param_ratio = pinned_ratio(n * num.param_bytes for n in numels)
+    fp32_ratio = pinned_ratio(n * 4 for n in numels) if pinned else 1.0
+    param_ratio = pinned_ratio(n * num.param_bytes for n in numels) if pinned else 1.0
+    block = pinned_bytes if pinned else int
     offloaded = int(f * shard * OFFLOADED_BYTES)
     if f:  # the hybrid optimizer's pinned blocks (module doc), beyond the bytes asked
         if num.offload_main_params:  # pinned: the grad copies, the cached 16-bit copies
@@ -130,15 +133,19 @@ def _rank_host(
         cp = stage_params(dims, tp, pp, stage, layers, "critic", ep)
         critic_shard = optimizer_shard_elements(cp, dp, ep, None)
         # moved whole: its param and grad buffers (a block each), its optimizer per tensor
-        critic = pinned_bytes(cp.total * num.param_bytes) + pinned_bytes(cp.total * num.grad_bytes)
+        critic = block(cp.total * num.param_bytes) + block(cp.total * num.grad_bytes)
         critic += int(critic_shard * opt_state * fp32_ratio)
         critic_state = cp.total * saved
     common = {"optimizer_offload": offloaded}
     moments_pinned = int(moments_gpu * fp32_ratio)
     if opts.param_offload:
-        buffers = pinned_bytes((p.total - p.experts) * num.param_bytes) + pinned_bytes(
-            p.experts * num.param_bytes
-        )
+        if adapters is None:  # megatron's param buffers: dense, experts (a block each)
+            buffers = block((p.total - p.experts) * num.param_bytes) + block(
+                p.experts * num.param_bytes
+            )
+        else:  # LoRA: the frozen base tensor by tensor, the adapters' buffer
+            buffers = int(p.total * num.param_bytes * param_ratio)
+            buffers += block(adapters * num.param_bytes)
         rollout = {
             **common,
             "actor": buffers + int(main_gpu * fp32_ratio) + moments_pinned,
@@ -148,13 +155,15 @@ def _rank_host(
     else:
         rollout = {**common, "adam_moments": moments_pinned}
     asleep = 0
-    if w.rollout:
+    if w.rollout and pinned:  # vLLM's CPU build has no sleep mode
         asleep = pinned_bytes(VLLM_WORKSPACE)  # its runtime and CUDA-graph pools
         if w.sleep_level == 1:
             infer = stage_tensor_numels(dims, layout.rollout_tp, 1, 0, dims.num_layers)
             asleep += int(
                 vllm_weight_bytes(dims, layout.rollout_tp) * pinned_ratio(n * 2 for n in infer)
             )
+    elif w.rollout and w.sleep_level == 1:
+        asleep = vllm_weight_bytes(dims, layout.rollout_tp)
     training = {**common, "vllm_asleep": asleep}
     trained = adapters if adapters is not None else p.total
     staged = optimizer_staging(OPTIMIZER_SAVE, trained * saved, shard * saved, dp_rank)

@@ -13,8 +13,9 @@ On a CUDA target:
   rope (``apply_rope_fusion``: megatron's unfused packed rope syncs with the host in every
   layer), the gradient-accumulation fusion (weight gradients accumulated straight into the fp32
   grad buffer; megatron's output layer needs apex's ``fused_weight_gradient_mlp_cuda`` for it, so
-  it is on only where that imports) and overlapped DP grad reduction (bucket by bucket during the
-  backward pass);
+  it is on only where that imports), overlapped DP grad reduction (bucket by bucket during the
+  backward pass) and, for a mixture of experts, grouped GEMM over each layer's local experts
+  (megatron's ``TEGroupedMLP``: one kernel where the sequential experts launch one per expert);
 - ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in every rank's environment where megatron relies on kernel
   order for overlapping communication: tensor parallelism (sequence-parallel all-gathers and
   reduce-scatters, asynchronous dgrad all-reduce) and overlapped grad reduction;
@@ -22,7 +23,10 @@ On a CUDA target:
 
 Refused on a CUDA target (before launch): fp32 weights with Transformer Engine and packing. TE has
 no attention kernel for packed (THD) batches in fp32: its fused and flash backends need 16-bit
-inputs and its unfused backend refuses THD.
+inputs and its unfused backend refuses THD. Optimizer offload without Transformer Engine:
+megarl offloads through megatron's precision-aware optimizer, which moves the fp32 main weights
+with Adam's moments, and megatron-core 0.16.1 checks that option against TE's version (without
+TE it fails; without the option megatron keeps the main weights on the GPU).
 """
 
 from __future__ import annotations
@@ -85,6 +89,10 @@ class KernelOptions:
     apply_rope_fusion: bool
     gradient_accumulation_fusion: bool
     overlap_grad_reduce: bool
+    # MoE experts as one grouped GEMM per layer (Transformer Engine's GroupedLinear, megatron's
+    # TEGroupedMLP) instead of one GEMM per local expert (SequentialMLP); the build sets it for
+    # MoE models only
+    moe_grouped_gemm: bool = False
 
     def transformer_config(self) -> dict[str, bool]:
         """The TransformerConfig keyword arguments among these."""
@@ -109,6 +117,7 @@ def kernel_options(impl: str, target: Target) -> KernelOptions:
         apply_rope_fusion=te,
         gradient_accumulation_fusion=te and target.wgrad_fusion_kernel,
         overlap_grad_reduce=te,
+        moe_grouped_gemm=te,
     )
 
 
@@ -156,6 +165,16 @@ def check_for_target(cfg: RunConfig, target: Target) -> None:
             "fused and flash backends need bf16/fp16 inputs, its unfused one refuses THD). Set "
             "model.dtype=bfloat16 (or leave model.dtype unset: bf16 on CUDA), or "
             "actor.packing=false, or model.transformer_impl=local"
+        )
+    if target.cuda and cfg.actor.optimizer_offload > 0 and not target.transformer_engine:
+        raise ConfigError(
+            f"actor.optimizer_offload={cfg.actor.optimizer_offload} needs Transformer Engine: "
+            "megarl offloads through megatron's precision-aware optimizer, which moves the fp32 "
+            "main weights to the host with Adam's moments (without it megatron keeps them on "
+            "the GPU: 8 of the 12 bytes per parameter freed, measured on an H200), and "
+            "megatron-core 0.16.1 checks that option against Transformer Engine's version. "
+            "Install Transformer Engine (bash scripts/setup.sh without MEGARL_NO_TE) or set "
+            "actor.optimizer_offload=0"
         )
 
 

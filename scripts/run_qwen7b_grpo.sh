@@ -27,11 +27,12 @@
 # starts it runs the memory preflight for NNODES x GPUS_PER_NODE GPUs (`megarl train CONFIG
 # --dry-run`, docs/preflight.md) and stops when a phase would not fit.
 #
-# MEGARL_SMOKE=1 runs the very same script on a CPU: a tiny random model, GSM-Symbolic data
-# generated offline, 2 steps, fp32, 4 local ranks at TP1 x PP2 x DP2 with vLLM at TP2, output in
-# outputs/smoke (or OUTPUT_DIR). A config with expert parallelism (parallel.ep > 1) smoke-runs a
-# tiny random Qwen3-MoE at EP2 instead, rolled out by the HF backend (vLLM's CPU build cannot
-# reload MoE weights in place).
+# MEGARL_SMOKE=1 runs the very same script at smoke size, on a CPU or on a GPU node: a tiny random
+# model, GSM-Symbolic data generated offline, 2 steps, output in outputs/smoke (or OUTPUT_DIR).
+# On a CPU: fp32, 4 local ranks at TP1 x PP2 x DP2 with vLLM at TP2. On a GPU node: the GPU
+# defaults (bf16, Transformer Engine where installed), one rank per GPU up to 4. A config with
+# expert parallelism (parallel.ep > 1) smoke-runs a tiny random Qwen3-MoE at EP2 instead, rolled
+# out by the HF backend. The settings: megarl/tools/smoke.py.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,10 +55,14 @@ run() {
 }
 
 if [[ "$SMOKE" == 1 ]]; then
+  # local ranks, the config's parallel.ep, then the smoke overrides (CPU or GPU node)
+  mapfile -t SMOKE_SETTINGS < <("$PYTHON" -m megarl.tools.smoke "$CONFIG")
+  [[ "${#SMOKE_SETTINGS[@]}" -gt 2 ]] || die "cannot read $CONFIG"
+  SMOKE_EP="${SMOKE_SETTINGS[1]}"
   OUTPUT_DIR="${OUTPUT_DIR:-$ROOT/outputs/smoke}"
   DATA_DIR="${DATA_DIR:-$OUTPUT_DIR/data}"
   DATA_SOURCE="${DATA_SOURCE:-gsm-symbolic}"
-  GPUS_PER_NODE="${GPUS_PER_NODE:-4}"
+  GPUS_PER_NODE="${GPUS_PER_NODE:-${SMOKE_SETTINGS[0]}}"
   MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$OUTPUT_DIR/mlflow.db}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" # 4 ranks share the CPU cores
 else
@@ -85,8 +90,6 @@ fi
 # --- model: a local Hugging Face folder, downloaded from the hub when none is given -----------
 if [[ "$SMOKE" == 1 ]]; then
   # A tiny random Llama over a character vocabulary, built offline and cached (as the quickstart).
-  SMOKE_EP="$("$PYTHON" -c 'import sys; from megarl.config import load_config; print(load_config(sys.argv[1]).parallel.ep)' "$CONFIG")" ||
-    die "cannot read $CONFIG"
   if [[ "$SMOKE_EP" -gt 1 ]]; then
     MODEL_PATH="${MODEL_PATH:-$("$PYTHON" -c 'from megarl.tools.testing.assets import tiny_char_qwen3_moe_dir; print(tiny_char_qwen3_moe_dir())')}"
   else
@@ -132,26 +135,14 @@ if [[ -n "${MLFLOW_TRACKING_URI:-}" ]]; then
   overrides+=("trainer.mlflow_tracking_uri=$MLFLOW_TRACKING_URI")
 fi
 if [[ "$SMOKE" == 1 ]]; then
-  # Same algorithm and recompute setting; CPU-sized model, batches, lengths and layout.
-  overrides+=(
-    model.dtype=float32
-    parallel.tp=1 parallel.pp=2 parallel.infer_tp=2
-    data.train_batch_size=4 data.val_batch_size=4
-    data.max_prompt_length=1024 # one token per character with the tiny model's tokenizer
-    rollout.n=4 rollout.max_response_length=16 rollout.kv_cache_gib=0.0625
-    actor.ppo_mini_batch_size=2 actor.max_tokens_per_micro_batch=1400
-    trainer.total_steps=2 trainer.save_freq=0 trainer.test_freq=2
-    trainer.experiment=smoke
-  )
-  if [[ "$SMOKE_EP" -gt 1 ]]; then
-    overrides+=(parallel.ep=2 rollout.backend=hf) # 4 ranks: TP1 x PP2 x DP2, experts over EP2
-  fi
+  # Same algorithm and recompute setting; smoke-sized model, batches, lengths and layout.
+  overrides+=("${SMOKE_SETTINGS[@]:2}")
 fi
 overrides+=("$@")
 
 # --- check the config, its batch split and its layout against the model before any rank starts -
 # On GPUs: the launch's checks and the memory preflight of every phase for these nodes (exit 2
-# naming what does not fit, and settings that would); on a CPU (smoke) the checks alone.
+# naming what does not fit, and settings that would); in smoke mode the checks alone.
 if [[ "$SMOKE" != 1 ]]; then
   "$PYTHON" -m megarl.cli train "$CONFIG" "${overrides[@]}" --dry-run \
     --gpus-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" || exit 2

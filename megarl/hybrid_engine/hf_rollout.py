@@ -172,8 +172,8 @@ class HFRollout:
         max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput:
         """``sampling.n`` responses per prompt; request i is seeded with ``seeds[i]`` when given,
-        else ``seed + seed_offset + i``, and gets ``max_new_tokens[i]`` new tokens at most when
-        given."""
+        else as :func:`~megarl.hybrid_engine.vllm_rollout.request_seed` says, and gets
+        ``max_new_tokens[i]`` new tokens at most when given."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep; call wake_up() first")
         stop = tuple(

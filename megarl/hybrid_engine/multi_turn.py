@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.seeds import sequence_seed
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 
 T = TypeVar("T")
@@ -64,35 +65,18 @@ class SampleStart:
     fallback_prompt: list[int]  # the row's own prompt ids (a failed reset's trajectory)
 
 
-# Seeds of turns after the first start here, away from every first-turn seed.
-LATER_TURN_SEED_BASE = 1 << 40
+def first_turn_seed(sampling: SamplingConfig, rollout_index: int, prompt: int) -> int:
+    """The seed of a step's first-turn request for global prompt ``prompt``: the single-turn
+    rollout's (megarl.hybrid_engine.engine's ``generate``); its sample ``j`` draws with this seed
+    + ``j``, as vLLM seeds the ``n`` samples of one request."""
+    n = max(1, sampling.n)
+    return sequence_seed(sampling.seed, rollout_index, prompt * n)
 
 
-def first_turn_seed(sampling: SamplingConfig, rollout_index: int, prompts: int, prompt: int) -> int:
-    """The seed of a step's first-turn request for global prompt ``prompt`` of ``prompts``: the
-    single-turn rollout's (megarl.hybrid_engine.engine's ``generate``); its sample ``j`` draws
-    with this seed + ``j``, as vLLM seeds the ``n`` samples of one request."""
-    return sampling.seed + rollout_index * max(1, prompts) + prompt
-
-
-def turn_seed(
-    sampling: SamplingConfig,
-    rollout_index: int,
-    samples: int,
-    sample: int,
-    turn: int,
-    max_turns: int,
-) -> int:
-    """The request seed of one model turn: distinct for every (rollout, sample, turn)."""
-    if turn == 0:
-        n = max(1, sampling.n)
-        prompt, j = divmod(sample, n)
-        return first_turn_seed(sampling, rollout_index, samples // n, prompt) + j
-    return (
-        sampling.seed
-        + LATER_TURN_SEED_BASE
-        + ((rollout_index * samples + sample) * max_turns + turn)
-    )
+def turn_seed(sampling: SamplingConfig, rollout_index: int, sample: int, turn: int) -> int:
+    """The request seed of one model turn: distinct for every (rollout, sample, turn); turn 0
+    is the first-turn request's sample (:func:`first_turn_seed` + ``j``)."""
+    return sequence_seed(sampling.seed, rollout_index, sample, segment=turn)
 
 
 def _first_turn_groups(ts: Sequence[Trajectory], n: int) -> list[list[int]] | None:
@@ -118,7 +102,6 @@ def _generate_turn(
     sampling: SamplingConfig,
     limits: TurnLimits,
     rollout_index: int,
-    step_samples: int,
 ) -> list[tuple[list[int], list[float], str]]:
     """One turn of ``ts`` in one ``generate`` call: (token ids, logprobs, finish reason) each."""
     budgets = [
@@ -127,14 +110,10 @@ def _generate_turn(
     n = max(1, sampling.n)
     groups = _first_turn_groups(ts, n)
     if groups is not None:
-        prompts = step_samples // n
         out = engine.generate(
             [ts[g[0]].prompt_ids for g in groups],
             sampling,
-            seeds=[
-                first_turn_seed(sampling, rollout_index, prompts, ts[g[0]].sample // n)
-                for g in groups
-            ],
+            seeds=[first_turn_seed(sampling, rollout_index, ts[g[0]].sample // n) for g in groups],
             max_new_tokens=[budgets[g[0]] for g in groups],
         )
         order = [k for g in groups for k in g]
@@ -147,12 +126,7 @@ def _generate_turn(
         out = engine.generate(
             [t.prompt_ids + t.response_ids for t in ts],
             replace(sampling, n=1),
-            seeds=[
-                turn_seed(
-                    sampling, rollout_index, step_samples, t.sample, t.turns, limits.max_turns
-                )
-                for t in ts
-            ],
+            seeds=[turn_seed(sampling, rollout_index, t.sample, t.turns) for t in ts],
             max_new_tokens=budgets,
         )
         if len(out.token_ids) != len(ts):
@@ -178,13 +152,12 @@ def run_trajectories(
     limits: TurnLimits,
     *,
     rollout_index: int,
-    step_samples: int,
     pad_id: int,
     share: Share = _identity,
 ) -> list[Trajectory]:
     """The trajectories of ``starts`` (one environment instance each). ``runner`` is the
-    executing rank's (None elsewhere); ``step_samples`` (all samples of the step) keeps seeds
-    apart between rollouts."""
+    executing rank's (None elsewhere); ``rollout_index`` (the run's rollout count) and each
+    sample's index in the step seed every turn (:func:`turn_seed`)."""
     started: list[Started] = []
     if runner is not None:
         started = runner.reset_all([(s.sample, s.row) for s in starts], rollout_index)
@@ -202,7 +175,7 @@ def run_trajectories(
         ts = [trajectories[k] for k in active]
         # every rank of the engine takes part in the call; the executing rank's tokens are the
         # trajectory's on every rank
-        turn = _generate_turn(engine, ts, sampling, limits, rollout_index, step_samples)
+        turn = _generate_turn(engine, ts, sampling, limits, rollout_index)
         model = share(turn if runner is not None else None)
         for t, (ids, logprobs, _) in zip(ts, model, strict=True):
             t.add_model_turn(list(ids), list(logprobs))

@@ -31,6 +31,24 @@ def shard_rule(tm: TensorMap, dims: ModelDims) -> ShardRule:
     return EVEN
 
 
+def update_group(name: str, layer: int | None) -> str:
+    """The weight-update group of a tensor: its whole transformer layer (every module of it,
+    every expert of an MoE layer), or, outside the layers, its module.
+
+    vLLM's in-place reload (``reload_weights``; model_loader/reload/layerwise.py and meta.py in
+    0.32 and 0.33) rebuilds each module from meta tensors when a call starts and processes it
+    once the call has loaded all of its elements; a module one call loads only in part is
+    processed at the call's end from the memory it was rebuilt in, so what that call did not
+    bring is uninitialised, and it is copied back whole over the module's weights. A fused MoE
+    module holds all experts of its layer: its tensors must all come in one call. The reshard
+    hands vLLM one bucket per call and never splits a group across buckets, so every call
+    brings whole layers, whatever the bucket size says (a layer larger than a bucket travels
+    alone)."""
+    if layer is not None:
+        return f"decoder.layers.{layer}"
+    return name.rsplit(".", 1)[0]
+
+
 def megatron_global_name(template: str, layer: int | None, expert: int | None = None) -> str:
     return template.format(layer=layer, expert=expert) if layer is not None else template
 
@@ -45,7 +63,9 @@ def actor_planned_tensors(
     per TP rank), each with vLLM's split over its TP ranks (:func:`shard_rule`). The tied output
     layer is left out (vLLM ties it to the embedding). An MoE
     layer's expert weights appear once per expert, under the *global* expert index, held by the
-    expert-parallel rank ``expert // (experts / ep)``.
+    expert-parallel rank ``expert // (experts / ep)``. Each tensor's ``group`` is its
+    :func:`update_group` (its layer), so a bucket, and with it a rollout weight update, holds
+    whole layers.
     """
     pp = len(layers_per_stage)
     stage_of_layer = [s for s, n in enumerate(layers_per_stage) for _ in range(n)]
@@ -62,9 +82,7 @@ def actor_planned_tensors(
         name = megatron_global_name(tm.megatron, layer, expert)
         holder = None if expert is None else expert // per_rank
         rule = shard_rule(tm, dims)
-        # One group per module (weight and bias, gate and up): vLLM must get a whole module in one
-        # weight update, or it processes the module half loaded.
-        module = name.rsplit(".", 1)[0]
+        group = update_group(name, layer)
         if tm.kind == "gate_up":
             rows, *rest = tm.shape
             part_shape = (rows // 2, *rest)
@@ -76,14 +94,14 @@ def actor_planned_tensors(
                         tm.tp_dim,
                         stage,
                         itemsize,
-                        module,
+                        group,
                         holder,
                         rule,
                     )
                 )
         else:
             specs.append(
-                PlannedTensor(name, tm.shape, tm.tp_dim, stage, itemsize, module, holder, rule)
+                PlannedTensor(name, tm.shape, tm.tp_dim, stage, itemsize, group, holder, rule)
             )
 
     # HF order: embeddings, layer by layer, final norm, head.

@@ -9,8 +9,9 @@ Without partial rollouts a batch is one ``generate`` call at one version. With t
 rounds ``between()`` may load newer weights into the engine (it returns the version now loaded),
 and every unfinished response continues from its prompt and tokens so far with those weights:
 nothing generated is thrown away, and its tokens keep the version and logprobs they were sampled
-with. A continuation is a new request (its prompt re-encoded under the new weights) seeded from
-the batch's request seed and the round, so a batch is deterministic given when updates land.
+with. A continuation is a new request (its prompt re-encoded under the new weights) seeded for
+its response and round (:mod:`megarl.hybrid_engine.seeds`: the round is the segment), so a batch
+is deterministic given when updates land and no continuation shares another sample's stream.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from megarl.hybrid_engine.seeds import request_seeds, sequence_seed
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
-
-# Seed stride between rounds: a continuation's seed never equals a first round's of the batch.
-ROUND_SEED_STRIDE = 1_000_003
 
 
 class Generator(Protocol):
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, seed_offset: int
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int = 0,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> RolloutOutput: ...
 
 
@@ -49,22 +53,25 @@ def generate_versioned(
     engine: Generator,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingConfig,
-    seed_offset: int,
+    rollout: int,
+    first_prompt: int,
     version: int,
     chunk: int | None = None,
     between: Callable[[bool], int] | None = None,
 ) -> VersionedOutput:
-    """``sampling.n`` responses per prompt at ``version``; with ``chunk`` in rounds of at most
-    ``chunk`` tokens, calling ``between(active)`` after each round but the last (``active``:
-    whether this engine still has unfinished responses) for the version of the next round."""
+    """``sampling.n`` responses per prompt at ``version``; ``prompts`` are the rollout's
+    prompts from global index ``first_prompt`` on, ``rollout`` the run's rollout count (they seed
+    every sample). With ``chunk`` in rounds of at most ``chunk`` tokens, calling
+    ``between(active)`` after each round but the last (``active``: whether this engine still has
+    unfinished responses) for the version of the next round."""
+    n = max(1, sampling.n)
+    seeds = request_seeds(sampling.seed, rollout, first_prompt * n, len(prompts), n)
     if chunk is None or chunk >= sampling.max_new_tokens:
-        out = engine.generate(prompts, sampling, seed_offset=seed_offset)
+        out = engine.generate(prompts, sampling, seeds=seeds)
         return VersionedOutput(out, [[version] * len(t) for t in out.token_ids])
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 token, got {chunk}")
-    first = engine.generate(
-        prompts, replace(sampling, max_new_tokens=chunk), seed_offset=seed_offset
-    )
+    first = engine.generate(prompts, replace(sampling, max_new_tokens=chunk), seeds=seeds)
     result = VersionedOutput(
         RolloutOutput(
             prompt_index=list(first.prompt_index),
@@ -94,7 +101,15 @@ def generate_versioned(
         remaining = [sampling.max_new_tokens - len(out.token_ids[k]) for k in active]
         # one continuation per unfinished response, all with this round's length
         step = replace(sampling, n=1, max_new_tokens=min(chunk, max(remaining)))
-        more = engine.generate(requests, step, seed_offset=seed_offset + rounds * ROUND_SEED_STRIDE)
+        # response k (prompt-major: prompt k // n's sample k % n) is sample first_prompt*n + k
+        more = engine.generate(
+            requests,
+            step,
+            seeds=[
+                sequence_seed(sampling.seed, rollout, first_prompt * n + k, segment=rounds)
+                for k in active
+            ],
+        )
         for j, k in enumerate(active):
             tokens = more.token_ids[j][: remaining[j]]
             out.token_ids[k] += tokens
@@ -109,4 +124,4 @@ def generate_versioned(
     return result
 
 
-__all__ = ["ROUND_SEED_STRIDE", "VersionedOutput", "generate_versioned"]
+__all__ = ["VersionedOutput", "generate_versioned"]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
+from megarl.hybrid_engine.seeds import sequence_seed
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
 from megarl.models.safetensors_io import SafetensorsReader
 from megarl.shm_segments import (
@@ -48,7 +49,7 @@ class SamplingConfig:
     max_new_tokens: int = 128
     n: int = 1  # samples per prompt (GRPO groups)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
-    seed: int = 0  # request i gets seed + i: the same samples whatever the layout
+    seed: int = 0  # the run's seed: every sample's own stream derives from it (hybrid_engine.seeds)
     # False: no request seeds, vLLM's batched sampler draws from the engine's generator (samples
     # then depend on the layout and the batching; rollout.per_request_seeds)
     per_request_seeds: bool = True
@@ -93,9 +94,13 @@ class RolloutOutput:
 def request_seed(
     sampling: SamplingConfig, seed_offset: int, index: int, seeds: Sequence[int] | None
 ) -> int:
-    """The seed of request ``index`` of a generate call: its own when given, else the run's
-    seed + the call's offset + the index."""
-    return int(seeds[index]) if seeds is not None else sampling.seed + seed_offset + index
+    """The seed of request ``index`` of a generate call: its own when given (a run passes
+    every request's, :mod:`megarl.hybrid_engine.seeds`); else, for a call outside a run, the
+    stream of sample ``seed_offset + index * n`` of the run seed's rollout 0, so no two samples
+    of the call share one."""
+    if seeds is not None:
+        return int(seeds[index])
+    return sequence_seed(sampling.seed, 0, seed_offset + index * max(1, sampling.n))
 
 
 def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
@@ -208,8 +213,10 @@ class VLLMRollout:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors in place (validated first: nothing loads on a mismatch).
 
-        Every vLLM layer must get all its tensors in one call (q, k and v together; gate and up
-        together), which the reshard schedule's buckets guarantee.
+        Every vLLM module must get all its tensors in one call (q, k and v together; gate and up
+        together; every expert of a fused MoE layer), or vLLM's reload processes it half loaded:
+        the reshard schedule's buckets hold whole layers
+        (:func:`megarl.hybrid_engine.tensor_list.update_group`).
         """
         batch = list(weights)
         self.validate(batch)
@@ -275,9 +282,10 @@ class VLLMRollout:
         seeds: Sequence[int] | None = None,
         max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput:
-        """``sampling.n`` responses per prompt; request i is seeded with ``seeds[i]`` when given,
-        else ``seed + seed_offset + i``, and gets ``max_new_tokens[i]`` new tokens at most when
-        given (one call for a turn of many trajectories, each with its own budget)."""
+        """``sampling.n`` responses per prompt; request i is seeded with ``seeds[i]`` when given
+        (its sample j with ``seeds[i] + j``), else as :func:`request_seed` says, and gets
+        ``max_new_tokens[i]`` new tokens at most when given (one call for a turn of many
+        trajectories, each with its own budget)."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep; call wake_up() first")
         if not self.weights_loaded:

@@ -3,6 +3,14 @@ step (:class:`WeightSender`), the rollout ranks receive it whole, in Hugging Fac
 (:class:`WeightReceiver`), into host memory (:class:`StagedWeights`), from where the rollout
 engine loads it between requests.
 
+The broadcast runs on each side's main thread, never beside another collective: a trainer sends
+right after its optimizer step; a rollout rank learns of a push from its control thread
+(:class:`PushInbox`, objects over a gloo bridge: host memory only) and receives it on the thread
+that drives vLLM, between two generations, at a point every rollout rank agrees on. vLLM's own
+tensor-parallel collectives run on that thread too, so NCCL sees one order of collectives on
+every rank (with ``CUDA_DEVICE_MAX_CONNECTIONS=1``, NCCL kernels of two groups issued
+concurrently from two threads can each wait for a peer stuck behind the other).
+
 Both sides walk the same :class:`~megarl.hybrid_engine.broadcast_schedule.BroadcastSchedule`: for each
 bucket, each slice is broadcast by the trainer holding it over its broadcast group (the source
 and every rollout rank; NCCL on GPUs, gloo on CPU), the rollout ranks assemble whole tensors and
@@ -132,6 +140,50 @@ class WeightReceiver:
 
 
 @dataclass
+class PushInbox:
+    """Weight pushes announced on the control bridge, in their order, for the main thread to
+    receive; filled by the control thread, which never touches the weights. ``closed``: the
+    trainers are done (every push came before), or the control thread failed (``error``)."""
+
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _versions: list[int] = field(default_factory=list)
+    closed: bool = False
+    error: BaseException | None = None
+
+    def add(self, version: int) -> None:
+        with self._cond:
+            self._versions.append(version)
+            self._cond.notify_all()
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.closed = True
+            self.error = self.error or error
+            self._cond.notify_all()
+
+    def state(self) -> tuple[int, bool]:
+        """(pushes announced so far, closed); raises when the control thread failed."""
+        with self._cond:
+            self._raise()
+            return len(self._versions), self.closed
+
+    def version(self, index: int) -> int:
+        with self._cond:
+            return self._versions[index]
+
+    def wait_beyond(self, count: int) -> None:
+        """Block until more than ``count`` pushes were announced, or no more will be."""
+        with self._cond:
+            while not self.closed and len(self._versions) <= count:
+                self._cond.wait()
+            self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("receiving the trainers' control messages failed") from self.error
+
+
+@dataclass
 class Staged:
     version: int
     buckets: list[list[tuple[str, torch.Tensor]]]
@@ -141,10 +193,10 @@ class Staged:
 
 @dataclass
 class StagedWeights:
-    """The newest received weights not yet loaded, shared by the receiving thread and the
-    generating one. ``put`` replaces an unloaded older version unless that one is pinned (then
-    it waits until it is consumed); the generating side reads the waiting version (``get``) and
-    consumes it once loaded, so ranks can agree on a version before any of them gives it up."""
+    """The newest received weights not yet loaded. ``put`` replaces an unloaded older version
+    unless that one is pinned (then it waits until it is consumed: a receiver on the loading
+    thread itself loads a pinned version before it receives the next); the loading side reads
+    the waiting version (``get``) and consumes it once loaded."""
 
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _staged: Staged | None = None
@@ -197,6 +249,7 @@ class StagedWeights:
 
 
 __all__ = [
+    "PushInbox",
     "Staged",
     "StagedWeights",
     "SyncStats",

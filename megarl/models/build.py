@@ -102,6 +102,9 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, opts: ModelOptio
         # As with TP/PP: megatron reads the expert layout from the config too (which parameters
         # skip the data-parallel all-reduce, how the optimizer shards them).
         kwargs.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp)
+        # grouped GEMM over the local experts with Transformer Engine's layers (the layer spec
+        # builds TEGroupedMLP to match: layer_spec)
+        kwargs["moe_grouped_gemm"] = kernel_options(impl, this_machine()).moe_grouped_gemm
     return TransformerConfig(**kwargs)
 
 
@@ -155,7 +158,8 @@ def layer_spec(transformer_impl: str = "auto", dims: ModelDims | None = None, co
     impl = resolve_transformer_impl(transformer_impl)  # errors before megatron's specs import
     from megatron.core.models.gpt import gpt_layer_specs
 
-    family_opts = dims.model_family.layer_spec_options(dims) if dims is not None else {}
+    grouped = kernel_options(impl, this_machine()).moe_grouped_gemm
+    family_opts = dims.model_family.layer_spec_options(dims, grouped) if dims is not None else {}
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**family_opts)
     from megatron.core.transformer.identity_op import IdentityOp

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import torch
 
+from megarl.errors import ConfigError
 from megarl.gpu_defaults import grad_reduce_overlap
 from megarl.models.fused_adam import use_fused_adam
 from megarl.models.grad_scale import use_in_place_grad_scaling
@@ -26,9 +28,25 @@ class OptimSettings:
     lr_decay_style: str = "constant"  # constant | linear | cosine
     # Share of optimizer states on the host (megatron's optimizer CPU offload; CUDA only)
     optimizer_offload: float = 0.0
+    # With the offload, megatron's precision-aware optimizer: the fp32 main weights move to the
+    # host with Adam's moments (False: megatron keeps them on the GPU, as without the option;
+    # the GPU check measures that path where Transformer Engine is missing)
+    precision_aware_offload: bool = True
     # DP grad reduction bucket by bucket during the backward pass; None: on with Transformer
     # Engine layers on CUDA (megarl.gpu_defaults), off elsewhere (it needs CUDA streams)
     overlap_grad_reduce: bool | None = None
+
+
+def check_precision_aware_offload() -> None:
+    """megatron-core 0.16.1's OptimizerConfig reads Transformer Engine's version for the
+    precision-aware optimizer (and fails without TE): say so before it does."""
+    if find_spec("transformer_engine") is None:
+        raise ConfigError(
+            "optimizer offload runs megatron's precision-aware optimizer (the fp32 main weights "
+            "move to the host with Adam's moments), which megatron-core 0.16.1 checks against "
+            "Transformer Engine's version: install Transformer Engine or set "
+            "actor.optimizer_offload=0"
+        )
 
 
 def wrap_for_training(model, settings: OptimSettings):
@@ -66,6 +84,9 @@ def wrap_for_training(model, settings: OptimSettings):
         # step's finalize_model_grads waits for them.
         config.no_sync_func = ddp.no_sync
         config.grad_sync_func = ddp.start_grad_sync
+    offload = settings.optimizer_offload > 0
+    if offload and settings.precision_aware_offload:
+        check_precision_aware_offload()
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
@@ -79,8 +100,12 @@ def wrap_for_training(model, settings: OptimSettings):
         bf16=config.bf16,
         fp16=config.fp16,
         params_dtype=config.params_dtype,
-        optimizer_cpu_offload=settings.optimizer_offload > 0,
+        optimizer_cpu_offload=offload,
         optimizer_offload_fraction=settings.optimizer_offload,
+        # megatron's hybrid CPU/GPU optimizer then takes the 16-bit params and keeps their fp32
+        # master copies itself, on the host for the offloaded share; without it the distributed
+        # optimizer's fp32 main params stay on the GPU (Megatron-LM refuses the offload so)
+        use_precision_aware_optimizer=offload and settings.precision_aware_offload,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     use_in_place_grad_scaling()  # clipping without a temporary copy of every grad

@@ -12,9 +12,10 @@ module applies it. Used by the model loader, checkpoints_tools and the hybrid en
 Megatron names are those of the local (non-Transformer-Engine) layer spec, with the layer index
 local to the pipeline stage, as ``GPTModel.named_parameters()`` reports them. Transformer
 Engine's layer spec fuses each layer's two norms into the linear layer after them and names their
-weights after it (:data:`TE_NORM_NAMES`); :func:`to_naming` converts between the two namings and
-:class:`NameIndex` accepts both, so loading, export, the reshard and the checkpoints work with
-either spec.
+weights after it (:data:`TE_NORM_NAMES`), and on CUDA it builds a mixture of experts' local
+experts as one grouped module (``mlp.experts.linear_fc1.weight<e>``); :func:`to_naming` converts
+between the two namings and :class:`NameIndex` accepts both, so loading, export, the reshard and
+the checkpoints work with either spec.
 """
 
 from __future__ import annotations
@@ -69,20 +70,38 @@ TE_NORM_NAMES: dict[str, str] = {
 _LAYER_PREFIX = re.compile(r"^(.*decoder\.layers\.(?:\d+|\{layer\})\.)(.*)$")
 
 
+# MoE experts: megatron's sequential experts (local spec) name an expert's weights
+# ``mlp.experts.local_experts.<e>.linear_fc1.weight``; its grouped experts (TEGroupedMLP, which the
+# Transformer Engine spec builds on CUDA) hold every local expert in one module, Transformer
+# Engine's GroupedLinear, as ``mlp.experts.linear_fc1.weight<e>`` (the same [rows, cols] per
+# expert). Both save the same dist-checkpoint keys (megatron's TEGroupedMLP.sharded_state_dict).
+_SEQUENTIAL_EXPERT = re.compile(
+    r"^mlp\.experts\.local_experts\.(\d+|\{expert\})\.(linear_fc[12])\.(weight|bias)$"
+)
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+|\{expert\})$")
+
+
 def to_naming(name: str, naming: str) -> str:
-    """A megatron parameter name (or name-map template) as the ``naming`` layer spec spells it."""
+    """A megatron parameter name (or name-map template) as the ``naming`` layer spec spells it
+    (the Transformer Engine spec's experts grouped)."""
     if naming not in NAMINGS:
         raise ValueError(f"unknown megatron naming {naming!r}; known: {NAMINGS}")
     m = _LAYER_PREFIX.match(name)
     if m is None:
         return name
     prefix, rest = m.groups()
-    table = (
-        TE_NORM_NAMES
-        if naming == "transformer_engine"
-        else {te: local for local, te in TE_NORM_NAMES.items()}
-    )
-    return prefix + table.get(rest, rest)
+    if naming == "transformer_engine":
+        expert = _SEQUENTIAL_EXPERT.match(rest)
+        if expert:
+            index, module, kind = expert.groups()
+            return f"{prefix}mlp.experts.{module}.{kind}{index}"
+        return prefix + TE_NORM_NAMES.get(rest, rest)
+    expert = _GROUPED_EXPERT.match(rest)
+    if expert:
+        module, kind, index = expert.groups()
+        return f"{prefix}mlp.experts.local_experts.{index}.{module}.{kind}"
+    local = {te: local for local, te in TE_NORM_NAMES.items()}
+    return prefix + local.get(rest, rest)
 
 
 def state_dict_to_naming(state: dict[str, torch.Tensor], naming: str) -> dict[str, torch.Tensor]:

@@ -13,6 +13,15 @@ outputs, 8h, where SwiGLU stores 3f) plus two dropout masks, the GPU coefficient
 Korthikanti's 34 * s * b * h bytes per layer; megarl runs with dropout 0, so the masks' 2 * s *
 b * h bytes are left out.
 
+Mixture of experts (megatron's all-to-all dispatcher, expert TP = TP, sequence parallel with TP >
+1): a rank's ``T`` tokens entering a layer (``b * s / tp``) are routed ``k = topk`` times each. The
+experts' fc1 input is stored for the backward: the routed tokens of every expert-TP rank, gathered,
+``tp * T * k * h`` elements (:func:`moe_stored_bytes`). While the layer dispatches (forward, and
+its backward the other way) a rank holds, beside it, the permuted copy of its routed tokens and the
+all-to-all's output (``T * k * h`` each), the expert-TP all-gather's output and its copy sorted by
+local expert (``tp * T * k * h`` each): :func:`moe_dispatch_bytes`. For Qwen3-30B-A3B at TP4 that
+is about 4.5 times the dense items of its layer.
+
 Full recomputation (megatron ``recompute_granularity=full``, uniform, 1 layer per checkpoint)
 stores only each layer's input and re-runs one layer at a time in the backward pass, so the
 stage holds ``layers * input + one layer's full activations``. Selective recomputation
@@ -102,11 +111,33 @@ def layer_bytes(
     p: ActivationProfile, dims: ModelDims, tp: int, batch: int, seq: int, scores: bool = True
 ) -> int:
     """Bytes one layer stores for one micro-batch without recomputation (``scores=False``: under
-    selective recomputation, which recomputes the attention scores instead of storing them)."""
+    selective recomputation, which recomputes the attention scores instead of storing them); an
+    MoE layer's include its experts' gathered input (:func:`moe_stored_bytes`)."""
     stored = batch * seq * _per_token_elements(p, dims, tp) * p.bytes
     if scores and not p.flash_attention:
         stored += 5 * dims.num_attention_heads * seq * seq * batch / tp * (p.bytes / 2)
-    return int(stored)
+    return int(stored) + moe_stored_bytes(p, dims, tp, batch, seq)
+
+
+def _routed_elements(p: ActivationProfile, dims: ModelDims, tp: int, batch: int, seq: int) -> float:
+    """``T * k * h``: a rank's routed token copies entering one MoE layer (module doc)."""
+    tokens = batch * seq / (tp if p.sequence_parallel else 1)
+    return tokens * dims.moe_topk * dims.hidden_size
+
+
+def moe_stored_bytes(p: ActivationProfile, dims: ModelDims, tp: int, batch: int, seq: int) -> int:
+    """Bytes an MoE layer stores beyond the dense items for its backward: the experts' fc1
+    input, gathered over expert TP (0 for a dense model)."""
+    if not dims.is_moe:
+        return 0
+    return int(tp * _routed_elements(p, dims, tp, batch, seq) * p.bytes)
+
+
+def moe_dispatch_bytes(p: ActivationProfile, dims: ModelDims, tp: int, batch: int, seq: int) -> int:
+    """Transient bytes of one MoE layer's token dispatch (module doc; 0 for a dense model)."""
+    if not dims.is_moe:
+        return 0
+    return int((2 + 2 * tp) * _routed_elements(p, dims, tp, batch, seq) * p.bytes)
 
 
 def checkpoint_bytes(p: ActivationProfile, dims: ModelDims, tp: int, batch: int, seq: int) -> int:

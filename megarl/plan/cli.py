@@ -97,7 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="parallel.sequence_parallel at tp > 1 (default: on, as the engine)",
     )
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--reserve", default="4GiB", help="per GPU: CUDA context, NCCL, fragmentation")
+    p.add_argument(
+        "--reserve",
+        default=None,
+        help="per GPU: CUDA context, NCCL, fragmentation (default: computed for each layout from "
+        "its communicators, docs/preflight.md)",
+    )
     p.add_argument("--tflops", type=float, default=989.0, help="peak dense bf16 TFLOPS per GPU")
     p.add_argument("--mfu", type=float, default=0.4, help="share of peak training reaches")
     p.add_argument("--top", type=int, default=5, help="layouts in the table")
@@ -134,7 +139,11 @@ def run(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
         gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),
-        reserve=parse_bytes(args.reserve, "--reserve", allow_zero=True),
+        reserve=(
+            parse_bytes(args.reserve, "--reserve", allow_zero=True)
+            if args.reserve is not None
+            else None
+        ),
         peak_tflops=args.tflops,
         mfu=args.mfu,
     )

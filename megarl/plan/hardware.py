@@ -21,7 +21,9 @@ class Cluster:
     gpus: int
     gpus_per_node: int = 8
     gpu_memory: int = 80 * GIB
-    reserve: int = 4 * GIB  # CUDA context, NCCL buffers, allocator fragmentation, per GPU
+    # per GPU: CUDA context, NCCL buffers, allocator fragmentation; None: computed from each
+    # layout (megarl.plan.reserve)
+    reserve: int | None = None
     peak_tflops: float = 989.0
     mfu: float = 0.4  # share of peak that training matmuls reach
     hbm_gbps: float = 3350.0
@@ -44,7 +46,7 @@ class Cluster:
                 f"--gpus {nodes * self.gpus_per_node} or {(nodes + 1) * self.gpus_per_node}, or set "
                 f"--gpus-per-node to the real node size"
             )
-        if self.reserve >= self.gpu_memory:
+        if self.reserve is not None and self.reserve >= self.gpu_memory:
             raise ConfigError(
                 f"--reserve ({self.reserve / GIB:.1f} GiB) must be smaller than --gpu-memory "
                 f"({self.gpu_memory / GIB:.1f} GiB)"

@@ -4,17 +4,25 @@ Per rank of pipeline stage k (P: the stage's parameters on this TP rank, S: this
 distributed-optimizer shard of them):
 
 - always: the optimizer offload's share f (``actor.optimizer_offload``) of the shard lives on
-  the host in megatron's hybrid optimizer: fp32 master params, Adam's m and v and an fp32 copy of
-  the grads, 16 bytes per parameter of f x S;
-- rollout: megarl's hybrid engine moves the actor's Adam m and v (the GPU's part) to the host
-  while vLLM generates; with param offload the actor's weights, master params and moments, the
-  reference's weights and the critic's weights, grads and optimizer state go there too;
-- training (scoring, update): vLLM asleep at ``sleep_level`` 1 keeps its weights (its TP shard,
-  bf16) in host memory; at level 2 it drops them;
+  the host in megatron's hybrid optimizer (``optimizer/cpu_offloading/hybrid_optimizer.py``):
+  fp32 master params, Adam's m and v and an fp32 copy of the grads, 16 bytes per parameter of
+  f x S; the grads' copies are pinned, and so is each parameter's 16-bit copy the optimizer
+  makes on its way to fp32 (freed, but kept pinned by torch's host allocator);
+- rollout: megarl's hybrid engine moves the actor's Adam m and v (the GPU's part) to pinned host
+  memory while vLLM generates; with param offload the actor's weights, master params and moments,
+  the reference's weights and the critic's weights, grads and optimizer state go there too;
+- training (scoring, update): vLLM asleep copies its runtime and CUDA-graph pools to pinned host
+  memory at every sleep level (vLLM 0.32's ``sleep_mode_backend``: tags ``runtime`` and
+  ``cudagraph``), counted as its workspace; at ``sleep_level`` 1 also its weights (its TP shard,
+  bf16); at level 2 it drops them;
 - save: + the checkpoint's staging. megarl writes the ``fully_reshardable`` optimizer format,
   each rank its own shard of the state without a gather (:data:`OPTIMIZER_SAVE`, see
-  :func:`optimizer_staging`), and each rank stages the weights it writes (DP rank 0 of each TP x PP shard; megatron's
-  default strategy saves a replicated tensor from its first replica).
+  :func:`optimizer_staging`), and each rank stages the weights it writes (DP rank 0 of each TP x
+  PP shard; megatron's default strategy saves a replicated tensor from its first replica).
+
+Pinned memory is counted as torch's caching host allocator takes it: each block rounded up to a
+power of two (:mod:`megarl.plan.pinned`), a block per tensor (per parameter's optimizer state,
+per vLLM weight) or per buffer (megatron's contiguous param and grad buffers).
 
 A node's host memory is the sum over the ranks it holds (consecutive global ranks, megatron's
 TP-fastest order), so a layout whose DP ranks share a node counts each of them.
@@ -28,12 +36,14 @@ from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.lora import lora_layer_params
 from megarl.plan.memory import (
+    VLLM_WORKSPACE,
     Numerics,
     Options,
     optimizer_shard_elements,
     vllm_weight_bytes,
 )
-from megarl.plan.params import stage_params
+from megarl.plan.params import stage_params, stage_tensor_numels
+from megarl.plan.pinned import pinned_bytes, pinned_ratio
 from megarl.plan.workload import Workload
 
 # Where a fully_reshardable save gathers the distributed optimizer's state, per rank:
@@ -97,9 +107,22 @@ def _rank_host(
     opt_state = num.main_param_bytes + num.adam_bytes
     saved = 4 + num.adam_bytes  # a save writes fp32 params, m and v (fp32 weights: the weights)
     weights = (p.total + (adapters or 0)) * num.param_bytes
+    # one pinned block per parameter tensor: what rounding each per-tensor copy takes (pinned
+    # host memory is CUDA's: on a CPU target the copies are plain tensors)
+    pinned = not num.gloo
+    numels = stage_tensor_numels(dims, tp, pp, stage, layers, ep)
+    fp32_ratio = pinned_ratio(n * 4 for n in numels) if pinned else 1.0
+    param_ratio = pinned_ratio(n * num.param_bytes for n in numels) if pinned else 1.0
+    block = pinned_bytes if pinned else int
     offloaded = int(f * shard * OFFLOADED_BYTES)
+    if f:  # the hybrid optimizer's pinned blocks (module doc), beyond the bytes asked
+        if num.offload_main_params:  # pinned: the grad copies, the cached 16-bit copies
+            offloaded += int(f * shard * (4 * (fp32_ratio - 1) + num.param_bytes * param_ratio))
+        else:  # pinned: the grad copies and the fp32 params it steps
+            offloaded += int(f * shard * 8 * (fp32_ratio - 1))
     moments_gpu = int((1 - f) * shard * num.adam_bytes)
-    main_gpu = int((1 - f) * shard * num.main_param_bytes)
+    main_on_gpu = (1 - f) if num.offload_main_params else 1.0
+    main_gpu = int(main_on_gpu * shard * num.main_param_bytes)
     ref = 0
     critic = 0
     critic_state = 0
@@ -109,19 +132,38 @@ def _rank_host(
     if w.critic:
         cp = stage_params(dims, tp, pp, stage, layers, "critic", ep)
         critic_shard = optimizer_shard_elements(cp, dp, ep, None)
-        critic = cp.total * (num.param_bytes + num.grad_bytes) + critic_shard * opt_state
+        # moved whole: its param and grad buffers (a block each), its optimizer per tensor
+        critic = block(cp.total * num.param_bytes) + block(cp.total * num.grad_bytes)
+        critic += int(critic_shard * opt_state * fp32_ratio)
         critic_state = cp.total * saved
     common = {"optimizer_offload": offloaded}
+    moments_pinned = int(moments_gpu * fp32_ratio)
     if opts.param_offload:
+        if adapters is None:  # megatron's param buffers: dense, experts (a block each)
+            buffers = block((p.total - p.experts) * num.param_bytes) + block(
+                p.experts * num.param_bytes
+            )
+        else:  # LoRA: the frozen base tensor by tensor, the adapters' buffer
+            buffers = int(p.total * num.param_bytes * param_ratio)
+            buffers += block(adapters * num.param_bytes)
         rollout = {
             **common,
-            "actor": weights + main_gpu + moments_gpu,
-            "reference": ref,
+            "actor": buffers + int(main_gpu * fp32_ratio) + moments_pinned,
+            "reference": int(ref * param_ratio),
             "critic": critic,
         }
     else:
-        rollout = {**common, "adam_moments": moments_gpu}
-    asleep = vllm_weight_bytes(dims, layout.rollout_tp) if w.rollout and w.sleep_level == 1 else 0
+        rollout = {**common, "adam_moments": moments_pinned}
+    asleep = 0
+    if w.rollout and pinned:  # vLLM's CPU build has no sleep mode
+        asleep = pinned_bytes(VLLM_WORKSPACE)  # its runtime and CUDA-graph pools
+        if w.sleep_level == 1:
+            infer = stage_tensor_numels(dims, layout.rollout_tp, 1, 0, dims.num_layers)
+            asleep += int(
+                vllm_weight_bytes(dims, layout.rollout_tp) * pinned_ratio(n * 2 for n in infer)
+            )
+    elif w.rollout and w.sleep_level == 1:
+        asleep = vllm_weight_bytes(dims, layout.rollout_tp)
     training = {**common, "vllm_asleep": asleep}
     trained = adapters if adapters is not None else p.total
     staged = optimizer_staging(OPTIMIZER_SAVE, trained * saved, shard * saved, dp_rank)

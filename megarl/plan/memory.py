@@ -5,22 +5,29 @@ What a rank holds, for its pipeline stage (P = that stage's parameters on this T
 - weights: P x param bytes (megatron DDP keeps them in one contiguous param buffer);
 - grads: P x grad bytes (DDP grad buffer, fp32 by default: ``grad_reduce_in_fp32``);
 - optimizer: P / DP x (main-param bytes + 8): the distributed optimizer shards Adam's m and v
-  (fp32) and, for 16-bit params, an fp32 master copy over data-parallel ranks. Offloaded: 0;
+  (fp32) and, for 16-bit params, an fp32 master copy over data-parallel ranks. Optimizer offload
+  (``actor.optimizer_offload``, the actor's only) moves its share of both to the host: megarl
+  turns on megatron's precision-aware optimizer with it, without which megatron keeps the master
+  copy on the GPU (:attr:`Numerics.offload_main_params`);
 - activations: micro-batches in flight x stored bytes per micro-batch (see
   :mod:`megarl.plan.activations`; with packing, of the micro-batch's real tokens: micro-batch x
   the workload's mean sequence length); 1F1B keeps ``min(PP - stage, micro-batches)`` in flight, so
-  stage 0 holds PP of them; plus the loss's vocabulary tensors on the last stage and the
-  temporaries of the backward pass (below);
+  stage 0 holds PP of them; plus the loss's vocabulary tensors on the last stage, the
+  temporaries of the backward pass (below) and, for a mixture of experts, one layer's token
+  dispatch (the routed copies, the expert-parallel all-to-all's and the expert-TP all-gather's
+  outputs);
 - reference: its weights only (forward only, frozen);
-- critic (PPO): weights + grads + optimizer like the actor, with a value head;
-- rollout: vLLM's weights at ``infer_tp`` in bf16, its KV cache and a workspace.
+- critic (PPO): weights + grads + optimizer like the actor (never offloaded), with a value head;
+- rollout: vLLM's weights at ``infer_tp`` in bf16, its KV cache and a workspace;
+- reserve: the CUDA context, the NCCL communicators of the layout and a fragmentation margin
+  (:mod:`megarl.plan.reserve`).
 
 The colocated hybrid engine never trains and generates at once, so the peak is the largest of
 the phases, each being what stays resident plus what that phase adds:
 
 - resident in every phase: actor weights, actor fp32 master params (unless optimizer offload),
   reference weights, the critic's weights, grads and optimizer state (megarl frees only the
-  actor's), and the reserve (CUDA context, NCCL, fragmentation);
+  actor's), and the reserve;
 - setup: megatron's DDP wrap copies the weights into its param buffer while the module's own
   tensors are alive (one extra weights copy), before any optimizer state exists; later the
   reference is built and the critic wrapped the same way (PPO);
@@ -34,13 +41,16 @@ the phases, each being what stays resident plus what that phase adds:
   resident then (weights, the DDP grad buffers, fp32 master params; Adam's m and v are made at
   the first step) plus that whole budget;
 - rollout: the actor's grad buffer is freed and Adam's m and v go to host memory (what megarl's
-  hybrid engine does on GPUs); + vLLM weights, KV cache and workspace. With param offload the
-  actor, reference and critic weights leave the GPU after the weights are handed to vLLM;
+  hybrid engine does on GPUs); + vLLM weights, KV cache and workspace, or, while the reshard runs
+  (vLLM's KV cache still asleep), vLLM's weights and workspace and two reshard buckets
+  (:func:`reshard_buffer_bytes`), whichever is more. With param offload the actor, reference and
+  critic weights leave the GPU after the weights are handed to vLLM;
 - scoring: after vLLM sleeps, the trainer scores the rollout (old and reference logprobs, critic
   values) forward only, in the update's micro-batches; + one micro-batch's forward working set
-  (one layer's tensors, or at the output layer its logits, their temperature-scaled copy and the
-  log-prob's two fp32 chunks) and the scores kept for the whole rollout batch. A reward model
-  scores ``micro_batch`` whole sequences per forward (its working set: one layer's tensors).
+  (one layer's tensors and an MoE layer's dispatch, or at the output layer its logits, their
+  temperature-scaled copy and the log-prob's two fp32 chunks) and the scores kept for the whole
+  rollout batch. A reward model scores ``micro_batch`` whole sequences per forward (its working
+  set: one layer's tensors).
 
 A reward model (``reward.model_path``) is resident in every phase (frozen, weights only).
 
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.activations import (
@@ -64,14 +75,18 @@ from megarl.plan.activations import (
     checkpoint_bytes,
     hidden_bytes,
     layer_bytes,
+    moe_dispatch_bytes,
 )
 from megarl.plan.lora import lora_layer_params
 from megarl.plan.params import StageParams, layer_params, stage_params
+from megarl.plan.reserve import Reserve, fixed_reserve, layout_reserve
 from megarl.plan.units import GIB
 from megarl.plan.workload import Workload
 
 LOSS_CHUNK_ELEMS = 1 << 25  # megarl.algos.vocab_parallel.DEFAULT_CHUNK_ELEMS
 VLLM_WORKSPACE = 1 * GIB  # CUDA graphs, activation workspace, allocator slack (an estimate)
+RESHARD_BUCKET = 256 << 20  # megarl.hybrid_engine.engine.HybridEngine's bucket_bytes
+ROLLOUT_WEIGHT_BYTES = 2  # vLLM's weights, bf16
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,11 @@ class Numerics:
     fused_adam: bool  # multi-tensor Adam without temporaries (TE / apex)
     gloo: bool  # gloo's coalesced reduce-scatter copies each DDP bucket
     adam_bytes: int = 8  # m and v, fp32
+    # Optimizer offload moves the fp32 main params with Adam's moments: megarl turns on
+    # megatron's precision-aware optimizer with the offload (it needs Transformer Engine). Without
+    # it megatron keeps the main params on the GPU (measured on an H200: 8.07 bytes freed per
+    # parameter, not 12).
+    offload_main_params: bool = True
 
     @property
     def logits_bytes(self) -> int:
@@ -190,6 +210,7 @@ class MemoryEstimate:
     stages: list[StageMemory]
     rollout_kv_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    reserve: Reserve = field(default_factory=lambda: fixed_reserve(0))
 
     @property
     def worst(self) -> StageMemory:
@@ -229,12 +250,18 @@ def _model_static(
         return -(-dense * per_param // dp) + -(-experts * per_param // expert_dp)
 
     on_gpu = 1.0 - float(offload)
+    main_on_gpu = on_gpu if num.offload_main_params else 1.0
     return {
         "weights": (p.total + (adapters or 0)) * num.param_bytes,
         "grads": (dense + experts) * num.grad_bytes,
-        "main": int(on_gpu * shard(num.main_param_bytes)),
+        "main": int(main_on_gpu * shard(num.main_param_bytes)),
         "moments": int(on_gpu * shard(num.adam_bytes)),
     }
+
+
+def offload_freed_bytes_per_param(num: Numerics) -> int:
+    """Device bytes per parameter (of the offloaded share) that optimizer offload frees."""
+    return num.adam_bytes + (num.main_param_bytes if num.offload_main_params else 0)
 
 
 def optimizer_shard_elements(p: StageParams, dp: int, ep: int, adapters: int | None) -> int:
@@ -253,7 +280,25 @@ def _largest_bucket(p: StageParams, grad_bytes: int) -> int:
 
 def vllm_weight_bytes(dims: ModelDims, infer_tp: int) -> int:
     """vLLM's bf16 weights per rank at ``infer_tp``."""
-    return stage_params(dims, infer_tp, 1, 0, dims.num_layers).total * 2
+    return stage_params(dims, infer_tp, 1, 0, dims.num_layers).total * ROLLOUT_WEIGHT_BYTES
+
+
+def reshard_buffer_bytes(
+    dims: ModelDims, infer_tp: int, bucket_bytes: int = RESHARD_BUCKET, backend: str = "vllm"
+) -> int:
+    """What the reshard assembles on a rank at once, bf16: two buckets (one loads while the
+    next travels); a bucket holds whole groups up to ``bucket_bytes``, and a group larger than
+    that alone: a whole layer (megarl.hybrid_engine.tensor_list.update_group) or a vocabulary
+    tensor. In ``full`` mode (vLLM with an MoE model) every rank assembles whole tensors; in
+    ``shard`` mode only its rollout TP rank's slices."""
+    mode = resolve_reshard_mode("auto", backend, dims.is_moe)
+    cut = infer_tp if mode == "shard" else 1
+    split, replicated, _ = layer_params(dims, cut)
+    layer = split + replicated
+    vocab = dims.vocab_size * dims.hidden_size // cut
+    largest = max(layer, vocab) * ROLLOUT_WEIGHT_BYTES
+    model = stage_params(dims, cut, 1, 0, dims.num_layers).total * ROLLOUT_WEIGHT_BYTES
+    return 2 * max(largest, min(bucket_bytes, model))
 
 
 def kv_bytes_per_token(dims: ModelDims, infer_tp: int) -> int:
@@ -287,10 +332,17 @@ def estimate_memory(
     numerics: Numerics = GPU_BF16,
     options: Options = Options(),
     gpu_memory: int = 80 * GIB,
-    reserve: int = 4 * GIB,
+    reserve: int | None = None,
 ) -> MemoryEstimate:
-    """Per-stage, per-phase peak memory of one rank (see the module doc for what is counted)."""
+    """Per-stage, per-phase peak memory of one rank (see the module doc for what is counted);
+    ``reserve``: bytes per GPU outside the items, None: computed from the layout
+    (:func:`megarl.plan.reserve.layout_reserve`)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
+    kept = (
+        layout_reserve(layout, gpu_memory, dims.is_moe, dims.tie_word_embeddings, workload.rollout)
+        if reserve is None
+        else fixed_reserve(reserve)
+    )
     # SP needs TP: "on" at tp 1 is what the engine does with the setting unset there (nothing)
     sp = (options.sequence_parallel is not False) and tp > 1
     act = replace(numerics.activations, sequence_parallel=sp)
@@ -311,6 +363,7 @@ def estimate_memory(
         "full": checkpoint_bytes(act, dims, tp, b, s_act),
     }[options.recompute]
     hid = hidden_bytes(act, dims, tp, b, s_act)
+    dispatch = moe_dispatch_bytes(act, dims, tp, b, s_act)  # while an MoE layer dispatches
     _, _, largest_layer_weight = layer_params(dims, tp, layout.ep)
     stages = []
     for k in range(pp):
@@ -328,7 +381,8 @@ def estimate_memory(
         critic_startup = 0
         if workload.critic:
             critic_p = stage_params(dims, tp, pp, k, layers[k], "critic", layout.ep)
-            c = _model_static(critic_p, numerics, dp, options.optimizer_offload, layout.ep)
+            # built without optimizer offload (megarl.trainer.roles: only the actor's offloads)
+            c = _model_static(critic_p, numerics, dp, 0.0, layout.ep)
             critic_total = sum(c.values())
             critic_wrap = c["weights"] + c["grads"] + c["weights"]  # module + param buffer + grads
             # once wrapped: weights, grads and the fp32 master params (m and v come at step 1)
@@ -350,6 +404,8 @@ def estimate_memory(
         vocab_weight = vocab_shard * dims.hidden_size * pb  # one embedding/output-layer shard
         rows = workload.logits_rows()
         candidates = [held]  # at the loss (non-last stages: the newest micro-batch's forward end)
+        if dispatch and layers[k]:
+            candidates.append(held + dispatch)  # inside an MoE layer (forward or backward)
         if not numerics.fused_wgrad and layers[k]:
             candidates.append(held + largest_layer_weight * pb)
         if last and actor_p.vocab:
@@ -362,7 +418,7 @@ def estimate_memory(
             candidates.append((in_flight - 1) * one_mb + emb_grads * vocab_weight)
         activations = max(candidates)
 
-        res = reserve
+        res = kept.total
         opt_gpu = actor["main"] + actor["moments"]
         rm = 0
         rm_layers = 0
@@ -433,8 +489,13 @@ def estimate_memory(
         if workload.rollout:
             vllm = vllm_weights + kv + workspace
             if options.param_offload:
-                # Weights leave the GPU once vLLM has its copy; the reshard moment holds both.
-                reshard = {"weights": actor["weights"], "rollout": vllm_weights}
+                # Weights leave the GPU once vLLM has its copy; the reshard moment holds both,
+                # and the buckets in flight.
+                reshard = {
+                    "weights": actor["weights"],
+                    "rollout": vllm_weights,
+                    "transient": reshard_buffer_bytes(dims, layout.rollout_tp),
+                }
                 generate = {"rollout": vllm}
                 moment = max((reshard, generate), key=lambda d: sum(d.values()))
                 rollout_items = {**moment, "optimizer": actor["main"], "reward_model": rm}
@@ -442,6 +503,18 @@ def estimate_memory(
             else:
                 rollout_items = {**common, "optimizer": actor["main"], "rollout": vllm}
                 rollout_items["reserve"] = res
+                # The reshard runs with vLLM's weights awake and its KV cache not yet: the models,
+                # vLLM's weights and workspace, and the buckets in flight.
+                buckets = reshard_buffer_bytes(dims, layout.rollout_tp)
+                resharding = {
+                    **common,
+                    "optimizer": actor["main"],
+                    "rollout": vllm_weights + workspace,
+                    "transient": buckets,
+                    "reserve": res,
+                }
+                if sum(resharding.values()) > sum(rollout_items.values()):
+                    rollout_items = resharding
             phase_items["rollout"] = rollout_items
         phases = {name: sum(items.values()) for name, items in phase_items.items()}
         peak_phase = max(phases, key=phases.__getitem__)
@@ -455,7 +528,7 @@ def estimate_memory(
                 kv_capacity_tokens=kv_tokens,
             )
         )
-    return MemoryEstimate(stages=stages, rollout_kv_bytes=kv)
+    return MemoryEstimate(stages=stages, rollout_kv_bytes=kv, reserve=kept)
 
 
 def _scoring_bytes(
@@ -471,11 +544,15 @@ def _scoring_bytes(
 ) -> int:
     """One scoring micro-batch's forward working set on a stage (no grad: nothing is stored for a
     backward). Bounded by the tensors of one layer live at once (what that layer would store for
-    the backward) or, at the output layer, the logits of the projected positions, their
+    the backward, and an MoE layer's token dispatch) or, at the output layer, the logits of the projected positions, their
     temperature-scaled copy, the log-prob's two fp32 chunks and its fp32 result; plus the hidden
     states entering and leaving the stage."""
     hidden = 2 * hidden_bytes(act, dims, tp, rows, tokens)
-    layer = layer_bytes(act, dims, tp, rows, tokens) if layers else 0
+    layer = 0
+    if layers:  # an MoE layer's token dispatch comes on top of its tensors
+        layer = layer_bytes(act, dims, tp, rows, tokens) + moe_dispatch_bytes(
+            act, dims, tp, rows, tokens
+        )
     loss = 0
     if last:
         n_rows = w.logits_rows()

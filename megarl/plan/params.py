@@ -99,3 +99,37 @@ def flops_params(dims: ModelDims) -> int:
         )
         split += dims.num_experts * dims.hidden_size
     return dims.num_layers * split + dims.vocab_size * dims.hidden_size
+
+
+def stage_tensor_numels(
+    dims: ModelDims, tp: int, pp: int, stage: int, layers: int, ep: int = 1
+) -> list[int]:
+    """The elements of each parameter tensor one rank of ``stage`` holds (what separate
+    storages of a model's parameters, or of per-parameter optimizer state, are made of): per
+    layer the fused QKV (and its bias), the attention output, the fused gate/up and the down
+    projection (each local expert's, for an MoE layer, and the router), the norms; the
+    vocabulary tensors of the first and last stage."""
+    h = dims.hidden_size
+    q = dims.num_attention_heads * dims.head_dim
+    kv = dims.num_kv_heads * dims.head_dim
+    per_layer = [h * (q + 2 * kv) // tp, q * h // tp, h, h]
+    if dims.qkv_bias:
+        per_layer.append((q + 2 * kv) // tp)
+    if dims.qk_layernorm:
+        per_layer += [dims.head_dim, dims.head_dim]
+    if dims.is_moe:
+        f = dims.moe_ffn_hidden_size
+        per_layer.append(dims.num_experts * h)
+        per_layer += [2 * h * f // tp, h * f // tp] * (dims.num_experts // ep)
+    else:
+        f = dims.ffn_hidden_size
+        per_layer += [2 * h * f // tp, h * f // tp]
+    out = per_layer * layers
+    vocab = dims.vocab_size * h // tp
+    if stage == 0:
+        out.append(vocab)
+    if stage == pp - 1:
+        out.append(h)
+        if not (dims.tie_word_embeddings and pp == 1):
+            out.append(vocab)
+    return out

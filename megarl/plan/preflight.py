@@ -47,7 +47,6 @@ from megarl.plan.workload import Workload
 DEFAULT_GPU_MEMORY = 80 * GIB
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_HOST_MEMORY = 1 << 40  # 1 TiB per node: what an 8-GPU node of the 80 GB class has
-RESERVE = 4 * GIB  # CUDA context, NCCL buffers, allocator fragmentation, vLLM's graphs asleep
 GPU_PHASES = ("build", "startup", "rollout", "scoring", "update")
 UPDATE_PHASES = ("forward-backward", "grad-sync", "optimizer-step")
 
@@ -60,7 +59,8 @@ class Hardware:
     nnodes: int = 1
     gpu_memory: int = DEFAULT_GPU_MEMORY
     host_memory: int = DEFAULT_HOST_MEMORY  # per node
-    reserve: int = RESERVE
+    # per GPU outside the plan's items; None: computed from the layout (megarl.plan.reserve)
+    reserve: int | None = None
     sources: tuple[tuple[str, str], ...] = ()  # (what, "given" | "this machine" | "assumed")
 
     def __post_init__(self) -> None:
@@ -70,7 +70,7 @@ class Hardware:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
                 )
-        if self.reserve >= self.gpu_memory:
+        if self.reserve is not None and self.reserve >= self.gpu_memory:
             raise ConfigError(
                 f"--gpu-memory {fmt_gib(self.gpu_memory)} GiB leaves nothing beside the "
                 f"{fmt_gib(self.reserve)} GiB per GPU kept for CUDA, NCCL and fragmentation"
@@ -201,6 +201,9 @@ def numerics_for(cfg: RunConfig, target: Target) -> tuple[Numerics, str]:
         # megatron takes Transformer Engine's FusedAdam where TE imports (on CUDA)
         fused_adam=target.cuda and target.transformer_engine,
         gloo=not target.cuda,
+        # megarl's offload runs megatron's precision-aware optimizer where TE is (the only
+        # place it offloads: megarl.gpu_defaults refuses it elsewhere)
+        offload_main_params=target.transformer_engine,
     )
     return numerics, impl
 
@@ -555,16 +558,19 @@ ITEM_ORDER = (
 )
 
 
-def _hardware_line(hw: Hardware) -> str:
+def _hardware_line(pf: Preflight) -> str:
+    hw = pf.hardware
+
     def src(what: str) -> str:
         s = hw.source(what)
         return "" if s == "given" else f" ({s})"
 
+    how = "given" if hw.reserve is not None else "from the layout, below"
     return (
         f"hardware: {hw.nnodes} node(s) x {hw.gpus_per_node} GPUs{src('gpus')} of "
         f"{fmt_gib(hw.gpu_memory)} GiB{src('gpu_memory')}, host {fmt_gib(hw.host_memory)} GiB "
-        f"per node{src('host_memory')}; {fmt_gib(hw.reserve)} GiB per GPU kept for CUDA, NCCL "
-        "and fragmentation"
+        f"per node{src('host_memory')}; {fmt_gib(pf.memory.reserve.total)} GiB per GPU kept for "
+        f"CUDA, NCCL and fragmentation ({how})"
     )
 
 
@@ -627,7 +633,7 @@ def format_report(pf: Preflight) -> str:
         f"megarl preflight: {pf.config_name or 'config'} on {pf.layout} "
         f"(vLLM TP{pf.layout.rollout_tp})",
         f"model: {pf.model_name} ({d.num_parameters / 1e9:.2f}B params, {d.num_layers} layers)",
-        _hardware_line(pf.hardware),
+        _hardware_line(pf),
         _kernels_line(pf),
         _micro_batch_line(w, pf.options.packing),
         f"options: recompute {pf.options.recompute}, optimizer offload "
@@ -641,6 +647,7 @@ def format_report(pf: Preflight) -> str:
     kv = _kv_line(pf)
     if kv:
         lines.append(kv)
+    lines += ["", *pf.memory.reserve.lines()]
     lines += ["", *_host_lines(pf), ""]
     if pf.fits:
         peak = pf.peak

@@ -111,7 +111,12 @@ def format_text(result: PlanResult, top: int = 5) -> str:
         f"{fmt_gib(c.gpu_memory)} GiB GPUs ({c.nodes} node(s) of {c.node_size})",
         f"workload: {w.algo}, {_roles(result)}; seq {w.seq_len} (response {w.response_tokens}), "
         f"micro-batch {w.micro_batch}, {w.global_batch} sequences per optimizer step; "
-        f"{result.numerics.name} weights, reserve {fmt_gib(c.reserve)} GiB per GPU",
+        f"{result.numerics.name} weights, reserve "
+        + (
+            f"{fmt_gib(c.reserve)} GiB per GPU (given)"
+            if c.reserve is not None
+            else "per layout (CUDA context, its NCCL communicators, fragmentation)"
+        ),
         "memory in GiB per GPU at the worst pipeline stage's peak phase; step time from the "
         "cost model in megarl/plan/cost.py; reshard: GiB each rank receives per step into vLLM "
         "(docs/resharding.md)",
@@ -293,6 +298,7 @@ def _evaluated_json(e: Evaluated, result: PlanResult) -> dict[str, object]:
         "packing": e.options.packing,
         "overrides": overrides,
         "peak_gib": _gib(worst.peak),
+        "reserve_gib": {name: _gib(v) for name, v in e.memory.reserve.items},
         "peak_stage": worst.stage,
         "peak_phase": worst.phase,
         "items_gib": {k: _gib(v) for k, v in worst.items.items()},
@@ -333,7 +339,7 @@ def to_json(result: PlanResult) -> dict[str, object]:
             "gpus": c.gpus,
             "gpus_per_node": c.gpus_per_node,
             "gpu_memory_gib": _gib(c.gpu_memory),
-            "reserve_gib": _gib(c.reserve),
+            "reserve_gib": _gib(c.reserve) if c.reserve is not None else None,
         },
         "workload": {
             "algo": w.algo,

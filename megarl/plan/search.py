@@ -293,7 +293,8 @@ def _suggestions(result: PlanResult, filters: Filters) -> list[str]:
             break
     widest = max(divisors(cluster.node_size))
     vllm_weights = stage_params(result.dims, widest, 1, 0, result.dims.num_layers).total * 2
-    if workload.rollout and vllm_weights + cluster.reserve > cluster.gpu_memory:
+    reserve = best.memory.reserve.total
+    if workload.rollout and vllm_weights + reserve > cluster.gpu_memory:
         out.append(
             f"the rollout alone cannot fit: vLLM's bf16 weights at the widest in-node infer_tp "
             f"({widest}) are {fmt_gib(vllm_weights)} GiB per GPU; it needs GPUs with more memory "

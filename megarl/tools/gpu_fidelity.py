@@ -2,8 +2,9 @@
 memory plan assumes. Each figure settles something that reading the CUDA code could not:
 
 - optimizer offload (``actor.optimizer_offload=1``): device bytes per parameter it frees, against
-  the plan's fp32 main weight + Adam's two moments (12 bytes; 8 if megatron kept the main
-  weights on the device);
+  the plan's fp32 main weight + Adam's two moments (12 bytes, with megatron's precision-aware
+  optimizer, which megarl turns on with the offload and which needs Transformer Engine; 8 without
+  it, the path measured where TE is missing: megatron then keeps the main weights on the device);
 - the rollout's grad-buffer release (:class:`megarl.trainer.rollout_offload.ActorMemory`): the
   bytes it frees, and how much of it returns to the device once the cache is emptied;
 - overlapped gradient reduction at one rank: grads and updated weights bit-identical to the
@@ -11,8 +12,9 @@ memory plan assumes. Each figure settles something that reading the CUDA code co
 - pinned host memory: what torch's caching host allocator really takes for a request (it rounds
   blocks up to a power of two);
 - the reserve: device memory outside torch's allocator (CUDA context, cuBLAS/cuDNN workspaces)
-  and what one NCCL communicator adds, beside the planner's fixed per-GPU reserve, and the
-  allocator's slack (reserved - allocated) at a training step's peak.
+  and what one NCCL communicator adds, beside the reserve plan's figures for them
+  (:mod:`megarl.plan.reserve`), and the allocator's slack (reserved - allocated) at a training
+  step's peak.
 
 On the CPU only the grad-buffer release runs (the rest needs CUDA); its rows say so.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from dataclasses import replace
+from importlib.util import find_spec
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,8 +33,8 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.models.distributed import OptimSettings
 from megarl.parallel import destroy_model_parallel
-from megarl.plan.memory import GPU_BF16
-from megarl.plan.preflight import RESERVE
+from megarl.plan.memory import GPU_BF16, offload_freed_bytes_per_param
+from megarl.plan.reserve import CUDA_CONTEXT, NCCL_FIRST
 from megarl.trainer.rollout_offload import ActorMemory
 
 if TYPE_CHECKING:
@@ -67,19 +71,24 @@ def optimizer_offload_bytes(report: Report, build: Callable[[OptimSettings], Tra
     """Device bytes per parameter that ``optimizer_offload=1`` frees after two steps."""
     held = {}
     params = 0
+    # megarl offloads through megatron's precision-aware optimizer, which megatron-core 0.16.1
+    # checks against Transformer Engine: without TE the row measures the offload without it
+    te = find_spec("transformer_engine") is not None
     for share in (0.0, 1.0):
         _free_device_cache()
         base = torch.cuda.memory_allocated()
-        model = _stepped(build, OptimSettings(lr=1e-5, optimizer_offload=share))
+        settings = OptimSettings(lr=1e-5, optimizer_offload=share, precision_aware_offload=te)
+        model = _stepped(build, settings)
         held[share] = torch.cuda.memory_allocated() - base
         params = _parameters(model)
         del model
         destroy_model_parallel()
     per_param = (held[0.0] - held[1.0]) / max(params, 1)
-    planned = GPU_BF16.main_param_bytes + GPU_BF16.adam_bytes
+    planned = offload_freed_bytes_per_param(replace(GPU_BF16, offload_main_params=te))
+    path = "precision-aware" if te else "without precision-aware optimizer (no TE)"
     report.add(
         SECTION,
-        "optimizer offload: device bytes freed per parameter (measured / planned)",
+        f"optimizer offload, {path}: device bytes freed per parameter (measured / planned)",
         f"{per_param:.2f} / {planned}",
     )
 
@@ -236,12 +245,11 @@ def device_reserve(report: Report) -> None:
     dist.all_reduce(ones, group=group)
     after = outside_torch()
     dist.destroy_process_group(group)
-    planned = RESERVE
     report.add(
         SECTION,
         "outside torch's allocator: CUDA context + libraries / + one NCCL communicator",
         f"{before / GIB:.2f} / {(after - before) / GIB:.2f} GiB",
-        f"plan reserves {planned / GIB:.1f} GiB per GPU for all of it",
+        f"plan: {CUDA_CONTEXT / GIB:.2f} / {NCCL_FIRST / GIB:.2f} GiB (megarl/plan/reserve.py)",
     )
 
 

@@ -8,7 +8,7 @@ mode), and generate batch after batch:
 1. before batch ``s``, load the newest weights the trainers broadcast, waiting until they are at
    least version ``s - rollout.max_staleness`` (every rollout rank loads the same version at the
    same point: they agree on it first);
-2. generate it: prompts spread over the engines, request seeds from the global prompt index and
+2. generate it: prompts spread over the engines, every sample seeded from its global index and
    the rollout count (so samples do not depend on the layout, as colocated); with
    ``rollout.partial`` in rounds of ``rollout.partial_chunk_tokens``, loading new weights between
    rounds; each token keeps its version;
@@ -23,10 +23,15 @@ first rank of each engine, their results broadcast over the engine's ranks (a to
 sample, never once per tensor-parallel rank), seeded from the global sample index and the rollout
 count as colocated; the trajectories travel to the trainers with their response masks.
 
-A second thread receives the trainers' control messages and weights into host memory
-(:class:`~megarl.hybrid_engine.weight_sync.StagedWeights`). Loading a version that is due for
+A second thread receives the trainers' control messages (objects over a gloo bridge); a weight
+push it announces is received on the main thread, between generations, at a point every rollout
+rank agrees on (:meth:`RolloutGroup._take_pushes`), into host memory
+(:class:`~megarl.hybrid_engine.weight_sync.StagedWeights`): no NCCL collective ever runs beside
+vLLM's. The trainers' broadcast therefore waits for the rollout group's next such point (a
+batch's end, or with ``rollout.partial`` a round's). Loading a version that is due for
 validation (``trainer.test_freq``, ``val_before_train``) runs the validation pass on it at once;
-such a version is pinned until then, so it is never skipped. The trainers score everything.
+such a version is loaded before a newer one is received, so it is never skipped. The trainers
+score everything.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ from megarl.hybrid_engine.rollout_messages import (
 )
 from megarl.hybrid_engine.versioned import generate_versioned
 from megarl.hybrid_engine.vllm_rollout import SamplingConfig, checkpoint_shapes
-from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, WeightReceiver
+from megarl.hybrid_engine.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
 from megarl.launch import init_split
 from megarl.models.dims import ModelDims
 from megarl.run.checks import check_inputs
@@ -122,6 +127,10 @@ class RolloutGroup:
     engine_group: dist.ProcessGroup | None = None  # its engine's ranks (multi-turn, infer_tp > 1)
     pad_id: int = 0
     staged: StagedWeights = field(default_factory=StagedWeights)
+    inbox: PushInbox = field(default_factory=PushInbox)
+    # the rollout world's element-wise minimum (None: dist.all_reduce over the default group)
+    world_min: Callable[[list[float]], list[float]] | None = None
+    _received: int = 0  # pushes received so far (the same on every rollout rank)
     loaded: int = -1
     rollouts: int = 0
     first: int = 0
@@ -139,8 +148,9 @@ class RolloutGroup:
 
     # -- threads -------------------------------------------------------------------------------
     def receive_loop(self) -> None:
-        """Control messages and weights from the trainers, until they stop."""
-        dtype = dtype_from_name(rollout_dtype(self.cfg, platform.device().type == "cuda"))
+        """Control messages from the trainers, until they stop (objects over a gloo bridge:
+        host memory only). A push is only announced here: its weights are received on the main
+        thread (:meth:`_take_pushes`), never beside vLLM's collectives."""
         try:
             assert self.links.control is not None
             while True:
@@ -149,25 +159,16 @@ class RolloutGroup:
                     self.first = message.step
                     self._start.put(message)
                 elif isinstance(message, Push):
-                    buckets: list[list[tuple[str, torch.Tensor]]] = []
-                    # staged in host memory (received on the bridge's device)
-                    stats = self.receiver.receive(
-                        lambda b, kept=buckets: kept.append(
-                            [(n, t.to(device="cpu", dtype=dtype)) for n, t in b]
-                        ),
-                        message.version,
-                    )
-                    due = validation_due(self.cfg, message.version, self.first)
-                    self.staged.put(Staged(message.version, buckets, stats, pinned=due))
+                    self.inbox.add(message.version)
                 elif isinstance(message, Draws):
                     self._verdicts.put(message)
                 elif isinstance(message, Stop):
-                    self.staged.close()
+                    self.inbox.close()
                     self._start.put(None)
                     self._verdicts.put(None)
                     return
         except BaseException as e:  # handed to the generating thread
-            self.staged.close(e)
+            self.inbox.close(e)
             self._start.put(None)
             self._verdicts.put(None)
 
@@ -197,30 +198,58 @@ class RolloutGroup:
         """Element-wise minimum over the rollout world (a collective)."""
         if self.size == 1:
             return values
+        if self.world_min is not None:
+            return self.world_min(values)
         t = torch.tensor(values, dtype=torch.float64, device=platform.collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return t.tolist()
 
+    def _take_pushes(self) -> bool:
+        """Receive the weight pushes every rollout rank has been told of, in their order, into
+        host memory (a version due for validation is loaded, and validated, before the next
+        one is received: it is never skipped). Runs on the main thread between generations:
+        every rank agrees first on how many pushes to take (a collective over the rollout
+        world), then takes part in each one's broadcasts, so the ranks' collectives come in one
+        order. Returns whether the trainers are done (every rank has seen them stop, so every
+        push is in)."""
+        count, closed = self.inbox.state()
+        agreed, all_closed = self._agree([float(count), 1.0 if closed else 0.0])
+        dtype = dtype_from_name(rollout_dtype(self.cfg, platform.device().type == "cuda"))
+        while self._received < int(agreed):
+            waiting = self.staged.get(self.staged.version())
+            if waiting is not None and waiting.pinned:
+                self._load(waiting)
+            version = self.inbox.version(self._received)
+            buckets: list[list[tuple[str, torch.Tensor]]] = []
+            # staged in host memory (received on the bridge's device)
+            stats = self.receiver.receive(
+                lambda b, kept=buckets: kept.append(
+                    [(n, t.to(device="cpu", dtype=dtype)) for n, t in b]
+                ),
+                version,
+            )
+            due = validation_due(self.cfg, version, self.first)
+            self.staged.put(Staged(version, buckets, stats, pinned=due))
+            self._received += 1
+        return bool(all_closed)
+
     def load(self, need: int, wait: bool) -> int:
-        """Load the newest weights every rollout rank has received (validating them when due);
-        with ``wait``, until version ``need`` or newer is loaded. The version loaded."""
+        """Receive what the trainers pushed, then load the newest version (validating it when
+        due); with ``wait``, until version ``need`` or newer is loaded. The version loaded."""
         t0 = time.perf_counter()
         while True:
-            v = self.staged.version()
-            closed = self.staged.closed
-            lo, neg_hi, open_ = self._agree([float(v), -float(v), 0.0 if closed else 1.0])
-            lo, hi = int(lo), int(-neg_hi)
-            if lo == hi and lo > self.loaded:
-                staged = self.staged.get(lo)
-                (have,) = self._agree([1.0 if staged is not None else 0.0])
-                if have and staged is not None:
-                    self._load(staged)
-                    continue
+            done = self._take_pushes()
+            newest = self.staged.version()
+            if newest > self.loaded:
+                staged = self.staged.get(newest)
+                assert staged is not None
+                self._load(staged)
+                continue
             if self.loaded >= need or not wait:
                 break
-            if not open_ and lo == hi:
+            if done:
                 raise Stopped
-            self.staged.wait_newer(self.loaded)
+            self.inbox.wait_beyond(self._received)
         self._add_time("wait_s", time.perf_counter() - t0)
         return self.loaded
 
@@ -259,11 +288,11 @@ class RolloutGroup:
         itp = self.engine.infer_tp
         engines, engine = self.size // itp, self.rank // itp
         lo, hi = engine_slice(len(prompts), engines, engine)
-        seed_offset = lo + self.rollouts * max(1, len(prompts))
+        rollout = self.rollouts
         self.rollouts += 1
         chunk = self.cfg.rollout.partial_chunk_tokens if between is not None else None
         out = generate_versioned(
-            self.engine, prompts[lo:hi], sampling, seed_offset, self.loaded, chunk, between
+            self.engine, prompts[lo:hi], sampling, rollout, lo, self.loaded, chunk, between
         )
         results: list = [None] * self.size
         if self.size > 1:
@@ -314,7 +343,6 @@ class RolloutGroup:
             sampling,
             self.turns,
             rollout_index=rollout_index,
-            step_samples=len(everything) * n,
             pad_id=self.pad_id,
             share=self._share,
         )
@@ -366,7 +394,7 @@ class RolloutGroup:
     def _verdict(self, step: int, draw: int) -> bool:
         message = self._verdicts.get()
         if message is None:
-            self.staged.version()  # raises when receiving failed
+            self.inbox.state()  # raises when receiving failed
             raise Stopped
         if (message.step, message.draw) != (step, draw):
             raise RuntimeError(
@@ -412,7 +440,7 @@ class RolloutGroup:
         trainers stop."""
         start = self._start.get()
         if start is None:
-            self.staged.wait_newer(-1)  # raises when receiving failed
+            self.inbox.wait_beyond(0)  # raises when receiving failed
             return
         self.first, self.rollouts = start.step, start.rollouts
         if self.prompts is not None:
@@ -467,7 +495,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     )
     if cfg.rollout.env is not None:
         multi_turn(group, tokenizer)
-    threads = [threading.Thread(target=group.receive_loop, name="megarl-weights", daemon=True)]
+    threads = [threading.Thread(target=group.receive_loop, name="megarl-control", daemon=True)]
     if group.leader:
         threads.append(threading.Thread(target=group.send_loop, name="megarl-send", daemon=True))
     # a preemption signal is the trainers' to act on: they save (with the batch in flight) and

@@ -50,10 +50,10 @@ def main(model_dir: str) -> None:
         return 1
 
     # version 0 alone first (the same seeds): the partial batch's first round must equal it
-    only_v0 = generate_versioned(engine, prompts, sampling, seed_offset=11, version=0)
+    only_v0 = generate_versioned(engine, prompts, sampling, rollout=11, first_prompt=0, version=0)
     engine.update_weights([(n, p.detach().clone()) for n, p in v0.named_parameters()])
     engine.after_weight_update()
-    partial = generate_versioned(engine, prompts, sampling, 11, 0, chunk=CHUNK, between=between)
+    partial = generate_versioned(engine, prompts, sampling, 11, 0, 0, chunk=CHUNK, between=between)
 
     def teacher_forced(model, prompt: list[int], response: list[int]) -> list[float]:
         ids = torch.tensor([prompt + response])

@@ -105,7 +105,12 @@ class RecordingRollout:
         self.events.append(("after_weight_update",))
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, seed_offset: int
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int = 0,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> RolloutOutput:
         self.events.append(("generate", self.grad_bytes()))
         out = RolloutOutput()

@@ -15,7 +15,8 @@ from megarl.config import load_config
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.rollout_messages import TRAIN, Draws, Generated, Part
-from megarl.hybrid_engine.versioned import ROUND_SEED_STRIDE, VersionedOutput, generate_versioned
+from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
+from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.run.trainer_state import check_plain
@@ -34,18 +35,22 @@ STOP = 99
 
 
 class FakeEngine:
-    """Token k of a request is ``(seed + len(prompt) + k) % 50``; a sequence starting with 7
-    stops (token STOP) as its 6th token. Records every call."""
+    """Token k of sample j of a request seeded s is ``(s + j + len(prompt) + k) % 50``; a
+    sequence starting with 7 stops (token STOP) as its 6th token. Records every call (prompts,
+    sampling, the requests' seeds)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list[list[int]], SamplingConfig, int]] = []
+        self.calls: list[tuple[list[list[int]], SamplingConfig, list[int]]] = []
 
-    def generate(self, prompts, sampling: SamplingConfig, seed_offset: int) -> RolloutOutput:
-        self.calls.append(([list(p) for p in prompts], sampling, seed_offset))
+    def generate(
+        self, prompts, sampling: SamplingConfig, seed_offset: int = 0, *, seeds=None
+    ) -> RolloutOutput:
+        assert seeds is not None, "a run seeds every request"
+        self.calls.append(([list(p) for p in prompts], sampling, list(seeds)))
         out = RolloutOutput()
         for i, p in enumerate(prompts):
             for j in range(sampling.n):
-                seed = seed_offset + i + j
+                seed = seeds[i] + j
                 tokens, reason = [], "length"
                 for k in range(sampling.max_new_tokens):
                     if p[0] == 7 and len(p) + k == 5:
@@ -76,9 +81,10 @@ def test_world_split_rank_math():
 
 def test_one_round_without_partial_is_one_call_at_one_version():
     engine = FakeEngine()
-    sampling = SamplingConfig(max_new_tokens=5, n=2)
-    out = generate_versioned(engine, [[1, 2], [3]], sampling, seed_offset=10, version=4)
-    assert len(engine.calls) == 1 and engine.calls[0][2] == 10
+    sampling = SamplingConfig(max_new_tokens=5, n=2, seed=3)
+    out = generate_versioned(engine, [[1, 2], [3]], sampling, rollout=6, first_prompt=5, version=4)
+    # prompts 5 and 6 of rollout 6: their samples are 10..13 of it
+    assert len(engine.calls) == 1 and engine.calls[0][2] == request_seeds(3, 6, 10, 2, 2)
     assert out.versions == [[4] * 5] * 4 and out.rounds == 1
 
 
@@ -92,12 +98,16 @@ def test_rounds_continue_every_response_with_the_new_version():
         seen.append(active)
         return next(versions)
 
-    out = generate_versioned(engine, prompts, sampling, 10, 0, chunk=3, between=between)
+    out = generate_versioned(engine, prompts, sampling, 10, 0, 0, chunk=3, between=between)
     assert out.rounds == 3 and seen == [True, True]  # ceil(7 / 3) rounds, a check between each
     first, second, third = engine.calls
-    assert first[1].max_new_tokens == 3 and first[1].n == 2 and first[2] == 10
-    # round 2 continues all 4 responses, one request each, prompt + its tokens so far
-    assert len(second[0]) == 4 and second[1].n == 1 and second[2] == 10 + ROUND_SEED_STRIDE
+    assert first[1].max_new_tokens == 3 and first[1].n == 2
+    assert first[2] == request_seeds(sampling.seed, 10, 0, 2, 2)
+    # round 2 continues all 4 responses, one request each, prompt + its tokens so far, each on
+    # its own stream: its sample's, in segment (round) 1
+    assert len(second[0]) == 4 and second[1].n == 1
+    assert second[2] == [sequence_seed(sampling.seed, 10, k, segment=1) for k in range(4)]
+    assert not set(second[2]) & set(sample_seeds(first[2], 2))
     assert second[0][0] == prompts[0] + out.output.token_ids[0][:3]
     # round 3: the stopped responses are done; the others need 1 more token (7 = 3 + 3 + 1)
     assert len(third[0]) == 2 and third[1].max_new_tokens == 1
@@ -114,7 +124,7 @@ def test_rounds_keep_lockstep_after_this_engine_is_done():
     engine, sampling = FakeEngine(), SamplingConfig(max_new_tokens=9, n=1)
     calls: list[bool] = []
     out = generate_versioned(
-        engine, [[7, 1]], sampling, 0, 0, chunk=3, between=lambda a: calls.append(a) or 0
+        engine, [[7, 1]], sampling, 0, 0, 0, chunk=3, between=lambda a: calls.append(a) or 0
     )
     # done after round 2, but the engine still meets the other engines at every round
     assert calls == [True, False] and len(engine.calls) == 2 and out.rounds == 3

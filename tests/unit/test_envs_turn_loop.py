@@ -12,6 +12,7 @@ from megarl.envs import ChatDeltas, EnvError, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner, env_seed
 from megarl.envs.trajectory import check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
 from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from tests.assets import qwen25_tokenizer_dir
 
@@ -102,7 +103,6 @@ def _run(tok, ids, limits, engine=None, **env_kwargs):
         SAMPLING,
         limits,
         rollout_index=5,
-        step_samples=8,
         pad_id=0,
     ), engine
 
@@ -208,8 +208,9 @@ def test_a_first_turn_from_shared_prompts_is_the_single_turn_request(tok):
     deltas = ChatDeltas(tok)
     rows = [{"id": g, "prompt": f"question {g}"} for g in range(prompts)]
     heads = [deltas.prompt_ids([{"role": "user", "content": r["prompt"]}], None) for r in rows]
-    offset = rollout_index * prompts  # the single-turn rollout's seeds
-    single = ScriptedEngine(tok, words=1).generate(heads, sampling, seed_offset=offset)
+    # the single-turn rollout's request seeds (megarl.hybrid_engine.engine's generate)
+    single_seeds = request_seeds(sampling.seed, rollout_index, 0, prompts, n)
+    single = ScriptedEngine(tok, words=1).generate(heads, sampling, seeds=single_seeds)
 
     def run(env, samples, words, budget=6):
         engine = ScriptedEngine(tok, words=words)
@@ -218,13 +219,13 @@ def test_a_first_turn_from_shared_prompts_is_the_single_turn_request(tok):
         limits = TurnLimits(max_turns=3, max_response_tokens=budget, max_turn_tokens=6)
         trajs = run_trajectories(
             engine, starts, runner, sampling, limits,
-            rollout_index=rollout_index, step_samples=prompts * n, pad_id=0,
+            rollout_index=rollout_index, pad_id=0,
         )  # fmt: skip
         return trajs, engine
 
     # one engine holding prompts 1-3 of the step: one request per prompt, n samples each
     trajs, engine = run(Echo, range(n, 4 * n), words=1)
-    assert engine.seeds == [(n, [11 + rollout_index * prompts + g for g in (1, 2, 3)])]
+    assert engine.seeds == [(n, single_seeds[1:4])]
     assert [t.response_ids for t in trajs] == single.token_ids[n : 4 * n]
     assert [t.logprobs for t in trajs] == single.logprobs[n : 4 * n]
     assert all(t.finish == "stop" and t.turns == 1 and all(t.mask) for t in trajs)
@@ -235,6 +236,9 @@ def test_a_first_turn_from_shared_prompts_is_the_single_turn_request(tok):
     trajs, engine = run(Quiz, range(n, 3 * n), words=1, budget=200)
     n_first, first_seeds = engine.seeds[0]
     assert n_first == 1
-    assert first_seeds == [11 + rollout_index * prompts + s // n + s % n for s in range(n, 3 * n)]
+    assert first_seeds == [single_seeds[s // n] + s % n for s in range(n, 3 * n)]
     later = [seed for _, seeds in engine.seeds[1:] for seed in seeds]
-    assert later and min(later) > max(first_seeds) + 2**39  # later turns draw apart
+    # later turns draw apart: each (sample, turn) its own stream, none a first turn's
+    own = {sequence_seed(11, rollout_index, s, turn) for s in range(n, 3 * n) for turn in (1, 2)}
+    assert later and set(later) <= own and len(set(later)) == len(later)
+    assert not set(later) & set(sample_seeds(single_seeds, n))

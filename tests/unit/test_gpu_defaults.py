@@ -91,6 +91,27 @@ def test_fused_kernels_and_overlap_follow_transformer_engine():
     assert not grad_reduce_overlap("local", cuda=True)
 
 
+def test_experts_run_as_grouped_gemm_with_transformer_engine_on_cuda():
+    from megarl.plan.known_models import resolve_model
+
+    assert kernel_options("transformer_engine", CUDA_TE).moe_grouped_gemm
+    assert not kernel_options("local", CUDA_ONLY).moe_grouped_gemm  # sequential experts
+    assert not kernel_options("local", CPU).moe_grouped_gemm
+    _, moe = resolve_model("Qwen3-30B-A3B")
+    family = moe.model_family
+    grouped = kernel_options("transformer_engine", CUDA_TE).moe_grouped_gemm
+    assert family.layer_spec_options(moe, grouped)["moe_grouped_gemm"] is True
+    assert family.layer_spec_options(moe)["moe_grouped_gemm"] is False
+
+
+def test_optimizer_offload_without_transformer_engine_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError) as err:
+        check_for_target(_cfg("actor.optimizer_offload=1.0"), CUDA_ONLY)
+    message = str(err.value)
+    assert "precision-aware" in message and "actor.optimizer_offload=0" in message
+    check_for_target(_cfg("actor.optimizer_offload=1.0"), CUDA_TE)
+
+
 def test_cuda_device_max_connections_where_megatron_needs_it():
     assert launch_env(_cfg("parallel.tp=2"), CUDA_ONLY) == {MAX_CONNECTIONS: "1"}  # TP comms
     assert launch_env(_cfg(), CUDA_TE) == {MAX_CONNECTIONS: "1"}  # overlapped grad reduce
@@ -156,6 +177,7 @@ class _Recorder:
 
 @pytest.mark.parametrize(("per_request", "temperature"), [(True, 1.0), (False, 1.0), (True, 0.0)])
 def test_request_seeds_or_the_batched_sampler(per_request, temperature):
+    from megarl.hybrid_engine.seeds import sequence_seed
     from megarl.hybrid_engine.vllm_rollout import SamplingConfig, VLLMRollout
 
     engine = object.__new__(VLLMRollout)  # no vLLM: only the request building runs
@@ -165,7 +187,9 @@ def test_request_seeds_or_the_batched_sampler(per_request, temperature):
     engine.sampling_params = lambda sampling, seed, max_tokens=None: seed
     sampling = SamplingConfig(temperature=temperature, seed=7, per_request_seeds=per_request)
     engine.generate([[1, 2], [3], [4]], sampling, seed_offset=10)
-    want = [17, 18, 19] if per_request and temperature > 0 else [None, None, None]
+    # outside a run: the streams of samples 10, 11, 12 of the seed's rollout 0, one each
+    own = [sequence_seed(7, 0, 10 + i) for i in range(3)]
+    want = own if per_request and temperature > 0 else [None, None, None]
     assert engine.llm.seeds == want
     # a multi-turn turn's own request seeds, under the same rule
     engine.llm = _Recorder()

@@ -21,7 +21,7 @@ from megarl.models.hf_map import (
     to_naming,
 )
 from megarl.models.safetensors_io import SafetensorsReader
-from tests.assets import tiny_llama_dir, tiny_qwen2_dir
+from tests.assets import tiny_llama_dir, tiny_mixtral_dir, tiny_qwen2_dir, tiny_qwen3_moe_dir
 
 BASE = ["model.path=/models/x", "data.train_files=[a.parquet]"]
 
@@ -122,15 +122,24 @@ def _local_state_dict(model_dir) -> tuple[ModelDims, dict[str, torch.Tensor]]:
     state = {}
     for tm in tensor_maps(dims):
         for layer in range(dims.num_layers) if tm.per_layer else [None]:
-            name = tm.megatron.format(layer=layer)
-            state[name] = hf_to_megatron_shard(tm, index.lookup(name)[1], reader, dims, 0, 1)
+            for expert in range(dims.num_experts) if tm.per_expert else [None]:
+                name = tm.megatron.format(layer=layer, expert=expert)
+                hf = index.lookup(name)[1]
+                state[name] = hf_to_megatron_shard(tm, hf, reader, dims, 0, 1)
     return dims, state
 
 
-@pytest.mark.parametrize("model_dir", [tiny_qwen2_dir, tiny_llama_dir])
+@pytest.mark.parametrize(
+    "model_dir", [tiny_qwen2_dir, tiny_llama_dir, tiny_qwen3_moe_dir, tiny_mixtral_dir]
+)
 def test_state_dict_to_te_naming_and_back_is_bit_identical(model_dir):
     dims, local = _local_state_dict(model_dir())
     te = state_dict_to_naming(local, "transformer_engine")
+    if dims.is_moe:  # on CUDA the TE spec groups each layer's experts (TEGroupedMLP)
+        grouped = [k for k in te if ".mlp.experts.linear_fc" in k]
+        assert len(grouped) == 2 * dims.num_layers * dims.num_experts
+        assert f"decoder.layers.1.mlp.experts.linear_fc1.weight{dims.num_experts - 1}" in te
+        assert not [k for k in te if ".local_experts." in k]
     norms = [k for k in te if k.endswith("layer_norm_weight")]
     assert len(norms) == 2 * dims.num_layers
     assert not [k for k in te if k.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight"))]
@@ -166,11 +175,12 @@ class _NamedParams:
         return iter(self._state.items())
 
 
-def test_reshard_takes_te_named_parameters():
+@pytest.mark.parametrize("model_dir", [tiny_qwen2_dir, tiny_qwen3_moe_dir])
+def test_reshard_takes_te_named_parameters(model_dir):
     from megarl.hybrid_engine.execute import local_spec_tensors
     from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 
-    dims, local = _local_state_dict(tiny_qwen2_dir())
+    dims, local = _local_state_dict(model_dir())
     specs = actor_planned_tensors(dims, [dims.num_layers])
     te = state_dict_to_naming(local, "transformer_engine")
     from_local = local_spec_tensors(_NamedParams(local), dims, 0, specs)

@@ -16,6 +16,7 @@ from megarl.config import load_config
 from megarl.gpu_defaults import Target
 from megarl.plan import KNOWN_MODELS, resolve_model
 from megarl.plan.preflight import Hardware, preflight, with_overrides
+from megarl.plan.reserve import CUDA_CONTEXT, NCCL_FIRST, NCCL_PEER_BUFFERS
 from megarl.plan.units import GIB
 from megarl.plan.workload import Workload
 
@@ -35,6 +36,7 @@ RECIPE = [
     "actor.ppo_mini_batch_size=256",
     "actor.max_tokens_per_micro_batch=16384",
     "model.recompute=full",
+    "rollout.gpu_memory_utilization=0.45",
 ]
 # Qwen2.5-7B, by hand: hidden, query width, KV width, FFN, vocabulary, layers; TP 2, DP 4
 H, Q, KV, F, V, L = 3584, 3584, 4 * 128, 18944, 152064, 28
@@ -42,6 +44,28 @@ TP, DP = 2, 4
 LAYER = (H * (Q + 2 * KV) + (Q + 2 * KV) + Q * H + 3 * H * F) // TP + 2 * H  # + 2 norms
 P = L * LAYER + 2 * (V * H // TP) + H  # embedding + LM head shards, final norm
 TOKENS = 16384  # the micro-batch budget
+# The reserve of TP2 x DP4 with vLLM TP2: the CUDA context, 5 NCCL communicators over several
+# ranks (world, TP, DP, the distributed optimizer's grad-norm group, vLLM's TP), 2% of 80 GiB
+RESERVE = CUDA_CONTEXT + NCCL_FIRST + 5 * NCCL_PEER_BUFFERS + int(0.02 * 80 * GIB)
+VLLM = int(0.45 * 80 * GIB)  # rollout.gpu_memory_utilization 0.45 of 80 GiB
+
+
+def _pinned(sizes) -> int:
+    """Pinned bytes of one block per size, each rounded up to a power of two (by hand)."""
+    return sum(1 << (s - 1).bit_length() for s in sizes)
+
+
+# Qwen2.5-7B's tensors on one TP2 rank, by hand: per layer QKV, its bias, attention output,
+# fused gate/up, down, 2 norms; the embedding and LM head shards, the final norm
+TENSORS = [
+    H * (Q + 2 * KV) // TP,
+    (Q + 2 * KV) // TP,
+    Q * H // TP,
+    2 * H * F // TP,
+    H * F // TP,
+    H,
+    H,
+] * L + [V * H // TP, V * H // TP, H]
 
 
 def _dims():
@@ -64,9 +88,24 @@ def _items(pf, phase):
 
 
 def test_parameters_by_hand_match_the_planner():
-    from megarl.plan.params import stage_params
+    from megarl.plan.params import stage_params, stage_tensor_numels
 
     assert stage_params(_dims(), TP, 1, 0, L).total == P
+    assert sorted(stage_tensor_numels(_dims(), TP, 1, 0, L)) == sorted(TENSORS)
+    assert sum(TENSORS) == P
+
+
+def test_the_reserve_is_the_layouts_item_by_item(recipe):
+    reserve = recipe.memory.reserve
+    assert reserve.total == RESERVE > 6 * GIB
+    assert [g.name.split(" (")[0] for g in reserve.groups] == [
+        "world",
+        "tensor parallel",
+        "data parallel",
+        "distributed optimizer",
+        "vLLM tensor parallel",
+    ]
+    assert [g.ranks for g in reserve.groups] == [8, 2, 4, 8, 2]
 
 
 def test_startup_holds_the_models_beside_vllms_whole_budget(recipe):
@@ -76,8 +115,8 @@ def test_startup_holds_the_models_beside_vllms_whole_budget(recipe):
         "grads": 4 * P,  # fp32 grad buffer
         "optimizer": P,  # fp32 master params over DP 4; Adam's m and v come at step 1
         "reference": 2 * P,
-        "rollout": 40 * GIB,  # gpu_memory_utilization 0.5 of 80 GiB
-        "reserve": 4 * GIB,
+        "rollout": VLLM,
+        "reserve": RESERVE,
     }
 
 
@@ -86,14 +125,14 @@ def test_rollout_frees_grads_and_moves_adam_to_the_host(recipe):
         "weights": 2 * P,
         "optimizer": P,
         "reference": 2 * P,
-        "rollout": 40 * GIB,
-        "reserve": 4 * GIB,
+        "rollout": VLLM,
+        "reserve": RESERVE,
     }
     vllm_weights = 2 * P  # vLLM's TP2 shard is the actor's
     workspace = GIB + 2 * 256 * V * 4  # + the sampler's fp32 logits of max_num_seqs sequences
     kv_per_token = 2 * L * (4 // 2) * 128 * 2
     kv = min(s.kv_capacity_tokens for s in recipe.memory.stages)
-    assert kv == (40 * GIB - vllm_weights - workspace) // kv_per_token
+    assert kv == (VLLM - vllm_weights - workspace) // kv_per_token
 
 
 def test_scoring_after_vllm_sleeps_in_the_updates_micro_batches(recipe):
@@ -139,18 +178,49 @@ def test_update_holds_the_adam_state_and_one_micro_batch(recipe):
 def test_host_memory_per_rank_and_node(recipe):
     host = recipe.host
     dp0, dp1 = host.ranks[(0, 0)], host.ranks[(0, 1)]
-    assert dp0["rollout"] == {"optimizer_offload": 0, "adam_moments": 2 * P}
-    # sleep level 2 (the default): vLLM drops its weights; level 1 keeps its TP shard on the host
-    assert dp0["training"] == {"optimizer_offload": 0, "vllm_asleep": 0}
+    # Adam's m and v of each parameter of the rank's shard, a pinned block each: the shard's
+    # tensors are a quarter of the stage's, so their rounding is the stage's, by hand
+    moments = int(2 * P * _pinned(4 * n for n in TENSORS) / (4 * P))
+    assert dp0["rollout"] == {"optimizer_offload": 0, "adam_moments": moments}
+    assert 2 * P < moments < 4 * P  # rounding up to powers of two takes up to twice as much
+    # asleep at any level vLLM keeps its runtime and CUDA-graph pools (its 1 GiB workspace) in
+    # pinned host memory; sleep level 2 (the default) drops its weights, level 1 keeps its TP
+    # shard there too, a block per tensor (vLLM's TP2 shard has the actor's shapes, bf16)
+    assert dp0["training"] == {"optimizer_offload": 0, "vllm_asleep": GIB}
     level1 = _check("rollout.sleep_level=1").host
-    assert level1.ranks[(0, 0)]["training"] == {"optimizer_offload": 0, "vllm_asleep": 2 * P}
+    vllm_host = GIB + int(2 * P * _pinned(2 * n for n in TENSORS) / (2 * P))
+    assert level1.ranks[(0, 0)]["training"] == {"optimizer_offload": 0, "vllm_asleep": vllm_host}
     state = 12 * -(-P // DP)  # its own shard's fp32 params, m, v: no gather (optimizer_shards)
     assert dp1["save"]["checkpoint"] == state
     assert dp0["save"]["checkpoint"] == state + 2 * P  # DP rank 0 also writes the weights
-    node = 8 * state + 2 * (2 * P)  # 8 ranks; 2 of them (TP0, TP1) are DP rank 0
-    assert host.nodes == [{"rollout": 8 * 2 * P, "training": 0, "save": node}]
-    assert level1.nodes[0]["training"] == 8 * 2 * P
-    assert level1.nodes[0]["save"] == node + 8 * 2 * P
+    node = 8 * state + 2 * (2 * P) + 8 * GIB  # 8 ranks; 2 of them (TP0, TP1) are DP rank 0
+    assert host.nodes == [{"rollout": 8 * moments, "training": 8 * GIB, "save": node}]
+    assert level1.nodes[0]["training"] == 8 * vllm_host
+    assert level1.nodes[0]["save"] == node - 8 * GIB + 8 * vllm_host
+
+
+def test_optimizer_offload_moves_the_main_params_and_its_host_copies_are_pinned():
+    """With the offload (megatron's precision-aware hybrid optimizer) the GPU keeps no optimizer
+    state: the fp32 main params leave with Adam's moments (12 bytes per parameter of the shard).
+    On the host: 16 bytes per parameter, the fp32 grad copies pinned and so are the 16-bit
+    copies the optimizer pins on its way to fp32."""
+    offloaded = _check("actor.optimizer_offload=1.0")
+    for phase in ("startup", "rollout", "update", "scoring"):
+        assert "optimizer" not in _items(offloaded, phase), phase
+    shard = -(-P // DP)
+    extra = 4 * shard * (_pinned(4 * n for n in TENSORS) / (4 * P) - 1)
+    extra += shard * 2 * _pinned(2 * n for n in TENSORS) / (2 * P)
+    assert offloaded.host.ranks[(0, 0)]["training"]["optimizer_offload"] == int(16 * shard + extra)
+    from dataclasses import replace
+
+    from megarl.plan.memory import offload_freed_bytes_per_param
+
+    assert offload_freed_bytes_per_param(offloaded.numerics) == 12
+    # without Transformer Engine there is no precision-aware optimizer: megatron keeps the main
+    # params on the GPU (8 bytes freed, as measured on an H200); such a node refuses the offload
+    assert (
+        offload_freed_bytes_per_param(replace(offloaded.numerics, offload_main_params=False)) == 8
+    )
 
 
 def test_micro_batch_shapes():
@@ -178,17 +248,44 @@ def test_a_phase_that_does_not_fit_is_named_with_checked_fixes():
 
 
 def test_vllm_that_cannot_start_names_its_budget():
-    # Qwen3-30B-A3B as configs/grpo_qwen3_30b_a3b.yaml had it: 0.5 of the GPU is not free
+    # Qwen3-30B-A3B as configs/grpo_qwen3_30b_a3b.yaml has it, at vLLM's default 0.5 of the GPU
     dims = resolve_model("Qwen3-30B-A3B")[1]
     moe = [*RECIPE, "parallel.tp=4", "parallel.infer_tp=4", "parallel.ep=2"]
-    moe += ["actor.max_tokens_per_micro_batch=8192"]
+    moe += ["actor.max_tokens_per_micro_batch=8192", "actor.optimizer_offload=1.0"]
+    moe += ["rollout.gpu_memory_utilization=0.5"]
     cfg = load_config(overrides=moe)
     pf = preflight(cfg, dims, HW, GPU)
     [problem] = pf.problems
     assert (problem.where, problem.item) == ("startup", "rollout")
     assert "rollout.gpu_memory_utilization=0.5" in problem.message
-    assert pf.suggestions[0] == ["rollout.gpu_memory_utilization=0.35"]
+    assert pf.suggestions[0] == ["rollout.gpu_memory_utilization=0.45"]
     assert preflight(with_overrides(cfg, pf.suggestions[0]), dims, HW, GPU, suggest=False).fits
+    assert pf.memory.reserve.total >= 6 * GIB  # 9 communicators of an MoE layout
+
+
+def test_the_critic_is_planned_as_built_without_offload():
+    ppo = _check(
+        "actor.optimizer_offload=1.0",
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_loss=false",
+        "algorithm.gamma=0.99",
+        "algorithm.lam=0.95",
+    )
+    critic = _items(ppo, "update")["critic"]
+    # weights (bf16), fp32 grads, and its optimizer over DP 4 on the GPU: 2 + 4 + 12 / 4 bytes
+    params = P - V * H // TP + H + 1  # a value head (hidden + 1) for the LM head shard
+    assert critic == 2 * params + 4 * params + -(-12 * params // DP)
+
+
+def test_moe_dispatch_buffers_are_planned():
+    from megarl.plan.activations import GPU_TE_BF16, moe_dispatch_bytes, moe_stored_bytes
+
+    dims = resolve_model("Qwen3-30B-A3B")[1]
+    tokens, tp, k, h = 8192, 4, 8, 2048
+    routed = tokens // tp * k * h  # a rank's routed token copies (sequence parallel over TP4)
+    assert moe_stored_bytes(GPU_TE_BF16, dims, tp, 1, tokens) == tp * routed * 2
+    assert moe_dispatch_bytes(GPU_TE_BF16, dims, tp, 1, tokens) == (2 + 2 * tp) * routed * 2
+    assert moe_dispatch_bytes(GPU_TE_BF16, _dims(), tp, 1, tokens) == 0  # dense
 
 
 def test_a_kv_cache_smaller_than_one_sequence_is_refused():

@@ -180,6 +180,13 @@ def test_recipe_passes_the_preflight_on_the_hardware_it_names(name, tmp_path, ca
     )
     assert summary, out
     assert summary.groups() == (peak, f"{gib}.0", phase), out
+    # the reserve, computed from the layout, item by item
+    reserve = re.search(r"reserve per GPU: ([0-9.]+) GiB", out)
+    assert reserve, out
+    for item in ("CUDA context", "NCCL: ", "fragmentation", "communicators: "):
+        assert item in out.split("reserve per GPU:")[1], item
+    if name == "grpo_qwen3_30b_a3b.yaml":  # an MoE layout: 9 communicators
+        assert float(reserve.group(1)) >= 6.0, out
 
 
 def test_quickstart_recipes_prepare_what_their_configs_read():

@@ -137,22 +137,35 @@ def test_buckets_respect_size_and_oversized_tensor_travels_alone():
     _check(plan)
     first = plan.buckets[0]
     assert [plan.specs[i].name for i in first] == ["embedding.word_embeddings.weight"]
+    # every group above the bound travels alone: the embedding, and each whole layer (a layer
+    # is one weight-update group, megarl.hybrid_engine.tensor_list.update_group)
+    groups: dict[str, int] = {}
+    for s in specs:
+        groups[s.key] = groups.get(s.key, 0) + s.nbytes
+    for members in plan.buckets:
+        assert len({plan.specs[i].key for i in members}) == 1
     for r in range(4):
-        assert plan.peak_dest_bytes(r) == embed  # the one oversized tensor
+        assert plan.peak_dest_bytes(r) == max(groups.values())  # the largest group, alone
     big = schedule_reshard(specs, 2, 2, 1, 2, bucket_bytes=1 << 40)
     assert len(big.buckets) == 1
 
 
-def test_modules_stay_in_one_bucket():
+def test_layers_stay_in_one_bucket_with_their_modules_together():
     specs = actor_planned_tensors(DIMS, [4])
     plan = schedule_reshard(specs, 2, 1, 1, 1, bucket_bytes=1)  # every group alone
     for members in plan.buckets:
         names = [plan.specs[i].name for i in members]
         assert len({plan.specs[i].key for i in members}) == 1
-        if "linear_fc1" in names[0]:
-            assert [n[-2:] for n in names] == ["#0", "#1"]
-        if "linear_qkv" in names[0]:  # weight and bias together
-            assert [n.rsplit(".", 1)[1] for n in names] == ["weight", "bias"]
+        layers = {n.split(".")[2] for n in names if n.startswith("decoder.layers.")}
+        assert len(layers) <= 1  # one whole layer, or one module outside the layers
+        fc1 = [n for n in names if "linear_fc1" in n]
+        assert [n[-2:] for n in fc1] in ([], ["#0", "#1"])  # gate and up, adjacent
+        qkv = [n for n in names if "linear_qkv" in n]
+        assert [n.rsplit(".", 1)[1] for n in qkv] in ([], ["weight", "bias"])
+        if qkv:
+            first = names.index(qkv[0])
+            assert names[first : first + len(qkv)] == qkv  # weight and bias adjacent
+    assert len(plan.buckets) == 4 + 3  # the layers; the embedding, the final norm, the head
 
 
 def test_plan_is_deterministic_and_exact_minimum():

@@ -164,14 +164,18 @@ class ModelFamily:
             options.update(moe_megatron_options(dims))
         return options
 
-    def layer_spec_options(self, dims: Dims | None = None) -> MegatronOptions:
+    def layer_spec_options(
+        self, dims: Dims | None = None, grouped_gemm: bool = False
+    ) -> MegatronOptions:
         """Keyword arguments of megatron's ``get_gpt_layer_*_spec`` for this family.
 
         MoE layers use megatron's sequential experts (one MLP per local expert, the names the
-        tensor map knows), not grouped GEMM, which needs Transformer Engine or grouped_gemm."""
+        tensor map knows), or with ``grouped_gemm`` (Transformer Engine's spec, on CUDA:
+        :attr:`megarl.gpu_defaults.KernelOptions.moe_grouped_gemm`) its grouped experts, whose
+        per-expert weights :func:`megarl.models.hf_map.to_naming` maps to the same names."""
         options: MegatronOptions = {"qk_layernorm": self.qk_layernorm}
         if dims is not None and dims.num_experts:
-            options.update(num_experts=dims.num_experts, moe_grouped_gemm=False)
+            options.update(num_experts=dims.num_experts, moe_grouped_gemm=grouped_gemm)
         return options
 
     def check_role(self, role: str) -> None:

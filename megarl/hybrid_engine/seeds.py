@@ -1,0 +1,83 @@
+"""The random stream of every sampled sequence of a run: one seed per sequence, never shared.
+
+A seed names a sequence by where it sits in the run, not by which rank or engine draws it:
+
+- ``rollout``: which ``generate`` of the run (training steps, dynamic sampling's extra draws and
+  validation passes all count; a resumed run restores the count);
+- ``sequence``: the sample's index among all samples of that rollout, over every data-parallel
+  rank and engine (prompt ``i``'s sample ``j`` of ``n`` is ``i * n + j``);
+- ``segment``: the part of the sample being generated: its model turn (multi-turn), or its round
+  (a partial rollout's continuation after a weight update); 0 for the first.
+
+Packed into one 63-bit integer, ``sequence`` in the low :data:`SEQUENCE_BITS` bits and
+``(rollout, segment)`` above them, shifted by an offset derived from the run's seed: distinct
+(rollout, segment, sequence) within a run always give distinct seeds, whatever the layout (TP,
+DP, engines, an asynchronous rollout group) or a restart. vLLM seeds sample ``j`` of a request
+seeded ``s`` with ``s + j`` (``v1/engine/parallel_sampling.py``): a request for prompt ``i``
+carries the seed of its first sample, ``i * n``, so its samples take ``i * n + j``, their own.
+
+Pure: neither torch nor vLLM is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SEQUENCE_BITS = 24  # samples of one rollout: up to 16.7 million
+SEGMENT_BITS = 10  # turns or partial-rollout rounds of one sample: up to 1024
+HIGH_BITS = 63 - SEQUENCE_BITS  # (rollout, segment), offset by the run's seed
+ROLLOUT_LIMIT = 1 << (HIGH_BITS - SEGMENT_BITS)
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: multiplying by it permutes the integers modulo 2^k
+
+
+def _run_offset(run_seed: int) -> int:
+    return (run_seed * _GOLDEN) % (1 << HIGH_BITS)
+
+
+def sequence_seed(run_seed: int, rollout: int, sequence: int, segment: int = 0) -> int:
+    """The seed of one sample's ``segment`` in rollout ``rollout`` of the run seeded
+    ``run_seed`` (module doc); in ``[0, 2**63)``."""
+    if not 0 <= sequence < 1 << SEQUENCE_BITS:
+        raise ValueError(
+            f"sample {sequence} of one rollout: at most {1 << SEQUENCE_BITS} samples per rollout "
+            "get their own random stream; lower data.train_batch_size x rollout.n"
+        )
+    if not 0 <= segment < 1 << SEGMENT_BITS:
+        raise ValueError(
+            f"segment {segment}: at most {1 << SEGMENT_BITS} turns or partial-rollout rounds per "
+            "sample get their own random stream; lower rollout.env's max_turns or raise "
+            "rollout.partial_chunk_tokens"
+        )
+    if not 0 <= rollout < ROLLOUT_LIMIT:
+        raise ValueError(f"rollout {rollout} is past the {ROLLOUT_LIMIT} a run can seed")
+    high = (((rollout << SEGMENT_BITS) | segment) + _run_offset(run_seed)) % (1 << HIGH_BITS)
+    return (high << SEQUENCE_BITS) | sequence
+
+
+def request_seeds(
+    run_seed: int,
+    rollout: int,
+    first_sequence: int,
+    requests: int,
+    n: int,
+    segment: int = 0,
+) -> list[int]:
+    """Seeds of ``requests`` consecutive requests of ``n`` samples each, the first request's
+    first sample being sample ``first_sequence`` of the rollout: request ``i`` carries the seed
+    of its first sample, and the engine adds ``j`` for its sample ``j``."""
+    n = max(1, n)
+    last = first_sequence + requests * n - 1
+    if requests and last >= 1 << SEQUENCE_BITS:
+        sequence_seed(run_seed, rollout, last, segment)  # raises, naming the limit
+    return [
+        sequence_seed(run_seed, rollout, first_sequence + i * n, segment) for i in range(requests)
+    ]
+
+
+def sample_seeds(request_seeds: Sequence[int], n: int) -> list[int]:
+    """The seed each sample draws with, in prompt-major order (sample ``j`` of request ``i`` at
+    ``i * n + j``), as vLLM derives them from the requests' seeds."""
+    return [s + j for s in request_seeds for j in range(max(1, n))]
+
+
+__all__ = ["SEQUENCE_BITS", "request_seeds", "sample_seeds", "sequence_seed"]

@@ -31,6 +31,7 @@ from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
 from megarl.hybrid_engine.seeds import sequence_seed
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
+from megarl.lean_imports import VLLM_OPTIONAL, packages_hidden
 from megarl.models.safetensors_io import SafetensorsReader
 from megarl.shm_segments import (
     RUN_SEGMENTS_ENV,
@@ -188,15 +189,16 @@ class VLLMRollout:
             )
         elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kwargs["kv_cache_memory_bytes"] = self.config.kv_cache_bytes
-        from vllm import LLM
-
         # vLLM reseeds the global RNGs (megatron's CPU RNG tracker lives on the CPU generator) and
         # replaces torch.set_num_threads on CPU: keep the trainer's state as it was.
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
         threads = torch.get_num_threads()
         try:
-            self.llm = LLM(**kwargs)
+            with packages_hidden(VLLM_OPTIONAL):  # the engine's imports (megarl.lean_imports)
+                from vllm import LLM
+
+                self.llm = LLM(**kwargs)
         finally:
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:

@@ -13,6 +13,7 @@ from megarl.config import validate as validate_config
 from megarl.console import announce
 from megarl.data.chat import pad_token_id
 from megarl.launch import init_distributed, init_split
+from megarl.lean_imports import freeze_startup_heap
 from megarl.parallel import ParallelLayout, initialize_model_parallel
 from megarl.run.checks import check_inputs
 from megarl.run.output_dir import prepare_output_dir
@@ -63,4 +64,5 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    freeze_startup_heap()  # the libraries are imported; no model or data exists yet
     return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0, split)

@@ -67,7 +67,6 @@ def measure(engine, tok, questions, k: int, temperature: float, n: int) -> dict:
         SamplingConfig(temperature=temperature, n=n, seed=1),
         TurnLimits(max_turns=3, max_response_tokens=192, max_turn_tokens=64),
         rollout_index=0,
-        step_samples=len(starts),
         pad_id=0,
     )
     seconds = time.perf_counter() - t0

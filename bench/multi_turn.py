@@ -121,7 +121,6 @@ def rollout_comparison(args, model_dir: str) -> dict:
             turn,
             limits,
             rollout_index=seed,
-            step_samples=len(starts),
             pad_id=0,
         )
         assert all(t.turns == args.turns and len(t.response_ids) == length for t in trajs)

@@ -6,8 +6,9 @@ one step, phase by phase, best of N (printed, not asserted).
 Each run is timed from outside by the arrival of the console's lines (the wall clock of a user
 at a terminal): the launcher (command start -> "starting 1 rank(s)"), the rank's start
 (interpreter, imports, process group -> "started 1 rank(s)"), setup (data, models -> "starting the
-rollout engine"), the engine's start (-> "first step"), the step (with its checkpoint and summary
--> the last line) and the teardown (last line -> the command's exit). One more run per tree
+rollout engine"), the engine's start (-> "first step"), the step (-> its progress line, once its
+metrics are logged: a tracker that starts late shows here), the checkpoint and summary (-> the
+last line) and the teardown (last line -> the command's exit). One more run per tree
 records the rank's imports (``PYTHONPROFILEIMPORTTIME``), summed by top-level package from each
 module's own time.
 
@@ -39,6 +40,8 @@ MARKS = {
     "started": "started 1 rank(s)",
     "engine": "starting the rollout engine",
     "first_step": "first step:",
+    # the step's progress line: its metrics are logged, so the trackers are up by then
+    "step_logged": "step 1/1",
 }
 # The launch of issue 41 before this work (a fresh clone, a quiet 2-core machine, one step).
 ISSUE_BEFORE = {
@@ -70,9 +73,11 @@ class Launch:
             "rank_start_s": m["started"] - m["launch"],
             "setup_s": m["engine"] - m["started"],
             "engine_start_s": m["first_step"] - m["engine"],
-            "step_and_save_s": self.last_line_s - m["first_step"],
+            "step_s": m["step_logged"] - m["first_step"],
+            "save_s": self.last_line_s - m["step_logged"],
             "teardown_s": self.end_s - self.last_line_s,
             "first_step_s": m["first_step"],
+            "step_logged_s": m["step_logged"],
             "end_s": self.end_s,
         }
 

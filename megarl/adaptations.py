@@ -70,6 +70,14 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
         "checkpoint metadata read through an allow-listed unpickler",
     ),
     Adaptation(
+        "megatron-core",
+        "dist_checkpointing's filesystem_async._results_queue: an in-process queue",
+        "megarl.checkpoint.write_results:in_process_write_results",
+        "process (from the first checkpoint save)",
+        "its own is a spawned manager process (2-2.5 s of the first save); megarl saves "
+        "synchronously, so the queue never leaves the rank",
+    ),
+    Adaptation(
         "torch",
         "elastic.rendezvous.static_tcp_rendezvous.TCPStore: the agent's store on loopback",
         "megarl.quiet_torchrun:_store_on_loopback",

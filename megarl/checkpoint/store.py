@@ -358,6 +358,8 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
+    from megarl.checkpoint.write_results import in_process_write_results
+
     if role not in ROLES:
         raise ConfigError(f"unknown role {role!r}; choose one of {ROLES}")
     gpt = _unwrap(model)
@@ -369,6 +371,7 @@ def save_checkpoint(
             mcore.mkdir()
             copy_hf_assets(hf_assets, tmp / HF_SUBDIR)
         _barrier()
+        in_process_write_results()
         with _quiet_dist_checkpointing(), hashed_writes():
             dist_checkpointing.save(state, str(mcore))
         _barrier()

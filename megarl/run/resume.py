@@ -52,6 +52,17 @@ def resume_point(cfg: RunConfig, model_paths: Mapping[str, str]) -> Path | None:
     return path
 
 
+def tracked_start(path: Path | None) -> tuple[int, str | None]:
+    """The step a run resumed from checkpoint ``path`` continues after and its MLflow run id
+    ((0, None) for a fresh run): read from the trainer state alone, so that tracking starts
+    before the models are built (MLflow's writer then starts beside them)."""
+    if path is None:
+        return 0, None
+    state = trainer_state.read(path)
+    run_id = state.get("mlflow_run_id")
+    return int(state["step"]), run_id if isinstance(run_id, str) else None
+
+
 def resume(path: Path | None, models: TrainedModels, rank: int) -> Resumed:
     """Load checkpoint ``path`` (from :func:`resume_point`) into ``models``; a fresh start
     without one."""

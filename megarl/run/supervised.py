@@ -21,7 +21,7 @@ from megarl.metrics import StepMetrics, declare, mean
 from megarl.run import watchdog
 from megarl.run.epochs import EpochBatches
 from megarl.run.guards import RunGuards
-from megarl.run.resume import resume, resume_point, save, save_due
+from megarl.run.resume import resume, resume_point, save, save_due, tracked_start
 from megarl.run.startup import Startup, start
 from megarl.run.steps import announce_steps, log_step, summary, timed
 from megarl.run.tracking import Tracker
@@ -64,14 +64,17 @@ def train_supervised(
     guards = RunGuards()  # a preemption signal during set-up is honoured at the first step end
     startup = start(cfg, with_rollout=False)
     resume_from = resume_point(cfg, trained)
+    # tracking starts first: its writers (MLflow's process) start beside the models' build
+    step, mlflow_run_id = tracked_start(resume_from)
+    tracker = Tracker(cfg, startup.rank, mlflow_run_id, start_step=step)
     parts = setup(startup)
     guards.start(cfg.trainer.hang_timeout_s)
     resumed = resume(resume_from, parts.models, startup.rank)
     if resumed.state:
         parts.train_data.load_state_dict(resumed.state["data"])
     first, history = resumed.step, list(resumed.history)
-    tracker = Tracker(cfg, startup.rank, resumed.mlflow_run_id, start_step=first)
     announce_steps(first, cfg.trainer.total_steps)
+    tracker.begin()
     validate = parts.validate if cfg.data.val_files and cfg.trainer.test_freq else None
     if first == 0 and validate is not None:
         with watchdog.phase("validation", 0):

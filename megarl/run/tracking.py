@@ -69,9 +69,8 @@ class Tracker:
     ):
         self.enabled = rank == 0
         self.cfg = cfg
-        # MLflow's run id: kept in checkpoints (their trainer state's mlflow_run_id) and in
-        # RUN_IDS_FILE beside every other logger's
-        self.mlflow_run_id = mlflow_run_id
+        self._mlflow_run_id = mlflow_run_id
+        self._ids_written = False
         self.t_start = time.perf_counter()
         self.output_dir = Path(cfg.trainer.output_dir)
         self.loggers: dict[str, Logger] = {}
@@ -99,8 +98,24 @@ class Tracker:
         )
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.loggers = build_loggers(active_loggers(t.loggers, t.mlflow_tracking_uri), settings)
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """MLflow's run id: kept in checkpoints (their trainer state's mlflow_run_id) and in
+        RUN_IDS_FILE beside every other logger's. Reading it waits for MLflow's writer to have
+        started the run (see megarl/loggers/mlflow_logger.py)."""
         if "mlflow" in self.loggers:
-            self.mlflow_run_id = self.loggers["mlflow"].run_id
+            return self.loggers["mlflow"].run_id
+        return self._mlflow_run_id
+
+    def begin(self) -> None:
+        """Called before the first step (and by the first log, whichever comes first): waits
+        for every logger's run (MLflow's writer, started beside the models' build, has had that
+        time), so that a tracking store that cannot be used stops the run before any step, and
+        records the run ids in RUN_IDS_FILE for a resumed run to continue."""
+        if not self.enabled or self._ids_written:
+            return
+        self._ids_written = True
         ids = {name: lg.run_id for name, lg in self.loggers.items() if lg.run_id is not None}
         replace_file(self.output_dir / RUN_IDS_FILE, json.dumps(ids) + "\n")
 
@@ -111,6 +126,7 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
+        self.begin()
         append_text(self.output_dir / METRICS_FILE, json.dumps({"step": step, **metrics}) + "\n")
         for logger in self.loggers.values():
             logger.log_metrics(metrics, step)
@@ -134,5 +150,6 @@ class Tracker:
             logger.progress(p)
 
     def close(self) -> None:
+        self.begin()
         for logger in self.loggers.values():
             logger.close()

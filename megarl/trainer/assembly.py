@@ -29,7 +29,7 @@ from megarl.models.dims import ModelDims
 from megarl.rewards.model import build_reward_model
 from megarl.run.checks import rules_need_ground_truth
 from megarl.run.epochs import EpochBatches
-from megarl.run.resume import Resumed, resume, resume_point, save
+from megarl.run.resume import Resumed, resume, resume_point, save, tracked_start
 from megarl.run.startup import Startup, start
 from megarl.run.steps import announce_steps
 from megarl.run.tracking import Tracker
@@ -363,6 +363,9 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
     resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
+    # tracking starts first: its writers (MLflow's process) start beside the models and engine
+    step, mlflow_run_id = tracked_start(resume_from)
+    tracker = Tracker(cfg, startup.rank, mlflow_run_id, start_step=step)
     if startup.world is None:
         announce(f"reading data: {', '.join(cfg.data.train_files)}")
     data = build_data(cfg, startup) if startup.world is None else None
@@ -393,6 +396,6 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
             cfg.actor.packing,
             cfg.actor.share_prompts,
         ),
-        tracker=Tracker(cfg, startup.rank, resumed.mlflow_run_id, start_step=resumed.step),
+        tracker=tracker,
         resumed=resumed,
     )

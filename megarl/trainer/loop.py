@@ -62,6 +62,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     guards.start(cfg.trainer.hang_timeout_s)
     tracker, first = run.tracker, run.resumed.step
     history, last = list(run.resumed.history), {}
+    tracker.begin()
     if cfg.trainer.val_before_train and first == 0:
         tracker.log_metrics(validation_rollout(run, 0), 0)
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.

@@ -170,3 +170,142 @@ def test_config_errors_name_the_fix():
     check_choices(cfg)
     assert cfg.trainer.loggers == ["console", "tensorboard", "wandb"]
     assert RunConfig().trainer.loggers == ["console", "mlflow"]
+
+
+def mlflow_config(tmp_path: Path, store: str = "mlflow.db") -> RunConfig:
+    return RunConfig(
+        trainer=TrainerConfig(
+            output_dir=str(tmp_path / "run"),
+            loggers=["mlflow"],
+            mlflow_tracking_uri=f"sqlite:///{tmp_path / store}",
+        )
+    )
+
+
+def mlflow_client(tmp_path: Path, store: str = "mlflow.db"):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{tmp_path / store}")
+
+
+# The rank's side of MLflow logging, run in a fresh interpreter: it must not import MLflow or
+# SQLAlchemy (its writer process does), and it ends with every metric written.
+RANK_SIDE = """
+import sys
+from megarl.config import RunConfig, TrainerConfig
+from megarl.run.tracking import Tracker
+cfg = RunConfig(trainer=TrainerConfig(output_dir=sys.argv[1] + "/run", loggers=["mlflow"],
+                mlflow_tracking_uri="sqlite:///" + sys.argv[1] + "/mlflow.db"))
+tracker = Tracker(cfg, rank=0)
+tracker.begin()
+tracker.log_metrics({"reward/mean": 0.5}, 1)
+tracker.close()
+print(tracker.mlflow_run_id, sorted(m for m in sys.modules if m.split(".")[0] in ("mlflow", "sqlalchemy")))
+"""
+
+
+def test_mlflow_run_holds_every_metric_the_settings_and_the_table(tmp_path):
+    import subprocess
+    import sys
+
+    tracker = Tracker(mlflow_config(tmp_path), rank=0)
+    feed(tracker)
+    run_id = tracker.mlflow_run_id
+    assert json.loads((tmp_path / "run" / RUN_IDS_FILE).read_text()) == {"mlflow": run_id}
+    client = mlflow_client(tmp_path)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "reward/mean")}
+    assert history == {s: pytest.approx(0.25 * s) for s in range(1, STEPS + 1)}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "pass_1")] == [
+        (s, 0.5) for s in range(1, STEPS + 1)
+    ]  # '@' renamed
+    assert "actor/grad_norm" not in run.data.metrics  # NaN at every step: nothing logged
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val/reward_mean")] == [
+        (2, 0.75)
+    ]
+    assert run.data.params["trainer.loggers"] == "['mlflow']"
+    table = client.download_artifacts(run_id, "validation/step_000002.json", str(tmp_path))
+    assert json.loads(Path(table).read_text())["data"][1] == [2, "Name a vowel", "e", 0.5]
+
+    proc = subprocess.run(
+        [sys.executable, "-c", RANK_SIDE, str(tmp_path / "fresh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fresh_id, imported = proc.stdout.split(" ", 1)
+    assert imported.strip() == "[]"
+    [metric] = mlflow_client(tmp_path / "fresh").get_metric_history(fresh_id, "reward/mean")
+    assert (metric.step, metric.value) == (1, 0.5)
+
+
+def test_mlflow_run_continues_on_resume_and_a_moved_run_gets_a_new_one(tmp_path, capsys):
+    first = Tracker(mlflow_config(tmp_path), rank=0)
+    for step in (1, 2, 3):  # the run checkpointed after step 1 and stopped after logging 3
+        first.log_metrics({"reward/mean": float(step)}, step)
+    first.close()
+    resumed = Tracker(
+        mlflow_config(tmp_path), rank=0, mlflow_run_id=first.mlflow_run_id, start_step=1
+    )
+    for step in (2, 3, 4):
+        resumed.log_metrics({"reward/mean": 10.0 * step}, step)
+    resumed.close()
+    assert resumed.mlflow_run_id == first.mlflow_run_id
+    history = mlflow_client(tmp_path).get_metric_history(first.mlflow_run_id, "reward/mean")
+    # steps 2 and 3 are in MLflow once, as first logged; step 4 is new
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert "has no run" not in capsys.readouterr().err
+
+    # the run folder resumed against another store (moved to another machine, a fresh mlflow.db)
+    moved = Tracker(
+        mlflow_config(tmp_path, "other.db"), rank=0, mlflow_run_id=first.mlflow_run_id, start_step=3
+    )
+    moved.log_metrics({"reward/mean": 50.0}, 5)
+    moved.close()
+    assert moved.mlflow_run_id != first.mlflow_run_id
+    err = capsys.readouterr().err
+    assert f"has no run {first.mlflow_run_id}" in err and "new MLflow run" in err
+    [metric] = mlflow_client(tmp_path, "other.db").get_metric_history(
+        moved.mlflow_run_id, "reward/mean"
+    )
+    assert (metric.step, metric.value) == (5, 50.0)
+    assert (
+        json.loads((tmp_path / "run" / RUN_IDS_FILE).read_text())["mlflow"] == moved.mlflow_run_id
+    )
+
+
+def test_a_store_mlflow_cannot_use_stops_the_run_before_its_first_step(tmp_path):
+    from megarl.loggers.mlflow_logger import MlflowWriterError
+
+    (tmp_path / "a_file").write_text("not a folder")
+    cfg = RunConfig(
+        trainer=TrainerConfig(
+            output_dir=str(tmp_path / "run"),
+            loggers=["mlflow"],
+            mlflow_tracking_uri=f"sqlite:///{tmp_path / 'a_file' / 'mlflow.db'}",
+        )
+    )
+    tracker = Tracker(cfg, rank=0)
+    with pytest.raises(
+        MlflowWriterError, match=r"could not start a run .*trainer\.mlflow_tracking_uri"
+    ):
+        tracker.begin()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_mlflow_writer_ends_the_run_failed_when_the_rank_dies(tmp_path):
+    from megarl.loggers.mlflow_logger import MlflowLogger
+
+    tracker = Tracker(mlflow_config(tmp_path), rank=0)
+    tracker.log_metrics({"reward/mean": 1.0}, 1)
+    logger = tracker.loggers["mlflow"]
+    assert isinstance(logger, MlflowLogger)
+    logger._pipe().close()  # what the writer sees when the rank is killed: the end of its input
+    assert logger._proc.wait(timeout=120) == 0
+    run = mlflow_client(tmp_path).get_run(tracker.mlflow_run_id)
+    assert run.info.status == "FAILED"
+    assert [
+        m.value for m in mlflow_client(tmp_path).get_metric_history(run.info.run_id, "reward/mean")
+    ] == [1.0]

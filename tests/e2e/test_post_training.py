@@ -151,7 +151,7 @@ def test_the_exported_sft_model_scores_the_validation_set_as_the_run_did(work, s
     assert nll / tokens == pytest.approx(sft[SFT_STEPS]["val/sft_loss"], rel=1e-5)
 
 
-def test_distillation_from_the_sft_teacher_beats_grpo_alone(work, teacher):
+def test_distillation_from_the_sft_teacher_gives_grpo_a_head_start(work, teacher):
     """GRPO from the random tiny model on the vowel reward, RL_STEPS (6) steps of 8 prompts x 4
     samples x 32 tokens, lr 1e-2 (configs/chain_grpo_cpu.yaml at those sizes), with and without
     the SFT model as a teacher (the config's mode reward, coef 1.0). The per-step figures are

@@ -20,6 +20,7 @@ import os
 import random
 import time
 from collections.abc import Callable
+from typing import cast
 
 from megarl.tools.data_prep.arithmetic import KINDS
 
@@ -127,7 +128,7 @@ def main() -> None:
     for row in ROWS:
         result = measure(engine, tok, row, args.problems, args.samples, args.max_tokens)
         rows.append(result)
-        g, s = result["greedy"], result["sampled"]
+        g, s = cast(dict, result["greedy"]), cast(dict, result["sampled"])
         print(
             f"[arithmetic_base_rates] {row[0]}, {row[2]}: greedy {g['accuracy']:.1%}, "
             f"sampled {s['accuracy']:.1%} at temperature {row[3]:g}, mixed groups "

@@ -23,7 +23,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,11 @@ from bench.results_io import write_results
 ROOT = Path(__file__).resolve().parent.parent
 
 LIMIT = 0.05  # the manifests may add at most 5% to a save
+
+
+@contextmanager
+def _unhashed_writes() -> Iterator[None]:
+    yield
 
 
 @contextmanager
@@ -44,7 +50,7 @@ def without_manifests():
     checksum, write, hashed = manifest.checksum, manifest.write, store.hashed_writes
     manifest.checksum = lambda path: "0" * 16
     manifest.write = lambda folder, records: folder / manifest.MANIFEST_FILE
-    store.hashed_writes = nullcontext
+    store.hashed_writes = _unhashed_writes
     try:
         yield
     finally:

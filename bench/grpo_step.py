@@ -265,7 +265,7 @@ def ensure_trl_venv(venv: Path, requirements: list[str] = TRL_REQUIREMENTS) -> P
         return py
     log(f"setting up the TRL venv at {venv} (first use: a few minutes)")
     if not py.is_file():
-        base = shutil.which("python3.11") or getattr(sys, "_base_executable", sys.executable)
+        base = str(shutil.which("python3.11") or getattr(sys, "_base_executable", sys.executable))
         subprocess.run([base, "-m", "venv", str(venv)], check=True)
     pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # The CPU wheel: from the PyTorch CPU index, or a local wheel that pip's config points at.

@@ -385,7 +385,7 @@ class TrlSide:
         return out
 
 
-SIDE_TYPES = {"megarl": MegarlSide, "trl": TrlSide}
+SIDE_TYPES: dict[str, type[MegarlSide] | type[TrlSide]] = {"megarl": MegarlSide, "trl": TrlSide}
 
 
 def run_sides(args, work: Path, train: Path, test: Path, seed: int) -> dict[str, dict]:

@@ -90,7 +90,8 @@ def overall_summary(runs: dict[str, dict]) -> dict[str, object]:
             }
     ratios = [time_to_trl_final_ratio(d["runs"]) for d in runs.values()]
     # a mean over the seeds where megarl got there would hide the ones where it did not
-    out["time_to_trl_final_ratio"] = None if None in ratios else mean(ratios)
+    reached = [r for r in ratios if r is not None]
+    out["time_to_trl_final_ratio"] = mean(reached) if len(reached) == len(ratios) else None
     out["time_to_trl_final_ratio_per_seed"] = ratios
     out["minutes_to_accuracy"] = {
         f"{target:g}": {

@@ -128,7 +128,7 @@ def run_method(method: str, tp: int, shape: tuple[int, int, int]) -> list[dict]:
     ]
     for p in procs:
         p.start()
-    results = []
+    results: list = []
     while len(results) < tp:
         if not queue.empty():
             results.append(queue.get())

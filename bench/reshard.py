@@ -162,15 +162,17 @@ def vllm_worker(rank: int, world: int, model_dir: str, bucket: int, repeats: int
             engine.to_rollout()
             seconds.append(time.perf_counter() - t0)
             engine.to_train()
+        stats = engine.last_reshard
+        assert stats is not None  # set by to_rollout
         rows.append(
             dict(
                 mode=mode,
                 layout=str(layout),
                 infer_tp=2,
                 seconds=statistics.median(seconds),
-                recv=engine.last_reshard.recv_bytes,
-                comm_seconds=engine.last_reshard.comm_seconds,
-                buckets=engine.last_reshard.buckets,
+                recv=stats.recv_bytes,
+                comm_seconds=stats.comm_seconds,
+                buckets=stats.buckets,
             )
         )
     destroy_model_parallel()

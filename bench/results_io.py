@@ -84,7 +84,7 @@ def matmul_peaks(size: int = 2048, repeats: int = 3) -> dict[str, float]:
 
 
 def machine() -> dict[str, object]:
-    model, flags = "unknown", set()
+    model, flags = "unknown", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         "rank_imports_s": imports,
         "issue_before": ISSUE_BEFORE,
     }
-    for name, phases in figures["best"].items():  # type: ignore[union-attr]
+    best_phases = {name: best(launches) for name, launches in runs.items()}
+    for name, phases in best_phases.items():
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in phases.items()))
     for name, packages in imports.items():
         print(f"{name} rank imports: " + ", ".join(f"{k} {v:.2f}" for k, v in packages.items()))

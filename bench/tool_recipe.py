@@ -102,15 +102,16 @@ def main() -> int:
     if not (run_dir / "metrics.jsonl").is_file():
         raise SystemExit(f"no {run_dir}/metrics.jsonl: run `make learn-calculator` first")
     steps = read_steps(run_dir)
-    figures = curve(steps)
+    points = curve(steps)
     print(f"{'step':>5} {'minutes':>8} {'accuracy':>9} {'calls/problem':>14} {'turns':>6}")
-    for p in figures["validation"]:
+    for p in points["validation"]:
         calls, turns = p["tool_calls_per_problem"], p["turns_per_problem"]
         print(
             f"{p['step']:>5} {p['minutes']:>8.2f} {p['accuracy']:>9.3f} "
             f"{calls if calls is None else round(calls, 3):>14} "
             f"{turns if turns is None else round(turns, 3):>6}"
         )
+    figures: dict[str, object] = dict(points)
     figures["best_trajectory_last_step"] = best_trajectory(run_dir, Path(args.model_dir))
     figures["command"] = args.command
     if args.note:

@@ -30,6 +30,7 @@ BENCHES = [
     "multi_turn",
     "checkpoint_save",
     "tool_calls",
+    "startup",
 ]
 # Options smoke-run too, so that they do not rot either.
 EXTRA_ARGS = {"train_step": ["--megatron-paths", "--matmuls", "3"]}

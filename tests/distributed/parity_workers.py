@@ -121,7 +121,8 @@ def _ce_loss(logits_shard: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dic
 
 
 def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSettings):
-    """HF model: loss = mean over DP ranks of each rank's token-mean CE; grads; one AdamW step."""
+    """HF model: loss = mean over DP ranks of each rank's token-mean CE; grads; the grads' total
+    norm before clipping; one AdamW step."""
     hf = _hf(model_dir)
     hf.train()
     losses = []
@@ -148,15 +149,11 @@ def _reference_step(model_dir, world_dp: int, vocab: int, settings: OptimSetting
         eps=settings.adam_eps,
         fused=True,  # transformers' Trainer default; megarl's optimizer runs the same kernel
     )
-    norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), settings.clip_grad)
-    import os
-
-    if os.environ.get("MEGARL_DEBUG"):
-        print("ref norm", norm.item(), flush=True)
+    norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), settings.clip_grad)  # before clipping
     opt.step()
     weights = {n: p.detach().clone() for n, p in hf.named_parameters()}
     # HF ties lm_head to embed_tokens: expose both names like the checkpoint does.
-    return loss.item(), _saved_names(hf, grads), _saved_names(hf, weights)
+    return loss.item(), norm.item(), _saved_names(hf, grads), _saved_names(hf, weights)
 
 
 def _saved_names(hf, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -201,7 +198,7 @@ def train_step_worker(
     for spec in layouts:
         layout, opts, key = _setup(world, spec)
         model, dims = build_model(model_dir, layout, opts=opts)
-        ref_loss, ref_grads, ref_weights = _reference_step(
+        ref_loss, ref_norm, ref_grads, ref_weights = _reference_step(
             model_dir, layout.dp, dims.vocab_size, settings
         )
         ddp, optimizer, _ = wrap_for_training(model, settings)
@@ -217,22 +214,16 @@ def train_step_worker(
             grad_diff = max((g - ref_grads[name]).abs().max().item() for name, g in grads.items())
             grads_by_layout[key] = {name: g.clone() for name, g in grads.items()}
         ok, grad_norm, _ = optimizer.step()
+        # The total norm before clipping, over every DP/TP/PP/EP shard: the check that reaches
+        # DP > 1 and EP layouts, whose reduced grads no rank holds whole. A DP sum instead of a
+        # mean scales it by DP; Adam's step after clipping (0.5 against a norm of ~4) would not
+        # show a uniform scale error, the norm does.
+        out[key + ":grad_norm"] = abs(grad_norm - ref_norm) / ref_norm
         out[key + ":offload_exact"] = _offload_round_trip(ddp, optimizer, dims, layout)
         diffs = {
             name: (w - ref_weights[name]).abs().max().item()
             for name, w in iter_stage_hf_tensors(ddp, dims, layout)
         }
-        import os
-
-        if os.environ.get("MEGARL_DEBUG"):
-            print(
-                rank,
-                layout,
-                "norm",
-                grad_norm,
-                {k: v for k, v in diffs.items() if v > 1e-6},
-                flush=True,
-            )
         weight_diff = max(diffs.values())
         out[key + ":grad"] = grad_diff
         out[key + ":grad_checked"] = float(layout.dp == 1)

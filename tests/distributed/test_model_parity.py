@@ -94,4 +94,5 @@ def test_grads_and_adam_step_equal_single_process(model):
         assert min(r[f"{layout}:offload_exact"] for r in results) == 1.0, layout
         assert merged[f"{layout}:loss"] < 1e-6, (layout, merged)
         assert merged[f"{layout}:grad"] < 1e-6, (layout, merged)
+        assert merged[f"{layout}:grad_norm"] < 1e-5, (layout, merged)  # relative, before clipping
         assert merged[f"{layout}:weight"] < 1e-6, (layout, merged)

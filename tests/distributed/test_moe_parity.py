@@ -39,6 +39,8 @@ def test_moe_logits_and_one_step_equal_transformers(model):
         assert merged[key] < 1e-5, (model, key, merged[key])
         assert merged[f"{key}:step_ok"] == 1.0, key
         assert merged[f"{key}:loss"] < 1e-6, (model, key, merged)
+        # relative, before clipping, every expert shard counted once (EP2 layouts included)
+        assert merged[f"{key}:grad_norm"] < 1e-5, (model, key, merged)
         assert merged[f"{key}:weight"] < 1e-6, (model, key, merged)
     assert merged["TP2xPP2xDP1+SP:grad_checked"] > 0.0
     assert merged["TP2xPP2xDP1+SP:grad"] < 1e-6, merged

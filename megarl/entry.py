@@ -12,6 +12,7 @@ from megarl.console import quiet_rank_console
 from megarl.errors import MegarlError
 from megarl.hardening import make_undumpable
 from megarl.lean_imports import import_transformers_lean
+from megarl.parent_death import end_with_parent
 from megarl.process_exit import end_process
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def program(cfg: RunConfig) -> Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     make_undumpable()  # before anything reads the config, its secrets or the environment's
+    end_with_parent()  # a rank ends with its launcher, however the launcher ends
     from megarl.config import load_config
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported

@@ -50,6 +50,7 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.launch import under_launcher
     from megarl.run.checks import check_choices, check_inputs
     from megarl.run.output_dir import check_output_dir, move_aside
+    from megarl.run.run_lock import acquire_run_lock
     from megarl.run.startup import layout_for
     from megarl.run.verification import precheck_resume
 
@@ -70,28 +71,32 @@ def _train(args: argparse.Namespace) -> int:
     trainers = trainer_world_size(cfg, world)
     layout = layout_for(cfg, trainers, with_rollout=colocated)
     reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
-    move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved aside
-    if not move and cfg.trainer.resume == "auto":
-        precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
-    refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
-    if refused:
-        return refused
-    if move:
-        move_aside(cfg.trainer.output_dir)
-        module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
-    # a one-process local job runs its rank directly (megarl.launch.run_torchrun)
-    how = "(one process)" if args.launcher == "torchrun" and world == 1 else f"with {args.launcher}"
-    announce(f"starting {world} rank(s) {how}")
-    return start_job(
-        cfg,
-        module_args,
-        layout,
-        args.launcher,
-        args.address,
-        args.nnodes,
-        args.verbose,
-        extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
-    )
+    # a live run in trainer.output_dir is refused; this one holds it until this process ends
+    with acquire_run_lock(cfg.trainer.output_dir) as lock:
+        move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved
+        if not move and cfg.trainer.resume == "auto":
+            precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
+        refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
+        if refused:
+            return refused
+        if move:
+            lock.moved_to(move_aside(cfg.trainer.output_dir))  # the lock stays in the new folder
+            module_args.append("trainer.overwrite=false")  # a restarted rank must not move again
+        # a one-process local job runs its rank directly (megarl.launch.run_torchrun)
+        local = args.launcher == "torchrun" and world == 1
+        announce(
+            f"starting {world} rank(s) {'(one process)' if local else f'with {args.launcher}'}"
+        )
+        return start_job(
+            cfg,
+            module_args,
+            layout,
+            args.launcher,
+            args.address,
+            args.nnodes,
+            args.verbose,
+            extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
+        )
 
 
 def _report(args: argparse.Namespace) -> int:

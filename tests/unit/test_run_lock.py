@@ -67,3 +67,15 @@ def test_a_link_planted_as_the_lock_file_is_not_followed(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot lock trainer\.output_dir"):
         acquire_run_lock(out)
     assert victim.read_text() == "keep me"
+
+
+def test_the_lock_stays_at_the_folder_when_overwrite_moves_the_earlier_run_aside(tmp_path):
+    out = tmp_path / "run"
+    with acquire_run_lock(out) as lock:
+        aside = tmp_path / "run.old-1"
+        out.rename(aside)  # what trainer.overwrite=true does (megarl.run.output_dir.move_aside)
+        lock.moved_to(aside)
+        assert not (aside / LOCK_FILE).exists()
+        with pytest.raises(ConfigError, match="in use by a live run"):
+            acquire_run_lock(out)
+    assert not (out / LOCK_FILE).exists()

@@ -14,6 +14,7 @@ from megarl.config.validation import validate
 from megarl.config.words import choice_fields
 from megarl.config_keys import prepare_layer, unknown_keys_error
 from megarl.errors import ConfigError
+from megarl.verl_keys import translate_verl_values
 
 
 def load_config(
@@ -60,7 +61,8 @@ def load_config(
 
 def _checked_layer(layer: Any, source: str) -> Any:
     """A config layer with its keys checked against the schema (every unknown one named, with
-    megarl's key for verl's) and single values taken as one-element lists where lists go."""
+    megarl's key for verl's), single values taken as one-element lists where lists go, and
+    verl's -1 for "never" in the frequencies both spell alike read as megarl's 0."""
     tree = OmegaConf.to_container(layer, resolve=False)
     if not isinstance(tree, dict):
         raise ConfigError(f"{source} is not a mapping of sections (model:, data:, ...)")
@@ -68,6 +70,7 @@ def _checked_layer(layer: Any, source: str) -> Any:
     unknown = prepare_layer(RunConfig, cast(dict[str, Any], tree))
     if unknown:
         raise unknown_keys_error(RunConfig, unknown, source)
+    translate_verl_values(cast(dict[str, Any], tree))  # verl's -1 (never) -> megarl's 0
     return OmegaConf.create(tree)
 
 

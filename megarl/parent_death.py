@@ -8,7 +8,8 @@ the ranks -> their helpers (reward workers; the MLflow writer ends at the end of
 
 A launcher names itself in ``MEGARL_PARENT_PID`` for its children. A child that finds another
 parent once the signal is set (its launcher died while it was starting) ends at once, as the
-signal would have ended it; it then names itself there for its own children. Linux only; elsewhere nothing is done.
+signal would have ended it. A launcher of launchers (megarl's torchrun agent) names itself
+again for its own children. Linux only; elsewhere nothing is done.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ def _libc() -> ctypes.CDLL | None:
 
 def end_with_parent() -> None:
     """SIGKILL this process when its parent ends; end now if ``MEGARL_PARENT_PID`` names a
-    parent that has already gone. Then this process is the parent its own children check for."""
+    parent that has already gone. The variable is this process's only: it is removed, so that no
+    process further down, started by some other program, checks against the wrong parent."""
+    expected = os.environ.pop(PARENT_ENV, None)
     libc = _libc()
-    expected = os.environ.get(PARENT_ENV)
-    if libc is None or expected == str(os.getpid()):  # not Linux, or done already
+    if libc is None:
         return
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if expected and expected.isdigit() and os.getppid() != int(expected):
         os.kill(os.getpid(), signal.SIGKILL)  # the launcher died before the signal was set
-    os.environ.update(children_env())
 
 
 def children_env() -> dict[str, str]:

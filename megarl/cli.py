@@ -20,6 +20,7 @@ from megarl.plan.cli import add_arguments as add_plan_arguments
 from megarl.plan.cli import run
 from megarl.process_exit import end_process
 from megarl.report import write_report
+from megarl.storage_errors import storage_error
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -231,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # a full disk or a folder it may not write, met by the command itself
+        told = storage_error(e)
+        if told is None:
+            raise
+        print(f"megarl: error: {told}", file=sys.stderr)
+        return told.exit_code
 
 
 def command() -> None:

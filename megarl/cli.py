@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 from checkpoints_tools.cli import add_verbs
+from megarl import __version__
 from megarl.cluster.options import add_launcher_options
 from megarl.console import START_ENV, announce, rank_env
 from megarl.entry import main as rank_main
-from megarl.errors import MegarlError
+from megarl.errors import ConfigError, MegarlError
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.cli import add_arguments as add_plan_arguments
@@ -100,6 +101,18 @@ def _train(args: argparse.Namespace) -> int:
         )
 
 
+def _config(args: argparse.Namespace) -> int:
+    from megarl.config.show import show
+
+    if not args.show:
+        raise ConfigError("megarl config: say what to do: --show prints every setting")
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not Path(path).is_file():  # an override, no file
+        path, overrides = None, [path, *overrides]
+    print(show(path, overrides))
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
 
     out = write_report(args.run_dir, args.out)
@@ -138,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl", description="Megatron-core 3D-parallel RLHF engine"
     )
+    parser.add_argument("--version", action="version", version=f"megarl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="build a model in TP/PP/DP and print its parity with transformers"
@@ -195,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plan_arguments(plan)
     plan.set_defaults(func=_plan)
+    config = sub.add_parser(
+        "config", help="every setting with its value (CONFIG + overrides) and its default"
+    )
+    config.add_argument(
+        "--show", action="store_true", help="print every setting, its value and its default"
+    )
+    config.add_argument("config", nargs="?", default=None, help="a run's YAML (optional)")
+    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
+    config.set_defaults(func=_config)
     report = sub.add_parser(
         "report",
         help="plots of a run's metrics (OUTPUT/metrics.jsonl) as one HTML page, no server needed",
@@ -207,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Verbs whose positional arguments end with ``key=value`` overrides, which may come anywhere on
 # the command line (before, between or after the options).
-OVERRIDE_VERBS = ("train", "train-rm")
+OVERRIDE_VERBS = ("train", "train-rm", "config")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -106,7 +106,7 @@ def suggestion(cls: type, key: str) -> str:
 def unknown_keys_error(cls: type, keys: list[str], source: str) -> ConfigError:
     """Every key of ``keys`` named with its suggestion, in one message (one line for one key,
     one line per key for several: a whole verl YAML file is answered in one round)."""
-    where = f"(in {source}). Every setting is listed in megarl/config/schema.py"
+    where = f"(in {source}). `megarl config --show` lists every setting and its default"
     if len(keys) == 1:
         return ConfigError(f"unknown setting {suggestion(cls, keys[0])} {where}")
     lines = "".join(f"\n  {suggestion(cls, k)}" for k in keys)

@@ -1,5 +1,6 @@
 """A live run, as a second `megarl train` and a `kill -9` meet it: the second run into its folder
-is refused before launch, naming it; its ranks end with its launcher, however it is killed.
+is refused before launch, naming it; its ranks end with its launcher, however it is killed. Its
+folder holds its resolved config.yaml.
 
 One launch of the one-process quickstart-size run (stopped by SIGKILL once its first step is
 logged); the refused second run starts no process.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from megarl.config import load_config
 from tests.e2e.test_train import make_workdir, megarl_command
 
 pytestmark = pytest.mark.e2e
@@ -73,6 +75,8 @@ def test_a_live_run_holds_its_folder_and_its_ranks_end_with_its_killed_launcher(
             assert first.poll() is None, (work / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the first run logged no step in 300 s"
             time.sleep(0.5)
+        # the run folder keeps the resolved config, written by rank 0 at start
+        assert load_config(out / "config.yaml").trainer.total_steps == 1000
         ranks = {p for p, (ppid, _) in _processes().items() if ppid == first.pid}
         assert ranks, "the one-process run has no rank process"
         job = job_processes(first.pid, ranks)

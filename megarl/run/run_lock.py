@@ -46,6 +46,7 @@ class RunLock:
 
     path: Path
     fd: int
+    created: bool = False  # the folder was made for the lock: removed at release if still empty
 
     def __enter__(self) -> RunLock:
         return self
@@ -57,9 +58,9 @@ class RunLock:
         """The folder (with this lock file) was renamed to ``aside``: lock a fresh one at the
         original place, then free the moved one."""
         fresh = acquire_run_lock(self.path.parent)
-        self.path = aside / LOCK_FILE
+        self.path, self.created = aside / LOCK_FILE, False
         self.release()
-        self.path, self.fd = fresh.path, fresh.fd
+        self.path, self.fd, self.created = fresh.path, fresh.fd, fresh.created
 
     def release(self) -> None:
         if self.fd < 0:
@@ -68,6 +69,9 @@ class RunLock:
             self.path.unlink()
         os.close(self.fd)
         self.fd = -1
+        if self.created:  # a run refused before it wrote anything leaves no empty folder
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()
 
 
 def acquire_run_lock(folder: str | Path) -> RunLock:
@@ -75,6 +79,7 @@ def acquire_run_lock(folder: str | Path) -> RunLock:
     holds it. A stale file of a dead run is taken over with a note on stderr."""
     path = Path(folder) / LOCK_FILE
     try:
+        created = not path.parent.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -111,4 +116,4 @@ def acquire_run_lock(folder: str | Path) -> RunLock:
             f"cannot lock trainer.output_dir={path.parent} for this run ({e}); check that the "
             "folder is writable, or choose another trainer.output_dir"
         ) from None
-    return RunLock(path, fd)
+    return RunLock(path, fd, created)

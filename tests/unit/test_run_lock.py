@@ -40,9 +40,11 @@ def test_a_held_folder_is_refused_naming_the_live_run(tmp_path):
         assert time.strftime("%Y-%m-%d") in message
         with pytest.raises(ConfigError, match="in use by a live run"):  # in this process too
             acquire_run_lock(out)
-    assert not (out / LOCK_FILE).exists()  # released: the file goes
-    with acquire_run_lock(out):  # and the folder can be taken again
+    assert not out.exists()  # released: the file goes, and the folder it was made for
+    out.mkdir()
+    with acquire_run_lock(out):  # the folder can be taken again
         pass
+    assert out.is_dir()  # a folder that was there stays
 
 
 def test_a_lock_file_of_a_dead_run_is_taken_over_with_a_note(tmp_path, capsys):

@@ -48,6 +48,27 @@ def settings(
     return [(k, _text(merged, k), _text(defaults, k)) for k in leaf_keys()]
 
 
+def markdown() -> str:
+    """docs/configuration.md: every setting and its default, one table per section, generated
+    from the schema (``python -m megarl.config.show > docs/configuration.md``)."""
+    out = [
+        "# Every setting and its default",
+        "",
+        "Generated from the schema (`megarl/config/schema.py`, whose comments say what each one",
+        "does) by `python -m megarl.config.show > docs/configuration.md`; a test keeps the two",
+        "equal. `megarl config --show [CONFIG] [key=value ...]` prints the same list with a run's",
+        "values; a run keeps the values it used in `OUTPUT/config.yaml`.",
+    ]
+    section = None
+    for key, _, default in settings():
+        top = key.split(".", 1)[0]
+        if top != section:
+            section = top
+            out += ["", f"## {section}", "", "| setting | default |", "| --- | --- |"]
+        out.append(f"| `{key}` | `{default}` |")
+    return "\n".join(out) + "\n"
+
+
 def show(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The table ``megarl config --show`` prints: a changed setting is marked ``*``."""
     rows = settings(path, overrides)
@@ -62,3 +83,7 @@ def show(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         mark = "*" if value != default else " "
         lines.append(f"{mark} {key:<{width}}  {value:<{vwidth}}  {default}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -59,3 +59,17 @@ def test_the_run_folder_keeps_the_resolved_config(tmp_path):
     assert path.read_text().startswith("# The resolved config of this run")
     assert load_config(path) == cfg  # every setting, runnable again as it is
     assert not [p for p in path.parent.iterdir() if p.name != CONFIG_FILE]  # no temporary left
+
+
+def test_docs_list_every_setting_generated_from_the_schema():
+    from pathlib import Path
+
+    from megarl.config.show import markdown
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    generated = markdown()
+    assert docs.read_text() == generated, (
+        "docs/configuration.md is behind the schema: python -m megarl.config.show > "
+        "docs/configuration.md"
+    )
+    assert all(f"| `{key}` |" in generated for key in leaf_keys())

@@ -10,16 +10,18 @@ import time
 from pathlib import Path
 
 from checkpoints_tools.cli import add_verbs
+from megarl import __version__
 from megarl.cluster.options import add_launcher_options
 from megarl.console import START_ENV, announce, rank_env
 from megarl.entry import main as rank_main
-from megarl.errors import MegarlError
+from megarl.errors import ConfigError, MegarlError
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.cli import add_arguments as add_plan_arguments
 from megarl.plan.cli import run
 from megarl.process_exit import end_process
 from megarl.report import write_report
+from megarl.storage_errors import storage_error
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -50,6 +52,7 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.launch import under_launcher
     from megarl.run.checks import check_choices, check_inputs
     from megarl.run.output_dir import check_output_dir, move_aside
+    from megarl.run.run_lock import acquire_run_lock
     from megarl.run.startup import layout_for
     from megarl.run.verification import precheck_resume
 
@@ -70,28 +73,44 @@ def _train(args: argparse.Namespace) -> int:
     trainers = trainer_world_size(cfg, world)
     layout = layout_for(cfg, trainers, with_rollout=colocated)
     reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
-    move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved aside
-    if not move and cfg.trainer.resume == "auto":
-        precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
-    refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
-    if refused:
-        return refused
-    if move:
-        move_aside(cfg.trainer.output_dir)
-        module_args.append("trainer.overwrite=false")  # done: a restarted rank must not move again
-    # a one-process local job runs its rank directly (megarl.launch.run_torchrun)
-    how = "(one process)" if args.launcher == "torchrun" and world == 1 else f"with {args.launcher}"
-    announce(f"starting {world} rank(s) {how}")
-    return start_job(
-        cfg,
-        module_args,
-        layout,
-        args.launcher,
-        args.address,
-        args.nnodes,
-        args.verbose,
-        extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
-    )
+    # a live run in trainer.output_dir is refused; this one holds it until this process ends
+    with acquire_run_lock(cfg.trainer.output_dir) as lock:
+        move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved
+        if not move and cfg.trainer.resume == "auto":
+            precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
+        refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)
+        if refused:
+            return refused
+        if move:
+            lock.moved_to(move_aside(cfg.trainer.output_dir))  # the lock stays in the new folder
+            module_args.append("trainer.overwrite=false")  # a restarted rank must not move again
+        # a one-process local job runs its rank directly (megarl.launch.run_torchrun)
+        local = args.launcher == "torchrun" and world == 1
+        announce(
+            f"starting {world} rank(s) {'(one process)' if local else f'with {args.launcher}'}"
+        )
+        return start_job(
+            cfg,
+            module_args,
+            layout,
+            args.launcher,
+            args.address,
+            args.nnodes,
+            args.verbose,
+            extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
+        )
+
+
+def _config(args: argparse.Namespace) -> int:
+    from megarl.config.show import show
+
+    if not args.show:
+        raise ConfigError("megarl config: say what to do: --show prints every setting")
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not Path(path).is_file():  # an override, no file
+        path, overrides = None, [path, *overrides]
+    print(show(path, overrides))
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -132,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl", description="Megatron-core 3D-parallel RLHF engine"
     )
+    parser.add_argument("--version", action="version", version=f"megarl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="build a model in TP/PP/DP and print its parity with transformers"
@@ -189,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plan_arguments(plan)
     plan.set_defaults(func=_plan)
+    config = sub.add_parser(
+        "config", help="every setting with its value (CONFIG + overrides) and its default"
+    )
+    config.add_argument(
+        "--show", action="store_true", help="print every setting, its value and its default"
+    )
+    config.add_argument("config", nargs="?", default=None, help="a run's YAML (optional)")
+    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
+    config.set_defaults(func=_config)
     report = sub.add_parser(
         "report",
         help="plots of a run's metrics (OUTPUT/metrics.jsonl) as one HTML page, no server needed",
@@ -201,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Verbs whose positional arguments end with ``key=value`` overrides, which may come anywhere on
 # the command line (before, between or after the options).
-OVERRIDE_VERBS = ("train", "train-rm")
+OVERRIDE_VERBS = ("train", "train-rm", "config")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -226,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # a full disk or a folder it may not write, met by the command itself
+        told = storage_error(e)
+        if told is None:
+            raise
+        print(f"megarl: error: {told}", file=sys.stderr)
+        return told.exit_code
 
 
 def command() -> None:

@@ -19,8 +19,6 @@ from typing import TypeGuard
 from megarl.errors import ConfigError
 from megarl.verl_keys import verl_hint
 
-SHOWN_UNKNOWN = 5
-
 
 def _field_types(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
@@ -106,10 +104,10 @@ def suggestion(cls: type, key: str) -> str:
 
 
 def unknown_keys_error(cls: type, keys: list[str], source: str) -> ConfigError:
-    shown = [suggestion(cls, k) for k in keys[:SHOWN_UNKNOWN]]
-    more = f" (and {len(keys) - SHOWN_UNKNOWN} more)" if len(keys) > SHOWN_UNKNOWN else ""
-    what = "unknown setting" if len(keys) == 1 else "unknown settings"
-    return ConfigError(
-        f"{what} {' | '.join(shown)}{more} (in {source}). Every setting is listed in "
-        "megarl/config/schema.py"
-    )
+    """Every key of ``keys`` named with its suggestion, in one message (one line for one key,
+    one line per key for several: a whole verl YAML file is answered in one round)."""
+    where = f"(in {source}). `megarl config --show` lists every setting and its default"
+    if len(keys) == 1:
+        return ConfigError(f"unknown setting {suggestion(cls, keys[0])} {where}")
+    lines = "".join(f"\n  {suggestion(cls, k)}" for k in keys)
+    return ConfigError(f"{len(keys)} unknown settings {where}:{lines}")

@@ -12,7 +12,9 @@ from megarl.console import quiet_rank_console
 from megarl.errors import MegarlError
 from megarl.hardening import make_undumpable
 from megarl.lean_imports import import_transformers_lean
+from megarl.parent_death import end_with_parent
 from megarl.process_exit import end_process
+from megarl.storage_errors import storage_error
 
 if TYPE_CHECKING:
     from megarl.config import RunConfig
@@ -73,6 +75,7 @@ def program(cfg: RunConfig) -> Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     make_undumpable()  # before anything reads the config, its secrets or the environment's
+    end_with_parent()  # a rank ends with its launcher, however the launcher ends
     from megarl.config import load_config
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported
@@ -86,14 +89,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    output_dir: str | None = None
     try:
         cfg = load_config(args[0], args[1:])
+        output_dir = cfg.trainer.output_dir
         set_rank_env(cfg)  # e.g. CUDA_DEVICE_MAX_CONNECTIONS, before CUDA initialises
         import_transformers_lean()  # before the first tokenizer (megarl.lean_imports)
         program(cfg)(cfg)
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # a full disk or a folder it may not write: one line, not a traceback
+        told = storage_error(e, output_dir)
+        if told is None:
+            raise
+        print(f"megarl: error: {told}", file=sys.stderr)
+        return told.exit_code
     return stop_exit_code()  # 130 when a Ctrl-C stopped the run (after its checkpoint)
 
 

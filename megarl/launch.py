@@ -25,6 +25,7 @@ from megarl.hardening import make_undumpable
 from megarl.host_allocator import cpu_allocator_env
 from megarl.lean_imports import import_megatron_lean
 from megarl.loopback import LOOPBACK_IFNAMES, rank_store
+from megarl.parent_death import children_env, end_with_parent
 from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note
 from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix, remove_run_segments
 from megarl.world_split import TRAINER, SplitWorld, WorldSplit, init_split_world
@@ -128,6 +129,9 @@ def run_torchrun(
         ]
     # The ranks learn that the launcher forwards preemption signals (megarl.run.preemption).
     env["MEGARL_LAUNCHER_PID"] = str(os.getpid())
+    # The rank (or torchrun's agent, and in turn its ranks) ends with this process, however this
+    # one ends (megarl.parent_death): a killed launcher leaves no rank training on.
+    env.update(children_env())
     # This job's vLLM shared-memory segments carry this prefix (megarl.shm_segments): removed
     # when the job ends, however it ends.
     env.setdefault(RUN_SEGMENTS_ENV, new_segment_prefix())
@@ -286,6 +290,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     ``timeout_s``: how long a collective may wait for the other ranks (None: torch's default).
     """
     make_undumpable()
+    end_with_parent()
     _adopt_slurm_env()
     import_megatron_lean()  # every trainer rank imports it: without what megarl never uses
     if not dist.is_initialized():
@@ -322,6 +327,7 @@ def init_split(rollout_ranks: int, timeout_s: float | None = None) -> SplitWorld
     (the trainers' or the rollout group's, :mod:`megarl.world_split`); the CPU adaptation of
     megatron on the trainers only."""
     make_undumpable()
+    end_with_parent()
     split = job_split(rollout_ranks)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -20,6 +20,7 @@ import sys
 from megarl.console import is_verbose
 from megarl.hardening import make_undumpable
 from megarl.loopback import is_loopback, loopback_store
+from megarl.parent_death import children_env, end_with_parent
 from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note
 
 
@@ -36,6 +37,8 @@ def _store_on_loopback() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     make_undumpable()  # the agent holds the job's environment too
+    end_with_parent()  # it ends with megarl's launcher, and its ranks with it
+    os.environ.update(children_env())  # its ranks check that it still runs as they start
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -151,6 +151,19 @@ VERL_KEYS: dict[str, VerlKey] = {
 
 VERL_SECTIONS = ("actor_rollout_ref", "custom_reward_function")
 
+# Settings both projects spell the same where verl's -1 means "never": megarl's word for it is 0
+# (trainer.save_freq=0 still saves the final checkpoint, which the export is made from).
+VERL_NEVER = ("trainer.save_freq", "trainer.test_freq")
+
+
+def translate_verl_values(tree: dict[str, object]) -> None:
+    """verl's -1 (never) in a config layer's :data:`VERL_NEVER` settings becomes 0, in place."""
+    for key in VERL_NEVER:
+        section, name = key.split(".")
+        node = tree.get(section)
+        if isinstance(node, dict) and node.get(name) in (-1, "-1"):
+            node[name] = 0
+
 
 def verl_hint(key: str) -> str | None:
     """ "did you mean" text for a verl key (None: not one of verl's)."""

@@ -3,10 +3,12 @@ checked and validated; and the flat ``key -> value`` view trackers log."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from megarl.config.schema import RunConfig
@@ -14,12 +16,30 @@ from megarl.config.validation import validate
 from megarl.config.words import choice_fields
 from megarl.config_keys import prepare_layer, unknown_keys_error
 from megarl.errors import ConfigError
+from megarl.verl_keys import translate_verl_values
 
 
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> RunConfig:
     """Merge YAML + ``key=value`` overrides onto the defaults; validate; return a RunConfig."""
+    with _config_errors():
+        merged = merged_config(path, overrides)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(
+                f"required settings missing: {missing}; set them in the YAML or as key=value"
+            )
+        cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def merged_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> DictConfig:
+    """The schema's defaults with the YAML file and the overrides merged on, keys and types
+    checked; required settings may still be missing, nothing is validated yet."""
     schema = OmegaConf.structured(RunConfig)
     layers = []
     if path is not None:
@@ -36,15 +56,16 @@ def load_config(
     # Hydra's "+key=value" (add a key) and "++key=value" mean a plain override here.
     dotlist = [item.lstrip("+") for item in overrides]
     layers.append((OmegaConf.from_dotlist(dotlist), "the command line overrides"))
+    with _config_errors():
+        checked = [_checked_layer(layer, source) for layer, source in layers]
+        return cast(DictConfig, OmegaConf.merge(schema, *checked))
+
+
+@contextmanager
+def _config_errors() -> Iterator[None]:
+    """OmegaConf's errors as ConfigErrors naming the setting (and its valid words)."""
     try:
-        layers = [_checked_layer(layer, source) for layer, source in layers]
-        merged = OmegaConf.merge(schema, *layers)
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
-            raise ConfigError(
-                f"required settings missing: {missing}; set them in the YAML or as key=value"
-            )
-        cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        yield
     except ConfigKeyError as e:
         raise unknown_keys_error(RunConfig, [str(e.full_key)], "the config") from None
     except ValidationError as e:
@@ -54,13 +75,12 @@ def load_config(
         raise ConfigError(f"setting {e.full_key!r}: {e.msg}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(str(e)) from None
-    validate(cfg)
-    return cfg
 
 
 def _checked_layer(layer: Any, source: str) -> Any:
     """A config layer with its keys checked against the schema (every unknown one named, with
-    megarl's key for verl's) and single values taken as one-element lists where lists go."""
+    megarl's key for verl's), single values taken as one-element lists where lists go, and
+    verl's -1 for "never" in the frequencies both spell alike read as megarl's 0."""
     tree = OmegaConf.to_container(layer, resolve=False)
     if not isinstance(tree, dict):
         raise ConfigError(f"{source} is not a mapping of sections (model:, data:, ...)")
@@ -68,6 +88,7 @@ def _checked_layer(layer: Any, source: str) -> Any:
     unknown = prepare_layer(RunConfig, cast(dict[str, Any], tree))
     if unknown:
         raise unknown_keys_error(RunConfig, unknown, source)
+    translate_verl_values(cast(dict[str, Any], tree))  # verl's -1 (never) -> megarl's 0
     return OmegaConf.create(tree)
 
 

@@ -366,8 +366,8 @@ class TrainerConfig:
     # policy (PPO/GRPO) | reward_model (Bradley-Terry) | sft | dpo
     kind: TrainerKind = "policy"
     total_steps: int = 100
-    save_freq: int = 0  # 0: only at the end
-    test_freq: int = 0  # 0: never; validation runs over the whole data.val_files
+    save_freq: int = 0  # 0: only at the end (verl's -1, never, is read as 0)
+    test_freq: int = 0  # 0 (or verl's -1): never; validation runs over the whole data.val_files
     # validate once before the first step (policy runs; the reward-model, SFT and DPO trainers,
     # whose validation is a forward pass, always do when validation is on)
     val_before_train: bool = False

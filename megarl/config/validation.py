@@ -242,6 +242,13 @@ def _validate_reliability(cfg: RunConfig) -> None:
             f"trainer.keep_last={t.keep_last}: at least the newest checkpoint must be kept; "
             "set trainer.keep_last >= 1"
         )
+    for key, every in (("save_freq", t.save_freq), ("test_freq", t.test_freq)):
+        if every < 0:
+            raise ConfigError(
+                f"trainer.{key}={every} must be >= 0 (a number of steps; 0: "
+                f"{'only the final checkpoint' if key == 'save_freq' else 'never'}; verl's -1 "
+                "is read as 0)"
+            )
     if t.keep_every < 0:
         raise ConfigError(
             f"trainer.keep_every={t.keep_every} must be >= 0 (0 keeps no extra checkpoints)"

@@ -31,6 +31,9 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+# the tag of a new MLflow run that continues a resumed run its store does not hold: the old run id
+RESUMED_FROM_TAG = "megarl.resumed_from_run_id"
+
 
 def mlflow_metric_name(key: str) -> str:
     return key.replace("@", "_")  # MLflow refuses '@' in metric names (e.g. pass@k)
@@ -75,14 +78,16 @@ class Writer:
             note = (
                 f"MLflow: the tracking store {cmd['uri']} has no run {resumed} (the run folder "
                 "was moved, or the store is another one): the resumed steps go to a new MLflow "
-                "run; metrics.jsonl keeps the whole history"
+                f"run, tagged {RESUMED_FROM_TAG}={resumed}; metrics.jsonl keeps the whole history"
             )
-            resumed = None
-        run = mlflow.start_run(run_id=resumed, run_name=cmd["run_name"])
+        new_run = resumed is None or note is not None
+        run = mlflow.start_run(run_id=None if new_run else resumed, run_name=cmd["run_name"])
+        if note is not None:  # the new run names the one it continues
+            mlflow.set_tag(RESUMED_FROM_TAG, resumed)
         # MLflow keeps every value logged for a step: the steps a resumed run redoes (those after
         # its checkpoint that the run which stopped had logged) are skipped, not logged twice.
-        self.logged_through = -1 if resumed is None else last_logged_step(run.info.run_id)
-        if resumed is None:
+        self.logged_through = -1 if new_run else last_logged_step(run.info.run_id)
+        if new_run:
             mlflow.log_params({k: v[:500] for k, v in cmd["params"].items()})
         self.send({"run_id": run.info.run_id, "note": note})
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from megarl.parent_death import end_with_parent
 from megarl.rewards.scoring import ScoreOutcome, ScoreTask, resolve_scorer, run_task
 
 BEGUN = "begun"  # a worker's word that its scorer is loaded and the task's time starts now
@@ -25,6 +26,7 @@ START_LIMIT_S = 120.0  # a worker that has not begun its task by then (stuck imp
 
 
 def _worker_main(conn: Connection, timeout_s: float | None) -> None:
+    end_with_parent()  # a scorer stuck in a task ends with its rank, however the rank ends
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     while True:
         try:

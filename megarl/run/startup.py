@@ -17,6 +17,7 @@ from megarl.lean_imports import freeze_startup_heap
 from megarl.parallel import ParallelLayout, initialize_model_parallel
 from megarl.run.checks import check_inputs
 from megarl.run.output_dir import prepare_output_dir
+from megarl.run.resolved_config import write_resolved_config
 from megarl.run.watchdog import collective_timeout_s
 from megarl.world_split import SplitWorld
 
@@ -61,6 +62,7 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     validate_config(cfg, job)
     check_inputs(cfg, layout)
     prepare_output_dir(cfg, rank)  # an earlier run in trainer.output_dir: refused or moved aside
+    write_resolved_config(cfg, rank)  # OUT/config.yaml: every setting this run uses
     initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -175,3 +175,22 @@ def test_the_supervised_trainers_are_the_same_in_validation_and_in_the_sequence_
     from megarl.config import derived, validation
 
     assert set(derived.SUPERVISED_KINDS) == set(validation._SUPERVISED_VALIDATORS)
+
+
+def test_verl_minus_one_means_never_for_save_and_test_frequencies(tmp_path):
+    from megarl.run.resume import save_due
+
+    verl_yaml = tmp_path / "verl.yaml"
+    verl_yaml.write_text("trainer:\n  save_freq: -1\n  test_freq: -1\n  total_steps: 10\n")
+    for cfg in (
+        load_config(verl_yaml, BASE),
+        load_config(
+            None, [*BASE, "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.total_steps=10"]
+        ),
+    ):
+        assert (cfg.trainer.save_freq, cfg.trainer.test_freq) == (0, 0)
+        # no periodic checkpoint; the final one stays (the export is made from it)
+        assert [s for s in range(1, 11) if save_due(cfg, s)] == [10]
+    for key in ("save_freq", "test_freq"):
+        with pytest.raises(ConfigError, match=rf"trainer\.{key}=-2 must be >= 0"):
+            load_config(None, [*BASE, f"trainer.{key}=-2"])

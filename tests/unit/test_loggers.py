@@ -241,7 +241,11 @@ def test_mlflow_run_holds_every_metric_the_settings_and_the_table(tmp_path):
     assert (metric.step, metric.value) == (1, 0.5)
 
 
-def test_mlflow_run_continues_on_resume_and_a_moved_run_gets_a_new_one(tmp_path, capsys):
+def test_mlflow_run_continues_on_resume_and_a_moved_run_gets_a_new_one_linked_to_it(
+    tmp_path, capsys
+):
+    from megarl.loggers.mlflow_writer import RESUMED_FROM_TAG
+
     first = Tracker(mlflow_config(tmp_path), rank=0)
     for step in (1, 2, 3):  # the run checkpointed after step 1 and stopped after logging 3
         first.log_metrics({"reward/mean": float(step)}, step)
@@ -271,6 +275,10 @@ def test_mlflow_run_continues_on_resume_and_a_moved_run_gets_a_new_one(tmp_path,
         moved.mlflow_run_id, "reward/mean"
     )
     assert (metric.step, metric.value) == (5, 50.0)
+    # the new run names the old one (a tag), so the two can be found together
+    tags = mlflow_client(tmp_path, "other.db").get_run(moved.mlflow_run_id).data.tags
+    assert tags[RESUMED_FROM_TAG] == first.mlflow_run_id
+    assert RESUMED_FROM_TAG not in mlflow_client(tmp_path).get_run(first.mlflow_run_id).data.tags
     assert (
         json.loads((tmp_path / "run" / RUN_IDS_FILE).read_text())["mlflow"] == moved.mlflow_run_id
     )

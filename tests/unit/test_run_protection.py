@@ -149,11 +149,39 @@ def test_a_verl_config_file_names_every_unknown_key_in_full(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(yaml)
     message = str(e.value)
-    assert "unknown settings 'data.max_response_length'" in message and str(yaml) in message
+    assert "2 unknown settings" in message and str(yaml) in message
+    assert "\n  'data.max_response_length' is verl's name" in message
     assert (
         "'actor_rollout_ref.actor.ppo_mini_batch_size' is verl's name; did you mean actor.ppo_mini_batch_size"
         in message
     )
+
+
+def test_every_unknown_key_is_named_at_once_each_with_its_suggestion(tmp_path):
+    # a verl config brings many unknown keys: one round names them all (once five, "and N more")
+    verl = {
+        "trainer.total_training_steps": "did you mean trainer.total_steps",
+        "trainer.project_name": "did you mean trainer.experiment",
+        "trainer.experiment_name": "did you mean trainer.run_name",
+        "trainer.logger": "did you mean trainer.loggers",
+        "trainer.default_local_dir": "did you mean trainer.output_dir",
+        "trainer.n_gpus_per_node": "--nproc-per-node",
+        "data.max_response_length": "did you mean rollout.max_response_length",
+        "algorithm.kl_ctrl.kl_coef": "did you mean algorithm.kl_coef",
+        "actor_rollout_ref.rollout.n": "did you mean rollout.n",
+        "actor_rollout_ref.actor.optim.lr": "did you mean actor.optim.lr",
+        "reward_model.model.path": "did you mean reward.model_path",
+        "actor.optim.lrr": "did you mean actor.optim.lr",
+    }
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, *(f"{k}=1" for k in verl)])
+    message = str(e.value)
+    assert message.startswith(f"{len(verl)} unknown settings") and "more)" not in message
+    lines = message.splitlines()[1:]
+    assert len(lines) == len(verl)
+    for key, answer in verl.items():
+        [line] = [ln for ln in lines if ln.startswith(f"  {key!r}")]
+        assert answer in line, line
 
 
 def test_the_verl_table_names_real_keys_only_and_docs_hold_the_same_table():

@@ -26,7 +26,7 @@ from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.rewards.failures import Failures, describe_failure, describe_first
-from megarl.rewards.manager import RewardManager, RewardSample
+from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.remote_settings import RemoteSettings
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from transformers import PreTrainedTokenizerBase
 
-    from megarl.rewards.remote import RemoteScorer
+    from megarl.rewards.remote import RemoteResult, RemoteScorer
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,30 @@ def rule_scores(
     return out, dict(result.metrics), failures
 
 
+def _scored_once_per_model_parallel_group(
+    remote: RemoteScorer, samples: Sequence[RewardSample]
+) -> RemoteResult:
+    """The service's answer for ``samples``, asked by the first rank of the model-parallel group
+    and broadcast to the others (a collective over TP x PP): the service scores each sample once,
+    and ranks holding the same samples train on the same scores, even from a service that
+    answers the same sample differently (a sampling judge, a timeout)."""
+    group = parallel.mp_group_if_split()
+    if group is None:
+        return remote.score(samples)
+    leader = dist.get_process_group_ranks(group)[0]
+    box: list[RemoteResult | RewardError | None] = [None]
+    if dist.get_rank() == leader:
+        try:
+            box[0] = remote.score(samples)
+        except RewardError as e:  # strict mode: every rank of the group raises it
+            box[0] = e
+    dist.broadcast_object_list(box, src=leader, group=group)
+    if isinstance(box[0], RewardError):
+        raise box[0]
+    assert box[0] is not None
+    return box[0]
+
+
 def remote_scores(
     remote: RemoteScorer,
     items: Sequence[PromptItem],
@@ -165,7 +189,7 @@ def remote_scores(
     samples = reward_samples(items, batch, texts, rows)
     if not samples:
         return out, {}, Failures(0, 0)
-    result = remote.score(samples)
+    result = _scored_once_per_model_parallel_group(remote, samples)
     out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
     first = None
     if result.failures:

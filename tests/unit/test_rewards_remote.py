@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -350,3 +353,26 @@ def test_a_failing_remote_service_stops_the_run_naming_its_url(serve):
     assert "2 of 2 samples (100%) failed to score" in message
     assert f"the remote reward service reward.remote_url={server.url}" in message
     assert 'not an object with a "scores" list' in message and "response '5'" in message
+
+
+def docs_server() -> str:
+    """The example service of docs/rewards.md."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
+    section = text.split("### A service in")[1]
+    return section.split("```python\n")[1].split("```")[0]
+
+
+def test_the_docs_example_service_answers_the_client(tmp_path):
+    (tmp_path / "reward_server.py").write_text(docs_server())
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(tmp_path / "reward_server.py"), str(port)])
+    try:
+        remote = scorer(f"http://127.0.0.1:{port}/score", retries=6, backoff_s=0.1)
+        remote.check_reachable()  # retried while the service starts
+        result = remote.score(samples("so it is 7", "8", "#### 7"))
+    finally:
+        server.kill()
+        server.wait()
+    assert result.scores == [1.0, 0.0, 1.0] and not result.failures
+    assert result.metrics["reward/remote/length"] == pytest.approx((10 + 1 + 6) / 3)
+    assert len(docs_server().strip().splitlines()) <= 25

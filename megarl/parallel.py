@@ -359,6 +359,14 @@ def tp_group_if_split() -> ProcessGroup | None:
     return tp_group() if tp_size() > 1 else None
 
 
+def mp_group_if_split() -> ProcessGroup | None:
+    """The model-parallel group (TP x PP: the ranks that hold the same samples), or None when it
+    is one rank or megatron's groups are not set up (one process)."""
+    if not model_parallel_is_initialized() or tp_size() * pp_size() == 1:
+        return None
+    return _ps().get_model_parallel_group()
+
+
 def pp_rank() -> int:
     """This process's pipeline stage."""
     return _ps().get_pipeline_model_parallel_rank()

@@ -294,6 +294,17 @@ class RewardConfig:
     model_path: str | None = None
     rule_weight: float = 1.0
     model_weight: float = 1.0
+    # A remote reward service (docs/rewards.md): each rank POSTs its samples in batches as JSON
+    # {"samples": [...]} and reads {"scores": [...]}; + remote_weight * its score. A batch whose
+    # request fails (after remote_retries retries of connection errors, 5xx and 429), times out
+    # or is answered badly counts each of its samples as failed (max_failed_fraction).
+    remote_url: str | None = None
+    remote_weight: float = 1.0
+    remote_batch_size: int = 64  # samples per request
+    remote_concurrency: int = 8  # requests in flight at once, per rank
+    remote_timeout_s: float = 60.0  # per request
+    remote_retries: int = 3
+    remote_backoff_s: float = 0.5  # the first retry's wait, doubled for each next one
     # DAPO overlong reward shaping: responses longer than rollout.max_response_length - len get
     # a penalty rising linearly to -penalty_factor at max_response_length.
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)

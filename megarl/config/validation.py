@@ -9,6 +9,7 @@ from megarl.config.schema import (
     ElasticConfig,
     ModelConfig,
     ParallelConfig,
+    RewardConfig,
     RolloutConfig,
     RunConfig,
 )
@@ -81,11 +82,13 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_async(cfg, world_size)
     _validate_distill(cfg)
     _validate_multi_turn(cfg.rollout)
-    if cfg.reward.model_path is None and cfg.reward.rule_weight == 0:
+    r = cfg.reward
+    if r.rule_weight == 0 and r.model_path is None and r.remote_url is None:
         raise ConfigError(
             "reward.rule_weight=0 leaves no reward: set reward.model_path to a reward model, "
-            "or a rule_weight > 0"
+            "reward.remote_url to a reward service, or a rule_weight > 0"
         )
+    _validate_remote_reward(cfg.reward)
     if world_size is not None:
         _check_dp_split(
             cfg,
@@ -95,6 +98,25 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                 "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
             },
         )
+
+
+def _validate_remote_reward(r: RewardConfig) -> None:
+    """``reward.remote_*`` (read only when ``reward.remote_url`` is set)."""
+    if r.remote_url is None:
+        return
+    if not r.remote_url.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.remote_url={r.remote_url!r} must be an http:// or https:// URL")
+    for name, value, least in (
+        ("remote_batch_size", r.remote_batch_size, 1),
+        ("remote_concurrency", r.remote_concurrency, 1),
+        ("remote_retries", r.remote_retries, 0),
+    ):
+        if value < least:
+            raise ConfigError(f"reward.{name}={value} must be >= {least}")
+    if not r.remote_timeout_s > 0:
+        raise ConfigError(f"reward.remote_timeout_s={r.remote_timeout_s} must be > 0 seconds")
+    if not r.remote_backoff_s >= 0:
+        raise ConfigError(f"reward.remote_backoff_s={r.remote_backoff_s} must be >= 0 seconds")
 
 
 def _validate_sampling(cfg: RunConfig) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megarl.rewards.manager import RewardError, RewardManager, RewardResult, RewardSample
+from megarl.rewards.scoring import ScoreOutcome
 
 SHOWN_CHARS = 200
 
@@ -35,9 +36,15 @@ def describe_first(
         return None
     first = result.failures[0]
     sample = samples[first.index]
-    error = first.message.strip().splitlines()[0] if first.message.strip() else first.status
+    return describe_failure(manager.scorer_name(sample.data_source), sample, first)
+
+
+def describe_failure(scorer: str, sample: RewardSample, outcome: ScoreOutcome) -> str:
+    """``scorer`` (as a user names it), its error on ``sample`` and the sample."""
+    message = outcome.message.strip()
+    error = message.splitlines()[0] if message else outcome.status
     return (
-        f"scorer: {manager.scorer_name(sample.data_source)}; first error ({first.status}): "
+        f"scorer: {scorer}; first error ({outcome.status}): "
         f"{error}; on the sample with data_source {sample.data_source!r}, response "
         f"{_short(sample.solution_str)}, ground truth {_short(sample.ground_truth)}"
     )

@@ -37,6 +37,7 @@ class RewardSample:
     solution_str: str
     ground_truth: object
     extra_info: object = None
+    prompt: object = None  # the prompt row's text or chat messages (what a remote service reads)
 
 
 @dataclass

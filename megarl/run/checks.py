@@ -26,6 +26,7 @@ from megarl.models.heads import hf_folder_role
 from megarl.parallel import ParallelLayout
 from megarl.rewards.model import check_reward_model
 from megarl.rewards.registry import BUILTIN_SCORERS
+from megarl.rewards.remote_settings import RemoteSettings
 
 if TYPE_CHECKING:
     from megarl.data.parquet_source import ParquetFileInfo
@@ -76,8 +77,8 @@ def check_reward_columns(cfg: RunConfig, files: list[ParquetFileInfo], fs, what:
     why = (
         "The built-in rule scorers read each prompt's reward_model.ground_truth (no "
         "reward.custom_fn is set). Add the column (python scripts/prepare_gsm8k.py writes it), "
-        "set reward.custom_fn to your scorer, or score with a reward model alone "
-        "(reward.model_path=..., reward.rule_weight=0)."
+        "set reward.custom_fn to your scorer, or score with a reward model or a remote reward "
+        "service alone (reward.model_path=... or reward.remote_url=..., reward.rule_weight=0)."
     )
     for info in files:
         check_columns(info, {"data_source": STRING, "reward_model": REWARD_MODEL}, hint=why)
@@ -86,8 +87,8 @@ def check_reward_columns(cfg: RunConfig, files: list[ParquetFileInfo], fs, what:
             raise ConfigError(
                 f"{what}: {info.path} has prompts of data_source {unknown[:5]}, which no built-in "
                 f"scorer scores (they score {sorted(BUILTIN_SCORERS)}); set reward.custom_fn to a "
-                "scorer for them, or score with a reward model alone (reward.model_path=..., "
-                "reward.rule_weight=0)"
+                "scorer for them, or score with a reward model or a remote reward service alone "
+                "(reward.model_path=... or reward.remote_url=..., reward.rule_weight=0)"
             )
 
 
@@ -97,7 +98,8 @@ def check_inputs(
     """Every import path the config names, backends (``this_machine``: the run starts here),
     model folder, layout against it, reward model, rollout.env, data files (footers only), their
     columns for the trainer's kind and the reward columns of the prompts, the companion models
-    (DPO reference, distillation teacher); returns the reward model's shape (None: none)."""
+    (DPO reference, distillation teacher), and (``this_machine``) that the remote reward service
+    answers; returns the reward model's shape (None: none)."""
 
     check_import_settings(cfg)  # before anything slow: a typo costs seconds
     if this_machine:
@@ -127,7 +129,20 @@ def check_inputs(
             check_reward_columns(cfg, infos, fs, what)
     for path, setting, what in _COMPANIONS.get(cfg.trainer.kind, _none)(cfg):
         _check_companion(cfg, layout, dims, path, setting, what)
+    if this_machine and cfg.trainer.kind == "policy":
+        check_remote_reward(cfg)
     return reward_model
+
+
+def check_remote_reward(cfg: RunConfig) -> None:
+    """The service of ``reward.remote_url`` answers an empty batch (after its retries); a
+    ConfigError naming the URL and the error otherwise."""
+    settings = RemoteSettings.from_config(cfg.reward)
+    if settings is None:
+        return
+    from megarl.rewards.remote import RemoteScorer  # aiohttp: only for a remote reward
+
+    RemoteScorer(settings).check_reachable()
 
 
 def _none(cfg: RunConfig) -> list[tuple[str, str, str]]:

@@ -20,15 +20,16 @@ from megarl.algos import (
     masked_mean,
 )
 from megarl.algos.kl import KLController
-from megarl.config import OverlongBufferConfig, RunConfig
+from megarl.config import OverlongBufferConfig, RewardConfig, RunConfig
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.metrics import StepMetrics, declare, mean
-from megarl.rewards.failures import Failures, describe_first
-from megarl.rewards.manager import RewardManager, RewardSample
+from megarl.rewards.failures import Failures, describe_failure, describe_first
+from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
+from megarl.rewards.remote_settings import RemoteSettings
 from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
 from megarl.trainer.distill import distill_experience
 from megarl.trainer.model_ops import (
@@ -45,10 +46,13 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from transformers import PreTrainedTokenizerBase
 
+    from megarl.rewards.remote import RemoteResult, RemoteScorer
+
 
 @dataclass(frozen=True)
 class RewardSources:
-    """The outcome reward of a rollout: ``rule_weight * rules + model_weight * model``."""
+    """The outcome reward of a rollout:
+    ``rule_weight * rules + model_weight * model + remote_weight * remote``."""
 
     rules: RewardManager  # rule scorers by data_source (or a custom function)
     model: GPTModel | None  # a frozen reward model (reward.model_path), colocated
@@ -58,6 +62,8 @@ class RewardSources:
     max_response_length: int
     max_failed_fraction: float = 0.5  # reward.max_failed_fraction
     model_path: str | None = None
+    remote: RemoteScorer | None = None  # a remote reward service (reward.remote_url)
+    remote_weight: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: RunConfig, model: GPTModel | None) -> RewardSources:
@@ -74,10 +80,22 @@ class RewardSources:
             cfg.rollout.max_response_length,
             r.max_failed_fraction,
             r.model_path,
+            remote_scorer(r),
+            r.remote_weight,
         )
 
     def close(self) -> None:
         self.rules.close()
+
+
+def remote_scorer(r: RewardConfig) -> RemoteScorer | None:
+    """The client of ``reward.remote_url`` (None without one)."""
+    settings = RemoteSettings.from_config(r)
+    if settings is None:
+        return None
+    from megarl.rewards.remote import RemoteScorer  # aiohttp: only for a remote reward
+
+    return RemoteScorer(settings, strict=r.strict)
 
 
 def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -91,6 +109,25 @@ def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) ->
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
+def reward_samples(
+    items: Sequence[PromptItem], batch: RolloutBatch, texts: list[str], rows: Sequence[int]
+) -> list[RewardSample]:
+    """What the scorers read of the samples ``rows``: their prompt row and decoded response."""
+    out = []
+    for k in rows:
+        item = items[batch.output.prompt_index[k]]
+        out.append(
+            RewardSample(
+                data_source=item.data_source,
+                solution_str=texts[k],
+                ground_truth=item.ground_truth,
+                extra_info=item.extra_info,
+                prompt=item.prompt,
+            )
+        )
+    return out
+
+
 def rule_scores(
     rewards: RewardManager,
     items: Sequence[PromptItem],
@@ -102,15 +139,7 @@ def rule_scores(
     """One rule score per sample (the reward manager's scorers, on ``device``), their metrics and
     failures; with ``rows`` only those samples are scored (the others get 0)."""
     rows = range(len(texts)) if rows is None else rows
-    samples = [
-        RewardSample(
-            data_source=items[batch.output.prompt_index[k]].data_source,
-            solution_str=texts[k],
-            ground_truth=items[batch.output.prompt_index[k]].ground_truth,
-            extra_info=items[batch.output.prompt_index[k]].extra_info,
-        )
-        for k in rows
-    ]
+    samples = reward_samples(items, batch, texts, rows)
     out = torch.zeros(len(texts), dtype=torch.float32, device=device)
     if not samples:
         return out, {}, Failures(0, 0)
@@ -122,6 +151,53 @@ def rule_scores(
     return out, dict(result.metrics), failures
 
 
+def _scored_once_per_model_parallel_group(
+    remote: RemoteScorer, samples: Sequence[RewardSample]
+) -> RemoteResult:
+    """The service's answer for ``samples``, asked by the first rank of the model-parallel group
+    and broadcast to the others (a collective over TP x PP): the service scores each sample once,
+    and ranks holding the same samples train on the same scores, even from a service that
+    answers the same sample differently (a sampling judge, a timeout)."""
+    group = parallel.mp_group_if_split()
+    if group is None:
+        return remote.score(samples)
+    leader = dist.get_process_group_ranks(group)[0]
+    box: list[RemoteResult | RewardError | None] = [None]
+    if dist.get_rank() == leader:
+        try:
+            box[0] = remote.score(samples)
+        except RewardError as e:  # strict mode: every rank of the group raises it
+            box[0] = e
+    dist.broadcast_object_list(box, src=leader, group=group)
+    if isinstance(box[0], RewardError):
+        raise box[0]
+    assert box[0] is not None
+    return box[0]
+
+
+def remote_scores(
+    remote: RemoteScorer,
+    items: Sequence[PromptItem],
+    batch: RolloutBatch,
+    texts: list[str],
+    device: torch.device,
+    rows: Sequence[int],
+) -> tuple[torch.Tensor, dict[str, float], Failures]:
+    """The remote reward service's score of the samples ``rows`` (the others get 0), on
+    ``device``, its metrics and failures."""
+    out = torch.zeros(len(texts), dtype=torch.float32, device=device)
+    samples = reward_samples(items, batch, texts, rows)
+    if not samples:
+        return out, {}, Failures(0, 0)
+    result = _scored_once_per_model_parallel_group(remote, samples)
+    out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
+    first = None
+    if result.failures:
+        failed = result.failures[0]
+        first = describe_failure(remote.name, samples[failed.index], failed)
+    return out, result.metrics, Failures(len(result.failures), len(samples), first)
+
+
 def score_rollout(
     rewards: RewardSources,
     tokenizer: PreTrainedTokenizerBase,
@@ -131,8 +207,9 @@ def score_rollout(
     batching: MicroBatching,
     shaping: bool = True,
 ) -> tuple[Samples, torch.Tensor, dict[str, float], list[str]]:
-    """Samples of a rollout with their outcome scores: rule scorers, a reward model, or both
-    (``reward.rule_weight * rule + reward.model_weight * model``), plus the overlong penalty
+    """Samples of a rollout with their outcome scores: rule scorers, a reward model, a remote
+    reward service, or a weighted sum (``reward.rule_weight * rule + reward.model_weight * model
+    + reward.remote_weight * remote``), plus the overlong penalty
     (``reward.overlong_buffer``) with ``shaping``; also the decoded responses. The metrics are
     this rank's means.
 
@@ -175,9 +252,18 @@ def score_rollout(
         metrics["reward/model_mean"] = float(model.mean())
         metrics["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
         failures.append(non_finite_model_scores(model, rewards.model_path))
+    remote = None
+    if rewards.remote is not None:
+        remote, remote_metrics, remote_failures = remote_scores(
+            rewards.remote, items, batch, texts, device, scored
+        )
+        metrics.update(remote_metrics)
+        failures.append(remote_failures)
     # reward.max_failed_fraction: a broken reward stops the run here, before any update
     stop_on_failed_scores(failures, rewards.max_failed_fraction)
     scores = combine_scores(rule, model, rewards.rule_weight, rewards.model_weight)
+    if remote is not None:
+        scores = scores + rewards.remote_weight * remote
     if trajectories is not None:
         scores = _with_environment_rewards(scores, trajectories, metrics)
     buf = rewards.overlong

@@ -1,0 +1,84 @@
+"""A remote reward service is asked once per model-parallel group: at TP2 on 2 gloo ranks, the
+first rank POSTs the samples and both train on its answer, even from a service that scores the
+same samples differently each time it is asked (here: by how many requests it has seen)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tests.mp import run_gloo
+
+
+class CountingService(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), CountingHandler)
+        self.requests = 0
+        self.lock = threading.Lock()
+
+
+class CountingHandler(BaseHTTPRequestHandler):
+    server: CountingService
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        samples = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["samples"]
+        with self.server.lock:
+            self.server.requests += 1
+            seen = self.server.requests
+        body = json.dumps({"scores": [seen + k / 10 for k in range(len(samples))]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def remote_scores_worker(rank: int, world: int, url: str) -> list[float]:
+    import torch
+
+    from megarl.data import PromptItem
+    from megarl.hybrid_engine.engine import RolloutBatch
+    from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+    from megarl.parallel import ParallelLayout, initialize_model_parallel
+    from megarl.platform import adapt_megatron_for_cpu
+    from megarl.rewards.remote import RemoteScorer
+    from megarl.rewards.remote_settings import RemoteSettings
+    from megarl.trainer.experience import remote_scores
+
+    adapt_megatron_for_cpu()
+    initialize_model_parallel(ParallelLayout(tp=2))
+    output = RolloutOutput(
+        prompt_index=[0, 0, 0],
+        token_ids=[[1], [2], [3]],
+        logprobs=[[-0.1]] * 3,
+        finish_reasons=["stop"] * 3,
+    )
+    batch = RolloutBatch(prompts=[[5]], output=output)
+    item = PromptItem(uid=0, input_ids=[5], prompt="q", data_source="d", ground_truth="1")
+    remote = RemoteScorer(RemoteSettings(url, batch_size=2))
+    scores, _, _ = remote_scores(
+        remote, [item], batch, ["a", "b", "c"], torch.device("cpu"), [0, 1, 2]
+    )
+    return scores.tolist()
+
+
+def test_the_model_parallel_group_asks_once_and_shares_the_answer():
+    service = CountingService()
+    threading.Thread(target=service.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{service.server_address[1]}/score"
+        first, second = run_gloo(remote_scores_worker, 2, url)
+    finally:
+        service.shutdown()
+        service.server_close()
+    assert service.requests == 2  # two batches (batch size 2), asked by one rank only
+    assert first == second
+    # either batch may come first
+    assert any(sorted(first) == pytest.approx(s) for s in ([1, 1.1, 2], [1, 2, 2.1]))

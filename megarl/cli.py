@@ -21,6 +21,7 @@ from megarl.plan.cli import add_arguments as add_plan_arguments
 from megarl.plan.cli import run
 from megarl.process_exit import end_process
 from megarl.report import write_report
+from megarl.run.run_lock import acquire_run_lock
 from megarl.storage_errors import storage_error
 
 
@@ -52,7 +53,6 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.launch import under_launcher
     from megarl.run.checks import check_choices, check_inputs
     from megarl.run.output_dir import check_output_dir, move_aside
-    from megarl.run.run_lock import acquire_run_lock
     from megarl.run.startup import layout_for
     from megarl.run.verification import precheck_resume
 

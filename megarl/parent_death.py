@@ -15,7 +15,6 @@ again for its own children. Linux only; elsewhere nothing is done.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 import signal
@@ -30,7 +29,14 @@ PR_GET_PDEATHSIG = 2
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
-    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    return ctypes.CDLL(None, use_errno=True)  # the interpreter links libc: no library search
+
+
+def set_parent_death_signal() -> None:
+    """SIGKILL this process when its parent ends (Linux; elsewhere nothing)."""
+    libc = _libc()
+    if libc is not None and libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def end_with_parent() -> None:
@@ -38,11 +44,9 @@ def end_with_parent() -> None:
     parent that has already gone. The variable is this process's only: it is removed, so that no
     process further down, started by some other program, checks against the wrong parent."""
     expected = os.environ.pop(PARENT_ENV, None)
-    libc = _libc()
-    if libc is None:
+    if _libc() is None:
         return
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    set_parent_death_signal()
     if expected and expected.isdigit() and os.getppid() != int(expected):
         os.kill(os.getpid(), signal.SIGKILL)  # the launcher died before the signal was set
 

@@ -12,7 +12,6 @@ class an actor.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -24,15 +23,14 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
+from megarl.parent_death import set_parent_death_signal
 from megarl.shm_segments import RUN_SEGMENTS_ENV, remove_run_segments
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the actor (its parent) dies; Linux only."""
-    with suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    """In the child before exec: SIGKILL when the actor (its parent) dies."""
+    with suppress(OSError):
+        set_parent_death_signal()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Some of a rank's start-up costs are packages imported "in case" (measured on 2 cores with
 ``python -X importtime``): transformers imports scikit-learn with its generation utilities, which
-every ``AutoTokenizer`` brings in (about 0.8 s; only assisted decoding uses it), and
+every ``AutoTokenizer`` brings in (about 0.8 s; only assisted decoding uses it), SciPy with
+its object-detection losses and vLLM with its audio resampling (about 0.9 s together; megarl
+trains neither), and
 megatron-core imports Weights & Biases with its inference engine (about 0.6 s; megarl trains
 through megatron and logs through its own loggers), and vLLM's engine imports Ray for an executor
 megarl does not use (about 0.5 s). Each library decides once, when it is first
@@ -19,10 +21,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 # The packages and the libraries' optional uses of them that megarl does not need.
-TRANSFORMERS_OPTIONAL = ("sklearn",)
+TRANSFORMERS_OPTIONAL = ("sklearn", "scipy")
 MEGATRON_OPTIONAL = ("wandb",)
-# vLLM's engine imports Ray for its Ray executor (about 0.5 s); megarl runs vLLM in the rank.
-VLLM_OPTIONAL = ("ray",)
+# vLLM's engine imports Ray for its Ray executor (about 0.5 s; megarl runs vLLM in the rank) and
+# SciPy for audio inputs (megarl's prompts are text).
+VLLM_OPTIONAL = ("ray", "scipy")
 
 
 @contextmanager
@@ -41,11 +44,12 @@ def packages_hidden(names: Sequence[str]) -> Iterator[None]:
 
 
 def import_transformers_lean() -> None:
-    """Let transformers settle that scikit-learn is absent (it caches the answer)."""
+    """Let transformers settle that scikit-learn and SciPy are absent (it caches the answers)."""
     with packages_hidden(TRANSFORMERS_OPTIONAL):
         from transformers.utils import import_utils
 
         import_utils.is_sklearn_available()
+        import_utils.is_scipy_available()
 
 
 def import_megatron_lean() -> None:

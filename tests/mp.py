@@ -2,6 +2,13 @@
 
 A worker is a module-level function ``fn(rank, world_size, *args)``; whatever it returns on each
 rank comes back as a list indexed by rank (it must be picklable: tensors are fine).
+
+Workers are forked from a fork server that has imported torch, megatron-core and transformers
+once per test process (:mod:`tests.mp_preload`; about 5 s of every worker's start on 2 cores,
+paid once instead of per rank and per call). Each worker still starts with the caller's
+environment and working directory as of the call. A test whose workers must start as fresh
+interpreters (e.g. glibc reads its malloc variables only at process start) passes
+``fresh=True`` and they are spawned.
 """
 
 from __future__ import annotations
@@ -25,7 +32,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    queue: Any,
+    environ: dict[str, str],
+    cwd: str,
+) -> None:
+    # a forked worker starts with the fork server's environment: take the caller's
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -56,16 +76,32 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     end_process(0)
 
 
-def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` over gloo."""
+def _context(fresh: bool) -> Any:
+    if fresh:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.mp_preload"])  # read when the server starts (once)
+    return ctx
+
+
+def run_gloo(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 600, fresh: bool = False
+) -> list[Any]:
+    """Start ``world_size`` processes running ``fn(rank, world_size, *args)`` over gloo: forked
+    from the preloaded fork server, or spawned as fresh interpreters with ``fresh``."""
     import queue as queue_mod
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = _context(fresh)
     queue = ctx.Queue()
     port = free_port()
+    environ, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_entry,
+            args=(r, world_size, port, fn, args, queue, environ, cwd),
+            daemon=False,
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -49,7 +49,9 @@ def test_checkpoint_save_host_memory_per_rank_does_not_grow_with_dp(tmp_path, mo
     # also loads what they saved
     every = (*out.values(), out["tp2dp2"] + "-megatron")
     for dp, load_from, tp2 in ((4, (), out["tp2dp2"]), (2, every, None)):
-        ranks = run_gloo(save_memory_worker, dp, model_dir, out[f"dp{dp}"], load_from, tp2)
+        ranks = run_gloo(
+            save_memory_worker, dp, model_dir, out[f"dp{dp}"], load_from, tp2, fresh=True
+        )
         # rank 0 alone writes the weights (replicated over data-parallel ranks): 4 bytes each
         added[dp] = max(
             r["added"] - (4 * r["params"] if i == 0 else 0) for i, r in enumerate(ranks)

@@ -1,6 +1,7 @@
 """A rank's libraries leave out the optional packages megarl never uses (megarl.lean_imports):
-transformers' tokenizer auto-classes without scikit-learn, megatron-core without Weights &
-Biases; both packages stay importable afterwards. In a fresh interpreter, as a rank starts."""
+transformers' tokenizer auto-classes without scikit-learn and SciPy, megatron-core without
+Weights & Biases, vLLM's engine without Ray and SciPy; every package stays importable afterwards.
+In a fresh interpreter, as a rank starts."""
 
 from __future__ import annotations
 
@@ -14,16 +15,22 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import sys
-    from megarl.lean_imports import import_megatron_lean, import_transformers_lean, packages_hidden
+    from megarl.lean_imports import (
+        VLLM_OPTIONAL, import_megatron_lean, import_transformers_lean, packages_hidden
+    )
 
     import_transformers_lean()
     import_megatron_lean()
     from transformers import AutoTokenizer  # noqa: F401  (the auto-classes a rank loads)
     import megatron.core.inference.contexts.dynamic_context as dynamic  # megatron's W&B user
-    print("after the libraries:", "sklearn" in sys.modules, "wandb" in sys.modules)
+    with packages_hidden(VLLM_OPTIONAL):
+        from vllm import LLM  # noqa: F401  (the engine's imports, as VLLMRollout makes them)
+    from transformers.utils import import_utils
+    print("after the libraries:", *(name in sys.modules for name in ("sklearn", "wandb", "scipy", "ray")))
     print("megatron sees W&B:", dynamic.HAVE_WANDB)
-    import sklearn, wandb  # noqa: F401  (a user's code still can)
-    print("importable afterwards:", sklearn.__name__, wandb.__name__)
+    print("transformers sees SciPy:", import_utils.is_scipy_available())
+    import sklearn, wandb, scipy, ray  # noqa: F401  (a user's code still can)
+    print("importable afterwards:", sklearn.__name__, wandb.__name__, scipy.__name__, ray.__name__)
     with packages_hidden(["json"]):  # an imported package is never hidden
         import json  # noqa: F401
     print("imported stays:", "json" in sys.modules)
@@ -31,13 +38,14 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_tokenizers_and_megatron_import_without_sklearn_and_wandb():
+def test_tokenizers_megatron_and_vllm_import_without_the_packages_they_do_not_need():
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "after the libraries: False False" in out, out
+    assert "after the libraries: False False False False" in out, out
     assert "megatron sees W&B: False" in out
-    assert "importable afterwards: sklearn wandb" in out
+    assert "transformers sees SciPy: False" in out
+    assert "importable afterwards: sklearn wandb scipy ray" in out
     assert "imported stays: True" in out

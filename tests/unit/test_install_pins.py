@@ -79,7 +79,8 @@ def test_transformer_engine_is_a_release_megatron_core_supports():
 
 def test_setup_checks_the_machine_before_any_install():
     text = (ROOT / "scripts" / "setup.sh").read_text()
-    gpu_branch = text[text.index("nvidia-smi -L") : text.index("\nelse\n")]
+    start = text.index("\n  TE=1\n")  # the CUDA branch of the install
+    gpu_branch = text[start : text.index("\nelse\n", start)]
     check = gpu_branch.index("megarl/gpu_stack.py")
     assert check < gpu_branch.index('"${PIP[@]}" install')
 

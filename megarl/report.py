@@ -1,8 +1,10 @@
 """``megarl report RUN_DIR``: a run's curves as one self-contained HTML page (PNG plots embedded
 as data URIs), drawn with matplotlib from ``RUN_DIR/metrics.jsonl``; no server, no network.
 
-A panel whose metrics the run did not log (a GRPO run has no critic, a CPU run no GPU memory) is
-left out with a note naming the metrics it looked for.
+Every logged metric is drawn: the named panels of :mod:`megarl.report_panels` first (a panel the
+run logged nothing for is listed with the metrics it looked for), then the rest by prefix. Below
+the plots: a summary, the run's configuration and sample generations
+(:mod:`megarl.report_sections`).
 """
 
 from __future__ import annotations
@@ -12,54 +14,12 @@ import html
 import io
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.errors import MegarlError
 from megarl.files import replace_file
-
-Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], by step
-
-
-@dataclass(frozen=True)
-class Panel:
-    """One plot: the metrics it draws, named exactly or by a prefix ending in '/'."""
-
-    title: str
-    metrics: tuple[str, ...]
-    ylabel: str = ""
-
-    def keys_in(self, series: Series) -> list[str]:
-        out: list[str] = []
-        for name in self.metrics:
-            if name.endswith("/"):
-                out += sorted(k for k in series if k.startswith(name))
-            elif name in series:
-                out.append(name)
-        return out
-
-
-PANELS = (
-    Panel(
-        "Reward and validation score",
-        ("reward/mean", "reward/min", "reward/max", "val/reward_mean"),
-        "reward",
-    ),
-    Panel("KL", ("actor/kl_loss", "actor/reward_kl", "actor/kl_coef"), "KL"),
-    Panel("Entropy", ("actor/entropy",), "nats per token"),
-    Panel("Response length", ("response/length_mean", "response/length_max"), "tokens"),
-    Panel(
-        "Clip fraction",
-        ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac"),
-        "share of tokens",
-    ),
-    Panel("Gradient norm", ("actor/grad_norm", "critic/grad_norm", "rm/grad_norm"), "L2 norm"),
-    Panel("Losses", ("actor/pg_loss", "critic/vf_loss", "rm/loss", "val/rm_loss"), "loss"),
-    Panel("Reward-model accuracy", ("rm/accuracy", "val/rm_accuracy"), "share of pairs"),
-    Panel("Phase timings", ("timing/",), "seconds"),
-    Panel("Throughput", ("perf/tokens_per_s",), "tokens/s"),
-    Panel("Memory", ("memory/",), "GiB"),
-)
+from megarl.report_panels import PANELS, Panel, Series, other_panels
+from megarl.report_sections import config_section, samples_section, summary_section
 
 
 def read_metrics(run_dir: str | Path) -> tuple[Series, int]:
@@ -91,6 +51,11 @@ def read_metrics(run_dir: str | Path) -> tuple[Series, int]:
     return series, bad
 
 
+def _literal(text: str) -> str:
+    """Text matplotlib shows as written: a '$' would start its math mode (and a lone one fail)."""
+    return text.replace("$", r"\$")
+
+
 def plot_png(panel: Panel, keys: list[str], series: Series) -> bytes:
     import matplotlib
 
@@ -102,17 +67,32 @@ def plot_png(panel: Panel, keys: list[str], series: Series) -> bytes:
     ax = fig.add_subplot()
     for key in keys:
         steps, values = zip(*series[key], strict=True)
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
-    ax.set_title(panel.title)
+        ax.plot(
+            steps,
+            values,
+            marker="o" if len(steps) < 30 else None,
+            markersize=3,
+            label=_literal(key),
+        )
+    ax.set_title(_literal(panel.title))
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel(panel.ylabel)
+    ax.set_ylabel(_literal(panel.ylabel))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
+
+
+def _figure(panel: Panel, keys: list[str], series: Series) -> str:
+    data = base64.b64encode(plot_png(panel, keys, series)).decode("ascii")
+    title = html.escape(panel.title, quote=True)
+    return (
+        f"<figure><img alt='{title}' src='data:image/png;base64,{data}'>"
+        f"<figcaption>{title}</figcaption></figure>"
+    )
 
 
 def render(run_dir: Path, series: Series, bad_lines: int) -> str:
@@ -122,7 +102,9 @@ def render(run_dir: Path, series: Series, bad_lines: int) -> str:
         f"<title>megarl report: {html.escape(str(run_dir))}</title>",
         "<style>body{font-family:sans-serif;max-width:1400px;margin:1em auto}"
         ".plots{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0}"
-        ".skipped{color:#777}</style></head><body>",
+        ".skipped{color:#777}table{border-collapse:collapse;font-size:small}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}"
+        "td.text{white-space:pre-wrap;max-width:600px}</style></head><body>",
         f"<h1>megarl report: {html.escape(str(run_dir))}</h1>",
         f"<p>{len(steps)} steps logged ({steps[0]} to {steps[-1]}), {len(series)} metrics.</p>",
     ]
@@ -130,7 +112,7 @@ def render(run_dir: Path, series: Series, bad_lines: int) -> str:
         parts.append(
             f"<p class='skipped'>{bad_lines} unreadable lines of metrics.jsonl skipped.</p>"
         )
-    plots, skipped = [], []
+    plots, skipped, drawn = [], [], set()
     for panel in PANELS:
         keys = panel.keys_in(series)
         if not keys:
@@ -140,12 +122,13 @@ def render(run_dir: Path, series: Series, bad_lines: int) -> str:
                 f"of {html.escape(wanted)}</li>"
             )
             continue
-        data = base64.b64encode(plot_png(panel, keys, series)).decode("ascii")
-        plots.append(
-            f"<figure><img alt='{html.escape(panel.title)}' src='data:image/png;base64,{data}'>"
-            f"<figcaption>{html.escape(panel.title)}</figcaption></figure>"
-        )
+        drawn.update(keys)
+        plots.append(_figure(panel, keys, series))
+    others = [_figure(panel, keys, series) for panel, keys in other_panels(series, drawn)]
     parts += ["<div class='plots'>", *plots, "</div>"]
+    if others:
+        parts += ["<h2>Other metrics</h2><div class='plots'>", *others, "</div>"]
+    parts += [summary_section(series), config_section(run_dir), samples_section(run_dir)]
     if skipped:
         parts += ["<h2>Not plotted</h2><ul>", *skipped, "</ul>"]
     parts.append("</body></html>")

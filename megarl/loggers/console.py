@@ -6,7 +6,8 @@ import sys
 
 from megarl.loggers.base import Logger, Progress, Row, TrackingSettings, register
 
-# The metrics the progress line shows, when present (policy trainer, then reward-model trainer).
+# The metrics the progress line shows, when present (policy trainer, reward-model trainer, SFT,
+# DPO).
 SHOWN = (
     "reward/mean",
     "actor/pg_loss",
@@ -14,6 +15,9 @@ SHOWN = (
     "critic/vf_loss",
     "rm/loss",
     "rm/accuracy",
+    "sft/loss",
+    "dpo/loss",
+    "dpo/reward_accuracy",
     "timing/step_s",
 )
 BAR_WIDTH = 20

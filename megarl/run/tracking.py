@@ -2,7 +2,8 @@
 ``trainer.loggers`` (console, MLflow, TensorBoard, W&B; see megarl/loggers/).
 
 Only global rank 0 writes; every metric it gets is already reduced over ranks. metrics.jsonl is
-always written (``megarl report`` draws from it), whatever the loggers. A resumed run holds each
+always written (``megarl report`` draws from it), whatever the loggers, and so are tables (the
+validation generations, ``OUTPUT/validation/step_<step>.json``). A resumed run holds each
 step once everywhere: metrics.jsonl is cut back to the checkpoint's step, TensorBoard purges the
 later events, MLflow and W&B skip the steps their run already has.
 """
@@ -135,6 +136,9 @@ class Tracker:
         if not self.enabled or not rows:
             return
         at = table_step(rows, name) if step is None else step
+        target = self.output_dir / name  # names are megarl's own, e.g. validation/step_000010.json
+        target.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(target, json.dumps(rows, indent=1) + "\n")
         for logger in self.loggers.values():
             logger.log_table(rows, name, at)
 

@@ -12,8 +12,9 @@ import pytest
 
 from megarl.config import RunConfig, TrainerConfig, load_config
 from megarl.errors import ConfigError
-from megarl.loggers import active_loggers, check_loggers
+from megarl.loggers import Progress, active_loggers, check_loggers
 from megarl.loggers import base as logger_base
+from megarl.loggers.console import progress_line
 from megarl.run.checks import check_choices
 from megarl.run.tracking import RUN_IDS_FILE, Tracker
 from tests.wandb_records import history
@@ -137,6 +138,17 @@ def test_console_shows_progress_and_validation_and_jsonl_has_everything(tmp_path
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [1, 2, 2, 3]
     assert records[0]["reward/mean"] == 0.25 and math.isnan(records[0]["actor/grad_norm"])
+    # the run folder keeps the table too (megarl report shows it)
+    kept = json.loads((tmp_path / "run" / "validation" / "step_000002.json").read_text())
+    assert kept == TABLE
+
+
+def test_sft_and_dpo_progress_lines_show_their_losses():
+    sft = {"sft/loss": 1.25, "sft/tokens": 512.0, "timing/step_s": 0.5}
+    dpo = {"dpo/loss": 0.6931, "dpo/reward_accuracy": 0.75, "timing/step_s": 0.5}
+    assert "step 1/2  loss=1.25  step_s=0.5" in progress_line(Progress(1, 2, sft, 3.0))
+    line = progress_line(Progress(1, 2, dpo, 3.0))
+    assert "step 1/2  loss=0.6931  reward_accuracy=0.75  step_s=0.5" in line
 
 
 def test_only_rank_zero_writes(tmp_path):

@@ -100,3 +100,30 @@ def safe_strategies() -> dict[str, object]:
     """``sharded_strategy`` and ``common_strategy`` keyword arguments of megatron's load."""
     sharded, common = _strategy_classes()
     return {"sharded_strategy": sharded(), "common_strategy": common()}
+
+
+def load_failure(checkpoint: Path, error: BaseException) -> CheckpointError:
+    """One :class:`CheckpointError` for a load that failed, whatever raised it.
+
+    torch's distributed checkpoint runs each rank's reads inside its own collectives and raises a
+    ``CheckpointException`` (a ``BaseException``, past any ``except Exception``) whose text is
+    every failing rank's traceback. Inside it: megarl's own refusal (a shard holding more than
+    plain data, a link leaving the folder), kept as it is, or a library error, said in one line.
+    """
+    failures = getattr(error, "failures", None)
+    causes = [exc for exc, _ in failures.values()] if isinstance(failures, dict) else []
+    causes = [c for c in causes if isinstance(c, BaseException)] or [error]
+    for cause in causes:
+        if isinstance(cause, CheckpointError):
+            return cause
+    first = causes[0]
+    line = (str(first).strip().splitlines() or [""])[0]
+    if isinstance(first, pickle.UnpicklingError):
+        return CheckpointError(
+            f"a shard of {checkpoint} holds more than plain data (tensors, numbers, strings): "
+            f"loading it could run code, so megarl refuses it ({line}). Use checkpoints you trust"
+        )
+    return CheckpointError(
+        f"cannot load checkpoint {checkpoint}: {type(first).__name__}: {line}. The checkpoint is "
+        "partial or damaged; save or convert it again"
+    )

@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 import megarl.checkpoint.manifest as manifest
 from megarl.checkpoint.atomic import publish
 from megarl.checkpoint.contained import inside, read_pointer, refuse_links
 from megarl.checkpoint.hf_assets import copy_hf_assets, dims_from_config, read_json
-from megarl.checkpoint.safe_load import safe_strategies
+from megarl.checkpoint.safe_load import load_failure, safe_strategies
 from megarl.checkpoint.write_hashing import SIDECAR, hashed_writes, take_sidecar
 from megarl.dtypes import dtype_from_name, dtype_name
 from megarl.errors import CheckpointError, ConfigError
@@ -490,11 +491,10 @@ def load_checkpoint(
             )
     except CheckpointError:
         raise
-    except Exception as e:  # megatron raises CheckpointingException, KeyError, RuntimeError...
-        raise CheckpointError(
-            f"cannot load checkpoint {ckpt}: {type(e).__name__}: {e}. The checkpoint is partial "
-            "or damaged; save or convert it again"
-        ) from e
+    # megatron raises CheckpointingException, KeyError, RuntimeError...; torch's distributed
+    # checkpoint a CheckpointException, which is a BaseException
+    except (Exception, CheckpointException) as e:
+        raise load_failure(ckpt, e) from None
     missing, unexpected = gpt.load_state_dict(loaded.pop("model"), strict=False)
     missing = [
         k

@@ -1,11 +1,13 @@
 """``megarl convert`` on a real checkpoint someone else tampered with: a symlinked tokenizer file
 in ``hf/`` (which an export would copy into the folder that gets uploaded), a symlinked data
-file, and a ``latest`` pointing out of the run's folder are refused naming the entry, and
-nothing is written. One conversion in a subprocess; the exports run in this process."""
+file, a ``latest`` pointing out of the run's folder, and a data shard crafted to run code (with a
+manifest to match) are refused in one line naming what, and nothing is written or run. One
+conversion in a subprocess; the exports run in this process (through the same load as resume)."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import megarl.checkpoint.manifest as manifest
 from checkpoints_tools.cli import main as convert
 from tests.assets import tiny_llama_dir
 
@@ -100,3 +103,35 @@ def test_convert_refuses_a_latest_that_leaves_the_run(checkpoint, tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2 and "latest" in err and "../../elsewhere/ckpt" in err, err
     assert not out.exists()
+
+
+class Payload:
+    """Unpickling this runs ``os.system``: it creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_shard_crafted_to_run_code_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    """torch's distributed checkpoint reads shards inside its own collectives and wraps what a
+    rank raised in an exception past ``except Exception`` whose text is tracebacks: the load
+    says megarl's refusal in one line (exit 2) and the payload never runs."""
+    ckpt = copy_of(checkpoint, tmp_path)
+    shard = sorted((ckpt / "mcore").glob("*.distcp"))[0]
+    marker = tmp_path / "payload-ran"
+    payload = pickle.dumps(Payload(marker))
+    shard.write_bytes(payload + bytes(shard.stat().st_size - len(payload)))
+    records = manifest.read(ckpt)
+    assert records is not None
+    rel = str(shard.relative_to(ckpt))
+    manifest.write(ckpt, [manifest.record(ckpt, rel) if r == rel else records[r] for r in records])
+    out = tmp_path / "export"
+    code = convert(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "holds more than plain data" in err and "refuses it" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not marker.exists() and not out.exists()

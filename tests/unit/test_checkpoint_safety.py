@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import megarl.checkpoint.manifest as manifest
-from megarl.checkpoint.safe_load import load_common
-from megarl.checkpoint.safe_metadata import read_dist_metadata
+from megarl.checkpoint.safe_load import load_common, load_failure
+from megarl.checkpoint.safe_metadata import read_dist_metadata, safe_filesystem_reader
 from megarl.checkpoint.store import LATEST_FILE, resolve_checkpoint, write_latest
 from megarl.errors import CheckpointError
 from megarl.run import retention, verification
@@ -81,6 +81,34 @@ def test_garbled_or_truncated_metadata_names_the_file(tmp_path):
     (mcore / ".metadata").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"cannot read .*\.metadata.*damaged"):
         read_dist_metadata(mcore)
+
+
+def test_a_shard_payload_or_a_refusal_inside_torchs_load_is_one_checkpoint_error(tmp_path):
+    """What torch's distributed load raises for a bad shard is a CheckpointException (not an
+    Exception) holding each rank's error and traceback: :func:`load_failure` turns it into one
+    line, keeping megarl's own refusal as it is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    mcore = tmp_path / "mcore"
+    tiny_dist_checkpoint(mcore)
+    [shard] = mcore.glob("*.distcp")
+    marker = tmp_path / "payload-ran"
+    payload = pickle.dumps(Payload(marker))
+    shard.write_bytes(payload + bytes(max(0, shard.stat().st_size - len(payload))))
+    state = {"embedding.word_embeddings.weight": torch.zeros(4, 2)}
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(state, storage_reader=safe_filesystem_reader(mcore), no_dist=True)
+    assert not isinstance(raised.value, Exception) and "Traceback" in str(raised.value)
+    error = load_failure(mcore, raised.value)
+    assert isinstance(error, CheckpointError) and not marker.exists()
+    assert f"a shard of {mcore} holds more than plain data" in str(error)
+    assert "\n" not in str(error)
+    own = CheckpointError("megarl's own refusal")
+    assert load_failure(mcore, CheckpointException("x", {1: (own, None)})) is own
+    other = load_failure(mcore, RuntimeError("missing\nsecond line"))
+    assert str(other).startswith(f"cannot load checkpoint {mcore}: RuntimeError: missing. The")
+    assert "second line" not in str(other)
 
 
 def test_common_state_loads_plain_data_only(tmp_path):

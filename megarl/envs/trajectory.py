@@ -31,6 +31,9 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)  # the environment's, summed
     finish: str | None = None  # None while it runs; then one of FINISH_REASONS
     error: str | None = None
+    # ended before rollout.max_turns because the response budget (rollout.max_response_length)
+    # had no room for the environment's message or another turn
+    budget_cut: bool = False
 
     @property
     def done(self) -> bool:
@@ -121,6 +124,7 @@ def trajectory_metrics(trajectories: list[Trajectory], env_seconds: float) -> di
         "rollout/turns_max": float(max((t.turns for t in trajectories), default=0)),
         "rollout/env_tokens_mean": sum(t.env_tokens for t in trajectories) / n,
         "rollout/truncated": sum(t.truncated for t in trajectories) / n,
+        "rollout/budget_cut": sum(t.budget_cut for t in trajectories) / n,
         "rollout/env_failures": float(sum(t.finish == "error" for t in trajectories)),
         "rollout/tool_s": float(env_seconds),
         "rollout/tool_calls_mean": 0.0,

@@ -197,14 +197,18 @@ def run_trajectories(
         ):
             t.turn_rewards.append(reward)
             t.add_metrics(metrics)
+            # no room for another turn (the environment was told this one is the last)
+            out_of_room = limits.max_response_tokens - len(t.response_ids) <= 1
             if error is not None:
                 t.end("error", error)
             elif done:  # a last turn cut at its token budget leaves the trajectory truncated
                 t.end("length" if finish == "length" else "stop")
+                t.budget_cut = out_of_room and t.turns < limits.max_turns
             elif t.turns >= limits.max_turns:
                 t.end("turns")
             elif len(t.response_ids) + len(env_ids) >= limits.max_response_tokens:
-                t.end("length")
+                t.end("length")  # the environment's message does not fit
+                t.budget_cut = True
             else:
                 t.add_env_tokens(list(env_ids))
     return trajectories

@@ -34,6 +34,15 @@ def conversation_text(messages: Sequence[dict]) -> str:
     return "\n".join(f"[{m.get('role')}] {m.get('content', '')}" for m in messages)
 
 
+def opening_text(messages: Sequence[dict]) -> str:
+    """What the model saw before its first reply: the messages before the first assistant one
+    (with ``rollout.env``, the environment's opening, not the dataset's prompt)."""
+    first_reply = next(
+        (i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages)
+    )
+    return conversation_text(messages[:first_reply])
+
+
 @dataclass(frozen=True)
 class ValRecord:
     data_source: str
@@ -108,7 +117,8 @@ def validation_rollout(run: PolicyRun, step: int) -> dict[str, float]:
                 row: dict[str, str | float | int] = {
                     "step": step,
                     "data_source": item.data_source,
-                    "prompt": str(item.prompt)[:500],
+                    # what the model saw: with an environment, its opening messages
+                    "prompt": (str(item.prompt) if t is None else opening_text(t.messages))[:500],
                     "response": text[:1000],
                     "score": float(score),
                 }

@@ -14,6 +14,7 @@ conversations.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -146,6 +147,13 @@ def test_vllm_multi_turn_mismatch_masks_and_validation(workdir, vllm_run):
     assert val["val/turns_mean"] == 2 and val["val/arithmetic/prompts"] == 4
     console = (workdir / "vllm" / "console.log").read_text()
     assert "conversation=[user]" in console and "[assistant]" in console
+    # the run folder keeps the table; its prompt is the environment's opening (the dataset's
+    # prompt cut to 30 characters and a digit in brackets), what the model saw
+    rows = json.loads((workdir / "vllm" / "validation" / "step_000002.json").read_text())
+    assert len(rows) == 4
+    for row in rows:
+        assert re.fullmatch(r"\[user\] .{1,30} \(\d\)", row["prompt"], re.DOTALL), row["prompt"]
+        assert row["conversation"].startswith(row["prompt"] + "\n[assistant] ")
 
 
 def test_hf_backend_multi_turn_and_its_resume(workdir, hf_run):

@@ -131,6 +131,7 @@ def test_turns_are_batched_and_the_mask_marks_the_model_tokens(tok):
     assert metrics["rollout/turns_mean"] == 2 and metrics["rollout/turns_max"] == 2
     assert metrics["rollout/env_tokens_mean"] == len(env) and metrics["rollout/truncated"] == 0
     assert metrics["rollout/env/asks_mean"] == 1.0
+    assert metrics["rollout/budget_cut"] == 0
 
 
 def test_budgets_and_turn_limits_truncate(tok):
@@ -141,6 +142,8 @@ def test_budgets_and_turn_limits_truncate(tok):
         rounds=5,
     )
     assert all(t.finish == "turns" and t.truncated and t.turns == 2 for t in trajs)
+    # ended by rollout.max_turns, not by the response budget
+    assert trajectory_metrics(trajs, 0.0)["rollout/budget_cut"] == 0
     # the last turn unrewarded: the run's reward scores the final conversation
     assert all(t.env_reward == 0 and not t.env_scored_outcome for t in trajs)
     # the per-turn budget shrinks with what the trajectory has used
@@ -149,6 +152,10 @@ def test_budgets_and_turn_limits_truncate(tok):
     )
     t = trajs[0]
     assert t.finish == "length" and len(t.response_ids) <= 30
+    # the budget, not max_turns, ended it: what rollout/budget_cut counts
+    assert (
+        t.turns < 9 and t.budget_cut and trajectory_metrics(trajs, 0.0)["rollout/budget_cut"] == 1
+    )
     for _, [length], [budget] in engine.calls:  # per turn: min(turn limit, what is left)
         assert budget == min(4, 30 - (length - len(t.prompt_ids)))
     # a turn cut by its limit has no stop token; its close is the template's whole end of turn
@@ -156,6 +163,21 @@ def test_budgets_and_turn_limits_truncate(tok):
     assert tok.decode(t.response_ids[t.turn_ends[0] + 1 :]).startswith(
         "<|im_end|>\n<|im_start|>user"
     )
+
+
+def test_environment_messages_that_eat_the_budget_cut_turns_and_are_counted(tok):
+    """Three turns of at most 8 tokens fit 30 tokens alone, not with the follow-up questions
+    between them: the trajectory ends at the budget before its last turn, and says so."""
+    limits = TurnLimits(max_turns=3, max_response_tokens=30, max_turn_tokens=8)
+    trajs, _ = _run(tok, range(2), limits, rounds=9)
+    assert all(t.turns < 3 and t.truncated and t.budget_cut for t in trajs), [
+        (t.turns, t.finish) for t in trajs
+    ]
+    assert trajectory_metrics(trajs, 0.0)["rollout/budget_cut"] == 1
+    # with room for the follow-ups the same trajectories reach max_turns
+    roomy = TurnLimits(max_turns=3, max_response_tokens=200, max_turn_tokens=8)
+    trajs, _ = _run(tok, range(2), roomy, rounds=9)
+    assert all(t.turns == 3 and t.finish == "turns" and not t.budget_cut for t in trajs)
 
 
 def test_a_failing_environment_fails_its_sample_only(tok):

@@ -48,6 +48,7 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.backends import this_machine
     from megarl.cluster.start import start_job, world_size
     from megarl.config import load_config, trainer_world_size, validate
+    from megarl.config.advice import config_warnings
     from megarl.dry_run import before_launch, dry_run
     from megarl.gpu_defaults import default_nproc_per_node
     from megarl.launch import under_launcher
@@ -59,6 +60,8 @@ def _train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
     check_choices(cfg)  # loggers and algorithm names, through their registries
+    for warning in config_warnings(cfg):
+        print(f"megarl: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         return dry_run(args, cfg)
     module_args = [args.config, *overrides]

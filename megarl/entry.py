@@ -13,6 +13,7 @@ from megarl.errors import MegarlError
 from megarl.hardening import make_undumpable
 from megarl.lean_imports import import_transformers_lean
 from megarl.parent_death import end_with_parent
+from megarl.peer_loss import PEER_LOST_EXIT, peer_lost
 from megarl.process_exit import end_process
 from megarl.storage_errors import storage_error
 
@@ -101,10 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except Exception as e:  # a full disk or a folder it may not write: one line, not a traceback
         told = storage_error(e, output_dir)
-        if told is None:
+        if told is not None:
+            print(f"megarl: error: {told}", file=sys.stderr)
+            return told.exit_code
+        lost = peer_lost(e)  # another rank ended: its own message says why, not this traceback
+        if lost is None:
             raise
-        print(f"megarl: error: {told}", file=sys.stderr)
-        return told.exit_code
+        print(f"megarl: {lost}", file=sys.stderr)
+        return PEER_LOST_EXIT
     return stop_exit_code()  # 130 when a Ctrl-C stopped the run (after its checkpoint)
 
 

@@ -3,8 +3,6 @@ what it needs before any rank starts, and run the job under the elastic supervis
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from megarl.cluster.elastic import Supervisor
@@ -54,13 +52,6 @@ def start_job(
     dims = ModelDims.from_pretrained(cfg.model.path)
     fits = _memory_check(cfg, dims)
     check_min_world_size(cfg, dims, layout.world_size, fits)
-    if cfg.trainer.elastic.max_restarts and not cfg.trainer.save_freq:
-        print(
-            "megarl: warning: trainer.elastic.max_restarts is set but trainer.save_freq=0 saves "
-            "only at the end, so a restart starts the run again from the beginning; set "
-            "trainer.save_freq",
-            file=sys.stderr,
-        )
     if nnodes is None:
         nnodes = world_size(launcher, None, 1, address)  # slurm: the allocation's nodes; else 1
     job = _launcher(launcher, address, nnodes, layout.world_size + extra_ranks, verbose)

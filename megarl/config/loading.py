@@ -13,7 +13,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from megarl.config.schema import RunConfig
 from megarl.config.validation import validate
-from megarl.config.words import choice_fields
+from megarl.config.words import choice_fields, expected_value
 from megarl.config_keys import prepare_layer, unknown_keys_error
 from megarl.errors import ConfigError
 from megarl.verl_keys import translate_verl_values
@@ -72,7 +72,11 @@ def _config_errors() -> Iterator[None]:
         allowed = choice_fields(RunConfig).get(str(e.full_key))
         if allowed is not None:  # a word outside a Literal field's set
             raise ConfigError(f"{e.full_key}={e.value!r} is not one of {list(allowed)}") from None
-        raise ConfigError(f"setting {e.full_key!r}: {e.msg}") from None
+        # OmegaConf's message; its first line names the problem, the rest are its internals
+        problem = str(e.msg).splitlines()[0] if str(e.msg).strip() else "invalid value"
+        wanted = expected_value(str(e.full_key))
+        fix = f"; {e.full_key} takes {wanted}" if wanted else ""
+        raise ConfigError(f"setting {e.full_key!r}: {problem}{fix}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(str(e)) from None
 

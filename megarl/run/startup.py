@@ -57,7 +57,13 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     else:
         rank, world = init_distributed(timeout_s)
         job = world
-    announce(f"started {world} rank(s); checking the inputs")
+    if split is None:
+        announce(f"started {world} rank(s); checking the inputs")
+    else:
+        announce(
+            f"started {job} rank(s): {world} training, {job - world} generating rollouts; "
+            "checking the inputs"
+        )
     layout = layout_for(cfg, world, with_rollout=with_rollout)
     validate_config(cfg, job)
     check_inputs(cfg, layout)

@@ -9,13 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-import torch.distributed as dist
-
-from megarl import parallel, platform
-from megarl.launch import init_distributed
-from megarl.models.build import build_model
-from megarl.models.forward import forward_logits
+from megarl import parallel
+from megarl.console import quiet_rank_console
 from megarl.parallel import ParallelLayout, initialize_model_parallel
 from megarl.tools.testing import assets
 
@@ -23,7 +18,6 @@ MODELS = ("tiny-qwen2", "tiny-llama", "smollm2")
 
 
 def resolve_model(name: str) -> str:
-
     builders = {
         "tiny-qwen2": assets.tiny_qwen2_dir,
         "tiny-llama": assets.tiny_llama_dir,
@@ -33,7 +27,13 @@ def resolve_model(name: str) -> str:
 
 
 def _rank_report(model_dir: str, tp: int, pp: int, seq: int) -> dict:
+    import torch
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
+
+    from megarl import platform
+    from megarl.models.build import build_model
+    from megarl.models.forward import forward_logits
 
     layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp)
     initialize_model_parallel(layout)
@@ -76,6 +76,10 @@ def parity_verdict(reports: list[dict]) -> tuple[bool, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_rank_console()  # before torch, megatron or transformers are imported
+    import torch.distributed as dist
+
+    from megarl.launch import init_distributed
 
     parser = argparse.ArgumentParser(prog="megarl demo (rank)")
     parser.add_argument("--model", default="tiny-qwen2")

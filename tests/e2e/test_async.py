@@ -96,6 +96,7 @@ def train(work: Path, out: str, *overrides: str, nproc: int) -> dict[int, dict]:
     cmd += [f"trainer.output_dir={work / out}", *overrides, "--nproc-per-node", str(nproc)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=1200)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-5000:])
+    (work / f"{out}.console.txt").write_text(proc.stderr)
     steps: dict[int, dict] = {}
     for line in (work / out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -225,7 +226,10 @@ def off_policy(work) -> dict[int, dict]:
     )
 
 
-def test_one_step_stale_samples_are_corrected_and_the_reward_rises(off_policy):
+def test_one_step_stale_samples_are_corrected_and_the_reward_rises(work, off_policy):
+    # the console counts every rank it started, and says what each does
+    console = (work / "async1.console.txt").read_text()
+    assert "started 4 rank(s): 2 training, 2 generating rollouts; checking the inputs" in console
     steps = [off_policy[s] for s in range(1, OFF_POLICY_STEPS + 1)]
     # batch 0 comes from the first weights, every later batch from the weights one step back
     assert steps[0]["rollout/staleness_max"] == 0.0

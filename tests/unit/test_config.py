@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megarl.config import RunConfig, load_config, to_flat_dict, validate
+from megarl.config.words import expected_value
 from megarl.errors import ConfigError
 from megarl.run.checks import check_choices
 
@@ -34,8 +35,21 @@ def test_unknown_key_suggests_the_close_one():
 
 
 def test_wrong_type_and_missing_required():
-    with pytest.raises(ConfigError, match=r"setting 'rollout.n'"):
-        load_config(overrides=[*BASE, "rollout.n=many"])
+    # one line naming the setting and what it takes, none of the config library's internals
+    cases = {
+        "rollout.n=many": "rollout.n takes a whole number",
+        "actor.optim.lr=fast": "actor.optim.lr takes a number",
+        "trainer.val_before_train=maybe": "trainer.val_before_train takes true or false",
+    }
+    for override, takes in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides=[*BASE, override])
+        message = str(e.value)
+        assert message.startswith(f"setting '{override.split('=')[0]}': ") and takes in message
+        assert "\n" not in message and "full_key" not in message, message
+    assert expected_value("data.val_files") == "a list of text"
+    assert expected_value("parallel.infer_tp") == "a whole number, or null"
+    assert expected_value("model.dtype").startswith("one of ")
     with pytest.raises(ConfigError, match=r"required settings missing: \['model.path'\]"):
         load_config(overrides=["data.train_files=[a.parquet]"])
 

@@ -1,0 +1,46 @@
+"""Settings that are valid but probably not what the user meant, said before launch as
+``megarl: warning:`` lines (the run still starts: a warning never stops it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megarl.config.schema import RunConfig
+
+Advice = Callable[[RunConfig], str | None]
+
+
+def _restarts_without_saves(cfg: RunConfig) -> str | None:
+    if cfg.trainer.elastic.max_restarts and not cfg.trainer.save_freq:
+        return (
+            "trainer.elastic.max_restarts is set but trainer.save_freq=0 saves only at the end, "
+            "so a restart starts the run again from the beginning; set trainer.save_freq"
+        )
+    return None
+
+
+def _turns_without_room(cfg: RunConfig) -> str | None:
+    """Multi-turn: the model's own turns at their longest fill the response budget, so every
+    environment message between them takes room from the last turns."""
+    r = cfg.rollout
+    if r.env is None or r.max_turns < 2 or r.max_turn_tokens is None:
+        return None
+    model_tokens = r.max_turns * r.max_turn_tokens
+    if model_tokens < r.max_response_length:
+        return None
+    return (
+        f"rollout.max_turns={r.max_turns} turns of up to rollout.max_turn_tokens="
+        f"{r.max_turn_tokens} tokens take {model_tokens} of rollout.max_response_length="
+        f"{r.max_response_length}, leaving no room for the environment's messages between "
+        "them: trajectories whose turns run long end at the budget before their last turn "
+        "(counted by rollout/budget_cut); raise rollout.max_response_length or lower "
+        "rollout.max_turn_tokens"
+    )
+
+
+ADVICE: tuple[Advice, ...] = (_restarts_without_saves, _turns_without_room)
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Every warning that applies to ``cfg``, in a fixed order."""
+    return [text for advise in ADVICE if (text := advise(cfg)) is not None]

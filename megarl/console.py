@@ -2,7 +2,7 @@
 chatter hidden unless ``--verbose`` (``MEGARL_VERBOSE=1`` in the ranks' environment).
 
 Hidden when quiet: vLLM's INFO/WARNING log lines (engine start-up, "Successfully reset prefix
-cache" at every rollout; its errors still show), torch's C++ warnings, vLLM's weight-loading progress bar,
+cache" at every rollout; its errors still show), torch's C++ warnings, vLLM's and transformers' weight-loading progress bars,
 W&B's advertisement for Weave, and the deprecation warnings listed in ``KNOWN_WARNINGS``, which come from
 libraries megarl calls, not from anything a user can change.
 """
@@ -22,6 +22,8 @@ QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
     "TORCH_CPP_LOG_LEVEL": "ERROR",
     "WANDB_DISABLE_WEAVE": "true",  # W&B's hint to install Weave, printed at every start
+    # transformers' "Loading weights" bar, one per rank and model (read when transformers imports)
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
 
 # (category, message regex): warnings raised inside libraries on every run, harmless to megarl.
@@ -30,6 +32,12 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),
     # megatron-core's optimizer probes .grad of non-leaf tensors (main_grad bookkeeping).
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor"),
+    # megatron's sequence-parallel layers: on CUDA megarl sets the variable itself where megatron
+    # needs it (megarl.gpu_defaults.launch_env); on CPU it means nothing.
+    (
+        UserWarning,
+        r"When using sequence parallelism it is recommended to set the environment variable",
+    ),
 )
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import io
 import math
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megarl.checkpoint.contained import inside
-from megarl.checkpoint.safe_metadata import DIST_METADATA, read_dist_metadata
+from megarl.checkpoint.safe_metadata import DIST_METADATA, read_dist_metadata, refused_pickle
 from megarl.errors import CheckpointError
 
 MEGATRON_METADATA = "metadata.json"
@@ -174,6 +175,8 @@ class DistCheckpointReader:
             return torch.load(
                 _FileView(f, info.offset, info.length), map_location="cpu", weights_only=True
             )
+        except pickle.UnpicklingError as e:
+            raise refused_pickle(f"{self.root / info.relative_path} (at {key!r})", e) from None
         except Exception as e:
             raise CheckpointError(
                 f"cannot read {key!r} from {self.root / info.relative_path}: {e}; "

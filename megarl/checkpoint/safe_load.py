@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.safe_metadata import safe_filesystem_reader
+from megarl.checkpoint.safe_metadata import refused_pickle, safe_filesystem_reader
 from megarl.errors import CheckpointError
 
 COMMON_FILE = "common.pt"
@@ -36,11 +36,7 @@ def load_common(checkpoint_dir: str | Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
     except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(
-            f"{path} holds more than plain data (tensors, numbers, strings): loading it could run "
-            f"code, so megarl refuses it ({first}). Use checkpoints you trust"
-        ) from None
+        raise refused_pickle(str(path), e) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(
             f"cannot read {path} ({type(e).__name__}: {e}); the checkpoint is damaged"
@@ -119,10 +115,7 @@ def load_failure(checkpoint: Path, error: BaseException) -> CheckpointError:
     first = causes[0]
     line = (str(first).strip().splitlines() or [""])[0]
     if isinstance(first, pickle.UnpicklingError):
-        return CheckpointError(
-            f"a shard of {checkpoint} holds more than plain data (tensors, numbers, strings): "
-            f"loading it could run code, so megarl refuses it ({line}). Use checkpoints you trust"
-        )
+        return refused_pickle(f"a shard of {checkpoint}", first)
     return CheckpointError(
         f"cannot load checkpoint {checkpoint}: {type(first).__name__}: {line}. The checkpoint is "
         "partial or damaged; save or convert it again"

@@ -77,6 +77,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise RefusedGlobal(f"{module}.{name}")
 
 
+def refused_pickle(what: str, error: BaseException) -> CheckpointError:
+    """The one message for a pickle that ``weights_only`` loading refused: it names more than
+    plain data, which could run code when unpickled. ``error``'s own text is many lines; its
+    first says which operand or global was refused."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return CheckpointError(
+        f"{what} holds more than plain data (tensors, numbers, strings): loading it could run "
+        f"code, so megarl refuses it ({first}). Use checkpoints you trust"
+    )
+
+
 def read_dist_metadata(path: str | Path) -> Metadata:
     """The ``Metadata`` of a dist checkpoint, from its ``.metadata`` file (or the folder)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata

@@ -37,3 +37,6 @@ def test_demo_runs_tp2_pp2_and_reports_parity():
     match = re.search(r"PARITY OK: worst ([0-9.e+-]+)", proc.stdout)
     assert match, proc.stdout
     assert float(match.group(1)) < 1e-5
+    # A quiet console: megarl's own progress lines only, no library warnings or progress bars.
+    noise = [line for line in proc.stderr.splitlines() if not line.startswith("megarl: ")]
+    assert not noise, proc.stderr[-3000:]

@@ -60,6 +60,16 @@ PANELS = (
         "per trajectory",
     ),
     Panel(
+        "Trajectories cut short",
+        ("rollout/truncated", "rollout/budget_cut"),
+        "share of trajectories",
+    ),
+    Panel(
+        "Staleness (asynchronous rollout)",
+        ("rollout/staleness_mean", "rollout/staleness_max", "rollout/mixed_version_frac"),
+        "policy versions behind",
+    ),
+    Panel(
         "Rollout vs trainer logprobs",
         ("rollout/logprob_diff_mean", "rollout/logprob_diff_max"),
         "|difference|",

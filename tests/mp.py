@@ -58,7 +58,9 @@ def _entry(
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # The rendezvous store is the caller's (see run_gloo): it holds the port already.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:
@@ -94,7 +96,11 @@ def run_gloo(
 
     ctx = _context(fresh)
     queue = ctx.Queue()
-    port = free_port()
+    # The caller holds the rendezvous store on a port the OS picked while it is bound: no other
+    # process (another xdist worker's job, a vLLM engine) can take that port between a free-port
+    # probe and a rank's bind, which made rank 0 fail with EADDRINUSE under load.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     environ, cwd = dict(os.environ), os.getcwd()
     procs = [
         ctx.Process(
@@ -134,6 +140,7 @@ def run_gloo(
         if p.is_alive():
             p.kill()
             p.join()
+    del store  # the port is free again once every rank is gone
     if errors:
         raise AssertionError("distributed worker failed\n" + "\n".join(errors))
     if len(results) != world_size:

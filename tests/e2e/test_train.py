@@ -349,7 +349,7 @@ def test_report_of_the_full_run(workdir, full_run):
     page = out.read_text()
     found = re.findall(r"<img alt='([^']+)' src='data:image/png;base64,([^']+)'>", page)
     pngs = {alt: base64.b64decode(data) for alt, data in found}
-    assert set(pngs) == {
+    named = {
         "Reward and validation score",
         "KL",
         "Entropy",
@@ -361,6 +361,13 @@ def test_report_of_the_full_run(workdir, full_run):
         "Throughput",
         "Memory",
     }
+    assert named <= set(pngs), sorted(pngs)
+    # every other metric the run logged is drawn too, grouped by its prefix (e.g. "val", "perf")
+    logged = {k.split("/")[0] for rec in metrics(workdir, "full") for k in rec if "/" in k}
+    from megarl.report_panels import PANELS
+
+    others = {title.split(" (")[0] for title in set(pngs) - {p.title for p in PANELS}}
+    assert others and others <= logged, (others, logged)
     for title, png in pngs.items():
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000, title
     assert "Reward-model accuracy: skipped, the run logged none of" in page  # a GRPO run

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from checkpoints_tools.cli import add_verbs
 from megarl import __version__
@@ -17,12 +18,16 @@ from megarl.entry import main as rank_main
 from megarl.errors import ConfigError, MegarlError
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
+from megarl.parked_rank import ParkedSlot, parked_rank
 from megarl.plan.cli import add_arguments as add_plan_arguments
 from megarl.plan.cli import run
 from megarl.process_exit import end_process
 from megarl.report import write_report
 from megarl.run.run_lock import acquire_run_lock
 from megarl.storage_errors import storage_error
+
+if TYPE_CHECKING:
+    from megarl.config import RunConfig
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -45,9 +50,35 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megarl.config import load_config
+
+    overrides = [*args.overrides, *getattr(args, "forced", [])]
+    cfg = load_config(args.config, overrides)  # config errors before any process starts
+    # a one-process local job's rank starts now, beside the checks below (megarl.parked_rank)
+    with parked_rank(_parks_a_rank(args, cfg), "megarl.entry", args.verbose) as parked:
+        return _checked_train(args, cfg, overrides, parked)
+
+
+def _parks_a_rank(args: argparse.Namespace, cfg: RunConfig) -> bool:
+    """Whether this command will start one local rank itself (the launcher's own decision,
+    made below, is the same where it can be made without torch)."""
+    from megarl.config.derived import job_world_size
+
+    launched = "RANK" in os.environ or "SLURM_STEP_ID" in os.environ  # megarl.launch
+    return (
+        not args.dry_run
+        and not launched
+        and args.launcher == "torchrun"
+        and (args.nproc_per_node or job_world_size(cfg)) == 1
+    )
+
+
+def _checked_train(
+    args: argparse.Namespace, cfg: RunConfig, overrides: list[str], parked: ParkedSlot
+) -> int:
     from megarl.backends import this_machine
     from megarl.cluster.start import start_job, world_size
-    from megarl.config import load_config, trainer_world_size, validate
+    from megarl.config import trainer_world_size, validate
     from megarl.config.advice import config_warnings
     from megarl.dry_run import before_launch, dry_run
     from megarl.gpu_defaults import default_nproc_per_node
@@ -57,8 +88,6 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.run.startup import layout_for
     from megarl.run.verification import precheck_resume
 
-    overrides = [*args.overrides, *getattr(args, "forced", [])]
-    cfg = load_config(args.config, overrides)  # config errors before any process starts
     check_choices(cfg)  # loggers and algorithm names, through their registries
     for warning in config_warnings(cfg):
         print(f"megarl: warning: {warning}", file=sys.stderr)
@@ -101,6 +130,7 @@ def _train(args: argparse.Namespace) -> int:
             args.nnodes,
             args.verbose,
             extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
+            parked=parked.take() if local else None,
         )
 
 

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 from megarl.console import quiet_rank_console
 from megarl.errors import MegarlError
 from megarl.hardening import make_undumpable
-from megarl.lean_imports import import_transformers_lean
+from megarl.lean_imports import import_megatron_lean, import_transformers_lean
 from megarl.parent_death import end_with_parent
+from megarl.parked_rank import GO_FD_ENV, await_go
 from megarl.peer_loss import PEER_LOST_EXIT, peer_lost
 from megarl.process_exit import end_process
 from megarl.storage_errors import storage_error
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.run.preemption import stop_exit_code  # imports torch
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if GO_FD_ENV in os.environ:  # started early by `megarl train` (megarl.parked_rank)
+        import_transformers_lean()
+        import_megatron_lean()  # what every rank imports, while the launcher checks the run
+        args = await_go()
     if not args:
         print(
             "usage: python -m megarl.entry CONFIG.yaml [section.key=value ...]",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,15 +18,21 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.console import is_verbose, rank_env
+from megarl.console import is_verbose
 from megarl.errors import ConfigError
 from megarl.hardening import make_undumpable
-from megarl.host_allocator import cpu_allocator_env
 from megarl.lean_imports import import_megatron_lean
-from megarl.loopback import LOOPBACK_IFNAMES, rank_store
-from megarl.parent_death import children_env, end_with_parent
+from megarl.loopback import rank_store
+from megarl.parent_death import end_with_parent
+from megarl.parked_rank import ParkedRank
 from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note
-from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix, remove_run_segments
+from megarl.rank_process_env import (
+    LaunchIdentity,
+    local_rank_env,
+    rendezvous_port,
+    single_rank_command,
+)
+from megarl.shm_segments import RUN_SEGMENTS_ENV, remove_run_segments
 from megarl.world_split import TRAINER, SplitWorld, WorldSplit, init_split_world
 
 DEFAULT_STORE_TIMEOUT = timedelta(minutes=30)  # torch's default for its process groups
@@ -59,36 +64,6 @@ def _adopt_slurm_env() -> None:
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
 
 
-def _free_port() -> int:
-    """A free local port, so that runs side by side on one machine do not collide."""
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_env(
-    base: Mapping[str, str],
-    nproc: int,
-    cuda: bool,
-    threads_per_rank: int | None = None,
-    verbose: bool = False,
-    env_extra: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """The ranks' environment: ``base`` with the console's variables, ``env_extra``, and, where
-    ``base`` does not set them, the threads per rank, (CPU ranks) the allocator's settings
-    (megarl.host_allocator) and gloo's and NCCL's sockets on loopback (one machine's job)."""
-    env = dict(base, **rank_env(verbose), **(env_extra or {}))
-    for key, value in LOOPBACK_IFNAMES.items():
-        env.setdefault(key, value)
-    if threads_per_rank is None:
-        threads_per_rank = max(1, (os.cpu_count() or 1) // nproc) if not cuda else 4
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
-    for key, value in cpu_allocator_env(cuda).items():
-        env.setdefault(key, value)
-    return env
-
-
 def run_torchrun(
     module: str,
     args: Sequence[str],
@@ -97,22 +72,21 @@ def run_torchrun(
     verbose: bool = False,
     env_extra: Mapping[str, str] | None = None,
     on_signal: Callable[[int], None] | None = None,
+    parked: ParkedRank | None = None,
 ) -> int:
     """Run ``python -m module args`` on ``nproc`` local ranks, quiet unless ``verbose``
     (megarl/console.py); returns the exit code of the rank that failed, or 0. ``env_extra``: more
     variables for the ranks; ``on_signal`` is told of each signal the launcher passes on to them.
 
     Several ranks run under torchrun (through megarl.quiet_torchrun). One rank runs as a direct
-    child with the environment torchrun would give it (:func:`single_rank_env`): the same
+    child with the environment torchrun would give it (megarl.rank_process_env): the same
     program, without torchrun's interpreter, elastic agent and rendezvous (about 1.5 s of every
-    one-process launch)."""
-    env = launch_env(
-        os.environ, nproc, torch.cuda.is_available(), threads_per_rank, verbose, env_extra
-    )
-    port = env.get("MASTER_PORT") or str(_free_port())
+    one-process launch); ``parked``: that rank, already started (megarl.parked_rank)."""
+    cuda = torch.cuda.is_available()
+    identity = parked.identity if parked is not None else LaunchIdentity.new(os.environ)
+    env = local_rank_env(os.environ, nproc, cuda, identity, threads_per_rank, verbose, env_extra)
     if nproc == 1:
-        env.update(single_rank_env(port))
-        cmd = [sys.executable, "-m", module, *args]
+        cmd = single_rank_command(module, args)
     else:
         cmd = [
             sys.executable,
@@ -122,24 +96,16 @@ def run_torchrun(
             "--master-addr",
             "127.0.0.1",  # one machine: the ranks meet on loopback, where the store listens
             "--master-port",
-            port,
+            rendezvous_port(env, identity),
             "-m",
             module,
             *args,
         ]
-    # The ranks learn that the launcher forwards preemption signals (megarl.run.preemption).
-    env["MEGARL_LAUNCHER_PID"] = str(os.getpid())
-    # The rank (or torchrun's agent, and in turn its ranks) ends with this process, however this
-    # one ends (megarl.parent_death): a killed launcher leaves no rank training on.
-    env.update(children_env())
-    # This job's vLLM shared-memory segments carry this prefix (megarl.shm_segments): removed
-    # when the job ends, however it ends.
-    env.setdefault(RUN_SEGMENTS_ENV, new_segment_prefix())
     # torchrun (or the one rank) runs in its own session so that a terminal's or a scheduler's
     # signal reaches it only through _forwarding_signals: otherwise torchrun would end the ranks
     # on SIGTERM itself (after 30 s) and exit non-zero, where megarl wants them to finish the
     # step and exit 0.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = _start(cmd, env, module, args, nproc, parked, verbose)
     direct = nproc == 1
 
     def rank_pids() -> list[int]:
@@ -167,20 +133,27 @@ def run_torchrun(
         remove_run_segments(env[RUN_SEGMENTS_ENV])
 
 
-def single_rank_env(port: str) -> dict[str, str]:
-    """What torchrun tells its one rank of a one-process job (torch.distributed's env://
-    rendezvous reads MASTER_ADDR/PORT, RANK and WORLD_SIZE; megarl reads the local ones)."""
-    return {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "GROUP_RANK": "0",
-        "ROLE_RANK": "0",
-        "ROLE_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-    }
+def _start(
+    cmd: list[str],
+    env: dict[str, str],
+    module: str,
+    args: Sequence[str],
+    nproc: int,
+    parked: ParkedRank | None,
+    verbose: bool,
+) -> subprocess.Popen:
+    """The job's process: the parked rank when it can run this launch, else a new one."""
+    if parked is not None:
+        differ = parked.mismatch(module, env) if nproc == 1 else [f"{nproc} ranks"]
+        if not differ:
+            return parked.release(args, env)
+        if verbose:
+            print(
+                f"megarl: not using the rank started early: {', '.join(differ)} differ",
+                file=sys.stderr,
+            )
+        parked.discard()
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
 
 
 def _report_single_rank_failure(returncode: int, failure_file: str | None) -> int:

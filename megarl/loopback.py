@@ -9,8 +9,8 @@ reach them from elsewhere, so:
   127.0.0.1 and handed to TCPStore (``master_listen_fd``); megarl's torchrun
   (megarl.quiet_torchrun) hosts its agent's store this way and rank 0 of a job started without
   torchrun's agent (a local Ray instance, a one-process conversion) its own;
-- :data:`LOOPBACK_IFNAMES` points gloo and NCCL at the loopback interface (a setting given in the
-  environment wins).
+- ``LOOPBACK_IFNAMES`` (megarl.rank_process_env) points gloo and NCCL at the loopback interface
+  (a setting given in the environment wins).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-LOOPBACK_IFNAMES = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's agent hosts the store
 
 

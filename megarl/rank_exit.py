@@ -9,6 +9,8 @@ import signal
 from megarl.errors import MegarlError
 
 FAILURE_FILE_ENV = "MEGARL_FAILURE_FILE"
+# the elastic supervisor's record of this attempt (megarl.run.elastic.AttemptRecord)
+ATTEMPT_ENV = "MEGARL_ELASTIC"
 
 
 def exit_code_of(rank_exit_code: int) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from megarl.cluster.job import JobRequest, JobResult
 from megarl.launch import run_torchrun
+from megarl.parked_rank import ParkedRank
 from megarl.rank_exit import FAILURE_FILE_ENV, describe_exit
 
 
@@ -34,8 +35,9 @@ class LocalLauncher:
     name = "local torchrun"
     can_grow = False  # a lost local device does not come back during the job
 
-    def __init__(self, nproc: int, verbose: bool = False) -> None:
+    def __init__(self, nproc: int, verbose: bool = False, parked: ParkedRank | None = None) -> None:
         self.verbose = verbose
+        self.parked = parked  # the first attempt's one rank, already started
         self.devices = local_devices()
         places: list[Hashable] = list(self.devices) if self.devices else list(range(nproc))
         self.slots = places if len(places) >= nproc else list(range(nproc))
@@ -63,12 +65,17 @@ class LocalLauncher:
                 verbose=self.verbose,
                 env_extra=env,
                 on_signal=self._signalled,
+                parked=self._take_parked(),
             )
             first = json.loads(failure.read_text()) if failure.is_file() else None
         if code == 0 or first is None:
             return JobResult(code)
         rank = int(first["rank"])
         return JobResult(code, rank, describe_exit(int(first["exit_code"])), slots[rank])
+
+    def _take_parked(self) -> ParkedRank | None:
+        parked, self.parked = self.parked, None
+        return parked
 
     def _slots_for(self, spec: JobRequest) -> list[Hashable]:
         return [s for s in self.slots if s not in spec.avoid][: spec.world]
@@ -77,4 +84,6 @@ class LocalLauncher:
         self.interrupted = True
 
     def close(self) -> None:
-        pass
+        parked = self._take_parked()
+        if parked is not None:  # refused before its first attempt
+            parked.discard()

@@ -39,8 +39,8 @@ from megarl.cluster.job import JobRequest, JobResult
 from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
-from megarl.loopback import LOOPBACK_IFNAMES
 from megarl.rank_exit import describe_exit, exit_code_of
+from megarl.rank_process_env import LOOPBACK_IFNAMES
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
 from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix
 

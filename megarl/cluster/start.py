@@ -16,6 +16,7 @@ from megarl.config import RunConfig
 from megarl.errors import ConfigError
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
+from megarl.parked_rank import ParkedRank
 
 
 def world_size(launcher: str, nnodes: int | None, nproc_per_node: int, address: str | None) -> int:
@@ -46,28 +47,37 @@ def start_job(
     nnodes: int | None,
     verbose: bool,
     extra_ranks: int = 0,
+    parked: ParkedRank | None = None,
 ) -> int:
     """Run ``python -m megarl.entry module_args`` on ``layout.world_size`` ranks (and
-    ``extra_ranks`` more: an asynchronous run's rollout group); its exit code."""
+    ``extra_ranks`` more: an asynchronous run's rollout group); its exit code. ``parked``: the
+    one rank of a local one-process job, already started (megarl.parked_rank)."""
     dims = ModelDims.from_pretrained(cfg.model.path)
     fits = _memory_check(cfg, dims)
     check_min_world_size(cfg, dims, layout.world_size, fits)
     if nnodes is None:
         nnodes = world_size(launcher, None, 1, address)  # slurm: the allocation's nodes; else 1
-    job = _launcher(launcher, address, nnodes, layout.world_size + extra_ranks, verbose)
+    job = _launcher(launcher, address, nnodes, layout.world_size + extra_ranks, verbose, parked)
     try:
         return Supervisor(cfg, module_args, layout, job, fits, extra_ranks=extra_ranks).run()
     finally:
         job.close()
 
 
-def _launcher(kind: str, address: str | None, nnodes: int, world: int, verbose: bool) -> Launcher:
+def _launcher(
+    kind: str,
+    address: str | None,
+    nnodes: int,
+    world: int,
+    verbose: bool,
+    parked: ParkedRank | None = None,
+) -> Launcher:
     if kind == "ray":
         return RayLauncher.connect(address, nnodes, world // nnodes, verbose)
     if kind == "slurm":
         return SlurmLauncher(nnodes, world // nnodes, verbose)
 
-    return LocalLauncher(world, verbose)
+    return LocalLauncher(world, verbose, parked)
 
 
 def _memory_check(cfg: RunConfig, dims: ModelDims) -> FitCheck | None:

@@ -11,7 +11,9 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-ENV = "MEGARL_ELASTIC"
+from megarl.rank_exit import ATTEMPT_ENV
+
+ENV = ATTEMPT_ENV
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ from megarl.config import load_config
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.vllm_rollout import EngineConfig
-from megarl.launch import _free_port, init_distributed
+from megarl.launch import init_distributed
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims
 from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -82,6 +82,7 @@ from megarl.plan import KNOWN_MODELS, Options, Workload, estimate_memory
 from megarl.plan.measure import live_tensor_tracker
 from megarl.plan.params import flops_params
 from megarl.plan.preflight import UPDATE_PHASES, numerics_for
+from megarl.rank_process_env import free_port
 from megarl.tools.gpu_fidelity import run_fidelity
 from megarl.tools.gpu_report import Report
 from megarl.tools.gpu_trainable import build_trainable
@@ -875,7 +876,7 @@ def _init_single_process() -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     init_distributed()
 

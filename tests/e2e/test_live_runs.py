@@ -3,7 +3,8 @@ is refused before launch, naming it; its ranks end with its launcher, however it
 folder holds its resolved config.yaml.
 
 One launch of the one-process quickstart-size run (stopped by SIGKILL once its first step is
-logged); the refused second run starts no process.
+logged); the refused second run leaves no process (the rank it started beside its checks is
+killed with the refusal).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def _stat(pid: int) -> tuple[int, int] | None:
     except OSError:
         return None
     return None if fields[0] == "Z" else (int(fields[1]), int(fields[3]))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def _processes() -> dict[int, tuple[int, int]]:
@@ -81,8 +89,11 @@ def test_a_live_run_holds_its_folder_and_its_ranks_end_with_its_killed_launcher(
         assert ranks, "the one-process run has no rank process"
         job = job_processes(first.pid, ranks)
 
+        before = set(_processes())
         second = megarl_command(work, "train", str(work / "run.yaml"), *settings[:1])
         assert second.returncode == 2, second.stdout[-3000:]
+        # the rank it started beside its checks (megarl.parked_rank) was killed with the refusal
+        assert not [p for p in set(_processes()) - before if "megarl.entry" in _cmdline(p)]
         [line] = [ln for ln in second.stdout.splitlines() if ln.startswith("megarl: error:")]
         assert "in use by a live run" in line
         assert f"host {socket.gethostname()}, pid {first.pid}, started " in line

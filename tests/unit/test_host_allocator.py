@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megarl.host_allocator import CPU_ALLOCATOR_ENV, cpu_allocator_env
-from megarl.launch import launch_env
+from megarl.rank_process_env import launch_env
 
 pytestmark = pytest.mark.unit
 

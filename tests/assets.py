@@ -3,9 +3,11 @@
 from megarl.tools.testing.assets import (  # noqa: F401
     QWEN25_SPECIAL_TOKENS,
     QWEN25_VOCAB_SIZE,
+    judge_verdict,
     qwen25_tokenizer_dir,
     randomize_,
     smollm2_dir,
+    tiny_char_judge_dir,
     tiny_char_llama_dir,
     tiny_char_qwen3_moe_dir,
     tiny_chat_llama_dir,

@@ -279,6 +279,35 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative judge (docs/rewards.md): a causal LM reads ``template`` filled with a sample
+    and answers; the last match of ``score_pattern`` in its answer (its first group, a number)
+    is the sample's score, + ``weight`` * it. An answer without a number counts as a failed
+    sample (reward.max_failed_fraction)."""
+
+    # Judged here: an HF causal-LM folder, generated greedily with transformers on each rank
+    # (colocated; on a GPU its weights wait in host memory between scorings)
+    model_path: str | None = None
+    # Or judged at an OpenAI-compatible server (its base URL, e.g. http://host:8000/v1), with
+    # `model` as the model name; the API key from the environment variable `api_key_env`
+    url: str | None = None
+    model: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    # {prompt} (the row's last user message), {response}, {ground_truth}; {{ }} for braces
+    template: str = (
+        "Rate the response to the question from 0 to 10.\n\nQuestion: {prompt}\n\n"
+        "Response: {response}\n\nEnd your answer with 'Score: N'."
+    )
+    score_pattern: str = r"Score:\s*(-?\d+(?:\.\d+)?)"
+    weight: float = 1.0
+    max_tokens: int = 64  # the judge's answer, at most
+    max_length: int = 2048  # tokens of a local judge's prompt + answer; longer prompts fail
+    concurrency: int = 8  # a URL's requests in flight at once, per rank
+    timeout_s: float = 60.0  # per request to a URL
+    retries: int = 3  # a URL's connection errors, 429 and 5xx
+
+
+@dataclass
 class RewardConfig:
     custom_fn: str | None = None  # "module:function" or "path.py:function"
     num_workers: int = 0
@@ -305,6 +334,7 @@ class RewardConfig:
     remote_timeout_s: float = 60.0  # per request
     remote_retries: int = 3
     remote_backoff_s: float = 0.5  # the first retry's wait, doubled for each next one
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     # DAPO overlong reward shaping: responses longer than rollout.max_response_length - len get
     # a penalty rising linearly to -penalty_factor at max_response_length.
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)

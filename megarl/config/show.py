@@ -36,7 +36,9 @@ def _text(node: DictConfig, key: str) -> str:
     value: Any = OmegaConf.select(node, key)
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
-    return json.dumps(value) if not isinstance(value, str) else value
+    if isinstance(value, str) and "\n" not in value:
+        return value
+    return json.dumps(value)  # a text of several lines on one line, as YAML also reads it
 
 
 def settings(

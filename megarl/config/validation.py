@@ -7,6 +7,7 @@ from __future__ import annotations
 from megarl.config.derived import sequence_budget, trainer_world_size
 from megarl.config.schema import (
     ElasticConfig,
+    JudgeConfig,
     ModelConfig,
     ParallelConfig,
     RewardConfig,
@@ -83,12 +84,15 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_distill(cfg)
     _validate_multi_turn(cfg.rollout)
     r = cfg.reward
-    if r.rule_weight == 0 and r.model_path is None and r.remote_url is None:
+    judged = r.judge.model_path is not None or r.judge.url is not None
+    if r.rule_weight == 0 and r.model_path is None and r.remote_url is None and not judged:
         raise ConfigError(
             "reward.rule_weight=0 leaves no reward: set reward.model_path to a reward model, "
-            "reward.remote_url to a reward service, or a rule_weight > 0"
+            "reward.remote_url to a reward service, reward.judge.model_path or reward.judge.url "
+            "to a judge, or a rule_weight > 0"
         )
     _validate_remote_reward(cfg.reward)
+    _validate_judge(cfg.reward.judge)
     if world_size is not None:
         _check_dp_split(
             cfg,
@@ -117,6 +121,41 @@ def _validate_remote_reward(r: RewardConfig) -> None:
         raise ConfigError(f"reward.remote_timeout_s={r.remote_timeout_s} must be > 0 seconds")
     if not r.remote_backoff_s >= 0:
         raise ConfigError(f"reward.remote_backoff_s={r.remote_backoff_s} must be >= 0 seconds")
+
+
+def _validate_judge(j: JudgeConfig) -> None:
+    """``reward.judge.*`` (read only when a judge is set; its template and score pattern are
+    checked with the inputs, megarl.run.checks)."""
+    if j.model_path is None and j.url is None:
+        return
+    if j.model_path is not None and j.url is not None:
+        raise ConfigError(
+            "reward.judge.model_path and reward.judge.url are both set; a judge runs here "
+            "(model_path) or at a server (url): unset one"
+        )
+    if j.url is not None:
+        if not j.url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.judge.url={j.url!r} must be an http:// or https:// URL")
+        if not j.model:
+            raise ConfigError(
+                f"reward.judge.url={j.url} needs reward.judge.model: the name the server serves "
+                "the judge under (its GET /models lists them)"
+            )
+    _check_positive(
+        {
+            "reward.judge.max_tokens": j.max_tokens,
+            "reward.judge.concurrency": j.concurrency,
+        }
+    )
+    if j.max_length <= j.max_tokens:
+        raise ConfigError(
+            f"reward.judge.max_length={j.max_length} leaves no room for a prompt beside "
+            f"reward.judge.max_tokens={j.max_tokens}; raise max_length"
+        )
+    if j.retries < 0:
+        raise ConfigError(f"reward.judge.retries={j.retries} must be >= 0")
+    if not j.timeout_s > 0:
+        raise ConfigError(f"reward.judge.timeout_s={j.timeout_s} must be > 0 seconds")
 
 
 def _validate_sampling(cfg: RunConfig) -> None:

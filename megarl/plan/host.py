@@ -39,6 +39,7 @@ from megarl.plan.memory import (
     VLLM_WORKSPACE,
     Numerics,
     Options,
+    judge_weight_bytes,
     optimizer_shard_elements,
     vllm_weight_bytes,
 )
@@ -165,6 +166,9 @@ def _rank_host(
     elif w.rollout and w.sleep_level == 1:
         asleep = vllm_weight_bytes(dims, layout.rollout_tp)
     training = {**common, "vllm_asleep": asleep}
+    if w.judge is not None and pinned:  # a local judge waits in host memory (pageable)
+        training["judge_asleep"] = judge_weight_bytes(w.judge)
+        rollout["judge_asleep"] = judge_weight_bytes(w.judge)
     trained = adapters if adapters is not None else p.total
     staged = optimizer_staging(OPTIMIZER_SAVE, trained * saved, shard * saved, dp_rank)
     if w.critic:

@@ -164,6 +164,7 @@ ITEMS = (
     "critic",
     "reward_model",
     "scores",
+    "judge",
     "rollout",
     "reserve",
 )
@@ -176,6 +177,7 @@ PHASE_ITEMS = {
     "startup": "rollout",
     "rollout": "rollout",
     "scoring": "activations",
+    "judging": "judge",
 }
 
 
@@ -281,6 +283,21 @@ def _largest_bucket(p: StageParams, grad_bytes: int) -> int:
 def vllm_weight_bytes(dims: ModelDims, infer_tp: int) -> int:
     """vLLM's bf16 weights per rank at ``infer_tp``."""
     return stage_params(dims, infer_tp, 1, 0, dims.num_layers).total * ROLLOUT_WEIGHT_BYTES
+
+
+def judge_weight_bytes(judge: ModelDims) -> int:
+    """A local judge's replica (megarl.hybrid_engine.judge_engine), bf16."""
+    return stage_params(judge, 1, 1, 0, judge.num_layers).total * ROLLOUT_WEIGHT_BYTES
+
+
+def judge_bytes(w: Workload) -> int:
+    """A local judge while it answers: its weights, the keys and values of one sequence of
+    ``judge_len`` tokens (it generates one request at a time) and one step's fp32 logits (the
+    sampler's and the ones it keeps per answer token); 0 without a judge."""
+    if w.judge is None:
+        return 0
+    logits = 2 * w.judge.vocab_size * 4
+    return judge_weight_bytes(w.judge) + kv_bytes_per_token(w.judge, 1) * w.judge_len + logits
 
 
 def reshard_buffer_bytes(
@@ -474,6 +491,8 @@ def estimate_memory(
                 "activations": scoring,
                 "scores": _scores_bytes(workload, dp),
             }
+        if workload.judge is not None:  # it answers between the rollout and the scoring pass
+            phase_items["judging"] = {**train_base, "judge": judge_bytes(workload)}
         if workload.rollout:
             # vLLM starts (with its whole budget, in fraction mode) beside what the models hold
             phase_items["startup"] = {

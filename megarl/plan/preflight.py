@@ -47,7 +47,7 @@ from megarl.plan.workload import Workload
 DEFAULT_GPU_MEMORY = 80 * GIB
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_HOST_MEMORY = 1 << 40  # 1 TiB per node: what an 8-GPU node of the 80 GB class has
-GPU_PHASES = ("build", "startup", "rollout", "scoring", "update")
+GPU_PHASES = ("build", "startup", "rollout", "judging", "scoring", "update")
 UPDATE_PHASES = ("forward-backward", "grad-sync", "optimizer-step")
 
 
@@ -216,6 +216,12 @@ def _scored(cfg: RunConfig, reference: bool, critic: bool) -> bool:
     return reference or critic or bool(separate_forward_reasons(cfg))
 
 
+def _judge_dims(cfg: RunConfig) -> ModelDims | None:
+    """The shape of ``reward.judge.model_path`` (a judge at a URL costs this run no memory)."""
+    path = cfg.reward.judge.model_path
+    return ModelDims.from_pretrained(path) if path else None
+
+
 def workload_for(
     cfg: RunConfig, layout: ParallelLayout, reward_model: ModelDims | None = None
 ) -> tuple[Workload, Options]:
@@ -247,6 +253,8 @@ def workload_for(
         rollout_batch=rollout_batch,
         sleep_level=r.sleep_level,
         reward_model=reward_model,
+        judge=_judge_dims(cfg),
+        judge_len=cfg.reward.judge.max_length,
     )
     roles_offloaded = actor.param_offload and (cfg.ref.param_offload or not reference)
     roles_offloaded = roles_offloaded and (cfg.critic.param_offload or not critic)

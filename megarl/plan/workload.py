@@ -51,6 +51,10 @@ class Workload:
     rollout_batch: int | None = None
     sleep_level: int = 2  # rollout.sleep_level: 1 keeps vLLM's weights in host memory meanwhile
     reward_model: ModelDims | None = None  # reward.model_path's shape: its weights stay resident
+    # reward.judge.model_path's shape: a whole replica per rank, on the device while it judges
+    # (the scoring phase) and in host memory otherwise; judge_len: its prompt + answer tokens
+    judge: ModelDims | None = None
+    judge_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "global_batch", "rollout_seqs"):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from megarl.algos.choices import check_algorithm_choices
 from megarl.backends import check_backends
+from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.config import RunConfig
 from megarl.data.parquet_source import distinct_strings, inspect_files, resolve_files
 from megarl.data.preference_dataset import check_preference_files
@@ -24,6 +25,7 @@ from megarl.loggers import check_loggers
 from megarl.models.dims import ModelDims, read_hf_config
 from megarl.models.heads import hf_folder_role
 from megarl.parallel import ParallelLayout
+from megarl.rewards.judge_prompt import JudgeTemplate
 from megarl.rewards.model import check_reward_model
 from megarl.rewards.registry import BUILTIN_SCORERS
 from megarl.rewards.remote_settings import RemoteSettings
@@ -129,9 +131,41 @@ def check_inputs(
             check_reward_columns(cfg, infos, fs, what)
     for path, setting, what in _COMPANIONS.get(cfg.trainer.kind, _none)(cfg):
         _check_companion(cfg, layout, dims, path, setting, what)
+    if cfg.trainer.kind == "policy":
+        check_judge(cfg, this_machine)
     if this_machine and cfg.trainer.kind == "policy":
         check_remote_reward(cfg)
     return reward_model
+
+
+def check_judge(cfg: RunConfig, this_machine: bool) -> ModelDims | None:
+    """``reward.judge``: its template and score pattern; a local judge's folder is an HF causal
+    LM with a tokenizer (returns its shape); a server's (``this_machine``) lists the judge's
+    model. None without a local judge."""
+    j = cfg.reward.judge
+    if j.model_path is None and j.url is None:
+        return None
+    JudgeTemplate.from_config(j)
+    if j.url is not None:
+        if this_machine:
+            from megarl.rewards.judge_remote import OpenAIJudge  # the openai client
+
+            OpenAIJudge(j).check_reachable()
+        return None
+    assert j.model_path is not None
+    config = read_hf_config(j.model_path)
+    if hf_folder_role(config) != "actor":
+        raise ConfigError(
+            f"reward.judge.model_path={j.model_path} is a {hf_folder_role(config)} model; a judge "
+            "writes its verdict, so give a causal LM folder (*ForCausalLM); score with a reward "
+            "model through reward.model_path"
+        )
+    if not has_tokenizer(j.model_path):
+        raise ConfigError(
+            f"reward.judge.model_path={j.model_path} has no tokenizer (tokenizer.json or "
+            "tokenizer_config.json); the judge reads text, so its folder needs one"
+        )
+    return ModelDims.from_hf_config(config)
 
 
 def check_remote_reward(cfg: RunConfig) -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,12 +20,15 @@ from megarl.algos import (
     masked_mean,
 )
 from megarl.algos.kl import KLController
-from megarl.config import OverlongBufferConfig, RewardConfig, RunConfig
+from megarl.config import OverlongBufferConfig, RewardConfig, RunConfig, rollout_dtype
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
+from megarl.hybrid_engine.judge_engine import EngineJudge
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.rewards.failures import Failures, describe_failure, describe_first
+from megarl.rewards.judge import Answerer, JudgeScorer
+from megarl.rewards.judge_prompt import JudgeTemplate
 from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
@@ -46,13 +49,16 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from transformers import PreTrainedTokenizerBase
 
-    from megarl.rewards.remote import RemoteResult, RemoteScorer
+    from megarl.rewards.remote import RemoteScorer
+
+
+Scored = TypeVar("Scored")
 
 
 @dataclass(frozen=True)
 class RewardSources:
-    """The outcome reward of a rollout:
-    ``rule_weight * rules + model_weight * model + remote_weight * remote``."""
+    """The outcome reward of a rollout: ``rule_weight * rules + model_weight * model +
+    remote_weight * remote + judge_weight * judge``."""
 
     rules: RewardManager  # rule scorers by data_source (or a custom function)
     model: GPTModel | None  # a frozen reward model (reward.model_path), colocated
@@ -64,6 +70,8 @@ class RewardSources:
     model_path: str | None = None
     remote: RemoteScorer | None = None  # a remote reward service (reward.remote_url)
     remote_weight: float = 1.0
+    judge: JudgeScorer | None = None  # a generative judge (reward.judge)
+    judge_weight: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: RunConfig, model: GPTModel | None) -> RewardSources:
@@ -82,6 +90,8 @@ class RewardSources:
             r.model_path,
             remote_scorer(r),
             r.remote_weight,
+            judge_scorer(r, rollout_dtype(cfg, platform.device().type == "cuda")),
+            r.judge.weight,
         )
 
     def close(self) -> None:
@@ -96,6 +106,22 @@ def remote_scorer(r: RewardConfig) -> RemoteScorer | None:
     from megarl.rewards.remote import RemoteScorer  # aiohttp: only for a remote reward
 
     return RemoteScorer(settings, strict=r.strict)
+
+
+def judge_scorer(r: RewardConfig, dtype: str) -> JudgeScorer | None:
+    """The judge of ``reward.judge`` (None without one): a local engine in ``dtype`` for a
+    ``model_path``, else the OpenAI-compatible server at ``url``."""
+    j = r.judge
+    if j.model_path is None and j.url is None:
+        return None
+    answerer: Answerer
+    if j.model_path is not None:
+        answerer = EngineJudge(j.model_path, j, dtype)
+    else:
+        from megarl.rewards.judge_remote import OpenAIJudge  # the openai client
+
+        answerer = OpenAIJudge(j)
+    return JudgeScorer(JudgeTemplate.from_config(j), answerer, strict=r.strict)
 
 
 def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -152,20 +178,20 @@ def rule_scores(
 
 
 def _scored_once_per_model_parallel_group(
-    remote: RemoteScorer, samples: Sequence[RewardSample]
-) -> RemoteResult:
-    """The service's answer for ``samples``, asked by the first rank of the model-parallel group
-    and broadcast to the others (a collective over TP x PP): the service scores each sample once,
-    and ranks holding the same samples train on the same scores, even from a service that
-    answers the same sample differently (a sampling judge, a timeout)."""
+    score: Callable[[Sequence[RewardSample]], Scored], samples: Sequence[RewardSample]
+) -> Scored:
+    """``score(samples)``, called by the first rank of the model-parallel group and broadcast to
+    the others (a collective over TP x PP): a service or judge scores each sample once, and ranks
+    holding the same samples train on the same scores, even from one that answers the same
+    sample differently (a sampling judge, a timeout)."""
     group = parallel.mp_group_if_split()
     if group is None:
-        return remote.score(samples)
+        return score(samples)
     leader = dist.get_process_group_ranks(group)[0]
-    box: list[RemoteResult | RewardError | None] = [None]
+    box: list[Scored | RewardError | None] = [None]
     if dist.get_rank() == leader:
         try:
-            box[0] = remote.score(samples)
+            box[0] = score(samples)
         except RewardError as e:  # strict mode: every rank of the group raises it
             box[0] = e
     dist.broadcast_object_list(box, src=leader, group=group)
@@ -173,6 +199,29 @@ def _scored_once_per_model_parallel_group(
         raise box[0]
     assert box[0] is not None
     return box[0]
+
+
+def judge_scores(
+    judge: JudgeScorer,
+    items: Sequence[PromptItem],
+    batch: RolloutBatch,
+    texts: list[str],
+    device: torch.device,
+    rows: Sequence[int],
+) -> tuple[torch.Tensor, dict[str, float], Failures]:
+    """The judge's score of the samples ``rows`` (the others get 0), on ``device``, its metrics
+    and failures."""
+    out = torch.zeros(len(texts), dtype=torch.float32, device=device)
+    samples = reward_samples(items, batch, texts, rows)
+    if not samples:
+        return out, {}, Failures(0, 0)
+    result = _scored_once_per_model_parallel_group(judge.score, samples)
+    out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
+    first = None
+    if result.failures:
+        failed = result.failures[0]
+        first = describe_failure(judge.name, samples[failed.index], failed)
+    return out, result.metrics, Failures(len(result.failures), len(samples), first)
 
 
 def remote_scores(
@@ -189,7 +238,7 @@ def remote_scores(
     samples = reward_samples(items, batch, texts, rows)
     if not samples:
         return out, {}, Failures(0, 0)
-    result = _scored_once_per_model_parallel_group(remote, samples)
+    result = _scored_once_per_model_parallel_group(remote.score, samples)
     out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
     first = None
     if result.failures:
@@ -208,8 +257,9 @@ def score_rollout(
     shaping: bool = True,
 ) -> tuple[Samples, torch.Tensor, dict[str, float], list[str]]:
     """Samples of a rollout with their outcome scores: rule scorers, a reward model, a remote
-    reward service, or a weighted sum (``reward.rule_weight * rule + reward.model_weight * model
-    + reward.remote_weight * remote``), plus the overlong penalty
+    reward service, a generative judge, or a weighted sum (``reward.rule_weight * rule +
+    reward.model_weight * model + reward.remote_weight * remote + reward.judge.weight * judge``),
+    plus the overlong penalty
     (``reward.overlong_buffer``) with ``shaping``; also the decoded responses. The metrics are
     this rank's means.
 
@@ -259,11 +309,20 @@ def score_rollout(
         )
         metrics.update(remote_metrics)
         failures.append(remote_failures)
+    judged = None
+    if rewards.judge is not None:
+        judged, judge_metrics, judge_failures = judge_scores(
+            rewards.judge, items, batch, texts, device, scored
+        )
+        metrics.update(judge_metrics)
+        failures.append(judge_failures)
     # reward.max_failed_fraction: a broken reward stops the run here, before any update
     stop_on_failed_scores(failures, rewards.max_failed_fraction)
     scores = combine_scores(rule, model, rewards.rule_weight, rewards.model_weight)
     if remote is not None:
         scores = scores + rewards.remote_weight * remote
+    if judged is not None:
+        scores = scores + rewards.judge_weight * judged
     if trajectories is not None:
         scores = _with_environment_rewards(scores, trajectories, metrics)
     buf = rewards.overlong

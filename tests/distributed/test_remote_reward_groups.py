@@ -1,6 +1,7 @@
-"""A remote reward service is asked once per model-parallel group: at TP2 on 2 gloo ranks, the
-first rank POSTs the samples and both train on its answer, even from a service that scores the
-same samples differently each time it is asked (here: by how many requests it has seen)."""
+"""A remote reward service and a judge at an OpenAI-compatible server are asked once per
+model-parallel group: at TP2 on 2 gloo ranks, the first rank asks and both train on its answer,
+even from a service or judge that scores the same samples differently each time it is asked
+(here: by how many requests it has seen)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class CountingService(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), CountingHandler)
         self.requests = 0
+        self.judged = 0  # chat completions (the judge's)
         self.lock = threading.Lock()
 
 
@@ -29,28 +31,44 @@ class CountingHandler(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self) -> None:
-        samples = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["samples"]
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/chat/completions":
+            with self.server.lock:
+                self.server.judged += 1
+                seen = self.server.judged
+            message = {"role": "assistant", "content": f"Score: {seen}"}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            answer = {"id": "c", "object": "chat.completion", "created": 0, "model": "judge"}
+            self._send(json.dumps({**answer, "choices": [choice]}).encode())
+            return
+        samples = request["samples"]
         with self.server.lock:
             self.server.requests += 1
             seen = self.server.requests
-        body = json.dumps({"scores": [seen + k / 10 for k in range(len(samples))]}).encode()
+        self._send(json.dumps({"scores": [seen + k / 10 for k in range(len(samples))]}).encode())
+
+    def _send(self, body: bytes) -> None:
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
 
-def remote_scores_worker(rank: int, world: int, url: str) -> list[float]:
+def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], list[float]]:
     import torch
 
+    from megarl.config import JudgeConfig
     from megarl.data import PromptItem
     from megarl.hybrid_engine.engine import RolloutBatch
     from megarl.hybrid_engine.vllm_rollout import RolloutOutput
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
+    from megarl.rewards.judge import JudgeScorer
+    from megarl.rewards.judge_prompt import JudgeTemplate
+    from megarl.rewards.judge_remote import OpenAIJudge
     from megarl.rewards.remote import RemoteScorer
     from megarl.rewards.remote_settings import RemoteSettings
-    from megarl.trainer.experience import remote_scores
+    from megarl.trainer.experience import judge_scores, remote_scores
 
     adapt_megatron_for_cpu()
     initialize_model_parallel(ParallelLayout(tp=2))
@@ -62,19 +80,21 @@ def remote_scores_worker(rank: int, world: int, url: str) -> list[float]:
     )
     batch = RolloutBatch(prompts=[[5]], output=output)
     item = PromptItem(uid=0, input_ids=[5], prompt="q", data_source="d", ground_truth="1")
-    remote = RemoteScorer(RemoteSettings(url, batch_size=2))
-    scores, _, _ = remote_scores(
-        remote, [item], batch, ["a", "b", "c"], torch.device("cpu"), [0, 1, 2]
-    )
-    return scores.tolist()
+    remote = RemoteScorer(RemoteSettings(f"{url}/score", batch_size=2))
+    texts, cpu = ["a", "b", "c"], torch.device("cpu")
+    scores, _, _ = remote_scores(remote, [item], batch, texts, cpu, [0, 1, 2])
+    settings = JudgeConfig(url=f"{url}/v1", model="judge", concurrency=1)
+    judge = JudgeScorer(JudgeTemplate.from_config(settings), OpenAIJudge(settings))
+    judged, _, _ = judge_scores(judge, [item], batch, texts, cpu, [0, 1, 2])
+    return scores.tolist(), judged.tolist()
 
 
 def test_the_model_parallel_group_asks_once_and_shares_the_answer():
     service = CountingService()
     threading.Thread(target=service.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{service.server_address[1]}/score"
-        first, second = run_gloo(remote_scores_worker, 2, url)
+        url = f"http://127.0.0.1:{service.server_address[1]}"
+        (first, first_judged), (second, second_judged) = run_gloo(remote_scores_worker, 2, url)
     finally:
         service.shutdown()
         service.server_close()
@@ -82,3 +102,5 @@ def test_the_model_parallel_group_asks_once_and_shares_the_answer():
     assert first == second
     # either batch may come first
     assert any(sorted(first) == pytest.approx(s) for s in ([1, 1.1, 2], [1, 2, 2.1]))
+    assert service.judged == 3  # one completion per sample, asked by one rank only
+    assert first_judged == second_judged == [1.0, 2.0, 3.0]  # one at a time: in order

@@ -1,8 +1,11 @@
-"""A quickstart-size GRPO run scored by a remote reward service (reward.remote_url), as a user runs
-it: the service is an HTTP server in this file on 127.0.0.1 that refuses the first batch of
-samples once with 503 (the client retries it) and scores each response by its share of vowels,
-with its length as an extra metric. The run trains on exactly those scores; with no service
-listening, `megarl train` stops with exit 2 before any rank starts."""
+"""A quickstart-size GRPO run scored by a remote reward service (reward.remote_url) and a
+generative judge (reward.judge), as a user runs it: the service is an HTTP server in this file on
+127.0.0.1 that refuses the first batch of samples once with 503 (the client retries it) and
+scores each response by its share of vowels, with its length as an extra metric; the judge is a
+tiny character-bigram model whose greedy answer is known ("1" when its prompt ends with a vowel,
+else "0"), weighted 0.5. The run trains on exactly the service's scores plus half the judge's;
+with no service (or no judge server) listening, `megarl train` stops with exit 2 before any rank
+starts."""
 
 from __future__ import annotations
 
@@ -18,13 +21,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.assets import tiny_char_llama_dir
+from tests.assets import judge_verdict, tiny_char_judge_dir, tiny_char_llama_dir
 from tests.e2e.test_train import by_step, launch, megarl_command, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
 STEPS = 3
 SAMPLES_PER_STEP = 4 * 4  # data.train_batch_size x rollout.n
+JUDGE_WEIGHT = 0.5
+JUDGE_TEMPLATE = "Q: {prompt}\nA: {response}"  # the judge's verdict: the response's last character
 
 
 def vowel_share(text: str) -> float:
@@ -84,7 +89,8 @@ class ServiceHandler(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """configs/quickstart_cpu.yaml at test size (4 prompts x 4 samples a step, 3 steps, no
-    validation), scored by the remote service alone; GSM-Symbolic prompts."""
+    validation), scored by the remote service and the judge, no rule scorer; GSM-Symbolic
+    prompts."""
     work = tmp_path_factory.mktemp("remote_reward")
     subprocess.run(
         [
@@ -112,6 +118,13 @@ def work(tmp_path_factory) -> Path:
         "remote_batch_size": 6,  # 3 requests a step, 2 at a time
         "remote_concurrency": 2,
         "remote_backoff_s": 0.2,
+        "judge": {
+            "model_path": str(tiny_char_judge_dir()),
+            "template": JUDGE_TEMPLATE,
+            "score_pattern": "([01])",
+            "weight": JUDGE_WEIGHT,
+            "max_tokens": 4,
+        },
     }
     config["trainer"].update(total_steps=STEPS, test_freq=0, save_freq=0, loggers=["console"])
     (work / "run.yaml").write_text(yaml.safe_dump(config))
@@ -139,14 +152,21 @@ def test_a_run_trains_on_the_services_scores_exactly(work, service):
         scored = service.scored[(step - 1) * SAMPLES_PER_STEP : step * SAMPLES_PER_STEP]
         scores = [r["score"] for r in scored]
         lengths = [r["length"] for r in scored]
+        # what the judge answers to each sample's prompt (its question, then the response)
+        verdicts = [float(judge_verdict("A: " + r["sample"]["response"])) for r in scored]
+        totals = [s + JUDGE_WEIGHT * v for s, v in zip(scores, verdicts, strict=True)]
         m = steps[step]
-        assert m["reward/mean"] == pytest.approx(sum(scores) / len(scores), rel=1e-6, abs=1e-6)
-        assert m["reward/remote_mean"] == pytest.approx(m["reward/mean"], rel=1e-6, abs=1e-6)
-        assert m["reward/max"] == pytest.approx(max(scores), abs=1e-6)
+        assert m["reward/mean"] == pytest.approx(sum(totals) / len(totals), rel=1e-6, abs=1e-6)
+        assert m["reward/remote_mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+        assert m["reward/judge_mean"] == pytest.approx(sum(verdicts) / len(verdicts), abs=1e-6)
+        assert m["reward/judge_failures"] == 0 and m["reward/judge_unparsed"] == 0
+        assert m["reward/max"] == pytest.approx(max(totals), abs=1e-6)
         assert m["reward/remote/length"] == pytest.approx(sum(lengths) / len(lengths))
         assert m["reward/remote_failures"] == 0
         assert m["reward/remote_retries"] == (1 if step == 1 else 0)  # the 503, retried
     assert len({r["score"] for r in service.scored}) > 1  # scores that differ: GRPO learns
+    verdicts = {judge_verdict("A: " + r["sample"]["response"]) for r in service.scored}
+    assert verdicts == {"0", "1"}  # the judge's part differs between samples too
     sample = service.scored[0]["sample"]
     assert set(sample) == {"data_source", "prompt", "response", "ground_truth", "extra_info"}
     assert sample["prompt"] and sample["ground_truth"] is not None
@@ -172,3 +192,28 @@ def test_with_no_service_listening_the_run_stops_before_training(work):
     assert "ClientConnectorError" in last and "(after 1 retries)" in last
     assert "starting 1 rank(s)" not in proc.stdout and "Traceback" not in proc.stdout
     assert not (work / "no_service" / "metrics.jsonl").exists()
+
+
+def test_with_no_judge_server_listening_the_run_stops_before_training(work):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    proc = megarl_command(
+        work,
+        "train",
+        str(work / "run.yaml"),
+        f"trainer.output_dir={work / 'no_judge'}",
+        "reward.judge.model_path=null",
+        f"reward.judge.url={url}",
+        "reward.judge.model=judge",
+        "reward.judge.retries=0",
+        "reward.remote_url=null",
+        "--nproc-per-node",
+        "1",
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"megarl: error: reward.judge.url={url} does not answer GET"), last
+    assert "APIConnectionError" in last and "vllm serve" in last
+    assert "starting 1 rank(s)" not in proc.stdout and "Traceback" not in proc.stdout
+    assert not (work / "no_judge" / "metrics.jsonl").exists()

@@ -182,6 +182,7 @@ LAZY_LIBRARIES = {
     "pyarrow": "parquet only: kept off the CLI's start",
     "omegaconf": "the config reader: kept off `megarl --help` and the launchers",
     "aiohttp": "the remote reward service's HTTP client: only with reward.remote_url",
+    "openai": "a judge's client (reward.judge.url) and agents: only where they are used",
 }
 # Cheap beside torch: a megarl module is imported inside a function for these only by a module
 # that does not load torch itself.

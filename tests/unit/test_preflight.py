@@ -455,3 +455,31 @@ def test_elastic_restart_layouts_are_checked_by_the_preflight(monkeypatch):
     small = memory_fit.gpu_memory_check(_dims(), 40 * GIB, host_memory=1 << 40)
     why = small(cfg, ParallelLayout(tp=2, dp=4, infer_tp=2))
     assert why.startswith("TP2xPP1xDP4: startup needs") and "gpu_memory_utilization" in why
+
+
+def test_a_local_judge_is_planned_while_it_answers_and_asleep_in_host_memory():
+    """reward.judge.model_path: its bf16 replica (parameters counted by transformers here), one
+    sequence's keys and values and its logits on the device while it judges, between the
+    rollout and the scoring pass; in host memory otherwise."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.assets import tiny_char_judge_dir
+
+    folder = tiny_char_judge_dir()
+    with torch.device("meta"):
+        judge = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    params = sum(p.numel() for p in judge.parameters())  # untied: the LM head counts apart
+    c = judge.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * 4096  # bf16, 4096 tokens
+    logits = 2 * c.vocab_size * 4
+    pf = _check(f"reward.judge.model_path={folder}", "reward.judge.max_length=4096")
+    items = _items(pf, "judging")
+    assert items["judge"] == 2 * params + kv + logits
+    resident = ("weights", "grads", "optimizer", "reference", "reserve")
+    assert {k: items[k] for k in resident} == {k: _items(pf, "scoring")[k] for k in resident}
+    assert "activations" not in items and "rollout" not in items
+    host = pf.host.ranks[(0, 0)]
+    assert host["training"]["judge_asleep"] == host["rollout"]["judge_asleep"] == 2 * params
+    assert "judging" not in {p.name for p in _check().phases}  # no judge, no phase

@@ -403,6 +403,62 @@ def tiny_char_llama_dir() -> Path:
     return _cached("tiny-char-llama", _build_tiny_char_llama)
 
 
+# The tiny judge's verdicts: after a vowel "1", after any other character "0", then its answer ends.
+JUDGE_VOWELS = "aeiouAEIOU"
+
+
+def judge_verdict(prompt: str) -> str:
+    """What :func:`tiny_char_judge_dir`'s judge answers (greedily) to ``prompt``."""
+    return "1" if prompt and prompt[-1] in JUDGE_VOWELS else "0"
+
+
+def _build_tiny_char_judge(out: Path) -> None:
+    """A character-bigram Llama: every layer adds nothing to the residual stream (zero attention
+    and MLP outputs), the embedding is one-hot (hidden size = vocabulary), and the LM head maps
+    each character to the next: its greedy answer is the function :func:`judge_verdict`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tok = _char_tokenizer()
+    tok.chat_template = None  # the judge reads the plain prompt: its last character decides
+    config = tiny_llama_config(
+        vocab_size=CHAR_VOCAB_SIZE,
+        hidden_size=CHAR_VOCAB_SIZE,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    vocab = tok.get_vocab()
+    head = torch.zeros(CHAR_VOCAB_SIZE, CHAR_VOCAB_SIZE, device="cpu")
+    for token, index in vocab.items():
+        nxt = tok.eos_token if token in "01" else judge_verdict(token)
+        head[vocab[nxt], index] = 1.0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+            elif name.endswith("norm.weight"):
+                param.fill_(1.0)
+        model.get_input_embeddings().weight.copy_(torch.eye(CHAR_VOCAB_SIZE, device="cpu"))
+        model.get_output_embeddings().weight.copy_(head)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+def tiny_char_judge_dir() -> Path:
+    """A tiny judge over the character vocabulary whose answers are known: "1" when its prompt
+    ends with a vowel, else "0" (:func:`judge_verdict`); no chat template."""
+    return _cached("tiny-char-judge", _build_tiny_char_judge)
+
+
 def _build_smollm2(out: Path) -> None:
 
     import torch

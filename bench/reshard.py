@@ -132,7 +132,7 @@ def vllm_worker(rank: int, world: int, model_dir: str, bucket: int, repeats: int
 
     adapt_megatron_for_cpu()
     from megarl.hybrid_engine.engine import HybridEngine
-    from megarl.hybrid_engine.vllm_rollout import EngineConfig
+    from megarl.hybrid_engine.rollout_types import EngineConfig
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel

@@ -36,6 +36,7 @@ from megarl.backends import check_rollout_backend
 from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
+from megarl.hybrid_engine.engine_folder import checkpoint_shapes
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -53,15 +54,10 @@ from megarl.hybrid_engine.multi_turn import (
 )
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+from megarl.hybrid_engine.rollout_types import EngineConfig, RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds
 from megarl.hybrid_engine.tensor_list import actor_planned_tensors
-from megarl.hybrid_engine.vllm_rollout import (
-    EngineConfig,
-    RolloutOutput,
-    SamplingConfig,
-    VLLMRollout,
-    checkpoint_shapes,
-)
+from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora

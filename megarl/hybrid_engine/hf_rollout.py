@@ -26,14 +26,12 @@ import torch.distributed as dist
 
 from megarl import platform
 from megarl.dtypes import dtype_from_name
+from megarl.hybrid_engine.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
 from megarl.hybrid_engine.hf_saved_names import saved_tensor_index
-from megarl.hybrid_engine.vllm_rollout import (
+from megarl.hybrid_engine.rollout_types import (
     EngineConfig,
     RolloutOutput,
     SamplingConfig,
-    check_weight_update,
-    checkpoint_shapes,
-    eos_token_ids,
     request_seed,
 )
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
@@ -172,7 +170,7 @@ class HFRollout:
         max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput:
         """``sampling.n`` responses per prompt; request i is seeded with ``seeds[i]`` when given,
-        else as :func:`~megarl.hybrid_engine.vllm_rollout.request_seed` says, and gets
+        else as :func:`~megarl.hybrid_engine.rollout_types.request_seed` says, and gets
         ``max_new_tokens[i]`` new tokens at most when given."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep; call wake_up() first")

@@ -16,7 +16,7 @@ from pathlib import Path
 from megarl.config import JudgeConfig
 from megarl.data.chat import encode_prompts
 from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
+from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.rewards.judge import NoAnswer
 
 

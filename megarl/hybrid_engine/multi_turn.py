@@ -27,8 +27,8 @@ from typing import Protocol, TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 
 T = TypeVar("T")
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sequence_seed
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 
 
 class Generator(Protocol):

@@ -17,11 +17,9 @@ engine started with ``load_format="dummy"`` holds random weights until the first
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,90 +27,20 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
-from megarl.hybrid_engine.seeds import sequence_seed
+from megarl.hybrid_engine.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
+from megarl.hybrid_engine.rollout_types import (
+    EngineConfig,
+    RolloutOutput,
+    SamplingConfig,
+    request_seed,
+)
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
 from megarl.lean_imports import VLLM_OPTIONAL, packages_hidden
-from megarl.models.safetensors_io import SafetensorsReader
 from megarl.shm_segments import (
     RUN_SEGMENTS_ENV,
     name_cpu_shm_segments_per_run,
     new_segment_prefix,
 )
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How responses are sampled. ``temperature == 0`` is greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: off
-    max_new_tokens: int = 128
-    n: int = 1  # samples per prompt (GRPO groups)
-    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
-    seed: int = 0  # the run's seed: every sample's own stream derives from it (hybrid_engine.seeds)
-    # False: no request seeds, vLLM's batched sampler draws from the engine's generator (samples
-    # then depend on the layout and the batching; rollout.per_request_seeds)
-    per_request_seeds: bool = True
-    ignore_eos: bool = False  # benchmarks: exactly max_new_tokens tokens per response
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int = 1024
-    kv_cache_bytes: int = 256 << 20
-    dtype: str = "float32"
-    seed: int = 0
-    max_num_seqs: int = 256
-    gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU for vLLM's weights + KV cache
-    # CUDA: 2 drops the weights while asleep (the next reshard refills every one), 1 keeps them
-    # in host memory (copied out and back at every sleep)
-    sleep_level: int = 2
-    # "auto": read the checkpoint at start-up; "dummy": random weights, for an engine whose
-    # first weight update delivers every tensor (the hybrid engine's reshard)
-    load_format: str = "auto"
-
-
-@dataclass
-class RolloutOutput:
-    """Responses in prompt-major order: sample j of prompt i is entry ``i * n + j``."""
-
-    prompt_index: list[int] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    # multi-turn: 1 for each model token of a response, 0 for the environment's (empty: all 1)
-    response_masks: list[list[int]] = field(default_factory=list)
-
-    def extend(self, other: RolloutOutput, index_offset: int = 0) -> None:
-        self.prompt_index += [i + index_offset for i in other.prompt_index]
-        self.token_ids += other.token_ids
-        self.logprobs += other.logprobs
-        self.finish_reasons += other.finish_reasons
-        self.response_masks += other.response_masks
-
-
-def request_seed(
-    sampling: SamplingConfig, seed_offset: int, index: int, seeds: Sequence[int] | None
-) -> int:
-    """The seed of request ``index`` of a generate call: its own when given (a run passes
-    every request's, :mod:`megarl.hybrid_engine.seeds`); else, for a call outside a run, the
-    stream of sample ``seed_offset + index * n`` of the run seed's rollout 0, so no two samples
-    of the call share one."""
-    if seeds is not None:
-        return int(seeds[index])
-    return sequence_seed(sampling.seed, 0, seed_offset + index * max(1, sampling.n))
-
-
-def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
-    """EOS ids from ``generation_config.json`` (else ``config.json``); empty when none."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ()
 
 
 @contextlib.contextmanager
@@ -337,27 +265,6 @@ class VLLMRollout:
             self.asleep = False
 
 
-def check_weight_update(
-    expected_shapes: dict[str, tuple[int, ...]],
-    weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]],
-    model_dir: str,
-) -> None:
-    """Raise naming the first tensor whose name or shape the rollout model does not have."""
-    for name, t in weights:
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
-        want = expected_shapes.get(name)
-        if want is None:
-            raise ValueError(
-                f"weight update: tensor {name!r} is not a parameter of the rollout model "
-                f"({model_dir}); nothing was loaded"
-            )
-        if tuple(want) != shape:
-            raise ValueError(
-                f"weight update: tensor {name!r} has shape {list(shape)} but the rollout "
-                f"model expects {list(want)}; nothing was loaded"
-            )
-
-
 def _load_presharded(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs in vLLM's worker: load this TP rank's slices of HF-named tensors.
 
@@ -445,10 +352,3 @@ def _rebuild_cpu_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if head is not None and hasattr(head, "cpu_linear") and head.weight.numel() > 0:
         dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of the checkpoint the rollout engine was built from."""
-
-    reader = SafetensorsReader(model_dir)
-    return {n: tuple(reader.shape(n)) for n in reader.names()}

@@ -69,7 +69,7 @@ from megarl.cli import main as cli_main
 from megarl.config import load_config
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.vllm_rollout import EngineConfig
+from megarl.hybrid_engine.rollout_types import EngineConfig
 from megarl.launch import init_distributed
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims

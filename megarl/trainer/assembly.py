@@ -22,8 +22,9 @@ from megarl.envs.pool import ToolPool
 from megarl.envs.runner import EnvRunner
 from megarl.hybrid_engine.async_links import make_links, weight_schedule
 from megarl.hybrid_engine.engine import HybridEngine
+from megarl.hybrid_engine.engine_folder import eos_token_ids
 from megarl.hybrid_engine.multi_turn import TurnLimits
-from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig, eos_token_ids
+from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.dims import ModelDims
 from megarl.rewards.model import build_reward_model

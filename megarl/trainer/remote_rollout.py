@@ -44,7 +44,7 @@ from megarl.hybrid_engine.rollout_messages import (
     Start,
     Stop,
 )
-from megarl.hybrid_engine.vllm_rollout import SamplingConfig
+from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.hybrid_engine.weight_sync import SyncStats, WeightSender
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from megarl.data import PromptItem
 from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch, gpu_memory_metrics
-from megarl.hybrid_engine.vllm_rollout import SamplingConfig
+from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.metrics import StepMetrics, declare
 from megarl.run.steps import timed
 from megarl.trainer.assembly import PolicyRun

@@ -57,6 +57,7 @@ from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.async_links import Links, make_links, weight_schedule
 from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
+from megarl.hybrid_engine.engine_folder import checkpoint_shapes
 from megarl.hybrid_engine.execute import hf_shapes_of
 from megarl.hybrid_engine.multi_turn import (
     TurnLimits,
@@ -74,8 +75,8 @@ from megarl.hybrid_engine.rollout_messages import (
     Start,
     Stop,
 )
+from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.hybrid_engine.versioned import generate_versioned
-from megarl.hybrid_engine.vllm_rollout import SamplingConfig, checkpoint_shapes
 from megarl.hybrid_engine.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
 from megarl.launch import init_split
 from megarl.models.dims import ModelDims

@@ -13,8 +13,8 @@ from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.multi_turn import rank_output
 from megarl.hybrid_engine.rollout_messages import Part
+from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.hybrid_engine.versioned import VersionedOutput
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megarl import parallel
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.trainer.batch import Samples
 
 # The scoring pass's rollouts: N sequences of a 16-token prompt and a 48-token response, scored

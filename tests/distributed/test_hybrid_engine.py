@@ -157,7 +157,7 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
 
     from megarl.hybrid_engine.engine import HybridEngine
     from megarl.hybrid_engine.hf_rollout import HFRollout
-    from megarl.hybrid_engine.vllm_rollout import EngineConfig, SamplingConfig
+    from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.models.forward import run_schedule

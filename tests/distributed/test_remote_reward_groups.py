@@ -60,7 +60,7 @@ def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], 
     from megarl.config import JudgeConfig
     from megarl.data import PromptItem
     from megarl.hybrid_engine.engine import RolloutBatch
-    from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+    from megarl.hybrid_engine.rollout_types import RolloutOutput
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.rewards.judge import JudgeScorer

@@ -24,7 +24,7 @@ import torch
 from megarl.config import load_config
 from megarl.hybrid_engine.async_links import Links, weight_schedule
 from megarl.hybrid_engine.rollout_messages import Push, Start, Stop
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.weight_sync import WeightReceiver, WeightSender
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout

@@ -15,9 +15,9 @@ from megarl.config import load_config
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.rollout_messages import TRAIN, Draws, Generated, Part
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
 from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import staleness_metrics

@@ -12,7 +12,7 @@ from megarl.config import OverlongBufferConfig
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.rewards.manager import RewardManager
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching

@@ -12,8 +12,8 @@ from megarl.envs import ChatDeltas, EnvError, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner, env_seed
 from megarl.envs.trajectory import check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from tests.assets import qwen25_tokenizer_dir
 
 pytestmark = pytest.mark.unit

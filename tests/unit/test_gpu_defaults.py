@@ -177,8 +177,9 @@ class _Recorder:
 
 @pytest.mark.parametrize(("per_request", "temperature"), [(True, 1.0), (False, 1.0), (True, 0.0)])
 def test_request_seeds_or_the_batched_sampler(per_request, temperature):
+    from megarl.hybrid_engine.rollout_types import SamplingConfig
     from megarl.hybrid_engine.seeds import sequence_seed
-    from megarl.hybrid_engine.vllm_rollout import SamplingConfig, VLLMRollout
+    from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 
     engine = object.__new__(VLLMRollout)  # no vLLM: only the request building runs
     engine.asleep = False

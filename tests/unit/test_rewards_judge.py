@@ -25,7 +25,7 @@ from megarl.data import PromptItem
 from megarl.errors import ConfigError
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.hybrid_engine.judge_engine import EngineJudge
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.rewards.judge import JudgeScorer, NoAnswer
 from megarl.rewards.judge_prompt import JudgeTemplate, UnparsedAnswer, question_text
 from megarl.rewards.judge_remote import OpenAIJudge

@@ -24,7 +24,7 @@ from megarl.config import OverlongBufferConfig, load_config, validate
 from megarl.data import PromptItem
 from megarl.errors import ConfigError
 from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput
+from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.remote import RemoteScorer
 from megarl.rewards.remote_protocol import BadAnswer, parse_answer, request_body

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from megarl.hybrid_engine import engine as engine_module
 from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.multi_turn import first_turn_seed, turn_seed
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import (
     SEQUENCE_BITS,
     request_seeds,
@@ -25,7 +26,6 @@ from megarl.hybrid_engine.seeds import (
     sequence_seed,
 )
 from megarl.hybrid_engine.versioned import generate_versioned
-from megarl.hybrid_engine.vllm_rollout import RolloutOutput, SamplingConfig
 from megarl.parallel import ParallelLayout
 from megarl.trainer.rollout_group_parts import engine_slice
 

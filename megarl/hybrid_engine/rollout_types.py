@@ -1,0 +1,74 @@
+"""The rollout engines' seam types: how responses are sampled, how an engine is sized, what it
+returns, and each request's seed. Both engines (:mod:`megarl.hybrid_engine.vllm_rollout`,
+:mod:`megarl.hybrid_engine.hf_rollout`) and everything that drives them import these from here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megarl.hybrid_engine.seeds import sequence_seed
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled. ``temperature == 0`` is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 128
+    n: int = 1  # samples per prompt (GRPO groups)
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
+    seed: int = 0  # the run's seed: every sample's own stream derives from it (hybrid_engine.seeds)
+    # False: no request seeds, vLLM's batched sampler draws from the engine's generator (samples
+    # then depend on the layout and the batching; rollout.per_request_seeds)
+    per_request_seeds: bool = True
+    ignore_eos: bool = False  # benchmarks: exactly max_new_tokens tokens per response
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 256 << 20
+    dtype: str = "float32"
+    seed: int = 0
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU for vLLM's weights + KV cache
+    # CUDA: 2 drops the weights while asleep (the next reshard refills every one), 1 keeps them
+    # in host memory (copied out and back at every sleep)
+    sleep_level: int = 2
+    # "auto": read the checkpoint at start-up; "dummy": random weights, for an engine whose
+    # first weight update delivers every tensor (the hybrid engine's reshard)
+    load_format: str = "auto"
+
+
+@dataclass
+class RolloutOutput:
+    """Responses in prompt-major order: sample j of prompt i is entry ``i * n + j``."""
+
+    prompt_index: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    # multi-turn: 1 for each model token of a response, 0 for the environment's (empty: all 1)
+    response_masks: list[list[int]] = field(default_factory=list)
+
+    def extend(self, other: RolloutOutput, index_offset: int = 0) -> None:
+        self.prompt_index += [i + index_offset for i in other.prompt_index]
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.finish_reasons += other.finish_reasons
+        self.response_masks += other.response_masks
+
+
+def request_seed(
+    sampling: SamplingConfig, seed_offset: int, index: int, seeds: Sequence[int] | None
+) -> int:
+    """The seed of request ``index`` of a generate call: its own when given (a run passes
+    every request's, :mod:`megarl.hybrid_engine.seeds`); else, for a call outside a run, the
+    stream of sample ``seed_offset + index * n`` of the run seed's rollout 0, so no two samples
+    of the call share one."""
+    if seeds is not None:
+        return int(seeds[index])
+    return sequence_seed(sampling.seed, 0, seed_offset + index * max(1, sampling.n))

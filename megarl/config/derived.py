@@ -45,3 +45,11 @@ def model_dtype(cfg: RunConfig, cuda: bool) -> str:
 def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
     """The rollout engine's dtype name: rollout.dtype, where auto is the models' dtype."""
     return model_dtype(cfg, cuda) if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+
+
+def routing_recorded(cfg: RunConfig, moe: bool) -> bool:
+    """Whether the rollout records each token's experts: an MoE policy on the HF backend in a
+    colocated single-turn run (the paths that carry them; the input checks refuse
+    actor.router_replay elsewhere)."""
+    r = cfg.rollout
+    return moe and r.backend == "hf" and r.env is None and r.mode == "colocated"

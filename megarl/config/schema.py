@@ -255,6 +255,11 @@ class ActorConfig:
     # rollout-vs-trainer mismatch metrics then come from the update's forward); always: that
     # separate forward runs every step.
     old_log_prob_forward: OldLogProbForward = "auto"
+    # Mixture-of-experts: the trainer's routers use the experts the rollout engine chose for each
+    # token (routing replay, "R3") in the old-logprob, reference and update forwards. Whether on
+    # or off, an MoE run on the HF rollout backend records the rollout's routing and logs
+    # moe/routing_agreement and moe/router_agreement every step (docs/training.md).
+    router_replay: bool = False
 
 
 @dataclass

@@ -385,6 +385,7 @@ class HybridEngine:
             token_ids=[merged.token_ids[k] for k in keep],
             logprobs=[merged.logprobs[k] for k in keep],
             finish_reasons=[merged.finish_reasons[k] for k in keep],
+            routes=[merged.routes[k] for k in keep] if merged.routes else [],
         )
         return RolloutBatch(prompts=mine, output=output)
 

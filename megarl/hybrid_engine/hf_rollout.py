@@ -74,6 +74,10 @@ class HFRollout:
         self.group = _rollout_group(infer_tp)
         self.asleep = False
         self.weights_dropped = False
+        # actor.router_replay: each router's top-k indices, call by call, while recording
+        self._route_calls: list[list[torch.Tensor]] | None = None
+        if self.config.record_routes:
+            self._route_calls = _record_router_choices(self.model)
 
     # -- weights -------------------------------------------------------------------------------
     def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None:
@@ -137,6 +141,9 @@ class HFRollout:
     def _one_request(self, prompt: list[int], gen_config, seed: int | None, stop: set[int]):
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         mask = torch.ones_like(ids)
+        if self._route_calls is not None:
+            for calls in self._route_calls:
+                calls.clear()
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             if seed is not None:
@@ -153,11 +160,14 @@ class HFRollout:
             dim=1,
         )
         rows = []
-        for tokens, lps in zip(new.tolist(), logprobs.tolist(), strict=True):
+        for j, (tokens, lps) in enumerate(zip(new.tolist(), logprobs.tolist(), strict=True)):
             end = next((k + 1 for k, tok in enumerate(tokens) if tok in stop), None)
             reason = "length" if end is None else "stop"
             end = len(tokens) if end is None else end
-            rows.append((tokens[:end], lps[:end], reason))
+            routes = None
+            if self._route_calls is not None:
+                routes = _sample_routes(self._route_calls, j, len(new), len(prompt), end)
+            rows.append((tokens[:end], lps[:end], reason, routes))
         return rows
 
     def generate(
@@ -187,13 +197,15 @@ class HFRollout:
                 config = self._generation_config(
                     replace(sampling, max_new_tokens=int(max_new_tokens[i])), stop
                 )
-            for tokens, lps, reason in self._one_request(
+            for tokens, lps, reason, routes in self._one_request(
                 list(map(int, prompt)), config, seed, set(stop)
             ):
                 out.prompt_index.append(i)
                 out.token_ids.append(tokens)
                 out.logprobs.append(lps)
                 out.finish_reasons.append(reason)
+                if routes is not None:
+                    out.routes.append(routes)
         return out
 
     # -- memory --------------------------------------------------------------------------------
@@ -221,6 +233,47 @@ class HFRollout:
                 self.model.to(self.device)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
+
+
+def _record_router_choices(model: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """Forward hooks on the model's MoE routers (transformers' ``*TopKRouter`` modules, which
+    return ``(logits, weights, indices)``), in layer order: each call's ``[tokens, top_k]``
+    indices appended to that router's list (int16, host)."""
+    calls: list[list[torch.Tensor]] = []
+    for module in model.modules():
+        if not type(module).__name__.endswith("TopKRouter"):
+            continue
+        mine: list[torch.Tensor] = []
+        calls.append(mine)
+
+        def hook(_module, _args, output, mine=mine):
+            mine.append(output[2].detach().to("cpu", torch.int16))
+
+        module.register_forward_hook(hook)
+    if not calls:
+        raise ValueError(
+            "actor.router_replay: the rollout model has no MoE router (a transformers "
+            "*TopKRouter module) to record"
+        )
+    return calls
+
+
+def _sample_routes(
+    calls: list[list[torch.Tensor]], row: int, rows: int, prompt_len: int, length: int
+) -> torch.Tensor:
+    """Row ``row``'s routes of one ``generate`` (``rows`` samples of one prompt), ``[prompt_len +
+    length, layers, top_k]``: the prompt's from the prefill (one row of ``prompt_len`` tokens,
+    or ``rows`` of them when generate expanded the prompt first), then each response token's from
+    the decode step that read it; the last token, never read, routed by no one (-1)."""
+    per_layer = []
+    for layer in calls:
+        prefill = layer[0]
+        start = row * prompt_len if prefill.shape[0] == rows * prompt_len else 0
+        prompt = prefill[start : start + prompt_len]
+        steps = [step[row : row + 1] for step in layer[1:length]]
+        last = torch.full((1, prompt.shape[1]), -1, dtype=torch.int16, device="cpu")
+        per_layer.append(torch.cat([prompt, *steps, last]))
+    return torch.stack(per_layer, dim=1)
 
 
 def drop_parameters(model: torch.nn.Module) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from megarl.hybrid_engine.seeds import sequence_seed
 
 
@@ -38,6 +40,8 @@ class EngineConfig:
     # CUDA: 2 drops the weights while asleep (the next reshard refills every one), 1 keeps them
     # in host memory (copied out and back at every sleep)
     sleep_level: int = 2
+    # actor.router_replay: record each token's routed experts (RolloutOutput.routes)
+    record_routes: bool = False
     # "auto": read the checkpoint at start-up; "dummy": random weights, for an engine whose
     # first weight update delivers every tensor (the hybrid engine's reshard)
     load_format: str = "auto"
@@ -53,6 +57,10 @@ class RolloutOutput:
     finish_reasons: list[str] = field(default_factory=list)
     # multi-turn: 1 for each model token of a response, 0 for the environment's (empty: all 1)
     response_masks: list[list[int]] = field(default_factory=list)
+    # actor.router_replay: per sample, the experts the engine routed each token of prompt +
+    # response to, [tokens, MoE layers, top_k] int16 on the host, -1 where it routed none (empty:
+    # not recorded)
+    routes: list[torch.Tensor] = field(default_factory=list)
 
     def extend(self, other: RolloutOutput, index_offset: int = 0) -> None:
         self.prompt_index += [i + index_offset for i in other.prompt_index]
@@ -60,6 +68,7 @@ class RolloutOutput:
         self.logprobs += other.logprobs
         self.finish_reasons += other.finish_reasons
         self.response_masks += other.response_masks
+        self.routes += other.routes
 
 
 def request_seed(

@@ -17,7 +17,14 @@ import torch.distributed as dist
 
 from megarl import parallel
 from megarl.models.loading import unwrap
-from megarl.models.packing import PackedBatch, all_positions, pack, packed_positions
+from megarl.models.packing import (
+    PackedBatch,
+    all_positions,
+    pack,
+    packed_positions,
+    packed_values,
+)
+from megarl.models.router_replay import router_token_order, set_routes
 from megarl.models.shared_prompts import SharedPromptPack, pack_shared_prompts, rotary_positions
 
 MicroBatch = TypeVar("MicroBatch")
@@ -179,10 +186,14 @@ def run_schedule(
     chunks = model if isinstance(model, (list, tuple)) else [model]
     multiple = parallel.tp_size() if _sequence_parallel(chunks[0]) else 1
 
+    replayed = any(b.get("routes") is not None for b in micro_batches)
+
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
         ids = batch["input_ids"]
         seq = ids.shape[1]
+        if replayed:  # actor.router_replay: this micro-batch's recorded experts, or none
+            set_routes(model_chunk, _routes_in_router_order(batch, multiple))
         all_positions = batch.get("positions") is None
         if "seq_lens" in batch:
             output = _packed_forward(model_chunk, batch, multiple)
@@ -205,14 +216,44 @@ def run_schedule(
     seq_len = max(_tokens_in(b) for b in micro_batches)
     seq_len = -(-seq_len // multiple) * multiple
     mbs = max(1 if "seq_lens" in b else int(b["input_ids"].shape[0]) for b in micro_batches)
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=it,
-        model=model,
-        num_microbatches=n,
-        seq_length=seq_len,
-        micro_batch_size=mbs,
-        forward_only=forward_only,
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=it,
+            model=model,
+            num_microbatches=n,
+            seq_length=seq_len,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+    finally:
+        if replayed:  # no later forward routes by this schedule's last micro-batch
+            for chunk in chunks:
+                set_routes(chunk, None)
+
+
+def _routes_in_router_order(batch: dict[str, Any], multiple: int) -> torch.Tensor | None:
+    """A micro-batch's ``routes`` (``[b, L, layers, k]`` recorded experts, -1: none) in the
+    token order its routers see: padded like ``input_ids`` (or packed like them), sequence-major,
+    this TP rank's share under sequence parallelism (``multiple`` > 1)."""
+    routes = batch.get("routes")
+    if routes is None:
+        return None
+    if "prompt_lens" in batch:
+        raise ValueError(
+            "routing replay does not run with shared-prompt packs (actor.share_prompts); the "
+            "config check refuses the pair"
+        )
+    if "seq_lens" in batch:
+        ordered = packed_values(routes, batch["seq_lens"], multiple, fill=-1).unsqueeze(0)
+    else:
+        extra = -routes.shape[1] % multiple
+        ordered = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, extra), value=-1)
+    split = multiple > 1
+    return router_token_order(
+        ordered,
+        sequence_parallel_rank=parallel.tp_rank() if split else None,
+        sequence_parallel_size=multiple,
     )
 
 

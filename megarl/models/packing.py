@@ -94,6 +94,21 @@ def pack(input_ids: torch.Tensor, seq_lens: torch.Tensor, multiple: int = 1) -> 
     )
 
 
+def packed_values(
+    values: torch.Tensor, seq_lens: torch.Tensor, multiple: int = 1, fill: int = 0
+) -> torch.Tensor:
+    """Per-token ``values`` of a padded batch (``[b, L, ...]``) in the order :func:`pack` lays
+    the tokens out (``[T, ...]``, the pad tail filled with ``fill``)."""
+    width = values.shape[1]
+    lengths = seq_lens.to(device=values.device, dtype=torch.long)
+    real = torch.arange(width, device=values.device).unsqueeze(0) < lengths.unsqueeze(1)
+    tokens = values[real]
+    tail = -int(tokens.shape[0]) % multiple
+    if tail:
+        tokens = torch.cat([tokens, tokens.new_full((tail, *tokens.shape[1:]), fill)])
+    return tokens
+
+
 def packed_positions(packed: PackedBatch, positions: torch.Tensor) -> torch.Tensor:
     """``[b, P]`` positions of the padded batch as indices into the pack.
 

@@ -41,6 +41,7 @@ from megarl.plan.memory import (
     Options,
     judge_weight_bytes,
     optimizer_shard_elements,
+    routes_bytes,
     vllm_weight_bytes,
 )
 from megarl.plan.params import stage_params, stage_tensor_numels
@@ -166,6 +167,10 @@ def _rank_host(
     elif w.rollout and w.sleep_level == 1:
         asleep = vllm_weight_bytes(dims, layout.rollout_tp)
     training = {**common, "vllm_asleep": asleep}
+    if w.record_routes and dims.is_moe:  # the rollout's recorded experts, kept for the step;
+        # the data-parallel re-deal gathers every rank's samples (and routes) on each rank
+        routes = routes_bytes(dims, w, dp) * (dp if w.routes_gathered else 1)
+        training["routes"] = rollout["routes"] = routes
     if w.judge is not None and pinned:  # a local judge waits in host memory (pageable)
         training["judge_asleep"] = judge_weight_bytes(w.judge)
         rollout["judge_asleep"] = judge_weight_bytes(w.judge)

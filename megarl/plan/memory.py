@@ -300,6 +300,15 @@ def judge_bytes(w: Workload) -> int:
     return judge_weight_bytes(w.judge) + kv_bytes_per_token(w.judge, 1) * w.judge_len + logits
 
 
+def routes_bytes(dims: ModelDims, w: Workload, dp: int) -> int:
+    """The recorded experts of one rank's rollout (int16 per token, MoE layer and top-k slot,
+    padded to the longest sequence): 0 without recording or for a dense model."""
+    if not (w.record_routes and dims.is_moe):
+        return 0
+    sequences = -(-(w.rollout_batch or w.global_batch) // dp)
+    return sequences * w.seq_len * dims.num_layers * dims.moe_topk * 2
+
+
 def reshard_buffer_bytes(
     dims: ModelDims, infer_tp: int, bucket_bytes: int = RESHARD_BUCKET, backend: str = "vllm"
 ) -> int:

@@ -27,6 +27,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from megarl.config import RunConfig, model_dtype, validate
+from megarl.config.derived import routing_recorded
 from megarl.errors import ConfigError, MegarlError
 from megarl.gpu_defaults import Target, kernel_options, transformer_impl
 from megarl.models.dims import ModelDims
@@ -253,6 +254,8 @@ def workload_for(
         rollout_batch=rollout_batch,
         sleep_level=r.sleep_level,
         reward_model=reward_model,
+        record_routes=routing_recorded(cfg, True),  # counted for MoE models only
+        routes_gathered=actor.balance_dp_tokens,
         judge=_judge_dims(cfg),
         judge_len=cfg.reward.judge.max_length,
     )

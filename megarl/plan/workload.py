@@ -55,6 +55,10 @@ class Workload:
     # (the scoring phase) and in host memory otherwise; judge_len: its prompt + answer tokens
     judge: ModelDims | None = None
     judge_len: int = 0
+    # an MoE policy whose rollout records each token's experts (megarl.models.router_replay):
+    # int16 ids per token, MoE layer and top-k slot, for the rank's rollout, in host memory
+    record_routes: bool = False
+    routes_gathered: bool = False  # actor.balance_dp_tokens: every rank's routes on each rank
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "global_batch", "rollout_seqs"):

@@ -266,6 +266,40 @@ def _check_companion(
         )
 
 
+def _check_router_replay(cfg: RunConfig, dims: ModelDims) -> None:
+    """actor.router_replay: an MoE policy, on the paths that carry the rollout's routing."""
+    if not dims.is_moe:
+        raise ConfigError(
+            f"actor.router_replay=true replays a mixture-of-experts routing; {cfg.model.path} is a "
+            f"dense {dims.family} model: set actor.router_replay=false"
+        )
+    r = cfg.rollout
+    refusals = (
+        (
+            r.backend != "hf",
+            f"rollout.backend={r.backend}: megarl does not read vLLM's routed experts yet; set "
+            "rollout.backend=hf (transformers records its routers' choices)",
+        ),
+        (
+            r.env is not None,
+            "rollout.env: multi-turn trajectories do not carry their routing yet; unset rollout.env",
+        ),
+        (
+            r.mode != "colocated",
+            f"rollout.mode={r.mode}: the rollout group does not send its routing yet; set "
+            "rollout.mode=colocated",
+        ),
+        (
+            cfg.actor.share_prompts,
+            "actor.share_prompts: a shared-prompt pack routes each prompt once, not per sample; "
+            "set actor.share_prompts=false",
+        ),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"actor.router_replay=true with {why}")
+
+
 def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
     """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one; vLLM takes
     no pre-sharded experts."""
@@ -283,6 +317,8 @@ def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
             f"mixture-of-experts model {cfg.model.path}: {refusal}; set rollout.reshard_mode=auto "
             "(full for this model) or rollout.backend=hf"
         )
+    if cfg.actor.router_replay:
+        _check_router_replay(cfg, dims)
     if cfg.actor.lora.rank and dims.is_moe:
         raise ConfigError(
             f"actor.lora.rank={cfg.actor.lora.rank}: LoRA adapters are built for dense models only "

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from megarl import parallel, platform
 from megarl.algos.kl import KLController
 from megarl.config import RolloutConfig, RunConfig, rollout_dtype
+from megarl.config.derived import routing_recorded
 from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
 from megarl.envs.chat_deltas import ChatDeltas
@@ -27,6 +28,7 @@ from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.dims import ModelDims
+from megarl.models.router_replay import replay_routers
 from megarl.rewards.model import build_reward_model
 from megarl.run.checks import rules_need_ground_truth
 from megarl.run.epochs import EpochBatches
@@ -191,8 +193,11 @@ def _engine_seed(cfg: RunConfig, engine_index: int) -> int:
     return cfg.trainer.seed + engine_index
 
 
-def engine_config(cfg: RunConfig, engine_index: int) -> EngineConfig:
-    """The rollout engine's settings; ``engine_index``: which engine of the run this rank's is."""
+def engine_config(
+    cfg: RunConfig, engine_index: int, *, record_routes: bool = False
+) -> EngineConfig:
+    """The rollout engine's settings; ``engine_index``: which engine of the run this rank's is;
+    ``record_routes``: it records each token's experts (an MoE policy, megarl.models.router_replay)."""
     r = cfg.rollout
     return EngineConfig(
         max_model_len=cfg.data.max_prompt_length + r.max_response_length,
@@ -202,6 +207,7 @@ def engine_config(cfg: RunConfig, engine_index: int) -> EngineConfig:
         max_num_seqs=r.max_num_seqs,
         gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level,
+        record_routes=record_routes,
     )
 
 
@@ -240,7 +246,11 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout
         startup.layout,
         roles.dims,
         roles.actor.ddp,
-        engine_config=engine_config(cfg, startup.rank // startup.layout.rollout_tp),
+        engine_config=engine_config(
+            cfg,
+            startup.rank // startup.layout.rollout_tp,
+            record_routes=routing_recorded(cfg, roles.dims.is_moe),
+        ),
         backend=r.backend,
         multi_turn=r.env is not None,
         reshard_mode=r.reshard_mode,
@@ -372,6 +382,10 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     data = build_data(cfg, startup) if startup.world is None else None
     announce(f"building models: {', '.join(spec_roles(spec, cfg))}")
     roles = build_roles(cfg, startup.layout, spec)
+    if routing_recorded(cfg, roles.dims.is_moe):  # the routers replay (or only measure)
+        for model in (roles.actor.model, roles.reference):
+            if model is not None:
+                replay_routers(model, replay=cfg.actor.router_replay)
     rewards = build_rewards(cfg, startup)
     announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
     rollout = build_rollout(cfg, startup, roles)

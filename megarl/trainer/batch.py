@@ -29,6 +29,9 @@ class Samples:
     # response space [N, R]
     response_mask: torch.Tensor
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # actor.router_replay: [N, L, MoE layers, top_k] experts the rollout routed each token to
+    # (int16, host memory, -1: none); None without replay
+    routes: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -89,7 +92,18 @@ class Samples:
             group_ids=[self.group_ids[i] for i in idx.tolist()],
             response_mask=self.response_mask[idx, :resp_len],
             tensors={k: v[idx, :resp_len] for k, v in self.tensors.items()},
+            routes=None if self.routes is None else self.routes[idx.cpu(), :seq_len],
         )
+
+
+def padded_routes(routes: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """Each sample's recorded experts (``[tokens, layers, k]``) in one ``[N, width, layers, k]``
+    host tensor, -1 past a sample's end."""
+    layers, k = routes[0].shape[1:]
+    out = torch.full((len(routes), width, layers, k), -1, dtype=torch.int16, device="cpu")
+    for i, r in enumerate(routes):
+        out[i, : r.shape[0]] = r[:width]
+    return out
 
 
 def micro_batches(

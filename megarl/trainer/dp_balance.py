@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megarl import parallel
 from megarl.data.token_balance import balance_groups, imbalance
-from megarl.trainer.batch import Samples
+from megarl.trainer.batch import Samples, padded_routes
 
 # The imbalance of the rollout as each rank drew it; the trained one (after the re-deal) is the
 # step's perf/dp_token_imbalance (megarl.run.steps).
@@ -34,6 +34,7 @@ class _Row(TypedDict):
     group: Hashable
     tensors: dict[str, torch.Tensor]  # per-response-token tensors, unpadded
     score: torch.Tensor
+    routes: torch.Tensor | None  # actor.router_replay: [tokens, layers, k], unpadded
 
 
 def _host_rows(samples: Samples, scores: torch.Tensor) -> list[_Row]:
@@ -52,6 +53,7 @@ def _host_rows(samples: Samples, scores: torch.Tensor) -> list[_Row]:
             "group": samples.group_ids[i],
             "tensors": {k: v[i, : max(1, resp[i])] for k, v in tensors.items()},
             "score": host_scores[i],
+            "routes": None if samples.routes is None else samples.routes[i, : lens[i]],
         }
         for i in range(samples.size)
     ]
@@ -75,6 +77,11 @@ def _from_rows(rows: list[_Row], pad_id: int, device: torch.device) -> Samples:
             value = r["tensors"][key]
             out[i, : value.shape[0]] = value.to(device)
         samples.tensors[key] = out
+    routes = [r["routes"] for r in rows]
+    if rows and all(r is not None for r in routes):
+        samples.routes = padded_routes(
+            [r for r in routes if r is not None], int(samples.input_ids.shape[1])
+        )
     return samples
 
 

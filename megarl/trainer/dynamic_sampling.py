@@ -60,6 +60,17 @@ def concat_samples(pieces: Sequence[Samples], pad_id: int) -> Samples:
         group_ids=[g for p in pieces for g in p.group_ids],
         response_mask=torch.cat([pad(p.response_mask, resp, 0.0) for p in pieces]),
         tensors={k: torch.cat([pad(p.tensors[k], resp, 0.0) for p in pieces]) for k in keys},
+        routes=_concat_routes([p.routes for p in pieces], width),
+    )
+
+
+def _concat_routes(routes: Sequence[torch.Tensor | None], width: int) -> torch.Tensor | None:
+    """The pieces' recorded experts (actor.router_replay) in one tensor, -1 past each end."""
+    if any(r is None for r in routes):
+        return None
+    pieces = [r for r in routes if r is not None]
+    return torch.cat(
+        [torch.nn.functional.pad(r, (0, 0, 0, 0, 0, width - r.shape[1]), value=-1) for r in pieces]
     )
 
 

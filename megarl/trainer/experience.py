@@ -33,7 +33,7 @@ from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.remote_settings import RemoteSettings
-from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
+from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples, padded_routes
 from megarl.trainer.distill import distill_experience
 from megarl.trainer.model_ops import (
     MicroBatching,
@@ -416,6 +416,8 @@ def rollout_samples(
     samples.tensors["rollout_log_prob"] = torch.tensor(
         rollout, dtype=torch.float32, device=device
     ).reshape(len(rollout), width)
+    if batch.output.routes:  # actor.router_replay
+        samples.routes = padded_routes(batch.output.routes, int(samples.input_ids.shape[1]))
     return samples
 
 

@@ -20,6 +20,7 @@ from megarl.trainer.old_log_probs import OLD_LOG_PROB, rollout_mismatch
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.rollout import step_batch
 from megarl.trainer.rollout_dump import dump_rollout
+from megarl.trainer.routing_metrics import routing_metrics
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
 from megarl.trainer.validation import validation_rollout
 
@@ -84,6 +85,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                     compute_experience(cfg, run.spec, run.roles, samples, run.kl_ctrl, run.batching)
                 )
             m.update(update_models(run, samples, m))
+            m.update(routing_metrics(run.roles))
             if cfg.trainer.dump_rollouts:
                 dump_rollout(cfg.trainer.output_dir, step + 1, samples, run.startup.tokenizer)
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf

@@ -43,6 +43,8 @@ class MicroBatching:
             batch["seq_lens"] = mb.seq_lens()
         if self.share_prompts:  # config validation: only with packing
             batch["prompt_lens"] = mb.prompt_lens
+        if mb.routes is not None:  # actor.router_replay
+            batch["routes"] = mb.routes
         return batch
 
 

@@ -9,6 +9,12 @@ After every step the hybrid engine reshards the actor (experts taken from their 
 the HF model; the rollout's logprobs against the actor's teacher-forced ones
 (``rollout/moe_logprob_diff_*``, logged for MoE models besides the general metric) stay below
 1e-4 (mean) and 1e-3 (max) in fp32, which a missed or misplaced expert would break at once.
+
+With routing replay (``actor.router_replay``) the engine records each token's experts, which
+travel with the samples through the data-parallel re-deal and the token-budget micro-batches
+to the routers of every rank (EP2): every recorded token of every layer is computed on the
+rollout's experts (``moe/routing_agreement`` 1 each step), and the trainer's own routers, which
+read the same fp32 weights, would have chosen them too (``moe/router_agreement``, measured 1.0).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ def test_grpo_qwen3_moe_ep2_with_hf_rollout(workdir):  # noqa: F811
             # a token budget: each rank would form its own number of micro-batches; with EP the
             # ranks agree on one (megarl.trainer.ep_micro_batches), or the all-to-alls hang
             "actor.max_tokens_per_micro_batch=1400",
+            "actor.router_replay=true",
             nproc=4,
         )
     )
@@ -47,3 +54,6 @@ def test_grpo_qwen3_moe_ep2_with_hf_rollout(workdir):  # noqa: F811
         assert r["rollout/moe_logprob_diff_max"] < 1e-3, r
         # the router's load-balancing loss (coefficient set) reaches the metrics
         assert 0.5 < r["actor/moe_load_balancing_loss"] <= 2.0, r
+        assert r["moe/routing_agreement"] == 1.0, r
+        assert r["moe/router_agreement"] > 0.99, r
+        assert r["moe/recorded_token_layers"] > 0, r

@@ -101,6 +101,9 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
 
 # file -> {function qualname: where the tensor of its collective comes from}
 COLLECTIVE_SITES: dict[str, dict[str, str]] = {
+    "megarl/trainer/routing_metrics.py": {
+        "routing_metrics": "three counts made on platform.collective_device()",
+    },
     "megarl/tools/gpu_fidelity.py": {
         "device_reserve": "one element made on platform.collective_device(group)",
     },

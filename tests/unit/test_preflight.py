@@ -483,3 +483,33 @@ def test_a_local_judge_is_planned_while_it_answers_and_asleep_in_host_memory():
     host = pf.host.ranks[(0, 0)]
     assert host["training"]["judge_asleep"] == host["rollout"]["judge_asleep"] == 2 * params
     assert "judging" not in {p.name for p in _check().phases}  # no judge, no phase
+
+
+def test_the_recorded_routes_of_an_moe_rollout_are_planned_in_host_memory():
+    """An MoE policy whose rollout records each token's experts (the HF backend; actor.
+    router_replay on or off): int16 per token, layer and top-k slot for the rank's rollout, held
+    for the step, and during the data-parallel re-deal every rank's on each rank; none with
+    vLLM, which records none yet, nor for a dense model."""
+    dims = resolve_model("Qwen3-30B-A3B")[1]  # 48 layers, top-8
+    recipe = load_config("configs/grpo_qwen3_30b_a3b.yaml", ["rollout.backend=hf"])
+    pf = preflight(recipe, dims, HW, GPU, suggest=False)
+    dp = 2  # TP4 x DP2 (EP2) on 8 GPUs
+    sequences = 1024 * 5 // dp  # the rank's share of the rollout: prompts x rollout.n
+    routes = sequences * (512 + 1024) * 48 * 8 * 2
+    host = pf.host.ranks[(0, 0)]
+    assert host["training"]["routes"] == host["rollout"]["routes"] == dp * routes
+    alone = preflight(
+        load_config(
+            "configs/grpo_qwen3_30b_a3b.yaml",
+            ["rollout.backend=hf", "actor.balance_dp_tokens=false"],
+        ),
+        dims,
+        HW,
+        GPU,
+        suggest=False,
+    )
+    assert alone.host.ranks[(0, 0)]["training"]["routes"] == routes
+    vllm = preflight(load_config("configs/grpo_qwen3_30b_a3b.yaml"), dims, HW, GPU, suggest=False)
+    assert "routes" not in vllm.host.ranks[(0, 0)]["training"]
+    dense = _check("rollout.backend=hf")
+    assert "routes" not in dense.host.ranks[(0, 0)]["training"]

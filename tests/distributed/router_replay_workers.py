@@ -1,0 +1,144 @@
+"""Rank-side body of the routing-replay test (imported by spawned gloo processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from megarl.models.build import build_model
+from megarl.models.forward import gather_vocab, run_schedule
+from megarl.models.router_replay import replay_routers, routers, routing_counts
+from megarl.parallel import destroy_model_parallel
+from megarl.platform import adapt_megatron_for_cpu
+from tests.distributed.parity_workers import _hf, _setup, batch_for
+
+
+def _hf_routers(hf) -> list[torch.nn.Module]:
+    return [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def natural_routes(hf, ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s, layers, k]`` the experts transformers' routers choose for ``ids``."""
+    seen: list[torch.Tensor] = []
+    hooks = [
+        r.register_forward_hook(lambda _m, _a, out: seen.append(out[2].detach()))
+        for r in _hf_routers(hf)
+    ]
+    with torch.no_grad():
+        hf(ids)
+    for h in hooks:
+        h.remove()
+    b, s = ids.shape
+    return torch.stack([x.reshape(b, s, -1) for x in seen], dim=2).to(torch.int16)
+
+
+@contextmanager
+def forced(hf, routes: torch.Tensor) -> Iterator[None]:
+    """Inside the block, transformers' routers use ``routes`` (``[b, s, layers, k]``; -1: their
+    own choice), their weights the softmax probabilities of those experts (renormalised where
+    the config says so): an MoE forward "forced onto the same experts", written here."""
+    originals = []
+    for layer, router in enumerate(_hf_routers(hf)):
+        want = routes[:, :, layer].reshape(-1, routes.shape[-1]).long()
+
+        def forward(hidden, router=router, want=want):
+            hidden = hidden.reshape(-1, router.hidden_dim)
+            logits = torch.nn.functional.linear(hidden, router.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            _, own = torch.topk(probs, router.top_k, dim=-1)
+            idx = torch.where(want[:, :1] >= 0, want, own)
+            top = probs.gather(1, idx)
+            if getattr(router, "norm_topk_prob", True):
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), idx
+
+        originals.append((router, router.forward))
+        router.forward = forward
+    try:
+        yield
+    finally:
+        for router, original in originals:
+            router.forward = original
+
+
+def random_routes(b: int, s: int, layers: int, experts: int, k: int, seed: int) -> torch.Tensor:
+    """Top-k sets drawn at random per token and layer (distinct experts), the last token -1."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(b, s, layers, experts, generator=gen)
+    routes = scores.topk(k, dim=-1).indices.to(torch.int16)
+    routes[:, -1] = -1
+    return routes
+
+
+def _logits(model, ids: torch.Tensor, routes: torch.Tensor | None, packed: bool):
+    batch: dict = {"input_ids": ids}
+    if routes is not None:
+        batch["routes"] = routes
+    if packed:
+        batch["seq_lens"] = torch.full((ids.shape[0],), ids.shape[1])
+    out = run_schedule(
+        [model],
+        [batch],
+        lambda o, b: (o.sum() * 0.0, {"logits": gather_vocab(o)}),
+        forward_only=True,
+    )
+    return out[0]["logits"] if out else None
+
+
+def replay_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) -> dict[str, float]:
+    """Per layout, max |megatron - transformers| logits: forced onto random experts (replayed,
+    padded and packed); on transformers' own routing with the trainer's routers perturbed,
+    without and with replay; and the routing agreement counts of each (last stage reports)."""
+    adapt_megatron_for_cpu()
+    from megatron.core import parallel_state as ps
+
+    hf = _hf(model_dir)
+    out: dict[str, float] = {}
+    for spec in layouts:
+        layout, opts, key = _setup(world, spec)
+        model, dims = build_model(model_dir, layout, opts=opts)
+        ids = batch_for(ps.get_data_parallel_rank(), dims.vocab_size)
+        b, s = ids.shape
+        layers = len(_hf_routers(hf))
+        # the ranks of one TP group hold the same rows (one DP rank): the same routes
+        routes = random_routes(
+            b, s, layers, dims.num_experts, dims.moe_topk, seed=70 + ps.get_data_parallel_rank()
+        )
+        with torch.no_grad(), forced(hf, routes):
+            ref_forced = hf(ids).logits
+        with torch.no_grad():
+            ref_natural = hf(ids).logits
+        natural = natural_routes(hf, ids)
+        replay_routers(model, replay=True)
+        results = {}
+        for name, packed in (("padded", False), ("packed", True)):
+            logits = _logits(model, ids, routes, packed)
+            counts = routing_counts(model)
+            if logits is not None:
+                results[f"forced_{name}"] = (logits - ref_forced).abs().max().item()
+                logp, ref_logp = logits.log_softmax(-1), ref_forced.log_softmax(-1)
+                results[f"forced_{name}_logprob"] = (logp - ref_logp).abs().max().item()
+            out[f"{key}:forced_{name}_used"] = counts.used_agrees / max(counts.tokens, 1)
+        logits = _logits(model, ids, None, False)  # no routes: the routers' own choice
+        if logits is not None:
+            results["own"] = (logits - ref_natural).abs().max().item()
+        # the trainer's routers perturbed: a rollout (transformers) that routed otherwise
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for router in routers(model):
+                w = router.weight
+                w.add_(torch.randn(w.shape, generator=gen) * 0.3 * w.std())
+        for name, replay in (("perturbed", False), ("perturbed_replayed", True)):
+            replay_routers(model, replay=replay)
+            logits = _logits(model, ids, natural, False)
+            counts = routing_counts(model)
+            if logits is not None:
+                results[name] = (logits - ref_natural).abs().max().item()
+            out[f"{key}:{name}_router"] = counts.router_agrees / max(counts.tokens, 1)
+            out[f"{key}:{name}_used"] = counts.used_agrees / max(counts.tokens, 1)
+        for name, value in results.items():
+            out[f"{key}:{name}"] = max(value, out.get(f"{key}:{name}", 0.0))
+        destroy_model_parallel()
+    return out

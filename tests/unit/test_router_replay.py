@@ -1,0 +1,135 @@
+"""Routing replay's pieces (actor.router_replay): the HF rollout engine records each token's
+experts as the routers chose them (checked against a teacher-forced transformers forward of the
+whole sequence), the replay object's choice and counts, the token order a router sees (padded,
+packed, sequence-parallel shares), the routes carried through micro-batches, dynamic sampling
+and the data-parallel re-deal, and the input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.config import load_config
+from megarl.errors import ConfigError
+from megarl.hybrid_engine.hf_rollout import HFRollout
+from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
+from megarl.models.dims import ModelDims
+from megarl.models.packing import pack, packed_values
+from megarl.models.router_replay import ReplayedRouting, router_token_order
+from megarl.run.checks import _check_moe_options
+from megarl.trainer.batch import Samples, padded_routes
+from megarl.trainer.dynamic_sampling import concat_samples
+from tests.assets import tiny_char_llama_dir, tiny_char_qwen3_moe_dir
+from tests.distributed.router_replay_workers import natural_routes
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_hf_engine_records_each_tokens_experts_as_a_full_forward_routes_them():
+    """Sampled responses (2 per prompt, generated incrementally with a KV cache): each token's
+    recorded experts equal those transformers' routers choose when the whole sequence is read
+    at once; the last token, never read by the engine, is -1."""
+    folder = tiny_char_qwen3_moe_dir()
+    engine = HFRollout(folder, config=EngineConfig(record_routes=True))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    out = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=6, n=2, seed=3))
+    assert len(out.routes) == 4
+    for k, routes in enumerate(out.routes):
+        prompt = prompts[out.prompt_index[k]]
+        ids = torch.tensor([prompt + out.token_ids[k]])
+        assert routes.dtype == torch.int16 and routes.shape[0] == ids.shape[1]
+        assert bool((routes[-1] == -1).all())
+        full = natural_routes(engine.model, ids)[0]  # [tokens, layers, k]
+        mine = routes[:-1].long().sort(dim=-1).values
+        theirs = full[:-1].long().sort(dim=-1).values
+        assert torch.equal(mine, theirs), k
+    dense = HFRollout(tiny_char_llama_dir(), config=EngineConfig(record_routes=False))
+    assert dense.generate([[5, 6]], SamplingConfig(max_new_tokens=2)).routes == []
+    with pytest.raises(ValueError, match="no MoE router"):
+        HFRollout(tiny_char_llama_dir(), config=EngineConfig(record_routes=True))
+
+
+def topk(scores, k, num_groups=None, group_topk=None):
+    return torch.topk(scores, k=k, dim=1)
+
+
+def test_replay_uses_the_recorded_experts_and_counts_agreement():
+    scores = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.6, 0.1, 0.2, 0.1], [0.3, 0.2, 0.5, 0.1]])
+    replay = ReplayedRouting()
+    # token 0: the router's own set {1, 2} in another order; token 1: another set; token 2: none
+    replay.set_target(torch.tensor([[2, 1], [3, 1], [-1, -1]], dtype=torch.int16))
+    probs, used = replay.get_replay_topk(scores, 2, default_compute_topk=topk)
+    assert used.tolist() == [[2, 1], [3, 1], [2, 0]]
+    assert probs.tolist() == scores.gather(1, used).tolist()
+    assert (replay.counts.tokens, replay.counts.router_agrees, replay.counts.used_agrees) == (
+        2,
+        1,
+        2,
+    )
+    replay.replay = False  # measure only: the router's own experts
+    _, used = replay.get_replay_topk(scores, 2, default_compute_topk=topk)
+    assert used.tolist() == topk(scores, 2)[1].tolist()
+    assert replay.counts.used_agrees == 3  # 2 + token 0 only
+    replay.set_target(None)
+    assert not replay.recompute_queue
+    with pytest.raises(ValueError, match="3 recorded tokens"):
+        replay.set_target(torch.zeros(3, 2, dtype=torch.int16))
+        replay.get_replay_topk(scores[:2], 2, default_compute_topk=topk)
+
+
+def test_a_routers_token_order_padded_packed_and_per_sequence_parallel_rank():
+    # routes[b, s, 1 layer, 1] = 10 * b + s, so each value names its token
+    b, s = 2, 4
+    routes = (10 * torch.arange(b)[:, None] + torch.arange(s)[None, :]).reshape(b, s, 1, 1)
+    order = router_token_order(routes, sequence_parallel_rank=None, sequence_parallel_size=1)
+    assert order.flatten().tolist() == [0, 10, 1, 11, 2, 12, 3, 13]  # sequence-major
+    second = router_token_order(routes, sequence_parallel_rank=1, sequence_parallel_size=2)
+    assert second.flatten().tolist() == [2, 12, 3, 13]
+    ids = torch.arange(8).reshape(2, 4)
+    lens = torch.tensor([3, 2])
+    packed = pack(ids, lens, multiple=2)
+    values = packed_values(routes, lens, multiple=2, fill=-1)
+    assert packed.input_ids.flatten().tolist() == [0, 1, 2, 4, 5, 0]
+    assert values.flatten().tolist() == [0, 1, 2, 10, 11, -1]
+
+
+def _samples(n: int, width: int, tag: int) -> Samples:
+    samples = Samples.from_sequences(
+        [[1, 2]] * n, [[3] * (width - 2)] * n, list(range(n)), 0, "cpu"
+    )
+    samples.routes = padded_routes([torch.full((width, 2, 2), tag, dtype=torch.int16)] * n, width)
+    return samples
+
+
+def test_routes_follow_samples_through_selection_and_concatenation():
+    a, b = _samples(2, 4, 1), _samples(1, 6, 2)
+    both = concat_samples([a, b], pad_id=0)
+    assert both.routes is not None and both.routes.shape == (3, 6, 2, 2)
+    assert both.routes[0, :4].eq(1).all() and both.routes[0, 4:].eq(-1).all()
+    assert both.routes[2].eq(2).all()
+    picked = both.select([2])
+    assert picked.routes is not None and picked.routes.shape == (1, 6, 2, 2)
+    assert picked.routes.eq(2).all()
+
+
+def test_router_replay_is_refused_where_the_routing_is_not_carried():
+    moe = ModelDims.from_pretrained(tiny_char_qwen3_moe_dir())
+    dense = ModelDims.from_pretrained(tiny_char_llama_dir())
+
+    def check(dims, *overrides):
+        cfg = load_config("configs/quickstart_cpu.yaml", ["actor.router_replay=true", *overrides])
+        _check_moe_options(cfg, dims)
+
+    check(moe, "rollout.backend=hf")
+    for dims, overrides, message in (
+        (dense, ("rollout.backend=hf",), "dense"),
+        (moe, ("rollout.backend=vllm",), "vLLM's routed experts"),
+        (
+            moe,
+            ("rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"),
+            "rollout group",
+        ),
+        (moe, ("rollout.backend=hf", "actor.share_prompts=true"), "shared-prompt"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check(dims, *overrides)

@@ -18,9 +18,11 @@ import torch
 from torch import Tensor
 
 from megarl.algos.masked import (
+    BatchSum,
     as_bool_mask,
     check_finite,
     check_same_shape,
+    local_sum,
     masked_sum,
     masked_whiten,
     zero_masked,
@@ -62,6 +64,7 @@ def gae(
     token_level_rewards: Tensor,
     mask: Tensor,
     values: Tensor,
+    batch_sum: BatchSum = local_sum,
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
@@ -70,14 +73,15 @@ def gae(
     """Generalised advantage estimation (Schulman et al. 2016) with a critic.
 
     ``returns = advantages + values`` is computed before whitening (the critic's target);
-    ``whiten`` then normalises the advantages over all valid tokens of the batch.
+    ``whiten`` then normalises the advantages over all valid tokens of the batch (every
+    data-parallel rank's, through ``batch_sum``).
     """
     check_same_shape(token_level_rewards=token_level_rewards, values=values)
     values = zero_masked(values, mask)
     advantages = _discounted_backward(token_level_rewards, mask, gamma, lam, values)
     returns = zero_masked(advantages + values, mask)
     if whiten:
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask, batch_sum=batch_sum)
     return advantages, returns
 
 
@@ -149,7 +153,11 @@ def rloo(
 
 @register_adv_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(
-    token_level_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0
+    token_level_rewards: Tensor,
+    mask: Tensor,
+    batch_sum: BatchSum = local_sum,
+    *,
+    gamma: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted reward-to-go per token, whitened over the whole batch.
 
@@ -157,7 +165,7 @@ def reinforce_plus_plus(
     rewards already (:func:`megarl.algos.kl.apply_kl_in_reward`).
     """
     returns = _discounted_backward(token_level_rewards, mask, gamma, 1.0, None)
-    return masked_whiten(returns, mask), returns
+    return masked_whiten(returns, mask, batch_sum=batch_sum), returns
 
 
 def compute_advantages(
@@ -167,6 +175,7 @@ def compute_advantages(
     response_mask: Tensor,
     values: Tensor | None = None,
     group_ids: Sequence[Hashable] | None = None,
+    batch_sum: BatchSum | None = None,
     **hparams: object,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns by the named estimator, computed without autograd (they are
@@ -186,6 +195,8 @@ def compute_advantages(
         extra["values"] = values.detach()
     if group_ids is not None:
         extra["group_ids"] = group_ids
+    if batch_sum is not None:
+        extra["batch_sum"] = batch_sum
     with torch.no_grad():
         rewards = zero_masked(token_level_rewards.detach(), mask)
         return ADV_ESTIMATORS.call(name, rewards, mask, **extra, **hparams)

@@ -126,7 +126,9 @@ def resolve_algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> Algorith
             adv_estimator=resolve_kwargs(estimator),
             loss_agg=loss_agg,
             loss_agg_per_rows="num_seqs" in agg_params,
-            adv_inputs=frozenset(positional_inputs(lookup(estimator)) & {"values", "group_ids"}),
+            adv_inputs=frozenset(
+                positional_inputs(lookup(estimator)) & {"values", "group_ids", "batch_sum"}
+            ),
             rollout_correction=resolve_kwargs(correction),
             kl_controller=kl_controller,
         )

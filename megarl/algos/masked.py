@@ -7,8 +7,20 @@ nor into a gradient (``x * mask`` would give ``NaN * 0 = NaN``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+# Sums a statistic over the whole batch: this process's batch (``local_sum``), or every
+# data-parallel rank's (the trainer passes an all-reduce), so a batch-wide statistic is the
+# same whatever the layout.
+BatchSum = Callable[[Tensor], Tensor]
+
+
+def local_sum(t: Tensor) -> Tensor:
+    """The batch is this process's: nothing to add."""
+    return t
 
 
 def as_bool_mask(mask: Tensor) -> Tensor:
@@ -51,14 +63,25 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return sq / (n - 1 if unbiased else n)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """``(x - mean) / sqrt(var + eps)`` over all valid entries; masked-out entries come back 0.
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    batch_sum: BatchSum = local_sum,
+) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over all valid entries of the batch (``batch_sum`` adds
+    the other ranks' sums); masked-out entries come back 0.
 
     With ``shift_mean=False`` the mean is added back (only the scale is normalised). Uses the
-    unbiased variance, so it raises ValueError for fewer than 2 valid entries.
+    unbiased variance, so it raises ValueError for fewer than 2 valid entries in the batch.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
+    sums = batch_sum(torch.stack([masked_sum(x, mask), masked_count(mask).to(x.dtype)]))
+    n = int(sums[1])
+    if n < 2:
+        raise ValueError(f"masked_whiten needs at least 2 valid entries in the batch, got {n}")
+    mean = sums[0] / sums[1]
+    var = batch_sum(masked_sum((x - mean) ** 2, mask)) / (n - 1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

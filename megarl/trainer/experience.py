@@ -421,6 +421,15 @@ def rollout_samples(
     return samples
 
 
+def _dp_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the data-parallel ranks (a collective; ``t`` itself when DP is 1)."""
+    if parallel.dp_size() == 1:
+        return t
+    out = t.to(platform.collective_device(), copy=True)
+    dist.all_reduce(out, group=parallel.dp_group())
+    return out.to(t.device)
+
+
 def _dp_mean(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
     dist.all_reduce(t, group=parallel.dp_group())
@@ -471,11 +480,13 @@ def compute_experience(
         kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size)
         metrics.update({"actor/reward_kl": mean(kl), "actor/kl_coef": mean(kl_ctrl.value)})
     t["token_level_rewards"] = rewards
-    extra = {}
+    extra: dict[str, Any] = {}
     if "values" in spec.advantage_inputs:
         extra["values"] = t["values"]
     if "group_ids" in spec.advantage_inputs:
         extra["group_ids"] = samples.group_ids
+    if "batch_sum" in spec.advantage_inputs:  # batch-wide statistics over every DP rank
+        extra["batch_sum"] = _dp_sum
     hparams: Mapping[str, Any] = spec.advantage_kwargs  # not group_ids: a float or bool each
     t["advantages"], t["returns"] = compute_advantages(
         spec.adv_estimator,

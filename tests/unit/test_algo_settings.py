@@ -86,7 +86,7 @@ def test_named_and_open_settings_reach_the_functions():
     )
     assert kw.adv_estimator == {"gamma": 0.99, "whiten": False}
     assert kw.policy_loss == {"clip_ratio_c": None}
-    assert kw.adv_inputs == {"values"}
+    assert kw.adv_inputs == {"values", "batch_sum"}  # its whitening spans every DP rank
 
 
 def test_a_registered_loss_gets_its_own_parameter_from_the_config():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megarl.algos import agg_loss, masked_mean, masked_var, masked_whiten
+from megarl.algos.masked import masked_sum
 from tests.unit.test_algos_refs import ragged_mask, ref_agg, ref_whiten, valid_positions
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -120,3 +121,28 @@ def test_seq_mean_ignores_sequences_without_valid_tokens():
     assert agg_loss(x, mask, "seq-mean-token-sum").item() == 3.0
     assert agg_loss(x, mask, "seq-mean-token-mean").item() == 1.5
     assert math.isclose(agg_loss(x, mask, "seq-mean-token-sum-norm").item(), 1.5)
+
+
+def test_whitening_two_halves_with_the_other_halfs_sums_equals_whitening_the_whole():
+    """A batch split over two data-parallel ranks: each half whitened with ``batch_sum`` adding
+    the other half's sums gives the whole batch's whitening (the trainer passes an all-reduce;
+    here the other half's statistic is computed by hand)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, generator=gen) * 3 + 1
+    mask = torch.rand(6, 5, generator=gen) > 0.3
+    whole = masked_whiten(x, mask)
+    halves = [(x[:3], mask[:3], x[3:], mask[3:]), (x[3:], mask[3:], x[:3], mask[:3])]
+    out = []
+    for mine, my_mask, other, other_mask in halves:
+        calls = iter([0, 1])
+
+        def batch_sum(t, other=other, other_mask=other_mask, calls=calls):
+            if next(calls) == 0:  # the sum and count
+                return t + torch.stack([masked_sum(other, other_mask), other_mask.sum().float()])
+            mean = (masked_sum(x, mask) / mask.sum()).item()  # the second pass: squared deviations
+            return t + masked_sum((other - mean) ** 2, other_mask)
+
+        out.append(masked_whiten(mine, my_mask, batch_sum=batch_sum))
+    torch.testing.assert_close(torch.cat(out), whole, rtol=1e-5, atol=1e-6)
+    # the local whitening of a half differs: the bug a DP layout had before batch_sum
+    assert not torch.allclose(masked_whiten(x[:3], mask[:3]), whole[:3], atol=1e-3)

@@ -125,6 +125,7 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/trainer/experience.py": {
         "_dp_mean": "made on platform.collective_device()",
+        "_dp_sum": "copied to platform.collective_device()",
         "_dp_explained_variance": "sums moved to platform.collective_device()",
     },
     "megarl/run/finite.py": {

@@ -8,8 +8,9 @@ operator that produced it until its last reference dies (a ``weakref.finalize`` 
 whose Python object torch keeps alive exactly as long as the storage itself).
 
 What this does not see: buffers an operator allocates and frees internally (e.g. inside a gloo
-collective or a fused kernel), and tensors created before tracking started. Start tracking
-before the model is built.
+collective or a fused kernel), and tensors created before tracking started: a view of one taken
+later counts its whole storage as new. Start tracking before the model is built, or declare what
+exists with ``existing(tensors)``.
 
 Needs torch; the rest of :mod:`megarl.plan` does not.
 """
@@ -70,6 +71,15 @@ def _make_tracker_class():
                     self._note(t)
             # In-place and out= operators return their target; a resized input shows there too.
             return out
+
+        def existing(self, tensors) -> int:
+            """Count ``tensors`` made before tracking began (e.g. a model's parameters) as live
+            now: an operator's view of one later (``detach``, ``narrow``) then adds nothing, so
+            ``peak`` minus the ``live`` this returns is what was allocated after this call."""
+            for t in tensors:
+                self._note(t)
+            self.peak = self._phase_peak = self.live
+            return self.live
 
         def phase(self, name: str | None) -> None:
             """Close the current phase (recording its peak) and start ``name`` (None: stop)."""

@@ -1,4 +1,6 @@
-"""The planner's memory model against measurement, per rank, within 15%.
+"""The planner's memory model against measurement, per rank: the total peak within 15%, and each
+item the model predicts (activations, the scoring pass's working set, the gradient bucket) and
+what stays resident within bounds of its own (ITEM_BOUNDS below).
 
 What is measured: megarl's own CPU training path (fp32 weights, ``build_model`` +
 ``wrap_for_training``: megatron DDP and the distributed Adam over gloo, a training step through
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import gc
 import json
+import math
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -48,7 +52,7 @@ STEPS = 2
 # tp > 1), in the engine and in the plan. Sequence lengths make activations a real share of
 # SmolLM2's peak and keep the 0.5B model fast. The fourth case packs (actor.packing) 4 sequences
 # of very unequal lengths (mean 64 of 128): the plan sizes its activations by the mean length.
-CASES = [
+CASES: list[tuple] = [
     ("smollm2", dict(tp=1), 128, 2, "none"),
     ("smollm2", dict(pp=2), 128, 2, "full"),
     ("qwen2.5-0.5b", dict(tp=2), 32, 1, "selective"),
@@ -95,8 +99,14 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load, pac
     gc.collect()
     tracker = live_tensor_tracker()
     step = {"n": 0}
+    starts: dict[str, int] = {}  # live bytes when each phase began: what it adds is its peak - this
+
+    def begin(name: str) -> None:
+        starts[name] = tracker.live
+        tracker.phase(name)
+
     with tracker:
-        tracker.phase("setup")
+        begin("setup")
         model, dims = build_model(
             model_dir, layout, "actor", ModelOptions(recompute=recompute), load=load
         )
@@ -110,7 +120,7 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load, pac
         finalize = config.finalize_model_grads_func
 
         def finalize_tracked(*args, **kwargs):
-            tracker.phase(f"grad-sync{step['n']}")
+            begin(f"grad-sync{step['n']}")
             return finalize(*args, **kwargs)
 
         config.finalize_model_grads_func = finalize_tracked
@@ -126,14 +136,14 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load, pac
 
         for n in range(STEPS):
             step["n"] = n
-            tracker.phase(f"forward-backward{n}")
+            begin(f"forward-backward{n}")
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             micro_batch = {"input_ids": ids}
             if packed is not None:  # one pack of the rows' first packed[i] tokens
                 micro_batch["seq_lens"] = torch.tensor(packed)
             run_schedule([ddp], [micro_batch], loss_fn, forward_only=False)
-            tracker.phase(f"optimizer-step{n}")
+            begin(f"optimizer-step{n}")
             optimizer.step()
         tracker.phase(None)
         config.finalize_model_grads_func = finalize
@@ -145,6 +155,7 @@ def _measure_case(rank, world, model_dir, spec, seq, batch, recompute, load, pac
     return {
         "peak": tracker.peak,
         "phases": dict(tracker.phases),
+        "starts": starts,
         "scoring": scoring,
         "stage": stage,
         "seconds": time.perf_counter() - start,
@@ -213,13 +224,96 @@ def _predict(model_dir: str, spec: dict, seq: int, batch: int, recompute: str, p
     )
 
 
+# Each item of the plan bounded on its own, (lowest, highest) relative error of the planned bytes
+# against the measured ones. The total peak's 15% leaves room for an activation model that is off
+# by half (weights and optimizer state are 72-93% of the peaks), so the items that the model
+# predicts rather than counts are checked one by one. Measured (bench/results/plan_memory.json;
+# the bytes are the same every run): resident -0.1%..0.0%; activations -2.7%..+13.8% (the +13.8%
+# is the PP2 last stage); the scoring pass's working set +0.5%..+40.3% (+40% on the PP2 first
+# stage, 14.5 vs 10.3 MiB; +34% packed: the plan sizes it by the budget's padded rows); the
+# gloo gradient bucket 0.0% where DP > 1. The bounds leave some 7 points beyond the measured
+# range on the side it was measured on, 10 on the other: a halved or doubled activation model,
+# or a resident item counted twice, fails.
+ITEM_BOUNDS = {
+    "resident": (-0.01, 0.01),
+    "activations": (-0.10, 0.20),
+    "scoring working set": (-0.10, 0.50),
+    "grad-sync transient": (-0.05, 0.05),
+}
+# Not bounded, with why (the rows still record them): at DP1 (the PP2 and TP2 cases) the plan
+# counts a gradient bucket for a grad-sync that moves nothing (planned 203 and 942 MiB, measured
+# 0); the optimizer step's 2 x shard x 4 bytes of torch Adam temporaries (216-519 MiB) are never
+# seen: its update runs in place. Neither is the peak phase of any case.
+
+
+def item_rows(case: tuple, model_dir: str, measured: dict) -> list[dict]:
+    """Planned vs measured bytes of each item of the step-2 phases and the scoring pass, for one
+    rank: what stays resident (weights, grads, optimizer state) and what each phase adds to it
+    (its activations or transient buffers: the phase's peak minus the live bytes it began with)."""
+    _, spec, seq, batch, rc, *_ = case
+    layout, estimate, scored = _predict(model_dir, spec, seq, batch, rc, _packed_lens(case))
+    plan = estimate.stages[measured["stage"]].phase_items
+    scoring = scored.stages[measured["stage"]].phase_items["scoring"]
+    last = STEPS - 1
+
+    def added(phase: str) -> int:
+        return measured["phases"][f"{phase}{last}"] - measured["starts"][f"{phase}{last}"]
+
+    fb = plan["forward-backward"]
+    items = {
+        "resident": (
+            sum(v for k, v in fb.items() if k != "activations"),
+            measured["starts"][f"forward-backward{last}"],
+        ),
+        "activations": (fb["activations"], added("forward-backward")),
+        "scoring working set": (
+            scoring["activations"] + scoring["scores"],
+            measured["scoring"]["peak"] - measured["scoring"]["resident"],
+        ),
+        "grad-sync transient": (plan["grad-sync"]["transient"], added("grad-sync")),
+        "optimizer-step transient": (
+            plan["optimizer-step"]["transient"],
+            added("optimizer-step"),
+        ),
+    }
+    if layout.dp == 1:  # no gradient to reduce: not bounded (see ITEM_BOUNDS)
+        items["grad-sync transient (DP1)"] = items.pop("grad-sync transient")
+    return [
+        {
+            "item": item,
+            "planned": planned,
+            "measured": got,
+            "error": (planned - got) / got if got else None,
+        }
+        for item, (planned, got) in items.items()
+    ]
+
+
+def write_rows(rows: list[dict], folder: Path) -> Path:
+    """The measured rows as ``plan_memory.json`` in FOLDER, with the commit and package versions
+    (bench/results_io.py's), for docs to cite."""
+    from bench.results_io import git_commit, versions
+
+    path = folder / "plan_memory.json"
+    record = {"bench": "plan_memory", "git": git_commit(), "versions": versions(), "rows": rows}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
 @pytest.mark.timeout(300)
-def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
+def test_predicted_memory_per_rank_and_per_item(tmp_path):
+    """Per rank and case: the total peak, the step-2 forward-backward and the scoring pass within
+    15% (TOLERANCE), and each item within its ITEM_BOUNDS (~70 s: one launch of 2 ranks). The
+    rows (planned and measured bytes per item, per case and rank) go to plan_memory.json in
+    $MEGARL_BENCH_RESULTS_DIR when set (bench/results/ holds the stored ones), else in the
+    test's temporary folder."""
     dirs = {"smollm2": str(smollm2_dir()), "qwen2.5-0.5b": str(_qwen05_dir(tmp_path))}
-    cases = [(dirs[c[0]], *c[1:5], c[0] != "qwen2.5-0.5b", _packed_lens(c)) for c in CASES]
+    cases: list[tuple] = [
+        (dirs[c[0]], *c[1:5], c[0] != "qwen2.5-0.5b", _packed_lens(c)) for c in CASES
+    ]
     measured = run_gloo(measure_worker, WORLD, cases)
     mib = 1 << 20
-    rows, failures = [], []
+    rows, failures, stored = [], [], []
     for i, (name, spec, seq, batch, rc, *_) in enumerate(CASES):
         packed = _packed_lens(CASES[i])
         layout, estimate, scored = _predict(cases[i][0], spec, seq, batch, rc, packed)
@@ -229,11 +323,6 @@ def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
             sc_pred = scored.stages[m["stage"]].phases["scoring"]
             sc_meas = m["scoring"]["peak"]
             sc_err = (sc_pred - sc_meas) / sc_meas
-            sc_add = sc_pred - sum(
-                v
-                for k, v in scored.stages[m["stage"]].phase_items["scoring"].items()
-                if k not in ("activations", "scores")
-            )
             fb_meas = m["phases"][f"forward-backward{STEPS - 1}"]
             fb_pred = stage.phases["forward-backward"]
             err = (stage.peak - m["peak"]) / m["peak"]
@@ -241,15 +330,43 @@ def test_predicted_peak_memory_per_rank_within_15_percent(tmp_path):
             label = f"{name} {layout}{'' if rc == 'none' else f' {rc} recompute'} s{seq} b{batch} rank {rank}"
             if packed:
                 label += f" packed {list(packed)}"
-            sc_meas_add = sc_meas - m["scoring"]["resident"]
             rows.append(
                 f"{label}: peak predicted {stage.peak / mib:.0f} MiB ({stage.phase}), measured "
                 f"{m['peak'] / mib:.0f} MiB ({err:+.1%}); forward-backward {fb_pred / mib:.0f} vs "
                 f"{fb_meas / mib:.0f} MiB ({fb_err:+.1%}); scoring {sc_pred / mib:.0f} vs "
-                f"{sc_meas / mib:.0f} MiB ({sc_err:+.1%}; its working set {sc_add / mib:.0f} vs "
-                f"{sc_meas_add / mib:.0f} MiB); {m['seconds']:.1f} s, cpu {m['cpu_seconds']:.1f} s"
+                f"{sc_meas / mib:.0f} MiB ({sc_err:+.1%}); {m['seconds']:.1f} s, cpu "
+                f"{m['cpu_seconds']:.1f} s"
             )
             if abs(err) > TOLERANCE or abs(fb_err) > TOLERANCE or abs(sc_err) > TOLERANCE:
                 failures.append(rows[-1])
-    print("\n".join(rows))
+            totals = [
+                ("peak", stage.peak, m["peak"]),
+                ("forward-backward", fb_pred, fb_meas),
+                ("scoring", sc_pred, sc_meas),
+            ]
+            items = [
+                {"item": k, "planned": p, "measured": g, "error": (p - g) / g} for k, p, g in totals
+            ] + item_rows(CASES[i], cases[i][0], m)
+            for r in items:
+                stored.append({"case": label, **r})
+                if r["item"] not in ITEM_BOUNDS:
+                    continue
+                low, high = ITEM_BOUNDS[r["item"]]
+                error = math.inf if r["error"] is None else r["error"]  # None: measured 0
+                if not low <= error <= high:
+                    failures.append(
+                        f"{label}: {r['item']} planned {r['planned'] / mib:.2f} MiB, measured "
+                        f"{r['measured'] / mib:.2f} MiB ({error:+.1%}, bounds {low:+.0%} "
+                        f"to {high:+.0%})"
+                    )
+            rows.append(
+                "    "
+                + "; ".join(
+                    f"{r['item']} {r['planned'] / mib:.1f} vs {r['measured'] / mib:.1f} MiB"
+                    + ("" if r["error"] is None else f" ({r['error']:+.1%})")
+                    for r in items[len(totals) :]
+                )
+            )
+    folder = Path(os.environ.get("MEGARL_BENCH_RESULTS_DIR") or tmp_path)
+    print("\n".join(rows), "\nrows stored in", write_rows(stored, folder))
     assert not failures, "\n".join(failures)

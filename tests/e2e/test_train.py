@@ -726,7 +726,14 @@ def test_ppo_with_critic_and_dapo_dynamic_sampling_tp1_pp2_dp2(workdir):
     pass/fail reward: groups whose 4 samples all pass or all fail are dropped and more prompts
     drawn (at most 3 batches a step) to fill the step's 4 prompts. Packed micro-batches and the
     DP token balance (both default on), and the actor's and critic's memory offloaded to the
-    host around each rollout."""
+    host around each rollout.
+
+    Not compared with one process: dynamic sampling fills each DP rank's share of the step (2 of
+    its 4 groups) from that rank's half of every draw and trains the smallest count over ranks,
+    so which groups a step trains depends on the DP size. Measured with this seed, step 1: both
+    layouts draw the same 12 groups and keep the same 3 (reward_mean_drawn equal); one process
+    trains those 3, at DP2 one rank kept none and the step trains its last draw unfiltered.
+    test_ppo_with_critic_tp1_pp2_dp2_matches_one_process compares this PPO without the filter."""
     records = by_step(
         train(
             workdir,
@@ -774,6 +781,101 @@ def test_ppo_with_critic_and_dapo_dynamic_sampling_tp1_pp2_dp2(workdir):
             filled = r["dynamic_sampling/groups_trained"] == 4
             assert r["dynamic_sampling/filled"] == float(filled), r
         assert r["reward/overlong_penalty_mean"] <= 0.0
+
+
+# PPO with a critic as the DAPO test above runs it, without dynamic sampling: GAE, the KL to the
+# reference in the reward, a pass/fail reward with overlong shaping, and the actor's and
+# critic's memory offloaded around each rollout.
+PPO_CRITIC = (
+    "algorithm.adv_estimator=gae",
+    "algorithm.use_kl_loss=false",
+    "algorithm.use_kl_in_reward=true",
+    "reward.custom_fn=megarl.rewards.toy:vowel_majority",
+    "reward.overlong_buffer.len=8",
+    "actor.param_offload=true",
+    "critic.param_offload=true",
+)
+
+
+def dumped_samples(work: Path, out: str, step: int) -> dict[tuple, dict]:
+    """A run's ``trainer.dump_rollouts`` records of ``step``, every data-parallel rank's, keyed by
+    (prompt ids, response ids)."""
+    records: dict[tuple, dict] = {}
+    for path in sorted((work / out / "rollouts").glob(f"step_{step:06d}_dp*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            key = (tuple(r["prompt_ids"]), tuple(r["response_ids"]))
+            assert key not in records, (out, step, "a sample twice")
+            records[key] = r
+    return records
+
+
+def test_ppo_with_critic_tp1_pp2_dp2_matches_one_process(workdir):
+    """PPO with a critic (GAE, gamma = lam = 1, KL in the reward, overlong shaping, offload) at
+    TP1 x PP2 x DP2 and at one process, 2 steps each from the same seed: the same samples, the
+    same rewards, advantages and old logprobs sample by sample, and the same losses and gradient
+    norms of actor and critic at both steps (~80 s: ~25 s one process, ~55 s four ranks).
+
+    Same prompts: a fresh run at DP2 reads another order than one process (each DP rank reads
+    its own contiguous half of the data set, megarl/data/sharding.py), so both runs read an
+    8-row file, unshuffled, whose rows are prompts A B C D C D E F: one process reads A B C D,
+    then C D E F; DP rank 0 reads A B, C D and rank 1 C D, E F, i.e. the same steps in the same
+    order. Rollout seeds are per global request index, so the samples are the same too.
+
+    ``whiten: false``: gae's default whitening normalises the advantages over each DP rank's
+    tokens, not the whole batch's, so at DP2 they differ from one process's (measured on this
+    data: the step-1 advantage of a sample scored -1 is -0.358 at one process, -0.427 and -0.288
+    on DP ranks 0 and 1; actor grad norm 1.995 vs 1.944): a layout dependence of the update,
+    reported, not tested here.
+
+    Tolerances (fp32, sums in another order): measured differences at most 1.9e-6 on the old
+    logprobs, 3.6e-7 on the advantages, 2e-9 on the token rewards, relative 2.3e-7 on grad norms
+    and losses. Asserted: 1e-5 absolute on per-token values, 1e-5 relative on losses and grad
+    norms (a loss or value scaled by the DP size, or a sample dropped or counted twice, is off by
+    a factor). Not compared: the logged critic/returns_mean, critic/value_mse and
+    actor/advantages_mean (each DP rank's token mean, averaged over ranks: 1e-3 apart here; the
+    dumped per-token values are compared instead), reward/std and reward/samples (per rank,
+    averaged), actor/ratio_max and ratio_min (at DP > 1 each rank's token share scales them:
+    1.031 for an actual 1.0)."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(workdir / "data" / "train.parquet").take([0, 1, 2, 3, 2, 3, 4, 5])
+    pq.write_table(rows, workdir / "data" / "ppo_layout.parquet")
+    same = (
+        *PPO_CRITIC,
+        "algorithm.adv_estimator_kwargs={whiten: false}",
+        f"data.train_files=[{workdir / 'data' / 'ppo_layout.parquet'}]",
+        "data.shuffle=false",
+        "trainer.dump_rollouts=true",
+    )
+    single = by_step(train(workdir, "ppo_single", *same))
+    sharded = by_step(
+        train(workdir, "ppo_pp2dp2", *same, "parallel.pp=2", "parallel.infer_tp=2", nproc=4)
+    )
+    for step in (1, 2):
+        one, many = single[step], sharded[step]
+        assert many["reward/mean"] == pytest.approx(one["reward/mean"], abs=1e-6), step
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "critic/vf_loss",
+            "critic/grad_norm",
+        ):
+            assert many[key] == pytest.approx(one[key], rel=1e-5), (step, key)
+        for key in ("actor/ratio_mean", "actor/reward_kl", "critic/vpred_mean"):
+            assert many[key] == pytest.approx(one[key], abs=1e-6), (step, key)
+        assert many["critic/explained_var"] == pytest.approx(one["critic/explained_var"], abs=1e-6)
+        a, b = (
+            dumped_samples(workdir, "ppo_single", step),
+            dumped_samples(workdir, "ppo_pp2dp2", step),
+        )
+        assert len(a) == 16 and sorted(a) == sorted(b), step  # 4 prompts x 4 samples, the same
+        for key, r in a.items():
+            for name in ("old_log_prob", "token_level_rewards", "advantages"):
+                assert b[key][name] == pytest.approx(r[name], abs=1e-5), (step, name)
+    assert single[2]["actor/reward_kl"] > 0.01  # the KL in the reward acts at step 2
+    assert single[1]["critic/vf_loss"] > 0.1  # the critic has something to learn
 
 
 def test_grpo_reward_rises(workdir):

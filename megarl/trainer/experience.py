@@ -17,9 +17,9 @@ from megarl.algos import (
     compute_rollout_correction,
     explained_variance_from_sums,
     explained_variance_sums,
-    masked_mean,
 )
 from megarl.algos.kl import KLController
+from megarl.algos.masked import masked_count, masked_sum
 from megarl.config import OverlongBufferConfig, RewardConfig, RunConfig, rollout_dtype
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
@@ -512,11 +512,20 @@ def compute_experience(
         # the critic before this step's update, on a batch it has not seen: the mean of its
         # values and of the returns, its squared error, and how much of the returns' variance
         # around their mean it explains
-        metrics["critic/values_mean"] = mean(masked_mean(t["values"], mask))
-        metrics["critic/returns_mean"] = mean(masked_mean(t["returns"], mask))
-        metrics["critic/value_mse"] = mean(masked_mean((t["values"] - t["returns"]).square(), mask))
+        metrics["critic/values_mean"] = mean(_batch_token_mean(t["values"], mask))
+        metrics["critic/returns_mean"] = mean(_batch_token_mean(t["returns"], mask))
+        metrics["critic/value_mse"] = mean(
+            _batch_token_mean((t["values"] - t["returns"]).square(), mask)
+        )
         metrics["critic/explained_var"] = mean(
             _dp_explained_variance(t["values"], t["returns"], mask)
         )
-    metrics["actor/advantages_mean"] = mean(masked_mean(t["advantages"], mask))
+    metrics["actor/advantages_mean"] = mean(_batch_token_mean(t["advantages"], mask))
     return metrics
+
+
+def _batch_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean of ``x`` over the valid tokens of every DP rank's samples (a collective), the
+    same on every rank: not the mean of each rank's own token means."""
+    sums = _dp_sum(torch.stack([masked_sum(x, mask), masked_count(mask).to(x.dtype)]))
+    return float(sums[0] / sums[1].clamp(min=1))

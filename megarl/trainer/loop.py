@@ -47,6 +47,7 @@ def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetri
                 run.spec.token_level,
                 cfg.trainer.nan_policy == "skip",
                 keep=OLD_LOG_PROB if from_update and role == "actor" else None,
+                extremes=run.spec.update_reductions,
             )
         out.update(declare(hist[-1], run.spec.update_reductions))
     if from_update:

@@ -3,7 +3,7 @@ and one PPO update (actor or critic), all micro-batched through megatron's pipel
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
+from megarl.metrics import Reduce
 from megarl.models.forward import LossOver, broadcast_from_last_stage, run_schedule
 from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.models.moe_metrics import router_loss_metrics
@@ -46,6 +47,17 @@ class MicroBatching:
         if mb.routes is not None:  # actor.router_replay
             batch["routes"] = mb.routes
         return batch
+
+
+def _mini_batch_metric(
+    values: Sequence[torch.Tensor], weights: Sequence[float], reduce: Reduce | None
+) -> float:
+    """One loss metric of a mini-batch from its micro-batches' values (see :func:`ppo_update`)."""
+    if reduce is Reduce.MAX:
+        return float(torch.stack(list(values)).max())
+    if reduce is Reduce.MIN:
+        return float(torch.stack(list(values)).min())
+    return float(torch.stack([v * w for v, w in zip(values, weights, strict=True)]).sum())
 
 
 def response_positions(mb: Samples) -> torch.Tensor:
@@ -155,9 +167,12 @@ def ppo_update(
     token_level: bool,
     skip_non_finite: bool = False,
     keep: str | None = None,
+    extremes: Mapping[str, Reduce] | None = None,
 ) -> list[dict[str, float]]:
     """``epochs`` x mini-batches x micro-batches of optimizer steps; returns per-step metrics
     (the loss function's, and ``<role>/grad_norm``, ``lr``, ``update_ok``, ``skipped_non_finite``).
+    A loss metric is the mini-batch's: the micro-batches' values weighted by their share of it,
+    or for a key ``extremes`` reduces by ``Reduce.MAX`` / ``Reduce.MIN`` their largest / smallest.
 
     ``keep``: the name of a per-token ``[b, R]`` tensor that the loss function returns among its
     metrics; the first epoch's values of every row go into ``samples.tensors[keep]`` (on every
@@ -222,10 +237,9 @@ def ppo_update(
             )
             if outs:
                 for key in outs[0]:
-                    vals = torch.stack(
-                        [o[key] * w for o, w in zip(outs, weights, strict=True)]
-                    ).sum()
-                    step_metrics[key] = float(vals)
+                    step_metrics[key] = _mini_batch_metric(
+                        [o[key] for o in outs], weights, (extremes or {}).get(key)
+                    )
             history.append(step_metrics)
     if keep and kept is not None:
         samples.tensors[keep] = broadcast_from_last_stage(kept)

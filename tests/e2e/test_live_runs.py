@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from tests.e2e.test_train import make_workdir, megarl_command
+from tests.e2e.test_train import make_workdir
 
 pytestmark = pytest.mark.e2e
 
@@ -34,9 +34,11 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return None if fields[0] == "Z" else (int(fields[1]), int(fields[3]))
 
 
-def _cmdline(pid: int) -> str:
+def _environ(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return (
+            Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b"\n").decode(errors="replace")
+        )
     except OSError:
         return ""
 
@@ -89,11 +91,20 @@ def test_a_live_run_holds_its_folder_and_its_ranks_end_with_its_killed_launcher(
         assert ranks, "the one-process run has no rank process"
         job = job_processes(first.pid, ranks)
 
-        before = set(_processes())
-        second = megarl_command(work, "train", str(work / "run.yaml"), *settings[:1])
+        mark = f"MEGARL_TEST_SECOND_RUN={os.getpid()}-{time.monotonic_ns()}"
+        second = subprocess.run(
+            [*cmd, *settings[:1]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, mark.split("=")[0]: mark.split("=")[1]},
+            cwd=work,
+            timeout=600,
+        )
         assert second.returncode == 2, second.stdout[-3000:]
-        # the rank it started beside its checks (megarl.parked_rank) was killed with the refusal
-        assert not [p for p in set(_processes()) - before if "megarl.entry" in _cmdline(p)]
+        # the rank it started beside its checks (megarl.parked_rank) was killed with the refusal:
+        # no process of this run is left (told apart from other tests' ranks by its environment)
+        assert not [p for p in _processes() if mark in _environ(p)]
         [line] = [ln for ln in second.stdout.splitlines() if ln.startswith("megarl: error:")]
         assert "in use by a live run" in line
         assert f"host {socket.gethostname()}, pid {first.pid}, started " in line

@@ -1,6 +1,6 @@
 """Routing replay (actor.router_replay) in megatron's routers, against transformers: one 4-rank
-gloo launch on the tiny Qwen3-MoE (4 experts, top-2) at TP2 x DP2 x EP2 (sequence parallel) and
-EP2 (TP1 x DP4).
+gloo launch on the tiny Qwen3-MoE (4 experts, top-2) at TP2 x DP2 x EP2 (sequence parallel),
+EP2 (TP1 x DP4) and PP2 x EP2 (each stage's routers take their own layers' routes).
 
 - Forced onto experts drawn at random (not the routers' choice), megarl's logits equal a
   transformers forward forced onto the same experts (written in the test), padded and packed:
@@ -23,8 +23,8 @@ from tests.mp import run_gloo
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = [dict(tp=2, ep=2), dict(ep=2)]
-KEYS = ["TP2xPP1xDP2xEP2+SP", "TP1xPP1xDP4xEP2"]
+LAYOUTS = [dict(tp=2, ep=2), dict(ep=2), dict(pp=2, ep=2)]
+KEYS = ["TP2xPP1xDP2xEP2+SP", "TP1xPP1xDP4xEP2", "TP1xPP2xDP2xEP2"]
 
 
 def test_replayed_routing_equals_a_forced_transformers_forward():

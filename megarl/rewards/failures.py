@@ -5,13 +5,63 @@ one offending sample, so the fix is at hand."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from megarl.rewards.manager import RewardError, RewardManager, RewardResult, RewardSample
 from megarl.rewards.scoring import ScoreOutcome
 
 SHOWN_CHARS = 200
+
+
+@dataclass
+class ScoredBatch:
+    """What a scorer outside the reward manager (a remote service, a judge) gives for a batch:
+    per-sample scores (failures score 0), its metrics and one outcome per failure."""
+
+    scores: list[float]
+    metrics: dict[str, float]
+    failures: list[ScoreOutcome] = field(default_factory=list)
+
+
+class BatchScorer(Protocol):
+    """A remote reward service or a judge, as the trainer calls it."""
+
+    @property
+    def name(self) -> str:
+        """The scorer as a user names it (its setting and value)."""
+        ...
+
+    def score(self, samples: Sequence[RewardSample]) -> ScoredBatch: ...
+
+
+def report_failures(
+    log: logging.Logger,
+    name: str,
+    strict: bool,
+    total: int,
+    failures: Sequence[ScoreOutcome],
+    detail: str = "",
+) -> None:
+    """A batch's failed samples, once: a RewardError in strict mode, else a warning on ``log``
+    with the first one (``detail``: what else the count says, e.g. its timeouts)."""
+    first = failures[0]
+    if strict:
+        raise RewardError(
+            f"{name} failed on sample {first.index} ({first.status}): {first.message}\n"
+            "(strict mode; with strict=False failures score 0 and are counted)"
+        )
+    log.warning(
+        "reward: %s: %d of %d samples failed%s and scored 0; first, sample %d: %s",
+        name,
+        len(failures),
+        total,
+        detail,
+        first.index,
+        first.message,
+    )
 
 
 @dataclass(frozen=True)

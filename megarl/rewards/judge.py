@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from megarl.rewards.failures import ScoredBatch, report_failures
 from megarl.rewards.judge_prompt import JudgeTemplate, UnparsedAnswer
-from megarl.rewards.manager import RewardError, RewardSample
+from megarl.rewards.manager import RewardSample
 from megarl.rewards.scoring import ScoreOutcome, Status
 
 logger = logging.getLogger(__name__)
@@ -39,18 +40,6 @@ class Answerer(Protocol):
     def answer(self, prompts: Sequence[str]) -> list[str | NoAnswer]: ...
 
 
-@dataclass
-class JudgeResult:
-    """Per-sample scores (failures score 0), the call's metrics and one outcome per failure.
-
-    metrics: reward/judge_mean (failures as 0), reward/judge_failures, reward/judge_unparsed
-    (answers without a score), reward/judge_timeouts."""
-
-    scores: list[float]
-    metrics: dict[str, float]
-    failures: list[ScoreOutcome] = field(default_factory=list)
-
-
 class JudgeScorer:
     """Scores samples with ``answerer``'s answers to ``template``'s prompts."""
 
@@ -63,9 +52,12 @@ class JudgeScorer:
     def name(self) -> str:
         return self.answerer.name
 
-    def score(self, samples: Sequence[RewardSample]) -> JudgeResult:
+    def score(self, samples: Sequence[RewardSample]) -> ScoredBatch:
+        """Every sample's score, in order. Metrics: reward/judge_mean (failures as 0),
+        reward/judge_failures, reward/judge_unparsed (answers without a score),
+        reward/judge_timeouts."""
         if not samples:
-            return JudgeResult([], {})
+            return ScoredBatch([], {})
         answers = self.answerer.answer([self.template.prompt(s) for s in samples])
         if len(answers) != len(samples):
             raise RuntimeError(f"{self.name} gave {len(answers)} answers to {len(samples)} prompts")
@@ -82,27 +74,11 @@ class JudgeScorer:
                 unparsed += 1
                 failures.append(ScoreOutcome(i, "error", 0.0, str(e)))
         if failures:
-            self._report(len(samples), failures)
+            report_failures(logger, self.name, self.strict, len(samples), failures)
         metrics = {
             "reward/judge_mean": sum(scores) / len(scores),
             "reward/judge_failures": float(len(failures)),
             "reward/judge_unparsed": float(unparsed),
             "reward/judge_timeouts": float(sum(f.status == "timeout" for f in failures)),
         }
-        return JudgeResult(scores, metrics, failures)
-
-    def _report(self, total: int, failures: list[ScoreOutcome]) -> None:
-        first = failures[0]
-        if self.strict:
-            raise RewardError(
-                f"{self.name} failed on sample {first.index} ({first.status}): {first.message}\n"
-                "(strict mode; with strict=False failures score 0 and are counted)"
-            )
-        logger.warning(
-            "reward: %s: %d of %d samples failed and scored 0; first, sample %d: %s",
-            self.name,
-            len(failures),
-            total,
-            first.index,
-            first.message,
-        )
+        return ScoredBatch(scores, metrics, failures)

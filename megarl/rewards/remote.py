@@ -14,13 +14,14 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 
 from megarl.errors import ConfigError
-from megarl.rewards.manager import RewardError, RewardSample
+from megarl.rewards.failures import ScoredBatch, report_failures
+from megarl.rewards.manager import RewardSample
 from megarl.rewards.remote_protocol import (
     BadAnswer,
     RemoteScore,
@@ -46,19 +47,6 @@ class Answer:
     status: Status
     message: str = ""
     retries: int = 0
-
-
-@dataclass
-class RemoteResult:
-    """Per-sample scores (failures score 0), the call's metrics and one outcome per failure.
-
-    metrics: reward/remote_mean, reward/remote_failures, reward/remote_timeouts,
-    reward/remote_retries, and reward/remote/<name> (the mean over the samples that returned it)
-    for each extra metric the service returned."""
-
-    scores: list[float]
-    metrics: dict[str, float]
-    failures: list[ScoreOutcome] = field(default_factory=list)
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -144,8 +132,11 @@ class RemoteScorer:
                 "docs/rewards.md) or unset reward.remote_url"
             )
 
-    def score(self, samples: Sequence[RewardSample]) -> RemoteResult:
-        """Every sample's score, in order; see the module docstring for failures."""
+    def score(self, samples: Sequence[RewardSample]) -> ScoredBatch:
+        """Every sample's score, in order; see the module docstring for failures. Metrics:
+        reward/remote_mean, reward/remote_failures, reward/remote_timeouts,
+        reward/remote_retries, and reward/remote/<name> (the mean over the samples that returned
+        it) for each extra metric the service returned."""
         size = self.settings.batch_size
         starts = range(0, len(samples), size)
         bodies = [(request_body(samples[i : i + size]), len(samples[i : i + size])) for i in starts]
@@ -175,25 +166,11 @@ class RemoteScorer:
         }
         for name, values in sorted(extra.items()):
             metrics[f"reward/remote/{name}"] = sum(values) / len(values)
-        return RemoteResult(scores, metrics, failures)
+        return ScoredBatch(scores, metrics, failures)
 
     def _report(self, total: int, failures: list[ScoreOutcome]) -> None:
         """The failed samples of a call, once, with the first bad answer."""
         timeouts = sum(f.status == "timeout" for f in failures)
         self.totals["failures"] += len(failures)
         self.totals["timeouts"] += timeouts
-        first = failures[0]
-        if self.strict:
-            raise RewardError(
-                f"{self.name} failed on sample {first.index} ({first.status}): {first.message}\n"
-                "(strict mode; with strict=False failures score 0 and are counted)"
-            )
-        logger.warning(
-            "reward: %s: %d of %d samples failed (%d timeouts) and scored 0; first, sample %d: %s",
-            self.name,
-            len(failures),
-            total,
-            timeouts,
-            first.index,
-            first.message,
-        )
+        report_failures(logger, self.name, self.strict, total, failures, f" ({timeouts} timeouts)")

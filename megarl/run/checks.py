@@ -154,9 +154,10 @@ def check_judge(cfg: RunConfig, this_machine: bool) -> ModelDims | None:
         return None
     assert j.model_path is not None
     config = read_hf_config(j.model_path)
-    if hf_folder_role(config) != "actor":
+    role = hf_folder_role(config)
+    if role != "actor":
         raise ConfigError(
-            f"reward.judge.model_path={j.model_path} is a {hf_folder_role(config)} model; a judge "
+            f"reward.judge.model_path={j.model_path} is a {role} model; a judge "
             "writes its verdict, so give a causal LM folder (*ForCausalLM); score with a reward "
             "model through reward.model_path"
         )

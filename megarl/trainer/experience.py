@@ -26,7 +26,7 @@ from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.hybrid_engine.judge_engine import EngineJudge
 from megarl.metrics import StepMetrics, declare, mean
-from megarl.rewards.failures import Failures, describe_failure, describe_first
+from megarl.rewards.failures import BatchScorer, Failures, describe_failure, describe_first
 from megarl.rewards.judge import Answerer, JudgeScorer
 from megarl.rewards.judge_prompt import JudgeTemplate
 from megarl.rewards.manager import RewardError, RewardManager, RewardSample
@@ -201,49 +201,26 @@ def _scored_once_per_model_parallel_group(
     return box[0]
 
 
-def judge_scores(
-    judge: JudgeScorer,
+def batch_scores(
+    scorer: BatchScorer,
     items: Sequence[PromptItem],
     batch: RolloutBatch,
     texts: list[str],
     device: torch.device,
     rows: Sequence[int],
 ) -> tuple[torch.Tensor, dict[str, float], Failures]:
-    """The judge's score of the samples ``rows`` (the others get 0), on ``device``, its metrics
-    and failures."""
+    """A remote service's or a judge's score of the samples ``rows`` (the others get 0), on
+    ``device``, its metrics and failures; asked once per model-parallel group."""
     out = torch.zeros(len(texts), dtype=torch.float32, device=device)
     samples = reward_samples(items, batch, texts, rows)
     if not samples:
         return out, {}, Failures(0, 0)
-    result = _scored_once_per_model_parallel_group(judge.score, samples)
+    result = _scored_once_per_model_parallel_group(scorer.score, samples)
     out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
     first = None
     if result.failures:
         failed = result.failures[0]
-        first = describe_failure(judge.name, samples[failed.index], failed)
-    return out, result.metrics, Failures(len(result.failures), len(samples), first)
-
-
-def remote_scores(
-    remote: RemoteScorer,
-    items: Sequence[PromptItem],
-    batch: RolloutBatch,
-    texts: list[str],
-    device: torch.device,
-    rows: Sequence[int],
-) -> tuple[torch.Tensor, dict[str, float], Failures]:
-    """The remote reward service's score of the samples ``rows`` (the others get 0), on
-    ``device``, its metrics and failures."""
-    out = torch.zeros(len(texts), dtype=torch.float32, device=device)
-    samples = reward_samples(items, batch, texts, rows)
-    if not samples:
-        return out, {}, Failures(0, 0)
-    result = _scored_once_per_model_parallel_group(remote.score, samples)
-    out[list(rows)] = torch.tensor(result.scores, dtype=torch.float32, device=device)
-    first = None
-    if result.failures:
-        failed = result.failures[0]
-        first = describe_failure(remote.name, samples[failed.index], failed)
+        first = describe_failure(scorer.name, samples[failed.index], failed)
     return out, result.metrics, Failures(len(result.failures), len(samples), first)
 
 
@@ -304,14 +281,14 @@ def score_rollout(
         failures.append(non_finite_model_scores(model, rewards.model_path))
     remote = None
     if rewards.remote is not None:
-        remote, remote_metrics, remote_failures = remote_scores(
+        remote, remote_metrics, remote_failures = batch_scores(
             rewards.remote, items, batch, texts, device, scored
         )
         metrics.update(remote_metrics)
         failures.append(remote_failures)
     judged = None
     if rewards.judge is not None:
-        judged, judge_metrics, judge_failures = judge_scores(
+        judged, judge_metrics, judge_failures = batch_scores(
             rewards.judge, items, batch, texts, device, scored
         )
         metrics.update(judge_metrics)

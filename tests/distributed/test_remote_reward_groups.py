@@ -68,7 +68,7 @@ def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], 
     from megarl.rewards.judge_remote import OpenAIJudge
     from megarl.rewards.remote import RemoteScorer
     from megarl.rewards.remote_settings import RemoteSettings
-    from megarl.trainer.experience import judge_scores, remote_scores
+    from megarl.trainer.experience import batch_scores
 
     adapt_megatron_for_cpu()
     initialize_model_parallel(ParallelLayout(tp=2))
@@ -82,10 +82,10 @@ def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], 
     item = PromptItem(uid=0, input_ids=[5], prompt="q", data_source="d", ground_truth="1")
     remote = RemoteScorer(RemoteSettings(f"{url}/score", batch_size=2))
     texts, cpu = ["a", "b", "c"], torch.device("cpu")
-    scores, _, _ = remote_scores(remote, [item], batch, texts, cpu, [0, 1, 2])
+    scores, _, _ = batch_scores(remote, [item], batch, texts, cpu, [0, 1, 2])
     settings = JudgeConfig(url=f"{url}/v1", model="judge", concurrency=1)
     judge = JudgeScorer(JudgeTemplate.from_config(settings), OpenAIJudge(settings))
-    judged, _, _ = judge_scores(judge, [item], batch, texts, cpu, [0, 1, 2])
+    judged, _, _ = batch_scores(judge, [item], batch, texts, cpu, [0, 1, 2])
     return scores.tolist(), judged.tolist()
 
 

@@ -387,3 +387,32 @@ def test_judge_settings_are_checked_before_anything_starts():
         with pytest.raises(ConfigError, match=message):
             check(*overrides)
     check("reward.rule_weight=0", "reward.judge.url=http://h/v1", "reward.judge.model=j")
+
+
+def test_a_judge_folder_that_cannot_judge_is_refused_with_the_inputs(tmp_path):
+    """check_judge, run with the inputs before any process starts: a causal LM with a tokenizer
+    passes (its shape returned); a sequence classifier and a folder without a tokenizer are
+    refused, each naming the fix."""
+    import shutil
+
+    from megarl.run.checks import check_judge
+    from tests.assets import tiny_qwen2_reward_dir
+
+    def cfg(path, *more):
+        return load_config(
+            "configs/quickstart_cpu.yaml", [f"reward.judge.model_path={path}", *more]
+        )
+
+    judge = tiny_char_judge_dir()
+    dims = check_judge(cfg(judge), this_machine=True)
+    assert dims is not None and dims.vocab_size == 128
+    with pytest.raises(ConfigError, match="is a reward model; a judge writes its verdict"):
+        check_judge(cfg(tiny_qwen2_reward_dir()), this_machine=True)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(judge / name, bare / name)
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        check_judge(cfg(bare), this_machine=True)
+    with pytest.raises(ConfigError, match=re.escape("has no {response}")):
+        check_judge(cfg(judge, "reward.judge.template='{prompt}'"), this_machine=True)

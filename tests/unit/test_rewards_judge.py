@@ -346,17 +346,17 @@ def test_a_remote_judges_timeouts_and_errors_are_no_answers(serve):
     def reply(request: dict) -> Reply:
         text = request["messages"][0]["content"]
         if text.endswith("slow"):
-            return (*completion("1")[:2], 1.5)
+            return (*completion("1")[:2], 5.0)
         if text.endswith("bad"):
             return 400, {"error": {"message": "unknown role"}}, 0.0
         return completion("Score: 1")
 
     server = serve(reply)
-    judge = remote(server.url, timeout_s=0.5, retries=0)
+    judge = remote(server.url, timeout_s=2.0, retries=0)
     ok, slow, bad = judge.answer(["fine", "slow", "bad"])
     assert ok == "Score: 1"
     assert isinstance(slow, NoAnswer) and slow.status == "timeout"
-    assert "reward.judge.timeout_s=0.5" in slow.message
+    assert "reward.judge.timeout_s=2" in slow.message
     assert isinstance(bad, NoAnswer) and bad.status == "error" and "unknown role" in bad.message
 
 

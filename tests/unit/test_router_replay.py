@@ -28,12 +28,14 @@ pytestmark = pytest.mark.unit
 def test_the_hf_engine_records_each_tokens_experts_as_a_full_forward_routes_them():
     """Sampled responses (2 per prompt, generated incrementally with a KV cache): each token's
     recorded experts equal those transformers' routers choose when the whole sequence is read
-    at once; the last token, never read by the engine, is -1."""
+    at once (up to one near-tie that the two orders of rounding split differently); the last
+    token, never read by the engine, is -1."""
     folder = tiny_char_qwen3_moe_dir()
     engine = HFRollout(folder, config=EngineConfig(record_routes=True))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     out = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=6, n=2, seed=3))
     assert len(out.routes) == 4
+    differ = total = 0
     for k, routes in enumerate(out.routes):
         prompt = prompts[out.prompt_index[k]]
         ids = torch.tensor([prompt + out.token_ids[k]])
@@ -42,7 +44,11 @@ def test_the_hf_engine_records_each_tokens_experts_as_a_full_forward_routes_them
         full = natural_routes(engine.model, ids)[0]  # [tokens, layers, k]
         mine = routes[:-1].long().sort(dim=-1).values
         theirs = full[:-1].long().sort(dim=-1).values
-        assert torch.equal(mine, theirs), k
+        differ += int((mine != theirs).any(dim=-1).sum())
+        total += mine.shape[0] * mine.shape[1]
+    # decode and a whole-sequence forward round differently: a router's near-tie may flip once;
+    # a record off by a token or a layer would differ on about half of them
+    assert total > 50 and differ <= 1, (differ, total)
     dense = HFRollout(tiny_char_llama_dir(), config=EngineConfig(record_routes=False))
     assert dense.generate([[5, 6]], SamplingConfig(max_new_tokens=2)).routes == []
     with pytest.raises(ValueError, match="no MoE router"):

@@ -35,6 +35,7 @@ from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.remote_settings import RemoteSettings
 from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples, padded_routes
 from megarl.trainer.distill import distill_experience
+from megarl.trainer.dp_collectives import dp_sum
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
@@ -398,15 +399,6 @@ def rollout_samples(
     return samples
 
 
-def _dp_sum(t: torch.Tensor) -> torch.Tensor:
-    """``t`` summed over the data-parallel ranks (a collective; ``t`` itself when DP is 1)."""
-    if parallel.dp_size() == 1:
-        return t
-    out = t.to(platform.collective_device(), copy=True)
-    dist.all_reduce(out, group=parallel.dp_group())
-    return out.to(t.device)
-
-
 def _dp_mean(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
     dist.all_reduce(t, group=parallel.dp_group())
@@ -463,7 +455,7 @@ def compute_experience(
     if "group_ids" in spec.advantage_inputs:
         extra["group_ids"] = samples.group_ids
     if "batch_sum" in spec.advantage_inputs:  # batch-wide statistics over every DP rank
-        extra["batch_sum"] = _dp_sum
+        extra["batch_sum"] = dp_sum
     hparams: Mapping[str, Any] = spec.advantage_kwargs  # not group_ids: a float or bool each
     t["advantages"], t["returns"] = compute_advantages(
         spec.adv_estimator,
@@ -504,5 +496,5 @@ def compute_experience(
 def _batch_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     """The mean of ``x`` over the valid tokens of every DP rank's samples (a collective), the
     same on every rank: not the mean of each rank's own token means."""
-    sums = _dp_sum(torch.stack([masked_sum(x, mask), masked_count(mask).to(x.dtype)]))
+    sums = dp_sum(torch.stack([masked_sum(x, mask), masked_count(mask).to(x.dtype)]))
     return float(sums[0] / sums[1].clamp(min=1))

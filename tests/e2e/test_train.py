@@ -833,8 +833,9 @@ def test_ppo_with_critic_tp1_pp2_dp2_matches_one_process(workdir):
     rounding around 0: 1.5e-7 at one process, 6.7e-8 at DP2); a loss or value scaled by the DP
     size, or a sample dropped or counted twice, is off by a factor. The token means critic/values_mean,
     returns_mean, value_mse and actor/advantages_mean are over every DP rank's tokens (they were
-    each rank's mean averaged: 1e-3 apart). Not compared: reward/std and reward/samples (per
-    rank, averaged). actor/ratio_max and ratio_min are the largest and smallest over the micro-
+    each rank's mean averaged: 1e-3 apart). reward/std and reward/samples are of every DP rank's
+    samples (they were each rank's std and count averaged: the count half the step's at DP2).
+    actor/ratio_max and ratio_min are the largest and smallest over the micro-
     batches and ranks (they were token-weighted means: 1.031 at DP2 for an actual 1.0)."""
     import pyarrow.parquet as pq
 
@@ -852,7 +853,8 @@ def test_ppo_with_critic_tp1_pp2_dp2_matches_one_process(workdir):
     )
     for step in (1, 2):
         one, many = single[step], sharded[step]
-        assert many["reward/mean"] == pytest.approx(one["reward/mean"], abs=1e-6), step
+        for key in ("reward/mean", "reward/std", "reward/samples"):
+            assert many[key] == pytest.approx(one[key], abs=1e-6), (step, key)
         for key in (
             "actor/pg_loss",
             "actor/grad_norm",

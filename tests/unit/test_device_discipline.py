@@ -125,8 +125,10 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/trainer/experience.py": {
         "_dp_mean": "made on platform.collective_device()",
-        "_dp_sum": "copied to platform.collective_device()",
         "_dp_explained_variance": "sums moved to platform.collective_device()",
+    },
+    "megarl/trainer/dp_collectives.py": {
+        "dp_sum": "copied to platform.collective_device()",
     },
     "megarl/run/finite.py": {
         "all_finite": "flag made on platform.collective_device()",

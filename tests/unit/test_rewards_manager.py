@@ -13,6 +13,7 @@ import pytest
 
 from megarl.errors import ConfigError
 from megarl.rewards import RewardError, RewardManager, RewardSample
+from megarl.rewards.manager import combine_shares
 
 MODULE = "tests.unit.test_rewards_manager"
 
@@ -87,6 +88,23 @@ def test_routes_by_data_source_with_kwargs_and_reports_means() -> None:
         "reward/openai/gsm8k/mean": pytest.approx(1.1 / 3),
         "reward/openai/gsm8k/count": 3.0,
     }
+
+
+def test_shares_combine_to_the_metrics_of_the_whole_batch() -> None:
+    """Scored in shares (one per DP rank) holding different sources and sizes, a share with no
+    samples for the manager among them, the combined counts and per-source means are those of
+    one score of every sample (each share's mean weighted by its count)."""
+    manager = RewardManager({"len": f"{MODULE}:length_scorer", "fail": f"{MODULE}:failing_scorer"})
+    parts = [
+        [gsm("#### 72"), RewardSample("len", "abcd", None), RewardSample("fail", "boom", None)],
+        [gsm("#### 70"), gsm("no"), gsm("#### 72"), RewardSample("len", "ab", None)],
+        [RewardSample("fail", "ok", None)],
+    ]
+    shares = [manager.score(p).metrics for p in parts]
+    whole = manager.score([s for p in parts for s in p]).metrics
+    combined = combine_shares([*shares, {"reward/rule_mean": 1.0}])
+    assert combined == {k: pytest.approx(v) for k, v in whole.items() if k != "reward/mean"}
+    assert combined["reward/samples"] == 8.0 and combined["reward/failures"] == 1.0
 
 
 def test_user_scorer_from_a_file_path(tmp_path: Path) -> None:

@@ -25,7 +25,6 @@ import argparse
 import gc
 import os
 import resource
-import socket
 import time
 
 import torch
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp
 
 from bench.results_io import write_results
 from megarl.algos import vocab_parallel_log_probs_and_entropy
+from megarl.ports import free_port
 
 ISSUE_BATCH = 8
 GIB = 1024**3
@@ -113,16 +113,10 @@ def _worker(rank: int, tp: int, port: int, method: str, shape: tuple[int, int, i
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_method(method: str, tp: int, shape: tuple[int, int, int]) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, tp, port, method, shape, queue)) for r in range(tp)
     ]

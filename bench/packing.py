@@ -19,12 +19,13 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megarl.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,12 +44,6 @@ def gsm8k_like_lengths(n: int, max_response: int, seed: int) -> tuple[list[int],
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_mode(args: argparse.Namespace) -> dict[str, float]:
@@ -161,7 +156,7 @@ def main() -> None:
         cmd += ["--max-response", str(args.max_response), "--iters", str(args.iters)]
         if args.smoke:
             cmd.append("--smoke")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

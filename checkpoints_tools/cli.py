@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from megarl.errors import CheckpointError, ConfigError, MegarlError
 from megarl.parallel import ParallelLayout
+from megarl.ports import free_port
 
 PROG = "python -m checkpoints_tools"
 MODULE = "checkpoints_tools"
@@ -50,11 +50,11 @@ def _in_world(nproc: int, verb_argv: list[str], body: Callable[[], int]) -> int:
     if not under_launcher():
         if nproc > 1:
             if "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(_free_port())
+                os.environ["MASTER_PORT"] = str(free_port())
             return run_torchrun(MODULE, verb_argv, nproc)
         os.environ.update(
             MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())),
             RANK="0",
             WORLD_SIZE="1",
             LOCAL_RANK="0",
@@ -65,13 +65,6 @@ def _in_world(nproc: int, verb_argv: list[str], body: Callable[[], int]) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _free_port() -> int:
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank() -> int:

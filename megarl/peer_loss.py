@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import os
 
+from megarl.rank_exit import PEER_LOST_EXIT
+
+__all__ = ["PEER_LOST_EXIT", "peer_lost"]
+
 # Text of the errors torch.distributed's backends raise in a rank whose peer is gone.
 PEER_LOST_TEXTS = (
     "Connection closed by peer",
@@ -19,8 +23,6 @@ PEER_LOST_TEXTS = (
     "NCCL communicator was aborted",
     "ProcessGroupNCCL is aborted",
 )
-# The exit code of a rank that stopped for its peers (the launcher reports the first failure).
-PEER_LOST_EXIT = 1
 
 
 def peer_lost(error: BaseException) -> str | None:

@@ -21,7 +21,7 @@ from megarl.console import is_verbose
 from megarl.hardening import make_undumpable
 from megarl.loopback import is_loopback, loopback_store
 from megarl.parent_death import children_env, end_with_parent
-from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note
+from megarl.rank_exit import FAILURE_FILE_ENV, exit_code_of, failure_note, first_cause
 
 
 def _store_on_loopback() -> None:
@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        # torchrun's first failure is by time seen; the cause is the rank that did not lose a peer
+        rank = first_cause({r: (f.exitcode, f.timestamp) for r, f in e.failures.items()})
+        failure = e.failures[rank]
         record = os.environ.get(FAILURE_FILE_ENV)
         if record:
             with open(record, "w") as f:

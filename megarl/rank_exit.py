@@ -5,12 +5,16 @@ that the elastic supervisor reads (``MEGARL_FAILURE_FILE``)."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Mapping
 
 from megarl.errors import MegarlError
 
 FAILURE_FILE_ENV = "MEGARL_FAILURE_FILE"
 # the elastic supervisor's record of this attempt (megarl.run.elastic.AttemptRecord)
 ATTEMPT_ENV = "MEGARL_ELASTIC"
+# The exit code of a rank that stopped because another rank of its job ended (megarl.peer_loss):
+# its own, so that a launcher can tell such a rank from the one that caused the failure.
+PEER_LOST_EXIT = 3
 
 
 def exit_code_of(rank_exit_code: int) -> int:
@@ -36,3 +40,14 @@ def failure_note(rank: int, rank_exit_code: int) -> str | None:
         return None
     how = describe_exit(rank_exit_code)
     return f"megarl: rank {rank} {how}; its output is above (--verbose shows torchrun's report)"
+
+
+def first_cause(failures: Mapping[int, tuple[int, float]]) -> int:
+    """The rank whose failure caused the job's: of ``failures`` (rank -> (exit code, time of
+    failure)), the earliest that did not stop for a lost peer, else the earliest.
+
+    A rank killed by a signal is seen by the launcher when it next polls, while the ranks it left
+    in a collective record their own (later) exit at once: under load the launcher can see theirs
+    first, so time alone would blame a rank that only lost its peer.
+    """
+    return min(failures, key=lambda r: (failures[r][0] == PEER_LOST_EXIT, failures[r][1], r))

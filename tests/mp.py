@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -24,12 +23,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megarl.process_exit import end_process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(

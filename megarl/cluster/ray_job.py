@@ -39,7 +39,7 @@ from megarl.cluster.job import JobRequest, JobResult
 from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
-from megarl.rank_exit import describe_exit, exit_code_of
+from megarl.rank_exit import describe_exit, exit_code_of, first_cause
 from megarl.rank_process_env import LOOPBACK_IFNAMES
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
 from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix
@@ -414,13 +414,9 @@ class RayLauncher:
     def _fail(self, ranks: list[_Rank], failed: list[int]) -> JobResult:
         """Stop the others; the first failure's output last, then its note and exit code."""
 
-        def order(i: int) -> tuple[int, float]:  # a lost actor first, then by time of exit
-            r = ranks[i]
-            if r.lost or r.poll is None:
-                return 0, 0.0
-            return 1, r.poll.ended_at or 0.0
-
-        first = min(failed, key=order)
+        # a lost actor first (its rank could not report), then megarl.rank_exit's order
+        lost = [i for i in failed if ranks[i].lost or ranks[i].poll is None]
+        first = lost[0] if lost else first_cause({i: _exit_of(ranks[i]) for i in failed})
         last_words: Poll | None = None
         for i, r in enumerate(ranks):
             if r.lost:
@@ -526,3 +522,9 @@ def _write(poll: Poll) -> None:
         else:
             stream.write(data.decode(errors="replace"))
         stream.flush()
+
+
+def _exit_of(rank: _Rank) -> tuple[int, float]:
+    """A finished rank's exit code and time of exit."""
+    assert rank.poll is not None and rank.poll.exit_code is not None
+    return rank.poll.exit_code, rank.poll.ended_at or 0.0

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main as cli_main
+from megarl.ports import free_port
 from tests.e2e.test_train import by_step, launch, make_workdir, metrics
 
 # One xdist worker (make test runs two): one Ray head for the module; Ray clusters on one
@@ -35,17 +36,11 @@ def workdir(tmp_path_factory) -> Path:
     return make_workdir(tmp_path_factory.mktemp("ray_elastic"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """A Ray head on this machine, as `ray start --head` makes one, with 4 CPUs (4 ranks of one
     CPU each) and a small object store; stopped (with every process it started) at the end."""
-    port = _free_port()
+    port = free_port()
     temp = tmp_path_factory.mktemp("ray")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     head = subprocess.Popen(
@@ -98,7 +93,7 @@ def test_bad_launches_are_refused_before_any_rank_starts(workdir, ray_head, monk
         assert cli_main([*base, "--launcher", "ray", "--nproc-per-node", "1"]) == 2
     assert "pip install 'megarl[ray]'" in capsys.readouterr().err
     # an address where nothing listens: refused at once
-    closed = f"127.0.0.1:{_free_port()}"
+    closed = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     assert cli_main([*base, "--launcher", "ray", "--address", closed]) == 2
     assert f"no Ray cluster answers at {closed}" in capsys.readouterr().err

@@ -8,7 +8,6 @@ megarl.launch computes the same environment for every local launch.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,17 +15,11 @@ from dataclasses import dataclass
 from megarl.console import rank_env
 from megarl.host_allocator import cpu_allocator_env
 from megarl.parent_death import children_env
+from megarl.ports import free_port
 from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix
 
 LOOPBACK_IFNAMES = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 LAUNCHER_PID_ENV = "MEGARL_LAUNCHER_PID"  # the ranks learn that the launcher forwards signals
-
-
-def free_port() -> int:
-    """A free local port, so that runs side by side on one machine do not collide."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_env(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from megarl.parent_death import set_parent_death_signal
+from megarl.ports import free_port
 from megarl.shm_segments import RUN_SEGMENTS_ENV, remove_run_segments
 
 
@@ -65,9 +65,7 @@ class RankAgent:
 
     def free_port(self) -> int:
         """A free TCP port on this node (rank 0's actor: the rendezvous port)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str | None:
         """Start ``python argv`` (this node's Python, the one running the actor) in ``cwd``;

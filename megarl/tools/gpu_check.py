@@ -82,7 +82,7 @@ from megarl.plan import KNOWN_MODELS, Options, Workload, estimate_memory
 from megarl.plan.measure import live_tensor_tracker
 from megarl.plan.params import flops_params
 from megarl.plan.preflight import UPDATE_PHASES, numerics_for
-from megarl.rank_process_env import free_port
+from megarl.ports import free_port
 from megarl.tools.gpu_fidelity import run_fidelity
 from megarl.tools.gpu_report import Report
 from megarl.tools.gpu_trainable import build_trainable

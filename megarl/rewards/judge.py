@@ -53,9 +53,10 @@ class JudgeScorer:
         return self.answerer.name
 
     def score(self, samples: Sequence[RewardSample]) -> ScoredBatch:
-        """Every sample's score, in order. Metrics: reward/judge_mean (failures as 0),
-        reward/judge_failures, reward/judge_unparsed (answers without a score),
-        reward/judge_timeouts."""
+        """Every sample's score, in order. Metrics: reward/judge_samples, reward/judge_mean
+        (failures as 0), reward/judge_failures, reward/judge_unparsed (answers without a score),
+        reward/judge_timeouts. How each combines over data-parallel ranks:
+        :mod:`megarl.rewards.shares`."""
         if not samples:
             return ScoredBatch([], {})
         answers = self.answerer.answer([self.template.prompt(s) for s in samples])
@@ -76,6 +77,7 @@ class JudgeScorer:
         if failures:
             report_failures(logger, self.name, self.strict, len(samples), failures)
         metrics = {
+            "reward/judge_samples": float(len(samples)),
             "reward/judge_mean": sum(scores) / len(scores),
             "reward/judge_failures": float(len(failures)),
             "reward/judge_unparsed": float(unparsed),

@@ -19,6 +19,7 @@ from megarl.rewards.loading import load_callable, spec_of
 from megarl.rewards.pool import ScorerPool
 from megarl.rewards.registry import BUILTIN_SCORERS
 from megarl.rewards.scoring import ScoreOutcome, ScoreTask, run_task
+from megarl.rewards.shares import source_count, source_mean
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +205,8 @@ class RewardManager:
         for s, o in zip(samples, outcomes, strict=True):
             by_source[s.data_source].append(o.score)
         for source, values in sorted(by_source.items()):
-            metrics[_source_mean(source)] = sum(values) / len(values)
-            metrics[_source_count(source)] = float(len(values))
+            metrics[source_mean(source)] = sum(values) / len(values)
+            metrics[source_count(source)] = float(len(values))
         return metrics
 
     def close(self) -> None:
@@ -217,49 +218,3 @@ class RewardManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# RewardResult.metrics' counts of the whole batch (each data source's count comes beside them)
-BATCH_COUNTS = ("reward/samples", "reward/failures", "reward/timeouts")
-
-
-def _source_mean(source: str) -> str:
-    return f"reward/{source}/mean"
-
-
-def _source_count(source: str) -> str:
-    return f"reward/{source}/count"
-
-
-def _sources(metrics: Mapping[str, float]) -> list[str]:
-    """The data sources whose mean and count ``metrics`` hold."""
-    sources = []
-    for key in metrics:
-        source = key.removeprefix("reward/").removesuffix("/count")
-        if key == _source_count(source) and _source_mean(source) in metrics:
-            sources.append(source)
-    return sources
-
-
-def combine_shares(shares: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """The manager's metrics of a batch scored in shares (e.g. one per data-parallel rank, each
-    as :meth:`RewardManager.score` reported it, among other metrics) as one score of the whole
-    batch reports them: the counts summed, each data source's mean weighted by its count (a
-    share's count and mean are of its own samples, so neither may be averaged over shares).
-
-    Only the manager's keys come back, without reward/mean (whoever combines has the scores);
-    a share without them (no samples for the manager) adds nothing, and shares may hold
-    different data sources."""
-    out: dict[str, float] = {}
-    for key in BATCH_COUNTS:
-        if any(key in share for share in shares):
-            out[key] = sum(share.get(key, 0.0) for share in shares)
-    score_sums: dict[str, float] = defaultdict(float)
-    for share in shares:
-        for source in _sources(share):
-            count = share[_source_count(source)]
-            out[_source_count(source)] = out.get(_source_count(source), 0.0) + count
-            score_sums[source] += share[_source_mean(source)] * count
-    for source, score_sum in sorted(score_sums.items()):
-        out[_source_mean(source)] = score_sum / max(out[_source_count(source)], 1.0)
-    return out

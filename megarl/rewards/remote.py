@@ -134,9 +134,10 @@ class RemoteScorer:
 
     def score(self, samples: Sequence[RewardSample]) -> ScoredBatch:
         """Every sample's score, in order; see the module docstring for failures. Metrics:
-        reward/remote_mean, reward/remote_failures, reward/remote_timeouts,
-        reward/remote_retries, and reward/remote/<name> (the mean over the samples that returned
-        it) for each extra metric the service returned."""
+        reward/remote_samples, reward/remote_mean, reward/remote_failures,
+        reward/remote_timeouts, reward/remote_retries, and reward/remote/<name> (the mean over
+        the samples that returned it) for each extra metric the service returned. How each
+        combines over data-parallel ranks: :mod:`megarl.rewards.shares`."""
         size = self.settings.batch_size
         starts = range(0, len(samples), size)
         bodies = [(request_body(samples[i : i + size]), len(samples[i : i + size])) for i in starts]
@@ -159,6 +160,7 @@ class RemoteScorer:
             self._report(len(samples), failures)
         n = max(len(samples), 1)
         metrics = {
+            "reward/remote_samples": float(len(samples)),
             "reward/remote_mean": sum(scores) / n,
             "reward/remote_failures": float(len(failures)),
             "reward/remote_timeouts": float(sum(f.status == "timeout" for f in failures)),

@@ -7,9 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megarl import parallel, platform
 from megarl.models.forward import LossFn, run_schedule
 from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
@@ -65,14 +63,3 @@ def optimizer_step(
 def weighted(loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight: float):
     """A micro-batch's loss and metrics scaled by its share of the rank's batch."""
     return loss * weight, {k: v.detach().float() * weight for k, v in metrics.items()}
-
-
-def data_parallel_mean(value: float) -> float:
-    """The mean of ``value`` over this rank's data-parallel group (a collective)."""
-    group = parallel.dp_group()
-    size = dist.get_world_size(group)
-    if size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
-    dist.all_reduce(t, group=group)
-    return float(t.item()) / size

@@ -27,7 +27,8 @@ from megarl.run.sequences import TokenRows, length_groups, token_rows
 from megarl.run.startup import Startup
 from megarl.run.supervised import SupervisedParts, train_supervised
 from megarl.run.trainable import PolicyModel, build_policy
-from megarl.run.update import data_parallel_mean, optimizer_step, weighted
+from megarl.run.update import optimizer_step, weighted
+from megarl.trainer.dp_collectives import dp_mean
 
 
 def sft_loss(vocab_size: int) -> LossFn:
@@ -96,7 +97,7 @@ def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> SFTDatase
 def _step(
     policy: PolicyModel, cfg: RunConfig, items: list[SFTItem], pad_id: int
 ) -> dict[str, float]:
-    tokens = data_parallel_mean(float(sum(it.trained_tokens for it in items)))
+    tokens = dp_mean(float(sum(it.trained_tokens for it in items)))
     out = optimizer_step(
         policy.actor,
         micro_batches(cfg, items, pad_id, max(tokens, 1.0)),

@@ -1,4 +1,5 @@
-"""Collectives over the data-parallel group, for statistics of the whole step's samples.
+"""Collectives over the data-parallel group, for statistics of the whole step's samples (and the
+token counts that weigh a step's loss, in every trainer: megarl.sft too).
 
 Only the DP group takes part: the model-parallel replicas of a DP rank (TP, PP, CP, EP) hold the
 same samples, so a sum over the whole world would count them once per replica. In asynchronous
@@ -31,6 +32,16 @@ def dp_sum(t: torch.Tensor) -> torch.Tensor:
     out = t.to(platform.collective_device(), copy=True)
     dist.all_reduce(out, group=parallel.dp_group())
     return out.to(t.device)
+
+
+def dp_mean(value: float) -> float:
+    """The mean of ``value`` over the data-parallel ranks (a collective; ``value`` itself when DP
+    is 1): a value every DP rank holds one of (its KL, its trained tokens), each counting alike.
+    """
+    if not dp_split():
+        return value
+    total = dp_sum(torch.tensor([value], dtype=torch.float64, device=platform.collective_device()))
+    return float(total.item()) / parallel.dp_size()
 
 
 def dp_gather(value: T) -> list[T]:

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megarl import parallel, platform
+from megarl import platform
 from megarl.config import AlgorithmConfig
 from megarl.metrics import StepMetrics, declare
 from megarl.trainer.batch import Samples, StepBatch
+from megarl.trainer.dp_collectives import dp_sum
 
 
 def varied_groups(group_ids: Sequence[Hashable], scores: torch.Tensor) -> list[Hashable]:
@@ -131,15 +132,6 @@ def _world_min(value: int) -> int:
     return int(t.item())
 
 
-def _dp_sums(metrics: dict[str, float], keys: Sequence[str]) -> None:
-    """Counts summed over data-parallel ranks (every rank of a DP rank holds the same)."""
-    t = torch.tensor(
-        [metrics[k] for k in keys], dtype=torch.float64, device=platform.collective_device()
-    )
-    dist.all_reduce(t, group=parallel.dp_group())
-    metrics.update({k: float(v) for k, v in zip(keys, t.tolist(), strict=True)})
-
-
 def filter_groups(
     draw: Callable[[], StepBatch],
     algorithm: AlgorithmConfig,
@@ -173,7 +165,11 @@ def filter_groups(
     else:  # some rank kept nothing: the last draw as it is (zero advantages under grpo)
         stats["dynamic_sampling/groups_trained"] = float(len(dict.fromkeys(samples.group_ids)))
     stats["dynamic_sampling/unfiltered"] = float(groups == 0)
-    _dp_sums(stats, [k for k in stats if k.startswith("dynamic_sampling/groups")])
+    # group counts over data-parallel ranks (every rank of a DP rank holds the same)
+    counts = [k for k in stats if k.startswith("dynamic_sampling/groups")]
+    values = [stats[k] for k in counts]
+    totals = dp_sum(torch.tensor(values, dtype=torch.float64, device=platform.collective_device()))
+    stats.update(zip(counts, totals.tolist(), strict=True))
     stats["dynamic_sampling/filled"] = float(groups >= pool.target_groups)
     m.update(declare(stats))
     averaged = {k: v / pool.draws for k, v in sums.items()}

@@ -33,9 +33,10 @@ from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.remote_settings import RemoteSettings
+from megarl.rewards.shares import ROLLOUT_SAMPLES
 from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples, padded_routes
 from megarl.trainer.distill import distill_experience
-from megarl.trainer.dp_collectives import dp_sum
+from megarl.trainer.dp_collectives import dp_mean, dp_sum
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
@@ -239,7 +240,9 @@ def score_rollout(
     reward.model_weight * model + reward.remote_weight * remote + reward.judge.weight * judge``),
     plus the overlong penalty
     (``reward.overlong_buffer``) with ``shaping``; also the decoded responses. The metrics are
-    this rank's means.
+    this rank's counts and means, each with the count of the samples it is over
+    (``reward/rollout_samples`` for those over every sample): :mod:`megarl.rewards.shares`
+    combines them over data-parallel ranks.
 
     A multi-turn trajectory scores the sum of its environment's turn rewards, plus the run's
     reward (rule scorer and/or reward model, as above) on its final conversation unless the
@@ -257,13 +260,14 @@ def score_rollout(
             for k, t in enumerate(trajectories)
             if not t.env_scored_outcome and t.finish != "error"
         ]
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {ROLLOUT_SAMPLES: float(samples.size)}
     rule = torch.zeros(samples.size, device=device)
     failures: list[Failures] = []
     if rewards.rule_weight != 0:
-        rule, metrics, rule_failures = rule_scores(
+        rule, rule_metrics, rule_failures = rule_scores(
             rewards.rules, items, batch, texts, device, scored
         )
+        metrics.update(rule_metrics)
         if scored:
             metrics["reward/rule_mean"] = float(rule[scored].mean())
         failures.append(rule_failures)
@@ -399,22 +403,6 @@ def rollout_samples(
     return samples
 
 
-def _dp_mean(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=platform.collective_device())
-    dist.all_reduce(t, group=parallel.dp_group())
-    return float(t.item() / parallel.dp_size())
-
-
-def _dp_explained_variance(
-    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
-) -> float:
-    """The explained variance of the whole batch (all data-parallel ranks' tokens; a collective),
-    the same on every rank."""
-    sums = explained_variance_sums(values, returns, mask).to(platform.collective_device())
-    dist.all_reduce(sums, group=parallel.dp_group())
-    return explained_variance_from_sums(sums)
-
-
 def compute_experience(
     cfg: RunConfig,
     spec: AlgorithmSpec,
@@ -445,7 +433,7 @@ def compute_experience(
             kl_coef=kl_ctrl.value,
             estimator=spec.kl_in_reward_estimator,
         )
-        kl = _dp_mean(float(kl_metrics["kl"]))
+        kl = dp_mean(float(kl_metrics["kl"]))
         kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size)
         metrics.update({"actor/reward_kl": mean(kl), "actor/kl_coef": mean(kl_ctrl.value)})
     t["token_level_rewards"] = rewards
@@ -486,9 +474,9 @@ def compute_experience(
         metrics["critic/value_mse"] = mean(
             _batch_token_mean((t["values"] - t["returns"]).square(), mask)
         )
-        metrics["critic/explained_var"] = mean(
-            _dp_explained_variance(t["values"], t["returns"], mask)
-        )
+        # over every DP rank's tokens: the sums add up, the per-rank ratios would not
+        sums = dp_sum(explained_variance_sums(t["values"], t["returns"], mask))
+        metrics["critic/explained_var"] = mean(explained_variance_from_sums(sums))
     metrics["actor/advantages_mean"] = mean(_batch_token_mean(t["advantages"], mask))
     return metrics
 

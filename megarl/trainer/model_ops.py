@@ -17,8 +17,8 @@ from megarl.models.logprobs import log_probs_at, positions_from
 from megarl.models.moe_metrics import router_loss_metrics
 from megarl.run.finite import NonFiniteError, all_finite
 from megarl.run.trainable import Trainable
-from megarl.run.update import data_parallel_mean
 from megarl.trainer.batch import Samples
+from megarl.trainer.dp_collectives import dp_mean
 from megarl.trainer.ep_micro_batches import aligned_micro_batches
 
 
@@ -191,7 +191,7 @@ def ppo_update(
             mbs = batching.split(samples, rows)
             mini_tokens = float(samples.response_mask[list(rows)].sum())
             if token_level:
-                mini_tokens = data_parallel_mean(mini_tokens)
+                mini_tokens = dp_mean(mini_tokens)
             weights = [_weight(mb, mini_tokens, len(rows), token_level) for _, mb in mbs]
 
             def scaled(out: torch.Tensor, batch: dict[str, Any]):

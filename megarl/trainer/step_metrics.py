@@ -1,7 +1,7 @@
 """The metrics of a rollout (rewards, response lengths, data, throughput), each with the
 reduction over ranks it needs.
 
-Means, the std and counts of the step's samples are combined over the data-parallel ranks here
+Means, stds and counts of the step's samples are combined over the data-parallel ranks here
 (:func:`step_statistics`), not left to :func:`megarl.metrics.reduce_metrics`: that one averages
 or sums each rank's value over the whole world, which counts a DP rank's model-parallel replicas
 once each and gives every DP rank's mean the same weight, however many samples it holds
@@ -11,14 +11,13 @@ are what one process holding all the step's samples reports, at any layout.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare, maximum, mean, minimum
-from megarl.rewards.manager import combine_shares
+from megarl.rewards.shares import combine_shares, pooled_std
 from megarl.trainer.batch import Samples, StepBatch
 from megarl.trainer.dp_collectives import dp_gather
 
@@ -60,19 +59,15 @@ class RolloutShare:
 
 def step_statistics(shares: Sequence[RolloutShare]) -> StepMetrics:
     """The step's reward mean and sample std (Bessel-corrected, as torch.std), mean response
-    length, clip ratio and the reward manager's counts and per-source means, from every DP
-    rank's share. Every rank gets the same values, so the mean over ranks keeps them."""
+    length, clip ratio and the reward sources' counts, means and stds (each combined as
+    :mod:`megarl.rewards.shares` declares), from every DP rank's share. Every rank gets the same
+    values, so the mean over ranks keeps them."""
     n = sum(s.samples for s in shares)
-    score_mean = sum(s.score_sum for s in shares) / max(n, 1)
-    sq_dev = sum(
-        s.score_sq_dev + s.samples * (s.score_sum / s.samples - score_mean) ** 2
-        for s in shares
-        if s.samples
-    )
+    parts = [(s.samples, s.score_sum / s.samples, s.score_sq_dev) for s in shares if s.samples]
     finished = sum(s.finished for s in shares)
     out = {
-        "reward/mean": mean(score_mean),
-        "reward/std": mean(math.sqrt(sq_dev / (n - 1)) if n > 1 else 0.0),
+        "reward/mean": mean(sum(s.score_sum for s in shares) / max(n, 1)),
+        "reward/std": mean(pooled_std(parts)),
         "response/length_mean": mean(sum(s.length_sum for s in shares) / max(n, 1)),
         "response/clip_ratio": mean(sum(s.clipped for s in shares) / max(finished, 1)),
     }
@@ -100,7 +95,8 @@ def rollout_metrics(batch: StepBatch, dataset: CountingData) -> StepMetrics:
             "perf/dp_tokens_mean": mean(samples.seq_lens().sum()),
         }
     )
-    # the other reward metrics (rule, model, remote, judge, environment ...): this rank's means
+    # the reward metrics megarl.rewards.shares leaves alone (a remote service's extra metrics,
+    # the multi-turn rollout/*, the step's on every rank already): each rank's value
     out.update(declare({k: v for k, v in batch.reward_metrics.items() if k not in step}))
     out.update(declare(dataset.metrics()))
     return out

@@ -123,10 +123,6 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/trainer/reward_failures.py": {
         "stop_on_failed_scores": "counts made on platform.collective_device()",
     },
-    "megarl/trainer/experience.py": {
-        "_dp_mean": "made on platform.collective_device()",
-        "_dp_explained_variance": "sums moved to platform.collective_device()",
-    },
     "megarl/trainer/dp_collectives.py": {
         "dp_sum": "copied to platform.collective_device()",
     },
@@ -144,7 +140,6 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/trainer/dynamic_sampling.py": {
         "_world_min": "made on platform.collective_device()",
-        "_dp_sums": "made on platform.collective_device()",
     },
     "megarl/models/lora_peft.py": {
         "_gather": "LoRA adapter parameter shards (or their main_grad), on the model's device",
@@ -169,9 +164,6 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     },
     "megarl/run/evaluation.py": {
         "dataset_totals": "totals made on platform.collective_device()",
-    },
-    "megarl/run/update.py": {
-        "data_parallel_mean": "made on platform.collective_device()",
     },
 }
 

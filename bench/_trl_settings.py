@@ -27,7 +27,8 @@ def read_spec(path: str) -> dict:
 
 
 def run_facts() -> dict:
-    """What each worker reports about its own run: package versions and torch's thread count."""
+    """What each worker reports about its own run: package versions, torch's thread count and
+    the glibc malloc variables and thread counts in its environment (``process_env``)."""
     import torch
     import transformers
     import trl
@@ -39,6 +40,11 @@ def run_facts() -> dict:
             "torch": torch.__version__,
         },
         "threads": torch.get_num_threads(),
+        "process_env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith("MALLOC_") or k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        },
     }
 
 

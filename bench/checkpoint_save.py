@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.results_io import write_results
+from bench.results_io import load_1min, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,8 +120,10 @@ def main() -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="megarl-bench-ckpt-"))
     root = work / "checkpoints"
     seconds: dict[str, list[float]] = {"with manifests": [], "without": []}
+    loads: list[float] = []  # the 1-minute load before each pair
     step, size = 0, 0
     for _ in range(repeats + 1):  # the first pair warms up (page cache, the writer's set-up)
+        loads.append(load_1min())
         for kind in seconds:
             step += 1
             t0 = time.perf_counter()
@@ -136,7 +138,8 @@ def main() -> int:
                 )
             seconds[kind].append(time.perf_counter() - t0)
             size = folder_bytes(path)
-    seconds = {k: v[1:] for k, v in seconds.items()}  # drop the warm-up pair
+    warmup = {k: v[0] for k, v in seconds.items()}  # stored, not in the medians
+    seconds = {k: v[1:] for k, v in seconds.items()}
     with_m, without = (statistics.median(seconds[k]) for k in ("with manifests", "without"))
     overhead = with_m / without - 1.0
     hash_s, hashed = hashing_seconds(path)
@@ -162,6 +165,8 @@ def main() -> int:
             "checkpoint_bytes": size,
             "save_s_with_manifests": seconds["with manifests"],
             "save_s_without": seconds["without"],
+            "warmup_pair_s": warmup,
+            "load_1min_per_pair": loads,  # the warm-up pair's first
             "median_with_s": with_m,
             "median_without_s": without,
             "overhead": overhead,

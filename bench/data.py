@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.results_io import write_results
+from bench.results_io import load_1min, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -189,8 +189,10 @@ def main() -> None:
             cmd += ["--rank", str(args.rank), "--batch", str(args.batch), "--paths", *paths]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+            load = load_1min()
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             runs[worker].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[worker][-1]["load_1min"] = load  # every run is stored, with its load
     best = {w: min(rs, key=lambda r: r["seconds"]) for w, rs in runs.items()}
     for worker, r in best.items():
         walls = ", ".join(f"{x['seconds']:.2f}" for x in runs[worker])

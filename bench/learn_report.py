@@ -1,5 +1,9 @@
 """bench/learn.py's report: the per-seed table, the summary (the time each side trains to reach
-the accuracy TRL ends with, their ratio, the seeds' means) and the curves' picture."""
+the accuracy TRL ends with, their ratio, the seeds' means) and the curves' picture.
+
+Everything here reads each side's ``curve``: its validations on the training-clock cadence both
+sides share (bench/_validation_cadence.py), so that "time to reach" is sampled alike on both; a
+side's other validations (megarl validates every step) are stored beside it, not used."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ def print_table(seed: int, results: dict[str, dict]) -> None:
         if "failed" in r:
             print(f"  {name:<8} failed: {r['failed']}")
             continue
-        for p in r["curve"]:
+        for p in r["curve"]:  # on the shared cadence
             print(
                 f"  {name:<8} {p['clock_s'] / 60:>8.2f} {p['step']:>6} {p['score']:>10.3f} "
                 f"{p['accuracy']:>13.3f}"
@@ -110,7 +114,7 @@ def overall_summary(runs: dict[str, dict]) -> dict[str, object]:
 def add_samples(runs: dict[str, dict], samples_per_step: int) -> None:
     for d in runs.values():
         for r in d["runs"].values():
-            for point in r.get("curve", []):
+            for point in [*r.get("validations", []), *r.get("curve", [])]:
                 point["samples"] = point["step"] * samples_per_step
 
 

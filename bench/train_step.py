@@ -265,6 +265,7 @@ def main() -> None:
                 "torch AdamW(fused=True)",
                 "megarl": "megatron GPTModel TP1, DDP fp32 grad buffer, distributed optimizer "
                 "(torch's fused AdamW)",
+                "process": "both sides in this process: the same environment (process_env)",
             },
         },
         smoke=args.smoke,

@@ -62,6 +62,11 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
     assert record["machine"]["cores"] >= 1 and record["machine"]["cpu_model"]
     assert set(record["load_1min"]) == {"start", "end"}
     assert "torch" in record["versions"] and len(record["git"]["commit"]) == 40
+    assert isinstance(record["git"]["dirty"], bool) and "MALLOC_MMAP_MAX_" in record["process_env"]
+    if bench == "rollout":  # the sides alternate, every run stored with its load
+        runs = record["figures"]["runs"]
+        assert [r["side"] for r in runs] == ["vllm", "hf", "vllm", "hf"], runs
+        assert all(r["tokens"] > 0 and r["load_1min"] >= 0 for r in runs), runs
     if bench == "train_step":  # every side's matmuls, timed by shape
         census = record["figures"]["matmul_census"]
         assert len(census) == 3, census.keys()
@@ -70,6 +75,9 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
         summary = record["figures"]["summary"]
         assert set(summary["megarl"]) >= {"accuracy_start", "accuracy_end"}, summary
         assert 0 <= summary["megarl"]["accuracy_end"] <= 1 and "time_to_trl_final_ratio" in summary
+        # the first step ends past the smoke's budget: validated and stopped there
         curve = record["figures"]["seeds"]["1"]["runs"]["megarl"]["curve"]
-        assert [p["step"] for p in curve] == [0, 2] and curve[-1]["samples"] == 8, curve
+        assert [p["step"] for p in curve] == [0, 1] and curve[-1]["samples"] == 4, curve
+        settings = record["figures"]["settings"]
+        assert settings["process_env"]["megarl"] == settings["process_env"]["trl"], settings
         assert (tmp_path / f"{stored}.smoke.png").stat().st_size > 1000

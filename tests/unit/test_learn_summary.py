@@ -1,10 +1,12 @@
 """bench/learn.py's summary (bench/learn_report.py): the time each side trains to reach the accuracy TRL ends with, their
-ratio, and the seeds' means (the keys the README quotes). Hand-made curves, figures by hand."""
+ratio, and the seeds' means (the keys the README quotes), and the validation cadence both sides
+share (bench/_validation_cadence.py). Hand-made curves, figures by hand."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench._validation_cadence import due, next_due, on_cadence
 from bench.learn import TASKS
 from bench.learn_report import overall_summary, summarize, time_to, time_to_trl_final_ratio
 
@@ -77,3 +79,22 @@ def test_tasks_name_metrics_after_their_rows():
     assert TASKS["gsm"].val_score == "val/openai/gsm8k/mean@1"
     for task in TASKS.values():
         assert task.config.is_file() and task.scorer_file.is_file()
+
+
+def test_the_cadence_keeps_the_first_validation_past_each_due_time_and_the_budget():
+    # a side validating every step (megarl): steps of 50 s, cadence 120 s, budget 400 s
+    every_step = [{"step": i, "clock_s": 50.0 * i} for i in range(10)]
+    kept = on_cadence(every_step, 120.0, 400.0)
+    assert [p["clock_s"] for p in kept] == [0, 150, 250, 400]
+    # a side with 130 s steps validates at each of its step ends, up to the one past the budget
+    slow = [{"step": i, "clock_s": 130.0 * i} for i in range(6)]
+    assert [p["step"] for p in on_cadence(slow, 120.0, 400.0)] == [0, 1, 2, 3, 4]
+    # what the TRL worker decides step by step gives the same points
+    due_s, picked = next_due(0.0, 120.0), [0.0]
+    for p in every_step[1:]:
+        if due(p["clock_s"], due_s, 400.0):
+            picked.append(p["clock_s"])
+            due_s = next_due(p["clock_s"], 120.0)
+            if p["clock_s"] >= 400.0:
+                break
+    assert picked == [0, 150, 250, 400]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.results_io import load_1min, write_results
+from megarl.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +88,7 @@ def main() -> int:
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
 
     from megarl.models.build import ModelOptions
@@ -181,14 +182,6 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     dist.destroy_process_group()
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> None:
             f"train {run.train_s:.1f} s (load {run.load_1min:.2f})",
             flush=True,
         )
-    figures = {
+    figures: dict[str, object] = {
         "command": "make quickstart (python -m megarl.quickstart; megarl train "
-        "configs/quickstart_cpu.yaml --nproc-per-node 1)" + (" " + " ".join(overrides)),
+        "configs/quickstart_cpu.yaml --nproc-per-node 1) " + " ".join(overrides),
         "runs": [run.figures() for run in runs],
     }
     write_results("quickstart", figures, smoke=args.smoke)

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from tests.mp import free_port
+from megarl.ports import free_port
 
 
 def test_demo_runs_tp2_pp2_and_reports_parity():

@@ -288,7 +288,7 @@ def test_data_files_are_hashed_as_megatron_writes_them(tmp_path):
     import subprocess
     import sys
 
-    from tests.mp import free_port
+    from megarl.ports import free_port
 
     proc = subprocess.run(
         [sys.executable, "-c", HASHED_SAVE, str(tmp_path / "mcore"), str(free_port())],

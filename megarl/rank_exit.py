@@ -42,12 +42,23 @@ def failure_note(rank: int, rank_exit_code: int) -> str | None:
     return f"megarl: rank {rank} {how}; its output is above (--verbose shows torchrun's report)"
 
 
+def _cause_order(exit_code: int) -> int:
+    """0 for a failure of the rank's own, 1 for a SIGTERM (the signal a launcher ends the other
+    ranks with once one has failed), 2 for a rank that stopped because it lost a peer."""
+    if exit_code == PEER_LOST_EXIT:
+        return 2
+    return 1 if exit_code == -signal.SIGTERM else 0
+
+
 def first_cause(failures: Mapping[int, tuple[int, float]]) -> int:
     """The rank whose failure caused the job's: of ``failures`` (rank -> (exit code, time of
-    failure)), the earliest that did not stop for a lost peer, else the earliest.
+    failure)), the earliest of its own failures, else the earliest SIGTERM, else the earliest
+    rank that stopped for a lost peer; a tie goes to the lower rank.
 
     A rank killed by a signal is seen by the launcher when it next polls, while the ranks it left
     in a collective record their own (later) exit at once: under load the launcher can see theirs
-    first, so time alone would blame a rank that only lost its peer.
+    first, so time alone would blame a rank that only lost its peer. torchrun then ends the ranks
+    still running with SIGTERM and reports them as failed too, stamped to the whole second, so a
+    SIGTERM can tie with the real cause: it only counts when no rank failed otherwise.
     """
-    return min(failures, key=lambda r: (failures[r][0] == PEER_LOST_EXIT, failures[r][1], r))
+    return min(failures, key=lambda r: (_cause_order(failures[r][0]), failures[r][1], r))

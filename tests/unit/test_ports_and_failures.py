@@ -52,3 +52,13 @@ def test_the_first_cause_is_not_a_rank_that_lost_its_peer() -> None:
     assert first_cause({1: (1, 5.0), 2: (2, 4.0), 0: (PEER_LOST_EXIT, 1.0)}) == 2
     assert first_cause(seen) == 0
     assert first_cause({4: (1, 3.0), 2: (1, 3.0)}) == 2  # a tie: the lower rank
+
+
+def test_the_first_cause_is_not_a_rank_the_launcher_ended_with_sigterm() -> None:
+    # a CI run: rank 3 SIGKILLed, ranks 0 and 2 lost their peer, and rank 1, still running, was
+    # ended by torchrun with SIGTERM and stamped in the same whole second as rank 3
+    seen = {0: (PEER_LOST_EXIT, 100.0), 1: (-15, 101.0), 2: (PEER_LOST_EXIT, 100.0)}
+    assert first_cause({**seen, 3: (-9, 101.0)}) == 3
+    # only SIGTERMs and lost peers: the SIGTERM (a rank ended from outside the job)
+    assert first_cause(seen) == 1
+    assert first_cause({2: (-15, 7.0), 1: (-15, 8.0)}) == 2

@@ -31,6 +31,7 @@ from megarl.rewards.remote_protocol import (
 )
 from megarl.rewards.remote_settings import RemoteSettings
 from megarl.rewards.scoring import ScoreOutcome, Status
+from megarl.rewards.shares import remote_extra_count, remote_extra_mean
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,9 @@ class RemoteScorer:
     def score(self, samples: Sequence[RewardSample]) -> ScoredBatch:
         """Every sample's score, in order; see the module docstring for failures. Metrics:
         reward/remote_samples, reward/remote_mean, reward/remote_failures,
-        reward/remote_timeouts, reward/remote_retries, and reward/remote/<name> (the mean over
-        the samples that returned it) for each extra metric the service returned. How each
+        reward/remote_timeouts, reward/remote_retries, and for each extra metric the service
+        returned reward/remote/<name> (the mean over the samples that returned it) and
+        reward/remote_samples/<name> (how many did). How each
         combines over data-parallel ranks: :mod:`megarl.rewards.shares`."""
         size = self.settings.batch_size
         starts = range(0, len(samples), size)
@@ -167,7 +169,8 @@ class RemoteScorer:
             "reward/remote_retries": float(sum(a.retries for a in answers)),
         }
         for name, values in sorted(extra.items()):
-            metrics[f"reward/remote/{name}"] = sum(values) / len(values)
+            metrics[remote_extra_mean(name)] = sum(values) / len(values)
+            metrics[remote_extra_count(name)] = float(len(values))
         return ScoredBatch(scores, metrics, failures)
 
     def _report(self, total: int, failures: list[ScoreOutcome]) -> None:

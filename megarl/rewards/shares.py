@@ -11,11 +11,13 @@ rank's own samples is named here (a test holds the producers to it: the reward m
 remote service, the judge and :func:`megarl.trainer.experience.score_rollout`); a new one goes
 into the table with its producer.
 
-Not combined (whoever logs them keeps each rank's value): ``reward/mean`` (whoever combines has
-the scores themselves), and ``reward/remote/<name>``, the means of the extra metrics a remote
-service returns, over the samples that returned each: the shares do not carry that count, so
-these stay each DP rank's mean, averaged with equal weight. The multi-turn ``rollout/*`` metrics
-that travel with the reward metrics are the step's on every rank already.
+The extra metrics a remote service returns with some of its scores combine the same way: each
+``reward/remote/<name>`` is a mean over the samples that returned it, counted in
+``reward/remote_samples/<name>``.
+
+Not combined (whoever logs it keeps each rank's value): ``reward/mean`` (whoever combines has
+the scores themselves). The multi-turn ``rollout/*`` metrics that travel with the reward metrics
+are the step's on every rank already.
 
 Under the remote service and the judge, the first rank of each model-parallel group scores and
 broadcasts the result to the others (:func:`megarl.trainer.experience.batch_scores`), so every
@@ -96,11 +98,31 @@ def source_count(source: str) -> str:
     return f"reward/{source}/count"
 
 
+REMOTE_EXTRA = "reward/remote/"
+REMOTE_EXTRA_COUNT = "reward/remote_samples/"
+
+
+def remote_extra_mean(name: str) -> str:
+    """The key of the mean of an extra metric ``name`` a remote service returned."""
+    return REMOTE_EXTRA + name
+
+
+def remote_extra_count(name: str) -> str:
+    """The key of the number of samples a remote service returned ``name`` with."""
+    return REMOTE_EXTRA_COUNT + name
+
+
 def combination(key: str, metrics: Mapping[str, float]) -> Combination | None:
     """How ``key`` of ``metrics`` combines over shares; None: it does not (each share's value
-    stands). A data source's count and mean combine where ``metrics`` holds both."""
+    stands). A data source's count and mean combine where ``metrics`` holds both, and a remote
+    service's extra metric where it holds its count."""
     if key in COMBINED:
         return COMBINED[key]
+    if key.startswith(REMOTE_EXTRA_COUNT):
+        return COUNT
+    if key.startswith(REMOTE_EXTRA):
+        count = remote_extra_count(key.removeprefix(REMOTE_EXTRA))
+        return Mean(count) if count in metrics else None
     for suffix in ("/count", "/mean"):
         source = key.removeprefix("reward/").removesuffix(suffix)
         count, mean = source_count(source), source_mean(source)

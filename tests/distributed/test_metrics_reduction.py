@@ -96,6 +96,8 @@ _ROLLOUT_KEYS = (
     "reward/remote_failures",
     "reward/remote_timeouts",
     "reward/remote_retries",
+    "reward/remote/odd",
+    "reward/remote_samples/odd",
     "reward/judge_samples",
     "reward/judge_mean",
     "reward/judge_failures",
@@ -125,7 +127,8 @@ def _text(row: tuple[str, float, str, str, int]) -> str:
 def _service():
     """A remote reward service (one request per sample) answering from the response: length 8
     fails after 2 retries, 7 times out, the others score ``score + length`` after ``length % 2``
-    retries."""
+    retries; an odd length also returns the extra metric "odd" (the length): at DP2 two of
+    DP0's samples return it and one of DP1's."""
     import json
 
     from megarl.rewards.remote import Answer, RemoteScorer
@@ -143,7 +146,8 @@ def _service():
                 elif n == 7:
                     answers.append(Answer(None, "timeout", "no answer"))
                 else:
-                    scored = [RemoteScore(float(score) + n + 10 * replica)]
+                    extra = {"odd": float(n + replica)} if n % 2 else {}
+                    scored = [RemoteScore(float(score) + n + 10 * replica, extra)]
                     answers.append(Answer(scored, "ok", retries=n % 2 + 100 * replica))
             return answers
 
@@ -248,6 +252,7 @@ def test_rollout_statistics_at_tp2_dp2_are_those_of_one_process():
     # counts that DP2 would halve, if averaged over ranks
     assert one["reward/remote_failures"].value == 4 and one["reward/remote_timeouts"].value == 1
     assert one["reward/remote_retries"].value == 3 * 2 + 3  # failed; odd lengths 3, 5, 1
+    assert one["reward/remote/odd"].value == 3.0  # (3 + 5 + 1) / 3; DP ranks' means: 4 and 1
     assert one["reward/judge_failures"].value == 3.0 and one["reward/judge_unparsed"].value == 1
     for key in _ROLLOUT_KEYS:
         assert results[0][key] == pytest.approx(one[key].value, abs=1e-6), key

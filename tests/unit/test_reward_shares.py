@@ -79,9 +79,9 @@ def test_counts_sum_and_the_scorers_means_weigh_by_their_own_samples():
 
 
 def test_what_the_table_does_not_name_is_left_out():
-    """reward/mean (the step's comes from the scores), a remote service's extra metrics (their
-    counts are unknown), the multi-turn rollout/* (the step's on every rank), a data source's
-    mean without its count, and a mean whose count no share holds."""
+    """reward/mean (the step's comes from the scores), a remote service's extra metric without
+    its count, the multi-turn rollout/* (the step's on every rank), a data source's mean
+    without its count, and a mean whose count no share holds."""
     shares = [
         {
             "reward/mean": 1.0,
@@ -96,6 +96,27 @@ def test_what_the_table_does_not_name_is_left_out():
     assert combination("reward/remote/vowels", shares[0]) is None
     assert combination("reward/y/mean", shares[1]) == Mean("reward/y/count")
     assert combination("reward/y/count", shares[1]) == Count()
+
+
+def test_a_remote_services_extra_metrics_weigh_by_the_samples_that_returned_them():
+    """Rank 0's 1 sample returned "tests" (3.0), rank 1's 3 samples returned it (mean 1.0), so the
+    whole batch's mean is 1.5, not the ranks' 2.0; a metric only one rank's samples returned is
+    that rank's."""
+    shares = [
+        {"reward/remote/tests": 3.0, "reward/remote_samples/tests": 1.0},
+        {
+            "reward/remote/tests": 1.0,
+            "reward/remote_samples/tests": 3.0,
+            "reward/remote/ms": 40.0,
+            "reward/remote_samples/ms": 2.0,
+        },
+    ]
+    assert combine_shares(shares) == {
+        "reward/remote/ms": 40.0,
+        "reward/remote/tests": 1.5,
+        "reward/remote_samples/ms": 2.0,
+        "reward/remote_samples/tests": 4.0,
+    }
 
 
 def test_every_mean_and_std_is_over_a_declared_count():

@@ -145,12 +145,12 @@ def test_scores_come_back_in_order_across_batches_with_their_metrics(serve):
     assert sorted(len(r) for r in server.requests) == [1, 2, 2]  # batches of 2
     assert result.metrics["reward/remote_mean"] == pytest.approx(3.0)
     assert result.metrics["reward/remote/vowels"] == pytest.approx(1.5)  # "mama" 2, "me" 1
+    assert result.metrics["reward/remote_samples/vowels"] == 2  # only those two returned it
     assert result.metrics["reward/remote_failures"] == 0
     assert result.metrics["reward/remote_retries"] == 0
     assert result.metrics["reward/remote_samples"] == 5
-    # how each combines over DP ranks is declared, but for the extras (their counts are unknown)
-    undeclared = [k for k in result.metrics if combination(k, result.metrics) is None]
-    assert undeclared == ["reward/remote/vowels"]
+    # how each combines over DP ranks is declared, the extras' too (a mean over their count)
+    assert all(combination(k, result.metrics) is not None for k in result.metrics)
     first = next(r for r in server.requests if r[0]["response"] == "a")[0]
     assert first == {
         "data_source": "math",

@@ -278,8 +278,9 @@ def _check_router_replay(cfg: RunConfig, dims: ModelDims) -> None:
     refusals = (
         (
             r.backend != "hf",
-            f"rollout.backend={r.backend}: megarl does not read vLLM's routed experts yet; set "
-            "rollout.backend=hf (transformers records its routers' choices)",
+            f"rollout.backend={r.backend}: megarl does not read vLLM's routed experts yet (vLLM 0.32 "
+            "returns them only from its V2 model runner, which its CPU build starts only with "
+            "Triton's CPU backend); set rollout.backend=hf (transformers records its routers' choices)",
         ),
         (
             r.env is not None,

@@ -129,7 +129,11 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
     check(moe, "rollout.backend=hf")
     for dims, overrides, message in (
         (dense, ("rollout.backend=hf",), "dense"),
-        (moe, ("rollout.backend=vllm",), "vLLM's routed experts"),
+        (
+            moe,
+            ("rollout.backend=vllm",),
+            "vLLM's routed experts yet .vLLM 0.32 returns them only from its V2 model runner",
+        ),
         (
             moe,
             ("rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"),
@@ -139,3 +143,31 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
     ):
         with pytest.raises(ConfigError, match=message):
             check(dims, *overrides)
+
+
+@pytest.mark.parametrize(
+    ("v2_runner", "refusal"),
+    ((None, "requires Model Runner V2"), ("1", "Model Runner V2 requires Triton")),
+)
+def test_the_installed_vllm_returns_no_routed_experts_on_this_cpu_build(
+    monkeypatch, v2_runner, refusal
+):
+    """Why rollout.backend=vllm with replay is refused: the installed vLLM's routed experts come
+    only from its V2 model runner, and its CPU build starts that runner only with Triton's CPU
+    backend. When a vLLM upgrade lifts this, the test fails: read CompletionOutput.routed_experts
+    ([tokens, layers, top-k]) in the vLLM engine and drop the refusal."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if v2_runner is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_runner)
+    engine_args = EngineArgs(
+        model=str(tiny_char_qwen3_moe_dir()),
+        enable_return_routed_experts=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+    )
+    with pytest.raises(ValueError, match=refusal):
+        engine_args.create_engine_config()

@@ -87,7 +87,9 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     samples.tensors["old_log_prob"] = (-torch.rand(shape, generator=gen) * 8).to(device)
     samples.tensors["ref_log_prob"] = samples.tensors["old_log_prob"].clone()
     cfg = RunConfig()
-    loss_fn = make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg))
+    loss_fn = make_actor_loss(
+        cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
+    )
     batching = MicroBatching(args.samples, args.max_tokens, args.mode == "packed")
     rows = list(range(args.samples))
 

@@ -1,14 +1,14 @@
 """A config's algorithm words resolved once into the settings of the registered functions.
 
-The launcher calls :func:`check_algorithm_choices` before any process starts (an unknown name
-lists the known ones, a setting the chosen function does not take names the fix); each rank's
-trainer then resolves the same config once (:func:`resolve_algorithm_kwargs` for PPO/GRPO,
-:func:`resolve_dpo_loss` for DPO) and passes the result down, so what was checked is what runs.
+Before any process starts the launcher resolves the trainer's words with ``try_them``/``try_it``
+(an unknown name lists the known ones, a setting the chosen function does not take names the fix);
+each rank's trainer then resolves the same sections once (:func:`resolve_algorithm_kwargs` for
+PPO/GRPO, :func:`resolve_dpo_loss` for DPO) and passes the result down, so what was checked is what
+runs. Both take the config sections they read, never the whole run config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from megarl.algos.settings import (
     try_call,
     try_on_tiny_batch,
 )
-from megarl.config import AlgorithmConfig, RunConfig
+from megarl.config import AlgorithmConfig, DPOConfig, RolloutConfig
 from megarl.errors import ConfigError
 
 
@@ -106,12 +106,14 @@ def _kl_controller_kwargs(a: AlgorithmConfig) -> dict[str, float]:
     return {k: v for k, v in candidates.items() if k in accepted}
 
 
-def resolve_algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> AlgorithmKwargs:
-    """Resolve every algorithm choice of ``cfg`` through its registry; ConfigError naming the fix
-    for an unknown name or a setting the chosen function does not take. ``try_them`` also calls
-    the chosen policy loss, estimator and rollout correction once on a tiny batch (a value they
-    refuse fails here)."""
-    a = cfg.algorithm
+def resolve_algorithm_kwargs(
+    a: AlgorithmConfig, rollout: RolloutConfig, try_them: bool = False
+) -> AlgorithmKwargs:
+    """Resolve every choice of the ``algorithm`` section through its registry; ConfigError naming
+    the fix for an unknown name or a setting the chosen function does not take. ``rollout`` gives
+    the response budget (a length-normalised loss's default) and the samples per prompt.
+    ``try_them`` also calls the chosen policy loss, estimator and rollout correction once on a
+    tiny batch (a value they refuse fails here)."""
     policy, estimator, agg, correction = _policy_choices(a)
     try:
         for key in ("kl_loss_estimator", "kl_in_reward_estimator"):
@@ -120,7 +122,7 @@ def resolve_algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> Algorith
         loss_agg = resolve_kwargs(agg)
         agg_params = keyword_parameters(lookup(agg))
         if "norm_length" in agg_params and "norm_length" not in loss_agg:
-            loss_agg["norm_length"] = cfg.rollout.max_response_length
+            loss_agg["norm_length"] = rollout.max_response_length
         out = AlgorithmKwargs(
             policy_loss=resolve_kwargs(policy),
             adv_estimator=resolve_kwargs(estimator),
@@ -137,10 +139,10 @@ def resolve_algorithm_kwargs(cfg: RunConfig, try_them: bool = False) -> Algorith
             try_call(correction, lambda: _try_correction(a.rollout_correction, out))
     except SettingError as e:
         raise ConfigError(str(e)) from None
-    if "group_ids" in out.adv_inputs and cfg.rollout.n < 2:
+    if "group_ids" in out.adv_inputs and rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares the samples of a prompt with "
-            f"each other, so rollout.n={cfg.rollout.n} gives every sample advantage 0; set "
+            f"each other, so rollout.n={rollout.n} gives every sample advantage 0; set "
             "rollout.n >= 2, or adv_estimator=gae (with a critic) / reinforce_plus_plus"
         )
     return out
@@ -152,11 +154,10 @@ def _try_correction(name: str, kwargs: AlgorithmKwargs) -> None:
     compute_rollout_correction(name, zeros, zeros, torch.ones(2, 2), **kwargs.rollout_correction)
 
 
-def resolve_dpo_loss(cfg: RunConfig, try_it: bool = False) -> DPOLoss:
+def resolve_dpo_loss(d: DPOConfig, try_it: bool = False) -> DPOLoss:
     """The configured DPO loss (``dpo.loss`` with ``dpo.beta`` and ``dpo.loss_kwargs``), resolved
     against its signature; ConfigError naming the fix for an unknown loss or setting, or for a
     reference given to a reference-free loss. ``try_it`` also calls it once on a tiny batch."""
-    d = cfg.dpo
     choice = Choice(
         "dpo.loss",
         DPO_LOSSES,
@@ -183,23 +184,3 @@ def resolve_dpo_loss(cfg: RunConfig, try_it: bool = False) -> DPOLoss:
             "(e.g. sigmoid)"
         )
     return loss
-
-
-def _check_policy(cfg: RunConfig) -> None:
-    resolve_algorithm_kwargs(cfg, try_them=True)
-
-
-def _check_dpo(cfg: RunConfig) -> None:
-    resolve_dpo_loss(cfg, try_it=True)
-
-
-# trainer.kind -> the check of its algorithm words (the reward-model and SFT trainers have none)
-_CHECKS: dict[str, Callable[[RunConfig], None]] = {"policy": _check_policy, "dpo": _check_dpo}
-
-
-def check_algorithm_choices(cfg: RunConfig) -> None:
-    """Before launch: the algorithm words of ``cfg``'s trainer resolve, and the chosen functions
-    accept their settings on a tiny batch; ConfigError naming the fix otherwise."""
-    check = _CHECKS.get(cfg.trainer.kind)
-    if check is not None:
-        check(cfg)

@@ -199,7 +199,7 @@ def train_dpo(cfg: RunConfig) -> dict[str, float]:
 
 def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
     cfg, pad_id = startup.cfg, startup.pad_id
-    loss = resolve_dpo_loss(cfg, try_it=True)  # once, before any model is built
+    loss = resolve_dpo_loss(cfg.dpo, try_it=True)  # once, before any model is built
     train_data = _dataset(cfg, startup, validation=False)
     policy = build_policy(cfg, startup.layout, cfg.dpo.optim)
     reference = build_reference(cfg, startup, policy, loss)

@@ -230,7 +230,7 @@ def workload_for(
     from megarl.algos.choices import resolve_algorithm_kwargs
 
     a, r, actor = cfg.algorithm, cfg.rollout, cfg.actor
-    critic = "values" in resolve_algorithm_kwargs(cfg).adv_inputs
+    critic = "values" in resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout).adv_inputs
     reference = a.use_kl_loss or a.use_kl_in_reward
     n = r.n
     rollout_batch = cfg.data.train_batch_size * n

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from megarl.algos.choices import check_algorithm_choices
+from megarl.algos.choices import resolve_algorithm_kwargs, resolve_dpo_loss
 from megarl.backends import check_backends
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.config import RunConfig
@@ -41,11 +41,28 @@ IMPORT_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _check_policy_words(cfg: RunConfig) -> None:
+    resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout, try_them=True)
+
+
+def _check_dpo_words(cfg: RunConfig) -> None:
+    resolve_dpo_loss(cfg.dpo, try_it=True)
+
+
+# trainer.kind -> the check of its algorithm words (the reward-model and SFT trainers have none)
+_ALGORITHM_CHECKS: dict[str, Callable[[RunConfig], None]] = {
+    "policy": _check_policy_words,
+    "dpo": _check_dpo_words,
+}
+
+
 def check_choices(cfg: RunConfig) -> None:
     """The config's words chosen from registries: ``trainer.loggers`` and the trainer's algorithm
     words (each lists the known names); the CLI runs this right after loading the config."""
     check_loggers(cfg.trainer.loggers, cfg.trainer.mlflow_tracking_uri)
-    check_algorithm_choices(cfg)
+    check_algorithm = _ALGORITHM_CHECKS.get(cfg.trainer.kind)
+    if check_algorithm is not None:
+        check_algorithm(cfg)
 
 
 def setting_value(cfg: RunConfig, key: str) -> object:

@@ -51,7 +51,7 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
     """The run's algorithm: its config words resolved once through the registries (ConfigError
     naming the fix for a bad one, before any model is built) and the losses built from them."""
     a = cfg.algorithm
-    kwargs = resolve_algorithm_kwargs(cfg, try_them=True)
+    kwargs = resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout, try_them=True)
     return AlgorithmSpec(
         needs_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_critic="values" in kwargs.adv_inputs,

@@ -83,7 +83,9 @@ def dr_grpo_worker(rank: int, world: int, model_dir: str, cases: list[dict]) -> 
             [list(range(mine.size))],
             epochs=1,
             batching=MicroBatching(size=case["micro"]),
-            loss_fn=make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg)),
+            loss_fn=make_actor_loss(
+                cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
+            ),
             token_level=False,
         )
         loss = torch.tensor([metrics["actor/pg_loss"]], dtype=torch.float64)

@@ -112,7 +112,9 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
                 [list(range(mine.size))],
                 epochs=1,
                 batching=MicroBatching(size=3),
-                loss_fn=make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg)),
+                loss_fn=make_actor_loss(
+                    cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
+                ),
                 token_level=True,
                 keep=OLD_LOG_PROB if from_update else None,
             )

@@ -77,7 +77,9 @@ def _random_head(model) -> None:
 def _actor_step(ddp, dims, layout, samples: Samples, batching: MicroBatching):
     """The actor loss (PPO clip + KL loss, token-mean over the batch) and its grads per HF name."""
     cfg = RunConfig()
-    loss_fn = make_actor_loss(cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg))
+    loss_fn = make_actor_loss(
+        cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
+    )
     mbs = batching.split(samples, range(samples.size))
     total = float(samples.response_mask.sum())
 

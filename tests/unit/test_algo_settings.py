@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megarl.algos import POLICY_LOSSES, register_policy_loss
-from megarl.algos.choices import resolve_algorithm_kwargs
+from megarl.algos.choices import AlgorithmKwargs, resolve_algorithm_kwargs
 from megarl.cli import main as cli_main
-from megarl.config import load_config
+from megarl.config import RunConfig, load_config
 from megarl.errors import ConfigError
 from megarl.run.checks import check_choices
 from megarl.trainer.losses import loss_agg_options
@@ -32,6 +32,11 @@ def cfg_with(*overrides: str):
     cfg = load_config(overrides=[*BASE, *overrides])
     check_choices(cfg)
     return cfg
+
+
+def resolved(cfg: RunConfig) -> AlgorithmKwargs:
+    """The config's algorithm section resolved as each rank's trainer resolves it."""
+    return resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
 
 
 @pytest.mark.parametrize(
@@ -73,10 +78,10 @@ def test_a_setting_the_chosen_function_does_not_take_is_an_error():
 
 
 def test_named_and_open_settings_reach_the_functions():
-    kw = resolve_algorithm_kwargs(cfg_with("algorithm.clip_ratio_high=0.28"))
+    kw = resolved(cfg_with("algorithm.clip_ratio_high=0.28"))
     assert kw.policy_loss == {"clip_ratio_high": 0.28}  # the rest: the loss's own defaults
     assert kw.adv_inputs == {"group_ids"}
-    kw = resolve_algorithm_kwargs(
+    kw = resolved(
         cfg_with(
             "algorithm.adv_estimator=gae",
             "algorithm.gamma=0.99",
@@ -102,7 +107,7 @@ def test_a_registered_loss_gets_its_own_parameter_from_the_config():
     ):
         cfg_with(f"algorithm.policy_loss={name}")
     cfg = cfg_with(f"algorithm.policy_loss={name}", "algorithm.policy_loss_kwargs.beta=0.5")
-    assert resolve_algorithm_kwargs(cfg).policy_loss == {"beta": 0.5}
+    assert resolved(cfg).policy_loss == {"beta": 0.5}
 
 
 def test_group_estimators_refuse_one_sample_per_prompt():
@@ -118,13 +123,13 @@ def test_dr_grpo_norm_length_defaults_to_the_response_limit():
     cfg = cfg_with(
         "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_response_length=96"
     )
-    assert loss_agg_options(resolve_algorithm_kwargs(cfg))(3) == {"norm_length": 96, "num_seqs": 3}
+    assert loss_agg_options(resolved(cfg))(3) == {"norm_length": 96, "num_seqs": 3}
     cfg = cfg_with(
         "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_agg_norm_length=40"
     )
-    assert loss_agg_options(resolve_algorithm_kwargs(cfg))(2) == {"norm_length": 40, "num_seqs": 2}
+    assert loss_agg_options(resolved(cfg))(2) == {"norm_length": 40, "num_seqs": 2}
     assert (
-        loss_agg_options(resolve_algorithm_kwargs(cfg_with()))(2) == {}
+        loss_agg_options(resolved(cfg_with()))(2) == {}
     )  # token-mean: the trainer weighs by tokens
 
 

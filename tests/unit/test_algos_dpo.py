@@ -157,6 +157,6 @@ def test_bad_dpo_settings_fail_at_load_naming_the_fix(tmp_path, overrides, messa
 
 def test_simpo_takes_its_own_beta_and_gamma(tmp_path):
     cfg = _cfg(tmp_path, "dpo.loss=simpo", "dpo.beta=2.5", "dpo.loss_kwargs={gamma: 0.3}")
-    loss = resolve_dpo_loss(cfg)
+    loss = resolve_dpo_loss(cfg.dpo)
     assert loss.kwargs == {"beta": 2.5, "gamma": 0.3}
     assert not loss.needs_reference

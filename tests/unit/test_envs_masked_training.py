@@ -60,7 +60,7 @@ def test_actor_loss_has_no_gradient_at_environment_tokens(agg):
     cfg.algorithm.loss_agg_mode = agg
     cfg.algorithm.entropy_coef = 0.01
     cfg.actor.ppo_epochs = 2  # old logprobs from the rollout, not the update
-    terms = make_actor_policy_terms(cfg, resolve_algorithm_kwargs(cfg))
+    terms = make_actor_policy_terms(cfg, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout))
     for noise in (0.0, 1.0):
         mb = _samples(noise)
         logp = (mb.tensors["old_log_prob"] + 0.05 * torch.randn(MASK.shape)).requires_grad_()
@@ -73,7 +73,7 @@ def test_actor_loss_has_no_gradient_at_environment_tokens(agg):
 
 def test_critic_loss_has_no_gradient_at_environment_tokens():
     cfg = RunConfig()
-    loss_fn = make_critic_loss(cfg, resolve_algorithm_kwargs(cfg))
+    loss_fn = make_critic_loss(cfg, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout))
     mb = _samples(1.0)
     output = torch.randn(*MASK.shape, 1).requires_grad_()
     loss, _ = loss_fn(output, mb)

@@ -92,9 +92,13 @@ def test_actor_loss_with_the_update_logprobs_equals_the_loss_with_them_given():
     under OLD_LOG_PROB; a run that needs a separate forward still requires them."""
     samples, logp_values = _batch()
     one_step = load_config(overrides=ONE_STEP)
-    from_update = make_actor_policy_terms(one_step, resolve_algorithm_kwargs(one_step))
+    from_update = make_actor_policy_terms(
+        one_step, resolve_algorithm_kwargs(one_step.algorithm, one_step.rollout)
+    )
     always = load_config(overrides=[*ONE_STEP, "actor.old_log_prob_forward=always"])
-    separate = make_actor_policy_terms(always, resolve_algorithm_kwargs(always))
+    separate = make_actor_policy_terms(
+        always, resolve_algorithm_kwargs(always.algorithm, always.rollout)
+    )
     logp = logp_values.clone().requires_grad_()
     loss, metrics = from_update(logp, None, samples)
     loss.backward()

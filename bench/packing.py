@@ -54,7 +54,6 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     dist.init_process_group("gloo", rank=0, world_size=1)
 
-    from megarl.algos.choices import resolve_algorithm_kwargs
     from megarl.config import RunConfig
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -63,8 +62,8 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     from megarl.run.trainable import Trainable
     from megarl.tools.testing.assets import smollm2_dir, tiny_qwen2_dir
     from megarl.trainer.batch import Samples
-    from megarl.trainer.losses import make_actor_loss
     from megarl.trainer.model_ops import MicroBatching, ppo_update
+    from megarl.trainer.spec import resolve_algorithm
 
     adapt_megatron_for_cpu()
     model_dir = tiny_qwen2_dir() if args.smoke else smollm2_dir()
@@ -87,9 +86,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     samples.tensors["old_log_prob"] = (-torch.rand(shape, generator=gen) * 8).to(device)
     samples.tensors["ref_log_prob"] = samples.tensors["old_log_prob"].clone()
     cfg = RunConfig()
-    loss_fn = make_actor_loss(
-        cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
-    )
+    loss_fn = resolve_algorithm(cfg, dims.vocab_size).actor_loss
     batching = MicroBatching(args.samples, args.max_tokens, args.mode == "packed")
     rows = list(range(args.samples))
 

@@ -214,7 +214,8 @@ def _scored(cfg: RunConfig, reference: bool, critic: bool) -> bool:
     the actor's old logprobs in a separate forward)."""
     from megarl.trainer.old_log_probs import separate_forward_reasons
 
-    return reference or critic or bool(separate_forward_reasons(cfg))
+    reasons = separate_forward_reasons(cfg.algorithm, cfg.actor, cfg.data.train_batch_size)
+    return reference or critic or bool(reasons)
 
 
 def _judge_dims(cfg: RunConfig) -> ModelDims | None:

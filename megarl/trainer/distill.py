@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl.algos import kl_loss, masked_mean
-from megarl.config import RunConfig
+from megarl.config import DistillConfig, RunConfig
 from megarl.metrics import StepMetrics, mean
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims
@@ -83,11 +83,10 @@ def distill_experience(
 
 
 def distill_loss_term(
-    cfg: RunConfig, log_prob: torch.Tensor, mb: Samples, agg_mode: str, agg_kwargs: dict
+    d: DistillConfig, log_prob: torch.Tensor, mb: Samples, agg_mode: str, agg_kwargs: dict
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """In loss mode, ``coef * agg(k2(student, teacher))`` of a micro-batch (None otherwise), and
-    its ``distill/reverse_kl`` metric."""
-    d = cfg.algorithm.distill
+    """In loss mode (``algorithm.distill``), ``coef * agg(k2(student, teacher))`` of a
+    micro-batch (None otherwise), and its ``distill/reverse_kl`` metric."""
     if d.teacher_path is None or d.mode != "loss":
         return None, {}
     teacher = mb.tensors[TEACHER_LOG_PROB]

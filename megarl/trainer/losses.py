@@ -9,21 +9,20 @@ import torch
 
 from megarl.algos import compute_policy_loss, compute_value_loss, entropy_bonus, kl_loss
 from megarl.algos.choices import AlgorithmKwargs
-from megarl.config import RunConfig
+from megarl.config import AlgorithmConfig
 from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
 from megarl.trainer.distill import distill_loss_term
 from megarl.trainer.model_ops import response_log_probs, response_values
-from megarl.trainer.old_log_probs import OLD_LOG_PROB, old_log_prob_from_update
+from megarl.trainer.old_log_probs import OLD_LOG_PROB
 
 Metrics = dict[str, torch.Tensor]
 
 
-def sampling_temperature(cfg: RunConfig) -> float:
-    """The temperature the rollout sampled at, which every trainer logprob is computed with
-    (logits / temperature, as vLLM's processed logprobs); greedy (0) samples the untempered
-    distribution's argmax and is scored at 1."""
-    t = cfg.rollout.temperature
-    return t if t > 0 else 1.0
+def sampling_temperature(rollout_temperature: float) -> float:
+    """The temperature every trainer logprob is computed with for a rollout sampled at
+    ``rollout.temperature`` (logits / temperature, as vLLM's processed logprobs); greedy (0)
+    samples the untempered distribution's argmax and is scored at 1."""
+    return rollout_temperature if rollout_temperature > 0 else 1.0
 
 
 def loss_agg_options(kwargs: AlgorithmKwargs) -> Callable[[int], dict[str, Any]]:
@@ -42,16 +41,15 @@ def loss_agg_options(kwargs: AlgorithmKwargs) -> Callable[[int], dict[str, Any]]
 
 
 def make_actor_policy_terms(
-    cfg: RunConfig, kwargs: AlgorithmKwargs
+    a: AlgorithmConfig, kwargs: AlgorithmKwargs, from_update: bool
 ) -> Callable[[torch.Tensor, torch.Tensor | None, Samples], tuple[torch.Tensor, Metrics]]:
     """Policy loss (+ KL to the reference as a loss term, + entropy bonus) of one micro-batch from
     its response logprobs (and entropy): the actor loss once the logits are reduced.
 
-    When the update's own logprobs are the old ones (:mod:`megarl.trainer.old_log_probs`), they
-    serve as ``old_log_prob`` (detached) and come back among the metrics under that name.
+    With ``from_update`` the update's own logprobs are the old ones
+    (:func:`megarl.trainer.old_log_probs.old_log_prob_from_update`): they serve as
+    ``old_log_prob`` (detached) and come back among the metrics under that name.
     """
-    a = cfg.algorithm
-    from_update = old_log_prob_from_update(cfg)
     hparams = dict(kwargs.policy_loss)
     agg_options = loss_agg_options(kwargs)
     want_entropy = a.entropy_coef != 0.0
@@ -86,7 +84,7 @@ def make_actor_policy_terms(
             loss = loss + kl
             metrics["actor/kl_loss"] = kl_metrics["kl_loss"]
         distill, distill_metrics = distill_loss_term(
-            cfg, logp, mb, a.loss_agg_mode, agg
+            a.distill, logp, mb, a.loss_agg_mode, agg
         )  # algorithm.distill.mode=loss
         if distill is not None:
             loss = loss + distill
@@ -109,14 +107,20 @@ def make_actor_policy_terms(
     return terms
 
 
-def make_actor_loss(cfg: RunConfig, vocab_size: int, kwargs: AlgorithmKwargs):
-    """The actor loss on vocab-parallel logits (divided by the sampling temperature).
+def make_actor_loss(
+    a: AlgorithmConfig,
+    kwargs: AlgorithmKwargs,
+    vocab_size: int,
+    temperature: float,
+    from_update: bool,
+):
+    """The actor loss on vocab-parallel logits divided by ``temperature``
+    (:func:`sampling_temperature`).
 
-    Samples need ``advantages``, ``old_log_prob`` unless the update's own logprobs are the old
-    ones, and ``ref_log_prob`` with use_kl_loss.
+    Samples need ``advantages``, ``old_log_prob`` unless ``from_update`` (the update's own
+    logprobs are the old ones), and ``ref_log_prob`` with use_kl_loss.
     """
-    terms = make_actor_policy_terms(cfg, kwargs)
-    temperature = sampling_temperature(cfg)
+    terms = make_actor_policy_terms(a, kwargs, from_update)
 
     def loss_fn(logits_shard: torch.Tensor, mb: Samples):
         logp, entropy = response_log_probs(
@@ -127,7 +131,8 @@ def make_actor_loss(cfg: RunConfig, vocab_size: int, kwargs: AlgorithmKwargs):
     return loss_fn
 
 
-def make_critic_loss(cfg: RunConfig, kwargs: AlgorithmKwargs):
+def make_critic_loss(a: AlgorithmConfig, kwargs: AlgorithmKwargs, cliprange_value: float):
+    """The critic's value loss (``critic.cliprange_value``) in ``a.loss_agg_mode``."""
     agg_options = loss_agg_options(kwargs)
 
     def loss_fn(output: torch.Tensor, mb: Samples):
@@ -137,8 +142,8 @@ def make_critic_loss(cfg: RunConfig, kwargs: AlgorithmKwargs):
             mb.tensors["values"],
             mb.tensors["returns"],
             mb.response_mask,
-            cfg.critic.cliprange_value,
-            cfg.algorithm.loss_agg_mode,
+            cliprange_value,
+            a.loss_agg_mode,
             agg_options(mb.size),
         )
         out = {f"critic/{k}": v for k, v in metrics.items()}

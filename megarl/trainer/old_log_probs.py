@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.config import RunConfig
+from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, policy_log_probs
@@ -28,16 +28,18 @@ from megarl.trainer.model_ops import MicroBatching, policy_log_probs
 OLD_LOG_PROB = "old_log_prob"
 
 
-def separate_forward_reasons(cfg: RunConfig) -> list[str]:
-    """Why this run needs old logprobs from a separate forward before the update (empty: the
-    update's own forward gives them)."""
-    a, actor = cfg.algorithm, cfg.actor
+def separate_forward_reasons(
+    a: AlgorithmConfig, actor: ActorConfig, train_batch_size: int
+) -> list[str]:
+    """Why a run with these ``algorithm`` and ``actor`` sections and ``data.train_batch_size``
+    needs old logprobs from a separate forward before the update (empty: the update's own
+    forward gives them)."""
     reasons = []
     if actor.old_log_prob_forward == "always":
         reasons.append("actor.old_log_prob_forward=always")
     if actor.ppo_epochs > 1:
         reasons.append(f"actor.ppo_epochs={actor.ppo_epochs}: later epochs see moved weights")
-    if actor.ppo_mini_batch_size < cfg.data.train_batch_size:
+    if actor.ppo_mini_batch_size < train_batch_size:
         reasons.append(
             "actor.ppo_mini_batch_size < data.train_batch_size: later mini-batches see moved "
             "weights"
@@ -56,9 +58,9 @@ def separate_forward_reasons(cfg: RunConfig) -> list[str]:
     return reasons
 
 
-def old_log_prob_from_update(cfg: RunConfig) -> bool:
+def old_log_prob_from_update(a: AlgorithmConfig, actor: ActorConfig, train_batch_size: int) -> bool:
     """Whether the update's own (detached) logprobs are the old ones, with no separate forward."""
-    return not separate_forward_reasons(cfg)
+    return not separate_forward_reasons(a, actor, train_batch_size)
 
 
 def score_old_log_probs(

@@ -52,14 +52,16 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
     naming the fix for a bad one, before any model is built) and the losses built from them."""
     a = cfg.algorithm
     kwargs = resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout, try_them=True)
+    temperature = sampling_temperature(cfg.rollout.temperature)
+    from_update = old_log_prob_from_update(a, cfg.actor, cfg.data.train_batch_size)
     return AlgorithmSpec(
         needs_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_critic="values" in kwargs.adv_inputs,
         adv_estimator=a.adv_estimator,
         advantage_inputs=kwargs.adv_inputs,
         advantage_kwargs=dict(kwargs.adv_estimator),
-        actor_loss=make_actor_loss(cfg, vocab_size, kwargs),
-        critic_loss=make_critic_loss(cfg, kwargs),
+        actor_loss=make_actor_loss(a, kwargs, vocab_size, temperature, from_update),
+        critic_loss=make_critic_loss(a, kwargs, cfg.critic.cliprange_value),
         token_level=a.loss_agg_mode == "token-mean",
         kl_in_reward=a.use_kl_in_reward,
         kl_in_reward_estimator=a.kl_in_reward_estimator,
@@ -67,8 +69,8 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
         kl_ctrl_kwargs=dict(kwargs.kl_controller),
         rollout_correction=a.rollout_correction,
         rollout_correction_kwargs=dict(kwargs.rollout_correction),
-        temperature=sampling_temperature(cfg),
-        old_log_prob_from_update=old_log_prob_from_update(cfg),
+        temperature=temperature,
+        old_log_prob_from_update=from_update,
         update_reductions={f"actor/{k}": r for k, r in POLICY_LOSS_REDUCTIONS.items()},
     )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import load_config
 from megarl.models.build import build_model
 from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -21,8 +20,8 @@ from megarl.parallel import (
 from megarl.platform import adapt_megatron_for_cpu
 from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
-from megarl.trainer.losses import make_actor_loss
 from megarl.trainer.model_ops import MicroBatching, ppo_update
+from megarl.trainer.spec import resolve_algorithm
 from tests.distributed.random_groups import random_group_samples
 
 MAX_RESPONSE = 12
@@ -83,9 +82,7 @@ def dr_grpo_worker(rank: int, world: int, model_dir: str, cases: list[dict]) -> 
             [list(range(mine.size))],
             epochs=1,
             batching=MicroBatching(size=case["micro"]),
-            loss_fn=make_actor_loss(
-                cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
-            ),
+            loss_fn=resolve_algorithm(cfg, dims.vocab_size).actor_loss,
             token_level=False,
         )
         loss = torch.tensor([metrics["actor/pg_loss"]], dtype=torch.float64)

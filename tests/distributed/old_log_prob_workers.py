@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import load_config
 from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.models.build import build_model
@@ -22,13 +21,14 @@ from megarl.parallel import (
 from megarl.platform import adapt_megatron_for_cpu
 from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
-from megarl.trainer.losses import make_actor_loss, sampling_temperature
+from megarl.trainer.losses import sampling_temperature
 from megarl.trainer.model_ops import MicroBatching, ppo_update, response_positions
 from megarl.trainer.old_log_probs import (
     OLD_LOG_PROB,
     old_log_prob_from_update,
     rollout_mismatch,
 )
+from megarl.trainer.spec import resolve_algorithm
 from tests.distributed.random_groups import random_group_samples
 
 PROMPTS, N, MAX_RESPONSE = 4, 4, 10
@@ -97,11 +97,13 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
             samples = rollout_batch(dims.vocab_size)
             per_rank = samples.size // dp_size()
             mine = samples.select(range(dp_rank() * per_rank, (dp_rank() + 1) * per_rank))
-            temperature = sampling_temperature(cfg)
+            temperature = sampling_temperature(cfg.rollout.temperature)
             # the rollout engine's logprobs: near the actor's, as vLLM's are
             actor = separate_forward(ddp, mine, dims.vocab_size, temperature)
             mine.tensors["rollout_log_prob"] = actor + mine.tensors.pop("rollout_noise")
-            from_update = old_log_prob_from_update(cfg)
+            from_update = old_log_prob_from_update(
+                cfg.algorithm, cfg.actor, cfg.data.train_batch_size
+            )
             if not from_update:
                 mine.tensors[OLD_LOG_PROB] = actor
             before = {n: w.clone() for n, w in iter_stage_hf_tensors(ddp, dims, layout)}
@@ -112,9 +114,7 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
                 [list(range(mine.size))],
                 epochs=1,
                 batching=MicroBatching(size=3),
-                loss_fn=make_actor_loss(
-                    cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
-                ),
+                loss_fn=resolve_algorithm(cfg, dims.vocab_size).actor_loss,
                 token_level=True,
                 keep=OLD_LOG_PROB if from_update else None,
             )

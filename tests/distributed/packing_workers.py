@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import RunConfig
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.distributed import OptimSettings, wrap_for_training
@@ -16,7 +15,6 @@ from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_m
 from megarl.platform import adapt_megatron_for_cpu
 from megarl.rewards.model import score_sequences
 from megarl.trainer.batch import Samples
-from megarl.trainer.losses import make_actor_loss
 from megarl.trainer.model_ops import (
     MicroBatching,
     forward_response_tensor,
@@ -24,6 +22,7 @@ from megarl.trainer.model_ops import (
     response_positions,
     response_values,
 )
+from megarl.trainer.spec import resolve_algorithm
 
 # Very unequal: a 1-token response beside a 57-token one (padding is most of the padded batch).
 PROMPT_LENS = [4, 2, 7, 3, 5]
@@ -77,9 +76,7 @@ def _random_head(model) -> None:
 def _actor_step(ddp, dims, layout, samples: Samples, batching: MicroBatching):
     """The actor loss (PPO clip + KL loss, token-mean over the batch) and its grads per HF name."""
     cfg = RunConfig()
-    loss_fn = make_actor_loss(
-        cfg, dims.vocab_size, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
-    )
+    loss_fn = resolve_algorithm(cfg, dims.vocab_size).actor_loss
     mbs = batching.split(samples, range(samples.size))
     total = float(samples.response_mask.sum())
 

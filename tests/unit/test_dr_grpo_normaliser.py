@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from megarl.algos import agg_loss
-from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import load_config
 from megarl.trainer.batch import Samples, micro_batches
-from megarl.trainer.losses import make_actor_policy_terms
 from megarl.trainer.model_ops import _weight
+from tests.policy_terms import policy_terms
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +47,7 @@ def batch(n_prompts: int = 4, n: int = 4) -> tuple[Samples, torch.Tensor]:
 def rank_loss(cfg, samples: Samples, rows: list[int], micro: int) -> torch.Tensor:
     """One rank's mini-batch loss as the trainer builds it: micro-batches sorted by length, each
     loss weighted by its share of the mini-batch (model_ops.ppo_update)."""
-    terms = make_actor_policy_terms(cfg, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout))
+    terms = policy_terms(cfg)
     token_level = cfg.algorithm.loss_agg_mode == "token-mean"
     mini_tokens = float(samples.response_mask[rows].sum())
     total = torch.zeros(())
@@ -96,7 +95,7 @@ def test_dr_grpo_loss_is_the_same_for_any_micro_batching_and_dp_split():
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     pg = torch.where((adv < 0) & (pg > -adv * 3.0), -adv * 3.0, pg)  # ppo_clip's dual clip
     expected_pg = (pg * mask).sum() / MAX_RESPONSE / samples.size
-    terms = make_actor_policy_terms(cfg, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout))
+    terms = policy_terms(cfg)
     _, metrics = terms(samples.tensors["new_log_prob"], samples.tensors["entropy"], samples)
     assert float(metrics["actor/pg_loss"]) == pytest.approx(float(expected_pg), abs=1e-6)
 

@@ -12,7 +12,8 @@ from megarl.algos import compute_advantages
 from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import RunConfig
 from megarl.trainer.batch import Samples
-from megarl.trainer.losses import make_actor_policy_terms, make_critic_loss
+from megarl.trainer.losses import make_critic_loss
+from tests.policy_terms import policy_terms
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +61,7 @@ def test_actor_loss_has_no_gradient_at_environment_tokens(agg):
     cfg.algorithm.loss_agg_mode = agg
     cfg.algorithm.entropy_coef = 0.01
     cfg.actor.ppo_epochs = 2  # old logprobs from the rollout, not the update
-    terms = make_actor_policy_terms(cfg, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout))
+    terms = policy_terms(cfg)
     for noise in (0.0, 1.0):
         mb = _samples(noise)
         logp = (mb.tensors["old_log_prob"] + 0.05 * torch.randn(MASK.shape)).requires_grad_()
@@ -73,7 +74,11 @@ def test_actor_loss_has_no_gradient_at_environment_tokens(agg):
 
 def test_critic_loss_has_no_gradient_at_environment_tokens():
     cfg = RunConfig()
-    loss_fn = make_critic_loss(cfg, resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout))
+    loss_fn = make_critic_loss(
+        cfg.algorithm,
+        resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout),
+        cfg.critic.cliprange_value,
+    )
     mb = _samples(1.0)
     output = torch.randn(*MASK.shape, 1).requires_grad_()
     loss, _ = loss_fn(output, mb)

@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import load_config, rollout_dtype
 from megarl.errors import ConfigError
 from megarl.trainer.batch import Samples
-from megarl.trainer.losses import make_actor_policy_terms
 from megarl.trainer.old_log_probs import (
     OLD_LOG_PROB,
-    old_log_prob_from_update,
     separate_forward_reasons,
 )
+from tests.policy_terms import from_update as update_is_old
+from tests.policy_terms import policy_terms
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +29,7 @@ ONE_STEP = [
 
 
 def test_auto_takes_the_update_logprobs_only_when_the_batch_gets_one_step():
-    assert old_log_prob_from_update(load_config(overrides=ONE_STEP))
+    assert update_is_old(load_config(overrides=ONE_STEP))
     # each of these needs the old logprobs before (or apart from) the update's forward
     for extra, reason in [
         (["actor.old_log_prob_forward=always"], "old_log_prob_forward=always"),
@@ -41,8 +40,11 @@ def test_auto_takes_the_update_logprobs_only_when_the_batch_gets_one_step():
         (["actor.lora.rank=4", "actor.lora.dropout=0.1"], "actor.lora.dropout"),
     ]:
         cfg = load_config(overrides=[*ONE_STEP, *extra])
-        assert not old_log_prob_from_update(cfg), extra
-        assert any(reason in r for r in separate_forward_reasons(cfg)), (extra, reason)
+        assert not update_is_old(cfg), extra
+        assert any(reason in r for r in separate_forward_reasons(cfg.algorithm, cfg.actor, 8)), (
+            extra,
+            reason,
+        )
     # what leaves the old logprobs equal to the update's: adapters without dropout, a critic,
     # dynamic sampling (the trained groups are still one mini-batch)
     for extra in (
@@ -50,7 +52,7 @@ def test_auto_takes_the_update_logprobs_only_when_the_batch_gets_one_step():
         ["algorithm.adv_estimator=gae", "algorithm.use_kl_loss=false"],
         ["algorithm.filter_groups=true"],
     ):
-        assert old_log_prob_from_update(load_config(overrides=[*ONE_STEP, *extra])), extra
+        assert update_is_old(load_config(overrides=[*ONE_STEP, *extra])), extra
 
 
 def test_bad_switch_values_stop_before_launch():
@@ -92,13 +94,9 @@ def test_actor_loss_with_the_update_logprobs_equals_the_loss_with_them_given():
     under OLD_LOG_PROB; a run that needs a separate forward still requires them."""
     samples, logp_values = _batch()
     one_step = load_config(overrides=ONE_STEP)
-    from_update = make_actor_policy_terms(
-        one_step, resolve_algorithm_kwargs(one_step.algorithm, one_step.rollout)
-    )
+    from_update = policy_terms(one_step)
     always = load_config(overrides=[*ONE_STEP, "actor.old_log_prob_forward=always"])
-    separate = make_actor_policy_terms(
-        always, resolve_algorithm_kwargs(always.algorithm, always.rollout)
-    )
+    separate = policy_terms(always)
     logp = logp_values.clone().requires_grad_()
     loss, metrics = from_update(logp, None, samples)
     loss.backward()

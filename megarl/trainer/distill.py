@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl.algos import kl_loss, masked_mean
-from megarl.config import DistillConfig, RunConfig
+from megarl.config import DistillConfig
 from megarl.metrics import StepMetrics, mean
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims
@@ -47,19 +47,19 @@ TEACHER_LOG_PROB = "teacher_log_prob"
 class Teacher:
     model: GPTModel
     dims: ModelDims
+    settings: DistillConfig  # algorithm.distill: its mode and coefficient
 
 
-def build_teacher(cfg: RunConfig, layout: ParallelLayout, opts: ModelOptions) -> Teacher | None:
+def build_teacher(d: DistillConfig, layout: ParallelLayout, opts: ModelOptions) -> Teacher | None:
     """The frozen teacher of ``algorithm.distill.teacher_path`` (None: no distillation)."""
-    path = cfg.algorithm.distill.teacher_path
-    if path is None:
+    if d.teacher_path is None:
         return None
-    model, dims = build_model(path, layout, "reference", opts)
-    return Teacher(model, dims)
+    model, dims = build_model(d.teacher_path, layout, "reference", opts)
+    return Teacher(model, dims, d)
 
 
 def distill_experience(
-    cfg: RunConfig, teacher: Teacher, samples: Samples, batching: MicroBatching, temperature: float
+    teacher: Teacher, samples: Samples, batching: MicroBatching, temperature: float
 ) -> StepMetrics:
     """Score the rollout with the teacher (``samples.tensors["teacher_log_prob"]``); in reward
     mode, add the reverse-KL advantage per token to ``samples.tensors["advantages"]``."""
@@ -71,7 +71,7 @@ def distill_experience(
         lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
         batching,
     )
-    d = cfg.algorithm.distill
+    d = teacher.settings
     metrics: StepMetrics = {
         "distill/teacher_log_prob": mean(masked_mean(t[TEACHER_LOG_PROB], mask)),
     }

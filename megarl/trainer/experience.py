@@ -404,7 +404,6 @@ def rollout_samples(
 
 
 def compute_experience(
-    cfg: RunConfig,
     spec: AlgorithmSpec,
     roles: Roles,
     samples: Samples,
@@ -434,7 +433,7 @@ def compute_experience(
             estimator=spec.kl_in_reward_estimator,
         )
         kl = dp_mean(float(kl_metrics["kl"]))
-        kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size)
+        kl_ctrl.update(kl, n_steps=spec.kl_ctrl_n_steps)
         metrics.update({"actor/reward_kl": mean(kl), "actor/kl_coef": mean(kl_ctrl.value)})
     t["token_level_rewards"] = rewards
     extra: dict[str, Any] = {}
@@ -453,7 +452,7 @@ def compute_experience(
         **hparams,
     )
     if roles.teacher is not None:  # algorithm.distill: teacher logprobs (and per-token advantages)
-        metrics.update(distill_experience(cfg, roles.teacher, samples, batching, temperature))
+        metrics.update(distill_experience(roles.teacher, samples, batching, temperature))
     if spec.rollout_correction != "none":
         weights, correction = compute_rollout_correction(
             spec.rollout_correction,

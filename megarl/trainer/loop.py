@@ -83,7 +83,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         if rollout_is_finite(samples, cfg.trainer.nan_policy == "skip"):
             with timed(m, "experience"):
                 m.update(
-                    compute_experience(cfg, run.spec, run.roles, samples, run.kl_ctrl, run.batching)
+                    compute_experience(run.spec, run.roles, samples, run.kl_ctrl, run.batching)
                 )
             m.update(update_models(run, samples, m))
             m.update(routing_metrics(run.roles))

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
 
-def updates_per_step(cfg: RunConfig, epochs: int) -> int:
-    return epochs * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
+def updates_per_step(train_batch_size: int, mini_batch_size: int, epochs: int) -> int:
+    """Optimizer steps per training step: ``epochs`` passes over the batch in mini-batches."""
+    return epochs * (train_batch_size // mini_batch_size)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Roles:
 def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> Roles:
     opts = model_options(cfg)
     total = cfg.trainer.total_steps
+    batch, mini_batch = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     actor, dims = build_trainable(
         cfg.model.path,
         layout,
@@ -71,7 +73,7 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
         opts,
         optim_settings(
             cfg.actor.optim,
-            total * updates_per_step(cfg, cfg.actor.ppo_epochs),
+            total * updates_per_step(batch, mini_batch, cfg.actor.ppo_epochs),
             cfg.actor.optimizer_offload,
         ),
         lora=lora_settings(cfg),
@@ -87,7 +89,9 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
             layout,
             "critic",
             opts,
-            optim_settings(cfg.critic.optim, total * updates_per_step(cfg, cfg.critic.ppo_epochs)),
+            optim_settings(
+                cfg.critic.optim, total * updates_per_step(batch, mini_batch, cfg.critic.ppo_epochs)
+            ),
         )
     return Roles(
         actor=actor,
@@ -95,5 +99,5 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
         reference=reference,
         critic=critic,
         reference_is_actor_base=base_is_reference,
-        teacher=build_teacher(cfg, layout, opts),
+        teacher=build_teacher(cfg.algorithm.distill, layout, opts),
     )

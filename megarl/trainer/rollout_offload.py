@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.config import RunConfig
 from megarl.models.offload import Offloaded, model_tensors, offload, onload, optimizer_moments
 from megarl.trainer.roles import Roles
 
@@ -122,16 +121,18 @@ class ActorMemory:
         return metrics
 
 
-def build_role_offload(cfg: RunConfig, roles: Roles) -> RoleOffload:
-    """The roles whose ``param_offload`` is on and that this run builds."""
+def build_role_offload(roles: Roles, ref_offload: bool, critic_offload: bool) -> RoleOffload:
+    """The roles whose ``param_offload`` is on (``ref.param_offload``, ``critic.param_offload``)
+    and that this run builds."""
     tensors: dict[str, Callable[[], list[torch.Tensor]]] = {}
     reference, critic = roles.reference, roles.critic
-    if cfg.ref.param_offload and reference is not None:
+    if ref_offload and reference is not None:
         tensors["ref"] = lambda: model_tensors(reference)
-    if cfg.critic.param_offload and critic is not None:
+    if critic_offload and critic is not None:
         tensors["critic"] = lambda: model_tensors(critic.ddp, critic.optimizer)
     return RoleOffload(tensors)
 
 
-def build_actor_memory(cfg: RunConfig, roles: Roles) -> ActorMemory:
-    return ActorMemory(roles.actor.ddp, roles.actor.optimizer, cfg.actor.param_offload)
+def build_actor_memory(roles: Roles, param_offload: bool) -> ActorMemory:
+    """The actor's memory across the rollout (``actor.param_offload``: its weights on the host)."""
+    return ActorMemory(roles.actor.ddp, roles.actor.optimizer, param_offload)

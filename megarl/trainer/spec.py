@@ -35,6 +35,7 @@ class AlgorithmSpec:
     kl_in_reward_estimator: str
     kl_ctrl: str  # the KL coefficient's controller of a KL penalty in the reward
     kl_ctrl_kwargs: Mapping[str, float]  # the settings it takes
+    kl_ctrl_n_steps: int  # data.train_batch_size: the prompts an adaptive KL update counts
     # the off-policy correction of the rollout (algorithm.rollout_correction) and its settings
     rollout_correction: str
     rollout_correction_kwargs: Mapping[str, object]
@@ -67,6 +68,7 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
         kl_in_reward_estimator=a.kl_in_reward_estimator,
         kl_ctrl=a.kl_ctrl,
         kl_ctrl_kwargs=dict(kwargs.kl_controller),
+        kl_ctrl_n_steps=cfg.data.train_batch_size,
         rollout_correction=a.rollout_correction,
         rollout_correction_kwargs=dict(kwargs.rollout_correction),
         temperature=temperature,

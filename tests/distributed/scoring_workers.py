@@ -190,8 +190,8 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         engine,
         sampling,
         sampling,
-        build_actor_memory(cfg, roles),
-        build_role_offload(cfg, roles),
+        build_actor_memory(roles, cfg.actor.param_offload),
+        build_role_offload(roles, cfg.ref.param_offload, cfg.critic.param_offload),
     )
     items = [
         PromptItem(

@@ -182,7 +182,10 @@ def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
     model: GPTModel | None = None
     if cfg.reward.model_path:
         model = build_reward_model(cfg.reward.model_path, startup.layout, model_options(cfg))
-    return RewardSources.from_config(cfg, model)
+    judge_dtype = rollout_dtype(cfg, platform.device().type == "cuda")
+    return RewardSources.from_config(
+        cfg.reward, model, cfg.rollout.max_response_length, judge_dtype
+    )
 
 
 def _engine_seed(cfg: RunConfig, engine_index: int) -> int:

@@ -20,7 +20,7 @@ from megarl.algos import (
 )
 from megarl.algos.kl import KLController
 from megarl.algos.masked import masked_count, masked_sum
-from megarl.config import OverlongBufferConfig, RewardConfig, RunConfig, rollout_dtype
+from megarl.config import OverlongBufferConfig, RewardConfig
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine import RolloutBatch
@@ -76,8 +76,11 @@ class RewardSources:
     judge_weight: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: GPTModel | None) -> RewardSources:
-        r = cfg.reward
+    def from_config(
+        cls, r: RewardConfig, model: GPTModel | None, max_response_length: int, judge_dtype: str
+    ) -> RewardSources:
+        """The ``reward`` section's sources; ``judge_dtype``: the dtype name a local judge runs
+        in (the rollout's)."""
         rules = RewardManager(
             custom_fn=r.custom_fn, num_workers=r.num_workers, timeout_s=r.timeout_s, strict=r.strict
         )
@@ -87,12 +90,12 @@ class RewardSources:
             r.rule_weight,
             r.model_weight,
             r.overlong_buffer,
-            cfg.rollout.max_response_length,
+            max_response_length,
             r.max_failed_fraction,
             r.model_path,
             remote_scorer(r),
             r.remote_weight,
-            judge_scorer(r, rollout_dtype(cfg, platform.device().type == "cuda")),
+            judge_scorer(r, judge_dtype),
             r.judge.weight,
         )
 

@@ -206,7 +206,9 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         roles=roles,
         rollout=rollout,
         data=PolicyData(None, None, EpochBatches([items], "no prompts")),  # type: ignore[arg-type]
-        rewards=RewardSources.from_config(cfg, None),
+        rewards=RewardSources.from_config(
+            cfg.reward, None, cfg.rollout.max_response_length, "float32"
+        ),
         kl_ctrl=None,
         batching=MicroBatching(
             cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch, cfg.actor.packing

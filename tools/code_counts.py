@@ -1,4 +1,5 @@
-"""Counts a reader of megarl's source trips on: uses of ``typing.Any`` and imports inside functions.
+"""Counts a reader of megarl's source trips on: uses of ``typing.Any``, imports inside functions
+and functions that take the whole run config.
 
 Run from the repository root::
 
@@ -10,7 +11,9 @@ Everything is read from source with ``ast`` (nothing is imported). An ``Any`` us
 the ``from typing import Any`` lines themselves are not uses. An import inside a function is an
 ``import`` statement anywhere in a function body (``from m import a, b`` is one import of ``m``,
 ``import a, b`` two), split into megarl's own modules (``megarl``, ``checkpoints_tools``, relative imports), the
-standard library and third-party packages.
+standard library and third-party packages. A function takes the run config when one of its
+parameters is annotated with ``RunConfig`` (plain, quoted, or inside a union or ``Optional``):
+only the assembly and the entry points should, the components taking their own sections.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Counts:
     local_third_party: int = 0
     # third-party top-level package -> imports of it inside functions
     third_party: dict[str, int] = field(default_factory=dict)
+    run_config_functions: int = 0  # functions with a parameter annotated RunConfig
 
     @property
     def local_imports(self) -> int:
@@ -47,6 +51,7 @@ class Counts:
         self.local_own += other.local_own
         self.local_stdlib += other.local_stdlib
         self.local_third_party += other.local_third_party
+        self.run_config_functions += other.run_config_functions
         for name, n in other.third_party.items():
             self.third_party[name] = self.third_party.get(name, 0) + n
 
@@ -94,6 +99,37 @@ def count_any(tree: ast.AST) -> int:
     return uses
 
 
+def _names_run_config(annotation: ast.expr) -> bool:
+    for node in ast.walk(annotation):
+        if (isinstance(node, ast.Name) and node.id == "RunConfig") or (
+            isinstance(node, ast.Attribute) and node.attr == "RunConfig"
+        ):
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                quoted = ast.parse(node.value, mode="eval").body
+            except SyntaxError:
+                continue
+            if _names_run_config(quoted):
+                return True
+    return False
+
+
+def count_run_config_functions(tree: ast.AST) -> int:
+    """Functions (and methods) of ``tree`` with a parameter annotated ``RunConfig``."""
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+            if any(
+                p is not None and p.annotation is not None and _names_run_config(p.annotation)
+                for p in params
+            ):
+                count += 1
+    return count
+
+
 def _local_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
     """(relative level, imported module) for each import statement inside a function body."""
     stack: list[tuple[ast.AST, bool]] = [(tree, False)]
@@ -112,7 +148,11 @@ def count_source(source: str, own: Iterable[str] = OWN_PACKAGES) -> Counts:
     """The counts of one module's source text."""
     own = tuple(own)
     tree = ast.parse(source)
-    counts = Counts(lines=len(source.splitlines()), any_uses=count_any(tree))
+    counts = Counts(
+        lines=len(source.splitlines()),
+        any_uses=count_any(tree),
+        run_config_functions=count_run_config_functions(tree),
+    )
     for level, module in _local_imports(tree):
         top = module.split(".")[0]
         if level > 0 or top in own:
@@ -147,6 +187,7 @@ def report(name: str, counts: Counts) -> str:
             f"    megarl's own modules: {counts.local_own}",
             f"    standard library: {counts.local_stdlib}",
             f"    third-party: {counts.local_third_party}" + (f" ({third})" if third else ""),
+            f"  functions taking RunConfig: {counts.run_config_functions}",
         ]
     )
 

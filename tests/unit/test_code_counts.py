@@ -24,7 +24,7 @@ FIXTURE = textwrap.dedent(
     X: dict[str, Any] = {}  # 1
 
 
-    def f(a: Any, b: "list[Any]") -> typing.Any:  # 2, 3 (quoted), 4
+    def f(a: Any, b: "list[Any]", cfg: RunConfig) -> typing.Any:  # 2, 3 (quoted), 4; RunConfig 1
         import json  # stdlib
         import numpy, os  # third-party + stdlib
         from megarl.config import Config  # own
@@ -40,7 +40,7 @@ FIXTURE = textwrap.dedent(
     class C:
         field: Any  # 6
 
-        def method(self) -> None:
+        def method(self, cfg: "config.RunConfig | None" = None) -> None:  # RunConfig 2
             import megarl.algos  # own, inside a method
             "Any"  # a string that is not an annotation: not a use
     """
@@ -54,12 +54,17 @@ def test_counts_of_the_fixture():
     assert counts.local_imports == 8
     assert counts.third_party == {"numpy": 1, "transformers": 1}
     assert counts.lines == len(FIXTURE.splitlines())
+    assert counts.run_config_functions == 2  # f (plain) and method (quoted, in a union)
 
 
 def test_a_module_without_either_counts_zero():
-    counts = count_source("from typing import Any\nimport torch\n\nAnyway = 1\n")
+    counts = count_source(
+        "from typing import Any\nimport torch\n\nAnyway = 1\n"
+        "def g(run: MyRunConfigs, cfg: RolloutConfig) -> RunConfig: ...\n"
+    )
     assert counts.any_uses == 0
     assert counts.local_imports == 0
+    assert counts.run_config_functions == 0  # other names, and a return annotation
 
 
 def test_tree_sums_its_files(tmp_path):
@@ -82,3 +87,5 @@ def test_prints_megarl_figures(capsys):
     local = re.findall(r"^  imports inside functions: (\d+) ", out, re.M)
     assert len(uses) == len(local) == 2  # one of each per folder
     assert int(local[0]) > 0  # megarl imports its heavy packages inside functions
+    taking = re.findall(r"^  functions taking RunConfig: (\d+)$", out, re.M)
+    assert len(taking) == 2 and int(taking[0]) > 0

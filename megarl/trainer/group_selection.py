@@ -36,7 +36,7 @@ class DrawFacts:
     samples: int
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class GroupRef:
     """One group of a step's draws: ``draw`` and ``index`` (its global index in the draw) order
     the groups; ``rank`` (the DP rank that drew it) and ``local`` (its index among that rank's

@@ -192,7 +192,8 @@ class AlgorithmConfig:
     rollout_correction_kwargs: dict[str, Any] = field(default_factory=dict)
     # DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no advantage signal)
     # and draw further batches, at most filter_groups_max_batches per step, until the step's
-    # data.train_batch_size prompts are filled (else the step trains on the groups it kept).
+    # data.train_batch_size prompts are filled (else the step trains on the groups it kept, cut
+    # to a multiple of the DP size), the same groups at any layout (trainer/group_selection.py).
     filter_groups: bool = False
     filter_groups_max_batches: int = 4
     # On-policy distillation from a frozen teacher (megarl.trainer.distill); off without a path.

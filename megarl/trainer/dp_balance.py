@@ -25,8 +25,8 @@ from megarl.trainer.batch import Samples, padded_routes
 BEFORE = "perf/dp_token_imbalance_rollout"
 
 
-class _Row(TypedDict):
-    """One sample as a plain record on the host, for the all-gather."""
+class HostRow(TypedDict):
+    """One sample as a plain record on the host, to move between ranks (an all-gather)."""
 
     ids: torch.Tensor  # prompt + response tokens, unpadded
     prompt_len: int
@@ -37,7 +37,7 @@ class _Row(TypedDict):
     routes: torch.Tensor | None  # actor.router_replay: [tokens, layers, k], unpadded
 
 
-def _host_rows(samples: Samples, scores: torch.Tensor) -> list[_Row]:
+def host_rows(samples: Samples, scores: torch.Tensor) -> list[HostRow]:
     """One plain record per sample (host tensors, unpadded), for the all-gather."""
     lens = samples.seq_lens().tolist()
     resp = samples.response_lens.tolist()
@@ -59,7 +59,8 @@ def _host_rows(samples: Samples, scores: torch.Tensor) -> list[_Row]:
     ]
 
 
-def _from_rows(rows: list[_Row], pad_id: int, device: torch.device) -> Samples:
+def samples_of_rows(rows: list[HostRow], pad_id: int, device: torch.device) -> Samples:
+    """The rows back as Samples on ``device`` (padded to the longest), in the order given."""
     prompts = [r["ids"][: r["prompt_len"]].tolist() for r in rows]
     responses = [r["ids"][r["prompt_len"] :].tolist() for r in rows]
     samples = Samples.from_sequences(
@@ -98,8 +99,8 @@ def balance_over_data_parallel(
     size = dist.get_world_size(group)
     if size == 1:
         return samples, scores, {}
-    gathered: list[list[_Row] | None] = [None] * size
-    dist.all_gather_object(gathered, _host_rows(samples, scores), group=group)
+    gathered: list[list[HostRow] | None] = [None] * size
+    dist.all_gather_object(gathered, host_rows(samples, scores), group=group)
     rows = [row for part in gathered for row in (part or [])]
     rank_tokens = [sum(int(r["ids"].numel()) for r in part or []) for part in gathered]
     before = imbalance(rank_tokens)
@@ -119,7 +120,7 @@ def balance_over_data_parallel(
         return samples, scores, {BEFORE: before}
     mine = [i for g in plan.ranks[parallel.dp_rank()] for i in members[keys[g]]]
     device = samples.input_ids.device
-    balanced = _from_rows([rows[i] for i in mine], pad_id, device)
+    balanced = samples_of_rows([rows[i] for i in mine], pad_id, device)
     new_scores = torch.stack([rows[i]["score"] for i in mine]).to(scores.device)
     return (
         balanced,

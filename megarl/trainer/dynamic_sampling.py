@@ -3,13 +3,17 @@
 Dynamic sampling (Yu et al. 2025) drops the prompt groups whose samples all got the same reward:
 under a group estimator their advantages are all 0, so they only dilute the batch. Further batches
 of prompts are drawn (each one a whole rollout: :func:`megarl.trainer.rollout.draw`), at most
-``algorithm.filter_groups_max_batches`` per step, until every data-parallel rank holds its share
-of ``data.train_batch_size`` prompt groups; the surplus is cut (whole groups, in draw order). When
-the limit is reached first, the step trains on the groups every rank has (the smallest count over
-ranks, so ranks take the same number of optimizer steps); when some rank kept none, the step
-trains on the last draw as it is (under a group estimator its advantages are 0: only the KL and
-entropy terms act; logged as ``dynamic_sampling/unfiltered``). ``dynamic_sampling/*`` metrics log
-what was drawn, kept and trained (group counts summed over data-parallel ranks); the reward
+``algorithm.filter_groups_max_batches`` per step, until ``data.train_batch_size`` varied prompt
+groups have been drawn; the step trains the first ``data.train_batch_size`` of them in draw order
+(the surplus is cut, whole groups). The rule is the whole step's, not each data-parallel rank's
+(:mod:`megarl.trainer.group_selection`): every DP rank shares which of its groups vary, all take
+the same decisions, and the selected groups are dealt to the DP ranks in contiguous slices, their
+rows moved between ranks where a slice holds another rank's groups; so a run trains the same
+groups at any layout. When the limit is reached first, the step trains the varied groups drawn
+(cut to a multiple of the DP size, so ranks train as many); when there are none, the step trains
+on the last draw as it is (under a group estimator its advantages are 0: only the KL and entropy
+terms act; logged as ``dynamic_sampling/unfiltered``). ``dynamic_sampling/*`` metrics log what
+was drawn, kept and trained (group counts of the whole step, over every DP rank); the reward
 metrics are the draws' means. The actor scores only what is kept, after the filter. Every draw
 reshards the (unchanged) weights into the rollout engine again through ``to_rollout``: simple, and
 on CPU cheap; on GPUs it costs one reshard per extra draw. In asynchronous training the draws come
@@ -22,13 +26,27 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from megarl import platform
+from megarl import parallel
 from megarl.config import AlgorithmConfig
 from megarl.metrics import StepMetrics, declare
 from megarl.trainer.batch import Samples, StepBatch
-from megarl.trainer.dp_collectives import dp_sum
+from megarl.trainer.dp_balance import HostRow, host_rows, samples_of_rows
+from megarl.trainer.dp_collectives import dp_gather
+from megarl.trainer.group_selection import (
+    DrawFacts,
+    GroupRef,
+    deal,
+    groups_drawn,
+    kept_groups,
+    numbered,
+    reward_mean_drawn,
+    select,
+    wants_more,
+)
+
+# A group of one rank's pool: (draw, its index among the rank's groups of that draw).
+LocalGroup = tuple[int, int]
 
 
 def varied_groups(group_ids: Sequence[Hashable], scores: torch.Tensor) -> list[Hashable]:
@@ -77,59 +95,95 @@ def _concat_routes(routes: Sequence[torch.Tensor | None], width: int) -> torch.T
 
 @dataclass
 class GroupPool:
-    """The kept groups of one rank's draws so far, and the counts dynamic sampling logs."""
+    """This rank's varied groups of the step's draws so far (all their rows), each found by its
+    draw and its index among this rank's groups of that draw."""
 
-    target_groups: int
     pieces: list[Samples] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    ids: dict[LocalGroup, Hashable] = field(default_factory=dict)  # its group id in ``pieces``
     draws: int = 0
-    groups_drawn: int = 0
-    groups_kept: int = 0
-    drawn_score_sum: float = 0.0
-    drawn_samples: int = 0
 
-    def add(self, samples: Samples, scores: torch.Tensor, finish_reasons: Sequence[str]) -> None:
-        """One draw: keep its groups whose scores vary. Group ids become ``(draw, id)`` so a
-        prompt drawn twice (a new epoch) forms two groups."""
+    def add(
+        self, samples: Samples, scores: torch.Tensor, finish_reasons: Sequence[str]
+    ) -> DrawFacts:
+        """One draw: keep its groups whose scores vary; what the other ranks need to know of it.
+        Group ids become ``(draw, id)`` so a prompt drawn twice (a new epoch) forms two groups."""
         draw = self.draws
         self.draws += 1
-        self.groups_drawn += len(dict.fromkeys(samples.group_ids))
-        self.drawn_score_sum += float(scores.sum())
-        self.drawn_samples += int(scores.numel())
-        keep = varied_groups(samples.group_ids, scores)
-        self.groups_kept += len(keep)
+        groups = list(dict.fromkeys(samples.group_ids))
+        keep = set(varied_groups(samples.group_ids, scores))
+        facts = DrawFacts(tuple(g in keep for g in groups), float(scores.sum()), scores.numel())
         if not keep:
-            return
-        rows = rows_of(samples.group_ids, keep)
+            return facts
+        rows = rows_of(samples.group_ids, list(keep))
         piece = samples.select(rows)
         piece.group_ids = [(draw, g) for g in piece.group_ids]
         self.pieces.append(piece)
         self.scores.append(scores[rows])
         self.finish_reasons += [finish_reasons[r] for r in rows]
+        self.ids.update({(draw, i): (draw, g) for i, g in enumerate(groups) if g in keep})
+        return facts
 
-    def take(self, groups: int, pad_id: int) -> tuple[Samples, torch.Tensor, list[str]]:
-        """The first ``groups`` kept groups (all rows of each), in draw order."""
+    def take(
+        self, groups: Sequence[LocalGroup], pad_id: int
+    ) -> tuple[Samples, torch.Tensor, list[str]]:
+        """All rows of ``groups`` (kept ones), group after group in the order given."""
         merged = concat_samples(self.pieces, pad_id)
-        order = list(dict.fromkeys(merged.group_ids))[:groups]
-        rows = rows_of(merged.group_ids, order)
+        position = {self.ids[g]: i for i, g in enumerate(groups)}
+        ids = merged.group_ids
+        rows = sorted(
+            (r for r, g in enumerate(ids) if g in position), key=lambda r: (position[ids[r]], r)
+        )
         scores = torch.cat(self.scores)[rows]
         return merged.select(rows), scores, [self.finish_reasons[r] for r in rows]
 
-    def metrics(self, trained_groups: int) -> dict[str, float]:
-        return {
-            "dynamic_sampling/batches": float(self.draws),
-            "dynamic_sampling/groups_drawn": float(self.groups_drawn),
-            "dynamic_sampling/groups_kept": float(self.groups_kept),
-            "dynamic_sampling/groups_trained": float(trained_groups),
-            "dynamic_sampling/reward_mean_drawn": self.drawn_score_sum / max(self.drawn_samples, 1),
-        }
+
+# The rows (and finish reasons) of the selected groups a DP rank holds, by (draw, global index).
+Package = dict[tuple[int, int], tuple[list[HostRow], list[str]]]
 
 
-def _world_min(value: int) -> int:
-    t = torch.tensor([float(value)], device=platform.collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+def package(pool: GroupPool, held: Sequence[GroupRef], pad_id: int) -> Package:
+    """The rows of ``held`` (selected groups this rank drew) as host records, to send."""
+    if not held:
+        return {}
+    samples, scores, reasons = pool.take([(g.draw, g.local) for g in held], pad_id)
+    key = {pool.ids[(g.draw, g.local)]: (g.draw, g.index) for g in held}
+    out: Package = {}
+    for i, row in enumerate(host_rows(samples, scores)):
+        rows, row_reasons = out.setdefault(key[samples.group_ids[i]], ([], []))
+        rows.append(row)
+        row_reasons.append(reasons[i])
+    return out
+
+
+def assemble(
+    packages: Sequence[Package], groups: Sequence[GroupRef], pad_id: int, device: torch.device
+) -> tuple[Samples, torch.Tensor, list[str]]:
+    """The rows of ``groups`` (one rank's slice), group after group, from every rank's
+    :func:`package` (in DP rank order)."""
+    parts = [packages[g.rank][(g.draw, g.index)] for g in groups]
+    rows = [row for part_rows, _ in parts for row in part_rows]
+    reasons = [reason for _, part_reasons in parts for reason in part_reasons]
+    scores = torch.stack([row["score"] for row in rows]).to(device)
+    return samples_of_rows(rows, pad_id, device), scores, reasons
+
+
+def share_of_selection(
+    pool: GroupPool,
+    selected: Sequence[GroupRef],
+    dp_size: int,
+    pad_id: int,
+    device: torch.device,
+) -> tuple[Samples, torch.Tensor, list[str]]:
+    """This DP rank's slice of ``selected`` (:func:`~megarl.trainer.group_selection.deal`): its
+    samples, scores and finish reasons, the rows of groups another rank drew moved here (a
+    collective over the DP group when ``dp_size`` > 1)."""
+    if dp_size == 1:
+        return pool.take([(g.draw, g.local) for g in selected], pad_id)
+    rank = parallel.dp_rank()
+    packages = dp_gather(package(pool, [g for g in selected if g.rank == rank], pad_id))
+    return assemble(packages, deal(selected, dp_size)[rank], pad_id, device)
 
 
 def filter_groups(
@@ -140,37 +194,42 @@ def filter_groups(
     m: StepMetrics,
     decided: Callable[[bool], None] | None = None,
 ) -> StepBatch:
-    """Draws of ``draw`` (a rollout of the next prompts, rewarded) until every rank holds
-    ``target_groups`` prompt groups whose rewards vary, or ``algorithm.filter_groups_max_batches``
-    draws; the kept groups as one batch. ``decided(more)`` hears after each draw, on every rank,
-    whether another follows. The ``dynamic_sampling/*`` counts go into ``m``."""
-    pool = GroupPool(target_groups=target_groups)
+    """Draws of ``draw`` (a rollout of this DP rank's part of the next prompts, rewarded) until
+    ``target_groups`` prompt groups over all DP ranks (the step's) have rewards that vary, or
+    ``algorithm.filter_groups_max_batches`` draws; this rank's share of the selected groups as
+    one batch. ``decided(more)`` hears after each draw, on every rank, whether another follows.
+    The ``dynamic_sampling/*`` counts go into ``m``."""
+    pool = GroupPool()
+    facts: list[list[DrawFacts]] = []  # facts[d][r]: DP rank r's part of draw d
     sums: dict[str, float] = {}  # reward metrics, averaged over the draws
     while True:
         batch = draw()
-        pool.add(batch.samples, batch.scores, batch.finish_reasons)
+        facts.append(dp_gather(pool.add(batch.samples, batch.scores, batch.finish_reasons)))
         for k, v in batch.reward_metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
-        have = _world_min(pool.groups_kept)
-        full = have >= pool.target_groups or pool.draws >= algorithm.filter_groups_max_batches
+        more = wants_more(facts, target_groups, algorithm.filter_groups_max_batches)
         if decided is not None:
-            decided(not full)
-        if full:
+            decided(more)
+        if not more:
             break
-    groups = min(have, pool.target_groups)
-    stats = pool.metrics(groups)
-    samples, scores, reasons = batch.samples, batch.scores, batch.finish_reasons
-    if groups > 0:
-        samples, scores, reasons = pool.take(groups, pad_id)
-    else:  # some rank kept nothing: the last draw as it is (zero advantages under grpo)
-        stats["dynamic_sampling/groups_trained"] = float(len(dict.fromkeys(samples.group_ids)))
-    stats["dynamic_sampling/unfiltered"] = float(groups == 0)
-    # group counts over data-parallel ranks (every rank of a DP rank holds the same)
-    counts = [k for k in stats if k.startswith("dynamic_sampling/groups")]
-    values = [stats[k] for k in counts]
-    totals = dp_sum(torch.tensor(values, dtype=torch.float64, device=platform.collective_device()))
-    stats.update(zip(counts, totals.tolist(), strict=True))
-    stats["dynamic_sampling/filled"] = float(groups >= pool.target_groups)
+    dp_size = len(facts[0])
+    selected = select(facts, target_groups, dp_size)
+    samples, scores, reasons = batch.samples, batch.scores, list(batch.finish_reasons)
+    trained = len(selected)
+    if selected:
+        device = batch.samples.input_ids.device
+        samples, scores, reasons = share_of_selection(pool, selected, dp_size, pad_id, device)
+    else:  # no group (or fewer than DP ranks) varied: the last draw as it is
+        trained = len(numbered(len(facts) - 1, facts[-1]))
+    stats = {  # the whole step's, the same on every rank
+        "dynamic_sampling/batches": float(len(facts)),
+        "dynamic_sampling/groups_drawn": float(groups_drawn(facts)),
+        "dynamic_sampling/groups_kept": float(len(kept_groups(facts))),
+        "dynamic_sampling/groups_trained": float(trained),
+        "dynamic_sampling/reward_mean_drawn": reward_mean_drawn(facts),
+        "dynamic_sampling/unfiltered": float(not selected),
+        "dynamic_sampling/filled": float(len(selected) >= target_groups),
+    }
     m.update(declare(stats))
-    averaged = {k: v / pool.draws for k, v in sums.items()}
-    return StepBatch(samples, scores, list(reasons), averaged)
+    averaged = {k: v / len(facts) for k, v in sums.items()}
+    return StepBatch(samples, scores, reasons, averaged)

@@ -118,7 +118,7 @@ def step_batch(run: PolicyRun, m: StepMetrics) -> StepBatch:
     Timings and dynamic-sampling counts go into ``m``."""
     a = run.cfg.algorithm
     if a.filter_groups:
-        target = run.cfg.data.train_batch_size // run.startup.layout.dp
+        target = run.cfg.data.train_batch_size  # the step's groups, over every DP rank
         remote = run.rollout.remote  # async: the rollout group draws again when told to
         decided = remote.draws_decided if remote is not None else None
         batch = filter_groups(lambda: draw(run, m), a, target, run.startup.pad_id, m, decided)

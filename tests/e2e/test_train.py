@@ -721,70 +721,8 @@ def test_a_rank_stuck_while_the_others_wait_in_a_collective_ends_the_job(workdir
     assert "megarl/run/faults.py" in err  # rank 1's stack shows where it is stuck
 
 
-def test_ppo_with_critic_and_dapo_dynamic_sampling_tp1_pp2_dp2(workdir):
-    """PPO with a critic at TP1xPP2xDP2, with DAPO's dynamic sampling and overlong shaping on a
-    pass/fail reward: groups whose 4 samples all pass or all fail are dropped and more prompts
-    drawn (at most 3 batches a step) to fill the step's 4 prompts. Packed micro-batches and the
-    DP token balance (both default on), and the actor's and critic's memory offloaded to the
-    host around each rollout.
-
-    Not compared with one process: dynamic sampling fills each DP rank's share of the step (2 of
-    its 4 groups) from that rank's half of every draw and trains the smallest count over ranks,
-    so which groups a step trains depends on the DP size. Measured with this seed, step 1: both
-    layouts draw the same 12 groups and keep the same 3 (reward_mean_drawn equal); one process
-    trains those 3, at DP2 one rank kept none and the step trains its last draw unfiltered.
-    test_ppo_with_critic_tp1_pp2_dp2_matches_one_process compares this PPO without the filter."""
-    records = by_step(
-        train(
-            workdir,
-            "ppo",
-            "algorithm.adv_estimator=gae",
-            "algorithm.use_kl_loss=false",
-            "algorithm.use_kl_in_reward=true",
-            "algorithm.filter_groups=true",
-            "algorithm.filter_groups_max_batches=3",
-            "reward.custom_fn=megarl.rewards.toy:vowel_majority",
-            "reward.overlong_buffer.len=8",
-            "parallel.pp=2",
-            "parallel.infer_tp=2",
-            "actor.param_offload=true",
-            "critic.param_offload=true",
-            nproc=4,
-        )
-    )
-    last = records[2]
-    for role in ("actor", "critic"):
-        assert last[f"offload/{role}_bytes"] > 0, last
-        assert last[f"offload/{role}_onload_s"] >= 0.0, last
-    assert last["perf/dp_token_imbalance_rollout"] >= last["perf/dp_token_imbalance"] - 1e-9
-    for key in (
-        "critic/vf_loss",
-        "critic/grad_norm",
-        "critic/values_mean",
-        "critic/explained_var",
-        "actor/reward_kl",
-        "actor/kl_coef",
-        "reward/overlong_penalty_mean",
-    ):
-        assert key in last and last[key] == last[key], key  # present and not NaN
-    assert last["critic/update_ok"] == 1.0 and last["actor/update_ok"] == 1.0
-    drawn = sum(records[s]["dynamic_sampling/groups_drawn"] for s in (1, 2))
-    kept = sum(records[s]["dynamic_sampling/groups_kept"] for s in (1, 2))
-    assert kept < drawn, records  # some groups were filtered out
-    for s in (1, 2):
-        r = records[s]
-        assert 1 <= r["dynamic_sampling/batches"] <= 3
-        # every draw is 4 prompts over the 2 DP ranks; at most the step's 4 prompts are trained
-        assert r["dynamic_sampling/groups_drawn"] == 4 * r["dynamic_sampling/batches"]
-        assert r["dynamic_sampling/groups_trained"] <= 4
-        if r["dynamic_sampling/unfiltered"] == 0.0:
-            filled = r["dynamic_sampling/groups_trained"] == 4
-            assert r["dynamic_sampling/filled"] == float(filled), r
-        assert r["reward/overlong_penalty_mean"] <= 0.0
-
-
-# PPO with a critic as the DAPO test above runs it, without dynamic sampling: GAE, the KL to the
-# reference in the reward, a pass/fail reward with overlong shaping, and the actor's and
+# PPO with a critic as the tests below run it (the DAPO one adds dynamic sampling): GAE, the KL
+# to the reference in the reward, a pass/fail reward with overlong shaping, and the actor's and
 # critic's memory offloaded around each rollout.
 PPO_CRITIC = (
     "algorithm.adv_estimator=gae",
@@ -797,17 +735,87 @@ PPO_CRITIC = (
 )
 
 
-def dumped_samples(work: Path, out: str, step: int) -> dict[tuple, dict]:
+def dumped_samples(work: Path, out: str, step: int, repeats: bool = False) -> dict[tuple, dict]:
     """A run's ``trainer.dump_rollouts`` records of ``step``, every data-parallel rank's, keyed by
-    (prompt ids, response ids)."""
+    (prompt ids, response ids); with ``repeats``, by (prompt ids, response ids, how many such
+    came before), for a step that may train one sample twice (the same prompt drawn twice)."""
     records: dict[tuple, dict] = {}
     for path in sorted((work / out / "rollouts").glob(f"step_{step:06d}_dp*.jsonl")):
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            key = (tuple(r["prompt_ids"]), tuple(r["response_ids"]))
+            key: tuple = (tuple(r["prompt_ids"]), tuple(r["response_ids"]))
+            if repeats:
+                key = (*key, sum(k[:2] == key for k in records))
             assert key not in records, (out, step, "a sample twice")
             records[key] = r
     return records
+
+
+def assert_critic_runs_alike(one: dict, many: dict, step: int) -> None:
+    """One step of PPO with a critic at one process (``one``) and at another layout (``many``):
+    the tolerances of test_ppo_with_critic_tp1_pp2_dp2_matches_one_process (fp32 sums in another
+    order)."""
+    for key in ("reward/mean", "reward/std", "reward/samples"):
+        assert many[key] == pytest.approx(one[key], abs=1e-6), (step, key)
+    for key in (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "critic/vf_loss",
+        "critic/grad_norm",
+    ):
+        # abs: whitened advantages sum to ~0, so the policy loss is rounding around 0
+        assert many[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), (step, key)
+    for key in (
+        "actor/ratio_mean",
+        "actor/ratio_max",
+        "actor/ratio_min",
+        "actor/reward_kl",
+        "actor/advantages_mean",
+        "critic/vpred_mean",
+        "critic/values_mean",
+        "critic/returns_mean",
+        "critic/value_mse",
+    ):
+        assert many[key] == pytest.approx(one[key], abs=1e-6), (step, key)
+    assert many["critic/explained_var"] == pytest.approx(one["critic/explained_var"], abs=1e-6)
+
+
+def assert_same_samples(one: dict[tuple, dict], many: dict[tuple, dict], step: int) -> None:
+    """The same trained samples (:func:`dumped_samples`) with the same old logprobs, token
+    rewards and advantages, 1e-5 apart per token."""
+    assert sorted(one) == sorted(many), step
+    for key, r in one.items():
+        for name in ("old_log_prob", "token_level_rewards", "advantages"):
+            assert many[key][name] == pytest.approx(r[name], abs=1e-5), (step, name)
+
+
+def rows_read_alike(draws: int, per_draw: int = 4, dp: int = 2) -> list[int]:
+    """Which source prompt each row of a train file holds so that one process and DP ``dp`` read
+    the same prompts in the same order for ``draws`` draws of ``per_draw`` prompts, unshuffled.
+
+    One process reads the file in order; DP rank r reads its contiguous share of the rows
+    (megarl/data/sharding.py), ``per_draw // dp`` at a time. So the one process's row
+    ``k * per_draw + r * share + j`` (draw k) must hold the prompt of DP rank r's row
+    ``r * rows / dp + k * share + j``; the rows these equalities tie together hold one prompt,
+    each other row a prompt of its own. The file is twice as long as the draws read, so neither
+    layout reaches the end of an epoch."""
+    rows = 2 * draws * per_draw
+    share = per_draw // dp
+    parent = list(range(rows))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for k in range(draws):
+        for r in range(dp):
+            for j in range(share):
+                one = k * per_draw + r * share + j
+                parent[root(one)] = root(r * rows // dp + k * share + j)
+    prompts: dict[int, int] = {}
+    return [prompts.setdefault(root(i), len(prompts)) for i in range(rows)]
 
 
 def test_ppo_with_critic_tp1_pp2_dp2_matches_one_process(workdir):
@@ -852,41 +860,102 @@ def test_ppo_with_critic_tp1_pp2_dp2_matches_one_process(workdir):
         train(workdir, "ppo_pp2dp2", *same, "parallel.pp=2", "parallel.infer_tp=2", nproc=4)
     )
     for step in (1, 2):
-        one, many = single[step], sharded[step]
-        for key in ("reward/mean", "reward/std", "reward/samples"):
-            assert many[key] == pytest.approx(one[key], abs=1e-6), (step, key)
-        for key in (
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "actor/entropy",
-            "critic/vf_loss",
-            "critic/grad_norm",
-        ):
-            # abs: whitened advantages sum to ~0, so the policy loss is rounding around 0
-            assert many[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), (step, key)
-        for key in (
-            "actor/ratio_mean",
-            "actor/ratio_max",
-            "actor/ratio_min",
-            "actor/reward_kl",
-            "actor/advantages_mean",
-            "critic/vpred_mean",
-            "critic/values_mean",
-            "critic/returns_mean",
-            "critic/value_mse",
-        ):
-            assert many[key] == pytest.approx(one[key], abs=1e-6), (step, key)
-        assert many["critic/explained_var"] == pytest.approx(one["critic/explained_var"], abs=1e-6)
+        assert_critic_runs_alike(single[step], sharded[step], step)
         a, b = (
             dumped_samples(workdir, "ppo_single", step),
             dumped_samples(workdir, "ppo_pp2dp2", step),
         )
-        assert len(a) == 16 and sorted(a) == sorted(b), step  # 4 prompts x 4 samples, the same
-        for key, r in a.items():
-            for name in ("old_log_prob", "token_level_rewards", "advantages"):
-                assert b[key][name] == pytest.approx(r[name], abs=1e-5), (step, name)
+        assert len(a) == 16, step  # 4 prompts x 4 samples
+        assert_same_samples(a, b, step)
     assert single[2]["actor/reward_kl"] > 0.01  # the KL in the reward acts at step 2
     assert single[1]["critic/vf_loss"] > 0.1  # the critic has something to learn
+
+
+def test_dapo_dynamic_sampling_with_a_critic_tp1_pp2_dp2_matches_one_process(workdir):
+    """PPO with a critic (as test_ppo_with_critic_tp1_pp2_dp2_matches_one_process runs it) and
+    DAPO's dynamic sampling on a pass/fail reward: groups whose 4 samples all pass or all fail
+    are dropped and more prompts drawn (at most 3 draws a step) to fill the step's 4 prompts.
+    Packed micro-batches and the DP token balance (both default on), and the actor's and
+    critic's memory offloaded to the host around each rollout.
+
+    At TP1 x PP2 x DP2 and at one process, 2 steps each from the same seed and the same prompts
+    (:func:`rows_read_alike`: 6 draws' worth, the most 2 steps can take): the same draws, the
+    same groups kept and trained, the same samples with the same old logprobs, token rewards and
+    advantages, and the same losses and gradient norms, to the PPO comparison's tolerances. The
+    selection is the whole step's (megarl/trainer/group_selection.py); before it each DP rank
+    filled its half of the step from its half of each draw and the step trained the smallest
+    count over ranks, so the trained groups depended on the DP size.
+
+    A prompt is drawn again in a later draw of a step (the file repeats prompts), and there its
+    samples came out the same as before (the seeds of two rollouts' sample i differ only above
+    bit 32, and CPU sampling showed no difference): samples are matched with their repeats."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(workdir / "data" / "train.parquet").take(rows_read_alike(draws=6))
+    pq.write_table(rows, workdir / "data" / "dapo_layout.parquet")
+    same = (
+        *PPO_CRITIC,
+        "algorithm.filter_groups=true",
+        "algorithm.filter_groups_max_batches=3",
+        f"data.train_files=[{workdir / 'data' / 'dapo_layout.parquet'}]",
+        "data.shuffle=false",
+        "trainer.dump_rollouts=true",
+    )
+    single = by_step(train(workdir, "dapo_single", *same))
+    records = by_step(
+        train(workdir, "dapo_pp2dp2", *same, "parallel.pp=2", "parallel.infer_tp=2", nproc=4)
+    )
+    for step in (1, 2):
+        one, many = single[step], records[step]
+        print(step, {k: v for k, v in many.items() if k.startswith("dynamic_sampling/")})
+        for key in (
+            "batches",
+            "groups_drawn",
+            "groups_kept",
+            "groups_trained",
+            "unfiltered",
+            "filled",
+        ):
+            assert many[f"dynamic_sampling/{key}"] == one[f"dynamic_sampling/{key}"], (step, key)
+        key = "dynamic_sampling/reward_mean_drawn"
+        assert many[key] == pytest.approx(one[key], abs=1e-6), step
+        assert_critic_runs_alike(one, many, step)
+        a, b = (
+            dumped_samples(workdir, "dapo_single", step, repeats=True),
+            dumped_samples(workdir, "dapo_pp2dp2", step, repeats=True),
+        )
+        assert len(a) == 4 * one["dynamic_sampling/groups_trained"], step
+        assert_same_samples(a, b, step)
+    # what the four ranks' run logs besides
+    last = records[2]
+    for role in ("actor", "critic"):
+        assert last[f"offload/{role}_bytes"] > 0, last
+        assert last[f"offload/{role}_onload_s"] >= 0.0, last
+    assert last["perf/dp_token_imbalance_rollout"] >= last["perf/dp_token_imbalance"] - 1e-9
+    for key in (
+        "critic/vf_loss",
+        "critic/grad_norm",
+        "critic/values_mean",
+        "critic/explained_var",
+        "actor/reward_kl",
+        "actor/kl_coef",
+        "reward/overlong_penalty_mean",
+    ):
+        assert key in last and last[key] == last[key], key  # present and not NaN
+    assert last["critic/update_ok"] == 1.0 and last["actor/update_ok"] == 1.0
+    drawn = sum(records[s]["dynamic_sampling/groups_drawn"] for s in (1, 2))
+    kept = sum(records[s]["dynamic_sampling/groups_kept"] for s in (1, 2))
+    assert kept < drawn, records  # some groups were filtered out
+    for s in (1, 2):
+        r = records[s]
+        assert 1 <= r["dynamic_sampling/batches"] <= 3
+        # every draw is 4 prompts over the 2 DP ranks; at most the step's 4 prompts are trained
+        assert r["dynamic_sampling/groups_drawn"] == 4 * r["dynamic_sampling/batches"]
+        assert r["dynamic_sampling/groups_trained"] <= 4
+        if r["dynamic_sampling/unfiltered"] == 0.0:
+            filled = r["dynamic_sampling/groups_trained"] == 4
+            assert r["dynamic_sampling/filled"] == float(filled), r
+        assert r["reward/overlong_penalty_mean"] <= 0.0
 
 
 def test_ppo_with_a_critic_raises_the_reward(workdir):

@@ -138,9 +138,6 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/run/preemption.py": {
         "Preemption.requested": "flag made on platform.collective_device()",
     },
-    "megarl/trainer/dynamic_sampling.py": {
-        "_world_min": "made on platform.collective_device()",
-    },
     "megarl/models/lora_peft.py": {
         "_gather": "LoRA adapter parameter shards (or their main_grad), on the model's device",
     },

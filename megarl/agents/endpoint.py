@@ -120,8 +120,9 @@ class AgentEndpoint:
         return counts
 
     def _count(self, name: str, by: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += by
+        if by:
+            with self._lock:
+                self._counts[name] += by
 
     # -- requests ------------------------------------------------------------------------------
     def handle(self, method: str, path: str, body: bytes) -> Response:

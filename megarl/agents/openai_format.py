@@ -34,6 +34,7 @@ REASONS = (
     "max_tokens",  # not a positive integer
     "unsupported",  # stream, n > 1, echo, best_of, suffix
     "context_length",  # the session's token budget has no room for the request
+    "requests",  # the session has sent as many requests as it may (each draws its own seed)
     "session",  # an unknown or closed session
     "path",  # no such route
 )

@@ -184,9 +184,7 @@ class TurnMaker:
                 f"{s.max_context_tokens} tokens per segment, with room for at least one new token",
             )
         if session.requests >= s.max_requests:
-            raise BadRequest(
-                "context_length", f"a session may send {s.max_requests} requests at most"
-            )
+            raise BadRequest("requests", f"a session may send {s.max_requests} requests at most")
         limit = min(s.max_turn_tokens, room, max_tokens or s.max_turn_tokens)
         seed = sequence_seed(s.seed, self.rollout_index, session.sample, segment=session.requests)
         sampled = self.generator.sample(list(context), limit, seed)

@@ -131,9 +131,11 @@ class Scripted:
         self.tokenizer = tokenizer
         self.replies = list(replies)
         self.prompts: list[list[int]] = []
+        self.limits: list[int] = []
 
     def sample(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Sampled:
         self.prompts.append(list(prompt_ids))
+        self.limits.append(max_new_tokens)
         text = self.replies[(len(self.prompts) - 1) % len(self.replies)]
         ids = [
             *self.tokenizer(text, add_special_tokens=False)["input_ids"],
@@ -320,9 +322,12 @@ def test_completions_continue_by_text_and_keep_spellings_as_text(tokenizer):
         prompt = f"Say {SPELLED}:"
         first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
         assert first.choices[0].text == "ab" and first.usage.completion_tokens == 3
-        client.completions.create(model=MODEL, prompt=prompt + "ab more", max_tokens=5)
-        client.completions.create(model=MODEL, prompt="unrelated", max_tokens=5)
+        client.completions.create(model=MODEL, prompt=prompt + "ab more", max_tokens=10_000)
+        # sampling is the run's: a lower max_tokens applies, the temperature is ignored, counted
+        client.completions.create(model=MODEL, prompt="unrelated", max_tokens=4, temperature=0.1)
         session = ep.close_session(key)
+        assert ep.take_counts() == {"ignored_params": 1}
+    assert scripted.limits == [5, TURN_TOKENS, 4]
     first_seg, second_seg = session.trajectories()
     assert session.non_continuations == 1 and first_seg.turns == 2 and second_seg.turns == 1
     spelled = tokenizer.convert_tokens_to_ids(list(SPELLED))

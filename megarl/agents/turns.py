@@ -34,7 +34,7 @@ from megarl.agents.session import (
     chat_continuation,
     completion_continuation,
 )
-from megarl.data.literal_text import plain_text_ids
+from megarl.data.literal_text import plain_text_ids, too_long
 from megarl.envs.base import EnvError
 from megarl.envs.chat_deltas import ChatDeltas
 from megarl.envs.tool_parsers import TOOL_PARSERS, ToolParser, parse_contained
@@ -91,6 +91,7 @@ class TurnMaker:
         tools_key = json.dumps(request.tools, sort_keys=True)
         segment = session.last
         added = chat_continuation(segment, request.messages, tools_key)
+        self._refuse_huge(added if added is not None else [request.messages, request.tools])
         try:
             if segment is not None and added is not None:
                 delta = self.deltas.env_ids(added, segment.stop_text, request.tools)
@@ -144,6 +145,7 @@ class TurnMaker:
         """Answer a completions request in ``session`` (its lock held by the caller)."""
         segment = session.last
         added = completion_continuation(segment, request.prompt)
+        self._refuse_huge(added if added is not None else request.prompt)
         if segment is not None and added is not None:
             delta = self._ids(added, special=False)
             context, new = segment.context + delta, False
@@ -174,6 +176,20 @@ class TurnMaker:
         return list(prompt)
 
     # -- shared --------------------------------------------------------------------------------
+    def _refuse_huge(self, value: object) -> None:
+        """Refuse text that cannot fit the segment however it tokenizes, before any templating
+        or tokenising (a huge request costs a length, not a tokenization)."""
+        if isinstance(value, list) and all(isinstance(t, int) for t in value):
+            chars = None if len(value) <= self.settings.max_context_tokens else len(value)
+        else:
+            chars = too_long(self.tokenizer, value, self.settings.max_context_tokens)
+        if chars is not None:
+            raise BadRequest(
+                "context_length",
+                f"the request adds {chars} characters (or ids), more than a segment of "
+                f"{self.settings.max_context_tokens} tokens can hold",
+            )
+
     def _sample(self, session: Session, context: Sequence[int], max_tokens: int | None) -> Sampled:
         s = self.settings
         room = s.max_context_tokens - len(context)

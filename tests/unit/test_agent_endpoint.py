@@ -253,6 +253,10 @@ def test_malformed_requests_get_400_with_their_reason_and_are_counted(endpoint):
         (dict(model=MODEL, messages=[{"role": "wizard", "content": "hi"}]), "role"),
         (dict(model=MODEL, messages=user, tools=[{"type": "function", "function": {}}]), "tools"),
         (dict(model=MODEL, messages=user, tools=[{"type": "retrieval"}]), "tools"),
+        (
+            dict(model=MODEL, messages=[{"role": "user", "content": "x" * 100_000}]),
+            "context_length",
+        ),
     ]
     for kwargs, reason in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -266,6 +270,7 @@ def test_malformed_requests_get_400_with_their_reason_and_are_counted(endpoint):
         "bad_requests/model": 1,
         "bad_requests/role": 1,
         "bad_requests/tools": 2,
+        "bad_requests/context_length": 1,
         "bad_requests/bad_json": 1,
         "bad_requests/session": 1,
     }

@@ -356,7 +356,7 @@ def test_failing_timed_out_and_silent_agents_score_zero_and_are_counted(tokenize
         try:
             client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "q"}])
-            time.sleep(0.05)
+            time.sleep(0.3)  # long enough for two to overlap on a loaded machine
             return 0.5
         finally:
             with lock:
@@ -392,13 +392,13 @@ def test_failing_timed_out_and_silent_agents_score_zero_and_are_counted(tokenize
 
     with AgentEndpoint(Scripted(tokenizer, ["fine"]), tokenizer, _settings()) as ep:
 
-        def run(fn, n: int = 1, timeout_s: float = 0.6) -> AgentBatch:
+        def run(fn, n: int, timeout_s: float) -> AgentBatch:
             limits = AgentLimits(concurrency=2, timeout_s=timeout_s)
             return run_agents(_agent_from(fn), ep, [(i, {}) for i in range(n)], limits)
 
-        good = run(ok, n=6, timeout_s=30)
+        good = run(ok, 6, timeout_s=30)
         assert [s.reward for s in good.samples] == [0.5] * 6 and peak[0] == 2  # the pool's bound
-        assert run(async_ok, timeout_s=30).samples[0].reward == 0.25
+        assert run(async_ok, 1, timeout_s=30).samples[0].reward == 0.25
         expected = {
             raises: "error",
             sleeps: "timeout",
@@ -412,15 +412,16 @@ def test_failing_timed_out_and_silent_agents_score_zero_and_are_counted(tokenize
             "no_requests": "agent/no_requests",
         }
         for fn, outcome in expected.items():
-            batch = run(fn)
+            # the sleepers' limit is short; the others' is long enough for a loaded machine
+            batch = run(fn, 1, timeout_s=0.6 if outcome == "timeout" else 30)
             (s,) = batch.samples
             assert (s.outcome, s.reward) == (outcome, 0.0), (fn.__name__, s.error)
             metrics = batch.metrics()
             assert [k for k in counted.values() if metrics[k].value] == [counted[outcome]]
             with pytest.raises(EnvError, match="failed"):
                 batch.check_failures(0.5)
-        assert "the agent's own bug" in (run(raises).samples[0].error or "")
-        assert "it must return a finite number" in (run(says_yes).samples[0].error or "")
+        assert "the agent's own bug" in (run(raises, 1, timeout_s=30).samples[0].error or "")
+        assert "a finite number" in (run(says_yes, 1, timeout_s=30).samples[0].error or "")
         good.check_failures(0.0)  # nothing failed
 
 

@@ -83,6 +83,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_async(cfg, world_size)
     _validate_distill(cfg)
     _validate_multi_turn(cfg.rollout)
+    _validate_agent(cfg.rollout)
     r = cfg.reward
     judged = r.judge.model_path is not None or r.judge.url is not None
     if r.rule_weight == 0 and r.model_path is None and r.remote_url is None and not judged:
@@ -294,6 +295,41 @@ def _validate_multi_turn(r: RolloutConfig) -> None:
             f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
             "step's samples"
         )
+
+
+def _validate_agent(r: RolloutConfig) -> None:
+    """The pure checks of rollout.agent's settings (the function itself is loaded by
+    run/checks.py), and the settings it does not work with yet."""
+    if r.agent is None:
+        return
+    _check_positive({"rollout.agent_concurrency": r.agent_concurrency})
+    if not r.agent_timeout_s > 0:
+        raise ConfigError(f"rollout.agent_timeout_s={r.agent_timeout_s} must be > 0 seconds")
+    refusals = (
+        (
+            r.env is not None,
+            f"rollout.env={r.env!r}: an agent drives its own conversation, an environment "
+            "answers the model's turns; a run has one or the other: unset one of them",
+        ),
+        (
+            r.mode != "colocated",
+            f"rollout.mode={r.mode}: the asynchronous rollout group does not serve agents yet "
+            "(not built); set rollout.mode=colocated",
+        ),
+        (
+            r.backend != "hf",
+            f"rollout.backend={r.backend}: the agent endpoint samples through the HF engine only "
+            "so far (vLLM behind it is not built yet); set rollout.backend=hf",
+        ),
+        (
+            r.partial,
+            "rollout.partial=true: an agent's turns are sampled with one version's weights; set "
+            "rollout.partial=false",
+        ),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"rollout.agent={r.agent!r} with {why}")
 
 
 def _validate_reliability(cfg: RunConfig) -> None:

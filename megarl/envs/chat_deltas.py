@@ -117,7 +117,9 @@ class ChatDeltas:
         """The conversation with the assistant turn opened, as token ids."""
         literals = Literals(spellings(self.tokenizer))
         hidden = literals.hide_messages(messages)
-        text = self._render(hidden, gen=True, tools=tools)
+        # tool schemas are data too (an agent's, or an environment's): their strings stay text
+        hidden_tools = literals.hide_value(list(tools)) if tools else tools
+        text = self._render(hidden, gen=True, tools=hidden_tools)
         _check_rendered(hidden, text)
         return tokenize_with_literals(self.tokenizer, [text], [literals])[0]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from megarl.agents.loading import load_agent
 from megarl.algos.choices import resolve_algorithm_kwargs, resolve_dpo_loss
 from megarl.backends import check_backends
 from megarl.checkpoint.hf_assets import has_tokenizer
@@ -54,6 +55,22 @@ _ALGORITHM_CHECKS: dict[str, Callable[[RunConfig], None]] = {
     "policy": _check_policy_words,
     "dpo": _check_dpo_words,
 }
+
+
+# Until the trainer runs agents (issue 47's next pieces), a run that names one must not train
+# without it.
+AGENT_NOT_WIRED = (
+    "the agent loads and takes (row, base_url, model), but training on agents is not built yet: "
+    "the endpoint and the agent runner exist (megarl.agents, docs/agents.md), the trainer does not "
+    "call them. Unset rollout.agent to train without it"
+)
+
+
+def check_agent_setting(spec: str) -> None:
+    """Load ``rollout.agent`` (a ConfigError naming the fix when it cannot be used), then refuse
+    the run: the trainer does not run agents yet."""
+    load_agent(spec)
+    raise ConfigError(f"rollout.agent={spec!r}: {AGENT_NOT_WIRED}")
 
 
 def check_choices(cfg: RunConfig) -> None:
@@ -136,6 +153,8 @@ def check_inputs(
         reward_model = check_reward_model(cfg.reward.model_path, dims.vocab_size)
     if cfg.rollout.env is not None:
         check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
+    if cfg.rollout.agent is not None:
+        check_agent_setting(cfg.rollout.agent)
     check_columns = _COLUMN_CHECKS[cfg.trainer.kind]
     for files, what in (
         (cfg.data.train_files, "data.train_files"),

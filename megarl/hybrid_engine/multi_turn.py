@@ -8,8 +8,9 @@ token deltas of the chat template, appended to the trajectories for the next tur
 
 The first turn is the single-turn rollout's own request when it can be: when every prompt's
 samples start from the same ids, each prompt goes to the engine once with ``n`` samples and the
-single-turn seed (:func:`~megarl.hybrid_engine.rollout_split.prompt_seed`), so an environment that ends after one turn and adds
-nothing reproduces the run without an environment token for token.
+single-turn seed (:func:`~megarl.hybrid_engine.rollout_split.prompt_seed`), so an environment
+that ends after one turn and adds nothing reproduces the run without an environment token for
+token.
 
 Environments run on one rank of the engine (its *executing* rank, holding an
 :class:`~megarl.envs.runner.EnvRunner`); ``share`` hands that rank's results to the others, so a

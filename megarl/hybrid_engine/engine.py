@@ -38,6 +38,7 @@ from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
+from megarl.hybrid_engine.engine_group import engine_group, share_from_first
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -276,13 +277,10 @@ class HybridEngine:
         self.metrics: dict[str, float] = {}
         # multi-turn: environments run on the first rank of each rollout engine, their results
         # broadcast over the engine's ranks (a group per engine, made by every rank together)
-        self._engine_group = None
         self._engine_leader = self.rank - self.rank % layout.rollout_tp
-        if multi_turn and layout.rollout_tp > 1:
-            for ranks in layout.rollout_group_ranks():
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self._engine_group = group
+        self._engine_group = (
+            engine_group(layout.world_size, layout.rollout_tp, self.rank) if multi_turn else None
+        )
 
     @property
     def rollout_count(self) -> int:
@@ -380,13 +378,9 @@ class HybridEngine:
         """Whether this rank executes environments (the first rank of its rollout engine)."""
         return self.rank == self._engine_leader
 
-    def _share(self, value):
+    def _share(self, value: T | None) -> T:
         """The engine leader's ``value`` on every rank of this rank's rollout engine."""
-        if self._engine_group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=self._engine_leader, group=self._engine_group)
-        return box[0]
+        return share_from_first(value, self._engine_group)
 
     def generate_trajectories(
         self,

@@ -58,6 +58,7 @@ from megarl.envs.trajectory import check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.async_links import Links, make_links, weight_schedule
 from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
+from megarl.hybrid_engine.engine_group import engine_group, share_from_first
 from megarl.hybrid_engine.execute import hf_shapes_of
 from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
 from megarl.hybrid_engine.rollout_messages import (
@@ -316,14 +317,9 @@ class RolloutGroup:
         assert items is not None
         return split_by_rank(merge_engines(results, VersionedOutput), items)
 
-    def _share(self, value):
+    def _share(self, value: T | None) -> T:
         """The engine's first rank's ``value`` on every rank of this rank's engine."""
-        if self.engine_group is None:
-            return value
-        box = [value]
-        leader = dist.get_global_rank(self.engine_group, 0)
-        dist.broadcast_object_list(box, src=leader, group=self.engine_group)
-        return box[0]
+        return share_from_first(value, self.engine_group)
 
     def _trajectories(
         self, items: list[list[PromptItem]] | None, sampling: SamplingConfig
@@ -525,11 +521,7 @@ def multi_turn(group: RolloutGroup, tokenizer: PreTrainedTokenizerBase) -> None:
     group.pad_id = pad_token_id(tokenizer) or 0
     if group.rank % itp == 0:
         group.env_runner = build_env_runner(cfg, tokenizer)
-    if itp > 1:
-        for first in range(0, group.size, itp):
-            made = dist.new_group(list(range(first, first + itp)))  # this role's own world
-            if first <= group.rank < first + itp:
-                group.engine_group = made
+    group.engine_group = engine_group(group.size, itp, group.rank)  # this role's own world
 
 
 __all__ = ["RolloutGroup", "serve_rollouts", "validation_due"]

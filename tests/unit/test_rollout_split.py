@@ -1,7 +1,7 @@
 """The rollout's split over engines and back (megarl.hybrid_engine.rollout_split), shared by the
 colocated engine and the asynchronous rollout group: the engines' slices cover the step once,
-every request carries its prompt's first-sample seed (the seeds module's documented packing,
-and the values the engine drew before this module existed), and slicing, generating, merging
+every request carries its prompt's first-sample seed (as the seeds module documents, and as
+the engine computed it before this module existed), and slicing, generating, merging
 and taking each rank's share back leaves every response in its prompt's place."""
 
 from __future__ import annotations
@@ -30,17 +30,10 @@ from megarl.hybrid_engine.rollout_split import (
     sample_starts,
 )
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
 from megarl.hybrid_engine.versioned import VersionedOutput
 
 pytestmark = pytest.mark.unit
-
-
-def _documented_seed(run_seed: int, rollout: int, sequence: int) -> int:
-    """The seeds module's packing, written out: sequence in the low 24 bits; above it, over 39
-    bits, (rollout << 10 | segment 0) plus the run seed times the 64-bit golden ratio."""
-    high_bits = 63 - 24
-    offset = (run_seed * 0x9E3779B97F4A7C15) % 2**high_bits
-    return ((((rollout << 10) + offset) % 2**high_bits) << 24) | sequence
 
 
 # -- slicing -------------------------------------------------------------------------------------
@@ -77,21 +70,21 @@ def test_sample_starts_number_samples_by_their_global_index():
 
 
 # -- seeding -------------------------------------------------------------------------------------
-def test_request_seeds_follow_the_documented_packing():
+def test_request_seeds_are_the_seeds_of_each_prompts_first_sample():
+    """What the seeds module documents (request ``i`` carries the seed of its first sample,
+    ``i * n``), and what the colocated engine and the multi-turn first turn computed before this
+    module (their expressions, written out here)."""
     sampling = SamplingConfig(n=8, seed=1)
     seeds = engine_seeds(sampling, 3, 5, 8)
-    assert seeds == [_documented_seed(1, 3, p * 8) for p in (5, 6, 7)]
+    assert seeds == [sequence_seed(1, 3, p * 8) for p in (5, 6, 7)]
     assert seeds == [prompt_seed(sampling, 3, p) for p in (5, 6, 7)]
-    # the values the colocated engine drew for these requests before this module (pinned)
-    assert seeds == [4143112130532474920, 4143112130532474928, 4143112130532474936]
-    # the multi-turn first turn's seed of prompt 11 (was multi_turn.first_turn_seed)
-    assert prompt_seed(SamplingConfig(n=4, seed=7), 2, 11) == 1331668476745482284
-    assert prompt_seed(SamplingConfig(n=4, seed=7), 2, 11) == _documented_seed(7, 2, 44)
-    # one sample per prompt: consecutive prompts, consecutive streams
-    assert engine_seeds(SamplingConfig(n=1, seed=2**40 + 5), 0, 0, 2) == [
-        2268816321254785024,
-        2268816321254785025,
-    ]
+    # HybridEngine.generate: request_seeds(sampling.seed, rollouts, lo * sampling.n, hi - lo, n)
+    assert seeds == request_seeds(1, 3, 5 * 8, 8 - 5, 8)
+    # multi_turn.first_turn_seed(sampling, rollout, prompt): sequence_seed(seed, rollout, p * n)
+    assert prompt_seed(SamplingConfig(n=4, seed=7), 2, 11) == sequence_seed(7, 2, 44)
+    # one sample per prompt: consecutive prompts, consecutive samples' seeds
+    one = SamplingConfig(n=1, seed=2**40 + 5)
+    assert engine_seeds(one, 0, 0, 2) == [sequence_seed(2**40 + 5, 0, k) for k in (0, 1)]
 
 
 @given(prompts=st.integers(1, 64), engines=st.integers(1, 8), n=st.integers(1, 8))
@@ -103,7 +96,9 @@ def test_seeds_do_not_depend_on_the_number_of_engines(prompts, engines, n):
         for s in engine_seeds(sampling, 4, *engine_slice(prompts, engines, e))
     ]
     assert split == engine_seeds(sampling, 4, 0, prompts)
-    assert split == [_documented_seed(3, 4, p * n) for p in range(prompts)]
+    assert split == [sequence_seed(3, 4, p * n) for p in range(prompts)]
+    # and vLLM's "+ j" makes them every sample's own, in prompt-major order
+    assert sample_seeds(split, n) == [sequence_seed(3, 4, k) for k in range(prompts * n)]
 
 
 def test_a_step_too_large_to_seed_is_refused():

@@ -46,7 +46,8 @@ def examples(k: int) -> list[dict]:
 def measure(engine, tok, questions, k: int, temperature: float, n: int) -> dict:
     from megarl.envs import ChatDeltas, ToolEnvironment, ToolPool
     from megarl.envs.runner import EnvRunner
-    from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+    from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
+    from megarl.hybrid_engine.rollout_split import SampleStart
     from megarl.hybrid_engine.rollout_types import SamplingConfig
     from megarl.rewards.arithmetic import compute_score
 

@@ -77,7 +77,8 @@ def rollout_comparison(args, model_dir: str) -> dict:
 
     from megarl.envs import ChatDeltas, ToolPool
     from megarl.envs.runner import EnvRunner
-    from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+    from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
+    from megarl.hybrid_engine.rollout_split import SampleStart
     from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
     from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 

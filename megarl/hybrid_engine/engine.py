@@ -17,7 +17,8 @@ while the current one loads) and hands it to the rollout engine in Hugging Face 
 rollout's dtype (``rollout.dtype``): in ``shard`` mode only the slices this rank's rollout TP rank
 loads, in ``full`` mode whole tensors (:mod:`megarl.hybrid_engine.reshard_mode`). Rollout prompts: each
 training DP rank passes its own prompts; they are spread over the ``world / infer_tp`` vLLM engines
-and every rank gets back the responses of its DP rank.
+and every rank gets back the responses of its DP rank (the slicing, seeding and merging are
+:mod:`megarl.hybrid_engine.rollout_split`, shared with the asynchronous rollout group).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
+from megarl.hybrid_engine.engine_group import engine_group, share_from_first
 from megarl.hybrid_engine.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -45,23 +47,29 @@ from megarl.hybrid_engine.execute import (
 )
 from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
-from megarl.hybrid_engine.multi_turn import (
-    TurnLimits,
-    merge_engine_trajectories,
-    rank_output,
-    run_trajectories,
-    sample_starts,
-)
+from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_schedule import schedule_reshard
+from megarl.hybrid_engine.rollout_split import (
+    engine_seeds,
+    merge_engine_trajectories,
+    merge_engines,
+    one_per_key,
+    prompt_share,
+    rank_bounds,
+    rank_engine_slice,
+    rank_output,
+    sample_starts,
+)
 from megarl.hybrid_engine.rollout_types import EngineConfig, RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import request_seeds
 from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -269,13 +277,10 @@ class HybridEngine:
         self.metrics: dict[str, float] = {}
         # multi-turn: environments run on the first rank of each rollout engine, their results
         # broadcast over the engine's ranks (a group per engine, made by every rank together)
-        self._engine_group = None
         self._engine_leader = self.rank - self.rank % layout.rollout_tp
-        if multi_turn and layout.rollout_tp > 1:
-            for ranks in layout.rollout_group_ranks():
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self._engine_group = group
+        self._engine_group = (
+            engine_group(layout.world_size, layout.rollout_tp, self.rank) if multi_turn else None
+        )
 
     @property
     def rollout_count(self) -> int:
@@ -335,27 +340,19 @@ class HybridEngine:
         """Put the rollout engine to sleep (its weights and KV cache leave the GPU)."""
         self.rollout.sleep()
 
-    # -- rollout -------------------------------------------------------------------------------
-    def _gather_dp(self, mine: list) -> tuple[list, int, int, int]:
-        """Every DP rank's items in DP order, this DP rank's [a, b) among them, and this rank's
-        engine index."""
-        world = dist.get_world_size()
-        gathered: list = [None] * world
+    # -- rollout (the split over engines and back: megarl.hybrid_engine.rollout_split) -------
+    def _gather_dp(self, mine: list[T]) -> tuple[list[T], int, int]:
+        """Every DP rank's items in DP order, and this DP rank's [a, b) among them."""
+        gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.dp_rank, mine))
-        per_dp: dict[int, list] = {}
-        for d, p in gathered:
-            per_dp.setdefault(d, p)
-        offsets: dict[int, int] = {}
-        everything: list = []
-        for d in sorted(per_dp):
-            offsets[d] = len(everything)
-            everything += per_dp[d]
-        a = offsets[self.dp_rank]
-        return everything, a, a + len(mine), self.rank // self.layout.rollout_tp
+        per_dp = one_per_key(gathered)
+        bounds = rank_bounds([len(items) for _, items in per_dp])
+        a, b = bounds[[d for d, _ in per_dp].index(self.dp_rank)]
+        return [x for _, items in per_dp for x in items], a, b
 
-    def _engine_slice(self, total: int, engine: int) -> tuple[int, int]:
-        engines = self.layout.rollout_dp
-        return engine * total // engines, (engine + 1) * total // engines
+    def _engine_slice(self, total: int) -> tuple[int, int, int]:
+        """This rank's engine and the [lo, hi) of the step's ``total`` prompts it generates."""
+        return rank_engine_slice(total, self.layout.world_size, self.layout.rollout_tp, self.rank)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Responses for this DP rank's prompts (identical on all ranks of a DP rank).
@@ -364,29 +361,15 @@ class HybridEngine:
         only on its global index and the rollout count (:mod:`megarl.hybrid_engine.seeds`), so
         samples do not depend on the layout and no two share a random stream.
         """
-        world = dist.get_world_size()
         mine = [list(map(int, p)) for p in prompts]
-        all_prompts, a, b, engine = self._gather_dp(mine)
-        lo, hi = self._engine_slice(len(all_prompts), engine)
-        seeds = request_seeds(sampling.seed, self._rollouts, lo * sampling.n, hi - lo, sampling.n)
+        all_prompts, a, b = self._gather_dp(mine)
+        engine, lo, hi = self._engine_slice(len(all_prompts))
+        seeds = engine_seeds(sampling, self._rollouts, lo, hi)
         self._rollouts += 1
         out = self.rollout.generate(all_prompts[lo:hi], sampling, seeds=seeds)
-        results: list = [None] * world
+        results: list = [None] * dist.get_world_size()
         dist.all_gather_object(results, (engine, lo, out))
-        merged = RolloutOutput()
-        seen = set()
-        for e, start, o in sorted(results, key=lambda x: x[0]):
-            if e not in seen:
-                seen.add(e)
-                merged.extend(o, index_offset=start)
-        keep = [k for k, i in enumerate(merged.prompt_index) if a <= i < b]
-        output = RolloutOutput(
-            prompt_index=[merged.prompt_index[k] - a for k in keep],
-            token_ids=[merged.token_ids[k] for k in keep],
-            logprobs=[merged.logprobs[k] for k in keep],
-            finish_reasons=[merged.finish_reasons[k] for k in keep],
-            routes=[merged.routes[k] for k in keep] if merged.routes else [],
-        )
+        _, output = prompt_share(merge_engines(results, RolloutOutput), a, b)
         return RolloutBatch(prompts=mine, output=output)
 
     # -- multi-turn ----------------------------------------------------------------------------
@@ -395,13 +378,9 @@ class HybridEngine:
         """Whether this rank executes environments (the first rank of its rollout engine)."""
         return self.rank == self._engine_leader
 
-    def _share(self, value):
+    def _share(self, value: T | None) -> T:
         """The engine leader's ``value`` on every rank of this rank's rollout engine."""
-        if self._engine_group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=self._engine_leader, group=self._engine_group)
-        return box[0]
+        return share_from_first(value, self._engine_group)
 
     def generate_trajectories(
         self,
@@ -418,10 +397,10 @@ class HybridEngine:
         engines, turn-level batched, the environments run by each engine's first rank
         (``runner``, needed there only). Raises EnvError (the first failure shown) when more than
         ``max_failed_share`` of the step's samples failed in their environment."""
-        world, n = dist.get_world_size(), sampling.n
+        n = sampling.n
         mine = [(dict(r), list(map(int, p))) for r, p in zip(rows, fallback_prompts, strict=True)]
-        everything, a, b, engine = self._gather_dp(mine)
-        lo, hi = self._engine_slice(len(everything), engine)
+        everything, a, b = self._gather_dp(mine)
+        engine, lo, hi = self._engine_slice(len(everything))
         rollout_index = self._rollouts
         self._rollouts += 1
         starts = sample_starts(everything, lo, hi, n)
@@ -437,7 +416,7 @@ class HybridEngine:
             share=self._share,
         )
         env_s = runner.take_seconds() if leader and runner is not None else 0.0
-        results: list = [None] * world
+        results: list = [None] * dist.get_world_size()
         dist.all_gather_object(results, (engine, trajectories, env_s) if leader else None)
         step, seconds = merge_engine_trajectories(results)
         check_env_failures(step, max_failed_share)

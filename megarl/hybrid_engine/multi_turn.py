@@ -8,8 +8,9 @@ token deltas of the chat template, appended to the trajectories for the next tur
 
 The first turn is the single-turn rollout's own request when it can be: when every prompt's
 samples start from the same ids, each prompt goes to the engine once with ``n`` samples and the
-single-turn seed (:func:`first_turn_seed`), so an environment that ends after one turn and adds
-nothing reproduces the run without an environment token for token.
+single-turn seed (:func:`~megarl.hybrid_engine.rollout_split.prompt_seed`), so an environment
+that ends after one turn and adds nothing reproduces the run without an environment token for
+token.
 
 Environments run on one rank of the engine (its *executing* rank, holding an
 :class:`~megarl.envs.runner.EnvRunner`); ``share`` hands that rank's results to the others, so a
@@ -27,6 +28,7 @@ from typing import Protocol, TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.rollout_split import SampleStart, prompt_seed
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
 
@@ -58,24 +60,10 @@ class TurnLimits:
     max_turn_tokens: int  # new tokens of one model turn
 
 
-@dataclass(frozen=True)
-class SampleStart:
-    sample: int  # index in the whole step
-    row: dict[str, object]  # the dataset row reset() reads
-    fallback_prompt: list[int]  # the row's own prompt ids (a failed reset's trajectory)
-
-
-def first_turn_seed(sampling: SamplingConfig, rollout_index: int, prompt: int) -> int:
-    """The seed of a step's first-turn request for global prompt ``prompt``: the single-turn
-    rollout's (megarl.hybrid_engine.engine's ``generate``); its sample ``j`` draws with this seed
-    + ``j``, as vLLM seeds the ``n`` samples of one request."""
-    n = max(1, sampling.n)
-    return sequence_seed(sampling.seed, rollout_index, prompt * n)
-
-
 def turn_seed(sampling: SamplingConfig, rollout_index: int, sample: int, turn: int) -> int:
     """The request seed of one model turn: distinct for every (rollout, sample, turn); turn 0
-    is the first-turn request's sample (:func:`first_turn_seed` + ``j``)."""
+    is the first-turn request's sample (:func:`~megarl.hybrid_engine.rollout_split.prompt_seed`
+    + ``j``)."""
     return sequence_seed(sampling.seed, rollout_index, sample, segment=turn)
 
 
@@ -113,7 +101,7 @@ def _generate_turn(
         out = engine.generate(
             [ts[g[0]].prompt_ids for g in groups],
             sampling,
-            seeds=[first_turn_seed(sampling, rollout_index, ts[g[0]].sample // n) for g in groups],
+            seeds=[prompt_seed(sampling, rollout_index, ts[g[0]].sample // n) for g in groups],
             max_new_tokens=[budgets[g[0]] for g in groups],
         )
         order = [k for g in groups for k in g]
@@ -212,46 +200,3 @@ def run_trajectories(
             else:
                 t.add_env_tokens(list(env_ids))
     return trajectories
-
-
-def rank_output(
-    step: Sequence[Trajectory], start: int, stop: int, n: int
-) -> tuple[list[Trajectory], RolloutOutput]:
-    """The trajectories of prompts ``[start, stop)`` (``n`` samples each, ``sample`` the global
-    index) and the engine output that carries them to a trainer rank, prompt indices counted
-    from ``start``: what both the colocated engine and the asynchronous rollout group hand out."""
-    ours = [t for t in step if start * n <= t.sample < stop * n]
-    output = RolloutOutput(
-        prompt_index=[t.sample // n - start for t in ours],
-        token_ids=[t.response_ids for t in ours],
-        logprobs=[t.logprobs for t in ours],
-        finish_reasons=[t.finish or "stop" for t in ours],
-        response_masks=[t.mask for t in ours],
-    )
-    return ours, output
-
-
-def sample_starts(
-    rows: Sequence[tuple[dict, list[int]]], lo: int, hi: int, n: int
-) -> list[SampleStart]:
-    """The samples of prompts ``[lo, hi)`` of a step's ``rows`` ((dataset row, fallback prompt
-    ids) of every data-parallel rank in order), ``n`` each, numbered by their global index."""
-    return [
-        SampleStart(sample=g * n + j, row=rows[g][0], fallback_prompt=rows[g][1])
-        for g in range(lo, hi)
-        for j in range(n)
-    ]
-
-
-def merge_engine_trajectories(
-    gathered: Sequence[tuple[int, list[Trajectory], float] | None],
-) -> tuple[list[Trajectory], float]:
-    """Every engine's (engine index, trajectories, environment seconds), gathered from all ranks
-    (None from ranks that ran no environment), as one step in engine order and the slowest
-    engine's environment seconds."""
-    step: list[Trajectory] = []
-    seconds = 0.0
-    for _, trajectories, sec in sorted((r for r in gathered if r is not None), key=lambda r: r[0]):
-        step += trajectories
-        seconds = max(seconds, sec)
-    return step, seconds

@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from megarl.hybrid_engine.rollout_split import engine_seeds
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import request_seeds, sequence_seed
+from megarl.hybrid_engine.seeds import sequence_seed
 
 
 class Generator(Protocol):
@@ -65,7 +66,7 @@ def generate_versioned(
     ``between(active)`` after each round but the last (``active``: whether this engine still has
     unfinished responses) for the version of the next round."""
     n = max(1, sampling.n)
-    seeds = request_seeds(sampling.seed, rollout, first_prompt * n, len(prompts), n)
+    seeds = engine_seeds(sampling, rollout, first_prompt, first_prompt + len(prompts))
     if chunk is None or chunk >= sampling.max_new_tokens:
         out = engine.generate(prompts, sampling, seeds=seeds)
         return VersionedOutput(out, [[version] * len(t) for t in out.token_ids])

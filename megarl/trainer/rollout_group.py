@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,13 +58,9 @@ from megarl.envs.trajectory import check_env_failures, trajectory_metrics
 from megarl.hybrid_engine.async_links import Links, make_links, weight_schedule
 from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
+from megarl.hybrid_engine.engine_group import engine_group, share_from_first
 from megarl.hybrid_engine.execute import hf_shapes_of
-from megarl.hybrid_engine.multi_turn import (
-    TurnLimits,
-    merge_engine_trajectories,
-    run_trajectories,
-    sample_starts,
-)
+from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
 from megarl.hybrid_engine.rollout_messages import (
     TRAIN,
     VALIDATION,
@@ -75,8 +71,14 @@ from megarl.hybrid_engine.rollout_messages import (
     Start,
     Stop,
 )
+from megarl.hybrid_engine.rollout_split import (
+    merge_engine_trajectories,
+    merge_engines,
+    rank_engine_slice,
+    sample_starts,
+)
 from megarl.hybrid_engine.rollout_types import SamplingConfig
-from megarl.hybrid_engine.versioned import generate_versioned
+from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
 from megarl.hybrid_engine.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
 from megarl.launch import init_split
 from megarl.models.dims import ModelDims
@@ -93,8 +95,6 @@ from megarl.trainer.assembly import (
 from megarl.trainer.rollout import dataset_row
 from megarl.trainer.rollout_group_parts import (
     Prompts,
-    engine_slice,
-    merge_engines,
     split_by_rank,
     split_trajectories,
     validation_due,
@@ -104,6 +104,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
+T = TypeVar("T")
 
 
 class Stopped(Exception):
@@ -270,6 +271,26 @@ class RolloutGroup:
     def _add_time(self, key: str, seconds: float) -> None:
         self._times[key] = self._times.get(key, 0.0) + seconds
 
+    # -- the split over engines and back (megarl.hybrid_engine.rollout_split) --------------------
+    def _from_leader(self, value: T) -> T:
+        """The leader's ``value`` on every rollout rank."""
+        box = [value]
+        if self.size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, value: T) -> list[T]:
+        """Every rollout rank's ``value``, in rank order."""
+        if self.size == 1:
+            return [value]
+        results: list = [None] * self.size
+        dist.all_gather_object(results, value)
+        return results
+
+    def _engine_slice(self, total: int) -> tuple[int, int, int]:
+        """This rank's engine and the [lo, hi) of the step's ``total`` prompts it generates."""
+        return rank_engine_slice(total, self.size, self.engine.infer_tp, self.rank)
+
     # -- generation ----------------------------------------------------------------------------
     def _generate(
         self,
@@ -282,37 +303,23 @@ class RolloutGroup:
         if self.turns is not None:
             return self._trajectories(items, sampling)
         flat = [[int(t) for t in it.input_ids] for rank in items for it in rank] if items else []
-        box = [flat]
-        if self.size > 1:
-            dist.broadcast_object_list(box, src=0)
-        prompts = box[0]
-        itp = self.engine.infer_tp
-        engines, engine = self.size // itp, self.rank // itp
-        lo, hi = engine_slice(len(prompts), engines, engine)
+        prompts = self._from_leader(flat)
+        engine, lo, hi = self._engine_slice(len(prompts))
         rollout = self.rollouts
         self.rollouts += 1
         chunk = self.cfg.rollout.partial_chunk_tokens if between is not None else None
         out = generate_versioned(
             self.engine, prompts[lo:hi], sampling, rollout, lo, self.loaded, chunk, between
         )
-        results: list = [None] * self.size
-        if self.size > 1:
-            dist.all_gather_object(results, (engine, lo, out))
-        else:
-            results = [(engine, lo, out)]
+        results = self._gather((engine, lo, out))
         if not self.leader:
             return None
         assert items is not None
-        return split_by_rank(merge_engines(results), items)
+        return split_by_rank(merge_engines(results, VersionedOutput), items)
 
-    def _share(self, value):
+    def _share(self, value: T | None) -> T:
         """The engine's first rank's ``value`` on every rank of this rank's engine."""
-        if self.engine_group is None:
-            return value
-        box = [value]
-        leader = dist.get_global_rank(self.engine_group, 0)
-        dist.broadcast_object_list(box, src=leader, group=self.engine_group)
-        return box[0]
+        return share_from_first(value, self.engine_group)
 
     def _trajectories(
         self, items: list[list[PromptItem]] | None, sampling: SamplingConfig
@@ -326,17 +333,12 @@ class RolloutGroup:
             if items
             else []
         )
-        box = [rows]
-        if self.size > 1:
-            dist.broadcast_object_list(box, src=0)
-        everything, n = box[0], sampling.n
-        itp = self.engine.infer_tp
-        engines, engine = self.size // itp, self.rank // itp
-        lo, hi = engine_slice(len(everything), engines, engine)
+        everything, n = self._from_leader(rows), sampling.n
+        engine, lo, hi = self._engine_slice(len(everything))
         rollout_index = self.rollouts
         self.rollouts += 1
         starts = sample_starts(everything, lo, hi, n)
-        runner = self.env_runner if self.rank % itp == 0 else None
+        runner = self.env_runner if self.rank % self.engine.infer_tp == 0 else None
         trajectories = run_trajectories(
             self.engine,
             starts,
@@ -348,11 +350,7 @@ class RolloutGroup:
             share=self._share,
         )
         mine = (engine, trajectories, runner.take_seconds()) if runner is not None else None
-        results: list = [None] * self.size
-        if self.size > 1:
-            dist.all_gather_object(results, mine)
-        else:
-            results = [mine]
+        results = self._gather(mine)
         if not self.leader:
             return None
         assert items is not None
@@ -364,12 +362,10 @@ class RolloutGroup:
     def validate(self) -> None:
         """Validation of the loaded version: every batch of every rank, sent as one message."""
         batches = self.prompts.validation() if self.leader and self.prompts else None
-        count = [len(batches) if batches is not None else 0]
-        if self.size > 1:
-            dist.broadcast_object_list(count, src=0)
+        count = self._from_leader(len(batches) if batches is not None else 0)
         ranks = len(self.prompts.train) if self.prompts is not None else 0
         per_rank: list[list[Part]] = [[] for _ in range(ranks)]
-        for b in range(count[0]):
+        for b in range(count):
             parts = self._generate(batches[b] if batches else None, self.val_sampling, None)
             for d, part in enumerate(parts or []):
                 per_rank[d].append(part)
@@ -525,11 +521,7 @@ def multi_turn(group: RolloutGroup, tokenizer: PreTrainedTokenizerBase) -> None:
     group.pad_id = pad_token_id(tokenizer) or 0
     if group.rank % itp == 0:
         group.env_runner = build_env_runner(cfg, tokenizer)
-    if itp > 1:
-        for first in range(0, group.size, itp):
-            made = dist.new_group(list(range(first, first + itp)))  # this role's own world
-            if first <= group.rank < first + itp:
-                group.engine_group = made
+    group.engine_group = engine_group(group.size, itp, group.rank)  # this role's own world
 
 
 __all__ = ["RolloutGroup", "serve_rollouts", "validation_due"]

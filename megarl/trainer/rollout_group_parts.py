@@ -1,6 +1,7 @@
 """The pure pieces of the asynchronous rollout group (:mod:`megarl.trainer.rollout_group`): when
-a weight version is validated, which prompts each engine generates, the engines' outputs merged
-and cut back into every trainer data-parallel rank's part, and the leader's prompts."""
+a weight version is validated, the merged rollout cut back into every trainer data-parallel rank's
+part (the split over engines and back is the colocated engine's:
+:mod:`megarl.hybrid_engine.rollout_split`), and the leader's prompts."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from megarl.config import RunConfig
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.multi_turn import rank_output
 from megarl.hybrid_engine.rollout_messages import Part
-from megarl.hybrid_engine.rollout_types import RolloutOutput
+from megarl.hybrid_engine.rollout_split import prompt_share, rank_bounds, rank_output
 from megarl.hybrid_engine.versioned import VersionedOutput
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
@@ -30,45 +30,13 @@ def validation_due(cfg: RunConfig, version: int, first: int) -> bool:
     return bool(t.test_freq) and version > first and version % t.test_freq == 0
 
 
-def engine_slice(prompts: int, engines: int, engine: int) -> tuple[int, int]:
-    """``[lo, hi)`` of the step's prompts that engine ``engine`` of ``engines`` generates."""
-    return engine * prompts // engines, (engine + 1) * prompts // engines
-
-
-def merge_engines(
-    results: Sequence[tuple[int, int, VersionedOutput]],
-) -> VersionedOutput:
-    """The engines' outputs (``(engine, lo, output)`` from every rank; an engine's TP ranks send
-    the same) as one, prompt indices global."""
-    merged, seen = VersionedOutput(), set()
-    for engine, lo, out in sorted(results, key=lambda r: r[0]):
-        if engine not in seen:
-            seen.add(engine)
-            merged.extend(out, index_offset=lo)
-    return merged
-
-
 def split_by_rank(merged: VersionedOutput, items: Sequence[Sequence[PromptItem]]) -> list[Part]:
     """The merged responses back to each trainer data-parallel rank (its prompts ``items[d]``,
     consecutive in the global prompt order)."""
-    parts, start = [], 0
-    out = merged.output
-    for mine in items:
-        stop = start + len(mine)
-        keep = [k for k, i in enumerate(out.prompt_index) if start <= i < stop]
-        parts.append(
-            Part(
-                list(mine),
-                RolloutOutput(
-                    prompt_index=[out.prompt_index[k] - start for k in keep],
-                    token_ids=[out.token_ids[k] for k in keep],
-                    logprobs=[out.logprobs[k] for k in keep],
-                    finish_reasons=[out.finish_reasons[k] for k in keep],
-                ),
-                [merged.versions[k] for k in keep],
-            )
-        )
-        start = stop
+    parts = []
+    for mine, (start, stop) in zip(items, rank_bounds([len(m) for m in items]), strict=True):
+        keep, output = prompt_share(merged.output, start, stop)
+        parts.append(Part(list(mine), output, [merged.versions[k] for k in keep]))
     return parts
 
 
@@ -78,14 +46,12 @@ def split_trajectories(
     """A batch's trajectories (``sample``: the global index, ``n`` per prompt) back to each
     trainer data-parallel rank, as the colocated engine hands them out; every token of
     ``version``."""
-    parts, start = [], 0
-    for mine in items:
-        stop = start + len(mine)
+    parts = []
+    for mine, (start, stop) in zip(items, rank_bounds([len(m) for m in items]), strict=True):
         ours, output = rank_output(step, start, stop, n)
         parts.append(
             Part(list(mine), output, [[version] * len(t.response_ids) for t in ours], ours)
         )
-        start = stop
     return parts
 
 

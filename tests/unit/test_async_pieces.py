@@ -15,6 +15,7 @@ from megarl.config import load_config
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.rollout_messages import TRAIN, Draws, Generated, Part
+from megarl.hybrid_engine.rollout_split import engine_slice, merge_engines
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
 from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
@@ -23,8 +24,6 @@ from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import staleness_metrics
 from megarl.trainer.rollout_group import RolloutGroup, Stopped
 from megarl.trainer.rollout_group_parts import (
-    engine_slice,
-    merge_engines,
     split_by_rank,
     split_trajectories,
     validation_due,
@@ -144,7 +143,7 @@ def test_a_batch_is_split_over_engines_and_back_by_trainer_rank():
             [[engine]] * (hi - lo),
         )
         outs += [(engine, lo, part), (engine, lo, part)]  # each engine's 2 TP ranks send it
-    merged = merge_engines(list(reversed(outs)))
+    merged = merge_engines(list(reversed(outs)), VersionedOutput)
     assert merged.output.prompt_index == [0, 1, 2, 3, 4]
     items = [[_item(0), _item(1)], [_item(2), _item(3), _item(4)]]
     parts = split_by_rank(merged, items)

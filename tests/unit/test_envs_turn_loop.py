@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from megarl.envs import ChatDeltas, EnvError, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner, env_seed
 from megarl.envs.trajectory import check_env_failures, trajectory_metrics
-from megarl.hybrid_engine.multi_turn import SampleStart, TurnLimits, run_trajectories
+from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
+from megarl.hybrid_engine.rollout_split import SampleStart
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
 from tests.assets import qwen25_tokenizer_dir

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from megarl.hybrid_engine import engine as engine_module
 from megarl.hybrid_engine.engine import HybridEngine
-from megarl.hybrid_engine.multi_turn import first_turn_seed, turn_seed
+from megarl.hybrid_engine.multi_turn import turn_seed
+from megarl.hybrid_engine.rollout_split import engine_slice, prompt_seed
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import (
     LOW_BITS,
@@ -29,7 +30,6 @@ from megarl.hybrid_engine.seeds import (
 )
 from megarl.hybrid_engine.versioned import generate_versioned
 from megarl.parallel import ParallelLayout
-from megarl.trainer.rollout_group_parts import engine_slice
 
 RUN_SEED, PROMPTS, N = 1, 32, 8  # the quickstart's seed; a step of 32 prompts x 8 samples
 
@@ -80,7 +80,7 @@ def test_the_first_turn_of_a_multi_turn_sample_is_the_single_turn_sample():
     step = _step(rollout=3, engines=2)
     for prompt, j in itertools.product(range(PROMPTS), range(N)):
         sample = prompt * N + j
-        assert first_turn_seed(sampling, 3, prompt) + j == step[sample]
+        assert prompt_seed(sampling, 3, prompt) + j == step[sample]
         assert turn_seed(sampling, 3, sample, 0) == step[sample]
 
 

@@ -1,0 +1,182 @@
+"""How one rollout is split over the rollout engines and put back together, written once for the
+colocated engine (:mod:`megarl.hybrid_engine.engine`) and the asynchronous rollout group
+(:mod:`megarl.trainer.rollout_group`).
+
+A rollout's prompts are those of every trainer data-parallel rank, in rank order: rank ``d``'s
+prompts are ``[start_d, stop_d)`` of them (:func:`rank_bounds`). Engine ``e`` of ``E`` generates
+the contiguous slice :func:`engine_slice`; every request carries the seed of its prompt's first
+sample (:func:`prompt_seed`, :func:`engine_seeds`), so a sample's stream depends on its global
+index and the rollout count only, never on how many engines there are. The engines' outputs come
+back from every rank (an engine's tensor-parallel ranks send the same), are put in prompt order
+(:func:`merge_engines`, :func:`merge_engine_trajectories`), and each rank takes its share
+(:func:`prompt_share`, :func:`rank_output`).
+
+Pure: no collective runs here; the callers gather and broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, Self, TypeVar
+
+from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.seeds import request_seeds, sequence_seed
+
+
+class Mergeable(Protocol):
+    """An engine's output that takes another's after it, prompt indices shifted
+    (:class:`RolloutOutput`, :class:`~megarl.hybrid_engine.versioned.VersionedOutput`)."""
+
+    def extend(self, other: Self, index_offset: int = 0) -> None: ...
+
+
+M = TypeVar("M", bound=Mergeable)
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class SampleStart:
+    """One multi-turn sample before its first turn."""
+
+    sample: int  # index in the whole step
+    row: dict[str, object]  # the dataset row reset() reads
+    fallback_prompt: list[int]  # the row's own prompt ids (a failed reset's trajectory)
+
+
+# -- slicing -------------------------------------------------------------------------------------
+def engine_slice(prompts: int, engines: int, engine: int) -> tuple[int, int]:
+    """``[lo, hi)`` of the step's ``prompts`` that engine ``engine`` of ``engines`` generates
+    (contiguous; the slices' sizes differ by one at most)."""
+    return engine * prompts // engines, (engine + 1) * prompts // engines
+
+
+def rank_engine_slice(prompts: int, ranks: int, infer_tp: int, rank: int) -> tuple[int, int, int]:
+    """Rank ``rank``'s engine (each engine owns ``infer_tp`` consecutive ranks of ``ranks``) and
+    the ``[lo, hi)`` of the step's ``prompts`` that engine generates."""
+    engine = rank // infer_tp
+    lo, hi = engine_slice(prompts, ranks // infer_tp, engine)
+    return engine, lo, hi
+
+
+def rank_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each rank's prompts in the step's order, rank ``d`` holding
+    ``counts[d]`` of them, consecutive."""
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
+def sample_starts(
+    rows: Sequence[tuple[dict, list[int]]], lo: int, hi: int, n: int
+) -> list[SampleStart]:
+    """The samples of prompts ``[lo, hi)`` of a step's ``rows`` ((dataset row, fallback prompt
+    ids) of every data-parallel rank in order), ``n`` each, numbered by their global index."""
+    return [
+        SampleStart(sample=g * n + j, row=rows[g][0], fallback_prompt=rows[g][1])
+        for g in range(lo, hi)
+        for j in range(n)
+    ]
+
+
+# -- seeding -------------------------------------------------------------------------------------
+def prompt_seed(sampling: SamplingConfig, rollout: int, prompt: int) -> int:
+    """The request seed of global prompt ``prompt`` in rollout ``rollout``: its first sample's
+    stream (:mod:`megarl.hybrid_engine.seeds`); the engine seeds its sample ``j`` with this
+    ``+ j``. A multi-turn first turn that asks for all ``n`` samples at once uses it too."""
+    return sequence_seed(sampling.seed, rollout, prompt * max(1, sampling.n))
+
+
+def engine_seeds(sampling: SamplingConfig, rollout: int, lo: int, hi: int) -> list[int]:
+    """The request seeds of prompts ``[lo, hi)`` (:func:`prompt_seed` of each), checked at once
+    against the samples a rollout can seed."""
+    n = max(1, sampling.n)
+    return request_seeds(sampling.seed, rollout, lo * n, hi - lo, n)
+
+
+# -- merging -------------------------------------------------------------------------------------
+def one_per_key(gathered: Sequence[tuple[int, R] | None]) -> list[tuple[int, R]]:
+    """One ``(key, value)`` per key (an engine, a data-parallel rank), in key order, of what every
+    rank sent (None from a rank with nothing to send; the ranks of one key send the same value:
+    the first rank's is kept)."""
+    first: dict[int, R] = {}
+    for sent in gathered:
+        if sent is not None:
+            first.setdefault(sent[0], sent[1])
+    return sorted(first.items(), key=lambda item: item[0])
+
+
+def merge_engines(gathered: Sequence[tuple[int, int, M]], empty: Callable[[], M]) -> M:
+    """The engines' outputs (``(engine, lo, output)`` from every rank, ``lo`` the engine's first
+    prompt) as one output of ``empty()``'s type, in prompt order, prompt indices global."""
+    merged = empty()
+    for _, (lo, out) in one_per_key([(e, (lo, out)) for e, lo, out in gathered]):
+        merged.extend(out, index_offset=lo)
+    return merged
+
+
+def merge_engine_trajectories(
+    gathered: Sequence[tuple[int, list[Trajectory], float] | None],
+) -> tuple[list[Trajectory], float]:
+    """Every engine's (engine index, trajectories, environment seconds), gathered from all ranks
+    (None from ranks that ran no environment), as one step in engine order and the slowest
+    engine's environment seconds."""
+    step: list[Trajectory] = []
+    seconds = 0.0
+    for _, (trajectories, sec) in one_per_key(
+        [(r[0], r[1:]) if r is not None else None for r in gathered]
+    ):
+        step += trajectories
+        seconds = max(seconds, sec)
+    return step, seconds
+
+
+# -- a rank's share ------------------------------------------------------------------------------
+def prompt_share(out: RolloutOutput, start: int, stop: int) -> tuple[list[int], RolloutOutput]:
+    """The responses of prompts ``[start, stop)`` of a merged ``out``: their positions in it and
+    the output holding them, prompt indices counted from ``start``."""
+    keep = [k for k, i in enumerate(out.prompt_index) if start <= i < stop]
+    return keep, RolloutOutput(
+        prompt_index=[out.prompt_index[k] - start for k in keep],
+        token_ids=[out.token_ids[k] for k in keep],
+        logprobs=[out.logprobs[k] for k in keep],
+        finish_reasons=[out.finish_reasons[k] for k in keep],
+        response_masks=[out.response_masks[k] for k in keep] if out.response_masks else [],
+        routes=[out.routes[k] for k in keep] if out.routes else [],
+    )
+
+
+def rank_output(
+    step: Sequence[Trajectory], start: int, stop: int, n: int
+) -> tuple[list[Trajectory], RolloutOutput]:
+    """The trajectories of prompts ``[start, stop)`` (``n`` samples each, ``sample`` the global
+    index) and the engine output that carries them to a trainer rank, prompt indices counted
+    from ``start``."""
+    ours = [t for t in step if start * n <= t.sample < stop * n]
+    output = RolloutOutput(
+        prompt_index=[t.sample // n - start for t in ours],
+        token_ids=[t.response_ids for t in ours],
+        logprobs=[t.logprobs for t in ours],
+        finish_reasons=[t.finish or "stop" for t in ours],
+        response_masks=[t.mask for t in ours],
+    )
+    return ours, output
+
+
+__all__ = [
+    "SampleStart",
+    "engine_seeds",
+    "engine_slice",
+    "merge_engine_trajectories",
+    "merge_engines",
+    "one_per_key",
+    "prompt_seed",
+    "prompt_share",
+    "rank_bounds",
+    "rank_engine_slice",
+    "rank_output",
+    "sample_starts",
+]

@@ -1,0 +1,198 @@
+"""The rollout's split over engines and back (megarl.hybrid_engine.rollout_split), shared by the
+colocated engine and the asynchronous rollout group: the engines' slices cover the step once,
+every request carries its prompt's first-sample seed (as the seeds module documents, and as
+the engine computed it before this module existed), and slicing, generating, merging
+and taking each rank's share back leaves every response in its prompt's place."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.rollout_split import (
+    SampleStart,
+    engine_seeds,
+    engine_slice,
+    merge_engine_trajectories,
+    merge_engines,
+    one_per_key,
+    prompt_seed,
+    prompt_share,
+    rank_bounds,
+    rank_engine_slice,
+    rank_output,
+    sample_starts,
+)
+from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
+from megarl.hybrid_engine.versioned import VersionedOutput
+
+pytestmark = pytest.mark.unit
+
+
+# -- slicing -------------------------------------------------------------------------------------
+@given(prompts=st.integers(0, 200), engines=st.integers(1, 16))
+def test_engine_slices_cover_the_step_once_in_order_and_evenly(prompts, engines):
+    slices = [engine_slice(prompts, engines, e) for e in range(engines)]
+    assert slices[0][0] == 0 and slices[-1][1] == prompts
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(slices))  # contiguous, in order
+    sizes = [hi - lo for lo, hi in slices]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
+
+
+def test_an_engines_tensor_parallel_ranks_share_its_slice():
+    # 8 ranks, engines of 2 consecutive ranks: 4 engines over 10 prompts
+    got = [rank_engine_slice(10, 8, 2, r) for r in range(8)]
+    slices = [(0, 0, 2), (1, 2, 5), (2, 5, 7), (3, 7, 10)]
+    assert got == [s for s in slices for _ in range(2)]
+
+
+def test_rank_bounds_are_consecutive():
+    assert rank_bounds([2, 3, 0, 1]) == [(0, 2), (2, 5), (5, 5), (5, 6)]
+    assert rank_bounds([]) == []
+
+
+def test_sample_starts_number_samples_by_their_global_index():
+    rows = [({"id": g}, [g, g]) for g in range(4)]
+    starts = sample_starts(rows, 1, 3, 2)
+    assert starts == [
+        SampleStart(2, {"id": 1}, [1, 1]),
+        SampleStart(3, {"id": 1}, [1, 1]),
+        SampleStart(4, {"id": 2}, [2, 2]),
+        SampleStart(5, {"id": 2}, [2, 2]),
+    ]
+
+
+# -- seeding -------------------------------------------------------------------------------------
+def test_request_seeds_are_the_seeds_of_each_prompts_first_sample():
+    """What the seeds module documents (request ``i`` carries the seed of its first sample,
+    ``i * n``), and what the colocated engine and the multi-turn first turn computed before this
+    module (their expressions, written out here)."""
+    sampling = SamplingConfig(n=8, seed=1)
+    seeds = engine_seeds(sampling, 3, 5, 8)
+    assert seeds == [sequence_seed(1, 3, p * 8) for p in (5, 6, 7)]
+    assert seeds == [prompt_seed(sampling, 3, p) for p in (5, 6, 7)]
+    # HybridEngine.generate: request_seeds(sampling.seed, rollouts, lo * sampling.n, hi - lo, n)
+    assert seeds == request_seeds(1, 3, 5 * 8, 8 - 5, 8)
+    # multi_turn.first_turn_seed(sampling, rollout, prompt): sequence_seed(seed, rollout, p * n)
+    assert prompt_seed(SamplingConfig(n=4, seed=7), 2, 11) == sequence_seed(7, 2, 44)
+    # one sample per prompt: consecutive prompts, consecutive samples' seeds
+    one = SamplingConfig(n=1, seed=2**40 + 5)
+    assert engine_seeds(one, 0, 0, 2) == [sequence_seed(2**40 + 5, 0, k) for k in (0, 1)]
+
+
+@given(prompts=st.integers(1, 64), engines=st.integers(1, 8), n=st.integers(1, 8))
+def test_seeds_do_not_depend_on_the_number_of_engines(prompts, engines, n):
+    sampling = SamplingConfig(n=n, seed=3)
+    split = [
+        s
+        for e in range(engines)
+        for s in engine_seeds(sampling, 4, *engine_slice(prompts, engines, e))
+    ]
+    assert split == engine_seeds(sampling, 4, 0, prompts)
+    assert split == [sequence_seed(3, 4, p * n) for p in range(prompts)]
+    # and vLLM's "+ j" makes them every sample's own, in prompt-major order
+    assert sample_seeds(split, n) == [sequence_seed(3, 4, k) for k in range(prompts * n)]
+
+
+def test_a_step_too_large_to_seed_is_refused():
+    with pytest.raises(ValueError, match="samples per rollout"):
+        engine_seeds(SamplingConfig(n=8, seed=0), 0, 2**21 - 1, 2**21 + 1)
+
+
+# -- merging and taking back ---------------------------------------------------------------------
+def _engine_output(lo: int, hi: int, n: int, engine: int) -> VersionedOutput:
+    """What an engine returns for prompts [lo, hi): sample j of its prompt i at i * n + j, local
+    indices, tokens naming the global prompt and sample."""
+    out = RolloutOutput()
+    for i, j in itertools.product(range(hi - lo), range(n)):
+        out.prompt_index.append(i)
+        out.token_ids.append([lo + i, j])
+        out.logprobs.append([-0.5, -1.0])
+        out.finish_reasons.append("stop")
+    return VersionedOutput(out, [[engine, engine]] * len(out.token_ids))
+
+
+@pytest.mark.parametrize(
+    ("counts", "ranks", "infer_tp", "n"),
+    [([3, 2], 4, 2, 2), ([1, 1, 1, 1], 4, 1, 3), ([5, 0, 4], 6, 3, 1), ([2, 2], 2, 2, 4)],
+)
+def test_slicing_then_merging_then_sharing_keeps_every_response_in_its_place(
+    counts, ranks, infer_tp, n
+):
+    total = sum(counts)
+    engines = ranks // infer_tp
+    owner = {p: e for e in range(engines) for p in range(*engine_slice(total, engines, e))}
+    sent = []
+    for rank in range(ranks):
+        engine, lo, hi = rank_engine_slice(total, ranks, infer_tp, rank)
+        sent.append((engine, lo, _engine_output(lo, hi, n, engine)))
+    random.Random(0).shuffle(sent)  # gathered in any order
+    merged = merge_engines(sent, VersionedOutput)
+    expected = [[p, j] for p in range(total) for j in range(n)]
+    assert merged.output.token_ids == expected
+    assert merged.output.prompt_index == [p for p in range(total) for _ in range(n)]
+    shares = []
+    for start, stop in rank_bounds(counts):
+        keep, share = prompt_share(merged.output, start, stop)
+        assert share.prompt_index == [p - start for p in range(start, stop) for _ in range(n)]
+        # the positions pick the rows' other fields (here each token's version: its engine)
+        assert [merged.versions[k] for k in keep] == [
+            [owner[p]] * 2 for p in range(start, stop) for _ in range(n)
+        ]
+        shares += share.token_ids
+    assert shares == expected  # every rank's share, in rank order, is the whole step again
+
+
+def test_the_first_ranks_value_of_each_key_is_kept_in_key_order():
+    gathered = [(2, "c0"), None, (0, "a0"), (2, "c1"), (1, "b0"), (0, "a1")]
+    assert one_per_key(gathered) == [(0, "a0"), (1, "b0"), (2, "c0")]
+
+
+def test_prompt_share_carries_masks_and_routes_where_recorded():
+    routes = [torch.full((2, 1, 1), k, dtype=torch.int16) for k in range(3)]
+    out = RolloutOutput(
+        prompt_index=[0, 1, 1],
+        token_ids=[[0], [1], [2]],
+        logprobs=[[0.0], [0.1], [0.2]],
+        finish_reasons=["stop", "length", "stop"],
+        response_masks=[[1], [1], [0]],
+        routes=routes,
+    )
+    keep, share = prompt_share(out, 1, 2)
+    assert keep == [1, 2]
+    assert share.prompt_index == [0, 0] and share.finish_reasons == ["length", "stop"]
+    assert share.response_masks == [[1], [0]] and share.logprobs == [[0.1], [0.2]]
+    assert [int(r[0, 0, 0]) for r in share.routes] == [1, 2]
+    _, plain = prompt_share(RolloutOutput([0], [[5]], [[0.0]], ["stop"]), 0, 1)
+    assert plain.routes == [] and plain.response_masks == []
+
+
+def _trajectory(sample: int) -> Trajectory:
+    t = Trajectory(sample=sample, prompt_ids=[sample])
+    t.add_model_turn([sample, sample], [-0.1, -0.2])
+    t.end("stop")
+    return t
+
+
+def test_engine_trajectories_merge_in_engine_order_and_each_rank_takes_its_own():
+    n = 2
+    gathered = [
+        (1, [_trajectory(4), _trajectory(5)], 0.5),
+        None,  # a rank that ran no environment
+        (0, [_trajectory(s) for s in range(4)], 2.0),
+        None,
+    ]
+    step, seconds = merge_engine_trajectories(gathered)
+    assert [t.sample for t in step] == list(range(6)) and seconds == 2.0
+    ours, output = rank_output(step, 1, 3, n)  # prompts 1 and 2: samples 2..5
+    assert [t.sample for t in ours] == [2, 3, 4, 5]
+    assert output.prompt_index == [0, 0, 1, 1]
+    assert output.token_ids == [[s, s] for s in range(2, 6)]
+    assert output.response_masks == [[1, 1]] * 4 and output.finish_reasons == ["stop"] * 4

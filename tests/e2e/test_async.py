@@ -136,7 +136,7 @@ MULTI_TURN_FILTERED = (
     "rollout.max_turn_tokens=12",
     "rollout.max_response_length=72",
     "algorithm.filter_groups=true",
-    "algorithm.filter_groups_max_batches=4",
+    "algorithm.filter_groups_max_batches=3",
     "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=4",
     "parallel.infer_tp=2",
@@ -173,9 +173,7 @@ def test_staleness_zero_equals_the_colocated_run(work):
             assert close(b[key], a[key]), (step, key, a[key], b[key])
         for key in DRAW_COUNTS:
             assert b[f"dynamic_sampling/{key}"] == a[f"dynamic_sampling/{key}"], (step, key)
-        draws = {k: v for k, v in b.items() if k.startswith("dynamic_sampling/")}
-        assert b["dynamic_sampling/filled"] == 1.0, (step, draws)
-        assert b["dynamic_sampling/groups_trained"] == 4, (step, draws)
+        assert b["dynamic_sampling/filled"] == 1.0 and b["dynamic_sampling/groups_trained"] == 4
         assert b["rollout/staleness_max"] == 0.0
         # the trainers' logprobs of the sampled tokens are vLLM's: the weights it sampled with
         assert b["rollout/logprob_diff_max"] < 1e-4

@@ -886,10 +886,9 @@ def test_dapo_dynamic_sampling_with_a_critic_tp1_pp2_dp2_matches_one_process(wor
     filled its half of the step from its half of each draw and the step trained the smallest
     count over ranks, so the trained groups depended on the DP size.
 
-    A prompt is drawn again in a later draw of a step (the file repeats prompts). Before the
-    seeds' low 32 bits differed between rollouts (a CPU generator keeps only those), its samples
-    there came out the same as before; they are drawn from other streams now, but the tiny model's
-    short responses can still coincide, so samples are matched with their repeats."""
+    A prompt is drawn again in a later draw of a step (the file repeats prompts), and there its
+    samples came out the same as before (the seeds of two rollouts' sample i differ only above
+    bit 32, and CPU sampling showed no difference): samples are matched with their repeats."""
     import pyarrow.parquet as pq
 
     rows = pq.read_table(workdir / "data" / "train.parquet").take(rows_read_alike(draws=6))

@@ -9,21 +9,12 @@ A seed names a sequence by where it sits in the run, not by which rank or engine
 - ``segment``: the part of the sample being generated: its model turn (multi-turn), or its round
   (a partial rollout's continuation after a weight update); 0 for the first.
 
-Packed into one 63-bit integer: ``(rollout, segment)``, shifted by an offset derived from the
-run's seed, in the high :data:`HIGH_BITS` bits, and in the low :data:`LOW_BITS` bits ``sequence``
-plus an offset hashed from those high bits. Distinct (rollout, segment, sequence) within a run
-always give distinct seeds, whatever the layout (TP, DP, engines, an asynchronous rollout group)
-or a restart. vLLM seeds sample ``j`` of a request seeded ``s`` with ``s + j``
-(``v1/engine/parallel_sampling.py``): a request for prompt ``i`` carries the seed of its first
-sample, ``i * n``, so its samples take ``i * n + j``, their own (the low offset leaves room for
-every sequence, so ``+ j`` never carries into the high bits).
-
-Why the hashed low offset: a CPU generator (torch's Mersenne Twister, which vLLM's and the HF
-engine's sampling use on CPU) keeps only the low 32 bits of a seed; CUDA's Philox keeps all 64.
-With ``sequence`` alone in the low bits, every rollout of a CPU run drew the same streams by
-sample position (a dynamic-sampling redraw of a prompt in the same place sampled the same
-responses). With the offset, the low 32 bits of different rollouts differ, and two samples of a
-run share a CPU stream only by a 32-bit coincidence; within one rollout never.
+Packed into one 63-bit integer, ``sequence`` in the low :data:`SEQUENCE_BITS` bits and
+``(rollout, segment)`` above them, shifted by an offset derived from the run's seed: distinct
+(rollout, segment, sequence) within a run always give distinct seeds, whatever the layout (TP,
+DP, engines, an asynchronous rollout group) or a restart. vLLM seeds sample ``j`` of a request
+seeded ``s`` with ``s + j`` (``v1/engine/parallel_sampling.py``): a request for prompt ``i``
+carries the seed of its first sample, ``i * n``, so its samples take ``i * n + j``, their own.
 
 Pure: neither torch nor vLLM is imported.
 """
@@ -34,25 +25,13 @@ from collections.abc import Sequence
 
 SEQUENCE_BITS = 24  # samples of one rollout: up to 16.7 million
 SEGMENT_BITS = 10  # turns or partial-rollout rounds of one sample: up to 1024
-LOW_BITS = 32  # what a CPU generator keeps of a seed: the sequence plus a hashed offset
-HIGH_BITS = 63 - LOW_BITS  # (rollout, segment), offset by the run's seed
-ROLLOUT_LIMIT = 1 << (HIGH_BITS - SEGMENT_BITS)  # rollouts of a run: about 2.1 million
-# the low offsets: [0, 2^32 - 2^24), so that offset + sequence stays below 2^32
-_LOW_OFFSETS = (1 << LOW_BITS) - (1 << SEQUENCE_BITS)
+HIGH_BITS = 63 - SEQUENCE_BITS  # (rollout, segment), offset by the run's seed
+ROLLOUT_LIMIT = 1 << (HIGH_BITS - SEGMENT_BITS)
 _GOLDEN = 0x9E3779B97F4A7C15  # odd: multiplying by it permutes the integers modulo 2^k
-_MASK64 = (1 << 64) - 1
 
 
 def _run_offset(run_seed: int) -> int:
     return (run_seed * _GOLDEN) % (1 << HIGH_BITS)
-
-
-def _low_offset(high: int) -> int:
-    """A well-mixed function of the high bits (the SplitMix64 finaliser), in [0, _LOW_OFFSETS)."""
-    z = (high + _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) % _LOW_OFFSETS
 
 
 def sequence_seed(run_seed: int, rollout: int, sequence: int, segment: int = 0) -> int:
@@ -72,7 +51,7 @@ def sequence_seed(run_seed: int, rollout: int, sequence: int, segment: int = 0) 
     if not 0 <= rollout < ROLLOUT_LIMIT:
         raise ValueError(f"rollout {rollout} is past the {ROLLOUT_LIMIT} a run can seed")
     high = (((rollout << SEGMENT_BITS) | segment) + _run_offset(run_seed)) % (1 << HIGH_BITS)
-    return (high << LOW_BITS) | (_low_offset(high) + sequence)
+    return (high << SEQUENCE_BITS) | sequence
 
 
 def request_seeds(
@@ -101,4 +80,4 @@ def sample_seeds(request_seeds: Sequence[int], n: int) -> list[int]:
     return [s + j for s in request_seeds for j in range(max(1, n))]
 
 
-__all__ = ["LOW_BITS", "SEQUENCE_BITS", "request_seeds", "sample_seeds", "sequence_seed"]
+__all__ = ["SEQUENCE_BITS", "request_seeds", "sample_seeds", "sequence_seed"]

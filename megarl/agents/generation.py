@@ -2,7 +2,7 @@
 the turn ended, one request at a time.
 
 :class:`EngineGenerator` puts any engine with the multi-turn loop's ``generate`` seam
-(:class:`~megarl.hybrid_engine.multi_turn.TurnEngine`: the HF engine, vLLM's) behind it, with the
+(:class:`~megarl.hybrid_engine.rollout_types.Generates`: the HF engine, vLLM's) behind it, with the
 run's :class:`~megarl.hybrid_engine.rollout_types.SamplingConfig` and a lock: the endpoint's
 request threads take turns on the engine. Batching requests of concurrent sessions into one
 engine call is the continuous rollout's job, not this one's.
@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from megarl.hybrid_engine.multi_turn import TurnEngine
-from megarl.hybrid_engine.rollout_types import SamplingConfig
+from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Generator(Protocol):
 class EngineGenerator:
     """:class:`Generator` over a rollout engine, with the run's sampling settings."""
 
-    def __init__(self, engine: TurnEngine, sampling: SamplingConfig) -> None:
+    def __init__(self, engine: Generates, sampling: SamplingConfig) -> None:
         self.engine = engine
         self.sampling = replace(sampling, n=1)
         self._lock = threading.Lock()

@@ -61,7 +61,12 @@ from megarl.hybrid_engine.rollout_split import (
     rank_output,
     sample_starts,
 )
-from megarl.hybrid_engine.rollout_types import EngineConfig, RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.rollout_types import (
+    EngineConfig,
+    Generates,
+    RolloutOutput,
+    SamplingConfig,
+)
 from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
@@ -114,8 +119,9 @@ def check_rollout_model(
         )
 
 
-class RolloutEngine(Protocol):
-    """The seam between the trainer and a rollout backend (vLLM, or transformers' generate)."""
+class RolloutEngine(Generates, Protocol):
+    """The seam between the trainer and a rollout backend (vLLM, or transformers' generate):
+    :class:`~megarl.hybrid_engine.rollout_types.Generates`, weight updates, sleep and wake."""
 
     infer_tp: int
     backend: str  # its rollout.backend name
@@ -129,16 +135,6 @@ class RolloutEngine(Protocol):
     def load_shards(self, shards: Sequence[WeightShard]) -> None: ...
 
     def after_weight_update(self) -> None: ...
-
-    def generate(
-        self,
-        prompt_token_ids: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        seed_offset: int = 0,
-        *,
-        seeds: Sequence[int] | None = None,
-        max_new_tokens: Sequence[int] | None = None,
-    ) -> RolloutOutput: ...
 
     def sleep(self) -> None: ...
 

@@ -29,7 +29,7 @@ from typing import Protocol, TypeVar, cast
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.rollout_split import SampleStart, prompt_seed
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
 
 T = TypeVar("T")
@@ -39,18 +39,6 @@ class Share(Protocol):
     """The executing rank's value (None on the other ranks) -> that value on every rank."""
 
     def __call__(self, value: T | None, /) -> T: ...
-
-
-class TurnEngine(Protocol):
-    def generate(
-        self,
-        prompt_token_ids: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        seed_offset: int = 0,
-        *,
-        seeds: Sequence[int] | None = None,
-        max_new_tokens: Sequence[int] | None = None,
-    ) -> RolloutOutput: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +73,7 @@ def _first_turn_groups(ts: Sequence[Trajectory], n: int) -> list[list[int]] | No
 
 
 def _generate_turn(
-    engine: TurnEngine,
+    engine: Generates,
     ts: Sequence[Trajectory],
     sampling: SamplingConfig,
     limits: TurnLimits,
@@ -133,7 +121,7 @@ def _identity(value: T | None, /) -> T:
 
 
 def run_trajectories(
-    engine: TurnEngine,
+    engine: Generates,
     starts: Sequence[SampleStart],
     runner: EnvRunner | None,
     sampling: SamplingConfig,

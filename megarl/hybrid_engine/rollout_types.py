@@ -1,11 +1,12 @@
 """The rollout engines' seam types: how responses are sampled, how an engine is sized, what it
-returns, and each request's seed. Both engines (:mod:`megarl.hybrid_engine.vllm_rollout`,
+returns, how it is asked (:class:`Generates`), and each request's seed. Both engines (:mod:`megarl.hybrid_engine.vllm_rollout`,
 :mod:`megarl.hybrid_engine.hf_rollout`) and everything that drives them import these from here."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -69,6 +70,23 @@ class RolloutOutput:
         self.finish_reasons += other.finish_reasons
         self.response_masks += other.response_masks
         self.routes += other.routes
+
+
+class Generates(Protocol):
+    """What the rollout's drivers (the colocated step, the turn loop, the asynchronous rollout
+    group's versioned generation, the agent endpoint) ask of an engine: ``sampling.n`` responses
+    per prompt, request ``i`` seeded with ``seeds[i]`` when given (else :func:`request_seed` of
+    ``seed_offset``), each capped at ``max_new_tokens[i]`` new tokens when given."""
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed_offset: int = 0,
+        *,
+        seeds: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
+    ) -> RolloutOutput: ...
 
 
 def request_seed(

@@ -18,22 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 from megarl.hybrid_engine.rollout_split import engine_seeds
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.rollout_types import Generates, RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
-
-
-class Generator(Protocol):
-    def generate(
-        self,
-        prompt_token_ids: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        seed_offset: int = 0,
-        *,
-        seeds: Sequence[int] | None = None,
-    ) -> RolloutOutput: ...
 
 
 @dataclass
@@ -51,7 +39,7 @@ class VersionedOutput:
 
 
 def generate_versioned(
-    engine: Generator,
+    engine: Generates,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingConfig,
     rollout: int,

@@ -16,6 +16,7 @@ from megarl.parent_death import end_with_parent
 from megarl.parked_rank import GO_FD_ENV, await_go
 from megarl.peer_loss import PEER_LOST_EXIT, peer_lost
 from megarl.process_exit import end_process
+from megarl.startup_heap import CollectionPaused, freeze_startup_heap
 from megarl.storage_errors import storage_error
 
 if TYPE_CHECKING:
@@ -65,19 +66,27 @@ TRAINERS: dict[str, Callable[[], Trainer]] = {
 
 def program(cfg: RunConfig) -> Trainer:
     """What this rank runs: the trainer of ``trainer.kind``, or in rollout.mode=async on the
-    last parallel.rollout_ranks ranks the rollout group."""
+    last parallel.rollout_ranks ranks the rollout group; imported with the libraries it uses
+    from its start (megatron-core for a trainer)."""
     if cfg.trainer.kind == "policy" and cfg.rollout.mode == "async":
         from megarl.launch import job_split
         from megarl.world_split import ROLLOUT
 
         if job_split(cfg.parallel.rollout_ranks).role(int(os.environ["RANK"])) == ROLLOUT:
             return _rollout_group()
+    import_megatron_lean()  # every trainer builds megatron models (megarl.lean_imports)
     return TRAINERS[cfg.trainer.kind]()
 
 
 def main(argv: list[str] | None = None) -> int:
     make_undumpable()  # before anything reads the config, its secrets or the environment's
     end_with_parent()  # a rank ends with its launcher, however the launcher ends
+    # no automatic garbage collection while the rank imports its libraries (megarl.startup_heap)
+    with CollectionPaused() as imports:
+        return _run(argv, imports)
+
+
+def _run(argv: list[str] | None, imports: CollectionPaused) -> int:
     from megarl.config import load_config
 
     quiet_rank_console()  # before torch, megatron or vLLM are imported
@@ -101,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         output_dir = cfg.trainer.output_dir
         set_rank_env(cfg)  # e.g. CUDA_DEVICE_MAX_CONNECTIONS, before CUDA initialises
         import_transformers_lean()  # before the first tokenizer (megarl.lean_imports)
-        program(cfg)(cfg)
+        trainer = program(cfg)  # imported, with the libraries it uses from its start
+        freeze_startup_heap()  # their objects: out of every later collection's way
+        imports.resume()
+        trainer(cfg)
     except MegarlError as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return e.exit_code

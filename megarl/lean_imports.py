@@ -7,7 +7,8 @@ its object-detection losses and vLLM with its audio resampling (about 0.9 s toge
 trains neither), and
 megatron-core imports Weights & Biases with its inference engine (about 0.6 s; megarl trains
 through megatron and logs through its own loggers), and vLLM's engine imports Ray for an executor
-megarl does not use (about 0.5 s). Each library decides once, when it is first
+megarl does not use (about 0.5 s), OpenCV for video inputs and OpenTelemetry for request tracing
+(about 0.1 s together). Each library decides once, when it is first
 imported or first asks, whether the package is installed; hiding the package at that moment
 (:func:`packages_hidden`) leaves it out for the library, and only for the library: afterwards it
 imports as usual for anything else (megarl's W&B logger, a user's reward function).
@@ -15,7 +16,6 @@ imports as usual for anything else (megarl's W&B logger, a user's reward functio
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,9 +23,10 @@ from contextlib import contextmanager
 # The packages and the libraries' optional uses of them that megarl does not need.
 TRANSFORMERS_OPTIONAL = ("sklearn", "scipy")
 MEGATRON_OPTIONAL = ("wandb",)
-# vLLM's engine imports Ray for its Ray executor (about 0.5 s; megarl runs vLLM in the rank) and
-# SciPy for audio inputs (megarl's prompts are text).
-VLLM_OPTIONAL = ("ray", "scipy")
+# vLLM's engine imports Ray for its Ray executor (about 0.5 s; megarl runs vLLM in the rank),
+# SciPy for audio inputs and OpenCV for video inputs (megarl's prompts are text), and
+# OpenTelemetry with its gRPC exporter for request tracing, which megarl never turns on.
+VLLM_OPTIONAL = ("ray", "scipy", "cv2", "opentelemetry")
 
 
 @contextmanager
@@ -56,17 +57,3 @@ def import_megatron_lean() -> None:
     """Import megatron-core without the packages of :data:`MEGATRON_OPTIONAL`."""
     with packages_hidden(MEGATRON_OPTIONAL):
         import megatron.core  # noqa: F401
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now into the garbage collector's permanent generation.
-
-    A rank's imports (torch, megatron-core, transformers) leave millions of long-lived objects
-    that every full collection walks again: vLLM's engine start runs one (before it freezes the
-    heap itself), and the training loop's allocations trigger more. Frozen, they are skipped
-    (measured on the quickstart: the engine's start 4.9 -> 3.9 s, the first step 3.6 -> 2.7 s).
-    Called once the imports are done and before any model or data exists, so what is frozen is
-    the libraries' own objects; garbage already unreachable then (import-time leftovers) is
-    never freed, which is why it is not called later.
-    """
-    gc.freeze()

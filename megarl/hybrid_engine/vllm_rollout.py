@@ -41,6 +41,7 @@ from megarl.shm_segments import (
     name_cpu_shm_segments_per_run,
     new_segment_prefix,
 )
+from megarl.startup_heap import CollectionPaused, freeze_startup_heap
 
 
 @contextlib.contextmanager
@@ -123,9 +124,13 @@ class VLLMRollout:
         cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
         threads = torch.get_num_threads()
         try:
-            with packages_hidden(VLLM_OPTIONAL):  # the engine's imports (megarl.lean_imports)
+            # The engine's imports (megarl.lean_imports) and start without automatic garbage
+            # collection (megarl.startup_heap); vLLM's modules are frozen once imported, which
+            # leaves them out of the engine's own collections (two, before it freezes the heap).
+            with packages_hidden(VLLM_OPTIONAL), CollectionPaused():
                 from vllm import LLM
 
+                freeze_startup_heap()
                 self.llm = LLM(**kwargs)
         finally:
             torch.set_rng_state(cpu_rng)

@@ -13,12 +13,12 @@ from megarl.config import validate as validate_config
 from megarl.console import announce
 from megarl.data.chat import pad_token_id
 from megarl.launch import init_distributed, init_split
-from megarl.lean_imports import freeze_startup_heap
 from megarl.parallel import ParallelLayout, initialize_model_parallel
 from megarl.run.checks import check_inputs
 from megarl.run.output_dir import prepare_output_dir
 from megarl.run.resolved_config import write_resolved_config
 from megarl.run.watchdog import collective_timeout_s
+from megarl.startup_heap import freeze_startup_heap
 from megarl.world_split import SplitWorld
 
 if TYPE_CHECKING:

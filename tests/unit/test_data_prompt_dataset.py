@@ -340,3 +340,24 @@ def test_dp2_rows_and_resume_state_are_pinned(files: str) -> None:
         for _ in it:
             pass
         assert uids([next(iter(ds))]) == [second_epoch[rank]]
+
+
+def test_reading_prompts_leaves_pandas_out(files: str) -> None:
+    """Arrow's array constructor imports pandas to ask whether its input is a pandas object;
+    the reader takes its rows without it (megarl never uses pandas)."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from megarl.data import PromptDataset
+        from tests.unit.test_data_files import tiny_tokenizer
+        ds = PromptDataset({files!r}, tiny_tokenizer(), batch_size_per_rank=4, max_prompt_length=64,
+                           seed=5, window_rows=16, dp_rank=0, dp_size=1)
+        rows = sum(len(b) for b in ds)
+        print(rows, "pandas" in sys.modules)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(N - N % 4), "False"]

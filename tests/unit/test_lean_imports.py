@@ -1,7 +1,7 @@
 """A rank's libraries leave out the optional packages megarl never uses (megarl.lean_imports):
 transformers' tokenizer auto-classes without scikit-learn and SciPy, megatron-core without
-Weights & Biases, vLLM's engine without Ray and SciPy; every package stays importable afterwards.
-In a fresh interpreter, as a rank starts."""
+Weights & Biases, vLLM's engine without Ray, SciPy, OpenCV and OpenTelemetry; every package
+stays importable afterwards. In a fresh interpreter, as a rank starts."""
 
 from __future__ import annotations
 
@@ -26,11 +26,15 @@ SCRIPT = textwrap.dedent(
     with packages_hidden(VLLM_OPTIONAL):
         from vllm import LLM  # noqa: F401  (the engine's imports, as VLLMRollout makes them)
     from transformers.utils import import_utils
-    print("after the libraries:", *(name in sys.modules for name in ("sklearn", "wandb", "scipy", "ray")))
+    from vllm.tracing import otel
+    names = ("sklearn", "wandb", "scipy", "ray", "cv2", "opentelemetry", "grpc")
+    print("after the libraries:", *(name in sys.modules for name in names))
     print("megatron sees W&B:", dynamic.HAVE_WANDB)
     print("transformers sees SciPy:", import_utils.is_scipy_available())
-    import sklearn, wandb, scipy, ray  # noqa: F401  (a user's code still can)
-    print("importable afterwards:", sklearn.__name__, wandb.__name__, scipy.__name__, ray.__name__)
+    print("vLLM sees OpenTelemetry:", otel.is_otel_available())
+    import sklearn, wandb, scipy, ray, cv2, opentelemetry  # noqa: F401  (a user's code still can)
+    print("importable afterwards:", sklearn.__name__, wandb.__name__, scipy.__name__, ray.__name__,
+          cv2.__name__, opentelemetry.__name__)
     with packages_hidden(["json"]):  # an imported package is never hidden
         import json  # noqa: F401
     print("imported stays:", "json" in sys.modules)
@@ -44,8 +48,9 @@ def test_tokenizers_megatron_and_vllm_import_without_the_packages_they_do_not_ne
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "after the libraries: False False False False" in out, out
+    assert "after the libraries: False False False False False False False" in out, out
     assert "megatron sees W&B: False" in out
     assert "transformers sees SciPy: False" in out
-    assert "importable afterwards: sklearn wandb scipy ray" in out
+    assert "vLLM sees OpenTelemetry: False" in out
+    assert "importable afterwards: sklearn wandb scipy ray cv2 opentelemetry" in out
     assert "imported stays: True" in out

@@ -243,12 +243,13 @@ def _lora_reference_checks(policy_dir: str, items, layout, pad_id: int) -> dict[
 def _teacher_checks(teacher_dir: str, items, layout, pad_id: int) -> dict[str, float]:
     """A teacher of other dims than the policy, at the policy's layout, scores the response
     tokens of packed micro-batches as transformers does."""
+    from megarl.config import DistillConfig
     from megarl.trainer.batch import Samples
     from megarl.trainer.distill import Teacher
     from megarl.trainer.model_ops import MicroBatching, forward_response_tensor, response_log_probs
 
     model, dims = build_model(teacher_dir, layout, "reference")
-    teacher = Teacher(model, dims)
+    teacher = Teacher(model, dims, DistillConfig(teacher_path=teacher_dir))
     samples = Samples.from_sequences(
         [it.prompt_ids for it in items],
         [it.chosen_ids for it in items],

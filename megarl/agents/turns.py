@@ -14,8 +14,7 @@ in the session), so a session's turns draw their own streams whatever the layout
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,12 @@ from megarl.agents.session import (
 from megarl.data.literal_text import plain_text_ids, too_long
 from megarl.envs.base import EnvError
 from megarl.envs.chat_deltas import ChatDeltas
-from megarl.envs.tool_parsers import TOOL_PARSERS, ToolParser, parse_contained
+from megarl.envs.tool_parsers import (
+    TOOL_PARSERS,
+    ToolParser,
+    parse_contained,
+    text_without_calls,
+)
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.seeds import SEGMENT_BITS, sequence_seed
 
@@ -54,15 +58,6 @@ class TurnSettings:
     tool_parser: str | None = "hermes"  # None: replies carry no tool_calls
     chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)
     max_requests: int = 1 << SEGMENT_BITS  # per session: each draws its own seeded stream
-
-
-_HERMES_BLOCK = re.compile(r"\s*<tool_call>.*?</tool_call>\s*", re.DOTALL)
-# the reply text once its tool calls are parsed out, per parser (content beside tool_calls)
-_CONTENT_WITHOUT_CALLS: dict[str, Callable[[str], str]] = {
-    "hermes": lambda text: _HERMES_BLOCK.sub("\n", text).strip(),
-    "mistral": lambda text: text.split("[TOOL_CALLS]", 1)[0].strip(),
-    "llama3_json": lambda text: "",
-}
 
 
 class TurnMaker:
@@ -130,7 +125,7 @@ class TurnMaker:
                 for j, c in enumerate(parsed.calls)
             ]
             if calls:
-                text = _CONTENT_WITHOUT_CALLS.get(self.settings.tool_parser, str)(text)
+                text = text_without_calls(self.settings.tool_parser, text)
         finish = sampled.finish
         if calls and finish == "stop":
             finish = "tool_calls"

@@ -130,3 +130,19 @@ def mistral(text: str) -> ParsedTurn:
         return parsed
     _decode(text.split(marker, 1)[1], parsed)
     return parsed
+
+
+# The turn's text once its tool calls are taken out, per format: what an OpenAI-style reply
+# carries as its content beside ``tool_calls`` (megarl.agents). A format not listed keeps its text.
+_TEXT_WITHOUT_CALLS: dict[str, Callable[[str], str]] = {
+    "hermes": lambda text: re.sub(
+        r"\s*<tool_call>.*?</tool_call>\s*", "\n", text, flags=re.DOTALL
+    ).strip(),
+    "mistral": lambda text: text.split("[TOOL_CALLS]", 1)[0].strip(),
+    "llama3_json": lambda text: "",
+}
+
+
+def text_without_calls(parser: str, text: str) -> str:
+    """``text`` without the tool calls that the ``parser`` format writes."""
+    return _TEXT_WITHOUT_CALLS.get(parser, str)(text)

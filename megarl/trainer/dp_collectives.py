@@ -9,7 +9,7 @@ group lies inside it, so the rollout ranks never take part.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -53,3 +53,28 @@ def dp_gather(value: T) -> list[T]:
     out: list[T] = [value] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def dp_exchange(outgoing: list[T]) -> list[T]:
+    """Point-to-point over the data-parallel ranks: ``outgoing[d]`` (picklable) goes to DP rank
+    ``d``; returns what each DP rank sent this one, in DP rank order (a collective; ``outgoing``
+    itself when DP is 1). Each rank receives only its own values, so moving rows between ranks
+    costs a rank what it sends and receives, not the whole batch as :func:`dp_gather` would."""
+    if not dp_split():
+        return list(outgoing)
+    group = parallel.dp_group()
+    size = dist.get_world_size(group)
+    if len(outgoing) != size:
+        raise ValueError(f"{len(outgoing)} values to exchange over {size} data-parallel ranks")
+    me = dist.get_rank(group)
+    received: list[T] = []
+    for source in range(size):  # one scatter a source rank: its values, one to each rank
+        slot: list[T | None] = [None]
+        dist.scatter_object_list(
+            slot,
+            outgoing if source == me else None,
+            src=dist.get_global_rank(group, source),
+            group=group,
+        )
+        received.append(cast(T, slot[0]))
+    return received

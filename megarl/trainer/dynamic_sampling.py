@@ -32,7 +32,7 @@ from megarl.config import AlgorithmConfig
 from megarl.metrics import StepMetrics, declare
 from megarl.trainer.batch import Samples, StepBatch
 from megarl.trainer.dp_balance import HostRow, host_rows, samples_of_rows
-from megarl.trainer.dp_collectives import dp_gather
+from megarl.trainer.dp_collectives import dp_exchange, dp_gather
 from megarl.trainer.group_selection import (
     DrawFacts,
     GroupRef,
@@ -157,11 +157,24 @@ def package(pool: GroupPool, held: Sequence[GroupRef], pad_id: int) -> Package:
     return out
 
 
+def outgoing_packages(
+    pool: GroupPool, selected: Sequence[GroupRef], dp_size: int, rank: int, pad_id: int
+) -> list[Package]:
+    """What DP rank ``rank`` sends each DP rank: the rows of the selected groups it drew that
+    fall in that rank's slice (:func:`~megarl.trainer.group_selection.deal`); its own slice's
+    rows stay with it (the entry for ``rank``)."""
+    held = package(pool, [g for g in selected if g.rank == rank], pad_id)
+    return [
+        {(g.draw, g.index): held[(g.draw, g.index)] for g in part if g.rank == rank}
+        for part in deal(selected, dp_size)
+    ]
+
+
 def assemble(
     packages: Sequence[Package], groups: Sequence[GroupRef], pad_id: int, device: torch.device
 ) -> tuple[Samples, torch.Tensor, list[str]]:
-    """The rows of ``groups`` (one rank's slice), group after group, from every rank's
-    :func:`package` (in DP rank order)."""
+    """The rows of ``groups`` (one rank's slice), group after group, from what every rank sent
+    this one (:func:`outgoing_packages`, in DP rank order)."""
     parts = [packages[g.rank][(g.draw, g.index)] for g in groups]
     rows = [row for part_rows, _ in parts for row in part_rows]
     reasons = [reason for _, part_reasons in parts for reason in part_reasons]
@@ -178,12 +191,13 @@ def share_of_selection(
 ) -> tuple[Samples, torch.Tensor, list[str]]:
     """This DP rank's slice of ``selected`` (:func:`~megarl.trainer.group_selection.deal`): its
     samples, scores and finish reasons, the rows of groups another rank drew moved here (a
-    collective over the DP group when ``dp_size`` > 1)."""
+    collective over the DP group when ``dp_size`` > 1: each rank sends each other rank only the
+    rows of its slice, so no rank holds more than its own rows and its slice's)."""
     if dp_size == 1:
         return pool.take([(g.draw, g.local) for g in selected], pad_id)
     rank = parallel.dp_rank()
-    packages = dp_gather(package(pool, [g for g in selected if g.rank == rank], pad_id))
-    return assemble(packages, deal(selected, dp_size)[rank], pad_id, device)
+    received = dp_exchange(outgoing_packages(pool, selected, dp_size, rank, pad_id))
+    return assemble(received, deal(selected, dp_size)[rank], pad_id, device)
 
 
 def filter_groups(

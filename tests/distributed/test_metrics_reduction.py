@@ -256,3 +256,31 @@ def test_rollout_statistics_at_tp2_dp2_are_those_of_one_process():
     assert one["reward/judge_failures"].value == 3.0 and one["reward/judge_unparsed"].value == 1
     for key in _ROLLOUT_KEYS:
         assert results[0][key] == pytest.approx(one[key].value, abs=1e-6), key
+
+
+# ---- rows moved between DP ranks: each rank receives its own values only ------------------------
+
+
+def _exchange_worker(rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    from megarl import parallel
+    from megarl.platform import adapt_megatron_for_cpu
+    from megarl.trainer.dp_collectives import dp_exchange
+
+    adapt_megatron_for_cpu()
+    parallel.initialize_model_parallel(parallel.ParallelLayout.for_world(world_size, tp=2))
+    try:
+        me, tp = parallel.dp_rank(), parallel.tp_rank()
+        # to DP rank d: (sender's DP rank, d, sender's TP rank)
+        return dp_exchange([(me, d, tp) for d in range(parallel.dp_size())])
+    finally:
+        parallel.destroy_model_parallel()
+
+
+def test_dp_exchange_delivers_each_value_to_its_dp_rank_within_the_replica():
+    """dp_exchange at TP2 x DP2 (DP groups are not the world: their ranks map to global ranks):
+    each rank receives, in DP rank order, exactly what each DP rank of its own DP group sent to
+    it, and nothing meant for another rank or from another TP replica."""
+    results = run_gloo(_exchange_worker, 4, timeout=180)
+    for rank, received in enumerate(results):
+        tp, dp = rank % 2, rank // 2  # megatron's order: TP innermost
+        assert [tuple(v) for v in received] == [(s, dp, tp) for s in range(2)], rank

@@ -18,7 +18,7 @@ from megarl.trainer.dynamic_sampling import (
     assemble,
     concat_samples,
     filter_groups,
-    package,
+    outgoing_packages,
     varied_groups,
 )
 from megarl.trainer.group_selection import (
@@ -134,11 +134,22 @@ def run_rule(draws: list[Draw], dp: int, target: int, max_draws: int):
     selected = select(facts, target, dp)
     if not selected:  # filter_groups trains the last draw as it is
         return facts, selected, []
-    packages = [
-        package(pool, [g for g in selected if g.rank == r], pad_id=0)
-        for r, pool in enumerate(pools)
-    ]
-    shares = [assemble(packages, mine, 0, torch.device("cpu")) for mine in deal(selected, dp)]
+    sent = [outgoing_packages(pool, selected, dp, r, pad_id=0) for r, pool in enumerate(pools)]
+    slices = deal(selected, dp)
+    shares = []
+    for r, mine in enumerate(slices):
+        received = [sent[source][r] for source in range(dp)]  # what dp_exchange hands rank r
+        # a rank receives the rows of its own slice only, each group from the rank that drew it
+        assert sorted(k for part in received for k in part) == sorted(
+            (g.draw, g.index) for g in mine
+        )
+        assert all(
+            g.rank == s
+            for s, part in enumerate(received)
+            for g in mine
+            if (g.draw, g.index) in part
+        )
+        shares.append(assemble(received, mine, 0, torch.device("cpu")))
     return facts, selected, shares
 
 

@@ -27,10 +27,11 @@ from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
-from megarl.envs.trajectory import Trajectory
+from megarl.envs.trajectory import Trajectory, trajectory_metrics
 from megarl.hybrid_engine.rollout_split import SampleStart, prompt_seed
 from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
+from megarl.hybrid_engine.trajectory_source import EngineTrajectories
 
 T = TypeVar("T")
 
@@ -188,3 +189,44 @@ def run_trajectories(
             else:
                 t.add_env_tokens(list(env_ids))
     return trajectories
+
+
+@dataclass(frozen=True)
+class EnvSource:
+    """``rollout.env``'s trajectories for the hybrid engine
+    (:class:`~megarl.hybrid_engine.trajectory_source.TrajectorySource`): :func:`run_trajectories`
+    on every rank of an engine, the environments on its first rank (``runner`` is that rank's;
+    None elsewhere)."""
+
+    runner: EnvRunner | None
+    sampling: SamplingConfig
+    limits: TurnLimits
+    pad_id: int
+
+    def run(
+        self,
+        engine: Generates,
+        starts: Sequence[SampleStart],
+        rollout_index: int,
+        leader: bool,
+        share: Share,
+    ) -> EngineTrajectories | None:
+        runner = self.runner if leader else None
+        trajectories = run_trajectories(
+            engine,
+            starts,
+            runner,
+            self.sampling,
+            self.limits,
+            rollout_index=rollout_index,
+            pad_id=self.pad_id,
+            share=share,
+        )
+        if not leader:
+            return None
+        seconds = runner.take_seconds() if runner is not None else 0.0
+        return EngineTrajectories(trajectories, seconds)
+
+    def step_metrics(self, parts: Sequence[EngineTrajectories]) -> dict[str, float]:
+        step = [t for part in parts for t in part.trajectories]
+        return trajectory_metrics(step, max((p.seconds for p in parts), default=0.0))

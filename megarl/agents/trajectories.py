@@ -29,13 +29,15 @@ from megarl.agents.runner import AgentLimits, AgentSample, agent_metrics, run_ag
 from megarl.agents.turns import TurnSettings
 from megarl.envs.trajectory import Trajectory, trajectory_metrics
 from megarl.hybrid_engine.rollout_split import SampleStart
-from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
-from megarl.hybrid_engine.trajectory_source import EngineTrajectories, summed_totals
+from megarl.hybrid_engine.rollout_types import SamplingConfig
+from megarl.hybrid_engine.trajectory_source import (
+    EngineJob,
+    EngineTrajectories,
+    summed_totals,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from megarl.hybrid_engine.multi_turn import Share
 
 UNTRAINED_TOKENS = "agent/untrained_tokens"
 
@@ -69,24 +71,16 @@ class AgentSource:
     sampling: SamplingConfig
     pad_id: int
 
-    def run(
-        self,
-        engine: Generates,
-        starts: Sequence[SampleStart],
-        rollout_index: int,
-        leader: bool,
-        share: Share,
-    ) -> EngineTrajectories | None:
-        if not leader:
+    def run(self, job: EngineJob) -> EngineTrajectories | None:
+        if not job.leader:
             return None
-        generator = EngineGenerator(engine, self.sampling)
-        with AgentEndpoint(generator, self.tokenizer, self.settings, rollout_index) as endpoint:
-            batch = run_agents(
-                self.agent, endpoint, [(s.sample, s.row) for s in starts], self.limits
-            )
+        generator = EngineGenerator(job.engine, self.sampling)
+        rows = [(s.sample, s.row) for s in job.starts]
+        with AgentEndpoint(generator, self.tokenizer, self.settings, job.rollout_index) as endpoint:
+            batch = run_agents(self.agent, endpoint, rows, self.limits)
         trajectories = [
             sample_trajectory(sample, start, self.pad_id)
-            for sample, start in zip(batch.samples, starts, strict=True)
+            for sample, start in zip(batch.samples, job.starts, strict=True)
         ]
         totals = batch.totals()
         totals[UNTRAINED_TOKENS] = float(

@@ -67,7 +67,7 @@ from megarl.hybrid_engine.rollout_types import (
     SamplingConfig,
 )
 from megarl.hybrid_engine.tensor_list import actor_planned_tensors
-from megarl.hybrid_engine.trajectory_source import TrajectorySource, engine_parts
+from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, engine_parts
 from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
@@ -414,7 +414,7 @@ class HybridEngine:
         self._rollouts += 1
         starts = sample_starts(everything, lo, hi, n)
         leader = self.runs_environments
-        part = source.run(self.rollout, starts, rollout_index, leader, self._share)
+        part = source.run(EngineJob(self.rollout, starts, rollout_index, leader, self._share))
         results: list = [None] * dist.get_world_size()
         dist.all_gather_object(results, (engine, part) if leader else None)
         parts = engine_parts(results)

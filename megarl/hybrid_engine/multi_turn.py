@@ -24,22 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar, cast
+from typing import TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory, trajectory_metrics
 from megarl.hybrid_engine.rollout_split import SampleStart, prompt_seed
 from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
-from megarl.hybrid_engine.trajectory_source import EngineTrajectories
+from megarl.hybrid_engine.trajectory_source import EngineJob, EngineTrajectories, Share
 
 T = TypeVar("T")
-
-
-class Share(Protocol):
-    """The executing rank's value (None on the other ranks) -> that value on every rank."""
-
-    def __call__(self, value: T | None, /) -> T: ...
 
 
 @dataclass(frozen=True)
@@ -203,26 +197,19 @@ class EnvSource:
     limits: TurnLimits
     pad_id: int
 
-    def run(
-        self,
-        engine: Generates,
-        starts: Sequence[SampleStart],
-        rollout_index: int,
-        leader: bool,
-        share: Share,
-    ) -> EngineTrajectories | None:
-        runner = self.runner if leader else None
+    def run(self, job: EngineJob) -> EngineTrajectories | None:
+        runner = self.runner if job.leader else None
         trajectories = run_trajectories(
-            engine,
-            starts,
+            job.engine,
+            job.starts,
             runner,
             self.sampling,
             self.limits,
-            rollout_index=rollout_index,
+            rollout_index=job.rollout_index,
             pad_id=self.pad_id,
-            share=share,
+            share=job.share,
         )
-        if not leader:
+        if not job.leader:
             return None
         seconds = runner.take_seconds() if runner is not None else 0.0
         return EngineTrajectories(trajectories, seconds)

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol, TypeVar
 
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.rollout_split import SampleStart, one_per_key
 from megarl.hybrid_engine.rollout_types import Generates
 
-if TYPE_CHECKING:
-    from megarl.hybrid_engine.multi_turn import Share
+T = TypeVar("T")
+
+
+class Share(Protocol):
+    """The executing rank's value (None on the other ranks) -> that value on every rank."""
+
+    def __call__(self, value: T | None, /) -> T: ...
 
 
 @dataclass
@@ -33,18 +38,21 @@ class EngineTrajectories:
     totals: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineJob:
+    """One rollout engine's samples of a step, as every rank of the engine sees them."""
+
+    engine: Generates
+    starts: Sequence[SampleStart]
+    rollout_index: int  # the run's rollout count: every request's seed depends on it
+    leader: bool  # this rank is the engine's first
+    share: Share  # the first rank's value on every rank of the engine
+
+
 class TrajectorySource(Protocol):
-    def run(
-        self,
-        engine: Generates,
-        starts: Sequence[SampleStart],
-        rollout_index: int,
-        leader: bool,
-        share: Share,
-    ) -> EngineTrajectories | None:
-        """The trajectories of ``starts`` on the engine's first rank (``leader``), None on its
-        other ranks; every rank of the engine calls it (``share`` hands the first rank's values
-        to the others)."""
+    def run(self, job: EngineJob) -> EngineTrajectories | None:
+        """The trajectories of ``job.starts`` on the engine's first rank, None on its other
+        ranks; every rank of the engine calls it."""
         ...
 
     def step_metrics(self, parts: Sequence[EngineTrajectories]) -> dict[str, float]:
@@ -69,4 +77,11 @@ def summed_totals(parts: Sequence[EngineTrajectories]) -> dict[str, float]:
     return out
 
 
-__all__ = ["EngineTrajectories", "TrajectorySource", "engine_parts", "summed_totals"]
+__all__ = [
+    "EngineJob",
+    "EngineTrajectories",
+    "Share",
+    "TrajectorySource",
+    "engine_parts",
+    "summed_totals",
+]

@@ -57,9 +57,10 @@ from megarl.trainer.rollout_offload import (
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
 
 if TYPE_CHECKING:
-    from megarl.agents.trajectories import AgentSource
     from megatron.core.models.gpt import GPTModel
     from transformers import PreTrainedTokenizerBase
+
+    from megarl.agents.trajectories import AgentSource
 
 
 @dataclass(frozen=True)

@@ -470,7 +470,7 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
             load_config(None, [*base, *extra])
     # a good agent passes (the data files' check is next); a missing one is refused before it
     cfg = load_config(None, [*base, "rollout.backend=hf"])
-    with pytest.raises(DataError, match="/nonexistent/train.parquet"):
+    with pytest.raises(DataError, match=r"/nonexistent/train\.parquet"):
         check_inputs(cfg, ParallelLayout(), this_machine=False)
     absent = [*base[:2], f"rollout.agent={tmp_path}/absent.py:solve", "rollout.backend=hf"]
     with pytest.raises(ConfigError, match="does not exist"):

@@ -4,8 +4,9 @@ an endpoint of its own, and come back as the trajectories the trainer trains on
 
 On an engine's first rank the source starts the endpoint over the rollout engine, runs the agent
 once per sample (:func:`~megarl.agents.runner.run_agents`: a bounded pool, a time limit each) and
-turns each sample into one trajectory (:func:`sample_trajectory`); the engine's other ranks wait
-for the gather (the HF engine generates on one rank; each of its ranks holds the whole model).
+turns each sample into one trajectory (:func:`sample_trajectory`); the engine's other ranks make
+each of the first rank's engine calls with it (an engine spread over its ranks, vLLM at
+tensor-parallel 2 say, needs all of them in every call), as the environments' turn loop does.
 
 One trajectory per sample: the sample's **last segment**, the one holding its final reply. An
 agent that edited or dropped messages split its session into segments (counted in
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl.agents.endpoint import AgentEndpoint
-from megarl.agents.generation import EngineGenerator
+from megarl.agents.generation import EngineGenerator, follow_requests
 from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentLimits, AgentSample, agent_metrics, run_agents
 from megarl.agents.turns import TurnSettings
@@ -72,12 +73,18 @@ class AgentSource:
     pad_id: int
 
     def run(self, job: EngineJob) -> EngineTrajectories | None:
-        if not job.leader:
+        if not job.leader:  # the engine's other ranks make the first rank's requests too
+            follow_requests(job.engine, self.sampling, lambda: job.share(None))
             return None
-        generator = EngineGenerator(job.engine, self.sampling)
+        generator = EngineGenerator(job.engine, self.sampling, announce=job.share)
         rows = [(s.sample, s.row) for s in job.starts]
-        with AgentEndpoint(generator, self.tokenizer, self.settings, job.rollout_index) as endpoint:
-            batch = run_agents(self.agent, endpoint, rows, self.limits)
+        try:
+            with AgentEndpoint(
+                generator, self.tokenizer, self.settings, job.rollout_index
+            ) as endpoint:
+                batch = run_agents(self.agent, endpoint, rows, self.limits)
+        finally:
+            job.share(None)  # the end: every session is closed, no request comes any more
         trajectories = [
             sample_trajectory(sample, start, self.pad_id)
             for sample, start in zip(batch.samples, job.starts, strict=True)
@@ -89,9 +96,15 @@ class AgentSource:
         return EngineTrajectories(trajectories, batch.seconds, totals)
 
     def step_metrics(self, parts: Sequence[EngineTrajectories]) -> dict[str, float]:
-        step = [t for part in parts for t in part.trajectories]
-        seconds = max((p.seconds for p in parts), default=0.0)
-        return trajectory_metrics(step, seconds) | agent_metrics(summed_totals(parts), seconds)
+        return agent_step_metrics(parts)
 
 
-__all__ = ["UNTRAINED_TOKENS", "AgentSource", "sample_trajectory"]
+def agent_step_metrics(parts: Sequence[EngineTrajectories]) -> dict[str, float]:
+    """The step's rollout metrics (as an environment's) and the runner's ``agent/*``, over every
+    engine's part; the seconds are the slowest engine's."""
+    step = [t for part in parts for t in part.trajectories]
+    seconds = max((p.seconds for p in parts), default=0.0)
+    return trajectory_metrics(step, seconds) | agent_metrics(summed_totals(parts), seconds)
+
+
+__all__ = ["UNTRAINED_TOKENS", "AgentSource", "agent_step_metrics", "sample_trajectory"]

@@ -27,20 +27,19 @@ from tests.e2e.test_train import by_step, train
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS, PROMPTS, N = 3, 2, 2
+QUIET = {"loggers": ["console"], "mlflow_tracking_uri": "none"}
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("agent")
-    prepare_arithmetic(work / "data", "add3", train_size=16, test_size=4)
+    data = work / "data"
+    prepare_arithmetic(data, "add3", train_size=16, test_size=1)
+    train_files = [str(data / "train.parquet")]
     config = {
         "model": {"path": str(tiny_char_llama_dir())},
-        "parallel": {"tp": 2, "pp": 2, "infer_tp": 2},
-        "data": {
-            "train_files": [str(work / "data" / "train.parquet")],
-            "train_batch_size": PROMPTS,
-            "max_prompt_length": 256,
-        },
+        "parallel": {"tp": 2, "pp": 2, "infer_tp": 2},  # two rollout engines of TP2
+        "data": {"train_files": train_files, "train_batch_size": PROMPTS, "max_prompt_length": 256},
         "rollout": {
             "backend": "hf",
             "n": N,
@@ -50,13 +49,8 @@ def workdir(tmp_path_factory) -> Path:
         },
         "actor": {"ppo_mini_batch_size": PROMPTS, "micro_batch_size": 4, "optim": {"lr": 1e-3}},
         "reward": {"custom_fn": "megarl.rewards.toy:vowel_rate"},
-        "trainer": {
-            "total_steps": STEPS,
-            "save_freq": 2,
-            "dump_rollouts": True,
-            "loggers": ["console"],
-            "mlflow_tracking_uri": "none",
-        },
+        # a checkpoint at step 2 for the resume; every step's rollouts dumped
+        "trainer": {"total_steps": STEPS, "save_freq": 2, "dump_rollouts": True, **QUIET},
     }
     (work / "run.yaml").write_text(yaml.safe_dump(config))
     return work

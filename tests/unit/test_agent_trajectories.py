@@ -4,8 +4,6 @@ the step's agent metrics over engines, and the engine calls an engine's other ra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 
 from megarl.agents.generation import EngineGenerator, Request, follow_requests
@@ -84,26 +82,11 @@ class Recording:
     """An engine that records its calls and answers each with the prompt's last id + 1."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list[list[int]], list[int] | None, list[int] | None]] = []
+        self.calls: list[tuple[list[list[int]], list[int], list[int]]] = []
 
-    def generate(
-        self,
-        prompt_token_ids: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        seed_offset: int = 0,
-        *,
-        seeds: Sequence[int] | None = None,
-        max_new_tokens: Sequence[int] | None = None,
-    ) -> RolloutOutput:
-        assert sampling.n == 1
-        prompts = [list(p) for p in prompt_token_ids]
-        self.calls.append(
-            (
-                prompts,
-                list(seeds) if seeds else None,
-                list(max_new_tokens) if max_new_tokens else None,
-            )
-        )
+    def generate(self, prompts, sampling, seed_offset=0, *, seeds=None, max_new_tokens=None):
+        assert sampling.n == 1 and seeds is not None and max_new_tokens is not None
+        self.calls.append(([list(p) for p in prompts], list(seeds), list(max_new_tokens)))
         return RolloutOutput([0], [[prompts[0][-1] + 1]], [[-0.25]], ["stop"])
 
 

@@ -138,7 +138,7 @@ class RolloutConfig:
     max_env_failures: float = 0.5
     # A black-box agent behind an OpenAI-compatible endpoint (docs/agents.md): "path/to/file.py:NAME"
     # naming NAME(row, base_url, model) -> float | None, sync or async, run once per sample and
-    # trained on like an environment's trajectories (colocated, HF backend). None: no agent.
+    # trained on like an environment's trajectories (colocated). None: no agent.
     agent: str | None = None
     agent_concurrency: int = 8  # agents running at once per rollout rank
     agent_timeout_s: float = 300.0  # one sample's agent past this gets reward 0 (counted)

@@ -1,13 +1,14 @@
-"""GRPO on a black-box agent through `megarl train` at TP2 x PP2 (4 ranks), the HF rollout
-backend: ``rollout.agent=openai_agent.py:three_turns``, written with the ``openai`` client alone.
+"""GRPO on a black-box agent through `megarl train` at TP2 x PP2 (4 ranks):
+``rollout.agent=openai_agent.py:three_turns``, written with the ``openai`` client alone.
 
-Two launches: 3 steps (two rollout engines of TP2, a checkpoint at step 2), and its resume from
-step 2. Checked: each sample's agent runs once (on one
-rank of its engine); three model turns per sample; the rollout-trainer logprob mismatch over model
-tokens is <= 1e-4 (fp32) at every step, in the metrics and token by token; in the dumped rollouts
-the response mask is 0 exactly at the tokens the agent's tool messages added (there are some),
-which carry no advantage, no rollout logprob and no reward; the agent's reward is the sample's;
-the resumed step 3 equals the uninterrupted one (the same agent conversations, token for token).
+Three launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
+and its resume from step 2, the real CPU vLLM at TP2 for 2 steps. Checked: each sample's agent
+runs once (on one rank of its engine); three model turns per sample; the rollout-trainer logprob
+mismatch over model tokens is <= 1e-4 (fp32) at every step, in the metrics and token by token; in
+the dumped rollouts the response mask is 0 exactly at the tokens the agent's tool messages added
+(there are some), which carry no advantage, no rollout logprob and no reward; the agent's reward
+is the sample's; the resumed step 3 equals the uninterrupted one (the same agent conversations,
+token for token).
 """
 
 from __future__ import annotations
@@ -62,10 +63,19 @@ def hf_run(workdir) -> dict[int, dict]:
     return by_step(train(workdir, "hf", nproc=4, env_extra=log))
 
 
-def test_an_openai_client_agent_trains_at_tp2_pp2(workdir, hf_run):
+@pytest.fixture(scope="module")
+def vllm_run(workdir) -> dict[int, dict]:
+    log = {"AGENT_LOG": str(workdir / "vllm_agent_runs.txt")}
+    overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.125", "trainer.save_freq=0")
+    return by_step(
+        train(workdir, "vllm", *overrides, "trainer.total_steps=2", nproc=4, env_extra=log)
+    )
+
+
+def _check_agent_run(run: dict[int, dict], out: Path, agent_log: Path, steps: int) -> None:
     samples = PROMPTS * N
-    for step in range(1, STEPS + 1):
-        m = hf_run[step]
+    for step in range(1, steps + 1):
+        m = run[step]
         assert m["rollout/logprob_diff_max"] <= 1e-4, (step, m["rollout/logprob_diff_max"])
         assert m["rollout/turns_mean"] == 3 and m["rollout/turns_max"] == 3, step
         assert m["rollout/env_tokens_mean"] > 0 and m["rollout/env_failures"] == 0
@@ -73,10 +83,9 @@ def test_an_openai_client_agent_trains_at_tp2_pp2(workdir, hf_run):
         assert m["agent/failures"] == m["agent/timeouts"] == m["agent/non_continuations"] == 0
         assert m["reward/env_outcome_share"] == 1  # the agent's reward, not the scorer's
     # each sample's agent ran once: on one rank of its TP2 engine, not on each
-    runs = (workdir / "agent_runs.txt").read_text().splitlines()
-    assert len(runs) == STEPS * samples
-    for step in range(1, STEPS + 1):
-        [dump] = (workdir / "hf" / "rollouts").glob(f"step_{step:06d}_dp0.jsonl")
+    assert len(agent_log.read_text().splitlines()) == steps * samples
+    for step in range(1, steps + 1):
+        [dump] = (out / "rollouts").glob(f"step_{step:06d}_dp0.jsonl")
         records = _rollouts(dump)
         assert len(records) == samples
         for r in records:
@@ -96,6 +105,14 @@ def test_an_openai_client_agent_trains_at_tp2_pp2(workdir, hf_run):
             # the agent's reward sits on the last model token alone
             rewards = r["token_level_rewards"]
             assert {i for i, v in enumerate(rewards) if v != 0} <= {model_at[-1]}
+
+
+def test_an_openai_client_agent_trains_at_tp2_pp2_on_hf(workdir, hf_run):
+    _check_agent_run(hf_run, workdir / "hf", workdir / "agent_runs.txt", STEPS)
+
+
+def test_an_openai_client_agent_trains_at_tp2_pp2_on_vllm_tp2(workdir, vllm_run):
+    _check_agent_run(vllm_run, workdir / "vllm", workdir / "vllm_agent_runs.txt", 2)
 
 
 def _rollouts(path: Path) -> list[dict]:

@@ -458,7 +458,6 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
         f"rollout.agent={file}:solve",
     ]
     for extra, message in (
-        (["rollout.backend=vllm"], "samples through the HF engine only"),
         (["rollout.backend=hf", "rollout.env=x.py:Env"], "one or the other"),
         (
             ["rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"],
@@ -468,6 +467,7 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, *extra])
+    assert load_config(None, [*base, "rollout.backend=vllm"]).rollout.agent  # both backends serve
     # a good agent passes (the data files' check is next); a missing one is refused before it
     cfg = load_config(None, [*base, "rollout.backend=hf"])
     with pytest.raises(DataError, match=r"/nonexistent/train\.parquet"):

@@ -28,6 +28,7 @@ from tests.e2e.test_train import by_step, train
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS, PROMPTS, N = 3, 2, 2
+VAL_ROWS = 2  # the vLLM run's validation samples (rollout.val_n is 1)
 QUIET = {"loggers": ["console"], "mlflow_tracking_uri": "none"}
 
 
@@ -35,7 +36,7 @@ QUIET = {"loggers": ["console"], "mlflow_tracking_uri": "none"}
 def workdir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("agent")
     data = work / "data"
-    prepare_arithmetic(data, "add3", train_size=16, test_size=1)
+    prepare_arithmetic(data, "add3", train_size=16, test_size=2)
     train_files = [str(data / "train.parquet")]
     config = {
         "model": {"path": str(tiny_char_llama_dir())},
@@ -67,12 +68,16 @@ def hf_run(workdir) -> dict[int, dict]:
 def vllm_run(workdir) -> dict[int, dict]:
     log = {"AGENT_LOG": str(workdir / "vllm_agent_runs.txt")}
     overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.125", "trainer.save_freq=0")
+    # a validation pass at step 2 over the test set's 2 rows, through the agent too
+    val = (f"data.val_files=[{workdir / 'data' / 'test.parquet'}]", "trainer.test_freq=2")
     return by_step(
-        train(workdir, "vllm", *overrides, "trainer.total_steps=2", nproc=4, env_extra=log)
+        train(workdir, "vllm", *overrides, *val, "trainer.total_steps=2", nproc=4, env_extra=log)
     )
 
 
-def _check_agent_run(run: dict[int, dict], out: Path, agent_log: Path, steps: int) -> None:
+def _check_agent_run(
+    run: dict[int, dict], out: Path, agent_log: Path, steps: int, validated: int = 0
+) -> None:
     samples = PROMPTS * N
     for step in range(1, steps + 1):
         m = run[step]
@@ -83,7 +88,7 @@ def _check_agent_run(run: dict[int, dict], out: Path, agent_log: Path, steps: in
         assert m["agent/failures"] == m["agent/timeouts"] == m["agent/non_continuations"] == 0
         assert m["reward/env_outcome_share"] == 1  # the agent's reward, not the scorer's
     # each sample's agent ran once: on one rank of its TP2 engine, not on each
-    assert len(agent_log.read_text().splitlines()) == steps * samples
+    assert len(agent_log.read_text().splitlines()) == steps * samples + validated
     for step in range(1, steps + 1):
         [dump] = (out / "rollouts").glob(f"step_{step:06d}_dp0.jsonl")
         records = _rollouts(dump)
@@ -112,7 +117,8 @@ def test_an_openai_client_agent_trains_at_tp2_pp2_on_hf(workdir, hf_run):
 
 
 def test_an_openai_client_agent_trains_at_tp2_pp2_on_vllm_tp2(workdir, vllm_run):
-    _check_agent_run(vllm_run, workdir / "vllm", workdir / "vllm_agent_runs.txt", 2)
+    _check_agent_run(vllm_run, workdir / "vllm", workdir / "vllm_agent_runs.txt", 2, VAL_ROWS)
+    assert vllm_run[2]["val/turns_mean"] == 3
 
 
 def _rollouts(path: Path) -> list[dict]:

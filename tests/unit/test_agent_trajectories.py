@@ -4,15 +4,26 @@ the step's agent metrics over engines, and the engine calls an engine's other ra
 
 from __future__ import annotations
 
+import openai
 import pytest
+from transformers import AutoTokenizer
 
 from megarl.agents.generation import EngineGenerator, Request, follow_requests
-from megarl.agents.runner import AgentBatch, AgentSample, agent_metrics
-from megarl.agents.trajectories import UNTRAINED_TOKENS, agent_step_metrics, sample_trajectory
+from megarl.agents.loading import Agent
+from megarl.agents.runner import AgentBatch, AgentLimits, AgentSample, agent_metrics
+from megarl.agents.trajectories import (
+    UNTRAINED_TOKENS,
+    AgentSource,
+    agent_step_metrics,
+    sample_trajectory,
+)
+from megarl.agents.turns import TurnSettings
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.rollout_split import SampleStart
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.trajectory_source import EngineTrajectories
+from megarl.hybrid_engine.seeds import sequence_seed
+from megarl.hybrid_engine.trajectory_source import EngineJob, EngineTrajectories
+from tests.assets import tiny_char_llama_dir
 
 pytestmark = pytest.mark.unit
 
@@ -102,3 +113,70 @@ def test_the_other_ranks_make_each_announced_request_until_the_end():
     queue = iter(announced)
     assert follow_requests(other, sampling, lambda: next(queue)) == 2
     assert other.calls == first.calls == [([[1, 2]], [11], [5]), ([[1, 2, 3, 4]], [12], [2])]
+
+
+# -- an engine's part through the endpoint: the first rank and a follower -----------------------
+def editing_agent(row: dict, base_url: str, model: str) -> float:
+    """Drops its first exchange (a new segment), then continues the second with a tool result."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    edited: list[dict] = [{"role": "user", "content": f"hello {row['k']}"}]
+    second = client.chat.completions.create(model=model, messages=edited)
+    edited += [second.choices[0].message.model_dump(exclude_none=True)]
+    edited += [{"role": "tool", "content": "3"}]
+    client.chat.completions.create(model=model, messages=edited)
+    return 0.5
+
+
+class Replying(Recording):
+    """Answers every request with the same few tokens and the stop token."""
+
+    def __init__(self, reply: list[int]) -> None:
+        super().__init__()
+        self.reply = reply
+
+    def generate(self, prompts, sampling, seed_offset=0, *, seeds=None, max_new_tokens=None):
+        super().generate(prompts, sampling, seeds=seeds, max_new_tokens=max_new_tokens)
+        return RolloutOutput([0], [list(self.reply)], [[-0.5] * len(self.reply)], ["stop"])
+
+
+def test_an_engines_part_trains_each_samples_last_segment_and_its_followers_repeat_the_calls():
+    tokenizer = AutoTokenizer.from_pretrained(tiny_char_llama_dir())
+    reply = [*tokenizer("ok", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    sampling = SamplingConfig(n=2, seed=9, max_new_tokens=8)
+    settings = TurnSettings(model="policy", seed=9, max_turn_tokens=8, max_context_tokens=256)
+    source = AgentSource(
+        Agent(editing_agent, "editing_agent", False),
+        tokenizer,
+        settings,
+        AgentLimits(concurrency=2, timeout_s=60),
+        sampling,
+        PAD,
+    )
+    starts = [SampleStart(sample=s, row={"k": s}, fallback_prompt=[1]) for s in (4, 5)]
+    first = Replying(reply)
+    announced: list[Request | None] = []
+
+    def share(value):
+        announced.append(value)
+        return value
+
+    part = source.run(EngineJob(first, starts, 2, leader=True, share=share))
+    assert part is not None and [t.sample for t in part.trajectories] == [4, 5]
+    for t in part.trajectories:
+        assert t.turns == 2 and t.turn_rewards == [None, 0.5] and t.finish == "stop"
+        assert t.mask[: len(reply)] == [1] * len(reply) and t.env_tokens > 0  # turn, tool, turn
+        assert "hello" in tokenizer.decode(t.prompt_ids)  # the edited conversation's rendering
+    assert part.totals["agent/non_continuations"] == 2  # one split per sample
+    assert part.totals[UNTRAINED_TOKENS] == 2 * len(reply)  # each first exchange's reply
+    # every engine call announced first, the end last; each request its own seeded stream
+    assert len(announced) == 7 and announced[-1] is None
+    seeds = sorted(seed for _, [seed], _ in first.calls)
+    assert seeds == sorted(sequence_seed(9, 2, s, segment=k) for s in (4, 5) for k in range(3))
+    # an engine's other rank makes the same calls, in the announced order, and returns nothing
+    follower, queue = Replying(reply), iter(announced)
+    assert (
+        source.run(EngineJob(follower, starts, 2, leader=False, share=lambda _: next(queue)))
+        is None
+    )
+    assert follower.calls == first.calls

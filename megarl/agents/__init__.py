@@ -6,7 +6,7 @@
 - :mod:`~megarl.agents.session`: one sample's record (segments of token ids) and the continuation rule;
 - :mod:`~megarl.agents.turns`: one request: prompt ids, one model turn, recorded, the reply;
 - :mod:`~megarl.agents.endpoint`: the loopback HTTP server and its sessions;
-- :mod:`~megarl.agents.runner`: an agent over a batch of samples, bounded and timed.
-
-Not wired into training yet: a run with ``rollout.agent`` set is refused before launch.
+- :mod:`~megarl.agents.runner`: an agent over a batch of samples, bounded and timed;
+- :mod:`~megarl.agents.trajectories`: a rollout engine's samples through the agent, as the
+  trajectories the trainer trains on.
 """

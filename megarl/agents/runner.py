@@ -32,6 +32,22 @@ T = TypeVar("T")
 OUTCOMES = ("ok", "error", "timeout", "no_requests")
 
 
+REQUESTS = "agent/requests"
+SEGMENTS = "agent/segments"
+
+
+def agent_metrics(totals: dict[str, float], seconds: float) -> dict[str, float]:
+    """The ``agent/*`` metrics of ``totals`` (:meth:`AgentBatch.totals`, maybe summed over
+    engines): the counters, requests and segments per sample, and the wall seconds (``agent/s``,
+    the slowest engine's)."""
+    n = max(totals.get("agent/samples", 0.0), 1.0)
+    out = {k: v for k, v in totals.items() if k not in (REQUESTS, SEGMENTS)}
+    out["agent/requests_mean"] = totals.get(REQUESTS, 0.0) / n
+    out["agent/segments_mean"] = totals.get(SEGMENTS, 0.0) / n
+    out["agent/s"] = float(seconds)
+    return out
+
+
 @dataclass(frozen=True)
 class AgentLimits:
     concurrency: int = 8  # agents running at once
@@ -68,21 +84,26 @@ class AgentBatch:
     counts: dict[str, int] = field(default_factory=dict)  # the endpoint's, over this batch
     seconds: float = 0.0
 
-    def metrics(self) -> StepMetrics:
-        n = max(len(self.samples), 1)
-        out: StepMetrics = {
-            "agent/samples": total(len(self.samples)),
-            "agent/failures": total(sum(s.outcome == "error" for s in self.samples)),
-            "agent/timeouts": total(sum(s.outcome == "timeout" for s in self.samples)),
-            "agent/no_requests": total(sum(s.outcome == "no_requests" for s in self.samples)),
-            "agent/non_continuations": total(sum(s.non_continuations for s in self.samples)),
-            "agent/requests_mean": mean(sum(s.requests for s in self.samples) / n),
-            "agent/segments_mean": mean(sum(len(s.segments) for s in self.samples) / n),
-            "agent/s": mean(self.seconds),
+    def totals(self) -> dict[str, float]:
+        """The batch's counters (summed over the engines of a step: :func:`agent_metrics`)."""
+        out = {
+            "agent/samples": float(len(self.samples)),
+            "agent/failures": float(sum(s.outcome == "error" for s in self.samples)),
+            "agent/timeouts": float(sum(s.outcome == "timeout" for s in self.samples)),
+            "agent/no_requests": float(sum(s.outcome == "no_requests" for s in self.samples)),
+            "agent/non_continuations": float(sum(s.non_continuations for s in self.samples)),
+            REQUESTS: float(sum(s.requests for s in self.samples)),
+            SEGMENTS: float(sum(len(s.segments) for s in self.samples)),
         }
         for name, count in sorted(self.counts.items()):
-            out[f"agent/{name}"] = total(count)
+            out[f"agent/{name}"] = float(count)
         return out
+
+    def metrics(self) -> StepMetrics:
+        return {
+            k: mean(v) if k.endswith("_mean") or k == "agent/s" else total(v)
+            for k, v in agent_metrics(self.totals(), self.seconds).items()
+        }
 
     def check_failures(self, max_failed_share: float) -> None:
         """The run's failed-sample guard (rollout.max_env_failures): an EnvError showing the

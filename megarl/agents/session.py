@@ -17,8 +17,7 @@ and
 
 Anything else (an edited or dropped message, other tools, a different system prompt, another
 kind of request) starts a new segment with the request's own rendering, and counts one
-non-continuation. Each segment is trained on as its own sequence (the trainer's wiring is
-issue 47's next piece).
+non-continuation. Training trains a sample's last segment (megarl.agents.trajectories).
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
 
 def routing_recorded(cfg: RunConfig, moe: bool) -> bool:
     """Whether the rollout records each token's experts: an MoE policy on the HF backend in a
-    colocated single-turn run (the paths that carry them; the input checks refuse
-    actor.router_replay elsewhere)."""
+    colocated single-turn run, without rollout.env or rollout.agent (the paths that carry them;
+    the input checks refuse actor.router_replay elsewhere)."""
     r = cfg.rollout
-    return moe and r.backend == "hf" and r.env is None and r.mode == "colocated"
+    single_turn = r.env is None and r.agent is None
+    return moe and r.backend == "hf" and single_turn and r.mode == "colocated"

@@ -137,9 +137,8 @@ class RolloutConfig:
     # stops with the first error; failed samples score 0 and are counted (rollout/env_failures).
     max_env_failures: float = 0.5
     # A black-box agent behind an OpenAI-compatible endpoint (docs/agents.md): "path/to/file.py:NAME"
-    # naming NAME(row, base_url, model) -> float | None, sync or async, run once per sample. The
-    # endpoint and the runner exist (megarl.agents); training on agents is not wired yet, so a run
-    # with it set is refused before launch. None: no agent.
+    # naming NAME(row, base_url, model) -> float | None, sync or async, run once per sample and
+    # trained on like an environment's trajectories (colocated). None: no agent.
     agent: str | None = None
     agent_concurrency: int = 8  # agents running at once per rollout rank
     agent_timeout_s: float = 300.0  # one sample's agent past this gets reward 0 (counted)

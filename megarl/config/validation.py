@@ -317,11 +317,6 @@ def _validate_agent(r: RolloutConfig) -> None:
             "(not built); set rollout.mode=colocated",
         ),
         (
-            r.backend != "hf",
-            f"rollout.backend={r.backend}: the agent endpoint samples through the HF engine only "
-            "so far (vLLM behind it is not built yet); set rollout.backend=hf",
-        ),
-        (
             r.partial,
             "rollout.partial=true: an agent's turns are sampled with one version's weights; set "
             "rollout.partial=false",

@@ -36,7 +36,7 @@ from megarl import parallel, platform
 from megarl.backends import check_rollout_backend
 from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
-from megarl.envs.trajectory import Trajectory, check_env_failures, trajectory_metrics
+from megarl.envs.trajectory import Trajectory, check_env_failures
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
 from megarl.hybrid_engine.engine_group import engine_group, share_from_first
 from megarl.hybrid_engine.execute import (
@@ -47,12 +47,11 @@ from megarl.hybrid_engine.execute import (
 )
 from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
-from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
+from megarl.hybrid_engine.multi_turn import EnvSource, TurnLimits
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_schedule import schedule_reshard
 from megarl.hybrid_engine.rollout_split import (
     engine_seeds,
-    merge_engine_trajectories,
     merge_engines,
     one_per_key,
     prompt_share,
@@ -68,6 +67,7 @@ from megarl.hybrid_engine.rollout_types import (
     SamplingConfig,
 )
 from megarl.hybrid_engine.tensor_list import actor_planned_tensors
+from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, engine_parts
 from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
@@ -389,11 +389,24 @@ class HybridEngine:
         max_failed_share: float = 1.0,
     ) -> RolloutBatch:
         """Multi-turn trajectories for this DP rank's dataset rows, ``sampling.n`` per row (one
-        environment instance each), like :meth:`generate`: rows of all DP ranks split over the
-        engines, turn-level batched, the environments run by each engine's first rank
-        (``runner``, needed there only). Raises EnvError (the first failure shown) when more than
-        ``max_failed_share`` of the step's samples failed in their environment."""
-        n = sampling.n
+        environment instance each): :meth:`generate_from` with the environments (``runner``, the
+        engine's first rank's; needed there only), turn-level batched."""
+        source = EnvSource(runner, sampling, limits, pad_id)
+        return self.generate_from(rows, fallback_prompts, sampling.n, source, max_failed_share)
+
+    def generate_from(
+        self,
+        rows: Sequence[dict],
+        fallback_prompts: Sequence[Sequence[int]],
+        n: int,
+        source: TrajectorySource,
+        max_failed_share: float = 1.0,
+    ) -> RolloutBatch:
+        """The trajectories ``source`` makes of this DP rank's dataset rows, ``n`` samples per
+        row, like :meth:`generate`: rows of all DP ranks split over the engines, each engine's
+        samples made by the source on the engine's ranks (its first rank's results kept). Raises
+        EnvError (the first failure shown) when more than ``max_failed_share`` of the step's
+        samples failed."""
         mine = [(dict(r), list(map(int, p))) for r, p in zip(rows, fallback_prompts, strict=True)]
         everything, a, b = self._gather_dp(mine)
         engine, lo, hi = self._engine_slice(len(everything))
@@ -401,25 +414,16 @@ class HybridEngine:
         self._rollouts += 1
         starts = sample_starts(everything, lo, hi, n)
         leader = self.runs_environments
-        trajectories = run_trajectories(
-            self.rollout,
-            starts,
-            runner if leader else None,
-            sampling,
-            limits,
-            rollout_index=rollout_index,
-            pad_id=pad_id,
-            share=self._share,
-        )
-        env_s = runner.take_seconds() if leader and runner is not None else 0.0
+        part = source.run(EngineJob(self.rollout, starts, rollout_index, leader, self._share))
         results: list = [None] * dist.get_world_size()
-        dist.all_gather_object(results, (engine, trajectories, env_s) if leader else None)
-        step, seconds = merge_engine_trajectories(results)
+        dist.all_gather_object(results, (engine, part) if leader else None)
+        parts = engine_parts(results)
+        step = [t for p in parts for t in p.trajectories]
         check_env_failures(step, max_failed_share)
         ours, output = rank_output(step, a, b, n)
         return RolloutBatch(
             prompts=[p for _, p in mine],
             output=output,
             trajectories=ours,
-            metrics=trajectory_metrics(step, seconds),
+            metrics=source.step_metrics(parts),
         )

@@ -24,21 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar, cast
+from typing import TypeVar, cast
 
 from megarl.envs.runner import EnvRunner, Started
-from megarl.envs.trajectory import Trajectory
+from megarl.envs.trajectory import Trajectory, trajectory_metrics
 from megarl.hybrid_engine.rollout_split import SampleStart, prompt_seed
 from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
+from megarl.hybrid_engine.trajectory_source import EngineJob, EngineTrajectories, Share
 
 T = TypeVar("T")
-
-
-class Share(Protocol):
-    """The executing rank's value (None on the other ranks) -> that value on every rank."""
-
-    def __call__(self, value: T | None, /) -> T: ...
 
 
 @dataclass(frozen=True)
@@ -188,3 +183,37 @@ def run_trajectories(
             else:
                 t.add_env_tokens(list(env_ids))
     return trajectories
+
+
+@dataclass(frozen=True)
+class EnvSource:
+    """``rollout.env``'s trajectories for the hybrid engine
+    (:class:`~megarl.hybrid_engine.trajectory_source.TrajectorySource`): :func:`run_trajectories`
+    on every rank of an engine, the environments on its first rank (``runner`` is that rank's;
+    None elsewhere)."""
+
+    runner: EnvRunner | None
+    sampling: SamplingConfig
+    limits: TurnLimits
+    pad_id: int
+
+    def run(self, job: EngineJob) -> EngineTrajectories | None:
+        runner = self.runner if job.leader else None
+        trajectories = run_trajectories(
+            job.engine,
+            job.starts,
+            runner,
+            self.sampling,
+            self.limits,
+            rollout_index=job.rollout_index,
+            pad_id=self.pad_id,
+            share=job.share,
+        )
+        if not job.leader:
+            return None
+        seconds = runner.take_seconds() if runner is not None else 0.0
+        return EngineTrajectories(trajectories, seconds)
+
+    def step_metrics(self, parts: Sequence[EngineTrajectories]) -> dict[str, float]:
+        step = [t for part in parts for t in part.trajectories]
+        return trajectory_metrics(step, max((p.seconds for p in parts), default=0.0))

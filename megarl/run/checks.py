@@ -57,20 +57,10 @@ _ALGORITHM_CHECKS: dict[str, Callable[[RunConfig], None]] = {
 }
 
 
-# Until the trainer runs agents (issue 47's next pieces), a run that names one must not train
-# without it.
-AGENT_NOT_WIRED = (
-    "the agent loads and takes (row, base_url, model), but training on agents is not built yet: "
-    "the endpoint and the agent runner exist (megarl.agents, docs/agents.md), the trainer does not "
-    "call them. Unset rollout.agent to train without it"
-)
-
-
 def check_agent_setting(spec: str) -> None:
-    """Load ``rollout.agent`` (a ConfigError naming the fix when it cannot be used), then refuse
-    the run: the trainer does not run agents yet."""
+    """Load ``rollout.agent``: a ConfigError naming the fix when it cannot be used (before any
+    model is built)."""
     load_agent(spec)
-    raise ConfigError(f"rollout.agent={spec!r}: {AGENT_NOT_WIRED}")
 
 
 def check_choices(cfg: RunConfig) -> None:
@@ -321,6 +311,11 @@ def _check_router_replay(cfg: RunConfig, dims: ModelDims) -> None:
         (
             r.env is not None,
             "rollout.env: multi-turn trajectories do not carry their routing yet; unset rollout.env",
+        ),
+        (
+            r.agent is not None,
+            "rollout.agent: an agent's trajectories do not carry their routing yet; unset "
+            "rollout.agent",
         ),
         (
             r.mode != "colocated",

@@ -37,6 +37,7 @@ from megarl.run.startup import Startup, start
 from megarl.run.steps import announce_steps
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
+from megarl.trainer.agent_rollout import agent_source
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
 from megarl.trainer.remote_rollout import (
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from transformers import PreTrainedTokenizerBase
 
+    from megarl.agents.trajectories import AgentSource
+
 
 @dataclass(frozen=True)
 class Rollout:
@@ -78,6 +81,7 @@ class Rollout:
     turns: TurnLimits | None = None
     env_runner: EnvRunner | None = None
     max_env_failures: float = 1.0
+    agent: AgentSource | None = None  # rollout.agent (megarl.trainer.agent_rollout)
 
     def close(self) -> None:
         if self.env_runner is not None:
@@ -255,7 +259,7 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout
             record_routes=routing_recorded(cfg, roles.dims.is_moe),
         ),
         backend=r.backend,
-        multi_turn=r.env is not None,
+        multi_turn=r.env is not None or r.agent is not None,
         reshard_mode=r.reshard_mode,
     )
     sampling, val_sampling = sampling_configs(cfg)
@@ -273,6 +277,7 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout
         turns=turns,
         env_runner=runner,
         max_env_failures=r.max_env_failures,
+        agent=agent_source(cfg, startup.tokenizer, sampling, startup.pad_id) if r.agent else None,
     )
 
 

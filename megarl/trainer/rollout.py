@@ -21,6 +21,7 @@ from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch, gpu_memory_m
 from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.metrics import StepMetrics, declare
 from megarl.run.steps import timed
+from megarl.trainer.agent_rollout import agent_batch
 from megarl.trainer.assembly import PolicyRun
 from megarl.trainer.batch import StepBatch
 from megarl.trainer.dynamic_sampling import filter_groups
@@ -51,8 +52,19 @@ def to_train(run: PolicyRun) -> dict[str, float]:
 
 def generate(run: PolicyRun, items: list[PromptItem], sampling: SamplingConfig) -> RolloutBatch:
     """Responses to this DP rank's prompts from the awake rollout engine (no scoring); with
-    ``rollout.env``, one multi-turn trajectory per sample (megarl.hybrid_engine.multi_turn)."""
+    ``rollout.env``, one multi-turn trajectory per sample (megarl.hybrid_engine.multi_turn); with
+    ``rollout.agent``, one per agent run (megarl.trainer.agent_rollout)."""
     r = run.rollout
+    if r.agent is not None:  # built with the colocated engine only (trainer.assembly)
+        assert isinstance(r.engine, HybridEngine)
+        return agent_batch(
+            r.engine,
+            r.agent,
+            [dataset_row(it) for it in items],
+            [it.input_ids for it in items],
+            sampling,
+            r.max_env_failures,
+        )
     if r.turns is None:
         return r.engine.generate([it.input_ids for it in items], sampling)
     # multi-turn rollouts (turns) are built with the colocated engine only (trainer.assembly)

@@ -28,6 +28,7 @@ from megarl.agents.loading import Agent, load_agent
 from megarl.agents.runner import AgentBatch, AgentLimits, run_agents
 from megarl.agents.turns import TurnSettings
 from megarl.config import load_config
+from megarl.data.errors import DataError
 from megarl.envs.base import EnvError
 from megarl.envs.chat_deltas import ChatDeltas
 from megarl.errors import ConfigError
@@ -457,7 +458,6 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
         f"rollout.agent={file}:solve",
     ]
     for extra, message in (
-        (["rollout.backend=vllm"], "samples through the HF engine only"),
         (["rollout.backend=hf", "rollout.env=x.py:Env"], "one or the other"),
         (
             ["rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"],
@@ -467,9 +467,14 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, *extra])
+    assert load_config(None, [*base, "rollout.backend=vllm"]).rollout.agent  # both backends serve
+    # a good agent passes (the data files' check is next); a missing one is refused before it
     cfg = load_config(None, [*base, "rollout.backend=hf"])
-    with pytest.raises(ConfigError, match="training on agents is not built yet"):
-        check_inputs(cfg, ParallelLayout(), this_machine=False)  # before the data files are read
+    with pytest.raises(DataError, match=r"/nonexistent/train\.parquet"):
+        check_inputs(cfg, ParallelLayout(), this_machine=False)
+    absent = [*base[:2], f"rollout.agent={tmp_path}/absent.py:solve", "rollout.backend=hf"]
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_inputs(load_config(None, absent), ParallelLayout(), this_machine=False)
     with pytest.raises(ConfigError, match="does not exist"):
         check_agent_setting(f"{tmp_path}/absent.py:solve")
 

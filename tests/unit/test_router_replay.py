@@ -140,6 +140,7 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
             "rollout group",
         ),
         (moe, ("rollout.backend=hf", "actor.share_prompts=true"), "shared-prompt"),
+        (moe, ("rollout.backend=hf", "rollout.agent=agent.py:solve"), "agent's trajectories"),
     ):
         with pytest.raises(ConfigError, match=message):
             check(dims, *overrides)

@@ -1,0 +1,87 @@
+"""Where a colocated rollout's trajectories come from, behind one seam: today's environments
+(:class:`~megarl.hybrid_engine.multi_turn.EnvSource`, ``rollout.env``) or an agent behind the
+OpenAI-compatible endpoint (:class:`~megarl.agents.trajectories.AgentSource`, ``rollout.agent``).
+
+The hybrid engine splits a step's samples over its rollout engines and hands each engine's
+:class:`~megarl.hybrid_engine.rollout_split.SampleStart` list to the source on every rank of that
+engine; the source returns the engine's trajectories on the engine's first rank (None on the
+others), which the engine gathers, checks with the failed-sample guard and turns into the
+trainer's samples: one path from trajectories to samples, whatever made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from megarl.envs.trajectory import Trajectory
+from megarl.hybrid_engine.rollout_split import SampleStart, one_per_key
+from megarl.hybrid_engine.rollout_types import Generates
+
+T = TypeVar("T")
+
+
+class Share(Protocol):
+    """The executing rank's value (None on the other ranks) -> that value on every rank."""
+
+    def __call__(self, value: T | None, /) -> T: ...
+
+
+@dataclass
+class EngineTrajectories:
+    """One rollout engine's part of a step: its samples' trajectories in sample order, the wall
+    seconds spent outside the engine (tools, agents), and counters summed over engines."""
+
+    trajectories: list[Trajectory]
+    seconds: float = 0.0
+    totals: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """One rollout engine's samples of a step, as every rank of the engine sees them."""
+
+    engine: Generates
+    starts: Sequence[SampleStart]
+    rollout_index: int  # the run's rollout count: every request's seed depends on it
+    leader: bool  # this rank is the engine's first
+    share: Share  # the first rank's value on every rank of the engine
+
+
+class TrajectorySource(Protocol):
+    def run(self, job: EngineJob) -> EngineTrajectories | None:
+        """The trajectories of ``job.starts`` on the engine's first rank, None on its other
+        ranks; every rank of the engine calls it."""
+        ...
+
+    def step_metrics(self, parts: Sequence[EngineTrajectories]) -> dict[str, float]:
+        """The step's rollout metrics from every engine's part (the same on every rank)."""
+        ...
+
+
+def engine_parts(
+    gathered: Sequence[tuple[int, EngineTrajectories] | None],
+) -> list[EngineTrajectories]:
+    """One part per engine, in engine order, from what every rank sent (None from the ranks that
+    are not an engine's first)."""
+    return [part for _, part in one_per_key(gathered)]
+
+
+def summed_totals(parts: Sequence[EngineTrajectories]) -> dict[str, float]:
+    """The engines' counters, summed."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.totals.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+__all__ = [
+    "EngineJob",
+    "EngineTrajectories",
+    "Share",
+    "TrajectorySource",
+    "engine_parts",
+    "summed_totals",
+]

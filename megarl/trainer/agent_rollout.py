@@ -1,0 +1,63 @@
+"""``rollout.agent``'s part of a colocated run: the agent, the endpoint's settings and limits
+from the config (:func:`agent_source`), and a step's trajectories from it (:func:`agent_batch`),
+which the trainer then rewards and trains like an environment's (docs/agents.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from megarl.agents.loading import load_agent
+from megarl.agents.runner import AgentLimits
+from megarl.agents.trajectories import AgentSource
+from megarl.agents.turns import TurnSettings
+from megarl.config import RunConfig
+from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch
+from megarl.hybrid_engine.rollout_types import SamplingConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# the model name the endpoint serves: what an agent is given and must send
+SERVED_MODEL = "policy"
+
+
+def agent_source(
+    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, sampling: SamplingConfig, pad_id: int
+) -> AgentSource:
+    """The run's agent (loaded again: checked before launch) with the endpoint's limits: one
+    reply at most ``rollout.max_turn_tokens`` (else ``max_response_length``) tokens, one segment
+    at most the engine's context (``data.max_prompt_length + rollout.max_response_length``)."""
+    r = cfg.rollout
+    assert r.agent is not None  # built for rollout.agent only
+    settings = TurnSettings(
+        model=SERVED_MODEL,
+        seed=sampling.seed,
+        max_turn_tokens=r.max_turn_tokens or r.max_response_length,
+        max_context_tokens=cfg.data.max_prompt_length + r.max_response_length,
+    )
+    return AgentSource(
+        load_agent(r.agent),
+        tokenizer,
+        settings,
+        AgentLimits(r.agent_concurrency, r.agent_timeout_s),
+        sampling,
+        pad_id,
+    )
+
+
+def agent_batch(
+    engine: HybridEngine,
+    source: AgentSource,
+    rows: Sequence[dict],
+    fallback_prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    max_failed_share: float,
+) -> RolloutBatch:
+    """This DP rank's trajectories of ``rows``, ``sampling.n`` agent runs per row, sampled with
+    ``sampling`` (the training or the validation rollout's)."""
+    source = replace(
+        source, sampling=sampling, settings=replace(source.settings, seed=sampling.seed)
+    )
+    return engine.generate_from(rows, fallback_prompts, sampling.n, source, max_failed_share)

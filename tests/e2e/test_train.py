@@ -568,7 +568,10 @@ def test_rank_killed_mid_save_keeps_latest_and_the_run_resumes_at_other_layouts(
 ):
     """SIGKILL of one of 4 ranks during a checkpoint write: `latest` stays on the previous
     complete checkpoint, nothing half-written is visible; that checkpoint (TP2xPP2) resumes at
-    1 process and at TP1xPP2xDP2 with step-2 metrics equal to the uninterrupted run's."""
+    1 process and at TP1xPP2xDP2 with step-2 metrics equal to the uninterrupted run's. That
+    includes the restored rollout count: resumed one rollout short, step 2 samples other streams
+    (reward/mean 0.412 against 0.429; before every rollout's seeds differed in the low 32 bits
+    that CPU sampling keeps, such a resume drew the same tokens and passed)."""
     proc, uninterrupted = tp2pp2_run
     assert proc.returncode != 0
     # The ranks that lost their peer say so in a line each; no traceback scrolls the cause away.
@@ -778,7 +781,11 @@ def assert_critic_runs_alike(one: dict, many: dict, step: int) -> None:
         "critic/value_mse",
     ):
         assert many[key] == pytest.approx(one[key], abs=1e-6), (step, key)
-    assert many["critic/explained_var"] == pytest.approx(one["critic/explained_var"], abs=1e-6)
+    # undefined (NaN) where the returns do not vary: a step whose samples all scored alike,
+    # before the KL in the reward acts; both runs must then say so
+    undefined = one["reward/std"] <= 1e-6
+    key = "critic/explained_var"
+    assert many[key] == pytest.approx(one[key], abs=1e-6, nan_ok=undefined), (step, key)
 
 
 def assert_same_samples(one: dict[tuple, dict], many: dict[tuple, dict], step: int) -> None:
@@ -868,6 +875,8 @@ def test_ppo_with_critic_tp1_pp2_dp2_matches_one_process(workdir):
         assert len(a) == 16, step  # 4 prompts x 4 samples
         assert_same_samples(a, b, step)
     assert single[2]["actor/reward_kl"] > 0.01  # the KL in the reward acts at step 2
+    # the critic's explained variance is compared as a number at some step, not only as NaN
+    assert any(math.isfinite(single[s]["critic/explained_var"]) for s in (1, 2)), single
     assert single[1]["critic/vf_loss"] > 0.1  # the critic has something to learn
 
 
@@ -886,9 +895,10 @@ def test_dapo_dynamic_sampling_with_a_critic_tp1_pp2_dp2_matches_one_process(wor
     filled its half of the step from its half of each draw and the step trained the smallest
     count over ranks, so the trained groups depended on the DP size.
 
-    A prompt is drawn again in a later draw of a step (the file repeats prompts), and there its
-    samples came out the same as before (the seeds of two rollouts' sample i differ only above
-    bit 32, and CPU sampling showed no difference): samples are matched with their repeats."""
+    A prompt is drawn again in a later draw of a step (the file repeats prompts). Its redraw is
+    another rollout with other seeds, also in the low 32 bits that CPU sampling keeps
+    (megarl/hybrid_engine/seeds.py), so it samples other responses; a short response can still
+    come out the same twice, so samples are matched with their repeats."""
     import pyarrow.parquet as pq
 
     rows = pq.read_table(workdir / "data" / "train.parquet").take(rows_read_alike(draws=6))

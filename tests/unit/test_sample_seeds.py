@@ -5,22 +5,29 @@ made sample j of prompt i and sample j-1 of prompt i+1 share a stream (45 of 64 
 two-step quickstart run shared theirs with another). Checked here: no two sequences of a step
 share one, at any number of engines (the same seeds in the same places: layout-invariant), nor
 across steps, validation passes, multi-turn turns and partial-rollout rounds; the colocated
-engine, a resumed engine and the asynchronous rollout group's generation all seed alike."""
+engine, a resumed engine and the asynchronous rollout group's generation all seed alike.
+
+CPU generators keep only a seed's low 32 bits: those bits must differ between rollouts and
+segments too, or every step of a CPU run redraws the first step's streams by sample position
+(and dynamic sampling's redraw of a prompt gives back the same responses)."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from megarl.hybrid_engine import engine as engine_module
 from megarl.hybrid_engine.engine import HybridEngine
+from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.multi_turn import turn_seed
 from megarl.hybrid_engine.rollout_split import engine_slice, prompt_seed
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import (
+    LOW_BITS,
     SEQUENCE_BITS,
     request_seeds,
     sample_seeds,
@@ -28,6 +35,7 @@ from megarl.hybrid_engine.seeds import (
 )
 from megarl.hybrid_engine.versioned import generate_versioned
 from megarl.parallel import ParallelLayout
+from tests.assets import tiny_char_llama_dir
 
 RUN_SEED, PROMPTS, N = 1, 32, 8  # the quickstart's seed; a step of 32 prompts x 8 samples
 
@@ -97,7 +105,39 @@ def test_distinct_places_in_a_run_have_distinct_seeds(a, b, run_seed):
     seed_a = sequence_seed(run_seed, ra, qa, segment=sa)
     seed_b = sequence_seed(run_seed, rb, qb, segment=sb)
     assert (seed_a == seed_b) == (a == b)
-    assert 0 <= seed_a < 2**63 - 2**SEQUENCE_BITS or seed_a % 2**SEQUENCE_BITS == qa
+    assert 0 <= seed_a < 2**63
+    # the engine's seed + j for the later samples of a request, up to the rollout's last
+    # sample, stays in the low bits: it never carries into (rollout, segment)
+    assert seed_a % 2**LOW_BITS + (2**SEQUENCE_BITS - 1 - qa) < 2**LOW_BITS
+
+
+def test_a_cpu_generator_keeps_only_the_low_32_bits_of_a_seed():
+    """The hazard: torch's CPU generator (mt19937) draws alike from seeds 2**32 apart."""
+    seed = sequence_seed(RUN_SEED, 1, 3)
+    draws = [
+        torch.rand(8, generator=torch.Generator().manual_seed(s)) for s in (seed, seed + 2**32)
+    ]
+    assert torch.equal(*draws)
+
+
+def test_rollouts_and_segments_draw_apart_in_the_low_32_bits():
+    """200 rollouts x 256 samples x 3 segments: no two places share their low 32 bits, so a
+    CPU generator draws each its own stream (not guaranteed by the layout as it is for the full
+    seed, but each (rollout, segment) starts its sequences at a mixed offset)."""
+    rollouts, samples, segments = 200, 256, 3
+    low = {
+        sequence_seed(RUN_SEED, r, k, segment=g) % 2**LOW_BITS
+        for r in range(rollouts)
+        for g in range(segments)
+        for k in range(samples)
+    }
+    assert len(low) == rollouts * samples * segments
+    # and so a CPU generator seeded for one sample position draws apart from step to step
+    first = [
+        torch.rand(4, generator=torch.Generator().manual_seed(sequence_seed(RUN_SEED, r, 3)))
+        for r in range(4)
+    ]
+    assert all(not torch.equal(first[0], other) for other in first[1:])
 
 
 def test_a_step_too_large_to_seed_is_refused_naming_the_fix():
@@ -154,6 +194,19 @@ def test_the_colocated_engine_seeds_every_sample_its_own_stream_and_resumes_alik
     resumed = _one_rank_engine(monkeypatch, rollouts=2)
     resumed.generate(prompts, sampling)
     assert resumed.rollout.seeds == engine.rollout.seeds[2:]
+
+
+def test_a_redraw_of_a_prompt_on_the_hf_cpu_backend_samples_other_responses(monkeypatch):
+    """Dynamic sampling's redraw of a prompt is the next rollout: on CPU it must not give back
+    the responses the first draw gave."""
+    sampling = SamplingConfig(n=4, seed=RUN_SEED, max_new_tokens=12, stop_token_ids=[])
+    engine = _one_rank_engine(monkeypatch)
+    engine.rollout = HFRollout(tiny_char_llama_dir())
+    prompt = [[5, 6, 7, 8]]
+    first, redraw = (engine.generate(prompt, sampling).output.token_ids for _ in range(2))
+    assert len(first) == len(redraw) == 4
+    assert all(len(t) == 12 for t in first + redraw)  # no stop token: full-length responses
+    assert not set(map(tuple, first)) & set(map(tuple, redraw))
 
 
 def test_the_async_rollout_group_seeds_as_the_colocated_engine():

@@ -69,7 +69,7 @@ def _parks_a_rank(args: argparse.Namespace, cfg: RunConfig) -> bool:
         not args.dry_run
         and not launched
         and args.launcher == "torchrun"
-        and (args.nproc_per_node or job_world_size(cfg)) == 1
+        and (args.nproc_per_node or job_world_size(cfg.parallel, cfg.rollout)) == 1
     )
 
 
@@ -102,7 +102,7 @@ def _checked_train(
     world = world_size(args.launcher, args.nnodes, nproc, args.address)
     validate(cfg, world)
     colocated = cfg.rollout.mode == "colocated"
-    trainers = trainer_world_size(cfg, world)
+    trainers = trainer_world_size(cfg.parallel, cfg.rollout, world)
     layout = layout_for(cfg, trainers, with_rollout=colocated)
     reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
     # a live run in trainer.output_dir is refused; this one holds it until this process ends

@@ -78,7 +78,9 @@ def _layout(cfg: RunConfig, world: int) -> ParallelLayout:
     """The trainers' layout over a job of ``world`` ranks (in rollout.mode=async, the ranks left
     beside the rollout group, which do not roll out)."""
     colocated = cfg.rollout.mode == "colocated"
-    return ParallelLayout.for_settings(trainer_world_size(cfg, world), cfg.parallel, colocated)
+    return ParallelLayout.for_settings(
+        trainer_world_size(cfg.parallel, cfg.rollout, world), cfg.parallel, colocated
+    )
 
 
 def not_planned(cfg: RunConfig) -> str | None:

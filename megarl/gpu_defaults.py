@@ -151,14 +151,14 @@ def default_nproc_per_node(cfg: RunConfig, target: Target) -> int:
     ``tp * pp`` (one data-parallel rank) and the rollout group's ``parallel.rollout_ranks``."""
     if target.cuda and target.local_gpus > 0:
         return target.local_gpus
-    return job_world_size(cfg)
+    return job_world_size(cfg.parallel, cfg.rollout)
 
 
 def check_for_target(cfg: RunConfig, target: Target) -> None:
     """Refuse, naming the fix, the combinations that cannot run on ``target``."""
     impl = transformer_impl(cfg.model.transformer_impl, target, lora=cfg.actor.lora.rank > 0)
     packs = cfg.actor.packing
-    if impl == "transformer_engine" and model_dtype(cfg, target.cuda) == "float32" and packs:
+    if impl == "transformer_engine" and model_dtype(cfg.model, target.cuda) == "float32" and packs:
         raise ConfigError(
             "model.dtype=float32 with Transformer Engine layers and actor.packing=true cannot run: "
             "Transformer Engine has no attention kernel for packed (THD) batches in fp32 (its "

@@ -97,7 +97,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if world_size is not None:
         _check_dp_split(
             cfg,
-            trainer_world_size(cfg, world_size),
+            trainer_world_size(cfg.parallel, cfg.rollout, world_size),
             {
                 "data.train_batch_size": data.train_batch_size,
                 "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,

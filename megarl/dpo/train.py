@@ -68,10 +68,13 @@ def build_reference(
     if not loss.needs_reference:
         return None
     path = cfg.dpo.reference_path
-    if path is None and lora_settings(cfg) is not None:
+    if path is None and lora_settings(cfg.actor.lora, cfg.trainer.seed) is not None:
         return Reference(policy.actor.model, policy.dims, is_actor_base=True)
     model, dims = build_model(
-        path or cfg.model.path, startup.layout, "reference", model_options(cfg)
+        path or cfg.model.path,
+        startup.layout,
+        "reference",
+        model_options(cfg.model, cfg.parallel, cfg.actor.lora),
     )
     return Reference(model, dims)
 
@@ -201,7 +204,9 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
     cfg, pad_id = startup.cfg, startup.pad_id
     loss = resolve_dpo_loss(cfg.dpo, try_it=True)  # once, before any model is built
     train_data = _dataset(cfg, startup, validation=False)
-    policy = build_policy(cfg, startup.layout, cfg.dpo.optim)
+    policy = build_policy(
+        cfg.model, cfg.parallel, cfg.actor.lora, cfg.trainer, startup.layout, cfg.dpo.optim
+    )
     reference = build_reference(cfg, startup, policy, loss)
     loss_fn = dpo_loss_fn(cfg.dpo.loss, loss.kwargs, policy.dims.vocab_size)
     train_mbs = _with_reference(cfg, pad_id, reference, sums=False)

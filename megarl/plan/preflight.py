@@ -182,7 +182,7 @@ def numerics_for(cfg: RunConfig, target: Target) -> tuple[Numerics, str]:
     and the layer implementation (local | transformer_engine)."""
     impl = transformer_impl(cfg.model.transformer_impl, target, lora=cfg.actor.lora.rank > 0)
     kernels = kernel_options(impl, target)
-    bf16 = model_dtype(cfg, target.cuda) == "bfloat16"
+    bf16 = model_dtype(cfg.model, target.cuda) == "bfloat16"
     param_bytes = 2 if bf16 else 4
     if impl == "transformer_engine":
         # fp32 TE attention is its unfused backend: it stores the scores
@@ -255,7 +255,7 @@ def workload_for(
         rollout_batch=rollout_batch,
         sleep_level=r.sleep_level,
         reward_model=reward_model,
-        record_routes=routing_recorded(cfg, True),  # counted for MoE models only
+        record_routes=routing_recorded(cfg.rollout, True),  # counted for MoE models only
         routes_gathered=actor.balance_dp_tokens,
         judge=_judge_dims(cfg),
         judge_len=cfg.reward.judge.max_length,

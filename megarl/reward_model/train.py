@@ -149,7 +149,7 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
         cfg.model.path,
         layout,
         "reward",
-        model_options(cfg),
+        model_options(cfg.model, cfg.parallel, cfg.actor.lora),
         optim_settings(cfg.reward_model.optim, cfg.trainer.total_steps),
     )
     roles = RewardModelRoles(reward, dims)

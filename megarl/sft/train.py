@@ -140,7 +140,9 @@ def train_sft(cfg: RunConfig) -> dict[str, float]:
 def _setup(startup: Startup) -> SupervisedParts[SFTItem]:
     cfg, pad_id = startup.cfg, startup.pad_id
     train_data = _dataset(cfg, startup, validation=False)
-    policy = build_policy(cfg, startup.layout, cfg.sft.optim)
+    policy = build_policy(
+        cfg.model, cfg.parallel, cfg.actor.lora, cfg.trainer, startup.layout, cfg.sft.optim
+    )
 
     def validate() -> dict[str, float]:
         data = _dataset(cfg, startup, validation=True)

@@ -35,11 +35,11 @@ def _cfg(*overrides: str):
 def test_dtype_is_bf16_on_cuda_where_the_config_says_nothing():
     cfg = _cfg()
     assert cfg.model.dtype == "auto"
-    assert model_dtype(cfg, cuda=True) == "bfloat16"
-    assert model_dtype(cfg, cuda=False) == "float32"
+    assert model_dtype(cfg.model, cuda=True) == "bfloat16"
+    assert model_dtype(cfg.model, cuda=False) == "float32"
     for given in ("float32", "bfloat16"):  # a dtype the config names is kept everywhere
-        assert model_dtype(_cfg(f"model.dtype={given}"), cuda=True) == given
-        assert model_dtype(_cfg(f"model.dtype={given}"), cuda=False) == given
+        assert model_dtype(_cfg(f"model.dtype={given}").model, cuda=True) == given
+        assert model_dtype(_cfg(f"model.dtype={given}").model, cuda=False) == given
     with pytest.raises(ConfigError, match=r"model.dtype='fp16' is not one of \['auto'"):
         _cfg("model.dtype=fp16")
 
@@ -202,10 +202,13 @@ def test_engine_seed_differs_per_engine_without_request_seeds():
     from megarl.trainer.assembly import engine_config
 
     # colocated TP2 ranks 0-3 (and a rollout group's ranks) hold engines rank // infer_tp
+    def seed(cfg, engine_index: int) -> int:
+        return engine_config(cfg.model, cfg.data, cfg.rollout, cfg.trainer.seed, engine_index).seed
+
     seeded = _cfg("trainer.seed=3")
-    assert {engine_config(seeded, r // 2).seed for r in range(4)} == {3}
+    assert {seed(seeded, r // 2) for r in range(4)} == {3}
     batched = _cfg("trainer.seed=3", "rollout.per_request_seeds=false")
-    assert [engine_config(batched, r // 2).seed for r in range(4)] == [3, 3, 4, 4]
+    assert [seed(batched, r // 2) for r in range(4)] == [3, 3, 4, 4]
 
 
 def test_model_options_take_bf16_on_cuda(monkeypatch):
@@ -213,10 +216,14 @@ def test_model_options_take_bf16_on_cuda(monkeypatch):
 
     from megarl.run.trainable import model_options
 
-    assert model_options(_cfg()).dtype == torch.float32
+    def options(*overrides: str):
+        cfg = _cfg(*overrides)
+        return model_options(cfg.model, cfg.parallel, cfg.actor.lora)
+
+    assert options().dtype == torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert model_options(_cfg()).dtype == torch.bfloat16
-    assert model_options(_cfg("model.dtype=float32")).dtype == torch.float32
+    assert options().dtype == torch.bfloat16
+    assert options("model.dtype=float32").dtype == torch.float32
 
 
 def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):

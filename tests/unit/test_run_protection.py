@@ -233,7 +233,9 @@ def test_missing_reward_columns_and_unscored_sources_are_found_before_launch(tmp
     def check(path: Path, *extra: str) -> None:
         cfg = load_config(None, ["model.path=/m", f"data.train_files=[{path}]", *extra])
         fs, paths = resolve_files(cfg.data.train_files)
-        check_reward_columns(cfg, inspect_files(fs, paths), fs, "data.train_files")
+        check_reward_columns(
+            cfg.trainer.kind, cfg.reward, inspect_files(fs, paths), fs, "data.train_files"
+        )
 
     with pytest.raises(MegarlError, match=r"a.parquet: missing column 'reward_model'.*custom_fn"):
         check(no_truth)

@@ -98,7 +98,7 @@ def _checked_train(
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
     # one process per local GPU on CUDA (DP derived); on CPU tp * pp, plus the rollout group
-    nproc = args.nproc_per_node or default_nproc_per_node(cfg, this_machine())
+    nproc = args.nproc_per_node or default_nproc_per_node(cfg.parallel, cfg.rollout, this_machine())
     world = world_size(args.launcher, args.nnodes, nproc, args.address)
     validate(cfg, world)
     colocated = cfg.rollout.mode == "colocated"

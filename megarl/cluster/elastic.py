@@ -175,7 +175,7 @@ class Supervisor:
                 f"{e.min_world_size} ranks fits them; giving up"
             )
             return None
-        checkpoint = latest_intact(checkpoint_root(self.cfg))
+        checkpoint = latest_intact(checkpoint_root(self.cfg.trainer))
         ours = checkpoint is not None and checkpoint.stat().st_mtime >= started
         if self.cfg.trainer.resume != "auto" and not ours:
             checkpoint = None  # resume=never: an older run's checkpoint is not this job's

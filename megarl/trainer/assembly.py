@@ -129,7 +129,8 @@ class PolicyRun:
         # async: first the batch in flight (its rollout count is the one to continue from)
         in_flight = remote.checkpoint_state() if remote is not None else {}
         return save(
-            self.cfg,
+            self.cfg.trainer,
+            self.cfg.model.path,
             step,
             self.roles,
             data=self.data.train.state_dict(),
@@ -425,7 +426,9 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     trained = {"actor": cfg.model.path}
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
-    resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
+    resume_from = resume_point(
+        cfg.trainer, trained
+    )  # another model or algorithm fails here, cheaply
     # tracking starts first: its writers (MLflow's process) start beside the models and engine
     step, mlflow_run_id = tracked_start(resume_from)
     tracker = Tracker(cfg, startup.rank, mlflow_run_id, start_step=step)

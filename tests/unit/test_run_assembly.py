@@ -64,6 +64,6 @@ def test_epoch_batches_start_the_next_epoch_and_refuse_an_empty_dataset():
 
 def test_save_due_every_save_freq_and_at_the_end():
     cfg = _cfg("trainer.total_steps=5", "trainer.save_freq=2")
-    assert [s for s in range(1, 6) if save_due(cfg, s)] == [2, 4, 5]
+    assert [s for s in range(1, 6) if save_due(cfg.trainer, s)] == [2, 4, 5]
     cfg = _cfg("trainer.total_steps=5", "trainer.save_freq=0")
-    assert [s for s in range(1, 6) if save_due(cfg, s)] == [5]
+    assert [s for s in range(1, 6) if save_due(cfg.trainer, s)] == [5]

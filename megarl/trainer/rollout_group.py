@@ -465,7 +465,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     world = init_split(cfg.parallel.rollout_ranks, collective_timeout_s(cfg.trainer.hang_timeout_s))
     split = world.split
     validate_config(cfg, split.world_size)
-    trainers = layout_for(cfg, split.trainers, with_rollout=False)
+    trainers = layout_for(cfg.parallel, split.trainers, with_rollout=False)
     check_inputs(cfg, trainers)
     dims = ModelDims.from_pretrained(cfg.model.path)
     cuda = platform.device().type == "cuda"

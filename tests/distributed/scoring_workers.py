@@ -168,7 +168,7 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
             "parallel.pp=2",
         ]
     )
-    layout = layout_for(cfg, 2, with_rollout=True)
+    layout = layout_for(cfg.parallel, 2, with_rollout=True)
     parallel.initialize_model_parallel(layout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     startup = Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)

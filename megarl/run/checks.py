@@ -56,9 +56,9 @@ IMPORT_SETTINGS: dict[str, tuple[str, ...]] = {
 class AlgorithmWords:
     """The sections whose words name algorithms (the trainer kind's check reads its own)."""
 
-    algorithm: AlgorithmConfig
+    algorithm: AlgorithmConfig  # a policy run's: with rollout (rollout_correction's settings)
     rollout: RolloutConfig
-    dpo: DPOConfig
+    dpo: DPOConfig  # a DPO run's loss
 
 
 def _check_policy_words(words: AlgorithmWords) -> None:

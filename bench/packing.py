@@ -86,7 +86,9 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     samples.tensors["old_log_prob"] = (-torch.rand(shape, generator=gen) * 8).to(device)
     samples.tensors["ref_log_prob"] = samples.tensors["old_log_prob"].clone()
     cfg = RunConfig()
-    loss_fn = resolve_algorithm(cfg, dims.vocab_size).actor_loss
+    loss_fn = resolve_algorithm(
+        cfg.algorithm, cfg.rollout, cfg.actor, cfg.critic, cfg.data, dims.vocab_size
+    ).actor_loss
     batching = MicroBatching(args.samples, args.max_tokens, args.mode == "packed")
     rows = list(range(args.samples))
 

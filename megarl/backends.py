@@ -92,7 +92,7 @@ def check_optimizer_offload(fraction: float) -> None:
 def check_backends(cfg) -> None:
     """Every engine ``cfg`` (a RunConfig) asks for can run here; before any process starts."""
     resolve_transformer_impl(cfg.model.transformer_impl)
-    check_for_target(cfg, this_machine())  # combinations this machine cannot run
+    check_for_target(cfg.model, cfg.actor, this_machine())  # combinations this machine cannot run
     check_context_parallel(cfg.parallel.cp, cfg.model.transformer_impl)
     check_optimizer_offload(cfg.actor.optimizer_offload)
     if cfg.trainer.kind == "policy":
@@ -102,6 +102,10 @@ def check_backends(cfg) -> None:
 def set_rank_env(cfg) -> dict[str, str]:
     """Put what every rank of ``cfg`` needs in its environment before CUDA initialises
     (:func:`megarl.gpu_defaults.launch_env`); a value already set is kept. Returns what was set."""
-    added = {k: v for k, v in launch_env(cfg, this_machine()).items() if k not in os.environ}
+    added = {
+        k: v
+        for k, v in launch_env(cfg.model, cfg.parallel, cfg.actor, this_machine()).items()
+        if k not in os.environ
+    }
     os.environ.update(added)
     return added

@@ -27,7 +27,7 @@ from megarl.run.run_lock import acquire_run_lock
 from megarl.storage_errors import storage_error
 
 if TYPE_CHECKING:
-    from megarl.config import RunConfig
+    from megarl.config import ParallelConfig, RolloutConfig, RunConfig
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -55,11 +55,15 @@ def _train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *getattr(args, "forced", [])]
     cfg = load_config(args.config, overrides)  # config errors before any process starts
     # a one-process local job's rank starts now, beside the checks below (megarl.parked_rank)
-    with parked_rank(_parks_a_rank(args, cfg), "megarl.entry", args.verbose) as parked:
+    with parked_rank(
+        _parks_a_rank(args, cfg.parallel, cfg.rollout), "megarl.entry", args.verbose
+    ) as parked:
         return _checked_train(args, cfg, overrides, parked)
 
 
-def _parks_a_rank(args: argparse.Namespace, cfg: RunConfig) -> bool:
+def _parks_a_rank(
+    args: argparse.Namespace, parallel: ParallelConfig, rollout: RolloutConfig
+) -> bool:
     """Whether this command will start one local rank itself (the launcher's own decision,
     made below, is the same where it can be made without torch)."""
     from megarl.config.derived import job_world_size
@@ -69,7 +73,7 @@ def _parks_a_rank(args: argparse.Namespace, cfg: RunConfig) -> bool:
         not args.dry_run
         and not launched
         and args.launcher == "torchrun"
-        and (args.nproc_per_node or job_world_size(cfg)) == 1
+        and (args.nproc_per_node or job_world_size(parallel, rollout)) == 1
     )
 
 
@@ -98,16 +102,18 @@ def _checked_train(
         os.environ.update(rank_env(args.verbose))
         return rank_main(module_args)
     # one process per local GPU on CUDA (DP derived); on CPU tp * pp, plus the rollout group
-    nproc = args.nproc_per_node or default_nproc_per_node(cfg, this_machine())
+    nproc = args.nproc_per_node or default_nproc_per_node(cfg.parallel, cfg.rollout, this_machine())
     world = world_size(args.launcher, args.nnodes, nproc, args.address)
     validate(cfg, world)
     colocated = cfg.rollout.mode == "colocated"
-    trainers = trainer_world_size(cfg, world)
-    layout = layout_for(cfg, trainers, with_rollout=colocated)
+    trainers = trainer_world_size(cfg.parallel, cfg.rollout, world)
+    layout = layout_for(cfg.parallel, trainers, with_rollout=colocated)
     reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
     # a live run in trainer.output_dir is refused; this one holds it until this process ends
     with acquire_run_lock(cfg.trainer.output_dir) as lock:
-        move = check_output_dir(cfg)  # an earlier run in trainer.output_dir: refused, or moved
+        move = check_output_dir(
+            cfg.trainer
+        )  # an earlier run in trainer.output_dir: refused, or moved
         if not move and cfg.trainer.resume == "auto":
             precheck_resume(Path(cfg.trainer.output_dir) / "checkpoints")  # refuses code in it
         refused = before_launch(args, cfg, nproc, world // nproc, reward_model)  # memory (CUDA)

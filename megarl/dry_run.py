@@ -17,7 +17,14 @@ import sys
 import torch
 
 from megarl.backends import this_machine
-from megarl.config import RunConfig, trainer_world_size, validate
+from megarl.config import (
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+    trainer_world_size,
+    validate,
+)
 from megarl.gpu_defaults import Target, check_for_target
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
@@ -74,21 +81,23 @@ def hardware_for(args: argparse.Namespace, machine: Target) -> Hardware:
     )
 
 
-def _layout(cfg: RunConfig, world: int) -> ParallelLayout:
+def _layout(parallel: ParallelConfig, rollout: RolloutConfig, world: int) -> ParallelLayout:
     """The trainers' layout over a job of ``world`` ranks (in rollout.mode=async, the ranks left
     beside the rollout group, which do not roll out)."""
-    colocated = cfg.rollout.mode == "colocated"
-    return ParallelLayout.for_settings(trainer_world_size(cfg, world), cfg.parallel, colocated)
+    colocated = rollout.mode == "colocated"
+    return ParallelLayout.for_settings(
+        trainer_world_size(parallel, rollout, world), parallel, colocated
+    )
 
 
-def not_planned(cfg: RunConfig) -> str | None:
-    """Why the memory preflight cannot plan ``cfg`` (None: it can)."""
-    if cfg.trainer.kind != "policy":
+def not_planned(trainer: TrainerConfig, rollout: RolloutConfig) -> str | None:
+    """Why the memory preflight cannot plan a run of these settings (None: it can)."""
+    if trainer.kind != "policy":
         return (
             f"the memory preflight models policy runs (trainer.kind=policy), not "
-            f"trainer.kind={cfg.trainer.kind}"
+            f"trainer.kind={trainer.kind}"
         )
-    if cfg.rollout.mode == "async":
+    if rollout.mode == "async":
         return (
             "the memory preflight models colocated runs (vLLM beside the models on every GPU), "
             "not rollout.mode=async (trainer ranks without vLLM, parallel.rollout_ranks ranks "
@@ -102,9 +111,11 @@ def _checked(
 ) -> Preflight:
     """The launch's checks for this world (and for the target machine: its refusals), then the
     preflight."""
-    check_for_target(cfg, target)
+    check_for_target(cfg.model, cfg.actor, target)
     validate(cfg, hardware.world)
-    reward_model = check_inputs(cfg, _layout(cfg, hardware.world), this_machine=here)
+    reward_model = check_inputs(
+        cfg, _layout(cfg.parallel, cfg.rollout, hardware.world), this_machine=here
+    )
     dims = ModelDims.from_pretrained(cfg.model.path)
     return preflight(cfg, dims, hardware, target, reward_model, config_name=config_name)
 
@@ -114,10 +125,12 @@ def dry_run(args: argparse.Namespace, cfg: RunConfig) -> int:
     machine = this_machine()
     hardware = hardware_for(args, machine)
     target = machine if machine.cuda else Target.gpu_node(hardware.gpus_per_node)
-    reason = not_planned(cfg)
+    reason = not_planned(cfg.trainer, cfg.rollout)
     if reason:
         validate(cfg, hardware.world)
-        check_inputs(cfg, _layout(cfg, hardware.world), this_machine=machine.cuda)
+        check_inputs(
+            cfg, _layout(cfg.parallel, cfg.rollout, hardware.world), this_machine=machine.cuda
+        )
         print(f"megarl preflight: config checks passed; {reason}")
         return 0
     pf = _checked(cfg, hardware, target, machine.cuda, args.config)
@@ -144,7 +157,7 @@ def before_launch(
     machine = this_machine()
     if not machine.cuda or args.no_preflight or cfg.trainer.kind != "policy":
         return 0
-    reason = not_planned(cfg)
+    reason = not_planned(cfg.trainer, cfg.rollout)
     if reason:
         print(
             f"megarl: error: {reason}; start it with --no-preflight to launch without the "

@@ -33,7 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.config import RunConfig, job_world_size, model_dtype
+from megarl.config import (
+    ActorConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    job_world_size,
+    model_dtype,
+)
 from megarl.errors import ConfigError
 
 # Where megarl sets CUDA_DEVICE_MAX_CONNECTIONS (a user's own value is kept).
@@ -127,38 +134,40 @@ def grad_reduce_overlap(impl: str, cuda: bool) -> bool:
     return kernel_options(impl, Target(cuda=cuda)).overlap_grad_reduce
 
 
-def run_kernel_options(cfg: RunConfig, target: Target) -> KernelOptions:
+def run_kernel_options(model: ModelConfig, actor: ActorConfig, target: Target) -> KernelOptions:
     return kernel_options(
-        transformer_impl(cfg.model.transformer_impl, target, lora=cfg.actor.lora.rank > 0), target
+        transformer_impl(model.transformer_impl, target, lora=actor.lora.rank > 0), target
     )
 
 
-def launch_env(cfg: RunConfig, target: Target) -> dict[str, str]:
+def launch_env(
+    model: ModelConfig, parallel: ParallelConfig, actor: ActorConfig, target: Target
+) -> dict[str, str]:
     """Environment every rank starts with (before CUDA initialises), beyond the caller's own."""
     if not target.cuda:
         return {}
-    overlap = run_kernel_options(cfg, target).overlap_grad_reduce
-    if cfg.parallel.tp > 1 or overlap:
+    overlap = run_kernel_options(model, actor, target).overlap_grad_reduce
+    if parallel.tp > 1 or overlap:
         # megatron issues its TP and grad-reduce collectives expecting them to run in launch
         # order beside the compute kernels; one hardware queue per device guarantees that.
         return {MAX_CONNECTIONS: "1"}
     return {}
 
 
-def default_nproc_per_node(cfg: RunConfig, target: Target) -> int:
+def default_nproc_per_node(parallel: ParallelConfig, rollout: RolloutConfig, target: Target) -> int:
     """Processes ``megarl train`` starts on this node: one per local GPU on CUDA (DP follows from
     the world size; in rollout.mode=async ``parallel.rollout_ranks`` of them roll out), on CPU
     ``tp * pp`` (one data-parallel rank) and the rollout group's ``parallel.rollout_ranks``."""
     if target.cuda and target.local_gpus > 0:
         return target.local_gpus
-    return job_world_size(cfg)
+    return job_world_size(parallel, rollout)
 
 
-def check_for_target(cfg: RunConfig, target: Target) -> None:
+def check_for_target(model: ModelConfig, actor: ActorConfig, target: Target) -> None:
     """Refuse, naming the fix, the combinations that cannot run on ``target``."""
-    impl = transformer_impl(cfg.model.transformer_impl, target, lora=cfg.actor.lora.rank > 0)
-    packs = cfg.actor.packing
-    if impl == "transformer_engine" and model_dtype(cfg, target.cuda) == "float32" and packs:
+    impl = transformer_impl(model.transformer_impl, target, lora=actor.lora.rank > 0)
+    packs = actor.packing
+    if impl == "transformer_engine" and model_dtype(model, target.cuda) == "float32" and packs:
         raise ConfigError(
             "model.dtype=float32 with Transformer Engine layers and actor.packing=true cannot run: "
             "Transformer Engine has no attention kernel for packed (THD) batches in fp32 (its "
@@ -166,9 +175,9 @@ def check_for_target(cfg: RunConfig, target: Target) -> None:
             "model.dtype=bfloat16 (or leave model.dtype unset: bf16 on CUDA), or "
             "actor.packing=false, or model.transformer_impl=local"
         )
-    if target.cuda and cfg.actor.optimizer_offload > 0 and not target.transformer_engine:
+    if target.cuda and actor.optimizer_offload > 0 and not target.transformer_engine:
         raise ConfigError(
-            f"actor.optimizer_offload={cfg.actor.optimizer_offload} needs Transformer Engine: "
+            f"actor.optimizer_offload={actor.optimizer_offload} needs Transformer Engine: "
             "megarl offloads through megatron's precision-aware optimizer, which moves the fp32 "
             "main weights to the host with Adam's moments (without it megatron keeps them on "
             "the GPU: 8 of the 12 bytes per parameter freed, measured on an H200), and "

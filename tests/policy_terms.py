@@ -6,6 +6,7 @@ from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import RunConfig
 from megarl.trainer.losses import make_actor_policy_terms
 from megarl.trainer.old_log_probs import old_log_prob_from_update
+from megarl.trainer.spec import AlgorithmSpec, resolve_algorithm
 
 
 def from_update(cfg: RunConfig) -> bool:
@@ -17,3 +18,10 @@ def policy_terms(cfg: RunConfig):
     """``make_actor_policy_terms`` of ``cfg``'s algorithm section."""
     kwargs = resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
     return make_actor_policy_terms(cfg.algorithm, kwargs, from_update(cfg))
+
+
+def algorithm_spec(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
+    """``cfg``'s algorithm spec, resolved from its sections as the trainer's assembly does."""
+    return resolve_algorithm(
+        cfg.algorithm, cfg.rollout, cfg.actor, cfg.critic, cfg.data, vocab_size
+    )

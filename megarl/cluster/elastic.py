@@ -25,11 +25,12 @@ import sys
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
 from megarl.cluster.job import JobRequest, JobResult, Launcher
-from megarl.cluster.layouts import FitCheck, largest_layout, layout_overrides
+from megarl.cluster.layouts import FitCheck, largest_layout, layout_overrides, why_not
 from megarl.config import RunConfig
 from megarl.files import append_text
 from megarl.models.dims import ModelDims
@@ -161,11 +162,11 @@ class Supervisor:
         capacity = self._wait_for_capacity(e.wait_s)
         dims = ModelDims.from_pretrained(self.cfg.model.path)
         new = largest_layout(
-            self.cfg,
+            self.cfg.parallel,
             dims,
             min(capacity, self.initial.world_size),
             e.min_world_size,
-            self.fits,
+            partial(why_not, self.cfg, dims, fits=self.fits),
             lambda world: self.launcher.placeable(world, self.lost),
         )
         if new is None:
@@ -175,7 +176,7 @@ class Supervisor:
                 f"{e.min_world_size} ranks fits them; giving up"
             )
             return None
-        checkpoint = latest_intact(checkpoint_root(self.cfg))
+        checkpoint = latest_intact(checkpoint_root(self.cfg.trainer))
         ours = checkpoint is not None and checkpoint.stat().st_mtime >= started
         if self.cfg.trainer.resume != "auto" and not ours:
             checkpoint = None  # resume=never: an older run's checkpoint is not this job's

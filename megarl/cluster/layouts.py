@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 
-from megarl.config import RunConfig, validate
+from megarl.config import ParallelConfig, RunConfig, validate
 from megarl.errors import ConfigError, MegarlError
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
@@ -22,10 +23,13 @@ from megarl.plan.search import uneven_split
 # (on GPUs: the planner's memory estimate against the device's memory).
 FitCheck = Callable[[RunConfig, ParallelLayout], str | None]
 
+# Whether the run can take a layout: None when it can, else why not (:func:`why_not` of the run's
+# config, bound with functools.partial).
+LayoutCheck = Callable[[ParallelLayout], str | None]
 
-def configured_layout(cfg: RunConfig, world: int) -> ParallelLayout:
-    """The layout ``cfg`` asks for at ``world`` ranks (its TP x PP, DP filling the world)."""
-    p = cfg.parallel
+
+def configured_layout(p: ParallelConfig, world: int) -> ParallelLayout:
+    """The layout ``p`` asks for at ``world`` ranks (its TP x PP, DP filling the world)."""
     return ParallelLayout.for_world(
         world,
         tp=p.tp,
@@ -62,8 +66,7 @@ def layout_overrides(layout: ParallelLayout) -> list[str]:
     ]
 
 
-def _candidates(cfg: RunConfig, dims: ModelDims, world: int) -> Iterator[ParallelLayout]:
-    p = cfg.parallel
+def _candidates(p: ParallelConfig, dims: ModelDims, world: int) -> Iterator[ParallelLayout]:
     pairs = [(tp, pp) for tp in divisors(world) for pp in divisors(world // tp)]
     pairs.sort(key=lambda tp_pp: (abs(tp_pp[0] - p.tp), abs(tp_pp[1] - p.pp), tp_pp))
     for tp, pp in pairs:
@@ -92,21 +95,22 @@ def why_not(
 
 
 def layout_for_world(
-    cfg: RunConfig, dims: ModelDims, world: int, fits: FitCheck | None = None
+    parallel: ParallelConfig, dims: ModelDims, world: int, check: LayoutCheck
 ) -> ParallelLayout | None:
-    """The layout the run takes at ``world`` ranks, or None when none works."""
-    for layout in _candidates(cfg, dims, world):
-        if why_not(cfg, dims, layout, fits) is None:
+    """The layout the run (its ``parallel`` section, and ``check`` of each candidate) takes at
+    ``world`` ranks, or None when none works."""
+    for layout in _candidates(parallel, dims, world):
+        if check(layout) is None:
             return layout
     return None
 
 
 def largest_layout(
-    cfg: RunConfig,
+    parallel: ParallelConfig,
     dims: ModelDims,
     capacity: int,
     min_world: int,
-    fits: FitCheck | None = None,
+    check: LayoutCheck,
     placeable: Callable[[int], bool] | None = None,
 ) -> ParallelLayout | None:
     """The layout of the largest world size from ``capacity`` down to ``min_world`` that works
@@ -114,7 +118,7 @@ def largest_layout(
     for world in range(capacity, min_world - 1, -1):
         if placeable is not None and not placeable(world):
             continue
-        layout = layout_for_world(cfg, dims, world, fits)
+        layout = layout_for_world(parallel, dims, world, check)
         if layout is not None:
             return layout
     return None
@@ -133,9 +137,10 @@ def check_min_world_size(
             f"trainer.elastic.min_world_size={e.min_world_size} is larger than the job's "
             f"{world} ranks; set it to at most {world}"
         )
-    if layout_for_world(cfg, dims, e.min_world_size, fits) is not None:
+    check = partial(why_not, cfg, dims, fits=fits)
+    if layout_for_world(cfg.parallel, dims, e.min_world_size, check) is not None:
         return
-    takes = [w for w in range(1, world + 1) if layout_for_world(cfg, dims, w, fits)]
+    takes = [w for w in range(1, world + 1) if layout_for_world(cfg.parallel, dims, w, check)]
     raise ConfigError(
         f"trainer.elastic.min_world_size={e.min_world_size}: no layout of {cfg.model.path} takes "
         f"{e.min_world_size} ranks with this config (model shape, data.train_batch_size="

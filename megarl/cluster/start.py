@@ -53,7 +53,7 @@ def start_job(
     ``extra_ranks`` more: an asynchronous run's rollout group); its exit code. ``parked``: the
     one rank of a local one-process job, already started (megarl.parked_rank)."""
     dims = ModelDims.from_pretrained(cfg.model.path)
-    fits = _memory_check(cfg, dims)
+    fits = _memory_check(dims)
     check_min_world_size(cfg, dims, layout.world_size, fits)
     if nnodes is None:
         nnodes = world_size(launcher, None, 1, address)  # slurm: the allocation's nodes; else 1
@@ -80,7 +80,7 @@ def _launcher(
     return LocalLauncher(world, verbose, parked)
 
 
-def _memory_check(cfg: RunConfig, dims: ModelDims) -> FitCheck | None:
+def _memory_check(dims: ModelDims) -> FitCheck | None:
     """On CUDA, the planner's memory check of a restart's layout; none on a CPU."""
 
     if not torch.cuda.is_available():

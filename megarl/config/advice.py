@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from megarl.config.schema import RunConfig
-
-Advice = Callable[[RunConfig], str | None]
+from megarl.config.schema import RolloutConfig, RunConfig, TrainerConfig
 
 
-def _restarts_without_saves(cfg: RunConfig) -> str | None:
-    if cfg.trainer.elastic.max_restarts and not cfg.trainer.save_freq:
+def _restarts_without_saves(t: TrainerConfig) -> str | None:
+    if t.elastic.max_restarts and not t.save_freq:
         return (
             "trainer.elastic.max_restarts is set but trainer.save_freq=0 saves only at the end, "
             "so a restart starts the run again from the beginning; set trainer.save_freq"
@@ -19,10 +15,9 @@ def _restarts_without_saves(cfg: RunConfig) -> str | None:
     return None
 
 
-def _turns_without_room(cfg: RunConfig) -> str | None:
+def _turns_without_room(r: RolloutConfig) -> str | None:
     """Multi-turn: the model's own turns at their longest fill the response budget, so every
     environment message between them takes room from the last turns."""
-    r = cfg.rollout
     if r.env is None or r.max_turns < 2 or r.max_turn_tokens is None:
         return None
     model_tokens = r.max_turns * r.max_turn_tokens
@@ -38,9 +33,7 @@ def _turns_without_room(cfg: RunConfig) -> str | None:
     )
 
 
-ADVICE: tuple[Advice, ...] = (_restarts_without_saves, _turns_without_room)
-
-
 def config_warnings(cfg: RunConfig) -> list[str]:
-    """Every warning that applies to ``cfg``, in a fixed order."""
-    return [text for advise in ADVICE if (text := advise(cfg)) is not None]
+    """Every warning that applies to ``cfg``, in a fixed order (each advice reads its sections)."""
+    advice = (_restarts_without_saves(cfg.trainer), _turns_without_room(cfg.rollout))
+    return [text for text in advice if text is not None]

@@ -4,13 +4,16 @@ and the whole job's world sizes, the sequence budget."""
 from __future__ import annotations
 
 from megarl.config.schema import (
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
     RunConfig,
 )
 
 
-def trainer_world_size(cfg: RunConfig, world_size: int) -> int:
+def trainer_world_size(parallel: ParallelConfig, rollout: RolloutConfig, world_size: int) -> int:
     """Processes that train: the whole job, less the rollout group in async mode."""
-    return world_size - cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else world_size
+    return world_size - parallel.rollout_ranks if rollout.mode == "async" else world_size
 
 
 # The trainers that learn from a dataset of finished sequences (no rollout), each with a section
@@ -18,10 +21,10 @@ def trainer_world_size(cfg: RunConfig, world_size: int) -> int:
 SUPERVISED_KINDS = ("reward_model", "sft", "dpo")
 
 
-def job_world_size(cfg: RunConfig) -> int:
-    """The smallest job for ``cfg``: one tp x pp trainer replica (and the rollout group)."""
-    extra = cfg.parallel.rollout_ranks if cfg.rollout.mode == "async" else 0
-    return cfg.parallel.tp * cfg.parallel.pp + extra
+def job_world_size(parallel: ParallelConfig, rollout: RolloutConfig) -> int:
+    """The smallest job: one tp x pp trainer replica (and the rollout group)."""
+    extra = parallel.rollout_ranks if rollout.mode == "async" else 0
+    return parallel.tp * parallel.pp + extra
 
 
 def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
@@ -35,22 +38,21 @@ def sequence_budget(cfg: RunConfig) -> tuple[int, str]:
     )
 
 
-def model_dtype(cfg: RunConfig, cuda: bool) -> str:
+def model_dtype(model: ModelConfig, cuda: bool) -> str:
     """The models' dtype name: model.dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
-    if cfg.model.dtype == "auto":
+    if model.dtype == "auto":
         return "bfloat16" if cuda else "float32"
-    return cfg.model.dtype
+    return model.dtype
 
 
-def rollout_dtype(cfg: RunConfig, cuda: bool) -> str:
+def rollout_dtype(model: ModelConfig, rollout: RolloutConfig, cuda: bool) -> str:
     """The rollout engine's dtype name: rollout.dtype, where auto is the models' dtype."""
-    return model_dtype(cfg, cuda) if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return model_dtype(model, cuda) if rollout.dtype == "auto" else rollout.dtype
 
 
-def routing_recorded(cfg: RunConfig, moe: bool) -> bool:
+def routing_recorded(r: RolloutConfig, moe: bool) -> bool:
     """Whether the rollout records each token's experts: an MoE policy on the HF backend in a
     colocated single-turn run, without rollout.env or rollout.agent (the paths that carry them;
     the input checks refuse actor.router_replay elsewhere)."""
-    r = cfg.rollout
     single_turn = r.env is None and r.agent is None
     return moe and r.backend == "hf" and single_turn and r.mode == "colocated"

@@ -4,15 +4,26 @@ reliability, elastic, supervised trainers, distillation) (the values derived fro
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 from megarl.config.derived import sequence_budget, trainer_world_size
 from megarl.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    DataConfig,
+    DistillConfig,
+    DPOConfig,
     ElasticConfig,
     JudgeConfig,
     ModelConfig,
     ParallelConfig,
     RewardConfig,
+    RewardModelConfig,
     RolloutConfig,
     RunConfig,
+    SFTConfig,
+    TrainerConfig,
 )
 from megarl.config.words import check_field_words
 from megarl.errors import ConfigError
@@ -36,8 +47,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "(0, 1]: the share of each GPU's memory vLLM may take (e.g. 0.5)"
         )
     _validate_parallel(cfg.parallel)
-    _validate_context_parallel(cfg)
-    _validate_share_prompts(cfg)
+    _validate_context_parallel(cfg.parallel.cp, sequence_budget(cfg))
+    _validate_share_prompts(cfg.actor, cfg.model, cfg.parallel)
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if getattr(cfg.model, name) < 0:
             raise ConfigError(f"model.{name}={getattr(cfg.model, name)} must be >= 0 (0: off)")
@@ -52,10 +63,11 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"trainer.profile_steps={list(cfg.trainer.profile_steps)}: steps are numbered from 1, "
             "as logged; remove or fix these"
         )
-    _validate_reliability(cfg)
+    _validate_reliability(cfg.trainer, cfg.reward)
     supervised = _SUPERVISED_VALIDATORS.get(cfg.trainer.kind)
-    if supervised is not None:
-        supervised(cfg, world_size)
+    if supervised is not None:  # its own section (named as the kind), and the shared settings
+        shared = _SupervisedShared(cfg.data, cfg.trainer, cfg.parallel, world_size)
+        supervised(getattr(cfg, cfg.trainer.kind), shared)
         return
     data, actor = cfg.data, cfg.actor
     positive = {
@@ -79,9 +91,14 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             f"data.train_batch_size={data.train_batch_size} is not a multiple of "
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; choose a mini-batch among its divisors"
         )
-    _validate_sampling(cfg)
-    _validate_async(cfg, world_size)
-    _validate_distill(cfg)
+    _validate_sampling(cfg.rollout, cfg.algorithm, cfg.trainer, cfg.data, cfg.reward)
+    offloads = {
+        "actor.param_offload": cfg.actor.param_offload,
+        "ref.param_offload": cfg.ref.param_offload,
+        "critic.param_offload": cfg.critic.param_offload,
+    }
+    _validate_async(cfg.rollout, cfg.parallel, offloads, cfg.trainer.elastic, world_size)
+    _validate_distill(cfg.algorithm.distill)
     _validate_multi_turn(cfg.rollout)
     _validate_agent(cfg.rollout)
     r = cfg.reward
@@ -96,8 +113,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_judge(cfg.reward.judge)
     if world_size is not None:
         _check_dp_split(
-            cfg,
-            trainer_world_size(cfg, world_size),
+            cfg.parallel,
+            trainer_world_size(cfg.parallel, cfg.rollout, world_size),
             {
                 "data.train_batch_size": data.train_batch_size,
                 "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
@@ -159,8 +176,13 @@ def _validate_judge(j: JudgeConfig) -> None:
         raise ConfigError(f"reward.judge.timeout_s={j.timeout_s} must be > 0 seconds")
 
 
-def _validate_sampling(cfg: RunConfig) -> None:
-    r, a, trainer = cfg.rollout, cfg.algorithm, cfg.trainer
+def _validate_sampling(
+    r: RolloutConfig,
+    a: AlgorithmConfig,
+    trainer: TrainerConfig,
+    data: DataConfig,
+    reward: RewardConfig,
+) -> None:
     if r.temperature < 0 or r.val_temperature < 0:
         raise ConfigError(
             "rollout.temperature and rollout.val_temperature must be >= 0 (0: greedy)"
@@ -171,7 +193,7 @@ def _validate_sampling(cfg: RunConfig) -> None:
             f"rollout.val_n={r.val_n} greedy samples are all the same answer; set "
             "rollout.val_temperature > 0 (e.g. 0.6) or val_n=1"
         )
-    if trainer.val_before_train and not cfg.data.val_files:
+    if trainer.val_before_train and not data.val_files:
         raise ConfigError("trainer.val_before_train=true needs data.val_files")
     if a.loss_agg_norm_length is not None and a.loss_agg_norm_length < 1:
         raise ConfigError(
@@ -185,7 +207,7 @@ def _validate_sampling(cfg: RunConfig) -> None:
                 f"algorithm.filter_groups keeps groups whose rewards differ, which needs "
                 f"rollout.n >= 2 samples per prompt (got {r.n})"
             )
-    buf = cfg.reward.overlong_buffer
+    buf = reward.overlong_buffer
     if not 0 <= buf.len < r.max_response_length:
         raise ConfigError(
             f"reward.overlong_buffer.len={buf.len} must be in [0, rollout.max_response_length="
@@ -203,9 +225,15 @@ def _validate_sampling(cfg: RunConfig) -> None:
         )
 
 
-def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
-    """rollout.mode and the settings of asynchronous training (docs/async.md)."""
-    r, par = cfg.rollout, cfg.parallel
+def _validate_async(
+    r: RolloutConfig,
+    par: ParallelConfig,
+    offloads: Mapping[str, bool],
+    elastic: ElasticConfig,
+    world_size: int | None,
+) -> None:
+    """rollout.mode and the settings of asynchronous training (docs/async.md); ``offloads``:
+    each model's param_offload setting by its key."""
     if r.max_staleness < 0:
         raise ConfigError(
             f"rollout.max_staleness={r.max_staleness} must be >= 0: how many optimizer steps "
@@ -237,18 +265,14 @@ def _validate_async(cfg: RunConfig, world_size: int | None) -> None:
             f"parallel.infer_tp={infer_tp} (each rollout engine spans infer_tp ranks); got "
             f"{par.rollout_ranks}"
         )
-    for key, on in (
-        ("actor.param_offload", cfg.actor.param_offload),
-        ("ref.param_offload", cfg.ref.param_offload),
-        ("critic.param_offload", cfg.critic.param_offload),
-    ):
+    for key, on in offloads.items():
         if on:
             raise ConfigError(
                 f"{key}=true moves a model to host memory while the rollout engine generates on "
                 "the same GPU; in rollout.mode=async the trainer ranks hold no rollout engine: "
                 f"set {key}=false"
             )
-    if cfg.trainer.elastic.max_restarts:
+    if elastic.max_restarts:
         raise ConfigError(
             "trainer.elastic.max_restarts re-plans the trainers' layout on the ranks left after "
             "a failure, which does not yet account for the rollout group of rollout.mode=async: "
@@ -327,8 +351,7 @@ def _validate_agent(r: RolloutConfig) -> None:
             raise ConfigError(f"rollout.agent={r.agent!r} with {why}")
 
 
-def _validate_reliability(cfg: RunConfig) -> None:
-    t = cfg.trainer
+def _validate_reliability(t: TrainerConfig, reward: RewardConfig) -> None:
     if t.keep_last < 1:
         raise ConfigError(
             f"trainer.keep_last={t.keep_last}: at least the newest checkpoint must be kept; "
@@ -345,9 +368,9 @@ def _validate_reliability(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.keep_every={t.keep_every} must be >= 0 (0 keeps no extra checkpoints)"
         )
-    if not 0.0 <= cfg.reward.max_failed_fraction <= 1.0:
+    if not 0.0 <= reward.max_failed_fraction <= 1.0:
         raise ConfigError(
-            f"reward.max_failed_fraction={cfg.reward.max_failed_fraction} must be in [0, 1]: the "
+            f"reward.max_failed_fraction={reward.max_failed_fraction} must be in [0, 1]: the "
             "share of a step's samples that may fail to score before the run stops (1.0: never)"
         )
     if not t.hang_timeout_s > 0:
@@ -385,25 +408,25 @@ def _validate_parallel(par: ParallelConfig) -> None:
         )
 
 
-def _validate_share_prompts(cfg: RunConfig) -> None:
+def _validate_share_prompts(actor: ActorConfig, model: ModelConfig, par: ParallelConfig) -> None:
     """actor.share_prompts rides on packing and on megarl's own SDPA attention (its masks)."""
-    if not cfg.actor.share_prompts:
+    if not actor.share_prompts:
         return
     problems = (
         (
-            not cfg.actor.packing,
+            not actor.packing,
             "actor.packing=false",
             "set actor.packing=true (the shared prompt lives in a pack)",
         ),
         (
-            cfg.model.transformer_impl == "transformer_engine",
+            model.transformer_impl == "transformer_engine",
             "model.transformer_impl=transformer_engine",
             "set model.transformer_impl=local (Transformer Engine's fused attention cannot take "
             "the per-group masks)",
         ),
         (
-            cfg.parallel.cp > 1,
-            f"parallel.cp={cfg.parallel.cp}",
+            par.cp > 1,
+            f"parallel.cp={par.cp}",
             "set parallel.cp=1 (context parallelism splits sequences, not prompt groups)",
         ),
     )
@@ -414,15 +437,14 @@ def _validate_share_prompts(cfg: RunConfig) -> None:
             )
 
 
-def _validate_context_parallel(cfg: RunConfig) -> None:
+def _validate_context_parallel(cp: int, sequence: tuple[int, str]) -> None:
     """The pure part of the parallel.cp checks (Transformer Engine's presence is checked with the
-    other backends, megarl.backends)."""
-    cp = cfg.parallel.cp
+    other backends, megarl.backends); ``sequence``: the run's sequence budget and its settings."""
     if cp < 1:
         raise ConfigError(f"parallel.cp={cp} must be >= 1 (1: no context parallelism)")
     if cp == 1:
         return
-    budget, what = sequence_budget(cfg)
+    budget, what = sequence
     # Megatron's causal context parallelism cuts each sequence into 2 * cp chunks (each rank
     # takes one early and one late chunk, to even out the causal attention's work).
     if budget % (2 * cp):
@@ -438,8 +460,8 @@ def _check_positive(values: dict[str, int]) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
 
 
-def _check_dp_split(cfg: RunConfig, world_size: int, batches: dict[str, int]) -> None:
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+def _check_dp_split(par: ParallelConfig, world_size: int, batches: dict[str, int]) -> None:
+    tp, pp = par.tp, par.pp
     if world_size % (tp * pp):
         raise ConfigError(f"{world_size} processes cannot hold parallel.tp*pp = {tp}*{pp}")
     dp = world_size // (tp * pp)
@@ -451,17 +473,27 @@ def _check_dp_split(cfg: RunConfig, world_size: int, batches: dict[str, int]) ->
             )
 
 
+@dataclass(frozen=True)
+class _SupervisedShared:
+    """The settings the reward-model, SFT and DPO trainers' checks share."""
+
+    data: DataConfig
+    trainer: TrainerConfig
+    parallel: ParallelConfig
+    world_size: int | None
+
+
 def _validate_supervised(
-    cfg: RunConfig, world_size: int | None, section: str, micro_batch_size: int, max_length: int
+    shared: _SupervisedShared, section: str, micro_batch_size: int, max_length: int
 ) -> None:
     """What the reward-model, SFT and DPO trainers share: positive sizes, a usable max_length,
     batches that split over the data-parallel ranks."""
-    data = cfg.data
+    data, world_size = shared.data, shared.world_size
     _check_positive(
         {
             "data.train_batch_size": data.train_batch_size,
             f"{section}.micro_batch_size": micro_batch_size,
-            "trainer.total_steps": cfg.trainer.total_steps,
+            "trainer.total_steps": shared.trainer.total_steps,
         }
     )
     if max_length < 2:
@@ -470,17 +502,15 @@ def _validate_supervised(
         batches = {"data.train_batch_size": data.train_batch_size}
         if data.val_files:
             batches["data.val_batch_size"] = data.val_batch_size
-        _check_dp_split(cfg, world_size, batches)
+        _check_dp_split(shared.parallel, world_size, batches)
 
 
-def _validate_reward_model(cfg: RunConfig, world_size: int | None) -> None:
-    rm = cfg.reward_model
-    _validate_supervised(cfg, world_size, "reward_model", rm.micro_batch_size, rm.max_length)
+def _validate_reward_model(rm: RewardModelConfig, shared: _SupervisedShared) -> None:
+    _validate_supervised(shared, "reward_model", rm.micro_batch_size, rm.max_length)
 
 
-def _validate_sft(cfg: RunConfig, world_size: int | None) -> None:
-    sft = cfg.sft
-    _validate_supervised(cfg, world_size, "sft", sft.micro_batch_size, sft.max_length)
+def _validate_sft(sft: SFTConfig, shared: _SupervisedShared) -> None:
+    _validate_supervised(shared, "sft", sft.micro_batch_size, sft.max_length)
     budget = sft.max_tokens_per_micro_batch
     if budget is not None and budget < 2:
         raise ConfigError(
@@ -489,20 +519,19 @@ def _validate_sft(cfg: RunConfig, world_size: int | None) -> None:
         )
 
 
-def _validate_dpo(cfg: RunConfig, world_size: int | None) -> None:
-    dpo = cfg.dpo
-    _validate_supervised(cfg, world_size, "dpo", dpo.micro_batch_size, dpo.max_length)
+def _validate_dpo(dpo: DPOConfig, shared: _SupervisedShared) -> None:
+    _validate_supervised(shared, "dpo", dpo.micro_batch_size, dpo.max_length)
 
 
-_SUPERVISED_VALIDATORS = {
+# trainer.kind -> the check of that trainer's section (the section of the kind's own name)
+_SUPERVISED_VALIDATORS: dict[str, Callable[..., None]] = {
     "reward_model": _validate_reward_model,
     "sft": _validate_sft,
     "dpo": _validate_dpo,
 }
 
 
-def _validate_distill(cfg: RunConfig) -> None:
-    d = cfg.algorithm.distill
+def _validate_distill(d: DistillConfig) -> None:
     if d.teacher_path is not None and not d.coef > 0:
         raise ConfigError(
             f"algorithm.distill.coef={d.coef} must be > 0 with a teacher "

@@ -24,7 +24,7 @@ import torch
 from megarl import parallel, platform
 from megarl.algos.choices import DPOLoss, resolve_dpo_loss
 from megarl.algos.dpo import dpo_loss
-from megarl.config import RunConfig
+from megarl.config import ActorConfig, DataConfig, DPOConfig, ModelConfig, ParallelConfig, RunConfig
 from megarl.data import PreferenceDataset, PreferenceItem
 from megarl.models.build import build_model
 from megarl.models.dims import ModelDims
@@ -35,7 +35,7 @@ from megarl.run.evaluation import dataset_totals
 from megarl.run.sequences import TokenRows, length_groups, token_rows
 from megarl.run.startup import Startup
 from megarl.run.supervised import SupervisedParts, train_supervised
-from megarl.run.trainable import PolicyModel, build_policy, lora_settings, model_options
+from megarl.run.trainable import PolicyModel, build_policy, model_options
 from megarl.run.update import optimizer_step, weighted
 
 if TYPE_CHECKING:
@@ -62,16 +62,26 @@ class Reference:
 
 
 def build_reference(
-    cfg: RunConfig, startup: Startup, policy: PolicyModel, loss: DPOLoss
+    dpo: DPOConfig,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    actor: ActorConfig,
+    startup: Startup,
+    policy: PolicyModel,
+    loss: DPOLoss,
 ) -> Reference | None:
-    """The reference of ``dpo.loss`` (None for a reference-free loss)."""
+    """The reference of ``dpo.loss`` (None for a reference-free loss): dpo.reference_path, else
+    the policy's own folder, or with LoRA (actor.lora) the policy's frozen base."""
     if not loss.needs_reference:
         return None
-    path = cfg.dpo.reference_path
-    if path is None and lora_settings(cfg) is not None:
+    path = dpo.reference_path
+    if path is None and actor.lora.rank != 0:  # LoRA on: the adapters' base is the reference
         return Reference(policy.actor.model, policy.dims, is_actor_base=True)
     model, dims = build_model(
-        path or cfg.model.path, startup.layout, "reference", model_options(cfg)
+        path or model_cfg.path,
+        startup.layout,
+        "reference",
+        model_options(model_cfg, parallel, actor.lora),
     )
     return Reference(model, dims)
 
@@ -119,11 +129,10 @@ def dpo_loss_fn(name: str, kwargs: dict[str, Any], vocab_size: int) -> LossFn:
 
 
 def micro_batches(
-    cfg: RunConfig, items: list[PreferenceItem], pad_id: int, sums: bool = False
+    d: DPOConfig, items: list[PreferenceItem], pad_id: int, sums: bool = False
 ) -> list[dict[str, Any]]:
     """Micro-batches of ``dpo.micro_batch_size`` whole pairs, by length; each weighted by its
     share of the batch's pairs (``sums``: by its pairs, so metrics add up to sums over pairs)."""
-    d = cfg.dpo
     lens = [len(it.prompt_ids) + max(len(it.chosen_ids), len(it.rejected_ids)) for it in items]
     out = []
     for group in length_groups(lens, d.micro_batch_size):
@@ -156,8 +165,9 @@ def add_reference_log_probs(reference: Reference | None, mbs: list[dict[str, Any
         mb["ref_logps"] = out["ref_logps"].float()
 
 
-def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> PreferenceDataset:
-    d = cfg.data
+def _dataset(
+    d: DataConfig, dpo: DPOConfig, startup: Startup, *, validation: bool
+) -> PreferenceDataset:
     files, batch = (
         (d.val_files, d.val_batch_size) if validation else (d.train_files, d.train_batch_size)
     )
@@ -165,22 +175,22 @@ def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> Preferenc
         files,
         startup.tokenizer,
         batch_size_per_rank=batch // startup.layout.dp,
-        max_length=cfg.dpo.max_length,
+        max_length=dpo.max_length,
         dp_rank=parallel.dp_rank(),
         dp_size=startup.layout.dp,
         seed=d.seed,
         shuffle=d.shuffle and not validation,
         drop_last=not validation,  # validation: every pair once
-        truncation=cfg.dpo.truncation,
+        truncation=dpo.truncation,
         setting="data.val_files" if validation else "data.train_files",
     )
 
 
 def _with_reference(
-    cfg: RunConfig, pad_id: int, reference: Reference | None, sums: bool
+    dpo: DPOConfig, pad_id: int, reference: Reference | None, sums: bool
 ) -> Callable[[list[PreferenceItem]], list[dict[str, Any]]]:
     def build(items: list[PreferenceItem]) -> list[dict[str, Any]]:
-        mbs = micro_batches(cfg, items, pad_id, sums)
+        mbs = micro_batches(dpo, items, pad_id, sums)
         add_reference_log_probs(reference, mbs)
         return mbs
 
@@ -200,12 +210,14 @@ def train_dpo(cfg: RunConfig) -> dict[str, float]:
 def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
     cfg, pad_id = startup.cfg, startup.pad_id
     loss = resolve_dpo_loss(cfg.dpo, try_it=True)  # once, before any model is built
-    train_data = _dataset(cfg, startup, validation=False)
-    policy = build_policy(cfg, startup.layout, cfg.dpo.optim)
-    reference = build_reference(cfg, startup, policy, loss)
+    train_data = _dataset(cfg.data, cfg.dpo, startup, validation=False)
+    policy = build_policy(
+        cfg.model, cfg.parallel, cfg.actor.lora, cfg.trainer, startup.layout, cfg.dpo.optim
+    )
+    reference = build_reference(cfg.dpo, cfg.model, cfg.parallel, cfg.actor, startup, policy, loss)
     loss_fn = dpo_loss_fn(cfg.dpo.loss, loss.kwargs, policy.dims.vocab_size)
-    train_mbs = _with_reference(cfg, pad_id, reference, sums=False)
-    val_mbs = _with_reference(cfg, pad_id, reference, sums=True)
+    train_mbs = _with_reference(cfg.dpo, pad_id, reference, sums=False)
+    val_mbs = _with_reference(cfg.dpo, pad_id, reference, sums=True)
 
     def step(items: list[PreferenceItem]) -> dict[str, float]:
         return optimizer_step(
@@ -218,7 +230,7 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
         )
 
     def validate() -> dict[str, float]:
-        data = _dataset(cfg, startup, validation=True)
+        data = _dataset(cfg.data, cfg.dpo, startup, validation=True)
         try:
             totals = dataset_totals(policy.actor.model, data, val_mbs, loss_fn, VAL_KEYS)
         finally:

@@ -26,7 +26,17 @@ import argparse
 import copy
 from dataclasses import dataclass, field, replace
 
-from megarl.config import RunConfig, model_dtype, validate
+from megarl.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    JudgeConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+    model_dtype,
+    validate,
+)
 from megarl.config.derived import routing_recorded
 from megarl.errors import ConfigError, MegarlError
 from megarl.gpu_defaults import Target, kernel_options, transformer_impl
@@ -177,12 +187,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- from the config to the planner's inputs ------------------------------------------------------
 
 
-def numerics_for(cfg: RunConfig, target: Target) -> tuple[Numerics, str]:
-    """What the models hold per parameter and how they compute, as ``cfg`` runs on ``target``;
-    and the layer implementation (local | transformer_engine)."""
-    impl = transformer_impl(cfg.model.transformer_impl, target, lora=cfg.actor.lora.rank > 0)
+def numerics_for(model: ModelConfig, actor: ActorConfig, target: Target) -> tuple[Numerics, str]:
+    """What the models hold per parameter and how they compute, as these settings run on
+    ``target``; and the layer implementation (local | transformer_engine)."""
+    impl = transformer_impl(model.transformer_impl, target, lora=actor.lora.rank > 0)
     kernels = kernel_options(impl, target)
-    bf16 = model_dtype(cfg, target.cuda) == "bfloat16"
+    bf16 = model_dtype(model, target.cuda) == "bfloat16"
     param_bytes = 2 if bf16 else 4
     if impl == "transformer_engine":
         # fp32 TE attention is its unfused backend: it stores the scores
@@ -209,18 +219,20 @@ def numerics_for(cfg: RunConfig, target: Target) -> tuple[Numerics, str]:
     return numerics, impl
 
 
-def _scored(cfg: RunConfig, reference: bool, critic: bool) -> bool:
+def _scored(
+    a: AlgorithmConfig, actor: ActorConfig, train_batch_size: int, reference: bool, critic: bool
+) -> bool:
     """Whether anything scores the rollout before the update (reference logprobs, values, or
     the actor's old logprobs in a separate forward)."""
     from megarl.trainer.old_log_probs import separate_forward_reasons
 
-    reasons = separate_forward_reasons(cfg.algorithm, cfg.actor, cfg.data.train_batch_size)
+    reasons = separate_forward_reasons(a, actor, train_batch_size)
     return reference or critic or bool(reasons)
 
 
-def _judge_dims(cfg: RunConfig) -> ModelDims | None:
+def _judge_dims(judge: JudgeConfig) -> ModelDims | None:
     """The shape of ``reward.judge.model_path`` (a judge at a URL costs this run no memory)."""
-    path = cfg.reward.judge.model_path
+    path = judge.model_path
     return ModelDims.from_pretrained(path) if path else None
 
 
@@ -249,15 +261,15 @@ def workload_for(
         lora_rank=actor.lora.rank,
         micro_batch_tokens=actor.max_tokens_per_micro_batch,
         output_positions=r.max_response_length,
-        scoring=_scored(cfg, reference, critic),
+        scoring=_scored(a, actor, cfg.data.train_batch_size, reference, critic),
         temperature=r.temperature,
         samples_per_prompt=n,
         rollout_batch=rollout_batch,
         sleep_level=r.sleep_level,
         reward_model=reward_model,
-        record_routes=routing_recorded(cfg, True),  # counted for MoE models only
+        record_routes=routing_recorded(cfg.rollout, True),  # counted for MoE models only
         routes_gathered=actor.balance_dp_tokens,
-        judge=_judge_dims(cfg),
+        judge=_judge_dims(cfg.reward.judge),
         judge_len=cfg.reward.judge.max_length,
     )
     roles_offloaded = actor.param_offload and (cfg.ref.param_offload or not reference)
@@ -363,7 +375,7 @@ def preflight(
     the settings that would make it fit (:func:`suggestions`)."""
     layout = ParallelLayout.for_settings(hardware.world, cfg.parallel)
     workload, options = workload_for(cfg, layout, reward_model)
-    numerics, impl = numerics_for(cfg, target)
+    numerics, impl = numerics_for(cfg.model, cfg.actor, target)
     memory = estimate_memory(
         dims, layout, workload, numerics, options, hardware.gpu_memory, hardware.reserve
     )
@@ -426,13 +438,14 @@ def _halvings(value: int, floor: int) -> list[int]:
     return out
 
 
-def _candidates(pf: Preflight, cfg: RunConfig) -> list[list[str]]:
+def _candidates(
+    pf: Preflight, model: ModelConfig, a: ActorConfig, rollout: RolloutConfig, par: ParallelConfig
+) -> list[list[str]]:
     """Setting changes to try, cheapest first, for what does not fit."""
     what = {p.item for p in pf.problems} | {p.where for p in pf.problems}
-    a = cfg.actor
     out: list[list[str]] = []
     activations = "activations" in what
-    if activations and cfg.model.recompute != "full":
+    if activations and model.recompute != "full":
         out.append(["model.recompute=full"])
     if activations and a.max_tokens_per_micro_batch is not None:
         seq = pf.workload.seq_len
@@ -444,7 +457,7 @@ def _candidates(pf: Preflight, cfg: RunConfig) -> list[list[str]]:
         out += [[f"actor.micro_batch_size={b}"] for b in _halvings(a.micro_batch_size, 1)]
     vllm = bool(what & {"startup", "rollout", "kv_cache"})
     if vllm:
-        u = cfg.rollout.gpu_memory_utilization
+        u = rollout.gpu_memory_utilization
         steps = [round(x / 100, 2) for x in range(5, 100, 5)]
         lower = [x for x in reversed(steps) if x < u]
         higher = [x for x in steps if x > u]
@@ -455,14 +468,14 @@ def _candidates(pf: Preflight, cfg: RunConfig) -> list[list[str]]:
         out.append(
             ["actor.param_offload=true", "ref.param_offload=true", "critic.param_offload=true"]
         )
-    if any(p.where.startswith("host") for p in pf.problems) and cfg.rollout.sleep_level == 1:
+    if any(p.where.startswith("host") for p in pf.problems) and rollout.sleep_level == 1:
         out.append(["rollout.sleep_level=2"])
     node = pf.hardware.gpus_per_node
     for tp in (2, 4, 8, 16):
-        if cfg.parallel.tp < tp <= node and node % tp == 0:
+        if par.tp < tp <= node and node % tp == 0:
             out.append([f"parallel.tp={tp}"])
     for pp in (2, 4, 8):
-        if cfg.parallel.pp < pp and pf.hardware.world % (cfg.parallel.tp * pp) == 0:
+        if par.pp < pp and pf.hardware.world % (par.tp * pp) == 0:
             out.append([f"parallel.pp={pp}"])
     return out
 
@@ -494,7 +507,7 @@ def suggestions(
     """Override sets under which every phase fits, cheapest first: single changes, then each of
     the first candidates combined with the others."""
     found: list[list[str]] = []
-    candidates = _candidates(pf, cfg)
+    candidates = _candidates(pf, cfg.model, cfg.actor, cfg.rollout, cfg.parallel)
     seen_keys: set[str] = set()
 
     def consider(overrides: list[str]) -> None:

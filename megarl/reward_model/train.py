@@ -17,7 +17,7 @@ import torch
 
 from megarl import parallel, platform
 from megarl.algos import bradley_terry_loss
-from megarl.config import RunConfig
+from megarl.config import RewardModelConfig, RunConfig, TrainerConfig
 from megarl.console import announce
 from megarl.data import PreferenceDataset, PreferenceItem
 from megarl.models.dims import ModelDims
@@ -61,7 +61,8 @@ def _pair_loss(margin: float, pad_id: int | None = None):
 
 
 def _dataset(
-    cfg: RunConfig,
+    rm: RewardModelConfig,
+    seed: int,
     files: list[str],
     tokenizer: PreTrainedTokenizerBase,
     batch: int,
@@ -74,48 +75,53 @@ def _dataset(
         files,
         tokenizer,
         batch_size_per_rank=batch // layout.dp,
-        max_length=cfg.reward_model.max_length,
+        max_length=rm.max_length,
         dp_rank=parallel.dp_rank(),
         dp_size=layout.dp,
-        seed=cfg.data.seed,
+        seed=seed,
         shuffle=shuffle,
-        truncation=cfg.reward_model.truncation,
+        truncation=rm.truncation,
         setting=setting,
     )
 
 
 def _micro_batches(
-    cfg: RunConfig, items: list[PreferenceItem], pad_id: int, sums: bool = False
+    rm: RewardModelConfig, items: list[PreferenceItem], pad_id: int, sums: bool = False
 ) -> list[dict[str, Any]]:
     """Micro-batches weighted by their share of the batch's pairs (``sums``: by their pairs, so
     that the loss function's metrics add up to sums over pairs)."""
-    mbs = pair_micro_batches(items, cfg.reward_model.micro_batch_size, pad_id, platform.device())
+    mbs = pair_micro_batches(items, rm.micro_batch_size, pad_id, platform.device())
     total = 1 if sums else sum(mb.pairs for mb in mbs)
     return [{"input_ids": mb.input_ids, "mb": mb, "weight": mb.pairs / total} for mb in mbs]
 
 
 def _update(
-    model: Trainable, cfg: RunConfig, items: list[PreferenceItem], pad_id: int, loss_fn: LossFn
+    model: Trainable,
+    rm: RewardModelConfig,
+    trainer: TrainerConfig,
+    items: list[PreferenceItem],
+    pad_id: int,
+    loss_fn: LossFn,
 ) -> dict[str, float]:
     return optimizer_step(
         model,
-        _micro_batches(cfg, items, pad_id),
+        _micro_batches(rm, items, pad_id),
         loss_fn,
         prefix="rm",
-        skip_non_finite=cfg.trainer.nan_policy == "skip",
+        skip_non_finite=trainer.nan_policy == "skip",
         lr_setting="reward_model.optim.lr",
     )
 
 
 def evaluate(
-    model: torch.nn.Module, cfg: RunConfig, dataset: PreferenceDataset, pad_id: int
+    model: torch.nn.Module, rm: RewardModelConfig, dataset: PreferenceDataset, pad_id: int
 ) -> dict[str, float]:
     """Accuracy, loss and mean gap over one pass of ``dataset``; the same dict on every rank."""
     totals = dataset_totals(
         model,
         dataset,
-        lambda items: _micro_batches(cfg, items, pad_id, sums=True),
-        _pair_loss(cfg.reward_model.margin, pad_id),
+        lambda items: _micro_batches(rm, items, pad_id, sums=True),
+        _pair_loss(rm.margin, pad_id),
         ("accuracy", "loss", "gap_mean"),
     )
     pairs = max(totals["items"], 1.0)
@@ -136,7 +142,8 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
     cfg, layout, pad_id = startup.cfg, startup.layout, startup.pad_id
     announce(f"reading data: {', '.join(cfg.data.train_files)}")
     train_data = _dataset(
-        cfg,
+        cfg.reward_model,
+        cfg.data.seed,
         cfg.data.train_files,
         startup.tokenizer,
         cfg.data.train_batch_size,
@@ -149,7 +156,7 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
         cfg.model.path,
         layout,
         "reward",
-        model_options(cfg),
+        model_options(cfg.model, cfg.parallel, cfg.actor.lora),
         optim_settings(cfg.reward_model.optim, cfg.trainer.total_steps),
     )
     roles = RewardModelRoles(reward, dims)
@@ -157,7 +164,9 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
     return SupervisedParts(
         models=roles,
         train_data=train_data,
-        step=lambda items: _update(roles.reward, cfg, items, pad_id, loss_fn),
+        step=lambda items: _update(
+            roles.reward, cfg.reward_model, cfg.trainer, items, pad_id, loss_fn
+        ),
         validate=lambda: _validation(roles, startup),
         tokens=_tokens,
         summary_key="rm/accuracy",
@@ -173,7 +182,8 @@ def _tokens(items: list[PreferenceItem]) -> int:
 def _validation(roles: RewardModelRoles, startup: Startup) -> dict[str, float]:
     cfg = startup.cfg
     val_data = _dataset(
-        cfg,
+        cfg.reward_model,
+        cfg.data.seed,
         cfg.data.val_files,
         startup.tokenizer,
         cfg.data.val_batch_size,
@@ -182,6 +192,6 @@ def _validation(roles: RewardModelRoles, startup: Startup) -> dict[str, float]:
         setting="data.val_files",
     )
     try:
-        return evaluate(roles.reward.model, cfg, val_data, startup.pad_id)
+        return evaluate(roles.reward.model, cfg.reward_model, val_data, startup.pad_id)
     finally:
         val_data.close()

@@ -42,7 +42,7 @@ from megarl.checkpoint.store import (
     step_name,
     write_latest,
 )
-from megarl.config import RunConfig
+from megarl.config import TrainerConfig
 from megarl.data.global_state import merge_rank_states
 from megarl.errors import CheckpointError
 from megarl.models.dims import ModelDims
@@ -332,14 +332,14 @@ ANOTHER_RUN = (
 )
 
 
-def resume_point(cfg: RunConfig, model_paths: dict[str, str]) -> Path | None:
+def resume_point(trainer: TrainerConfig, model_paths: dict[str, str]) -> Path | None:
     """The checkpoint a run resumes from (``trainer.resume=auto``: the newest intact one, see
     :mod:`megarl.run.verification`), after the cheap checks of :func:`check_resume` against the
     roles the run trains (role -> its HF folder); None to start afresh. Collective."""
-    if cfg.trainer.resume != "auto":
+    if trainer.resume != "auto":
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
-    path = verification.newest_intact(Path(cfg.trainer.output_dir) / "checkpoints", rank)
+    path = verification.newest_intact(Path(trainer.output_dir) / "checkpoints", rank)
     if path is None:
         return None
     check_resume(path, sorted(model_paths), model_paths)

@@ -5,13 +5,23 @@ cannot check (loggers, algorithm names: :func:`check_choices`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl.agents.loading import load_agent
 from megarl.algos.choices import resolve_algorithm_kwargs, resolve_dpo_loss
 from megarl.backends import check_backends
 from megarl.checkpoint.hf_assets import has_tokenizer
-from megarl.config import RunConfig
+from megarl.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    DPOConfig,
+    JudgeConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+)
 from megarl.data.parquet_source import distinct_strings, inspect_files, resolve_files
 from megarl.data.preference_dataset import check_preference_files
 from megarl.data.prompt_dataset import check_prompt_files
@@ -42,16 +52,25 @@ IMPORT_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _check_policy_words(cfg: RunConfig) -> None:
-    resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout, try_them=True)
+@dataclass(frozen=True)
+class AlgorithmWords:
+    """The sections whose words name algorithms (the trainer kind's check reads its own)."""
+
+    algorithm: AlgorithmConfig  # a policy run's: with rollout (rollout_correction's settings)
+    rollout: RolloutConfig
+    dpo: DPOConfig  # a DPO run's loss
 
 
-def _check_dpo_words(cfg: RunConfig) -> None:
-    resolve_dpo_loss(cfg.dpo, try_it=True)
+def _check_policy_words(words: AlgorithmWords) -> None:
+    resolve_algorithm_kwargs(words.algorithm, words.rollout, try_them=True)
+
+
+def _check_dpo_words(words: AlgorithmWords) -> None:
+    resolve_dpo_loss(words.dpo, try_it=True)
 
 
 # trainer.kind -> the check of its algorithm words (the reward-model and SFT trainers have none)
-_ALGORITHM_CHECKS: dict[str, Callable[[RunConfig], None]] = {
+_ALGORITHM_CHECKS: dict[str, Callable[[AlgorithmWords], None]] = {
     "policy": _check_policy_words,
     "dpo": _check_dpo_words,
 }
@@ -69,12 +88,13 @@ def check_choices(cfg: RunConfig) -> None:
     check_loggers(cfg.trainer.loggers, cfg.trainer.mlflow_tracking_uri)
     check_algorithm = _ALGORITHM_CHECKS.get(cfg.trainer.kind)
     if check_algorithm is not None:
-        check_algorithm(cfg)
+        check_algorithm(AlgorithmWords(cfg.algorithm, cfg.rollout, cfg.dpo))
 
 
-def setting_value(cfg: RunConfig, key: str) -> object:
-    """The value of a dotted config key (``reward.custom_fn``) in ``cfg``."""
-    value: object = cfg
+def setting_value(config: object, key: str) -> object:
+    """The value of a dotted config key (``reward.custom_fn``) in ``config`` (a run config or
+    any of its sections)."""
+    value: object = config
     for part in key.split("."):
         value = getattr(value, part)
     return value
@@ -88,16 +108,19 @@ def check_import_settings(cfg: RunConfig) -> None:
             check_import_path(key, str(spec), keywords)
 
 
-def rules_need_ground_truth(cfg: RunConfig) -> bool:
+def rules_need_ground_truth(reward: RewardConfig) -> bool:
     """Whether the run's rule scorers read each prompt's ``reward_model.ground_truth``: the
     built-in scorers do; a ``reward.custom_fn`` gets it if present; a reward model alone never."""
-    return cfg.reward.rule_weight != 0 and cfg.reward.custom_fn is None
+    return reward.rule_weight != 0 and reward.custom_fn is None
 
 
-def check_reward_columns(cfg: RunConfig, files: list[ParquetFileInfo], fs, what: str) -> None:
-    """The prompt files carry what the chosen scorers need: with the built-in scorers, verl's
-    ``reward_model`` column (with ``ground_truth``) and only data sources they know."""
-    if cfg.trainer.kind != "policy" or not rules_need_ground_truth(cfg):
+def check_reward_columns(
+    kind: str, reward: RewardConfig, files: list[ParquetFileInfo], fs, what: str
+) -> None:
+    """The prompt files carry what the chosen scorers need (a ``kind`` of trainer.kind): with
+    the built-in scorers, verl's ``reward_model`` column (with ``ground_truth``) and only data
+    sources they know."""
+    if kind != "policy" or not rules_need_ground_truth(reward):
         return
 
     why = (
@@ -135,7 +158,7 @@ def check_inputs(
     if cfg.rollout.mode == "async":  # the rollout group's engines: infer_tp ranks each
         p = cfg.parallel
         ParallelLayout(dp=p.rollout_ranks, infer_tp=p.infer_tp or p.tp).check_model(dims.shape)
-    _check_moe_options(cfg, dims)
+    _check_moe_options(cfg.model, cfg.rollout, cfg.actor, dims)
     if cfg.model.critic_path:
         ModelDims.from_pretrained(cfg.model.critic_path)
     reward_model = None
@@ -154,21 +177,26 @@ def check_inputs(
             fs, paths = resolve_files(files, what=what)
             infos = inspect_files(fs, paths)
             check_columns(infos)
-            check_reward_columns(cfg, infos, fs, what)
-    for path, setting, what in _COMPANIONS.get(cfg.trainer.kind, _none)(cfg):
-        _check_companion(cfg, layout, dims, path, setting, what)
+            check_reward_columns(cfg.trainer.kind, cfg.reward, infos, fs, what)
+    companion = _COMPANIONS.get(cfg.trainer.kind)
+    if companion is not None:
+        setting, what = companion
+        path = setting_value(cfg, setting)
+        if path:
+            _check_companion(
+                cfg.model.path, cfg.parallel.pp_layers, layout, dims, str(path), setting, what
+            )
     if cfg.trainer.kind == "policy":
-        check_judge(cfg, this_machine)
+        check_judge(cfg.reward.judge, this_machine)
     if this_machine and cfg.trainer.kind == "policy":
-        check_remote_reward(cfg)
+        check_remote_reward(cfg.reward)
     return reward_model
 
 
-def check_judge(cfg: RunConfig, this_machine: bool) -> ModelDims | None:
+def check_judge(j: JudgeConfig, this_machine: bool) -> ModelDims | None:
     """``reward.judge``: its template and score pattern; a local judge's folder is an HF causal
     LM with a tokenizer (returns its shape); a server's (``this_machine``) lists the judge's
     model. None without a local judge."""
-    j = cfg.reward.judge
     if j.model_path is None and j.url is None:
         return None
     JudgeTemplate.from_config(j)
@@ -195,10 +223,10 @@ def check_judge(cfg: RunConfig, this_machine: bool) -> ModelDims | None:
     return ModelDims.from_hf_config(config)
 
 
-def check_remote_reward(cfg: RunConfig) -> None:
+def check_remote_reward(reward: RewardConfig) -> None:
     """The service of ``reward.remote_url`` answers an empty batch (after its retries); a
     ConfigError naming the URL and the error otherwise."""
-    settings = RemoteSettings.from_config(cfg.reward)
+    settings = RemoteSettings.from_config(reward)
     if settings is None:
         return
     from megarl.rewards.remote import RemoteScorer  # aiohttp: only for a remote reward
@@ -206,25 +234,11 @@ def check_remote_reward(cfg: RunConfig) -> None:
     RemoteScorer(settings).check_reachable()
 
 
-def _none(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    return []
-
-
-def _dpo_reference(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    path = cfg.dpo.reference_path
-    return [(path, "dpo.reference_path", "reference")] if path else []
-
-
-def _distill_teacher(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    path = cfg.algorithm.distill.teacher_path
-    return [(path, "algorithm.distill.teacher_path", "teacher")] if path else []
-
-
-# trainer.kind -> the frozen models of other folders that read the policy's token ids:
-# (path, setting, what)
-_COMPANIONS: dict[str, Callable[[RunConfig], list[tuple[str, str, str]]]] = {
-    "dpo": _dpo_reference,
-    "policy": _distill_teacher,
+# trainer.kind -> the frozen model of another folder that reads the policy's token ids, when
+# its setting is set: (setting, what)
+_COMPANIONS: dict[str, tuple[str, str]] = {
+    "dpo": ("dpo.reference_path", "reference"),
+    "policy": ("algorithm.distill.teacher_path", "teacher"),
 }
 
 
@@ -253,10 +267,17 @@ _COLUMN_CHECKS: dict[str, Callable[[list[ParquetFileInfo]], None]] = {
 
 
 def _check_companion(
-    cfg: RunConfig, layout: ParallelLayout, dims: ModelDims, path: str, setting: str, what: str
+    model_path: str,
+    pp_layers: list[int] | None,
+    layout: ParallelLayout,
+    dims: ModelDims,
+    path: str,
+    setting: str,
+    what: str,
 ) -> None:
     """A frozen model that reads the policy's token ids (DPO reference, distillation teacher): a
-    causal LM of the same tokenizer that fits the layout."""
+    causal LM of the same tokenizer as ``model_path`` (the policy) that fits the layout
+    (``pp_layers``: parallel.pp_layers)."""
 
     try:
         hf_cfg = read_hf_config(path)
@@ -274,15 +295,15 @@ def _check_companion(
         raise ConfigError(
             f"{setting}={path} does not fit the layout the {what} shares with the policy: {e}"
         ) from None
-    if cfg.parallel.pp_layers and theirs.num_layers != dims.num_layers:
+    if pp_layers and theirs.num_layers != dims.num_layers:
         raise ConfigError(
             f"parallel.pp_layers splits the policy's {dims.num_layers} layers; the {what} "
             f"({setting}) has {theirs.num_layers}: remove parallel.pp_layers (an even split fits both)"
         )
-    difference = tokenizer_difference(cfg.model.path, path)
+    difference = tokenizer_difference(model_path, path)
     if difference is not None:
         raise ConfigError(
-            f"{setting}={path} has another tokenizer than model.path={cfg.model.path} "
+            f"{setting}={path} has another tokenizer than model.path={model_path} "
             f"({difference}); the {what} scores the policy's token ids, so both must share one "
             "tokenizer"
         )
@@ -293,14 +314,15 @@ def _check_companion(
         )
 
 
-def _check_router_replay(cfg: RunConfig, dims: ModelDims) -> None:
+def _check_router_replay(
+    model_path: str, r: RolloutConfig, actor: ActorConfig, dims: ModelDims
+) -> None:
     """actor.router_replay: an MoE policy, on the paths that carry the rollout's routing."""
     if not dims.is_moe:
         raise ConfigError(
-            f"actor.router_replay=true replays a mixture-of-experts routing; {cfg.model.path} is a "
+            f"actor.router_replay=true replays a mixture-of-experts routing; {model_path} is a "
             f"dense {dims.family} model: set actor.router_replay=false"
         )
-    r = cfg.rollout
     refusals = (
         (
             r.backend != "hf",
@@ -323,7 +345,7 @@ def _check_router_replay(cfg: RunConfig, dims: ModelDims) -> None:
             "rollout.mode=colocated",
         ),
         (
-            cfg.actor.share_prompts,
+            actor.share_prompts,
             "actor.share_prompts: a shared-prompt pack routes each prompt once, not per sample; "
             "set actor.share_prompts=false",
         ),
@@ -333,28 +355,30 @@ def _check_router_replay(cfg: RunConfig, dims: ModelDims) -> None:
             raise ConfigError(f"actor.router_replay=true with {why}")
 
 
-def _check_moe_options(cfg: RunConfig, dims: ModelDims) -> None:
+def _check_moe_options(
+    model: ModelConfig, rollout: RolloutConfig, actor: ActorConfig, dims: ModelDims
+) -> None:
     """Router-loss settings need a mixture-of-experts model; LoRA needs a dense one; vLLM takes
     no pre-sharded experts."""
 
-    set_ = [n for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(cfg.model, n)]
+    set_ = [n for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(model, n)]
     if set_ and not dims.is_moe:
         raise ConfigError(
-            f"model.{set_[0]}={getattr(cfg.model, set_[0])} applies to mixture-of-experts models; "
-            f"{cfg.model.path} is a dense {dims.family} model: remove it (or set it to 0)"
+            f"model.{set_[0]}={getattr(model, set_[0])} applies to mixture-of-experts models; "
+            f"{model.path} is a dense {dims.family} model: remove it (or set it to 0)"
         )
-    refusal = shard_refusal(cfg.rollout.backend, dims.is_moe)
-    if cfg.rollout.reshard_mode == "shard" and refusal:
+    refusal = shard_refusal(rollout.backend, dims.is_moe)
+    if rollout.reshard_mode == "shard" and refusal:
         raise ConfigError(
-            f"rollout.reshard_mode=shard with rollout.backend={cfg.rollout.backend} and the "
-            f"mixture-of-experts model {cfg.model.path}: {refusal}; set rollout.reshard_mode=auto "
+            f"rollout.reshard_mode=shard with rollout.backend={rollout.backend} and the "
+            f"mixture-of-experts model {model.path}: {refusal}; set rollout.reshard_mode=auto "
             "(full for this model) or rollout.backend=hf"
         )
-    if cfg.actor.router_replay:
-        _check_router_replay(cfg, dims)
-    if cfg.actor.lora.rank and dims.is_moe:
+    if actor.router_replay:
+        _check_router_replay(model.path, rollout, actor, dims)
+    if actor.lora.rank and dims.is_moe:
         raise ConfigError(
-            f"actor.lora.rank={cfg.actor.lora.rank}: LoRA adapters are built for dense models only "
-            f"and {cfg.model.path} is a mixture-of-experts {dims.family} model: set "
+            f"actor.lora.rank={actor.lora.rank}: LoRA adapters are built for dense models only "
+            f"and {model.path} is a mixture-of-experts {dims.family} model: set "
             "actor.lora.rank=0 (full fine-tuning)"
         )

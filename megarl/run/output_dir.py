@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.config import RunConfig
+from megarl.config import TrainerConfig
 from megarl.errors import ConfigError
 from megarl.files import replace_file
 from megarl.run.elastic import AttemptRecord
@@ -68,10 +68,9 @@ def earlier_run(folder: str | Path) -> EarlierRun:
     )
 
 
-def check_output_dir(cfg: RunConfig) -> bool:
+def check_output_dir(t: TrainerConfig) -> bool:
     """Refuse a fresh start over an earlier run (ConfigError naming the ways on); True when
     ``trainer.overwrite`` asks for the earlier run to be moved aside (:func:`move_aside`)."""
-    t = cfg.trainer
     found = earlier_run(t.output_dir)
     if not found.exists:
         return False
@@ -133,24 +132,24 @@ def restart_metrics(path: Path) -> None:
         replace_file(path, "")
 
 
-def prepare_output_dir(cfg: RunConfig, rank: int) -> None:
+def prepare_output_dir(trainer: TrainerConfig, rank: int) -> None:
     """On every rank of a job, before any model is built: the check of :func:`check_output_dir`,
     then rank 0 moves the earlier run aside when asked; collective."""
     import torch.distributed as dist
 
     record = AttemptRecord.from_env()
     if record is not None and record.restarts > 0:  # an elastic restart: the folder is its job's
-        if rank == 0 and not earlier_run(cfg.trainer.output_dir).resumable:
-            restart_metrics(Path(cfg.trainer.output_dir) / METRICS_FILE)
+        if rank == 0 and not earlier_run(trainer.output_dir).resumable:
+            restart_metrics(Path(trainer.output_dir) / METRICS_FILE)
         return
-    move = check_output_dir(cfg)  # every rank sees the same folder: the same answer everywhere
+    move = check_output_dir(trainer)  # every rank sees the same folder: the same answer everywhere
     if not move:
         return
     dist.barrier()  # every rank has looked before rank 0 renames
     failed: list[str | None] = [None]
     if rank == 0:
         try:
-            move_aside(cfg.trainer.output_dir)
+            move_aside(trainer.output_dir)
         except ConfigError as e:
             failed[0] = str(e)
     dist.broadcast_object_list(failed, src=0)

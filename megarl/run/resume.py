@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megarl.config import RunConfig
+from megarl.config import TrainerConfig
 from megarl.console import announce
 from megarl.errors import CheckpointError
 from megarl.run import checkpointing, trainer_state
@@ -32,21 +32,21 @@ class Resumed:
     state: Mapping[str, Any] = field(default_factory=dict)
 
 
-def checkpoint_root(cfg: RunConfig) -> Path:
-    return Path(cfg.trainer.output_dir) / "checkpoints"
+def checkpoint_root(trainer: TrainerConfig) -> Path:
+    return Path(trainer.output_dir) / "checkpoints"
 
 
-def resume_point(cfg: RunConfig, model_paths: Mapping[str, str]) -> Path | None:
+def resume_point(trainer: TrainerConfig, model_paths: Mapping[str, str]) -> Path | None:
     """The checkpoint to resume from (the latest, with ``trainer.resume: auto``), checked against
     the roles the run trains (role -> its Hugging Face folder) and the trainer that wrote it
     before any model is built."""
-    path = checkpointing.resume_point(cfg, dict(model_paths))
+    path = checkpointing.resume_point(trainer, dict(model_paths))
     if path is not None:
-        saved = trainer_state.read(path).get("kind", cfg.trainer.kind)  # older ones: unchecked
-        if saved != cfg.trainer.kind:
+        saved = trainer_state.read(path).get("kind", trainer.kind)  # older ones: unchecked
+        if saved != trainer.kind:
             raise CheckpointError(
                 f"checkpoint {path} was written by a trainer.kind={saved} run and this run is "
-                f"trainer.kind={cfg.trainer.kind}; use another trainer.output_dir (a trained model "
+                f"trainer.kind={trainer.kind}; use another trainer.output_dir (a trained model "
                 "moves between trainers as a Hugging Face folder: megarl convert mcore-to-hf)"
             )
     return path
@@ -79,14 +79,15 @@ def resume(path: Path | None, models: TrainedModels, rank: int) -> Resumed:
     )
 
 
-def save_due(cfg: RunConfig, step: int) -> bool:
+def save_due(trainer: TrainerConfig, step: int) -> bool:
     """Whether the run saves after ``step`` (1-based): every ``save_freq`` steps and at the end."""
-    every = cfg.trainer.save_freq
-    return bool(every and step % every == 0) or step == cfg.trainer.total_steps
+    every = trainer.save_freq
+    return bool(every and step % every == 0) or step == trainer.total_steps
 
 
 def save(
-    cfg: RunConfig,
+    trainer: TrainerConfig,
+    model_path: str,
     step: int,
     models: TrainedModels,
     *,
@@ -95,21 +96,22 @@ def save(
     history: list[dict[str, float]],
     **extra: object,
 ) -> Path:
-    """Checkpoint ``step`` with the trainer state both trainers keep (and ``extra`` entries)."""
+    """Checkpoint ``step`` of the policy of ``model_path`` with the trainer state both trainers
+    keep (and ``extra`` entries)."""
     state = {
         "step": step,
-        "kind": cfg.trainer.kind,
+        "kind": trainer.kind,
         "data": data,
         **extra,
         "mlflow_run_id": mlflow_run_id,
         "history": history,
     }
     return checkpointing.save(
-        checkpoint_root(cfg),
+        checkpoint_root(trainer),
         step,
         models,
-        cfg.model.path,
+        model_path,
         state,
-        keep_last=cfg.trainer.keep_last,
-        keep_every=cfg.trainer.keep_every,
+        keep_last=trainer.keep_last,
+        keep_every=trainer.keep_every,
     )

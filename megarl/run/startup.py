@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megarl.config import RunConfig
+from megarl.config import ParallelConfig, RunConfig
 from megarl.config import validate as validate_config
 from megarl.console import announce
 from megarl.data.chat import pad_token_id
@@ -38,9 +38,10 @@ class Startup:
     world: SplitWorld | None = None
 
 
-def layout_for(cfg: RunConfig, world: int, *, with_rollout: bool) -> ParallelLayout:
-    """The training layout of ``cfg`` over ``world`` ranks (with the rollout's TP when it rolls out)."""
-    return ParallelLayout.for_settings(world, cfg.parallel, with_rollout)
+def layout_for(parallel: ParallelConfig, world: int, *, with_rollout: bool) -> ParallelLayout:
+    """The training layout of ``parallel`` over ``world`` ranks (with the rollout's TP when it
+    rolls out)."""
+    return ParallelLayout.for_settings(world, parallel, with_rollout)
 
 
 def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
@@ -64,10 +65,12 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
             f"started {job} rank(s): {world} training, {job - world} generating rollouts; "
             "checking the inputs"
         )
-    layout = layout_for(cfg, world, with_rollout=with_rollout)
+    layout = layout_for(cfg.parallel, world, with_rollout=with_rollout)
     validate_config(cfg, job)
     check_inputs(cfg, layout)
-    prepare_output_dir(cfg, rank)  # an earlier run in trainer.output_dir: refused or moved aside
+    prepare_output_dir(
+        cfg.trainer, rank
+    )  # an earlier run in trainer.output_dir: refused or moved aside
     write_resolved_config(cfg, rank)  # OUT/config.yaml: every setting this run uses
     initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)

@@ -63,7 +63,7 @@ def train_supervised(
     built); ``setup`` builds the trainer's parts on a started rank."""
     guards = RunGuards()  # a preemption signal during set-up is honoured at the first step end
     startup = start(cfg, with_rollout=False)
-    resume_from = resume_point(cfg, trained)
+    resume_from = resume_point(cfg.trainer, trained)
     # tracking starts first: its writers (MLflow's process) start beside the models' build
     step, mlflow_run_id = tracked_start(resume_from)
     tracker = Tracker(cfg, startup.rank, mlflow_run_id, start_step=step)
@@ -83,7 +83,15 @@ def train_supervised(
 
     def save_checkpoint(step: int) -> Path:
         data, run_id = parts.train_data.state_dict(), tracker.mlflow_run_id
-        return save(cfg, step, parts.models, data=data, mlflow_run_id=run_id, history=history)
+        return save(
+            cfg.trainer,
+            cfg.model.path,
+            step,
+            parts.models,
+            data=data,
+            mlflow_run_id=run_id,
+            history=history,
+        )
 
     last: dict[str, float] = {}
     for step in range(first, cfg.trainer.total_steps):
@@ -106,7 +114,7 @@ def train_supervised(
             tracker.log_metrics(val, step + 1)
             last.update(val)
         # a stop signal on any rank (SIGTERM, SIGUSR1, Ctrl-C): checkpoint, then end the run
-        if guards.end_step(step, save_due(cfg, step + 1), save_checkpoint):
+        if guards.end_step(step, save_due(cfg.trainer, step + 1), save_checkpoint):
             break
     guards.close()
     if startup.rank == 0 and history:

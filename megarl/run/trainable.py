@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megarl.config import OptimConfig, RunConfig, model_dtype
+from megarl.config import (
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainerConfig,
+    model_dtype,
+)
 from megarl.dtypes import dtype_from_name
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims
@@ -56,9 +63,9 @@ def optim_settings(
     )
 
 
-def lora_settings(cfg: RunConfig) -> LoraSettings | None:
-    """The actor's LoRA adapters (None: LoRA off, every weight trains)."""
-    lora = cfg.actor.lora
+def lora_settings(lora: LoraConfig, seed: int) -> LoraSettings | None:
+    """The actor's LoRA adapters (actor.lora, drawn from the run's ``seed``; None: LoRA off,
+    every weight trains)."""
     if lora.rank == 0:
         return None
     return LoraSettings(
@@ -66,22 +73,24 @@ def lora_settings(cfg: RunConfig) -> LoraSettings | None:
         alpha=lora.alpha,
         dropout=lora.dropout,
         target_modules=tuple(lora.target_modules),
-        seed=cfg.trainer.seed,
+        seed=seed,
     )
 
 
-def model_options(cfg: RunConfig) -> ModelOptions:
-    impl = cfg.model.transformer_impl
-    if cfg.actor.lora.rank and impl == "auto":
+def model_options(model: ModelConfig, parallel: ParallelConfig, lora: LoraConfig) -> ModelOptions:
+    """How the run's models are built (``lora``: the actor's adapters, which need megatron's own
+    linears)."""
+    impl = model.transformer_impl
+    if lora.rank and impl == "auto":
         impl = "local"  # LoRA adapts megatron's own parallel linears (not Transformer Engine's)
     return ModelOptions(
-        dtype=dtype_from_name(model_dtype(cfg, torch.cuda.is_available())),
-        recompute=cfg.model.recompute,
-        recompute_num_layers=cfg.model.recompute_num_layers,
+        dtype=dtype_from_name(model_dtype(model, torch.cuda.is_available())),
+        recompute=model.recompute,
+        recompute_num_layers=model.recompute_num_layers,
         transformer_impl=impl,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-        moe_z_loss_coeff=cfg.model.moe_z_loss_coeff,
+        sequence_parallel=parallel.sequence_parallel,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
     )
 
 
@@ -114,15 +123,22 @@ class PolicyModel:
         return {"actor": self.actor}
 
 
-def build_policy(cfg: RunConfig, layout: ParallelLayout, optim: OptimConfig) -> PolicyModel:
+def build_policy(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    lora: LoraConfig,
+    trainer: TrainerConfig,
+    layout: ParallelLayout,
+    optim: OptimConfig,
+) -> PolicyModel:
     """``model.path`` at ``layout``, trained with ``optim`` for ``trainer.total_steps`` steps
     (LoRA adapters only with ``actor.lora``)."""
     actor, dims = build_trainable(
-        cfg.model.path,
+        model.path,
         layout,
         "actor",
-        model_options(cfg),
-        optim_settings(optim, cfg.trainer.total_steps),
-        lora=lora_settings(cfg),
+        model_options(model, parallel, lora),
+        optim_settings(optim, trainer.total_steps),
+        lora=lora_settings(lora, trainer.seed),
     )
     return PolicyModel(actor, dims)

@@ -18,7 +18,7 @@ import torch
 
 from megarl import parallel, platform
 from megarl.algos import vocab_parallel_is_argmax
-from megarl.config import RunConfig
+from megarl.config import DataConfig, RunConfig, SFTConfig, TrainerConfig
 from megarl.data import SFTDataset, SFTItem
 from megarl.models.forward import LossFn
 from megarl.models.logprobs import log_probs_at, targets_at
@@ -55,11 +55,10 @@ def sft_loss(vocab_size: int) -> LossFn:
 
 
 def micro_batches(
-    cfg: RunConfig, items: list[SFTItem], pad_id: int, norm: float
+    s: SFTConfig, items: list[SFTItem], pad_id: int, norm: float
 ) -> list[dict[str, Any]]:
     """``items`` as micro-batches sorted by length (``sft.micro_batch_size`` rows or
     ``sft.max_tokens_per_micro_batch`` tokens each), each loss divided by ``norm``."""
-    s = cfg.sft
     lens = [len(it.prompt_ids) + len(it.response_ids) for it in items]
     out = []
     for group in length_groups(lens, s.micro_batch_size, s.max_tokens_per_micro_batch, s.packing):
@@ -74,8 +73,7 @@ def micro_batches(
     return out
 
 
-def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> SFTDataset:
-    d = cfg.data
+def _dataset(d: DataConfig, sft: SFTConfig, startup: Startup, *, validation: bool) -> SFTDataset:
     files, batch = (
         (d.val_files, d.val_batch_size) if validation else (d.train_files, d.train_batch_size)
     )
@@ -83,27 +81,27 @@ def _dataset(cfg: RunConfig, startup: Startup, *, validation: bool) -> SFTDatase
         files,
         startup.tokenizer,
         batch_size_per_rank=batch // startup.layout.dp,
-        max_length=cfg.sft.max_length,
+        max_length=sft.max_length,
         dp_rank=parallel.dp_rank(),
         dp_size=startup.layout.dp,
         seed=d.seed,
         shuffle=d.shuffle and not validation,
         drop_last=not validation,  # validation: every row once
-        truncation=cfg.sft.truncation,
+        truncation=sft.truncation,
         setting="data.val_files" if validation else "data.train_files",
     )
 
 
 def _step(
-    policy: PolicyModel, cfg: RunConfig, items: list[SFTItem], pad_id: int
+    policy: PolicyModel, sft: SFTConfig, trainer: TrainerConfig, items: list[SFTItem], pad_id: int
 ) -> dict[str, float]:
     tokens = dp_mean(float(sum(it.trained_tokens for it in items)))
     out = optimizer_step(
         policy.actor,
-        micro_batches(cfg, items, pad_id, max(tokens, 1.0)),
+        micro_batches(sft, items, pad_id, max(tokens, 1.0)),
         sft_loss(policy.dims.vocab_size),
         prefix="sft",
-        skip_non_finite=cfg.trainer.nan_policy == "skip",
+        skip_non_finite=trainer.nan_policy == "skip",
         lr_setting="sft.optim.lr",
     )
     out.pop("sft/tokens", None)  # tokens / norm: 1 per rank; the count itself instead
@@ -112,14 +110,14 @@ def _step(
 
 
 def evaluate(
-    policy: PolicyModel, cfg: RunConfig, dataset: SFTDataset, pad_id: int
+    policy: PolicyModel, sft: SFTConfig, dataset: SFTDataset, pad_id: int
 ) -> dict[str, float]:
     """``val/sft_loss`` and ``val/sft_token_accuracy`` (token means over the whole dataset),
     ``val/sft_tokens`` and ``val/sft_rows``; the same dict on every rank."""
     totals = dataset_totals(
         policy.actor.model,
         dataset,
-        lambda items: micro_batches(cfg, items, pad_id, norm=1.0),
+        lambda items: micro_batches(sft, items, pad_id, norm=1.0),
         sft_loss(policy.dims.vocab_size),
         ("loss", "token_accuracy", "tokens"),
     )
@@ -139,20 +137,22 @@ def train_sft(cfg: RunConfig) -> dict[str, float]:
 
 def _setup(startup: Startup) -> SupervisedParts[SFTItem]:
     cfg, pad_id = startup.cfg, startup.pad_id
-    train_data = _dataset(cfg, startup, validation=False)
-    policy = build_policy(cfg, startup.layout, cfg.sft.optim)
+    train_data = _dataset(cfg.data, cfg.sft, startup, validation=False)
+    policy = build_policy(
+        cfg.model, cfg.parallel, cfg.actor.lora, cfg.trainer, startup.layout, cfg.sft.optim
+    )
 
     def validate() -> dict[str, float]:
-        data = _dataset(cfg, startup, validation=True)
+        data = _dataset(cfg.data, cfg.sft, startup, validation=True)
         try:
-            return evaluate(policy, cfg, data, pad_id)
+            return evaluate(policy, cfg.sft, data, pad_id)
         finally:
             data.close()
 
     return SupervisedParts(
         models=policy,
         train_data=train_data,
-        step=lambda items: _step(policy, cfg, items, pad_id),
+        step=lambda items: _step(policy, cfg.sft, cfg.trainer, items, pad_id),
         validate=validate,
         tokens=lambda items: sum(len(it.prompt_ids) + len(it.response_ids) for it in items),
         summary_key="sft/loss",

@@ -508,7 +508,7 @@ def _preflight_numerics(folder: Path, size: Size):
     cfg = load_config(
         overrides=[f"model.path={folder}", "data.train_files=[unused]", f"model.dtype={dtype}"]
     )
-    return numerics_for(cfg, this_machine())[0]
+    return numerics_for(cfg.model, cfg.actor, this_machine())[0]
 
 
 def _preflight_scoring_bytes(folder: Path, dims, size: Size) -> tuple[int, str]:

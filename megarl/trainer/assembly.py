@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING
 
 from megarl import parallel, platform
 from megarl.algos.kl import KLController
-from megarl.config import RolloutConfig, RunConfig, rollout_dtype
+from megarl.config import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    rollout_dtype,
+)
 from megarl.config.derived import routing_recorded
 from megarl.console import announce
 from megarl.data import PromptDataset, PromptItem
@@ -27,6 +35,7 @@ from megarl.hybrid_engine.engine_folder import eos_token_ids
 from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.hybrid_engine.weight_sync import WeightSender
+from megarl.models.build import ModelOptions
 from megarl.models.dims import ModelDims
 from megarl.models.router_replay import replay_routers
 from megarl.rewards.model import build_reward_model
@@ -47,7 +56,7 @@ from megarl.trainer.remote_rollout import (
     RemoteTrainData,
     RemoteValidation,
 )
-from megarl.trainer.roles import Roles, build_roles
+from megarl.trainer.roles import Roles, RoleSections, build_roles
 from megarl.trainer.rollout_offload import (
     ActorMemory,
     RoleOffload,
@@ -124,7 +133,8 @@ class PolicyRun:
         # async: first the batch in flight (its rollout count is the one to continue from)
         in_flight = remote.checkpoint_state() if remote is not None else {}
         return save(
-            self.cfg,
+            self.cfg.trainer,
+            self.cfg.model.path,
             step,
             self.roles,
             data=self.data.train.state_dict(),
@@ -144,28 +154,30 @@ class PolicyRun:
 
 
 def prompt_dataset(
-    cfg: RunConfig,
+    data: DataConfig,
+    reward: RewardConfig,
     tokenizer,
     validation: bool,
     dp_rank: int,
     dp_size: int,
 ) -> PromptDataset:
     """Data-parallel rank ``dp_rank``'s training prompts (sharded, shuffled as configured) or
-    validation prompts (every prompt once per pass, in file order, no row dropped)."""
-    files = cfg.data.val_files if validation else cfg.data.train_files
-    batch = cfg.data.val_batch_size if validation else cfg.data.train_batch_size
+    validation prompts (every prompt once per pass, in file order, no row dropped); ``reward``
+    says whether each prompt must carry its ground truth."""
+    files = data.val_files if validation else data.train_files
+    batch = data.val_batch_size if validation else data.train_batch_size
     return PromptDataset(
         files,
         tokenizer,
         batch_size_per_rank=max(1, batch // dp_size),
-        max_prompt_length=cfg.data.max_prompt_length,
+        max_prompt_length=data.max_prompt_length,
         dp_rank=dp_rank,
         dp_size=dp_size,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle and not validation,
+        seed=data.seed,
+        shuffle=data.shuffle and not validation,
         drop_last=not validation,
-        overlong_prompts=cfg.data.overlong_prompts,
-        require_ground_truth=rules_need_ground_truth(cfg),
+        overlong_prompts=data.overlong_prompts,
+        require_ground_truth=rules_need_ground_truth(reward),
         setting="data.val_files" if validation else "data.train_files",
     )
 
@@ -173,44 +185,57 @@ def prompt_dataset(
 EMPTY_TRAIN_DATA = "the training data yields no batch: fewer prompts than data.train_batch_size"
 
 
-def build_data(cfg: RunConfig, startup: Startup) -> PolicyData:
+def build_data(data: DataConfig, reward: RewardConfig, startup: Startup) -> PolicyData:
     """This data-parallel rank's training and validation prompts."""
     dp, rank = startup.layout.dp, parallel.dp_rank()
-    train = prompt_dataset(cfg, startup.tokenizer, False, rank, dp)
-    val = prompt_dataset(cfg, startup.tokenizer, True, rank, dp) if cfg.data.val_files else None
+    train = prompt_dataset(data, reward, startup.tokenizer, False, rank, dp)
+    val = (
+        prompt_dataset(data, reward, startup.tokenizer, True, rank, dp) if data.val_files else None
+    )
     return PolicyData(train, val, EpochBatches(train, EMPTY_TRAIN_DATA))
 
 
-def build_rewards(cfg: RunConfig, startup: Startup) -> RewardSources:
-    """Rule scorers, and the frozen reward model of ``reward.model_path`` when one is set."""
+def build_rewards(
+    reward: RewardConfig,
+    rollout: RolloutConfig,
+    model_cfg: ModelConfig,
+    options: ModelOptions,
+    startup: Startup,
+) -> RewardSources:
+    """Rule scorers, and the frozen reward model of ``reward.model_path`` (built with the
+    models' ``options``) when one is set; a local judge runs in the rollout's dtype."""
     model: GPTModel | None = None
-    if cfg.reward.model_path:
-        model = build_reward_model(cfg.reward.model_path, startup.layout, model_options(cfg))
-    judge_dtype = rollout_dtype(cfg, platform.device().type == "cuda")
-    return RewardSources.from_config(
-        cfg.reward, model, cfg.rollout.max_response_length, judge_dtype
-    )
+    if reward.model_path:
+        model = build_reward_model(reward.model_path, startup.layout, options)
+    judge_dtype = rollout_dtype(model_cfg, rollout, platform.device().type == "cuda")
+    return RewardSources.from_config(reward, model, rollout.max_response_length, judge_dtype)
 
 
-def _engine_seed(cfg: RunConfig, engine_index: int) -> int:
+def _engine_seed(rollout: RolloutConfig, run_seed: int, engine_index: int) -> int:
     """vLLM's engine seed: with per-request seeds it drives no sampling; without them each engine
     draws from its own stream (engines seeded alike would repeat each other's random numbers)."""
-    if cfg.rollout.per_request_seeds:
-        return cfg.trainer.seed
-    return cfg.trainer.seed + engine_index
+    if rollout.per_request_seeds:
+        return run_seed
+    return run_seed + engine_index
 
 
 def engine_config(
-    cfg: RunConfig, engine_index: int, *, record_routes: bool = False
+    model: ModelConfig,
+    data: DataConfig,
+    r: RolloutConfig,
+    run_seed: int,
+    engine_index: int,
+    *,
+    record_routes: bool = False,
 ) -> EngineConfig:
-    """The rollout engine's settings; ``engine_index``: which engine of the run this rank's is;
-    ``record_routes``: it records each token's experts (an MoE policy, megarl.models.router_replay)."""
-    r = cfg.rollout
+    """The rollout engine's settings (``run_seed``: trainer.seed); ``engine_index``: which engine
+    of the run this rank's is; ``record_routes``: it records each token's experts (an MoE policy,
+    megarl.models.router_replay)."""
     return EngineConfig(
-        max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+        max_model_len=data.max_prompt_length + r.max_response_length,
         kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-        dtype=rollout_dtype(cfg, platform.device().type == "cuda"),
-        seed=_engine_seed(cfg, engine_index),
+        dtype=rollout_dtype(model, r, platform.device().type == "cuda"),
+        seed=_engine_seed(r, run_seed, engine_index),
         max_num_seqs=r.max_num_seqs,
         gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level,
@@ -218,9 +243,8 @@ def engine_config(
     )
 
 
-def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
-    """How training and validation rollouts sample."""
-    r = cfg.rollout
+def sampling_configs(r: RolloutConfig, run_seed: int) -> tuple[SamplingConfig, SamplingConfig]:
+    """How training and validation rollouts sample (``run_seed``: trainer.seed)."""
     # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
     stop_token_ids = () if r.ignore_eos else None
     sampling = SamplingConfig(
@@ -229,7 +253,7 @@ def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
         top_k=r.top_k,
         max_new_tokens=r.max_response_length,
         n=r.n,
-        seed=cfg.trainer.seed,
+        seed=run_seed,
         per_request_seeds=r.per_request_seeds,
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
@@ -238,7 +262,7 @@ def sampling_configs(cfg: RunConfig) -> tuple[SamplingConfig, SamplingConfig]:
         temperature=r.val_temperature,
         max_new_tokens=r.max_response_length,
         n=r.val_n,
-        seed=cfg.trainer.seed,
+        seed=run_seed,
         per_request_seeds=r.per_request_seeds,
         ignore_eos=r.ignore_eos,
         stop_token_ids=stop_token_ids,
@@ -254,20 +278,25 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout
         roles.dims,
         roles.actor.ddp,
         engine_config=engine_config(
-            cfg,
+            cfg.model,
+            cfg.data,
+            r,
+            cfg.trainer.seed,
             startup.rank // startup.layout.rollout_tp,
-            record_routes=routing_recorded(cfg, roles.dims.is_moe),
+            record_routes=routing_recorded(r, roles.dims.is_moe),
         ),
         backend=r.backend,
         multi_turn=r.env is not None or r.agent is not None,
         reshard_mode=r.reshard_mode,
     )
-    sampling, val_sampling = sampling_configs(cfg)
+    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
     turns, runner = None, None
     if r.env is not None:
         turns = turn_limits(r)
         if engine.runs_environments:
-            runner = build_env_runner(cfg, startup.tokenizer)
+            runner = build_env_runner(
+                r, cfg.model.path, cfg.data, cfg.trainer.seed, startup.tokenizer
+            )
     return Rollout(
         engine,
         sampling,
@@ -290,14 +319,19 @@ def turn_limits(r: RolloutConfig) -> TurnLimits:
     )
 
 
-def build_env_runner(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> EnvRunner:
+def build_env_runner(
+    r: RolloutConfig,
+    model_path: str,
+    data: DataConfig,
+    run_seed: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> EnvRunner:
     """The environments' executor on this rank: rollout.env's class, its kwargs, the template's
-    deltas, and the tool pool."""
+    deltas, and the tool pool (``run_seed``: trainer.seed)."""
 
-    r = cfg.rollout
     assert r.env is not None  # built for multi-turn rollouts (rollout.env) only
     # what ends a model turn: the rollout's stop tokens (the model's EOS ids) and the tokenizer's
-    stop = set(eos_token_ids(cfg.model.path))
+    stop = set(eos_token_ids(model_path))
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
     return EnvRunner(
@@ -305,9 +339,9 @@ def build_env_runner(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> EnvR
         r.env_kwargs,
         ChatDeltas(tokenizer),
         ToolPool(r.tool_concurrency, r.tool_timeout_s),
-        run_seed=cfg.trainer.seed,
+        run_seed=run_seed,
         stop_token_ids=stop,
-        max_prompt_tokens=cfg.data.max_prompt_length,
+        max_prompt_tokens=data.max_prompt_length,
     )
 
 
@@ -321,7 +355,6 @@ def async_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
     rank = startup.rank
     sender = WeightSender(plan, rank, links.weights.get(rank))
     remote = RemoteRollout(
-        cfg,
         plan,
         roles.dims,
         startup.layout,
@@ -329,8 +362,11 @@ def async_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
         links.control,
         links.batches,
         sender,
+        ep=cfg.parallel.ep,
+        total_steps=cfg.trainer.total_steps,
+        max_staleness=cfg.rollout.max_staleness,
     )
-    sampling, val_sampling = sampling_configs(cfg)
+    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
     return Rollout(remote, sampling, val_sampling, KeptActorMemory(), remote=remote)
 
 
@@ -342,10 +378,10 @@ def build_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
     return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, roles)
 
 
-def remote_data(cfg: RunConfig, remote: RemoteRollout) -> PolicyData:
+def remote_data(data: DataConfig, remote: RemoteRollout) -> PolicyData:
     """An asynchronous run's prompts: the rollout group reads them, the trainers get them with
     its generations."""
-    val = RemoteValidation(remote) if cfg.data.val_files else None
+    val = RemoteValidation(remote) if data.val_files else None
     return PolicyData(RemoteTrainData(remote), val, RemoteBatches(remote))
 
 
@@ -363,42 +399,59 @@ def restore(
     rollout.engine.rollout_count = resumed.state["rollouts"]
 
 
-def spec_roles(spec: AlgorithmSpec, cfg: RunConfig) -> list[str]:
+def spec_roles(spec: AlgorithmSpec, actor: ActorConfig, reward: RewardConfig) -> list[str]:
     """The models this run builds, by role, as the start-up line names them."""
     roles = ["actor"]
     if spec.needs_reference:
-        roles.append("reference (the actor's base)" if cfg.actor.lora.rank else "reference")
+        roles.append("reference (the actor's base)" if actor.lora.rank else "reference")
     if spec.needs_critic:
         roles.append("critic")
-    if cfg.reward.model_path:
+    if reward.model_path:
         roles.append("reward model")
     return roles
 
 
+def role_sections(cfg: RunConfig) -> RoleSections:
+    """The sections the models of ``cfg`` are built from."""
+    return RoleSections(
+        cfg.model,
+        cfg.parallel,
+        cfg.actor,
+        cfg.critic,
+        cfg.algorithm.distill,
+        cfg.trainer,
+        cfg.data.train_batch_size,
+    )
+
+
 def setup_run(cfg: RunConfig) -> PolicyRun:
     startup = start(cfg, with_rollout=True)
-    spec = resolve_algorithm(cfg, ModelDims.from_pretrained(cfg.model.path).vocab_size)
+    vocab = ModelDims.from_pretrained(cfg.model.path).vocab_size
+    spec = resolve_algorithm(cfg.algorithm, cfg.rollout, cfg.actor, cfg.critic, cfg.data, vocab)
     trained = {"actor": cfg.model.path}
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
-    resume_from = resume_point(cfg, trained)  # another model or algorithm fails here, cheaply
+    resume_from = resume_point(
+        cfg.trainer, trained
+    )  # another model or algorithm fails here, cheaply
     # tracking starts first: its writers (MLflow's process) start beside the models and engine
     step, mlflow_run_id = tracked_start(resume_from)
     tracker = Tracker(cfg, startup.rank, mlflow_run_id, start_step=step)
     if startup.world is None:
         announce(f"reading data: {', '.join(cfg.data.train_files)}")
-    data = build_data(cfg, startup) if startup.world is None else None
-    announce(f"building models: {', '.join(spec_roles(spec, cfg))}")
-    roles = build_roles(cfg, startup.layout, spec)
-    if routing_recorded(cfg, roles.dims.is_moe):  # the routers replay (or only measure)
+    data = build_data(cfg.data, cfg.reward, startup) if startup.world is None else None
+    announce(f"building models: {', '.join(spec_roles(spec, cfg.actor, cfg.reward))}")
+    roles = build_roles(role_sections(cfg), startup.layout, spec)
+    if routing_recorded(cfg.rollout, roles.dims.is_moe):  # the routers replay (or only measure)
         for model in (roles.actor.model, roles.reference):
             if model is not None:
                 replay_routers(model, replay=cfg.actor.router_replay)
-    rewards = build_rewards(cfg, startup)
+    options = model_options(cfg.model, cfg.parallel, cfg.actor.lora)
+    rewards = build_rewards(cfg.reward, cfg.rollout, cfg.model, options, startup)
     announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
     rollout = build_rollout(cfg, startup, roles)
     if rollout.remote is not None:
-        data = remote_data(cfg, rollout.remote)
+        data = remote_data(cfg.data, rollout.remote)
     assert data is not None
     kl_ctrl = make_kl_in_reward_controller(spec)
     resumed = resume(resume_from, roles, startup.rank)

@@ -102,7 +102,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             tracker.log_metrics(validation_rollout(run, step + 1), step + 1)
         # a stop signal on any rank (SIGTERM, SIGUSR1, Ctrl-C): checkpoint, then end the run
         if guards.end_step(
-            step, save_due(cfg, step + 1), lambda s: run.save_checkpoint(s, history)
+            step, save_due(cfg.trainer, step + 1), lambda s: run.save_checkpoint(s, history)
         ):
             break
     guards.close()

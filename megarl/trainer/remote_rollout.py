@@ -28,7 +28,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from megarl import parallel
-from megarl.config import RunConfig
 from megarl.data import PromptItem
 from megarl.hybrid_engine.broadcast_schedule import BroadcastSchedule
 from megarl.hybrid_engine.engine import RolloutBatch
@@ -72,7 +71,6 @@ class RemoteRollout:
 
     def __init__(
         self,
-        cfg: RunConfig,
         plan: BroadcastSchedule,
         dims: ModelDims,
         layout: ParallelLayout,
@@ -80,8 +78,13 @@ class RemoteRollout:
         control: Bridge | None,
         batches: Bridge,
         sender: WeightSender,
+        *,
+        ep: int,  # parallel.ep
+        total_steps: int,  # trainer.total_steps
+        max_staleness: int,  # rollout.max_staleness
     ) -> None:
-        self.cfg = cfg
+        self.total_steps = total_steps
+        self.max_staleness = max_staleness
         self.plan = plan
         self.dims = dims
         self.actor = actor
@@ -90,7 +93,7 @@ class RemoteRollout:
         self.sender = sender
         self.dp_rank = parallel.dp_rank()
         self._layer_offset = layer_offset(dims, layout, parallel.pp_rank())
-        self._expert_offset = expert_offset(dims, parallel.ep_rank(), cfg.parallel.ep)
+        self._expert_offset = expert_offset(dims, parallel.ep_rank(), ep)
         self.first = 0  # the step the run started (or resumed) at
         self.delivered = 0  # training batches handed to the step since
         self._untrained = 0  # 1 while a delivered batch's responses wait for generate()
@@ -221,7 +224,7 @@ class RemoteRollout:
 
     def prefetch(self) -> None:
         """Receive the next training batch now (a checkpoint is about to hold it)."""
-        if self.pending is None and self.version < self.cfg.trainer.total_steps:
+        if self.pending is None and self.version < self.total_steps:
             self.push()
             self.pending = self._receive(TRAIN, self.version)
 
@@ -269,7 +272,7 @@ class RemoteRollout:
     def checkpoint_state(self) -> dict[str, object]:
         """What a checkpoint keeps of the rollout: the next batch when it may already come from
         older weights than the checkpoint's (``max_staleness >= 1``)."""
-        if self.cfg.rollout.max_staleness > 0:
+        if self.max_staleness > 0:
             self.prefetch()
         return {PENDING: self.pending.to_plain() if self.pending is not None else None}
 

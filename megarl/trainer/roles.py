@@ -8,7 +8,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megarl.config import RunConfig
+from megarl.config import (
+    ActorConfig,
+    CriticConfig,
+    DistillConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainerConfig,
+)
 from megarl.models.build import build_model
 from megarl.models.dims import ModelDims
 from megarl.models.lora import adapters_disabled
@@ -62,35 +69,50 @@ class Roles:
         return {n: t for n, t in (("actor", self.actor), ("critic", self.critic)) if t is not None}
 
 
-def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> Roles:
-    opts = model_options(cfg)
-    total = cfg.trainer.total_steps
-    batch, mini_batch = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+@dataclass(frozen=True)
+class RoleSections:
+    """The config sections the roles are built from (``batch``: data.train_batch_size)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    actor: ActorConfig
+    critic: CriticConfig
+    distill: DistillConfig
+    trainer: TrainerConfig
+    batch: int
+
+
+def build_roles(sections: RoleSections, layout: ParallelLayout, spec: AlgorithmSpec) -> Roles:
+    model, actor_cfg, critic_cfg = sections.model, sections.actor, sections.critic
+    opts = model_options(model, sections.parallel, actor_cfg.lora)
+    total = sections.trainer.total_steps
+    batch, mini_batch = sections.batch, actor_cfg.ppo_mini_batch_size
+    lora = lora_settings(actor_cfg.lora, sections.trainer.seed)
     actor, dims = build_trainable(
-        cfg.model.path,
+        model.path,
         layout,
         "actor",
         opts,
         optim_settings(
-            cfg.actor.optim,
-            total * updates_per_step(batch, mini_batch, cfg.actor.ppo_epochs),
-            cfg.actor.optimizer_offload,
+            actor_cfg.optim,
+            total * updates_per_step(batch, mini_batch, actor_cfg.ppo_epochs),
+            actor_cfg.optimizer_offload,
         ),
-        lora=lora_settings(cfg),
+        lora=lora,
     )
     reference = None
-    base_is_reference = spec.needs_reference and lora_settings(cfg) is not None
+    base_is_reference = spec.needs_reference and lora is not None
     if spec.needs_reference and not base_is_reference:
-        reference, _ = build_model(cfg.model.path, layout, "reference", opts)
+        reference, _ = build_model(model.path, layout, "reference", opts)
     critic = None
     if spec.needs_critic:
         critic, _ = build_trainable(
-            cfg.model.critic_path or cfg.model.path,
+            model.critic_path or model.path,
             layout,
             "critic",
             opts,
             optim_settings(
-                cfg.critic.optim, total * updates_per_step(batch, mini_batch, cfg.critic.ppo_epochs)
+                critic_cfg.optim, total * updates_per_step(batch, mini_batch, critic_cfg.ppo_epochs)
             ),
         )
     return Roles(
@@ -99,5 +121,5 @@ def build_roles(cfg: RunConfig, layout: ParallelLayout, spec: AlgorithmSpec) -> 
         reference=reference,
         critic=critic,
         reference_is_actor_base=base_is_reference,
-        teacher=build_teacher(cfg.algorithm.distill, layout, opts),
+        teacher=build_teacher(sections.distill, layout, opts),
     )

@@ -216,7 +216,9 @@ class RolloutGroup:
         push is in)."""
         count, closed = self.inbox.state()
         agreed, all_closed = self._agree([float(count), 1.0 if closed else 0.0])
-        dtype = dtype_from_name(rollout_dtype(self.cfg, platform.device().type == "cuda"))
+        dtype = dtype_from_name(
+            rollout_dtype(self.cfg.model, self.cfg.rollout, platform.device().type == "cuda")
+        )
         while self._received < int(agreed):
             waiting = self.staged.get(self.staged.version())
             if waiting is not None and waiting.pinned:
@@ -230,7 +232,7 @@ class RolloutGroup:
                 ),
                 version,
             )
-            due = validation_due(self.cfg, version, self.first)
+            due = validation_due(self.cfg.data, self.cfg.trainer, version, self.first)
             self.staged.put(Staged(version, buckets, stats, pinned=due))
             self._received += 1
         return bool(all_closed)
@@ -264,7 +266,10 @@ class RolloutGroup:
         self.loaded = staged.version
         self._add_time("load_s", time.perf_counter() - t0)
         self._add_time("sync_recv_s", staged.stats.seconds)
-        if validation_due(self.cfg, self.loaded, self.first) and self.loaded not in self.validated:
+        if (
+            validation_due(self.cfg.data, self.cfg.trainer, self.loaded, self.first)
+            and self.loaded not in self.validated
+        ):
             self.validated.add(self.loaded)
             self.validate()
 
@@ -460,11 +465,11 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     world = init_split(cfg.parallel.rollout_ranks, collective_timeout_s(cfg.trainer.hang_timeout_s))
     split = world.split
     validate_config(cfg, split.world_size)
-    trainers = layout_for(cfg, split.trainers, with_rollout=False)
+    trainers = layout_for(cfg.parallel, split.trainers, with_rollout=False)
     check_inputs(cfg, trainers)
     dims = ModelDims.from_pretrained(cfg.model.path)
     cuda = platform.device().type == "cuda"
-    plan = weight_schedule(dims, trainers, ITEMSIZE[model_dtype(cfg, cuda)])
+    plan = weight_schedule(dims, trainers, ITEMSIZE[model_dtype(cfg.model, cuda)])
     expected = checkpoint_shapes(cfg.model.path)
     check_rollout_model(hf_shapes_of(plan.specs, dims), expected, dims.tie_word_embeddings)
     infer_tp = cfg.parallel.infer_tp or cfg.parallel.tp
@@ -476,7 +481,13 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         cfg.rollout.backend,
         cfg.model.path,
         infer_tp,
-        engine_config(cfg, split.local_rank(world.rank) // infer_tp),
+        engine_config(
+            cfg.model,
+            cfg.data,
+            cfg.rollout,
+            cfg.trainer.seed,
+            split.local_rank(world.rank) // infer_tp,
+        ),
         expected,
     )
     links = make_links(world, plan, platform.distributed_backend())
@@ -485,8 +496,8 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     prompts = None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     if rank == 0:
-        prompts = Prompts.build(cfg, tokenizer, trainers.dp)
-    sampling, val_sampling = sampling_configs(cfg)
+        prompts = Prompts.build(cfg.data, cfg.reward, tokenizer, trainers.dp)
+    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
     group = RolloutGroup(
         cfg, rank, split.rollout_ranks, engine, links, receiver, sampling, val_sampling, prompts
     )
@@ -520,7 +531,9 @@ def multi_turn(group: RolloutGroup, tokenizer: PreTrainedTokenizerBase) -> None:
     group.turns = turn_limits(cfg.rollout)
     group.pad_id = pad_token_id(tokenizer) or 0
     if group.rank % itp == 0:
-        group.env_runner = build_env_runner(cfg, tokenizer)
+        group.env_runner = build_env_runner(
+            cfg.rollout, cfg.model.path, cfg.data, cfg.trainer.seed, tokenizer
+        )
     group.engine_group = engine_group(group.size, itp, group.rank)  # this role's own world
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megarl.config import RunConfig
+from megarl.config import DataConfig, RewardConfig, TrainerConfig
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
@@ -19,11 +19,10 @@ from megarl.run.epochs import EpochBatches
 from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
 
 
-def validation_due(cfg: RunConfig, version: int, first: int) -> bool:
+def validation_due(data: DataConfig, t: TrainerConfig, version: int, first: int) -> bool:
     """Whether the trainers validate the weights of ``version`` in a run that started at step
     ``first``: before training (``val_before_train``) and every ``test_freq`` steps after."""
-    t = cfg.trainer
-    if not cfg.data.val_files or version > t.total_steps:
+    if not data.val_files or version > t.total_steps:
         return False
     if version == first == 0 and t.val_before_train:
         return True
@@ -64,11 +63,11 @@ class Prompts:
     val: list[PromptDataset] | None
 
     @classmethod
-    def build(cls, cfg: RunConfig, tokenizer, dp: int) -> Prompts:
-        train = [prompt_dataset(cfg, tokenizer, False, d, dp) for d in range(dp)]
+    def build(cls, data: DataConfig, reward: RewardConfig, tokenizer, dp: int) -> Prompts:
+        train = [prompt_dataset(data, reward, tokenizer, False, d, dp) for d in range(dp)]
         val = None
-        if cfg.data.val_files:
-            val = [prompt_dataset(cfg, tokenizer, True, d, dp) for d in range(dp)]
+        if data.val_files:
+            val = [prompt_dataset(data, reward, tokenizer, True, d, dp) for d in range(dp)]
         return cls(train, [EpochBatches(t, EMPTY_TRAIN_DATA) for t in train], val)
 
     def restore(self, state: dict | None) -> None:

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from megarl.algos import POLICY_LOSS_REDUCTIONS, make_kl_controller
 from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.algos.kl import KLController
-from megarl.config import RunConfig
+from megarl.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    RolloutConfig,
+)
 from megarl.metrics import Reduce
 from megarl.models.forward import LossOver
 from megarl.trainer.batch import Samples
@@ -48,13 +54,19 @@ class AlgorithmSpec:
     update_reductions: Mapping[str, Reduce]
 
 
-def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
+def resolve_algorithm(
+    a: AlgorithmConfig,
+    rollout: RolloutConfig,
+    actor: ActorConfig,
+    critic: CriticConfig,
+    data: DataConfig,
+    vocab_size: int,
+) -> AlgorithmSpec:
     """The run's algorithm: its config words resolved once through the registries (ConfigError
     naming the fix for a bad one, before any model is built) and the losses built from them."""
-    a = cfg.algorithm
-    kwargs = resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout, try_them=True)
-    temperature = sampling_temperature(cfg.rollout.temperature)
-    from_update = old_log_prob_from_update(a, cfg.actor, cfg.data.train_batch_size)
+    kwargs = resolve_algorithm_kwargs(a, rollout, try_them=True)
+    temperature = sampling_temperature(rollout.temperature)
+    from_update = old_log_prob_from_update(a, actor, data.train_batch_size)
     return AlgorithmSpec(
         needs_reference=a.use_kl_loss or a.use_kl_in_reward,
         needs_critic="values" in kwargs.adv_inputs,
@@ -62,13 +74,13 @@ def resolve_algorithm(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
         advantage_inputs=kwargs.adv_inputs,
         advantage_kwargs=dict(kwargs.adv_estimator),
         actor_loss=make_actor_loss(a, kwargs, vocab_size, temperature, from_update),
-        critic_loss=make_critic_loss(a, kwargs, cfg.critic.cliprange_value),
+        critic_loss=make_critic_loss(a, kwargs, critic.cliprange_value),
         token_level=a.loss_agg_mode == "token-mean",
         kl_in_reward=a.use_kl_in_reward,
         kl_in_reward_estimator=a.kl_in_reward_estimator,
         kl_ctrl=a.kl_ctrl,
         kl_ctrl_kwargs=dict(kwargs.kl_controller),
-        kl_ctrl_n_steps=cfg.data.train_batch_size,
+        kl_ctrl_n_steps=data.train_batch_size,
         rollout_correction=a.rollout_correction,
         rollout_correction_kwargs=dict(kwargs.rollout_correction),
         temperature=temperature,

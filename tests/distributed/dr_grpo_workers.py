@@ -21,8 +21,8 @@ from megarl.platform import adapt_megatron_for_cpu
 from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, ppo_update
-from megarl.trainer.spec import resolve_algorithm
 from tests.distributed.random_groups import random_group_samples
+from tests.policy_terms import algorithm_spec
 
 MAX_RESPONSE = 12
 PROMPTS, N = 4, 4  # 16 sequences, prompt-major: each DP rank holds whole groups
@@ -82,7 +82,7 @@ def dr_grpo_worker(rank: int, world: int, model_dir: str, cases: list[dict]) -> 
             [list(range(mine.size))],
             epochs=1,
             batching=MicroBatching(size=case["micro"]),
-            loss_fn=resolve_algorithm(cfg, dims.vocab_size).actor_loss,
+            loss_fn=algorithm_spec(cfg, dims.vocab_size).actor_loss,
             token_level=False,
         )
         loss = torch.tensor([metrics["actor/pg_loss"]], dtype=torch.float64)

@@ -129,8 +129,9 @@ def lora_roles_worker(rank: int, world: int, model_dir: str, spec: dict) -> dict
 
     from megarl.config import load_config
     from megarl.models.lora import adapters
+    from megarl.trainer.assembly import role_sections
     from megarl.trainer.roles import build_roles
-    from megarl.trainer.spec import resolve_algorithm
+    from tests.policy_terms import algorithm_spec
 
     layout, _, key = _setup(world, spec)
     cfg = load_config(
@@ -148,7 +149,7 @@ def lora_roles_worker(rank: int, world: int, model_dir: str, spec: dict) -> dict
     from megarl.models.dims import ModelDims
 
     dims = ModelDims.from_pretrained(model_dir)
-    roles = build_roles(cfg, layout, resolve_algorithm(cfg, dims.vocab_size))
+    roles = build_roles(role_sections(cfg), layout, algorithm_spec(cfg, dims.vocab_size))
     actor = roles.actor
     adapter_numel = sum(
         p.numel() for _, a in adapters(actor.model) for p in a.parameters()

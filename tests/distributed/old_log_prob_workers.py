@@ -28,8 +28,8 @@ from megarl.trainer.old_log_probs import (
     old_log_prob_from_update,
     rollout_mismatch,
 )
-from megarl.trainer.spec import resolve_algorithm
 from tests.distributed.random_groups import random_group_samples
+from tests.policy_terms import algorithm_spec
 
 PROMPTS, N, MAX_RESPONSE = 4, 4, 10
 
@@ -114,7 +114,7 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
                 [list(range(mine.size))],
                 epochs=1,
                 batching=MicroBatching(size=3),
-                loss_fn=resolve_algorithm(cfg, dims.vocab_size).actor_loss,
+                loss_fn=algorithm_spec(cfg, dims.vocab_size).actor_loss,
                 token_level=True,
                 keep=OLD_LOG_PROB if from_update else None,
             )

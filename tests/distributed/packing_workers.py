@@ -22,7 +22,7 @@ from megarl.trainer.model_ops import (
     response_positions,
     response_values,
 )
-from megarl.trainer.spec import resolve_algorithm
+from tests.policy_terms import algorithm_spec
 
 # Very unequal: a 1-token response beside a 57-token one (padding is most of the padded batch).
 PROMPT_LENS = [4, 2, 7, 3, 5]
@@ -76,7 +76,7 @@ def _random_head(model) -> None:
 def _actor_step(ddp, dims, layout, samples: Samples, batching: MicroBatching):
     """The actor loss (PPO clip + KL loss, token-mean over the batch) and its grads per HF name."""
     cfg = RunConfig()
-    loss_fn = resolve_algorithm(cfg, dims.vocab_size).actor_loss
+    loss_fn = algorithm_spec(cfg, dims.vocab_size).actor_loss
     mbs = batching.split(samples, range(samples.size))
     total = float(samples.response_mask.sum())
 

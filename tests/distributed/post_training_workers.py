@@ -129,10 +129,8 @@ def _sft_checks(policy_dir: str, sft_file: str, layout, tokenizer) -> dict[str, 
     ddp, optimizer, _ = wrap_for_training(model, SETTINGS)
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    cfg = SimpleNamespace(
-        sft=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None, packing=True)
-    )
-    mbs = micro_batches(cfg, items, pad_id, norm=tokens)
+    sft = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None, packing=True)
+    mbs = micro_batches(sft, items, pad_id, norm=tokens)
     outs = run_schedule([ddp], mbs, sft_loss(dims.vocab_size), forward_only=False)
     out: dict[str, float] = {
         "sft:micro_batches": float(len(mbs)),
@@ -172,9 +170,9 @@ def _dpo_checks(policy_dir: str, reference_dir: str, pairs_file: str, trl: dict,
     ddp, optimizer, _ = wrap_for_training(model, SETTINGS)
     ref_model, ref_dims = build_model(reference_dir, layout, "reference")
     reference = Reference(ref_model, ref_dims)
-    cfg = SimpleNamespace(dpo=SimpleNamespace(micro_batch_size=2, packing=True))
+    dpo = SimpleNamespace(micro_batch_size=2, packing=True)
     for loss_type in DPO_LOSSES:
-        mbs = micro_batches(cfg, items, pad_id)
+        mbs = micro_batches(dpo, items, pad_id)
         add_reference_log_probs(reference, mbs)
         kwargs = {"beta": trl["beta"]}
         if loss_type == "robust":
@@ -216,14 +214,14 @@ def _lora_reference_checks(policy_dir: str, items, layout, pad_id: int) -> dict[
     trainable, dims = build_trainable(policy_dir, layout, "actor", None, SETTINGS, lora=lora)
     base = Reference(trainable.model, dims, is_actor_base=True)
     plain, plain_dims = build_model(policy_dir, layout, "reference")
-    cfg = SimpleNamespace(dpo=SimpleNamespace(micro_batch_size=2, packing=True))
+    dpo = SimpleNamespace(micro_batch_size=2, packing=True)
     loss_fn = dpo_loss_fn("sigmoid", {"beta": 0.3}, dims.vocab_size)
-    mbs = micro_batches(cfg, items, pad_id)
+    mbs = micro_batches(dpo, items, pad_id)
     add_reference_log_probs(base, mbs)
     step = optimizer_step(
         trainable, mbs, loss_fn, prefix="dpo", skip_non_finite=False, lr_setting="lr"
     )
-    after, expected, policy = (micro_batches(cfg, items, pad_id) for _ in range(3))
+    after, expected, policy = (micro_batches(dpo, items, pad_id) for _ in range(3))
     add_reference_log_probs(base, after)
     add_reference_log_probs(Reference(plain, plain_dims), expected)
     add_reference_log_probs(Reference(trainable.model, dims), policy)

@@ -63,8 +63,8 @@ def reward_model_worker(rank: int, world: int, model_dir: str) -> dict[str, floa
     ddp, optimizer, _ = wrap_for_training(model, OptimSettings(lr=1e-3))
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    cfg = SimpleNamespace(reward_model=SimpleNamespace(micro_batch_size=2))
-    batches = _micro_batches(cfg, items, pad_id)
+    rm = SimpleNamespace(micro_batch_size=2)
+    batches = _micro_batches(rm, items, pad_id)
     outs = run_schedule([ddp], batches, _pair_loss(MARGIN), forward_only=False)
     out: dict[str, float] = {"micro_batches": float(len(batches))}
     if outs:  # last stage

@@ -145,13 +145,13 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
     from megarl.models.dims import ModelDims
     from megarl.run.epochs import EpochBatches
     from megarl.run.startup import Startup, layout_for
-    from megarl.trainer.assembly import PolicyData, PolicyRun, Rollout
+    from megarl.trainer.assembly import PolicyData, PolicyRun, Rollout, role_sections
     from megarl.trainer.experience import RewardSources
     from megarl.trainer.model_ops import MicroBatching
     from megarl.trainer.roles import build_roles
     from megarl.trainer.rollout import step_batch
     from megarl.trainer.rollout_offload import build_actor_memory, build_role_offload
-    from megarl.trainer.spec import resolve_algorithm
+    from tests.policy_terms import algorithm_spec
 
     cfg = load_config(
         overrides=[
@@ -168,12 +168,12 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
             "parallel.pp=2",
         ]
     )
-    layout = layout_for(cfg, 2, with_rollout=True)
+    layout = layout_for(cfg.parallel, 2, with_rollout=True)
     parallel.initialize_model_parallel(layout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     startup = Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)
-    spec = resolve_algorithm(cfg, ModelDims.from_pretrained(model_dir).vocab_size)
-    roles = build_roles(cfg, layout, spec)
+    spec = algorithm_spec(cfg, ModelDims.from_pretrained(model_dir).vocab_size)
+    roles = build_roles(role_sections(cfg), layout, spec)
     ddp = roles.actor.ddp
 
     def grad_bytes() -> int:

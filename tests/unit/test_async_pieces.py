@@ -166,10 +166,20 @@ def test_validation_schedule_of_the_rollout_group():
             "trainer.val_before_train=true",
         ]
     )
-    assert [v for v in range(8) if validation_due(cfg, v, first=0)] == [0, 2, 4, 6]
-    assert [v for v in range(8) if validation_due(cfg, v, first=2)] == [4, 6]  # resumed at 2
+    assert [v for v in range(8) if validation_due(cfg.data, cfg.trainer, v, first=0)] == [
+        0,
+        2,
+        4,
+        6,
+    ]
+    assert [v for v in range(8) if validation_due(cfg.data, cfg.trainer, v, first=2)] == [
+        4,
+        6,
+    ]  # resumed at 2
     none = load_config(overrides=[base[0], base[1], "trainer.test_freq=2"])
-    assert not any(validation_due(none, v, 0) for v in range(6))  # no validation files
+    assert not any(
+        validation_due(none.data, none.trainer, v, 0) for v in range(6)
+    )  # no validation files
 
 
 def test_staleness_metrics_per_sample():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from megarl.cluster import placement
@@ -10,6 +12,7 @@ from megarl.cluster.layouts import (
     largest_layout,
     layout_for_world,
     layout_overrides,
+    why_not,
 )
 from megarl.config import load_config
 from megarl.errors import ConfigError
@@ -31,30 +34,40 @@ def _cfg(model, *extra: str):
     )
 
 
+def _at_world(cfg, dims, world: int, fits=None):
+    """layout_for_world of ``cfg``'s parallel section, each candidate checked against ``cfg``."""
+    return layout_for_world(cfg.parallel, dims, world, partial(why_not, cfg, dims, fits=fits))
+
+
+def _largest(cfg, dims, capacity: int, min_world: int):
+    check = partial(why_not, cfg, dims)
+    return largest_layout(cfg.parallel, dims, capacity, min_world, check)
+
+
 def test_same_tp_pp_with_a_smaller_dp_first():
     # tiny char llama: 4 heads, 2 KV heads (tp in 1, 2), 2 layers (pp in 1, 2)
     model = tiny_char_llama_dir()
     cfg = _cfg(model, "parallel.tp=2", "parallel.infer_tp=2")
     dims = ModelDims.from_pretrained(model)
-    assert layout_for_world(cfg, dims, 2) == ParallelLayout(tp=2, pp=1, dp=1, infer_tp=2)
+    assert _at_world(cfg, dims, 2) == ParallelLayout(tp=2, pp=1, dp=1, infer_tp=2)
     # 3 ranks: TP2 does not fill them, and 3 DP ranks cannot split the batch of 4
-    assert layout_for_world(cfg, dims, 3) is None
+    assert _at_world(cfg, dims, 3) is None
     # capacity 3 after one of 4 ranks is lost: the largest world that works is 2
-    assert largest_layout(cfg, dims, 3, 1) == ParallelLayout(tp=2, pp=1, dp=1, infer_tp=2)
-    assert largest_layout(cfg, dims, 3, 3) is None  # min_world_size 3: nothing left
+    assert _largest(cfg, dims, 3, 1) == ParallelLayout(tp=2, pp=1, dp=1, infer_tp=2)
+    assert _largest(cfg, dims, 3, 3) is None  # min_world_size 3: nothing left
     # 1 rank: TP2 cannot, the closest layout the model takes is TP1, and infer_tp 2 goes too
-    assert layout_for_world(cfg, dims, 1) == ParallelLayout(tp=1, pp=1, dp=1)
+    assert _at_world(cfg, dims, 1) == ParallelLayout(tp=1, pp=1, dp=1)
 
 
 def test_the_closest_layout_when_tp_pp_cannot_stay():
     model = tiny_qwen2_dir()  # 4 heads, 2 KV heads, 4 layers
     cfg = _cfg(model, "parallel.tp=2", "parallel.pp=2")
     dims = ModelDims.from_pretrained(model)
-    assert layout_for_world(cfg, dims, 4) == ParallelLayout(tp=2, pp=2, dp=1)
-    assert layout_for_world(cfg, dims, 2) == ParallelLayout(tp=2, pp=1, dp=1)
+    assert _at_world(cfg, dims, 4) == ParallelLayout(tp=2, pp=2, dp=1)
+    assert _at_world(cfg, dims, 2) == ParallelLayout(tp=2, pp=1, dp=1)
     # a memory check that refuses TP2 x PP1 moves the restart on to the next closest layout
     no_tp2pp1 = lambda cfg, layout: "too big" if (layout.tp, layout.pp) == (2, 1) else None  # noqa: E731
-    assert layout_for_world(cfg, dims, 2, no_tp2pp1) == ParallelLayout(tp=1, pp=2, dp=1)
+    assert _at_world(cfg, dims, 2, no_tp2pp1) == ParallelLayout(tp=1, pp=2, dp=1)
 
 
 def test_layout_overrides_round_trip_through_the_config():

@@ -204,7 +204,7 @@ def test_verl_minus_one_means_never_for_save_and_test_frequencies(tmp_path):
     ):
         assert (cfg.trainer.save_freq, cfg.trainer.test_freq) == (0, 0)
         # no periodic checkpoint; the final one stays (the export is made from it)
-        assert [s for s in range(1, 11) if save_due(cfg, s)] == [10]
+        assert [s for s in range(1, 11) if save_due(cfg.trainer, s)] == [10]
     for key in ("save_freq", "test_freq"):
         with pytest.raises(ConfigError, match=rf"trainer\.{key}=-2 must be >= 0"):
             load_config(None, [*BASE, f"trainer.{key}=-2"])

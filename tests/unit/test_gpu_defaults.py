@@ -32,14 +32,26 @@ def _cfg(*overrides: str):
     return load_config(overrides=[*BASE, *overrides])
 
 
+def _check_for_target(cfg, target: Target) -> None:
+    check_for_target(cfg.model, cfg.actor, target)
+
+
+def _launch_env(cfg, target: Target) -> dict[str, str]:
+    return launch_env(cfg.model, cfg.parallel, cfg.actor, target)
+
+
+def _nproc_per_node(cfg, target: Target) -> int:
+    return default_nproc_per_node(cfg.parallel, cfg.rollout, target)
+
+
 def test_dtype_is_bf16_on_cuda_where_the_config_says_nothing():
     cfg = _cfg()
     assert cfg.model.dtype == "auto"
-    assert model_dtype(cfg, cuda=True) == "bfloat16"
-    assert model_dtype(cfg, cuda=False) == "float32"
+    assert model_dtype(cfg.model, cuda=True) == "bfloat16"
+    assert model_dtype(cfg.model, cuda=False) == "float32"
     for given in ("float32", "bfloat16"):  # a dtype the config names is kept everywhere
-        assert model_dtype(_cfg(f"model.dtype={given}"), cuda=True) == given
-        assert model_dtype(_cfg(f"model.dtype={given}"), cuda=False) == given
+        assert model_dtype(_cfg(f"model.dtype={given}").model, cuda=True) == given
+        assert model_dtype(_cfg(f"model.dtype={given}").model, cuda=False) == given
     with pytest.raises(ConfigError, match=r"model.dtype='fp16' is not one of \['auto'"):
         _cfg("model.dtype=fp16")
 
@@ -106,17 +118,17 @@ def test_experts_run_as_grouped_gemm_with_transformer_engine_on_cuda():
 
 def test_optimizer_offload_without_transformer_engine_is_refused_naming_the_fix():
     with pytest.raises(ConfigError) as err:
-        check_for_target(_cfg("actor.optimizer_offload=1.0"), CUDA_ONLY)
+        _check_for_target(_cfg("actor.optimizer_offload=1.0"), CUDA_ONLY)
     message = str(err.value)
     assert "precision-aware" in message and "actor.optimizer_offload=0" in message
-    check_for_target(_cfg("actor.optimizer_offload=1.0"), CUDA_TE)
+    _check_for_target(_cfg("actor.optimizer_offload=1.0"), CUDA_TE)
 
 
 def test_cuda_device_max_connections_where_megatron_needs_it():
-    assert launch_env(_cfg("parallel.tp=2"), CUDA_ONLY) == {MAX_CONNECTIONS: "1"}  # TP comms
-    assert launch_env(_cfg(), CUDA_TE) == {MAX_CONNECTIONS: "1"}  # overlapped grad reduce
-    assert launch_env(_cfg(), CUDA_ONLY) == {}  # TP1, local spec: nothing overlaps
-    assert launch_env(_cfg("parallel.tp=2"), CPU) == {}
+    assert _launch_env(_cfg("parallel.tp=2"), CUDA_ONLY) == {MAX_CONNECTIONS: "1"}  # TP comms
+    assert _launch_env(_cfg(), CUDA_TE) == {MAX_CONNECTIONS: "1"}  # overlapped grad reduce
+    assert _launch_env(_cfg(), CUDA_ONLY) == {}  # TP1, local spec: nothing overlaps
+    assert _launch_env(_cfg("parallel.tp=2"), CPU) == {}
 
 
 def test_set_rank_env_keeps_a_users_value(monkeypatch):
@@ -130,25 +142,25 @@ def test_set_rank_env_keeps_a_users_value(monkeypatch):
 
 
 def test_processes_per_node():
-    assert default_nproc_per_node(_cfg("parallel.tp=2"), CUDA_TE) == 8  # one per GPU, DP 4
-    assert default_nproc_per_node(_cfg("parallel.tp=2", "parallel.pp=2"), CPU) == 4
+    assert _nproc_per_node(_cfg("parallel.tp=2"), CUDA_TE) == 8  # one per GPU, DP 4
+    assert _nproc_per_node(_cfg("parallel.tp=2", "parallel.pp=2"), CPU) == 4
     # rollout.mode=async on CPU: one trainer replica and the rollout group
     split = ("parallel.tp=2", "rollout.mode=async", "parallel.rollout_ranks=2")
-    assert default_nproc_per_node(_cfg(*split), CPU) == 4
-    assert default_nproc_per_node(_cfg(*split), CUDA_TE) == 8  # the node's GPUs, split by rank
+    assert _nproc_per_node(_cfg(*split), CPU) == 4
+    assert _nproc_per_node(_cfg(*split), CUDA_TE) == 8  # the node's GPUs, split by rank
 
 
 def test_fp32_with_transformer_engine_and_packing_is_refused_naming_the_fix():
     with pytest.raises(ConfigError) as err:
-        check_for_target(_cfg("model.dtype=float32"), CUDA_TE)
+        _check_for_target(_cfg("model.dtype=float32"), CUDA_TE)
     message = str(err.value)
     assert "THD" in message and "model.dtype=bfloat16" in message
     assert "actor.packing=false" in message and "model.transformer_impl=local" in message
-    check_for_target(_cfg(), CUDA_TE)  # auto: bf16 on CUDA
-    check_for_target(_cfg("model.dtype=float32", "actor.packing=false"), CUDA_TE)
-    check_for_target(_cfg("model.dtype=float32", "model.transformer_impl=local"), CUDA_TE)
-    check_for_target(_cfg("model.dtype=float32"), CUDA_ONLY)  # no TE: the local spec packs
-    check_for_target(_cfg("model.dtype=float32"), CPU)
+    _check_for_target(_cfg(), CUDA_TE)  # auto: bf16 on CUDA
+    _check_for_target(_cfg("model.dtype=float32", "actor.packing=false"), CUDA_TE)
+    _check_for_target(_cfg("model.dtype=float32", "model.transformer_impl=local"), CUDA_TE)
+    _check_for_target(_cfg("model.dtype=float32"), CUDA_ONLY)  # no TE: the local spec packs
+    _check_for_target(_cfg("model.dtype=float32"), CPU)
 
 
 def test_check_backends_refuses_it_on_this_machine(monkeypatch):
@@ -202,10 +214,13 @@ def test_engine_seed_differs_per_engine_without_request_seeds():
     from megarl.trainer.assembly import engine_config
 
     # colocated TP2 ranks 0-3 (and a rollout group's ranks) hold engines rank // infer_tp
+    def seed(cfg, engine_index: int) -> int:
+        return engine_config(cfg.model, cfg.data, cfg.rollout, cfg.trainer.seed, engine_index).seed
+
     seeded = _cfg("trainer.seed=3")
-    assert {engine_config(seeded, r // 2).seed for r in range(4)} == {3}
+    assert {seed(seeded, r // 2) for r in range(4)} == {3}
     batched = _cfg("trainer.seed=3", "rollout.per_request_seeds=false")
-    assert [engine_config(batched, r // 2).seed for r in range(4)] == [3, 3, 4, 4]
+    assert [seed(batched, r // 2) for r in range(4)] == [3, 3, 4, 4]
 
 
 def test_model_options_take_bf16_on_cuda(monkeypatch):
@@ -213,10 +228,14 @@ def test_model_options_take_bf16_on_cuda(monkeypatch):
 
     from megarl.run.trainable import model_options
 
-    assert model_options(_cfg()).dtype == torch.float32
+    def options(*overrides: str):
+        cfg = _cfg(*overrides)
+        return model_options(cfg.model, cfg.parallel, cfg.actor.lora)
+
+    assert options().dtype == torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert model_options(_cfg()).dtype == torch.bfloat16
-    assert model_options(_cfg("model.dtype=float32")).dtype == torch.float32
+    assert options().dtype == torch.bfloat16
+    assert options("model.dtype=float32").dtype == torch.float32
 
 
 def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):

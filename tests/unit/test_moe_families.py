@@ -221,15 +221,16 @@ def test_router_losses_need_moe_and_lora_needs_a_dense_model():
     from megarl.errors import ConfigError
     from megarl.run.checks import _check_moe_options
 
-    def cfg(path, *overrides):
+    def sections(path, *overrides):  # what _check_moe_options reads
         base = [f"model.path={path}", "data.train_files=[x.parquet]"]
-        return load_config(overrides=[*base, *overrides])
+        c = load_config(overrides=[*base, *overrides])
+        return c.model, c.rollout, c.actor
 
     moe, dense = tiny_qwen3_moe_dir(), tiny_qwen3_dir()
     moe_dims, dense_dims = ModelDims.from_pretrained(moe), ModelDims.from_pretrained(dense)
-    _check_moe_options(cfg(moe, "model.moe_aux_loss_coeff=0.01"), moe_dims)
-    _check_moe_options(cfg(dense, "actor.lora.rank=8"), dense_dims)
+    _check_moe_options(*sections(moe, "model.moe_aux_loss_coeff=0.01"), moe_dims)
+    _check_moe_options(*sections(dense, "actor.lora.rank=8"), dense_dims)
     with pytest.raises(ConfigError, match=r"model.moe_aux_loss_coeff.*dense.*remove it"):
-        _check_moe_options(cfg(dense, "model.moe_aux_loss_coeff=0.01"), dense_dims)
+        _check_moe_options(*sections(dense, "model.moe_aux_loss_coeff=0.01"), dense_dims)
     with pytest.raises(ConfigError, match=r"mixture-of-experts.*actor.lora.rank=0"):
-        _check_moe_options(cfg(moe, "actor.lora.rank=8"), moe_dims)
+        _check_moe_options(*sections(moe, "actor.lora.rank=8"), moe_dims)

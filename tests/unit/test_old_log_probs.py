@@ -75,7 +75,7 @@ def test_rollout_dtype_auto_follows_the_model():
         ("auto", "float32", True, "float32"),
     ]:
         cfg = load_config(overrides=[*ONE_STEP, f"model.dtype={model}", f"rollout.dtype={rollout}"])
-        assert rollout_dtype(cfg, cuda) == want, (model, rollout, cuda)
+        assert rollout_dtype(cfg.model, cfg.rollout, cuda) == want, (model, rollout, cuda)
 
 
 def _batch() -> tuple[Samples, torch.Tensor]:

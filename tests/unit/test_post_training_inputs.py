@@ -129,7 +129,7 @@ def test_a_checkpoint_of_another_trainer_is_refused(work, tmp_path, capsys):
             CheckpointError,
             match=r"written by a trainer\.kind=sft run and this run is trainer\.kind=dpo",
         ):
-            resume_point(cfg, {"actor": cfg.model.path})
+            resume_point(cfg.trainer, {"actor": cfg.model.path})
     finally:
         checkpointing.check_resume = original
 

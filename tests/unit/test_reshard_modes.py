@@ -37,17 +37,18 @@ def test_auto_is_shard_where_the_backend_takes_slices():
 
 
 def test_shard_mode_with_vllm_and_experts_is_refused_before_launch():
-    def cfg(path, *overrides):
+    def sections(path, *overrides):  # what _check_moe_options reads
         base = [f"model.path={path}", "data.train_files=[x.parquet]"]
-        return load_config(overrides=[*base, *overrides])
+        c = load_config(overrides=[*base, *overrides])
+        return c.model, c.rollout, c.actor
 
     moe, dense = tiny_qwen3_moe_dir(), tiny_qwen3_dir()
     moe_dims, dense_dims = ModelDims.from_pretrained(moe), ModelDims.from_pretrained(dense)
-    _check_moe_options(cfg(moe), moe_dims)  # auto: full for this model
-    _check_moe_options(cfg(moe, "rollout.reshard_mode=shard", "rollout.backend=hf"), moe_dims)
-    _check_moe_options(cfg(dense, "rollout.reshard_mode=shard"), dense_dims)
+    _check_moe_options(*sections(moe), moe_dims)  # auto: full for this model
+    _check_moe_options(*sections(moe, "rollout.reshard_mode=shard", "rollout.backend=hf"), moe_dims)
+    _check_moe_options(*sections(dense, "rollout.reshard_mode=shard"), dense_dims)
     with pytest.raises(ConfigError, match=r"reshard_mode=shard.*rollout.reshard_mode=auto"):
-        _check_moe_options(cfg(moe, "rollout.reshard_mode=shard"), moe_dims)
+        _check_moe_options(*sections(moe, "rollout.reshard_mode=shard"), moe_dims)
 
 
 def test_slices_are_checked_against_the_rollout_model():

@@ -407,15 +407,15 @@ def test_a_judge_folder_that_cannot_judge_is_refused_with_the_inputs(tmp_path):
         )
 
     judge = tiny_char_judge_dir()
-    dims = check_judge(cfg(judge), this_machine=True)
+    dims = check_judge(cfg(judge).reward.judge, this_machine=True)
     assert dims is not None and dims.vocab_size == 128
     with pytest.raises(ConfigError, match="is a reward model; a judge writes its verdict"):
-        check_judge(cfg(tiny_qwen2_reward_dir()), this_machine=True)
+        check_judge(cfg(tiny_qwen2_reward_dir()).reward.judge, this_machine=True)
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(judge / name, bare / name)
     with pytest.raises(ConfigError, match="has no tokenizer"):
-        check_judge(cfg(bare), this_machine=True)
+        check_judge(cfg(bare).reward.judge, this_machine=True)
     with pytest.raises(ConfigError, match=re.escape("has no {response}")):
-        check_judge(cfg(judge, "reward.judge.template='{prompt}'"), this_machine=True)
+        check_judge(cfg(judge, "reward.judge.template='{prompt}'").reward.judge, this_machine=True)

@@ -124,7 +124,7 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
 
     def check(dims, *overrides):
         cfg = load_config("configs/quickstart_cpu.yaml", ["actor.router_replay=true", *overrides])
-        _check_moe_options(cfg, dims)
+        _check_moe_options(cfg.model, cfg.rollout, cfg.actor, dims)
 
     check(moe, "rollout.backend=hf")
     for dims, overrides, message in (

@@ -47,19 +47,19 @@ def cfg_for(out: Path, *extra: str) -> RunConfig:
 def test_a_fresh_run_over_an_earlier_one_is_refused_naming_both_ways_on(tmp_path):
     out = run_folder(tmp_path, checkpoint=True, metrics=True)
     with pytest.raises(ConfigError) as e:
-        check_output_dir(cfg_for(out, "trainer.resume=never"))
+        check_output_dir(cfg_for(out, "trainer.resume=never").trainer)
     message = str(e.value)
     assert str(out) in message and "checkpoints (step 4)" in message
     assert "trainer.resume=auto" in message and "trainer.overwrite=true" in message
-    assert check_output_dir(cfg_for(out)) is False  # auto: it resumes
-    assert check_output_dir(cfg_for(out, "trainer.resume=never", "trainer.overwrite=true"))
-    assert check_output_dir(cfg_for(tmp_path / "new", "trainer.resume=never")) is False
+    assert check_output_dir(cfg_for(out).trainer) is False  # auto: it resumes
+    assert check_output_dir(cfg_for(out, "trainer.resume=never", "trainer.overwrite=true").trainer)
+    assert check_output_dir(cfg_for(tmp_path / "new", "trainer.resume=never").trainer) is False
 
 
 def test_metrics_without_a_checkpoint_are_protected_too(tmp_path):
     out = run_folder(tmp_path, checkpoint=False, metrics=True)
     with pytest.raises(ConfigError, match=r"no checkpoint to continue from.*overwrite=true"):
-        check_output_dir(cfg_for(out))
+        check_output_dir(cfg_for(out).trainer)
 
 
 def test_overwrite_moves_the_earlier_run_aside_and_deletes_nothing(tmp_path):
@@ -91,13 +91,13 @@ def test_an_elastic_restart_writes_into_its_own_jobs_folder(tmp_path, monkeypatc
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     cfg = cfg_for(out, "trainer.resume=never")
     monkeypatch.setenv(ENV, AttemptRecord(1, 2, 2, 1, 1).to_env()[ENV])
-    prepare_output_dir(cfg, rank=0)  # no process group needed: nothing to move
+    prepare_output_dir(cfg.trainer, rank=0)  # no process group needed: nothing to move
     # a restart from the start (no checkpoint yet) logs every step again: each step once
     assert (out / "metrics.jsonl").read_text() == ""
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     monkeypatch.setenv(ENV, AttemptRecord(0, 4, 2, 1, 2).to_env()[ENV])  # the first attempt
     with pytest.raises(ConfigError, match="holds an earlier run"):
-        prepare_output_dir(cfg, rank=0)
+        prepare_output_dir(cfg.trainer, rank=0)
 
 
 def test_options_and_overrides_anywhere_on_the_command_line():
@@ -233,7 +233,9 @@ def test_missing_reward_columns_and_unscored_sources_are_found_before_launch(tmp
     def check(path: Path, *extra: str) -> None:
         cfg = load_config(None, ["model.path=/m", f"data.train_files=[{path}]", *extra])
         fs, paths = resolve_files(cfg.data.train_files)
-        check_reward_columns(cfg, inspect_files(fs, paths), fs, "data.train_files")
+        check_reward_columns(
+            cfg.trainer.kind, cfg.reward, inspect_files(fs, paths), fs, "data.train_files"
+        )
 
     with pytest.raises(MegarlError, match=r"a.parquet: missing column 'reward_model'.*custom_fn"):
         check(no_truth)

@@ -49,12 +49,12 @@ def test_smoke_settings_pass_the_checks_of_the_machine(recipe, machine):
     )
     world = smoke_ranks(smoke)
     validate(cfg, world)
-    check_for_target(cfg, target)  # raises what the launch would refuse
+    check_for_target(cfg.model, cfg.actor, target)  # raises what the launch would refuse
     p = cfg.parallel
     layout = ParallelLayout.for_world(world, tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, ep=p.ep)
     layout.check_rollout()
     layout.check_model(ModelDims.from_pretrained(model).shape)
-    assert model_dtype(cfg, target.cuda) == ("bfloat16" if target.cuda else "float32")
+    assert model_dtype(cfg.model, target.cuda) == ("bfloat16" if target.cuda else "float32")
     assert cfg.actor.optimizer_offload == 0
     if ep > 1:
         assert cfg.rollout.backend == "hf" and (p.ep == 2) == (world >= 2)

@@ -100,7 +100,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_async(cfg.rollout, cfg.parallel, offloads, cfg.trainer.elastic, world_size)
     _validate_distill(cfg.algorithm.distill)
     _validate_multi_turn(cfg.rollout)
-    _validate_agent(cfg.rollout)
+    _validate_agent(cfg.rollout, cfg.trainer.hang_timeout_s)
     r = cfg.reward
     judged = r.judge.model_path is not None or r.judge.url is not None
     if r.rule_weight == 0 and r.model_path is None and r.remote_url is None and not judged:
@@ -321,14 +321,23 @@ def _validate_multi_turn(r: RolloutConfig) -> None:
         )
 
 
-def _validate_agent(r: RolloutConfig) -> None:
+def _validate_agent(r: RolloutConfig, hang_timeout_s: float) -> None:
     """The pure checks of rollout.agent's settings (the function itself is loaded by
-    run/checks.py), and the settings it does not work with yet."""
+    run/checks.py), and the settings it does not work with yet. One agent's time limit must be
+    below the hang watchdog's: a step whose agent ran up to its limit would otherwise be taken
+    for a hung rank and the run ended, where the agent's sample should only have scored 0."""
     if r.agent is None:
         return
     _check_positive({"rollout.agent_concurrency": r.agent_concurrency})
     if not r.agent_timeout_s > 0:
         raise ConfigError(f"rollout.agent_timeout_s={r.agent_timeout_s} must be > 0 seconds")
+    if r.agent_timeout_s >= hang_timeout_s:
+        raise ConfigError(
+            f"rollout.agent_timeout_s={r.agent_timeout_s:g} is not below "
+            f"trainer.hang_timeout_s={hang_timeout_s:g}: a slow agent would end the run as a hung "
+            "rank instead of scoring 0; lower rollout.agent_timeout_s or raise "
+            "trainer.hang_timeout_s (it bounds a whole step, the rollout of every agent included)"
+        )
     refusals = (
         (
             r.env is not None,

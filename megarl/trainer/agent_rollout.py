@@ -12,7 +12,7 @@ from megarl.agents.loading import load_agent
 from megarl.agents.runner import AgentLimits
 from megarl.agents.trajectories import AgentSource
 from megarl.agents.turns import TurnSettings
-from megarl.config import RunConfig
+from megarl.config import RolloutConfig
 from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch
 from megarl.hybrid_engine.rollout_types import SamplingConfig
 
@@ -24,18 +24,21 @@ SERVED_MODEL = "policy"
 
 
 def agent_source(
-    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, sampling: SamplingConfig, pad_id: int
+    r: RolloutConfig,
+    max_prompt_length: int,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingConfig,
+    pad_id: int,
 ) -> AgentSource:
     """The run's agent (loaded again: checked before launch) with the endpoint's limits: one
     reply at most ``rollout.max_turn_tokens`` (else ``max_response_length``) tokens, one segment
     at most the engine's context (``data.max_prompt_length + rollout.max_response_length``)."""
-    r = cfg.rollout
     assert r.agent is not None  # built for rollout.agent only
     settings = TurnSettings(
         model=SERVED_MODEL,
         seed=sampling.seed,
         max_turn_tokens=r.max_turn_tokens or r.max_response_length,
-        max_context_tokens=cfg.data.max_prompt_length + r.max_response_length,
+        max_context_tokens=max_prompt_length + r.max_response_length,
     )
     return AgentSource(
         load_agent(r.agent),

@@ -306,7 +306,11 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout
         turns=turns,
         env_runner=runner,
         max_env_failures=r.max_env_failures,
-        agent=agent_source(cfg, startup.tokenizer, sampling, startup.pad_id) if r.agent else None,
+        agent=(
+            agent_source(r, cfg.data.max_prompt_length, startup.tokenizer, sampling, startup.pad_id)
+            if r.agent
+            else None
+        ),
     )
 
 

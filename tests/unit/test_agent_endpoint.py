@@ -464,6 +464,10 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
             "not serve agents yet",
         ),
         (["rollout.backend=hf", "rollout.agent_timeout_s=0"], "must be > 0"),
+        (
+            ["rollout.backend=hf", "rollout.agent_timeout_s=600", "trainer.hang_timeout_s=600"],
+            r"not below trainer\.hang_timeout_s=600: .* raise trainer\.hang_timeout_s",
+        ),
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, *extra])

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
+from megarl.child_wait import wait_for_exit
 from megarl.console import is_verbose
 from megarl.errors import ConfigError
 from megarl.hardening import make_undumpable
@@ -114,12 +115,10 @@ def run_torchrun(
     ranks: set[int] = set()
     try:
         with _forwarding_signals(proc, on_signal, rank_pids) as stop:
-            while True:
-                try:
-                    code = proc.wait(timeout=2.0)
-                    break
-                except subprocess.TimeoutExpired:
-                    ranks.update(rank_pids())
+            # woken by the job's end, not by polling (megarl.child_wait); every 2 s meanwhile
+            # the ranks' process ids are noted for the clean-up below
+            while (code := wait_for_exit(proc, 2.0)) is None:
+                ranks.update(rank_pids())
         if direct and code != 0:
             code = _report_single_rank_failure(code, env.get(FAILURE_FILE_ENV))
         return stop.exit_code(code)

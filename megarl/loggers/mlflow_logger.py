@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from megarl.child_wait import wait_for_exit
 from megarl.loggers.base import Logger, Row, TrackingSettings, register
 
 # Ending the run flushes nothing slow (every metric was written as it came); a writer that takes
@@ -125,14 +126,13 @@ class MlflowLogger(Logger):
         self.run_id  # noqa: B018 - a start error surfaces here, not as a broken pipe
         self._send({"op": "end"})
         self._pipe().close()
-        try:
-            self._reply()
-            code = self._proc.wait(timeout=CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        self._reply()
+        code = wait_for_exit(self._proc, CLOSE_TIMEOUT_S)  # its exit is prompt: not polled
+        if code is None:
             self._proc.kill()
             raise MlflowWriterError(
                 f"MLflow did not end its run at {self._uri} within {CLOSE_TIMEOUT_S:.0f} s "
                 "(metrics.jsonl holds every metric)"
-            ) from None
+            )
         if code != 0:
             raise self._failed()

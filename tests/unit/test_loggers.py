@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -216,12 +217,30 @@ print(tracker.mlflow_run_id, sorted(m for m in sys.modules if m.split(".")[0] in
 """
 
 
-def test_mlflow_run_holds_every_metric_the_settings_and_the_table(tmp_path):
+def polled_waits(monkeypatch) -> list[float]:
+    """The sleeps of ``subprocess.Popen.wait(timeout)``'s polling from now on (it sleeps between
+    checks of its child, up to 50 ms each; megarl.child_wait waits for the exit itself)."""
     import subprocess
-    import sys
+
+    sleeps: list[float] = []
+    sleep = time.sleep
+
+    def recorded(seconds: float) -> None:
+        if sys._getframe(1).f_code.co_filename == subprocess.__file__:
+            sleeps.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", recorded)
+    return sleeps
+
+
+def test_mlflow_run_holds_every_metric_the_settings_and_the_table(tmp_path, monkeypatch):
+    import subprocess
 
     tracker = Tracker(mlflow_config(tmp_path), rank=0)
-    feed(tracker)
+    polled = polled_waits(monkeypatch)
+    feed(tracker)  # ends with the tracker's close: the writer ends its run and exits
+    assert polled == []  # its exit was waited for, not polled
     run_id = tracker.mlflow_run_id
     assert json.loads((tmp_path / "run" / RUN_IDS_FILE).read_text()) == {"mlflow": run_id}
     client = mlflow_client(tmp_path)
@@ -251,6 +270,63 @@ def test_mlflow_run_holds_every_metric_the_settings_and_the_table(tmp_path):
     assert imported.strip() == "[]"
     [metric] = mlflow_client(tmp_path / "fresh").get_metric_history(fresh_id, "reward/mean")
     assert (metric.step, metric.value) == (1, 0.5)
+
+
+# The writer run as ``python -m``, with two marks of how its process ends: the atexit handlers
+# ran (MLflow's clean-ups), and the interpreter's teardown ran (a global's finalizer: it runs only
+# when the interpreter deletes the main module's globals at exit).
+WRITER_EXIT = """
+import atexit, runpy, sys
+out = sys.argv.pop(1)
+
+class Teardown:
+    def __init__(self):
+        self.mark, self.create = out + "/teardown", open  # no builtins left by then
+
+    def __del__(self):
+        self.create(self.mark, "w").close()
+
+kept_to_the_end = Teardown()
+atexit.register(lambda: open(out + "/exit_handlers", "w").close())
+runpy.run_module("megarl.loggers.mlflow_writer", run_name="__main__")
+"""
+
+
+def test_the_mlflow_writer_exits_without_the_interpreters_teardown_once_its_run_ended(tmp_path):
+    """The teardown took about 1 s after a run's last line (a garbage collection over MLflow's
+    and SQLAlchemy's objects): the writer skips it once the run has ended, and the run holds
+    every metric, the table and the FINISHED status; MLflow's exit handlers still run."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER_EXIT, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    start = {"uri": uri, "experiment": "e", "run_name": "r", "resume_run_id": None}
+    commands = [
+        {"op": "start", **start, "params": {"trainer.total_steps": "2"}, "verbose": False},
+        {"op": "metrics", "metrics": {"reward/mean": 0.5}, "step": 1},
+        {"op": "metrics", "metrics": {"reward/mean": 0.75}, "step": 2},
+        {"op": "table", "columns": {"step": [2], "score": [1.0]}, "name": "v/t.json", "step": 2},
+        {"op": "end"},
+    ]
+    out, _ = proc.communicate("".join(json.dumps(c) + "\n" for c in commands), timeout=300)
+    assert proc.returncode == 0
+    started, ended = (json.loads(line) for line in out.splitlines())
+    assert ended == {"ended": True}
+    assert (tmp_path / "exit_handlers").exists()
+    assert not (tmp_path / "teardown").exists()
+    client = mlflow_client(tmp_path)
+    run = client.get_run(started["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"trainer.total_steps": "2"}
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
+    table = client.download_artifacts(run.info.run_id, "v/t.json", str(tmp_path))
+    assert json.loads(Path(table).read_text())["data"] == [[2, 1.0]]
 
 
 def test_mlflow_run_continues_on_resume_and_a_moved_run_gets_a_new_one_linked_to_it(

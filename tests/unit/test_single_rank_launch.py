@@ -15,13 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 RANK = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
     keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
     print({k: os.environ.get(k) for k in keys}, flush=True)
     print("shm prefix", os.environ.get("MEGARL_SHM_PREFIX"), flush=True)
     how = sys.argv[1]
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "slow":  # the launcher waits for it
+        time.sleep(0.5)
+        sys.exit(0)
     sys.exit(int(how))
     """
 )
@@ -39,12 +42,31 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-def _launch(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess, Path]:
+# The launcher as above, where a sleep of subprocess's (Popen.wait(timeout) sleeps between its
+# checks of the child, up to 50 ms each) ends it: it must wait for its rank's exit itself.
+UNPOLLED = LAUNCHER.replace(
+    "code = run_torchrun(",
+    textwrap.dedent(
+        """
+        import subprocess, time
+        def sleep(seconds, sleep=time.sleep):
+            if sys._getframe(1).f_code.co_filename == subprocess.__file__:
+                raise SystemExit(f"the launcher polled its rank (a sleep of {seconds} s)")
+            sleep(seconds)
+        time.sleep = sleep
+        code = run_torchrun("""
+    ),
+)
+
+
+def _launch(
+    tmp_path: Path, how: str, launcher: str = LAUNCHER
+) -> tuple[subprocess.CompletedProcess, Path]:
     (tmp_path / "fake_rank.py").write_text(RANK)
     failure = tmp_path / f"failure-{how}.json"
     env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
-        [sys.executable, "-c", LAUNCHER, how, str(failure)],
+        [sys.executable, "-c", launcher, how, str(failure)],
         capture_output=True,
         text=True,
         env=env,
@@ -82,3 +104,11 @@ def test_a_user_error_stays_the_last_line(tmp_path):
     assert "launcher exit 2" in proc.stdout
     assert json.loads(failure.read_text()) == {"rank": 0, "exit_code": 2}
     assert "megarl: rank" not in proc.stderr
+
+
+def test_the_launcher_learns_of_its_ranks_end_when_it_happens_not_at_its_next_poll(tmp_path):
+    """Popen.wait(timeout) polled: the command ended up to 50 ms after its rank
+    (megarl.child_wait)."""
+    proc, failure = _launch(tmp_path, "slow", UNPOLLED)
+    assert "launcher exit 0" in proc.stdout, proc.stderr[-2000:]
+    assert not failure.exists()

@@ -10,7 +10,7 @@ URL ``http://127.0.0.1:PORT/s/KEY/v1``):
 A refused request gets an OpenAI-style JSON error (HTTP 400; 404 for an unknown session or
 route, 409 for a closed one) and is counted by reason (:data:`megarl.agents.openai_format.REASONS`).
 The server is the standard library's threading HTTP server on 127.0.0.1 only; each request runs
-in its own thread, the engine is shared through the generator's lock.
+in its own thread; the generator batches the requests of concurrent sessions into engine calls.
 """
 
 from __future__ import annotations

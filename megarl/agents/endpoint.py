@@ -66,8 +66,7 @@ class AgentEndpoint:
     # -- the server ----------------------------------------------------------------------------
     def start(self) -> AgentEndpoint:
         handler = _handler_for(self.handle)
-        self._server = ThreadingHTTPServer((HOST, 0), handler)
-        self._server.daemon_threads = True
+        self._server = _Server((HOST, 0), handler)
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="megarl-agent-endpoint", daemon=True
         )
@@ -171,9 +170,19 @@ class AgentEndpoint:
             )
 
 
+class _Server(ThreadingHTTPServer):
+    """The standard library's threading server, with a listen backlog for many agents connecting
+    at once (its default of 5 drops connections: the clients see them reset)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+
 def _handler_for(handle: Callable[[str, str, bytes], Response]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # a reply's headers and body leave at once, not after the client's delayed ACK (~20 ms)
+        disable_nagle_algorithm = True
 
         def _answer(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)

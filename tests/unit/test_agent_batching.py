@@ -175,7 +175,8 @@ def test_an_agent_pool_larger_than_the_batch_runs_every_agent_to_the_end():
             [(k, {"k": k}) for k in range(16)],
             AgentLimits(concurrency=16, timeout_s=JOIN_S),
         )
-    assert [s.outcome for s in batch.samples] == ["ok"] * 16, batch.samples[0].error
+    errors = [s.error for s in batch.samples if s.failed]
+    assert not errors, errors[0]
     assert all(s.requests == 3 and s.segments[-1].turns == 3 for s in batch.samples)
     assert sum(engine.sizes) == 48 and max(engine.sizes) <= 3
     assert generator.requests == 48 and generator.calls == len(engine.sizes)

@@ -10,7 +10,7 @@ URL ``http://127.0.0.1:PORT/s/KEY/v1``):
 A refused request gets an OpenAI-style JSON error (HTTP 400; 404 for an unknown session or
 route, 409 for a closed one) and is counted by reason (:data:`megarl.agents.openai_format.REASONS`).
 The server is the standard library's threading HTTP server on 127.0.0.1 only; each request runs
-in its own thread, the engine is shared through the generator's lock.
+in its own thread; the generator batches the requests of concurrent sessions into engine calls.
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ class AgentEndpoint:
     # -- the server ----------------------------------------------------------------------------
     def start(self) -> AgentEndpoint:
         handler = _handler_for(self.handle)
-        self._server = ThreadingHTTPServer((HOST, 0), handler)
-        self._server.daemon_threads = True
+        self._server = _Server((HOST, 0), handler)
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="megarl-agent-endpoint", daemon=True
         )
@@ -171,9 +170,19 @@ class AgentEndpoint:
             )
 
 
+class _Server(ThreadingHTTPServer):
+    """The standard library's threading server, with a listen backlog for many agents connecting
+    at once (its default of 5 drops connections: the clients see them reset)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+
 def _handler_for(handle: Callable[[str, str, bytes], Response]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # a reply's headers and body leave at once, not after the client's delayed ACK (~20 ms)
+        disable_nagle_algorithm = True
 
         def _answer(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)

@@ -1,14 +1,21 @@
 """The endpoint's one need of a rollout engine: prompt token ids -> sampled ids, logprobs and why
-the turn ended, one request at a time.
+the turn ended.
 
 :class:`EngineGenerator` puts any engine with the multi-turn loop's ``generate`` seam
 (:class:`~megarl.hybrid_engine.rollout_types.Generates`: the HF engine, vLLM's) behind it, with the
-run's :class:`~megarl.hybrid_engine.rollout_types.SamplingConfig` and a lock: the endpoint's
-request threads take turns on the engine. Batching requests of concurrent sessions into one
-engine call is the continuous rollout's job, not this one's.
+run's :class:`~megarl.hybrid_engine.rollout_types.SamplingConfig`, and batches: the requests that
+the endpoint's threads send while the engine is busy (or within ``window_s`` of the call
+starting) go to the engine together, in one ``generate`` call, each with its own seed and token
+limit. So a trajectory whose tool answered goes on at the engine's next call, whatever the other
+trajectories are waiting for (continuous rollout at the level of engine calls; vLLM's own step
+loop still sees each call as one batch). ``max_batch=1`` is one request per call (a lock).
+
+A request's result does not depend on what shares its call on the HF engine (each request is
+generated on its own, unpadded, from its own seeded generator); on vLLM, as in every batched vLLM
+call, its floats may (docs/agents.md).
 
 An engine spread over several ranks (vLLM at tensor-parallel 2, say) needs every one of its ranks
-in each ``generate`` call, while the endpoint runs on the first rank only: there each request is
+in each ``generate`` call, while the endpoint runs on the first rank only: there each call is
 first announced to the others (``announce``, a broadcast over the engine's ranks), which make the
 same call (:func:`follow_requests`) until the first rank announces the end (None).
 """
@@ -16,11 +23,14 @@ same call (:func:`follow_requests`) until the first rank announces the end (None
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from megarl.hybrid_engine.rollout_types import Generates, RolloutOutput, SamplingConfig
+from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
+
+DEFAULT_WINDOW_S = 0.002  # how long a call waits for requests arriving with the first one
 
 
 @dataclass(frozen=True)
@@ -39,55 +49,148 @@ class Generator(Protocol):
 
 @dataclass(frozen=True)
 class Request:
-    """One model turn as the engine is asked for it (what the other ranks of an engine repeat)."""
+    """One model turn as the engine is asked for it."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     seed: int
 
-    def make(self, engine: Generates, sampling: SamplingConfig) -> RolloutOutput:
-        return engine.generate(
-            [self.prompt_ids],
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One ``generate`` call of the engine: its requests, in order (what the other ranks of an
+    engine repeat)."""
+
+    requests: tuple[Request, ...]
+
+    def make(self, engine: Generates, sampling: SamplingConfig) -> list[Sampled]:
+        """Each request's turn, in order (``sampling.n`` is 1: one response per request)."""
+        out = engine.generate(
+            [r.prompt_ids for r in self.requests],
             sampling,
-            seeds=[self.seed],
-            max_new_tokens=[self.max_new_tokens],
+            seeds=[r.seed for r in self.requests],
+            max_new_tokens=[r.max_new_tokens for r in self.requests],
         )
+        if list(out.prompt_index) != list(range(len(self.requests))):
+            raise RuntimeError(
+                f"the rollout engine returned {len(out.token_ids)} responses for "
+                f"{len(self.requests)} requests"
+            )
+        return [
+            Sampled(list(ids), list(lps), finish)
+            for ids, lps, finish in zip(
+                out.token_ids, out.logprobs, out.finish_reasons, strict=True
+            )
+        ]
+
+
+class EngineFailed(RuntimeError):
+    """The engine call (or its announcement to the other ranks) that held a request failed."""
+
+
+class _Waiting:
+    """A request in the queue and, once its call is made, its turn or the call's error."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.result: Sampled | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
 
 
 class EngineGenerator:
-    """:class:`Generator` over a rollout engine, with the run's sampling settings; ``announce``
-    hands each request to the engine's other ranks first (None: the engine is this rank's)."""
+    """:class:`Generator` over a rollout engine, with the run's sampling settings, batching the
+    requests of concurrent callers into one engine call (at most ``max_batch`` each; None: no
+    limit). ``announce`` hands each call to the engine's other ranks first (None: the engine is
+    this rank's).
+
+    No thread of its own: a caller that finds the engine idle makes the next call for everyone
+    queued (itself included, or not yet when ``max_batch`` callers are ahead of it), hands out
+    the results and leaves the engine to the next caller still waiting."""
 
     def __init__(
         self,
         engine: Generates,
         sampling: SamplingConfig,
-        announce: Callable[[Request], object] | None = None,
+        announce: Callable[[EngineCall], object] | None = None,
+        *,
+        max_batch: int | None = None,
+        window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch is {max_batch}; give at least 1 (or None: no limit)")
         self.engine = engine
         self.sampling = replace(sampling, n=1)
         self.announce = announce
-        self._lock = threading.Lock()
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.calls = 0  # engine calls made
+        self.requests = 0  # requests answered (calls / requests: how well they batched)
+        self._queue: list[_Waiting] = []
+        self._busy = False
+        self._changed = threading.Condition()
 
     def sample(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Sampled:
-        request = Request(list(prompt_ids), max_new_tokens, seed)
-        with self._lock:
+        mine = _Waiting(Request(list(prompt_ids), max_new_tokens, seed))
+        with self._changed:
+            self._queue.append(mine)
+            self._changed.notify_all()
+            while not mine.done:
+                if self._busy:
+                    self._changed.wait()
+                    continue
+                self._busy = True
+                try:
+                    self._changed.release()
+                    try:
+                        self._make_next_call()
+                    finally:
+                        self._changed.acquire()
+                finally:
+                    self._busy = False
+                    self._changed.notify_all()
+        if mine.error is not None:
+            raise EngineFailed(
+                f"the rollout engine failed: {type(mine.error).__name__}: {mine.error}"
+            ) from mine.error
+        assert mine.result is not None
+        return mine.result
+
+    def _make_next_call(self) -> None:
+        """The engine call for the queue's first ``max_batch`` requests (this caller holds the
+        engine, not the lock)."""
+        full = self.max_batch is not None and len(self._queue) >= self.max_batch
+        if self.window_s > 0 and not full:
+            time.sleep(self.window_s)
+        with self._changed:
+            cut = len(self._queue) if self.max_batch is None else self.max_batch
+            batch, self._queue = self._queue[:cut], self._queue[cut:]
+        call = EngineCall(tuple(w.request for w in batch))
+        try:
             if self.announce is not None:
-                self.announce(request)
-            out = request.make(self.engine, self.sampling)
-        if len(out.token_ids) != 1:
-            raise RuntimeError(f"the rollout engine returned {len(out.token_ids)} responses for 1")
-        return Sampled(list(out.token_ids[0]), list(out.logprobs[0]), out.finish_reasons[0])
+                self.announce(call)
+            results = call.make(self.engine, self.sampling)
+        except Exception as e:  # every request of the call gets the error
+            for waiting in batch:
+                waiting.error = e
+            return
+        self.calls += 1
+        self.requests += len(batch)
+        for waiting, result in zip(batch, results, strict=True):
+            waiting.result = result
 
 
 def follow_requests(
-    engine: Generates, sampling: SamplingConfig, receive: Callable[[], Request | None]
+    engine: Generates, sampling: SamplingConfig, receive: Callable[[], EngineCall | None]
 ) -> int:
-    """On an engine's other ranks: make each request the first rank announces (``receive``)
-    until it announces the end (None); how many were made."""
+    """On an engine's other ranks: make each call the first rank announces (``receive``) until
+    it announces the end (None); how many were made."""
     sampling = replace(sampling, n=1)
     made = 0
-    while (request := receive()) is not None:
-        request.make(engine, sampling)
+    while (call := receive()) is not None:
+        call.make(engine, sampling)
         made += 1
     return made

@@ -31,6 +31,7 @@ BENCHES = [
     "checkpoint_save",
     "tool_calls",
     "startup",
+    "agent_latency",
 ]
 # Options smoke-run too, so that they do not rot either.
 EXTRA_ARGS = {"train_step": ["--megatron-paths", "--matmuls", "3"]}
@@ -67,6 +68,15 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
         runs = record["figures"]["runs"]
         assert [r["side"] for r in runs] == ["vllm", "hf", "vllm", "hf"], runs
         assert all(r["tokens"] > 0 and r["load_1min"] >= 0 for r in runs), runs
+    if bench == "agent_latency":  # the interface, and both sides sampled the same tokens
+        figures = record["figures"]
+        assert figures["speedup_vs_lockstep"] > 0 and figures["loadavg_start"], figures
+        for case in figures["cases"]:
+            assert figures[case]["same_tokens"] is True, figures[case]
+            assert [len(figures[case]["runs"][side]) for side in ("lockstep", "continuous")] == [
+                figures["repeats"],
+                figures["repeats"],
+            ]
     if bench == "train_step":  # every side's matmuls, timed by shape
         census = record["figures"]["matmul_census"]
         assert len(census) == 3, census.keys()

@@ -1,0 +1,327 @@
+"""Continuous vs lock-step rollout when tools are slow (issue 47): the same samples, the same
+tokens, rolled out both ways on the HF engine (CPU, a tiny model).
+
+    .venv/bin/python -m bench.agent_latency              # 16 samples, 3 turns of 8 tokens, 2 repeats
+    .venv/bin/python -m bench.agent_latency --smoke      # seconds: 4 samples, 1 repeat
+
+Every sample has three model turns of exactly ``--turn-tokens`` tokens (no stop token: the
+engine samples each turn's full budget) and, after each of its first two, a tool call that
+answers after a delay: ``--fast-s`` (0.05 s) for most calls, ``--slow-s`` (2 s) for one call in
+ten (``--slow-share``: in each tool round that share of the samples, chosen at random with a
+seed; the same calls on both sides). The slow-tool case runs once per ``--tool-seeds`` seed
+(1,2,3: three placements of the slow calls; a sample slow twice waits 4 s however the engine is
+driven), and ``speedup_vs_lockstep`` is the median of their speedups. Both sides draw every turn
+from the same seeded stream (run seed, rollout, sample, turn) and render the same messages, so
+they sample the same tokens (``same_tokens`` says whether they did).
+
+- **lock-step**: the environments' turn loop (``rollout.env``, megarl.hybrid_engine.multi_turn)
+  with an environment whose ``step`` sleeps the call's delay: each turn of every sample is one
+  engine call, and the next turn waits for the slowest tool of the turn.
+- **continuous**: the same task as an agent (``rollout.agent``; the tool sleeps inside the agent,
+  written with the ``openai`` client) through the endpoint, whose generator batches the requests
+  that are ready into one engine call: a sample goes on as soon as its own tool answers.
+
+Also single-turn (one model turn, no tool): what the endpoint costs where there is nothing to
+overlap. Each side runs ``--repeats`` times, alternated (lock-step first), after one warm-up of
+each (first slow-tool case and single-turn); the figures
+are the medians, with each run's in ``runs``. Phases per side: wall seconds, the engine's busy
+seconds (inside ``generate``; ``engine_cpu_s`` its thread's CPU seconds) and idle seconds (the rest: waiting for tools, the endpoint), its
+calls and requests per call, the process's CPU seconds, model tokens and tokens per second. The machine is shared: the load
+averages at the start and the end are stored with the figures (compare the two sides of one run
+only). Writes bench/results/agent_latency.json; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from megarl.envs import Environment, Step
+from megarl.hybrid_engine.rollout_types import Generates, RolloutOutput, SamplingConfig
+
+TURNS = 3  # model turns per sample; a tool call after each but the last
+SAMPLE_ROLLOUT = 0  # the rollout index both sides seed with
+
+
+def log(msg: str) -> None:
+    print(f"[agent_latency] {msg}", flush=True)
+
+
+def tool_delays(
+    samples: int, tools_per_sample: int, share: float, fast: float, slow: float, seed: int
+) -> list[list[float]]:
+    """Each sample's tool delays: in each tool round, ``round(share * samples)`` samples chosen at
+    random wait ``slow``, the others ``fast``."""
+    rng = random.Random(seed)
+    slow_in_round = [
+        set(rng.sample(range(samples), round(share * samples))) for _ in range(tools_per_sample)
+    ]
+    return [
+        [slow if s in slow_in_round[k] else fast for k in range(tools_per_sample)]
+        for s in range(samples)
+    ]
+
+
+def tool_answer(turn: int) -> str:
+    return f"tool result {turn}: 42"
+
+
+class SlowTool(Environment):
+    """The lock-step side: the row's question, then after each model turn but the last a tool
+    answer that takes the row's delay for that call."""
+
+    def reset(self, row):
+        self.delays, self.turn = list(row["delays"]), 0
+        return [{"role": "user", "content": row["question"]}]
+
+    def step(self, messages):
+        self.turn += 1
+        if self.turn >= TURNS:
+            return Step(reward=0.0, done=True)
+        time.sleep(self.delays[self.turn - 1])
+        return Step(messages=[{"role": "user", "content": tool_answer(self.turn)}], reward=0.0)
+
+
+def slow_tool_agent(row: dict, base_url: str, model: str) -> float:
+    """The continuous side: the same conversation as :class:`SlowTool`'s, as an agent."""
+    import openai
+    from openai.types.chat import ChatCompletionMessageParam
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": row["question"]}]
+    for turn in range(1, row["turns"] + 1):
+        reply = client.chat.completions.create(model=model, messages=messages)
+        sent_back = reply.choices[0].message.model_dump(exclude_none=True)  # unchanged
+        messages.append(cast(ChatCompletionMessageParam, sent_back))
+        if turn < row["turns"]:
+            time.sleep(row["delays"][turn - 1])
+            messages.append({"role": "user", "content": tool_answer(turn)})
+    return 0.0
+
+
+@dataclass
+class TimedEngine:
+    """The engine, with each ``generate`` call's seconds and request count recorded."""
+
+    engine: Generates
+    calls: list[tuple[float, float, int]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def generate(
+        self, prompt_token_ids, sampling, seed_offset=0, *, seeds=None, max_new_tokens=None
+    ) -> RolloutOutput:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = self.engine.generate(
+            prompt_token_ids, sampling, seed_offset, seeds=seeds, max_new_tokens=max_new_tokens
+        )
+        with self._lock:
+            self.calls.append(
+                (time.perf_counter() - t0, time.thread_time() - c0, len(prompt_token_ids))
+            )
+        return out
+
+    def take(self) -> list[tuple[float, float, int]]:
+        with self._lock:
+            calls, self.calls = self.calls, []
+        return calls
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    turns: int
+    rows: list[dict]
+
+
+def phases(
+    wall: float, cpu: float, calls: Sequence[tuple[float, float, int]], model_tokens: int
+) -> dict:
+    busy = sum(s for s, _, _ in calls)
+    requests = sum(n for _, _, n in calls)
+    return {
+        "wall_s": wall,
+        "engine_busy_s": busy,
+        "engine_cpu_s": sum(c for _, c, _ in calls),
+        "process_cpu_s": cpu,
+        "engine_idle_s": wall - busy,
+        "engine_calls": len(calls),
+        "requests_per_call": requests / max(len(calls), 1),
+        "model_tokens": model_tokens,
+        "model_tokens_per_s": model_tokens / wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--turn-tokens", type=int, default=8)
+    ap.add_argument("--fast-s", type=float, default=0.05)
+    ap.add_argument("--slow-s", type=float, default=2.0)
+    ap.add_argument("--slow-share", type=float, default=0.1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1, help="the sampling seed")
+    ap.add_argument(
+        "--tool-seeds",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[1, 2, 3],
+        help="one slow-tool case per seed: which calls are slow",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 4 samples, 1 repeat")
+    args = ap.parse_args()
+    if args.smoke:
+        args.samples, args.repeats, args.slow_s, args.slow_share = 4, 1, 0.5, 0.25
+        args.tool_seeds = args.tool_seeds[:1]
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench.results_io import write_results
+    from megarl.agents.endpoint import AgentEndpoint
+    from megarl.agents.generation import EngineGenerator
+    from megarl.agents.loading import Agent
+    from megarl.agents.runner import AgentLimits, run_agents
+    from megarl.agents.turns import TurnSettings
+    from megarl.envs import ChatDeltas, ToolPool
+    from megarl.envs.runner import EnvRunner
+    from megarl.envs.trajectory import Trajectory
+    from megarl.hybrid_engine.hf_rollout import HFRollout
+    from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
+    from megarl.hybrid_engine.rollout_split import SampleStart
+    from megarl.tools.testing.assets import tiny_chat_llama_dir
+
+    torch.set_num_threads(args.threads)
+    model_dir = tiny_chat_llama_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = TimedEngine(HFRollout(model_dir))
+    # no stop token: every turn is exactly turn_tokens tokens on both sides
+    sampling = SamplingConfig(
+        temperature=1.0, max_new_tokens=args.turn_tokens, seed=args.seed, stop_token_ids=()
+    )
+    context = 4096
+    questions = [f"Question {s}: what is {s} times {s + 3}?" for s in range(args.samples)]
+    delays = {
+        seed: tool_delays(args.samples, TURNS - 1, args.slow_share, args.fast_s, args.slow_s, seed)
+        for seed in args.tool_seeds
+    }
+    slow_cases = [
+        Case(
+            f"{TURNS}_turns_slow_tool_seed{seed}",
+            TURNS,
+            [
+                {"question": q, "delays": d, "turns": TURNS}
+                for q, d in zip(questions, delays[seed], strict=True)
+            ],
+        )
+        for seed in args.tool_seeds
+    ]
+    single = Case("single_turn", 1, [{"question": q, "delays": [], "turns": 1} for q in questions])
+    cases = [*slow_cases, single]
+
+    def lock_step(case: Case) -> list[Trajectory]:
+        runner = EnvRunner(
+            SlowTool, {}, ChatDeltas(tokenizer), ToolPool(args.samples, 60), 0, [], context
+        )
+        starts = [SampleStart(s, row, []) for s, row in enumerate(case.rows)]
+        limits = TurnLimits(case.turns, context, args.turn_tokens)
+        try:
+            return run_trajectories(
+                engine, starts, runner, sampling, limits, rollout_index=SAMPLE_ROLLOUT, pad_id=0
+            )
+        finally:
+            runner.close()
+
+    agent = Agent(slow_tool_agent, "bench.agent_latency:slow_tool_agent", False)
+    settings = TurnSettings(
+        model="policy",
+        seed=args.seed,
+        max_turn_tokens=args.turn_tokens,
+        max_context_tokens=context,
+        tool_parser=None,
+    )
+
+    def continuous(case: Case) -> list[Trajectory]:
+        with AgentEndpoint(
+            EngineGenerator(engine, sampling), tokenizer, settings, SAMPLE_ROLLOUT
+        ) as endpoint:
+            batch = run_agents(
+                agent,
+                endpoint,
+                list(enumerate(case.rows)),
+                AgentLimits(concurrency=args.samples, timeout_s=600),
+            )
+        failed = [s.error for s in batch.samples if s.failed]
+        if failed:
+            raise SystemExit(f"an agent failed: {failed[0]}")
+        return [s.segments[-1] for s in batch.samples]
+
+    sides: dict[str, Callable[[Case], list[Trajectory]]] = {
+        "lockstep": lock_step,
+        "continuous": continuous,
+    }
+    figures: dict[str, object] = {
+        "model": "tiny-chat-llama (HF backend, fp32, CPU)",
+        "samples": args.samples,
+        "turn_tokens": args.turn_tokens,
+        "tool_calls_per_sample": TURNS - 1,
+        "fast_tool_s": args.fast_s,
+        "slow_tool_s": args.slow_s,
+        "slow_share": args.slow_share,
+        "tool_seeds": args.tool_seeds,
+        # per tool seed: the most tool seconds one sample waits (a floor of the continuous side)
+        "slowest_sample_tool_s": {seed: max(sum(d) for d in ds) for seed, ds in delays.items()},
+        "cases": [case.name for case in cases],
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "loadavg_start": list(os.getloadavg()),
+    }
+    speedups: dict[str, float] = {}
+    for case in (slow_cases[0], single):  # warm-up
+        for side in sides.values():
+            side(case)
+    engine.take()
+    for case in cases:
+        runs: dict[str, list[dict]] = {name: [] for name in sides}
+        tokens: dict[str, list[list[int]]] = {}
+        for _ in range(args.repeats):
+            for name, side in sides.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                trajectories = side(case)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                model = sum(sum(t.mask) for t in trajectories)
+                runs[name].append(
+                    phases(wall, cpu, engine.take(), model) | {"loadavg_1min": os.getloadavg()[0]}
+                )
+                tokens[name] = [t.prompt_ids + t.response_ids for t in trajectories]
+        medians = {
+            name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            for name, rs in runs.items()
+        }
+        speedup = medians["lockstep"]["wall_s"] / medians["continuous"]["wall_s"]
+        same = tokens["lockstep"] == tokens["continuous"]
+        speedups[case.name] = speedup
+        figures[case.name] = {
+            "speedup_vs_lockstep": speedup,
+            "same_tokens": same,
+            **medians,
+            "runs": runs,
+        }
+        for name, m in medians.items():
+            log(f"{case.name} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
+        log(f"{case.name}: continuous is {speedup:.2f}x lock-step (same tokens: {same})")
+    # the interface: the median over the tools' placements
+    figures["speedup_vs_lockstep"] = statistics.median(speedups[c.name] for c in slow_cases)
+    figures["single_turn_speedup_vs_lockstep"] = speedups["single_turn"]
+    figures["loadavg_end"] = list(os.getloadavg())
+    write_results("agent_latency", figures, smoke=args.smoke, peak_size=256)
+
+
+if __name__ == "__main__":
+    main()

@@ -43,6 +43,11 @@ class Segment:
     finish: str = "stop"  # the last turn's: stop | length
 
     @property
+    def prompt_len(self) -> int:
+        """Ids of the segment's first prompt: what follows them is its (trained) response."""
+        return len(self.trajectory.prompt_ids)
+
+    @property
     def context(self) -> list[int]:
         """Every id of the segment: what the next turn's prompt starts with."""
         return self.trajectory.prompt_ids + self.trajectory.response_ids

@@ -55,6 +55,9 @@ class TurnSettings:
     seed: int = 0  # the run's seed (trainer.seed)
     max_turn_tokens: int = 512  # new tokens of one reply (a request may ask for fewer)
     max_context_tokens: int = 4096  # one segment's prompt + everything after it
+    # what may follow a segment's first prompt (model and tool tokens: the trained response), as
+    # rollout.max_response_length bounds an environment's trajectory; None: only the context
+    max_response_tokens: int | None = None
     tool_parser: str | None = "hermes"  # None: replies carry no tool_calls
     chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)
     max_requests: int = 1 << SEGMENT_BITS  # per session: each draws its own seeded stream
@@ -96,7 +99,8 @@ class TurnMaker:
                 context = prompt
         except EnvError as e:  # the template cannot render these messages
             raise BadRequest("messages", str(e)) from None
-        sampled = self._sample(session, context, request.max_tokens)
+        first = len(context) if prompt is not None or segment is None else segment.prompt_len
+        sampled = self._sample(session, context, first, request.max_tokens)
         if prompt is not None or segment is None:
             segment = session.start(
                 Segment(Trajectory(session.sample, list(context)), "chat", tools_key)
@@ -146,7 +150,8 @@ class TurnMaker:
             context, new = segment.context + delta, False
         else:
             delta, context, new = [], self._ids(request.prompt, special=True), True
-        sampled = self._sample(session, context, request.max_tokens)
+        first = len(context) if new or segment is None else segment.prompt_len
+        sampled = self._sample(session, context, first, request.max_tokens)
         if new or segment is None:
             text = request.prompt if isinstance(request.prompt, str) else None
             segment = session.start(
@@ -185,7 +190,10 @@ class TurnMaker:
                 f"{self.settings.max_context_tokens} tokens can hold",
             )
 
-    def _sample(self, session: Session, context: Sequence[int], max_tokens: int | None) -> Sampled:
+    def _sample(
+        self, session: Session, context: Sequence[int], prompt_len: int, max_tokens: int | None
+    ) -> Sampled:
+        """One reply after ``context``, whose segment's first prompt is its ``prompt_len`` ids."""
         s = self.settings
         room = s.max_context_tokens - len(context)
         if room < 1:
@@ -194,6 +202,16 @@ class TurnMaker:
                 f"the session's conversation is {len(context)} tokens; this endpoint's limit is "
                 f"{s.max_context_tokens} tokens per segment, with room for at least one new token",
             )
+        if s.max_response_tokens is not None:
+            response = len(context) - prompt_len
+            if response >= s.max_response_tokens:
+                raise BadRequest(
+                    "context_length",
+                    f"the conversation holds {response} tokens after its first prompt; the run "
+                    f"trains at most {s.max_response_tokens} (rollout.max_response_length), "
+                    "with room for at least one new token",
+                )
+            room = min(room, s.max_response_tokens - response)
         if session.requests >= s.max_requests:
             raise BadRequest("requests", f"a session may send {s.max_requests} requests at most")
         limit = min(s.max_turn_tokens, room, max_tokens or s.max_turn_tokens)

@@ -320,6 +320,40 @@ def test_tool_calls_come_back_in_openai_format_and_the_tool_result_continues(tok
     assert scripted.prompts[1] == t.prompt_ids + t.response_ids[:c]  # what the engine was given
 
 
+def test_a_segment_s_response_stays_within_the_run_s_response_length(tokenizer):
+    """rollout.max_response_length bounds what follows a segment's first prompt (model and tool
+    tokens), as it bounds an environment's trajectory: a reply is cut to the room left, and a
+    request with no room left is refused (400 context_length, counted); an edited history starts
+    a new segment, with a budget of its own."""
+    budget = 70  # the first reply (31) and the next user turn fit; the second reply is cut
+    scripted = Scripted(tokenizer, ["x" * 30])  # 30 chars and the stop token
+    settings = _settings(max_turn_tokens=200, max_response_tokens=budget)
+    with AgentEndpoint(scripted, tokenizer, settings) as ep:
+        key, base_url = ep.open_session(0)
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        messages: list = [{"role": "user", "content": "go"}]
+        first = client.chat.completions.create(model=MODEL, messages=messages)
+        assert first.choices[0].finish_reason == "stop" and scripted.limits == [budget]
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "more"}]
+        second = client.chat.completions.create(model=MODEL, messages=messages)
+        assert second.choices[0].finish_reason == "length"  # cut at the budget
+        ep.take_counts()
+        messages += [second.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "and more"}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages)
+        assert e.value.code == "context_length" and "rollout.max_response_length" in str(e.value)
+        assert ep.take_counts() == {"bad_requests/context_length": 1}
+        again = client.chat.completions.create(model=MODEL, messages=messages[:1])  # edited
+        assert again.choices[0].finish_reason == "stop"
+        session = ep.close_session(key)
+    first_segment, second_segment = session.trajectories()
+    assert len(first_segment.response_ids) == budget  # exactly what the run trains at most
+    assert len(second_segment.response_ids) == 31 and session.non_continuations == 1
+    assert scripted.limits[1] == budget - (len(scripted.prompts[1]) - len(scripted.prompts[0]))
+
+
 def test_completions_continue_by_text_and_keep_spellings_as_text(tokenizer):
     scripted = Scripted(tokenizer, ["ab", "cd"])
     with AgentEndpoint(scripted, tokenizer, _settings()) as ep:

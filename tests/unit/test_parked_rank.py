@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,20 @@ def _park(module: str = ECHO) -> ParkedRank:
     return ParkedRank.start(module, verbose=False, base=dict(os.environ))
 
 
+def _environ(pid: int, within_s: float = 30.0) -> list[bytes]:
+    """The process's environment. Popen returns once the child's exec has begun (its
+    close-on-exec pipe closed), which the kernel does before it lays out the new program's
+    environment: read early, on a loaded machine, /proc shows it empty. So read until it is not."""
+    deadline = time.monotonic() + within_s
+    while not (raw := Path(f"/proc/{pid}/environ").read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return raw.split(b"\0")
+
+
 def test_a_parked_rank_has_the_launch_environment_and_waits():
     rank = _park()
     try:
-        environ = Path(f"/proc/{rank.proc.pid}/environ").read_bytes().split(b"\0")
+        environ = _environ(rank.proc.pid)
         assert b"RANK=0" in environ and b"WORLD_SIZE=1" in environ
         assert any(v.startswith(b"MEGARL_GO_FD=") for v in environ)
         with pytest.raises(subprocess.TimeoutExpired):

@@ -160,5 +160,3 @@ class StepBatch:
     scores: torch.Tensor  # [N] outcome score per sample
     finish_reasons: list[str]  # per sample drawn (the rollout engine's "stop" / "length")
     reward_metrics: dict[str, float]  # the reward sources' metrics (this rank's means)
-    # rollout-vs-trainer logprob mismatch (rollout/logprob_diff_*), once the actor has scored
-    mismatch: dict[str, float] = field(default_factory=dict)

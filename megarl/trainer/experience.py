@@ -309,7 +309,8 @@ def score_rollout(
     if judged is not None:
         scores = scores + rewards.judge_weight * judged
     if trajectories is not None:
-        scores = _with_environment_rewards(scores, trajectories, metrics)
+        scores, env_metrics = _with_environment_rewards(scores, trajectories)
+        metrics.update(env_metrics)
     buf = rewards.overlong
     if shaping and buf.len > 0:
         penalty = overlong_penalty(
@@ -328,10 +329,11 @@ def score_rollout(
 
 
 def _with_environment_rewards(
-    scores: torch.Tensor, trajectories: Sequence[Trajectory], metrics: dict[str, float]
-) -> torch.Tensor:
+    scores: torch.Tensor, trajectories: Sequence[Trajectory]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The environment's turn rewards, plus the run's outcome score where the environment left
-    the final turn unrewarded; 0 for failed samples."""
+    the final turn unrewarded; 0 for failed samples. Also ``reward/env_mean`` and
+    ``reward/env_outcome_share``."""
     out = scores.clone()
     for k, t in enumerate(trajectories):
         if t.finish == "error":
@@ -341,9 +343,10 @@ def _with_environment_rewards(
         else:
             out[k] = out[k] + t.env_reward
     n = max(len(trajectories), 1)
-    metrics["reward/env_mean"] = sum(t.env_reward for t in trajectories) / n
-    metrics["reward/env_outcome_share"] = sum(t.env_scored_outcome for t in trajectories) / n
-    return out
+    return out, {
+        "reward/env_mean": sum(t.env_reward for t in trajectories) / n,
+        "reward/env_outcome_share": sum(t.env_scored_outcome for t in trajectories) / n,
+    }
 
 
 def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:

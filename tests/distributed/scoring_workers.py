@@ -216,13 +216,12 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         tracker=None,  # type: ignore[arg-type]
         resumed=None,  # type: ignore[arg-type]
     )
-    m: dict = {}
-    batch = step_batch(run, m)
+    batch, m = step_batch(run)
     old = batch.samples.tensors["old_log_prob"][batch.samples.response_mask.bool()]
     return {
         "events": events,
         "metrics": sorted(m),
-        "mismatch": dict(batch.mismatch),
+        "mismatch": {k: v.value for k, v in m.items() if k.startswith("rollout/logprob_diff")},
         "samples": batch.samples.size,
         "old_finite": bool(torch.isfinite(old).all()) and old.numel() > 0,
         "grad_bytes_after": grad_bytes(),

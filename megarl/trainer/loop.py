@@ -16,12 +16,13 @@ from megarl.trainer.dp_balance import balance_over_data_parallel
 from megarl.trainer.experience import compute_experience
 from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
 from megarl.trainer.model_ops import ppo_update, rollout_is_finite
-from megarl.trainer.old_log_probs import OLD_LOG_PROB, rollout_mismatch
+from megarl.trainer.old_log_probs import rollout_mismatch
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.rollout import step_batch
 from megarl.trainer.rollout_dump import dump_rollout
 from megarl.trainer.routing_metrics import routing_metrics
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
+from megarl.trainer.tensor_keys import OLD_LOG_PROB
 from megarl.trainer.validation import validation_rollout
 
 

@@ -55,7 +55,8 @@ def scoring_memory(model_dir: str) -> dict:
     from megarl.models.logprobs import teacher_forced_log_probs
     from megarl.parallel import ParallelLayout
     from megarl.trainer.model_ops import MicroBatching, response_positions
-    from megarl.trainer.old_log_probs import OLD_LOG_PROB, score_old_log_probs
+    from megarl.trainer.old_log_probs import score_old_log_probs
+    from megarl.trainer.tensor_keys import OLD_LOG_PROB
 
     model, dims = build_model(model_dir, ParallelLayout.for_world(2, pp=2), load=False)
     gen = torch.Generator().manual_seed(3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 from megarl.console import announce
 from megarl.metrics import Metric, StepMetrics, mean, reduce_metrics
@@ -21,17 +22,42 @@ def announce_steps(first: int, total: int) -> None:
         announce(f"first step: {first + 1} of {total}")
 
 
+TIMING = "timing/"  # the prefix of every phase's wall time, ``timing/<phase>_s``
+
+
+@dataclass
+class PhaseTime:
+    """The wall time of one run of a step's phase, known once its body has ended."""
+
+    phase: str
+    seconds: float = 0.0
+
+    def metrics(self) -> StepMetrics:
+        """``timing/<phase>_s``, the mean over ranks."""
+        return {f"{TIMING}{self.phase}_s": mean(self.seconds)}
+
+
 @contextmanager
-def timed(metrics: StepMetrics, phase: str) -> Iterator[None]:
-    """``timing/<phase>_s``: the wall time of the body (mean over ranks), added to the phase's
-    time so far in ``metrics`` (a phase may run several times a step); the hang watchdog watches
-    the body as ``phase``."""
+def timed(phase: str) -> Iterator[PhaseTime]:
+    """Times the body as ``phase``: the :class:`PhaseTime` it yields holds the body's wall time
+    once the body ends (its :meth:`~PhaseTime.metrics` go into the phase's returned metrics); the
+    hang watchdog watches the body as ``phase``."""
     t0 = time.perf_counter()
+    took = PhaseTime(phase)
     with watchdog.phase(phase):
-        yield
-    key = f"timing/{phase}_s"
-    before = metrics[key].value if key in metrics else 0.0
-    metrics[key] = mean(before + time.perf_counter() - t0)
+        yield took
+    took.seconds = time.perf_counter() - t0
+
+
+def merge_repeated(earlier: StepMetrics, later: StepMetrics) -> StepMetrics:
+    """The metrics of phases that ran again in one step (dynamic sampling's draws): ``later``'s
+    values over ``earlier``'s, except the timings (``timing/*``), which add up to the phase's
+    time in the step."""
+    out = earlier | later
+    for key, metric in later.items():
+        if key.startswith(TIMING) and key in earlier:
+            out[key] = replace(metric, value=earlier[key].value + metric.value)
+    return out
 
 
 def log_step(

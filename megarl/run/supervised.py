@@ -97,11 +97,11 @@ def train_supervised(
     for step in range(first, cfg.trainer.total_steps):
         guards.begin_step(step)
         t0 = time.perf_counter()
-        m: StepMetrics = {}
-        with timed(m, "data"):
+        with timed("data") as data_time:
             batch = batches.next()
-        with timed(m, "update"):
-            m.update(declare(parts.step(batch)))
+        with timed("update") as update_time:
+            updated = declare(parts.step(batch))
+        m: StepMetrics = data_time.metrics() | updated | update_time.metrics()
         m.update(declare(parts.train_data.metrics()))
         m["timing/step_s"] = mean(time.perf_counter() - t0)
         m["perf/tokens_per_s"] = mean(

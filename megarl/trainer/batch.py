@@ -16,9 +16,6 @@ import torch
 
 from megarl.models.packing import token_counts
 
-# Samples.tensors key of the importance weights of algorithm.rollout_correction (absent: none)
-ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
-
 
 @dataclass
 class Samples:
@@ -28,6 +25,7 @@ class Samples:
     group_ids: list[Hashable]  # prompt uid per sample (GRPO groups)
     # response space [N, R]
     response_mask: torch.Tensor
+    # per-token tensors between the step's phases, by their megarl.trainer.tensor_keys name
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     # actor.router_replay: [N, L, MoE layers, top_k] experts the rollout routed each token to
     # (int16, host memory, -1: none); None without replay
@@ -160,5 +158,3 @@ class StepBatch:
     scores: torch.Tensor  # [N] outcome score per sample
     finish_reasons: list[str]  # per sample drawn (the rollout engine's "stop" / "length")
     reward_metrics: dict[str, float]  # the reward sources' metrics (this rank's means)
-    # rollout-vs-trainer logprob mismatch (rollout/logprob_diff_*), once the actor has scored
-    mismatch: dict[str, float] = field(default_factory=dict)

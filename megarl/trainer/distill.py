@@ -36,11 +36,10 @@ from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, forward_response_tensor, response_log_probs
+from megarl.trainer.tensor_keys import ADVANTAGES, OLD_LOG_PROB, TEACHER_LOG_PROB
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
-
-TEACHER_LOG_PROB = "teacher_log_prob"
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,8 @@ def build_teacher(d: DistillConfig, layout: ParallelLayout, opts: ModelOptions) 
 def distill_experience(
     teacher: Teacher, samples: Samples, batching: MicroBatching, temperature: float
 ) -> StepMetrics:
-    """Score the rollout with the teacher (``samples.tensors["teacher_log_prob"]``); in reward
-    mode, add the reverse-KL advantage per token to ``samples.tensors["advantages"]``."""
+    """Score the rollout with the teacher (``samples.tensors[TEACHER_LOG_PROB]``); in reward
+    mode, add the reverse-KL advantage per token to ``samples.tensors[ADVANTAGES]``."""
     t, mask = samples.tensors, samples.response_mask
     vocab = teacher.dims.vocab_size
     t[TEACHER_LOG_PROB] = forward_response_tensor(
@@ -76,8 +75,8 @@ def distill_experience(
         "distill/teacher_log_prob": mean(masked_mean(t[TEACHER_LOG_PROB], mask)),
     }
     if d.mode == "reward":
-        kl = t["old_log_prob"] - t[TEACHER_LOG_PROB]
-        t["advantages"] = t["advantages"] - d.coef * kl * mask
+        kl = t[OLD_LOG_PROB] - t[TEACHER_LOG_PROB]
+        t[ADVANTAGES] = t[ADVANTAGES] - d.coef * kl * mask
         metrics["distill/reverse_kl"] = mean(masked_mean(kl, mask))
     return metrics
 

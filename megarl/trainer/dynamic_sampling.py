@@ -30,6 +30,7 @@ import torch
 from megarl import parallel
 from megarl.config import AlgorithmConfig
 from megarl.metrics import StepMetrics, declare
+from megarl.run.steps import merge_repeated
 from megarl.trainer.batch import Samples, StepBatch
 from megarl.trainer.dp_balance import HostRow, host_rows, samples_of_rows
 from megarl.trainer.dp_collectives import dp_exchange, dp_gather
@@ -201,23 +202,25 @@ def share_of_selection(
 
 
 def filter_groups(
-    draw: Callable[[], StepBatch],
+    draw: Callable[[], tuple[StepBatch, StepMetrics]],
     algorithm: AlgorithmConfig,
     target_groups: int,
     pad_id: int,
-    m: StepMetrics,
     decided: Callable[[bool], None] | None = None,
-) -> StepBatch:
+) -> tuple[StepBatch, StepMetrics]:
     """Draws of ``draw`` (a rollout of this DP rank's part of the next prompts, rewarded) until
     ``target_groups`` prompt groups over all DP ranks (the step's) have rewards that vary, or
     ``algorithm.filter_groups_max_batches`` draws; this rank's share of the selected groups as
     one batch. ``decided(more)`` hears after each draw, on every rank, whether another follows.
-    The ``dynamic_sampling/*`` counts go into ``m``."""
+    Also the step's metrics: the draws' own (:func:`~megarl.run.steps.merge_repeated`: their
+    timings summed) and the ``dynamic_sampling/*`` counts."""
     pool = GroupPool()
     facts: list[list[DrawFacts]] = []  # facts[d][r]: DP rank r's part of draw d
     sums: dict[str, float] = {}  # reward metrics, averaged over the draws
+    drawn: StepMetrics = {}  # the draws' metrics, their timings summed
     while True:
-        batch = draw()
+        batch, metrics = draw()
+        drawn = merge_repeated(drawn, metrics)
         facts.append(dp_gather(pool.add(batch.samples, batch.scores, batch.finish_reasons)))
         for k, v in batch.reward_metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
@@ -244,6 +247,5 @@ def filter_groups(
         "dynamic_sampling/unfiltered": float(not selected),
         "dynamic_sampling/filled": float(len(selected) >= target_groups),
     }
-    m.update(declare(stats))
     averaged = {k: v / len(facts) for k, v in sums.items()}
-    return StepBatch(samples, scores, reasons, averaged)
+    return StepBatch(samples, scores, reasons, averaged), drawn | declare(stats)

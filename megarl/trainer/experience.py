@@ -34,7 +34,7 @@ from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.remote_settings import RemoteSettings
 from megarl.rewards.shares import ROLLOUT_SAMPLES
-from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples, padded_routes
+from megarl.trainer.batch import Samples, padded_routes
 from megarl.trainer.distill import distill_experience
 from megarl.trainer.dp_collectives import dp_mean, dp_sum
 from megarl.trainer.model_ops import (
@@ -46,6 +46,17 @@ from megarl.trainer.model_ops import (
 from megarl.trainer.reward_failures import non_finite_model_scores, stop_on_failed_scores
 from megarl.trainer.roles import Roles
 from megarl.trainer.spec import AlgorithmSpec
+from megarl.trainer.tensor_keys import (
+    ADVANTAGES,
+    OLD_LOG_PROB,
+    REF_LOG_PROB,
+    RETURNS,
+    ROLLOUT_IS_WEIGHTS,
+    ROLLOUT_LOG_PROB,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    VALUES,
+)
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -309,7 +320,8 @@ def score_rollout(
     if judged is not None:
         scores = scores + rewards.judge_weight * judged
     if trajectories is not None:
-        scores = _with_environment_rewards(scores, trajectories, metrics)
+        scores, env_metrics = _with_environment_rewards(scores, trajectories)
+        metrics.update(env_metrics)
     buf = rewards.overlong
     if shaping and buf.len > 0:
         penalty = overlong_penalty(
@@ -328,10 +340,11 @@ def score_rollout(
 
 
 def _with_environment_rewards(
-    scores: torch.Tensor, trajectories: Sequence[Trajectory], metrics: dict[str, float]
-) -> torch.Tensor:
+    scores: torch.Tensor, trajectories: Sequence[Trajectory]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The environment's turn rewards, plus the run's outcome score where the environment left
-    the final turn unrewarded; 0 for failed samples."""
+    the final turn unrewarded; 0 for failed samples. Also ``reward/env_mean`` and
+    ``reward/env_outcome_share``."""
     out = scores.clone()
     for k, t in enumerate(trajectories):
         if t.finish == "error":
@@ -341,9 +354,10 @@ def _with_environment_rewards(
         else:
             out[k] = out[k] + t.env_reward
     n = max(len(trajectories), 1)
-    metrics["reward/env_mean"] = sum(t.env_reward for t in trajectories) / n
-    metrics["reward/env_outcome_share"] = sum(t.env_scored_outcome for t in trajectories) / n
-    return out
+    return out, {
+        "reward/env_mean": sum(t.env_reward for t in trajectories) / n,
+        "reward/env_outcome_share": sum(t.env_scored_outcome for t in trajectories) / n,
+    }
 
 
 def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
@@ -352,7 +366,7 @@ def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
     last = (samples.response_lens - 1).clamp(min=0)
     rows = torch.arange(samples.size, device=token_scores.device)
     token_scores[rows, last] = scores.to(token_scores.device) * (samples.response_lens > 0)
-    samples.tensors["token_level_scores"] = token_scores
+    samples.tensors[TOKEN_LEVEL_SCORES] = token_scores
 
 
 def set_trajectory_scores(
@@ -374,7 +388,7 @@ def set_trajectory_scores(
                 token_scores[k, end] += float(r or 0.0)
                 turns += float(r or 0.0)
         token_scores[k, t.turn_ends[-1]] += values[k] - turns
-    samples.tensors["token_level_scores"] = token_scores
+    samples.tensors[TOKEN_LEVEL_SCORES] = token_scores
 
 
 def build_samples(
@@ -398,7 +412,7 @@ def rollout_samples(
     samples = Samples.from_sequences(prompts, responses, group_ids, pad_id, device, masks=masks)
     width = samples.response_mask.shape[1]
     rollout = [lp + [0.0] * (width - len(lp)) for lp in batch.output.logprobs]
-    samples.tensors["rollout_log_prob"] = torch.tensor(
+    samples.tensors[ROLLOUT_LOG_PROB] = torch.tensor(
         rollout, dtype=torch.float32, device=device
     ).reshape(len(rollout), width)
     if batch.output.routes:  # actor.router_replay
@@ -420,17 +434,15 @@ def compute_experience(
     temperature = spec.temperature
     if roles.has_reference:
         with roles.reference_model() as reference:
-            t["ref_log_prob"] = policy_log_probs(reference, samples, vocab, temperature, batching)
+            t[REF_LOG_PROB] = policy_log_probs(reference, samples, vocab, temperature, batching)
     if roles.critic is not None:
-        t["values"] = forward_response_tensor(
-            roles.critic.model, samples, response_values, batching
-        )
-    rewards = t["token_level_scores"]
+        t[VALUES] = forward_response_tensor(roles.critic.model, samples, response_values, batching)
+    rewards = t[TOKEN_LEVEL_SCORES]
     if kl_ctrl is not None:  # algorithm.use_kl_in_reward
         rewards, kl_metrics = apply_kl_in_reward(
             rewards,
-            t["old_log_prob"],
-            t["ref_log_prob"],
+            t[OLD_LOG_PROB],
+            t[REF_LOG_PROB],
             mask,
             kl_coef=kl_ctrl.value,
             estimator=spec.kl_in_reward_estimator,
@@ -438,16 +450,16 @@ def compute_experience(
         kl = dp_mean(float(kl_metrics["kl"]))
         kl_ctrl.update(kl, n_steps=spec.kl_ctrl_n_steps)
         metrics.update({"actor/reward_kl": mean(kl), "actor/kl_coef": mean(kl_ctrl.value)})
-    t["token_level_rewards"] = rewards
+    t[TOKEN_LEVEL_REWARDS] = rewards
     extra: dict[str, Any] = {}
     if "values" in spec.advantage_inputs:
-        extra["values"] = t["values"]
+        extra["values"] = t[VALUES]
     if "group_ids" in spec.advantage_inputs:
         extra["group_ids"] = samples.group_ids
     if "batch_sum" in spec.advantage_inputs:  # batch-wide statistics over every DP rank
         extra["batch_sum"] = dp_sum
     hparams: Mapping[str, Any] = spec.advantage_kwargs  # not group_ids: a float or bool each
-    t["advantages"], t["returns"] = compute_advantages(
+    t[ADVANTAGES], t[RETURNS] = compute_advantages(
         spec.adv_estimator,
         token_level_rewards=rewards,
         response_mask=mask,
@@ -459,27 +471,27 @@ def compute_experience(
     if spec.rollout_correction != "none":
         weights, correction = compute_rollout_correction(
             spec.rollout_correction,
-            t["old_log_prob"],
-            t["rollout_log_prob"],
+            t[OLD_LOG_PROB],
+            t[ROLLOUT_LOG_PROB],
             mask,
             **spec.rollout_correction_kwargs,
         )
         if weights is not None:
             t[ROLLOUT_IS_WEIGHTS] = weights
         metrics.update(declare(correction, ROLLOUT_CORRECTION_REDUCTIONS, prefix="rollout/"))
-    if "values" in t:
+    if VALUES in t:
         # the critic before this step's update, on a batch it has not seen: the mean of its
         # values and of the returns, its squared error, and how much of the returns' variance
         # around their mean it explains
-        metrics["critic/values_mean"] = mean(_batch_token_mean(t["values"], mask))
-        metrics["critic/returns_mean"] = mean(_batch_token_mean(t["returns"], mask))
+        metrics["critic/values_mean"] = mean(_batch_token_mean(t[VALUES], mask))
+        metrics["critic/returns_mean"] = mean(_batch_token_mean(t[RETURNS], mask))
         metrics["critic/value_mse"] = mean(
-            _batch_token_mean((t["values"] - t["returns"]).square(), mask)
+            _batch_token_mean((t[VALUES] - t[RETURNS]).square(), mask)
         )
         # over every DP rank's tokens: the sums add up, the per-rank ratios would not
-        sums = dp_sum(explained_variance_sums(t["values"], t["returns"], mask))
+        sums = dp_sum(explained_variance_sums(t[VALUES], t[RETURNS], mask))
         metrics["critic/explained_var"] = mean(explained_variance_from_sums(sums))
-    metrics["actor/advantages_mean"] = mean(_batch_token_mean(t["advantages"], mask))
+    metrics["actor/advantages_mean"] = mean(_batch_token_mean(t[ADVANTAGES], mask))
     return metrics
 
 

@@ -16,18 +16,20 @@ from megarl.trainer.dp_balance import balance_over_data_parallel
 from megarl.trainer.experience import compute_experience
 from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
 from megarl.trainer.model_ops import ppo_update, rollout_is_finite
-from megarl.trainer.old_log_probs import OLD_LOG_PROB, rollout_mismatch
+from megarl.trainer.old_log_probs import rollout_mismatch
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.rollout import step_batch
 from megarl.trainer.rollout_dump import dump_rollout
 from megarl.trainer.routing_metrics import routing_metrics
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
+from megarl.trainer.tensor_keys import OLD_LOG_PROB
 from megarl.trainer.validation import validation_rollout
 
 
-def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetrics:
-    """Actor (and critic) PPO updates over the mini-batches; their last step's metrics. When the
-    actor's update gives the old logprobs, also the rollout mismatch measured on them."""
+def update_models(run: PolicyRun, samples: Samples) -> StepMetrics:
+    """Actor (and critic) PPO updates over the mini-batches; their last step's metrics and their
+    timings. When the actor's update gives the old logprobs, also the rollout mismatch measured
+    on them."""
     cfg, roles = run.cfg, run.roles
     from_update = run.spec.old_log_prob_from_update
     parts = [("actor", roles.actor, run.spec.actor_loss, cfg.actor.ppo_epochs)]
@@ -35,7 +37,7 @@ def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetri
         parts.append(("critic", roles.critic, run.spec.critic_loss, cfg.critic.ppo_epochs))
     out: StepMetrics = {}
     for role, trainable, loss, epochs in parts:
-        with timed(m, f"update_{role}"):
+        with timed(f"update_{role}") as took:
             hist = ppo_update(
                 trainable,
                 role,
@@ -49,6 +51,7 @@ def update_models(run: PolicyRun, samples: Samples, m: StepMetrics) -> StepMetri
                 keep=OLD_LOG_PROB if from_update and role == "actor" else None,
                 extremes=run.spec.update_reductions,
             )
+        out.update(took.metrics())
         out.update(declare(hist[-1], run.spec.update_reductions))
     if from_update:
         mismatch = rollout_mismatch(samples, roles.dims.is_moe)
@@ -70,10 +73,10 @@ def train(cfg: RunConfig) -> dict[str, float]:
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
     for step in profiler.iterate(range(first, cfg.trainer.total_steps)):
         guards.begin_step(step)
-        m: StepMetrics = {}
         t_step = time.perf_counter()
+        # Each phase returns its metrics; the step's are theirs merged here, in phase order.
         # to_rollout -> generate -> to_train -> rewards (DAPO's filter around it) -> score
-        batch = step_batch(run, m)
+        batch, m = step_batch(run)
         if cfg.actor.balance_dp_tokens:
             batch.samples, batch.scores, balance = balance_over_data_parallel(
                 batch.samples, batch.scores, run.startup.pad_id
@@ -81,11 +84,12 @@ def train(cfg: RunConfig) -> dict[str, float]:
             m.update(declare(balance))
         samples = batch.samples
         if rollout_is_finite(samples, cfg.trainer.nan_policy == "skip"):
-            with timed(m, "experience"):
+            with timed("experience") as took:
                 m.update(
                     compute_experience(run.spec, run.roles, samples, run.kl_ctrl, run.batching)
                 )
-            m.update(update_models(run, samples, m))
+            m.update(took.metrics())
+            m.update(update_models(run, samples))
             m.update(routing_metrics(run.roles))
             if cfg.trainer.dump_rollouts:
                 dump_rollout(cfg.trainer.output_dir, step + 1, samples, run.startup.tokenizer)

@@ -10,10 +10,17 @@ import torch
 from megarl.algos import compute_policy_loss, compute_value_loss, entropy_bonus, kl_loss
 from megarl.algos.choices import AlgorithmKwargs
 from megarl.config import AlgorithmConfig
-from megarl.trainer.batch import ROLLOUT_IS_WEIGHTS, Samples
+from megarl.trainer.batch import Samples
 from megarl.trainer.distill import distill_loss_term
 from megarl.trainer.model_ops import response_log_probs, response_values
-from megarl.trainer.old_log_probs import OLD_LOG_PROB
+from megarl.trainer.tensor_keys import (
+    ADVANTAGES,
+    OLD_LOG_PROB,
+    REF_LOG_PROB,
+    RETURNS,
+    ROLLOUT_IS_WEIGHTS,
+    VALUES,
+)
 
 Metrics = dict[str, torch.Tensor]
 
@@ -62,7 +69,7 @@ def make_actor_policy_terms(
             a.policy_loss,
             old_log_prob=old,
             log_prob=logp,
-            advantages=t["advantages"],
+            advantages=t[ADVANTAGES],
             response_mask=mb.response_mask,
             loss_agg_mode=a.loss_agg_mode,
             loss_agg_kwargs=agg,
@@ -74,7 +81,7 @@ def make_actor_policy_terms(
         if a.use_kl_loss:
             kl, kl_metrics = kl_loss(
                 logp,
-                t["ref_log_prob"],
+                t[REF_LOG_PROB],
                 mb.response_mask,
                 kl_coef=a.kl_loss_coef,
                 estimator=a.kl_loss_estimator,
@@ -139,8 +146,8 @@ def make_critic_loss(a: AlgorithmConfig, kwargs: AlgorithmKwargs, cliprange_valu
         values = response_values(output, mb)
         loss, metrics = compute_value_loss(
             values,
-            mb.tensors["values"],
-            mb.tensors["returns"],
+            mb.tensors[VALUES],
+            mb.tensors[RETURNS],
             mb.response_mask,
             cliprange_value,
             a.loss_agg_mode,

@@ -20,6 +20,7 @@ from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
 from megarl.trainer.dp_collectives import dp_mean
 from megarl.trainer.ep_micro_batches import aligned_micro_batches
+from megarl.trainer.tensor_keys import OLD_LOG_PROB
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     is to be skipped, otherwise this stops the run with a clear message.
     """
     mask = samples.response_mask.bool()
-    old = samples.tensors.get("old_log_prob")
+    old = samples.tensors.get(OLD_LOG_PROB)
     bad = old is not None and not bool(torch.isfinite(old[mask]).all())
     flag = torch.tensor([1.0 if bad else 0.0], device=platform.collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -22,10 +22,7 @@ from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, policy_log_probs
-
-# The name under which the actor loss returns the update's detached logprobs ([b, R] per
-# micro-batch) when they are the old ones; megarl.trainer.model_ops.ppo_update gathers them.
-OLD_LOG_PROB = "old_log_prob"
+from megarl.trainer.tensor_keys import OLD_LOG_PROB, ROLLOUT_LOG_PROB
 
 
 def separate_forward_reasons(
@@ -87,7 +84,7 @@ def rollout_mismatch(samples: Samples, is_moe: bool) -> dict[str, float]:
     the world)."""
     t = samples.tensors
     mask = samples.response_mask.bool()
-    diffs = (t["rollout_log_prob"] - t[OLD_LOG_PROB].to(t["rollout_log_prob"].device)).abs()
+    diffs = (t[ROLLOUT_LOG_PROB] - t[OLD_LOG_PROB].to(t[ROLLOUT_LOG_PROB].device)).abs()
     return logprob_mismatch(diffs[mask.to(diffs.device)].float(), is_moe)
 
 

@@ -10,6 +10,7 @@ asleep, the actor scores what the step trains on (:func:`score`): the old logpro
 rollout-vs-trainer mismatch, in the update's micro-batches, unless the update's own forward gives
 both (:mod:`megarl.trainer.old_log_probs`).
 
+Each phase returns its metrics, and :func:`step_batch` returns them merged for the loop.
 Timings: ``timing/rollout_s`` (the transitions and generation), ``timing/reward_s``,
 ``timing/old_log_prob_s`` (the scoring pass, when it runs); summed over a step's draws.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from megarl.data import PromptItem
 from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch, gpu_memory_metrics
+from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.metrics import StepMetrics, declare
 from megarl.run.steps import timed
@@ -91,30 +93,32 @@ def dataset_row(item: PromptItem) -> dict[str, object]:
     }
 
 
-def draw(run: PolicyRun, m: StepMetrics) -> StepBatch:
+def draw(run: PolicyRun) -> tuple[StepBatch, StepMetrics]:
     """The next batch of prompts rolled out and rewarded, the rollout engine awake only between
-    :func:`to_rollout` and :func:`to_train`."""
+    :func:`to_rollout` and :func:`to_train`; the draw's memory moves and timings."""
     items = run.data.batches.next()
-    with timed(m, "rollout"):
-        m.update(declare(to_rollout(run)))
+    with timed("rollout") as rollout_time:
+        moves = declare(to_rollout(run))
         rollout = generate(run, items, run.rollout.sampling)
-        m.update(declare(to_train(run)))
+        moves |= declare(to_train(run))
     s = run.startup
-    with timed(m, "reward"):
+    with timed("reward") as reward_time:
         samples, scores, reward_metrics, _ = score_rollout(
             run.rewards, s.tokenizer, s.pad_id, items, rollout, run.batching
         )
     reward_metrics |= rollout.metrics  # multi-turn: the step's rollout/* (turns, tools ...)
-    return StepBatch(samples, scores, list(rollout.output.finish_reasons), reward_metrics)
+    batch = StepBatch(samples, scores, list(rollout.output.finish_reasons), reward_metrics)
+    return batch, moves | rollout_time.metrics() | reward_time.metrics()
 
 
-def score(run: PolicyRun, batch: StepBatch, m: StepMetrics) -> None:
-    """The actor's old logprobs of ``batch`` and the rollout mismatch, in the update's
-    micro-batches (the rollout engine asleep); skipped when the update's forward gives them."""
+def score(run: PolicyRun, batch: StepBatch) -> StepMetrics:
+    """The actor's old logprobs of ``batch`` (into its samples) and the rollout mismatch, in the
+    update's micro-batches (the rollout engine asleep); the mismatch and the pass's timing.
+    Skipped (no metrics) when the update's forward gives them."""
     if run.spec.old_log_prob_from_update:
-        return
-    with timed(m, "old_log_prob"):
-        batch.mismatch = score_old_log_probs(
+        return {}
+    with timed("old_log_prob") as took:
+        mismatch = score_old_log_probs(
             run.roles.actor.model,
             batch.samples,
             run.roles.dims.vocab_size,
@@ -122,19 +126,19 @@ def score(run: PolicyRun, batch: StepBatch, m: StepMetrics) -> None:
             run.batching,
             run.roles.dims.is_moe,
         )
+    return declare(mismatch, LOGPROB_MISMATCH_REDUCTIONS) | took.metrics()
 
 
-def step_batch(run: PolicyRun, m: StepMetrics) -> StepBatch:
+def step_batch(run: PolicyRun) -> tuple[StepBatch, StepMetrics]:
     """This rank's batch of the step: drawn (``to_rollout -> generate -> to_train -> rewards``,
-    filtered by dynamic sampling when ``algorithm.filter_groups``), then scored by the actor.
-    Timings and dynamic-sampling counts go into ``m``."""
+    filtered by dynamic sampling when ``algorithm.filter_groups``), then scored by the actor;
+    the phases' timings, memory moves, dynamic-sampling counts and the rollout mismatch."""
     a = run.cfg.algorithm
     if a.filter_groups:
         target = run.cfg.data.train_batch_size  # the step's groups, over every DP rank
         remote = run.rollout.remote  # async: the rollout group draws again when told to
         decided = remote.draws_decided if remote is not None else None
-        batch = filter_groups(lambda: draw(run, m), a, target, run.startup.pad_id, m, decided)
+        batch, metrics = filter_groups(lambda: draw(run), a, target, run.startup.pad_id, decided)
     else:
-        batch = draw(run, m)
-    score(run, batch, m)
-    return batch
+        batch, metrics = draw(run)
+    return batch, metrics | score(run, batch)

@@ -17,6 +17,12 @@ from typing import TYPE_CHECKING
 from megarl import parallel
 from megarl.files import temporary_beside
 from megarl.trainer.batch import Samples
+from megarl.trainer.tensor_keys import (
+    ADVANTAGES,
+    OLD_LOG_PROB,
+    ROLLOUT_LOG_PROB,
+    TOKEN_LEVEL_REWARDS,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,7 +46,7 @@ def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list
             "prompt": tokenizer.decode(row[: prompt[i]]),
             "response": tokenizer.decode(row[prompt[i] :]),
         }
-        for key in ("rollout_log_prob", "old_log_prob", "advantages", "token_level_rewards"):
+        for key in (ROLLOUT_LOG_PROB, OLD_LOG_PROB, ADVANTAGES, TOKEN_LEVEL_REWARDS):
             if key in tensors:
                 record[key] = tensors[key][i][: resp[i]]
         out.append(record)

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare, maximum, mean, minimum
 from megarl.rewards.shares import combine_shares, pooled_std
 from megarl.trainer.batch import Samples, StepBatch
@@ -77,13 +76,11 @@ def step_statistics(shares: Sequence[RolloutShare]) -> StepMetrics:
 
 def rollout_metrics(batch: StepBatch, dataset: CountingData) -> StepMetrics:
     """Rewards and response lengths of the step's rollout, the reward scorers' and the data's
-    counters, and the rollout-vs-trainer logprob mismatch of the scoring pass. A collective over
-    the data-parallel group (:func:`step_statistics`)."""
+    counters. A collective over the data-parallel group (:func:`step_statistics`)."""
     samples, scores = batch.samples, batch.scores
     lens = samples.response_lens.float()
-    out = declare(batch.mismatch, LOGPROB_MISMATCH_REDUCTIONS)
     step = step_statistics(dp_gather(RolloutShare.of(batch)))
-    out.update(step)
+    out = dict(step)
     out.update(
         {
             "reward/max": maximum(scores.max()),

@@ -55,7 +55,8 @@ def scoring_memory(model_dir: str) -> dict:
     from megarl.models.logprobs import teacher_forced_log_probs
     from megarl.parallel import ParallelLayout
     from megarl.trainer.model_ops import MicroBatching, response_positions
-    from megarl.trainer.old_log_probs import OLD_LOG_PROB, score_old_log_probs
+    from megarl.trainer.old_log_probs import score_old_log_probs
+    from megarl.trainer.tensor_keys import OLD_LOG_PROB
 
     model, dims = build_model(model_dir, ParallelLayout.for_world(2, pp=2), load=False)
     gen = torch.Generator().manual_seed(3)
@@ -216,13 +217,12 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         tracker=None,  # type: ignore[arg-type]
         resumed=None,  # type: ignore[arg-type]
     )
-    m: dict = {}
-    batch = step_batch(run, m)
+    batch, m = step_batch(run)
     old = batch.samples.tensors["old_log_prob"][batch.samples.response_mask.bool()]
     return {
         "events": events,
         "metrics": sorted(m),
-        "mismatch": dict(batch.mismatch),
+        "mismatch": {k: v.value for k, v in m.items() if k.startswith("rollout/logprob_diff")},
         "samples": batch.samples.size,
         "old_finite": bool(torch.isfinite(old).all()) and old.numel() > 0,
         "grad_bytes_after": grad_bytes(),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.config import AlgorithmConfig
-from megarl.metrics import StepMetrics
+from megarl.metrics import StepMetrics, maximum, mean
 from megarl.rewards.overlong import overlong_penalty
 from megarl.trainer.batch import Samples, StepBatch
 from megarl.trainer.dynamic_sampling import (
@@ -230,22 +230,26 @@ def test_draws_stop_at_the_limit_and_nothing_varied_selects_nothing():
         assert len(facts) == 3 and selected == [] and groups_drawn(facts) == 12
 
 
-def step_batches(draws: list[Draw]) -> Callable[[], StepBatch]:
-    """A ``draw`` for filter_groups: the next of ``draws`` as a StepBatch (one process)."""
+def step_batches(
+    draws: list[Draw], metrics: list[StepMetrics] | None = None
+) -> Callable[[], tuple[StepBatch, StepMetrics]]:
+    """A ``draw`` for filter_groups: the next of ``draws`` as a StepBatch (one process), with
+    the next of ``metrics`` as the draw's own metrics (none if not given)."""
     it = iter(draws)
+    own = iter(metrics if metrics is not None else [{} for _ in draws])
 
-    def next_batch() -> StepBatch:
+    def next_batch() -> tuple[StepBatch, StepMetrics]:
         samples, scores, reasons = next(it)
-        return StepBatch(samples, scores, list(reasons), {"reward/mean": float(scores.mean())})
+        batch = StepBatch(samples, scores, list(reasons), {"reward/mean": float(scores.mean())})
+        return batch, next(own)
 
     return next_batch
 
 
 def test_filter_groups_trains_the_first_varied_groups_and_logs_the_step():
     verdicts: list[bool] = []
-    m: StepMetrics = {}
     algorithm = AlgorithmConfig(filter_groups=True, filter_groups_max_batches=3)
-    batch = filter_groups(step_batches(THREE_DRAWS), algorithm, 4, 0, m, verdicts.append)
+    batch, m = filter_groups(step_batches(THREE_DRAWS), algorithm, 4, 0, verdicts.append)
     assert verdicts == [True, False]  # two draws, the second enough
     assert list(dict.fromkeys(batch.samples.group_ids)) == [(0, "C"), (0, "D"), (1, "E"), (1, "G")]
     assert batch.scores.tolist() == pytest.approx([0, 1, 1, 0, 0, 1, 0.2, 0.9])
@@ -271,13 +275,29 @@ def test_filter_groups_falls_back_to_the_last_draw_when_nothing_varied():
         draw({"A": [1, 1], "B": [0, 0]}, resp_len=3, seed=30),
         draw({"C": [1, 1], "D": [0, 0]}, resp_len=4, seed=31),
     ]
-    m: StepMetrics = {}
     algorithm = AlgorithmConfig(filter_groups=True, filter_groups_max_batches=2)
-    batch = filter_groups(step_batches(flat), algorithm, 2, 0, m)
+    batch, m = filter_groups(step_batches(flat), algorithm, 2, 0)
     assert batch.samples is flat[1][0] and batch.scores is flat[1][1]  # as drawn
     assert m["dynamic_sampling/unfiltered"].value == 1.0
     assert m["dynamic_sampling/groups_trained"].value == 2.0
     assert m["dynamic_sampling/filled"].value == 0.0
+
+
+def test_filter_groups_sums_the_draws_timings_and_keeps_their_last_other_metrics():
+    # three draws, each with its timings and memory moves (as trainer.rollout.draw returns);
+    # the step's: each timing summed over the draws, every other metric the last draw's
+    own = [
+        {"timing/rollout_s": mean(0.25), "timing/reward_s": mean(0.5), "hybrid/b": mean(1.0)},
+        {"timing/rollout_s": mean(0.75), "hybrid/b": mean(2.0), "offload/a": maximum(3.0)},
+        {"timing/rollout_s": mean(1.5), "timing/reward_s": mean(0.125), "hybrid/b": mean(4.0)},
+    ]
+    algorithm = AlgorithmConfig(filter_groups=True, filter_groups_max_batches=3)
+    _, m = filter_groups(step_batches(THREE_DRAWS, own), algorithm, 6, 0)
+    assert m["dynamic_sampling/batches"].value == 3.0  # all three drawn
+    assert m["timing/rollout_s"] == mean(0.25 + 0.75 + 1.5)
+    assert m["timing/reward_s"] == mean(0.5 + 0.125)
+    assert m["hybrid/b"] == mean(4.0)
+    assert m["offload/a"] == maximum(3.0)  # from the one draw that reported it
 
 
 def test_overlong_penalty_follows_the_dapo_paper():

@@ -1,30 +1,29 @@
 """The cross-setting checks of a run's config (batch splits, async and multi-turn settings,
-reliability, elastic, supervised trainers, distillation) (the values derived from several settings are in
+reliability, elastic, distillation; the supervised trainers' in
+:mod:`megarl.config.supervised_validation`) (the values derived from several settings are in
 :mod:`megarl.config.derived`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
+from megarl.config.batch_checks import check_dp_split, check_positive
 from megarl.config.derived import sequence_budget, trainer_world_size
 from megarl.config.schema import (
     ActorConfig,
     AlgorithmConfig,
     DataConfig,
     DistillConfig,
-    DPOConfig,
     ElasticConfig,
     JudgeConfig,
     ModelConfig,
     ParallelConfig,
     RewardConfig,
-    RewardModelConfig,
     RolloutConfig,
     RunConfig,
-    SFTConfig,
     TrainerConfig,
 )
+from megarl.config.supervised_validation import SUPERVISED_VALIDATORS, SupervisedShared
 from megarl.config.words import check_field_words
 from megarl.errors import ConfigError
 from megarl.lora_settings import check_lora_settings
@@ -64,9 +63,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "as logged; remove or fix these"
         )
     _validate_reliability(cfg.trainer, cfg.reward)
-    supervised = _SUPERVISED_VALIDATORS.get(cfg.trainer.kind)
+    supervised = SUPERVISED_VALIDATORS.get(cfg.trainer.kind)
     if supervised is not None:  # its own section (named as the kind), and the shared settings
-        shared = _SupervisedShared(cfg.data, cfg.trainer, cfg.parallel, world_size)
+        shared = SupervisedShared(cfg.data, cfg.trainer, cfg.parallel, world_size)
         supervised(getattr(cfg, cfg.trainer.kind), shared)
         return
     data, actor = cfg.data, cfg.actor
@@ -80,7 +79,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
         "trainer.total_steps": cfg.trainer.total_steps,
     }
-    _check_positive(positive)
+    check_positive(positive)
     if actor.ppo_mini_batch_size > data.train_batch_size:
         raise ConfigError(
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is larger than "
@@ -112,7 +111,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     _validate_remote_reward(cfg.reward)
     _validate_judge(cfg.reward.judge)
     if world_size is not None:
-        _check_dp_split(
+        check_dp_split(
             cfg.parallel,
             trainer_world_size(cfg.parallel, cfg.rollout, world_size),
             {
@@ -159,7 +158,7 @@ def _validate_judge(j: JudgeConfig) -> None:
                 f"reward.judge.url={j.url} needs reward.judge.model: the name the server serves "
                 "the judge under (its GET /models lists them)"
             )
-    _check_positive(
+    check_positive(
         {
             "reward.judge.max_tokens": j.max_tokens,
             "reward.judge.concurrency": j.concurrency,
@@ -187,7 +186,7 @@ def _validate_sampling(
         raise ConfigError(
             "rollout.temperature and rollout.val_temperature must be >= 0 (0: greedy)"
         )
-    _check_positive({"rollout.val_n": r.val_n})
+    check_positive({"rollout.val_n": r.val_n})
     if r.val_n > 1 and r.val_temperature == 0:
         raise ConfigError(
             f"rollout.val_n={r.val_n} greedy samples are all the same answer; set "
@@ -201,7 +200,7 @@ def _validate_sampling(
             f"got {a.loss_agg_norm_length}"
         )
     if a.filter_groups:
-        _check_positive({"algorithm.filter_groups_max_batches": a.filter_groups_max_batches})
+        check_positive({"algorithm.filter_groups_max_batches": a.filter_groups_max_batches})
         if r.n < 2:
             raise ConfigError(
                 f"algorithm.filter_groups keeps groups whose rewards differ, which needs "
@@ -304,7 +303,7 @@ def _validate_multi_turn(r: RolloutConfig) -> None:
         if set_:
             raise ConfigError(f"rollout.{set_[0]} is set but rollout.env is not; set rollout.env")
         return
-    _check_positive(
+    check_positive(
         {"rollout.max_turns": r.max_turns, "rollout.tool_concurrency": r.tool_concurrency}
     )
     if r.max_turn_tokens is not None and not 1 <= r.max_turn_tokens <= r.max_response_length:
@@ -328,7 +327,7 @@ def _validate_agent(r: RolloutConfig, hang_timeout_s: float) -> None:
     for a hung rank and the run ended, where the agent's sample should only have scored 0."""
     if r.agent is None:
         return
-    _check_positive({"rollout.agent_concurrency": r.agent_concurrency})
+    check_positive({"rollout.agent_concurrency": r.agent_concurrency})
     if not r.agent_timeout_s > 0:
         raise ConfigError(f"rollout.agent_timeout_s={r.agent_timeout_s} must be > 0 seconds")
     if r.agent_timeout_s >= hang_timeout_s:
@@ -461,83 +460,6 @@ def _validate_context_parallel(cp: int, sequence: tuple[int, str]) -> None:
             f"parallel.cp={cp} does not divide the sequence budget: {what} = {budget} must be a "
             f"multiple of 2 * cp = {2 * cp}; change the lengths or parallel.cp"
         )
-
-
-def _check_positive(values: dict[str, int]) -> None:
-    for key, value in values.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-
-
-def _check_dp_split(par: ParallelConfig, world_size: int, batches: dict[str, int]) -> None:
-    tp, pp = par.tp, par.pp
-    if world_size % (tp * pp):
-        raise ConfigError(f"{world_size} processes cannot hold parallel.tp*pp = {tp}*{pp}")
-    dp = world_size // (tp * pp)
-    for key, value in batches.items():
-        if value % dp:
-            raise ConfigError(
-                f"{key}={value} is not divisible by the {dp} data-parallel ranks "
-                f"({world_size} processes / tp*pp {tp * pp}); make it a multiple of {dp}"
-            )
-
-
-@dataclass(frozen=True)
-class _SupervisedShared:
-    """The settings the reward-model, SFT and DPO trainers' checks share."""
-
-    data: DataConfig
-    trainer: TrainerConfig
-    parallel: ParallelConfig
-    world_size: int | None
-
-
-def _validate_supervised(
-    shared: _SupervisedShared, section: str, micro_batch_size: int, max_length: int
-) -> None:
-    """What the reward-model, SFT and DPO trainers share: positive sizes, a usable max_length,
-    batches that split over the data-parallel ranks."""
-    data, world_size = shared.data, shared.world_size
-    _check_positive(
-        {
-            "data.train_batch_size": data.train_batch_size,
-            f"{section}.micro_batch_size": micro_batch_size,
-            "trainer.total_steps": shared.trainer.total_steps,
-        }
-    )
-    if max_length < 2:
-        raise ConfigError(f"{section}.max_length must be >= 2 tokens, got {max_length}")
-    if world_size is not None:
-        batches = {"data.train_batch_size": data.train_batch_size}
-        if data.val_files:
-            batches["data.val_batch_size"] = data.val_batch_size
-        _check_dp_split(shared.parallel, world_size, batches)
-
-
-def _validate_reward_model(rm: RewardModelConfig, shared: _SupervisedShared) -> None:
-    _validate_supervised(shared, "reward_model", rm.micro_batch_size, rm.max_length)
-
-
-def _validate_sft(sft: SFTConfig, shared: _SupervisedShared) -> None:
-    _validate_supervised(shared, "sft", sft.micro_batch_size, sft.max_length)
-    budget = sft.max_tokens_per_micro_batch
-    if budget is not None and budget < 2:
-        raise ConfigError(
-            f"sft.max_tokens_per_micro_batch={budget} must be >= 2 tokens (or null: "
-            "sft.micro_batch_size sequences per micro-batch)"
-        )
-
-
-def _validate_dpo(dpo: DPOConfig, shared: _SupervisedShared) -> None:
-    _validate_supervised(shared, "dpo", dpo.micro_batch_size, dpo.max_length)
-
-
-# trainer.kind -> the check of that trainer's section (the section of the kind's own name)
-_SUPERVISED_VALIDATORS: dict[str, Callable[..., None]] = {
-    "reward_model": _validate_reward_model,
-    "sft": _validate_sft,
-    "dpo": _validate_dpo,
-}
 
 
 def _validate_distill(d: DistillConfig) -> None:

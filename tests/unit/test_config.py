@@ -186,9 +186,9 @@ def test_rollout_corrections_by_name_and_the_old_tis_key():
 
 
 def test_the_supervised_trainers_are_the_same_in_validation_and_in_the_sequence_budget():
-    from megarl.config import derived, validation
+    from megarl.config import derived, supervised_validation
 
-    assert set(derived.SUPERVISED_KINDS) == set(validation._SUPERVISED_VALIDATORS)
+    assert set(derived.SUPERVISED_KINDS) == set(supervised_validation.SUPERVISED_VALIDATORS)
 
 
 def test_verl_minus_one_means_never_for_save_and_test_frequencies(tmp_path):

@@ -1,13 +1,17 @@
 """The run assembly of ``megarl train``: small builders, each returning a frozen, typed part of
 the run, and :func:`setup_run` putting them together in order (the cheap checks first).
 
-A :class:`PolicyRun` holds what the loop needs; its parts own their state (models, data position,
-KL coefficient, tracker), the run object itself is never rebound.
+A :class:`PolicyRun` holds what the loop needs; its parts own their state (models, the rollout
+source with its data position, KL coefficient, tracker), the run object itself is never rebound.
+The rollout source is built by ``rollout.mode`` (:data:`ROLLOUT_MODES`): the colocated engine
+(:mod:`megarl.trainer.colocated_source`) or the link to the rollout group
+(:mod:`megarl.trainer.async_source`); the trainer sees only its protocol
+(:mod:`megarl.trainer.rollout_source`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +28,7 @@ from megarl.config import (
 )
 from megarl.config.derived import routing_recorded
 from megarl.console import announce
-from megarl.data import PromptDataset, PromptItem
+from megarl.data import PromptDataset
 from megarl.envs.chat_deltas import ChatDeltas
 from megarl.envs.loading import check_environment
 from megarl.envs.pool import ToolPool
@@ -47,63 +51,25 @@ from megarl.run.steps import announce_steps
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
 from megarl.trainer.agent_rollout import agent_source
+from megarl.trainer.async_source import AsyncSource
+from megarl.trainer.colocated_source import ColocatedSource, PolicyData
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
-from megarl.trainer.remote_rollout import (
-    KeptActorMemory,
-    RemoteBatches,
-    RemoteRollout,
-    RemoteTrainData,
-    RemoteValidation,
-)
+from megarl.trainer.remote_rollout import RemoteRollout
 from megarl.trainer.roles import Roles, RoleSections, build_roles
-from megarl.trainer.rollout_offload import (
-    ActorMemory,
-    RoleOffload,
-    build_actor_memory,
-    build_role_offload,
-)
+from megarl.trainer.rollout_offload import build_actor_memory, build_role_offload
+from megarl.trainer.rollout_source import RolloutSource
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
+from megarl.trainer.trajectory_makers import (
+    AgentRuns,
+    EnvironmentTurns,
+    OneReply,
+    TrajectoryMaker,
+)
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from transformers import PreTrainedTokenizerBase
-
-    from megarl.agents.trajectories import AgentSource
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """The rollout engine and how it samples (training and validation rollouts): the colocated
-    hybrid engine, or in asynchronous mode the rollout group behind the same seam (``remote``)."""
-
-    engine: HybridEngine | RemoteRollout
-    sampling: SamplingConfig
-    val_sampling: SamplingConfig
-    # the actor's grads freed, its optimizer state (GPU) or whole model on the host while the
-    # engine is awake (megarl.trainer.rollout_offload); async: kept as they are
-    actor_memory: ActorMemory | KeptActorMemory
-    # ref.param_offload / critic.param_offload: those models on the host while the engine is awake
-    roles_offload: RoleOffload = field(default_factory=lambda: RoleOffload({}))
-    remote: RemoteRollout | None = None  # rollout.mode=async
-    # rollout.env: multi-turn trajectories (the runner exists on the ranks that run environments)
-    turns: TurnLimits | None = None
-    env_runner: EnvRunner | None = None
-    max_env_failures: float = 1.0
-    agent: AgentSource | None = None  # rollout.agent (megarl.trainer.agent_rollout)
-
-    def close(self) -> None:
-        if self.env_runner is not None:
-            self.env_runner.close()
-
-
-@dataclass(frozen=True)
-class PolicyData:
-    """The prompts: read here (colocated), or by the rollout group (async: ``Remote*``)."""
-
-    train: PromptDataset | RemoteTrainData
-    val: PromptDataset | RemoteValidation | None
-    batches: EpochBatches[list[PromptItem]] | RemoteBatches  # epoch after epoch
 
 
 @dataclass(frozen=True)
@@ -112,8 +78,7 @@ class PolicyRun:
     startup: Startup  # layout, rank, tokenizer
     spec: AlgorithmSpec
     roles: Roles
-    rollout: Rollout
-    data: PolicyData
+    rollout: RolloutSource
     rewards: RewardSources
     kl_ctrl: KLController | None
     batching: MicroBatching
@@ -129,28 +94,26 @@ class PolicyRun:
 
     def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> Path:
         """Models, optimizers and the trainer state after ``step`` (collective); its folder."""
-        remote = self.rollout.remote
-        # async: first the batch in flight (its rollout count is the one to continue from)
-        in_flight = remote.checkpoint_state() if remote is not None else {}
+        kl_ctrl = self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None
+        # the rollout's state: its data position, rollout count and (async) the batch in flight
+        rollout = self.rollout.checkpoint_state()
         return save(
             self.cfg.trainer,
             self.cfg.model.path,
             step,
             self.roles,
-            data=self.data.train.state_dict(),
+            data=rollout.data,
             mlflow_run_id=self.tracker.mlflow_run_id,
             history=history,
-            kl_ctrl=self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
-            rollouts=self.rollout.engine.rollout_count,
-            **in_flight,
+            kl_ctrl=kl_ctrl,
+            rollouts=rollout.rollouts,
+            **rollout.in_flight,
         )
 
     def close(self) -> None:
-        if self.rollout.remote is not None:
-            self.rollout.remote.close()
+        self.rollout.close()
         self.tracker.close()
         self.rewards.close()
-        self.rollout.close()
 
 
 def prompt_dataset(
@@ -270,7 +233,11 @@ def sampling_configs(r: RolloutConfig, run_seed: int) -> tuple[SamplingConfig, S
     return sampling, val_sampling
 
 
-def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
+def colocated_rollout(
+    cfg: RunConfig, startup: Startup, roles: Roles, data: PolicyData | None
+) -> RolloutSource:
+    """The hybrid engine on the trainers' devices, generating from this DP rank's ``data``."""
+    assert data is not None  # a colocated run reads its prompts on the trainers (setup_run)
     r = cfg.rollout
     engine = HybridEngine(
         cfg.model.path,
@@ -290,28 +257,41 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout
         reshard_mode=r.reshard_mode,
     )
     sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
-    turns, runner = None, None
-    if r.env is not None:
-        turns = turn_limits(r)
-        if engine.runs_environments:
-            runner = build_env_runner(
-                r, cfg.model.path, cfg.data, cfg.trainer.seed, startup.tokenizer
-            )
-    return Rollout(
+    return ColocatedSource(
         engine,
+        trajectory_maker(r, cfg.model.path, cfg.data, cfg.trainer.seed, startup, engine, sampling),
+        data,
         sampling,
         val_sampling,
         build_actor_memory(roles, cfg.actor.param_offload),
         build_role_offload(roles, cfg.ref.param_offload, cfg.critic.param_offload),
-        turns=turns,
-        env_runner=runner,
-        max_env_failures=r.max_env_failures,
-        agent=(
-            agent_source(r, cfg.data.max_prompt_length, startup.tokenizer, sampling, startup.pad_id)
-            if r.agent
-            else None
-        ),
     )
+
+
+def trajectory_maker(
+    r: RolloutConfig,
+    model_path: str,
+    data: DataConfig,
+    run_seed: int,
+    startup: Startup,
+    engine: HybridEngine,
+    sampling: SamplingConfig,
+) -> TrajectoryMaker:
+    """How the colocated engine makes samples: an agent's runs (``rollout.agent``), an
+    environment's turns (``rollout.env``; its runner on the ranks that run environments), or one
+    reply each (``run_seed``: trainer.seed)."""
+    if r.agent is not None:
+        max_prompt = data.max_prompt_length
+        agent = agent_source(r, max_prompt, startup.tokenizer, sampling, startup.pad_id)
+        return AgentRuns(agent, r.max_env_failures)
+    if r.env is not None:
+        runner = (
+            build_env_runner(r, model_path, data, run_seed, startup.tokenizer)
+            if engine.runs_environments
+            else None
+        )
+        return EnvironmentTurns(turn_limits(r), runner, startup.pad_id, r.max_env_failures)
+    return OneReply()
 
 
 def turn_limits(r: RolloutConfig) -> TurnLimits:
@@ -349,8 +329,11 @@ def build_env_runner(
     )
 
 
-def async_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
-    """The trainers' link to the rollout group (megarl.trainer.rollout_group)."""
+def async_rollout(
+    cfg: RunConfig, startup: Startup, roles: Roles, data: PolicyData | None
+) -> RolloutSource:
+    """The trainers' link to the rollout group (megarl.trainer.rollout_group), which reads the
+    prompts itself (``data``: None)."""
     assert startup.world is not None
     itemsize = next(roles.actor.ddp.parameters()).element_size()
     plan = weight_schedule(roles.dims, startup.layout, itemsize)
@@ -370,37 +353,27 @@ def async_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
         total_steps=cfg.trainer.total_steps,
         max_staleness=cfg.rollout.max_staleness,
     )
-    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
-    return Rollout(remote, sampling, val_sampling, KeptActorMemory(), remote=remote)
+    return AsyncSource(remote, has_validation=bool(cfg.data.val_files))
 
 
-# rollout.mode -> how the trainers reach the rollout engine
+# rollout.mode -> the trainer's rollout source
 ROLLOUT_MODES = {"colocated": colocated_rollout, "async": async_rollout}
 
 
-def build_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout:
-    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, roles)
+def build_rollout(
+    cfg: RunConfig, startup: Startup, roles: Roles, data: PolicyData | None
+) -> RolloutSource:
+    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, roles, data)
 
 
-def remote_data(data: DataConfig, remote: RemoteRollout) -> PolicyData:
-    """An asynchronous run's prompts: the rollout group reads them, the trainers get them with
-    its generations."""
-    val = RemoteValidation(remote) if data.val_files else None
-    return PolicyData(RemoteTrainData(remote), val, RemoteBatches(remote))
-
-
-def restore(
-    resumed: Resumed, data: PolicyData, kl_ctrl: KLController | None, rollout: Rollout
-) -> None:
-    """Put the resumed data position, KL coefficient and rollout count back (models are loaded)."""
+def restore(resumed: Resumed, kl_ctrl: KLController | None, rollout: RolloutSource) -> None:
+    """Put the resumed data position, rollout count and KL coefficient back (models are
+    loaded)."""
     if not resumed.state:
         return
-    if rollout.remote is not None:
-        rollout.remote.restore(resumed.step, resumed.state)
-    data.train.load_state_dict(resumed.state["data"])
+    rollout.restore(resumed.step, resumed.state)
     if kl_ctrl is not None and resumed.state["kl_ctrl"] is not None:
         kl_ctrl.load_state_dict(resumed.state["kl_ctrl"])
-    rollout.engine.rollout_count = resumed.state["rollouts"]
 
 
 def spec_roles(spec: AlgorithmSpec, actor: ActorConfig, reward: RewardConfig) -> list[str]:
@@ -453,13 +426,10 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     options = model_options(cfg.model, cfg.parallel, cfg.actor.lora)
     rewards = build_rewards(cfg.reward, cfg.rollout, cfg.model, options, startup)
     announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
-    rollout = build_rollout(cfg, startup, roles)
-    if rollout.remote is not None:
-        data = remote_data(cfg.data, rollout.remote)
-    assert data is not None
+    rollout = build_rollout(cfg, startup, roles, data)
     kl_ctrl = make_kl_in_reward_controller(spec)
     resumed = resume(resume_from, roles, startup.rank)
-    restore(resumed, data, kl_ctrl, rollout)
+    restore(resumed, kl_ctrl, rollout)
     announce_steps(resumed.step, cfg.trainer.total_steps)
     return PolicyRun(
         cfg=cfg,
@@ -467,7 +437,6 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
         spec=spec,
         roles=roles,
         rollout=rollout,
-        data=data,
         rewards=rewards,
         kl_ctrl=kl_ctrl,
         batching=MicroBatching(

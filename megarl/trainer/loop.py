@@ -75,7 +75,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         guards.begin_step(step)
         t_step = time.perf_counter()
         # Each phase returns its metrics; the step's are theirs merged here, in phase order.
-        # to_rollout -> generate -> to_train -> rewards (DAPO's filter around it) -> score
+        # the rollout source's next batch -> rewards (DAPO's filter around it) -> score
         batch, m = step_batch(run)
         if cfg.actor.balance_dp_tokens:
             batch.samples, batch.scores, balance = balance_over_data_parallel(
@@ -90,12 +90,13 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 )
             m.update(took.metrics())
             m.update(update_models(run, samples))
+            run.rollout.publish_weights()
             m.update(routing_metrics(run.roles))
             if cfg.trainer.dump_rollouts:
                 dump_rollout(cfg.trainer.output_dir, step + 1, samples, run.startup.tokenizer)
         else:  # nan_policy=skip: no update from a rollout the actor scored NaN/inf
             m["actor/skipped_non_finite"] = mean(1.0)
-        m.update(rollout_metrics(batch, run.data.train))
+        m.update(rollout_metrics(batch, run.rollout.data_metrics()))
         m["timing/step_s"] = mean(time.perf_counter() - t_step)
         m["perf/tokens_per_s"] = mean(
             tokens_in(samples, run.startup.layout.dp) / m["timing/step_s"].value

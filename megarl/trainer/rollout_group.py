@@ -92,13 +92,13 @@ from megarl.trainer.assembly import (
     sampling_configs,
     turn_limits,
 )
-from megarl.trainer.rollout import dataset_row
 from megarl.trainer.rollout_group_parts import (
     Prompts,
     split_by_rank,
     split_trajectories,
     validation_due,
 )
+from megarl.trainer.trajectory_makers import dataset_row
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -11,20 +11,13 @@ are what one process holding all the step's samples reports, at any layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from megarl.metrics import StepMetrics, declare, maximum, mean, minimum
 from megarl.rewards.shares import combine_shares, pooled_std
 from megarl.trainer.batch import Samples, StepBatch
 from megarl.trainer.dp_collectives import dp_gather
-
-
-class CountingData(Protocol):
-    """Training data that counts what it filtered (PromptDataset, or an async run's remote one)."""
-
-    def metrics(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -74,9 +67,10 @@ def step_statistics(shares: Sequence[RolloutShare]) -> StepMetrics:
     return out
 
 
-def rollout_metrics(batch: StepBatch, dataset: CountingData) -> StepMetrics:
+def rollout_metrics(batch: StepBatch, data_metrics: Mapping[str, float]) -> StepMetrics:
     """Rewards and response lengths of the step's rollout, the reward scorers' and the data's
-    counters. A collective over the data-parallel group (:func:`step_statistics`)."""
+    counters (``data_metrics``: the rollout source's). A collective over the data-parallel group
+    (:func:`step_statistics`)."""
     samples, scores = batch.samples, batch.scores
     lens = samples.response_lens.float()
     step = step_statistics(dp_gather(RolloutShare.of(batch)))
@@ -95,7 +89,7 @@ def rollout_metrics(batch: StepBatch, dataset: CountingData) -> StepMetrics:
     # the reward metrics megarl.rewards.shares leaves alone (a remote service's extra metrics,
     # the multi-turn rollout/*, the step's on every rank already): each rank's value
     out.update(declare({k: v for k, v in batch.reward_metrics.items() if k not in step}))
-    out.update(declare(dataset.metrics()))
+    out.update(declare(data_metrics))
     return out
 
 

@@ -8,7 +8,8 @@ per ``data_source``:
   ``>= trainer.val_pass_score`` (1.0: a correct GSM8K answer);
 
 plus ``val/reward_mean`` over all sources, and a table of sample generations (with
-``rollout.env``, the whole conversation of each). (Checks of the config itself are
+``rollout.env``, the whole conversation of each). The prompts and their responses come from the
+run's rollout source (:meth:`~megarl.trainer.rollout_source.RolloutSource.validation_batches`). (Checks of the config itself are
 :func:`megarl.config.validate`.)
 """
 
@@ -23,7 +24,6 @@ import torch.distributed as dist
 from megarl import parallel
 from megarl.trainer.assembly import PolicyRun
 from megarl.trainer.experience import score_rollout
-from megarl.trainer.rollout import generate, to_rollout, to_train
 
 MAX_TABLE_ROWS = 32
 MAX_CONVERSATION = 4000  # characters of a multi-turn conversation in the table
@@ -87,14 +87,13 @@ def _gather_dp(records: list[ValRecord]) -> list[ValRecord]:
 def validation_rollout(run: PolicyRun, step: int) -> dict[str, float]:
     """One pass over the validation set; its metrics (the same on every rank; collective) and, on
     rank 0, a table of generations logged as ``validation/step_<step>.json``."""
-    if run.data.val is None:
+    if not run.rollout.has_validation:
         return {}
     cfg, s = run.cfg, run.startup
     records: list[ValRecord] = []
     table: list[dict[str, str | float | int]] = []
-    to_rollout(run)
-    for items in run.data.val:  # the same number of batches on every rank (maybe empty)
-        batch = generate(run, items, run.rollout.val_sampling)
+    # the same number of batches on every rank (maybe empty), from the rollout source
+    for items, batch in run.rollout.validation_batches():
         if not batch.output.token_ids:
             continue
         _, scores, _, texts = score_rollout(
@@ -127,7 +126,6 @@ def validation_rollout(run: PolicyRun, step: int) -> dict[str, float]:
                     row["turns"] = t.turns
                     row["finish"] = t.finish or ""
                 table.append(row)
-    to_train(run)
     metrics = validation_metrics(_gather_dp(records), cfg.rollout.val_n, cfg.trainer.val_pass_score)
     run.tracker.log_table(table, f"validation/step_{step:06d}.json")
     return metrics

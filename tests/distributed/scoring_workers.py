@@ -146,12 +146,14 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
     from megarl.models.dims import ModelDims
     from megarl.run.epochs import EpochBatches
     from megarl.run.startup import Startup, layout_for
-    from megarl.trainer.assembly import PolicyData, PolicyRun, Rollout, role_sections
+    from megarl.trainer.assembly import PolicyRun, role_sections
+    from megarl.trainer.colocated_source import ColocatedSource, PolicyData
     from megarl.trainer.experience import RewardSources
     from megarl.trainer.model_ops import MicroBatching
     from megarl.trainer.roles import build_roles
     from megarl.trainer.rollout import step_batch
     from megarl.trainer.rollout_offload import build_actor_memory, build_role_offload
+    from megarl.trainer.trajectory_makers import OneReply
     from tests.policy_terms import algorithm_spec
 
     cfg = load_config(
@@ -187,26 +189,27 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
     )
     engine = HybridEngine(model_dir, layout, roles.dims, ddp, rollout=fake)
     sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_response_length, n=cfg.rollout.n)
-    rollout = Rollout(
-        engine,
-        sampling,
-        sampling,
-        build_actor_memory(roles, cfg.actor.param_offload),
-        build_role_offload(roles, cfg.ref.param_offload, cfg.critic.param_offload),
-    )
     items = [
         PromptItem(
             uid=i, input_ids=tokenizer(t)["input_ids"], prompt=t, data_source="toy", ground_truth=""
         )
         for i, t in enumerate(["hello there", "count to ten", "a b c", "why?"])
     ]
+    rollout = ColocatedSource(
+        engine,
+        OneReply(),
+        PolicyData(None, None, EpochBatches([items], "no prompts")),  # type: ignore[arg-type]
+        sampling,
+        sampling,
+        build_actor_memory(roles, cfg.actor.param_offload),
+        build_role_offload(roles, cfg.ref.param_offload, cfg.critic.param_offload),
+    )
     run = PolicyRun(
         cfg=cfg,
         startup=startup,
         spec=spec,
         roles=roles,
         rollout=rollout,
-        data=PolicyData(None, None, EpochBatches([items], "no prompts")),  # type: ignore[arg-type]
         rewards=RewardSources.from_config(
             cfg.reward, None, cfg.rollout.max_response_length, "float32"
         ),

@@ -106,11 +106,6 @@ _ROLLOUT_KEYS = (
 )
 
 
-class _NoData:
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-
 def _replica() -> int:
     """This rank's place in its model-parallel group (0 in one process): what the remote service
     and the judge answer depends on it, so a replica that asked for itself would report other
@@ -232,7 +227,7 @@ def _rollout_worker(rank: int, world_size: int) -> dict[str, float]:
     parallel.initialize_model_parallel(parallel.ParallelLayout.for_world(world_size, tp=2))
     try:
         batch = _step_batch(_SHARES[parallel.dp_rank()])
-        return reduce_metrics(rollout_metrics(batch, _NoData()))
+        return reduce_metrics(rollout_metrics(batch, {}))
     finally:
         parallel.destroy_model_parallel()
 
@@ -247,7 +242,7 @@ def test_rollout_statistics_at_tp2_dp2_are_those_of_one_process():
 
     results = run_gloo(_rollout_worker, 4, timeout=180)
     assert all(r == results[0] for r in results)
-    one = rollout_metrics(_step_batch(_SHARES[0] + _SHARES[1]), _NoData())  # no process group
+    one = rollout_metrics(_step_batch(_SHARES[0] + _SHARES[1]), {})  # no process group
     assert one["reward/samples"].value == 10.0 and one["reward/c/count"].value == 4.0
     # counts that DP2 would halve, if averaged over ranks
     assert one["reward/remote_failures"].value == 4 and one["reward/remote_timeouts"].value == 1

@@ -24,6 +24,7 @@ from megarl.config import (
     RewardConfig,
     RolloutConfig,
     RunConfig,
+    TrainerConfig,
     rollout_dtype,
 )
 from megarl.config.derived import routing_recorded
@@ -74,7 +75,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PolicyRun:
-    cfg: RunConfig
+    """The run's parts; the loop (megarl.trainer.loop.train) holds the run config itself."""
+
+    trainer: TrainerConfig  # checkpoints (folder, retention), nan_policy, val_pass_score
+    model_path: str  # the policy's folder, which its checkpoints name
+    mini_batch_rows: int  # rows of a mini-batch on this rank (its prompts' share x rollout.n)
     startup: Startup  # layout, rank, tokenizer
     spec: AlgorithmSpec
     roles: Roles
@@ -88,8 +93,7 @@ class PolicyRun:
     def mini_batches(self, size: int) -> list[list[int]]:
         """Rows of each mini-batch of a rollout of ``size`` rows on this rank: whole prompt
         groups, in rollout order."""
-        per_rank_prompts = self.cfg.actor.ppo_mini_batch_size // self.startup.layout.dp
-        rows = per_rank_prompts * self.cfg.rollout.n
+        rows = self.mini_batch_rows
         return [list(range(s, min(s + rows, size))) for s in range(0, size, rows)]
 
     def save_checkpoint(self, step: int, history: list[dict[str, float]]) -> Path:
@@ -98,8 +102,8 @@ class PolicyRun:
         # the rollout's state: its data position, rollout count and (async) the batch in flight
         rollout = self.rollout.checkpoint_state()
         return save(
-            self.cfg.trainer,
-            self.cfg.model.path,
+            self.trainer,
+            self.model_path,
             step,
             self.roles,
             data=rollout.data,
@@ -388,6 +392,12 @@ def spec_roles(spec: AlgorithmSpec, actor: ActorConfig, reward: RewardConfig) ->
     return roles
 
 
+def mini_batch_rows(actor: ActorConfig, rollout: RolloutConfig, dp: int) -> int:
+    """Rows of one mini-batch on a DP rank: its share of ``actor.ppo_mini_batch_size`` prompts,
+    ``rollout.n`` samples each."""
+    return actor.ppo_mini_batch_size // dp * rollout.n
+
+
 def role_sections(cfg: RunConfig) -> RoleSections:
     """The sections the models of ``cfg`` are built from."""
     return RoleSections(
@@ -432,7 +442,9 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     restore(resumed, kl_ctrl, rollout)
     announce_steps(resumed.step, cfg.trainer.total_steps)
     return PolicyRun(
-        cfg=cfg,
+        trainer=cfg.trainer,
+        model_path=cfg.model.path,
+        mini_batch_rows=mini_batch_rows(cfg.actor, cfg.rollout, startup.layout.dp),
         startup=startup,
         spec=spec,
         roles=roles,

@@ -26,15 +26,17 @@ from megarl.trainer.tensor_keys import OLD_LOG_PROB
 from megarl.trainer.validation import validation_rollout
 
 
-def update_models(run: PolicyRun, samples: Samples) -> StepMetrics:
-    """Actor (and critic) PPO updates over the mini-batches; their last step's metrics and their
-    timings. When the actor's update gives the old logprobs, also the rollout mismatch measured
-    on them."""
-    cfg, roles = run.cfg, run.roles
+def update_models(
+    run: PolicyRun, samples: Samples, actor_epochs: int, critic_epochs: int
+) -> StepMetrics:
+    """Actor (and critic) PPO updates over the mini-batches, ``actor.ppo_epochs`` and
+    ``critic.ppo_epochs`` times; their last step's metrics and their timings. When the actor's
+    update gives the old logprobs, also the rollout mismatch measured on them."""
+    roles = run.roles
     from_update = run.spec.old_log_prob_from_update
-    parts = [("actor", roles.actor, run.spec.actor_loss, cfg.actor.ppo_epochs)]
+    parts = [("actor", roles.actor, run.spec.actor_loss, actor_epochs)]
     if roles.critic is not None:
-        parts.append(("critic", roles.critic, run.spec.critic_loss, cfg.critic.ppo_epochs))
+        parts.append(("critic", roles.critic, run.spec.critic_loss, critic_epochs))
     out: StepMetrics = {}
     for role, trainable, loss, epochs in parts:
         with timed(f"update_{role}") as took:
@@ -47,7 +49,7 @@ def update_models(run: PolicyRun, samples: Samples) -> StepMetrics:
                 run.batching,
                 loss,
                 run.spec.token_level,
-                cfg.trainer.nan_policy == "skip",
+                run.trainer.nan_policy == "skip",
                 keep=OLD_LOG_PROB if from_update and role == "actor" else None,
                 extremes=run.spec.update_reductions,
             )
@@ -69,14 +71,14 @@ def train(cfg: RunConfig) -> dict[str, float]:
     history, last = list(run.resumed.history), {}
     tracker.begin()
     if cfg.trainer.val_before_train and first == 0:
-        tracker.log_metrics(validation_rollout(run, 0), 0)
+        tracker.log_metrics(validation_rollout(run, 0, cfg.rollout.val_n), 0)
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
     for step in profiler.iterate(range(first, cfg.trainer.total_steps)):
         guards.begin_step(step)
         t_step = time.perf_counter()
         # Each phase returns its metrics; the step's are theirs merged here, in phase order.
         # the rollout source's next batch -> rewards (DAPO's filter around it) -> score
-        batch, m = step_batch(run)
+        batch, m = step_batch(run, cfg.algorithm, cfg.data.train_batch_size)
         if cfg.actor.balance_dp_tokens:
             batch.samples, batch.scores, balance = balance_over_data_parallel(
                 batch.samples, batch.scores, run.startup.pad_id
@@ -89,7 +91,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                     compute_experience(run.spec, run.roles, samples, run.kl_ctrl, run.batching)
                 )
             m.update(took.metrics())
-            m.update(update_models(run, samples))
+            m.update(update_models(run, samples, cfg.actor.ppo_epochs, cfg.critic.ppo_epochs))
             run.rollout.publish_weights()
             m.update(routing_metrics(run.roles))
             if cfg.trainer.dump_rollouts:
@@ -104,7 +106,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         m.update(declare(memory_metrics(), MEMORY_REDUCTIONS))
         last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
         if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
-            tracker.log_metrics(validation_rollout(run, step + 1), step + 1)
+            tracker.log_metrics(validation_rollout(run, step + 1, cfg.rollout.val_n), step + 1)
         # a stop signal on any rank (SIGTERM, SIGUSR1, Ctrl-C): checkpoint, then end the run
         if guards.end_step(
             step, save_due(cfg.trainer, step + 1), lambda s: run.save_checkpoint(s, history)

@@ -18,6 +18,7 @@ Timings: ``timing/rollout_s`` (the transitions and generation), ``timing/reward_
 
 from __future__ import annotations
 
+from megarl.config import AlgorithmConfig
 from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare
 from megarl.run.steps import timed
@@ -61,13 +62,12 @@ def score(run: PolicyRun, batch: StepBatch) -> StepMetrics:
     return declare(mismatch, LOGPROB_MISMATCH_REDUCTIONS) | took.metrics()
 
 
-def step_batch(run: PolicyRun) -> tuple[StepBatch, StepMetrics]:
+def step_batch(run: PolicyRun, a: AlgorithmConfig, target: int) -> tuple[StepBatch, StepMetrics]:
     """This rank's batch of the step: drawn (the source's next batch, rewarded; filtered by
-    dynamic sampling when ``algorithm.filter_groups``), then scored by the actor; the phases'
+    dynamic sampling when ``algorithm.filter_groups``, to ``target`` groups: the step's,
+    ``data.train_batch_size`` over every DP rank), then scored by the actor; the phases'
     timings, memory moves, dynamic-sampling counts and the rollout mismatch."""
-    a = run.cfg.algorithm
     if a.filter_groups:
-        target = run.cfg.data.train_batch_size  # the step's groups, over every DP rank
         decided = run.rollout.draws_decided  # async: the rollout group draws again when told to
         batch, metrics = filter_groups(lambda: draw(run), a, target, run.startup.pad_id, decided)
     else:

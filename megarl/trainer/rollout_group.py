@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.config import RunConfig, model_dtype, rollout_dtype
+from megarl.config import DataConfig, RunConfig, model_dtype, rollout_dtype
 from megarl.config import validate as validate_config
 from megarl.data import PromptItem
 from megarl.data.chat import pad_token_id
@@ -93,6 +93,7 @@ from megarl.trainer.assembly import (
     turn_limits,
 )
 from megarl.trainer.rollout_group_parts import (
+    GroupSettings,
     Prompts,
     split_by_rank,
     split_trajectories,
@@ -115,7 +116,7 @@ class Stopped(Exception):
 class RolloutGroup:
     """One rollout rank's state and what it does."""
 
-    cfg: RunConfig
+    settings: GroupSettings
     rank: int  # in the rollout world
     size: int
     engine: RolloutEngine  # vLLM or HF, over this rank's inference-TP group
@@ -216,9 +217,7 @@ class RolloutGroup:
         push is in)."""
         count, closed = self.inbox.state()
         agreed, all_closed = self._agree([float(count), 1.0 if closed else 0.0])
-        dtype = dtype_from_name(
-            rollout_dtype(self.cfg.model, self.cfg.rollout, platform.device().type == "cuda")
-        )
+        dtype = self.settings.weights_dtype
         while self._received < int(agreed):
             waiting = self.staged.get(self.staged.version())
             if waiting is not None and waiting.pinned:
@@ -232,7 +231,7 @@ class RolloutGroup:
                 ),
                 version,
             )
-            due = validation_due(self.cfg.data, self.cfg.trainer, version, self.first)
+            due = validation_due(self.settings.data, self.settings.trainer, version, self.first)
             self.staged.put(Staged(version, buckets, stats, pinned=due))
             self._received += 1
         return bool(all_closed)
@@ -267,7 +266,7 @@ class RolloutGroup:
         self._add_time("load_s", time.perf_counter() - t0)
         self._add_time("sync_recv_s", staged.stats.seconds)
         if (
-            validation_due(self.cfg.data, self.cfg.trainer, self.loaded, self.first)
+            validation_due(self.settings.data, self.settings.trainer, self.loaded, self.first)
             and self.loaded not in self.validated
         ):
             self.validated.add(self.loaded)
@@ -312,7 +311,7 @@ class RolloutGroup:
         engine, lo, hi = self._engine_slice(len(prompts))
         rollout = self.rollouts
         self.rollouts += 1
-        chunk = self.cfg.rollout.partial_chunk_tokens if between is not None else None
+        chunk = self.settings.rollout.partial_chunk_tokens if between is not None else None
         out = generate_versioned(
             self.engine, prompts[lo:hi], sampling, rollout, lo, self.loaded, chunk, between
         )
@@ -360,7 +359,7 @@ class RolloutGroup:
             return None
         assert items is not None
         step, seconds = merge_engine_trajectories(results)
-        check_env_failures(step, self.cfg.rollout.max_env_failures)
+        check_env_failures(step, self.settings.rollout.max_env_failures)
         self._rollout_metrics = trajectory_metrics(step, seconds)
         return split_trajectories(step, items, n, self.loaded)
 
@@ -386,7 +385,7 @@ class RolloutGroup:
     def extra_draws(self, step: int) -> None:
         """With ``algorithm.filter_groups``: after each draw of batch ``step``, the trainers'
         verdict; another draw (the next prompts) while they want more."""
-        if not self.cfg.algorithm.filter_groups:
+        if not self.settings.filter_groups:
             return
         draw = 0
         while self._verdict(step, draw):
@@ -408,10 +407,10 @@ class RolloutGroup:
     def _draw(self, step: int, draw: int) -> None:
         """Draw ``draw`` of batch ``step`` generated (the next prompts) and sent."""
         self._times = {}
-        self.load(max(self.first, step - self.cfg.rollout.max_staleness), wait=True)
+        self.load(max(self.first, step - self.settings.rollout.max_staleness), wait=True)
         items = self.prompts.next() if self.leader and self.prompts else None
         between = None
-        if self.cfg.rollout.partial:
+        if self.settings.rollout.partial:
 
             def between(active: bool) -> int:
                 return self.load(0, wait=False)
@@ -450,7 +449,7 @@ class RolloutGroup:
         try:
             if start.next_batch > start.step:  # the checkpoint held the first draw of its batch
                 self.extra_draws(start.step)
-            for step in range(start.next_batch, self.cfg.trainer.total_steps):
+            for step in range(start.next_batch, self.settings.trainer.total_steps):
                 self.train_batch(step)
             while True:  # validation versions may still come; the trainers end with Stop
                 self.load(self.loaded + 1, wait=True)
@@ -498,11 +497,26 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     if rank == 0:
         prompts = Prompts.build(cfg.data, cfg.reward, tokenizer, trainers.dp)
     sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
+    settings = GroupSettings(
+        cfg.rollout,
+        cfg.data,
+        cfg.trainer,
+        cfg.algorithm.filter_groups,
+        dtype_from_name(rollout_dtype(cfg.model, cfg.rollout, cuda)),
+    )
     group = RolloutGroup(
-        cfg, rank, split.rollout_ranks, engine, links, receiver, sampling, val_sampling, prompts
+        settings,
+        rank,
+        split.rollout_ranks,
+        engine,
+        links,
+        receiver,
+        sampling,
+        val_sampling,
+        prompts,
     )
     if cfg.rollout.env is not None:
-        multi_turn(group, tokenizer)
+        multi_turn(group, cfg.model.path, cfg.data, cfg.trainer.seed, tokenizer)
     threads = [threading.Thread(target=group.receive_loop, name="megarl-control", daemon=True)]
     if group.leader:
         threads.append(threading.Thread(target=group.send_loop, name="megarl-send", daemon=True))
@@ -523,17 +537,22 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     return {}
 
 
-def multi_turn(group: RolloutGroup, tokenizer: PreTrainedTokenizerBase) -> None:
+def multi_turn(
+    group: RolloutGroup,
+    model_path: str,
+    data: DataConfig,
+    run_seed: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
     """``rollout.env``: the turn limits, an environment runner on each engine's first rank and a
-    group over each engine's ranks to share its results (made by every rollout rank)."""
+    group over each engine's ranks to share its results (made by every rollout rank;
+    ``run_seed``: trainer.seed)."""
 
-    cfg, itp = group.cfg, group.engine.infer_tp
-    group.turns = turn_limits(cfg.rollout)
+    rollout, itp = group.settings.rollout, group.engine.infer_tp
+    group.turns = turn_limits(rollout)
     group.pad_id = pad_token_id(tokenizer) or 0
     if group.rank % itp == 0:
-        group.env_runner = build_env_runner(
-            cfg.rollout, cfg.model.path, cfg.data, cfg.trainer.seed, tokenizer
-        )
+        group.env_runner = build_env_runner(rollout, model_path, data, run_seed, tokenizer)
     group.engine_group = engine_group(group.size, itp, group.rank)  # this role's own world
 
 

@@ -1,14 +1,16 @@
 """The pure pieces of the asynchronous rollout group (:mod:`megarl.trainer.rollout_group`): when
 a weight version is validated, the merged rollout cut back into every trainer data-parallel rank's
 part (the split over engines and back is the colocated engine's:
-:mod:`megarl.hybrid_engine.rollout_split`), and the leader's prompts."""
+:mod:`megarl.hybrid_engine.rollout_split`), the leader's prompts, and the group's settings."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megarl.config import DataConfig, RewardConfig, TrainerConfig
+import torch
+
+from megarl.config import DataConfig, RewardConfig, RolloutConfig, TrainerConfig
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
@@ -17,6 +19,17 @@ from megarl.hybrid_engine.rollout_split import prompt_share, rank_bounds, rank_o
 from megarl.hybrid_engine.versioned import VersionedOutput
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """What the rollout group reads of the run's config: its sections, not the whole config."""
+
+    rollout: RolloutConfig  # staleness, partial rounds, environment failures
+    data: DataConfig  # whether there is a validation set (validation_due)
+    trainer: TrainerConfig  # total steps, when the trainers validate
+    filter_groups: bool  # algorithm.filter_groups: the trainers judge every draw
+    weights_dtype: torch.dtype  # the rollout's dtype, which received weights are staged in
 
 
 def validation_due(data: DataConfig, t: TrainerConfig, version: int, first: int) -> bool:

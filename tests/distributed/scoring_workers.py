@@ -146,7 +146,7 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
     from megarl.models.dims import ModelDims
     from megarl.run.epochs import EpochBatches
     from megarl.run.startup import Startup, layout_for
-    from megarl.trainer.assembly import PolicyRun, role_sections
+    from megarl.trainer.assembly import PolicyRun, mini_batch_rows, role_sections
     from megarl.trainer.colocated_source import ColocatedSource, PolicyData
     from megarl.trainer.experience import RewardSources
     from megarl.trainer.model_ops import MicroBatching
@@ -205,7 +205,9 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         build_role_offload(roles, cfg.ref.param_offload, cfg.critic.param_offload),
     )
     run = PolicyRun(
-        cfg=cfg,
+        trainer=cfg.trainer,
+        model_path=model_dir,
+        mini_batch_rows=mini_batch_rows(cfg.actor, cfg.rollout, layout.dp),
         startup=startup,
         spec=spec,
         roles=roles,
@@ -220,7 +222,7 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         tracker=None,  # type: ignore[arg-type]
         resumed=None,  # type: ignore[arg-type]
     )
-    batch, m = step_batch(run)
+    batch, m = step_batch(run, cfg.algorithm, cfg.data.train_batch_size)
     old = batch.samples.tensors["old_log_prob"][batch.samples.response_mask.bool()]
     return {
         "events": events,

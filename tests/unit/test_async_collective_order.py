@@ -29,6 +29,7 @@ from megarl.hybrid_engine.weight_sync import WeightReceiver, WeightSender
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.trainer.rollout_group import RolloutGroup, Stopped
+from tests.async_settings import group_settings
 
 ROLLOUT_RANKS, STEPS, STALENESS = 2, 5, 1
 TIMEOUT = 20.0  # seconds a rendezvous waits for its members before the test fails
@@ -157,7 +158,7 @@ def _run(seed: int) -> tuple[Log, list[RolloutGroup], list[BaseException]]:
     for rank in range(ROLLOUT_RANKS):
         bridges = {src: RecordingBridge(weights[src], log, rank) for src in sources}
         group = RolloutGroup(
-            cfg,
+            group_settings(cfg),
             rank,
             ROLLOUT_RANKS,
             RecordingEngine(tp, log, rank),

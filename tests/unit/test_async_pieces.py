@@ -29,6 +29,7 @@ from megarl.trainer.rollout_group_parts import (
     validation_due,
 )
 from megarl.world_split import ROLLOUT, TRAINER, WorldSplit
+from tests.async_settings import group_settings
 
 STOP = 99
 
@@ -275,7 +276,15 @@ def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
     base = ["model.path=/m", "data.train_files=[a]", "algorithm.filter_groups=true"]
     sampling = SamplingConfig(n=1, max_new_tokens=4)
     group = RolloutGroup(
-        load_config(overrides=base), 0, 1, None, None, None, sampling, sampling, None
+        group_settings(load_config(overrides=base)),
+        0,
+        1,
+        None,
+        None,
+        None,
+        sampling,
+        sampling,
+        None,
     )
     drawn: list[tuple[int, int]] = []
     group._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
@@ -290,7 +299,15 @@ def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
     with pytest.raises(Stopped):
         group.extra_draws(5)
     off = RolloutGroup(
-        load_config(overrides=base[:2]), 0, 1, None, None, None, sampling, sampling, None
+        group_settings(load_config(overrides=base[:2])),
+        0,
+        1,
+        None,
+        None,
+        None,
+        sampling,
+        sampling,
+        None,
     )
     off._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
     off.train_batch(6)  # no dynamic sampling: one draw, no verdict awaited

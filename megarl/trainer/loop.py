@@ -1,4 +1,10 @@
-"""The PPO/GRPO training loop. Every rank runs it (SPMD); see docs/architecture.md for the data flow."""
+"""The PPO/GRPO training loop. Every rank runs it (SPMD); see docs/architecture.md for the data flow.
+
+The loop holds the run config and hands each phase its sections; it reaches the rollout only
+through ``run.rollout``, a :class:`~megarl.trainer.rollout_source.RolloutSource` (colocated or
+asynchronous): the step's batch (:func:`~megarl.trainer.rollout.step_batch`), the weights
+published after the update, its data's counters, validation and its checkpoint state.
+"""
 
 from __future__ import annotations
 

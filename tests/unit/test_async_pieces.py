@@ -270,22 +270,18 @@ def test_trajectories_split_by_trainer_rank_keep_masks_and_round_trip():
     assert again.parts[0][0].trajectories[1].env_reward == 1.5
 
 
+def bare_group(overrides: list[str], sampling: SamplingConfig) -> RolloutGroup:
+    """A rollout rank of ``overrides``' run with no engine, links or prompts."""
+    settings = group_settings(load_config(overrides=overrides))
+    return RolloutGroup(settings, 0, 1, None, None, None, sampling, sampling, None)  # type: ignore[arg-type]
+
+
 def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
     """The rollout group draws again for batch ``s`` while the trainers ask for more, then moves
     on; a verdict on another draw than the last one sent, or the trainers stopping, ends it."""
     base = ["model.path=/m", "data.train_files=[a]", "algorithm.filter_groups=true"]
     sampling = SamplingConfig(n=1, max_new_tokens=4)
-    group = RolloutGroup(
-        group_settings(load_config(overrides=base)),
-        0,
-        1,
-        None,
-        None,
-        None,
-        sampling,
-        sampling,
-        None,
-    )
+    group = bare_group(base, sampling)
     drawn: list[tuple[int, int]] = []
     group._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
     for draw, more in ((0, True), (1, True), (2, False)):
@@ -298,17 +294,7 @@ def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
     group._verdicts.put(None)  # the trainers stopped
     with pytest.raises(Stopped):
         group.extra_draws(5)
-    off = RolloutGroup(
-        group_settings(load_config(overrides=base[:2])),
-        0,
-        1,
-        None,
-        None,
-        None,
-        sampling,
-        sampling,
-        None,
-    )
+    off = bare_group(base[:2], sampling)
     off._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
     off.train_batch(6)  # no dynamic sampling: one draw, no verdict awaited
     assert drawn[-1] == (6, 0) and off._verdicts.empty()

@@ -21,7 +21,7 @@ from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_see
 from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
 from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.run.trainer_state import check_plain
-from megarl.trainer.remote_rollout import staleness_metrics
+from megarl.trainer.remote_rollout import RemoteRollout, staleness_metrics
 from megarl.trainer.rollout_group import RolloutGroup, Stopped
 from megarl.trainer.rollout_group_parts import (
     split_by_rank,
@@ -298,3 +298,17 @@ def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
     off._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
     off.train_batch(6)  # no dynamic sampling: one draw, no verdict awaited
     assert drawn[-1] == (6, 0) and off._verdicts.empty()
+
+
+def test_publishing_pushes_the_new_weights_while_a_batch_is_left_to_generate():
+    """After an optimizer step the trainers broadcast the weights at once (the asynchronous
+    source's publish_weights), except after the last step: the rollout group takes no weights
+    once its last batch is out."""
+    remote = RemoteRollout.__new__(RemoteRollout)  # no links: only the version bookkeeping
+    remote.first, remote.delivered, remote._untrained, remote.total_steps = 1, 1, 0, 3
+    pushed: list[int] = []
+    remote.push = lambda: pushed.append(remote.version)  # type: ignore[method-assign]
+    remote.publish()  # version 2 of 3
+    remote.delivered = 2
+    remote.publish()  # version 3: the run's last step was taken
+    assert pushed == [2]

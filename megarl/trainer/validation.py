@@ -84,10 +84,10 @@ def _gather_dp(records: list[ValRecord]) -> list[ValRecord]:
     return [r for part in parts for r in part]
 
 
-def validation_rollout(run: PolicyRun, step: int, k: int) -> dict[str, float]:
-    """One pass over the validation set, ``k`` samples a prompt (``rollout.val_n``); its metrics
-    (the same on every rank; collective) and, on rank 0, a table of generations logged as
-    ``validation/step_<step>.json``."""
+def validation_rollout(run: PolicyRun, step: int, samples_per_prompt: int) -> dict[str, float]:
+    """One pass over the validation set, ``samples_per_prompt`` a prompt (``rollout.val_n``); its
+    metrics (the same on every rank; collective) and, on rank 0, a table of generations logged
+    as ``validation/step_<step>.json``."""
     if not run.rollout.has_validation:
         return {}
     s = run.startup
@@ -127,6 +127,8 @@ def validation_rollout(run: PolicyRun, step: int, k: int) -> dict[str, float]:
                     row["turns"] = t.turns
                     row["finish"] = t.finish or ""
                 table.append(row)
-    metrics = validation_metrics(_gather_dp(records), k, run.trainer.val_pass_score)
+    metrics = validation_metrics(
+        _gather_dp(records), samples_per_prompt, run.trainer.val_pass_score
+    )
     run.tracker.log_table(table, f"validation/step_{step:06d}.json")
     return metrics

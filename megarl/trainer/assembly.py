@@ -263,7 +263,7 @@ def colocated_rollout(
     sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
     return ColocatedSource(
         engine,
-        trajectory_maker(r, cfg.model.path, cfg.data, cfg.trainer.seed, startup, engine, sampling),
+        trajectory_maker(r, cfg.model.path, cfg.data, cfg.trainer, startup, engine, sampling),
         data,
         sampling,
         val_sampling,
@@ -276,21 +276,28 @@ def trajectory_maker(
     r: RolloutConfig,
     model_path: str,
     data: DataConfig,
-    run_seed: int,
+    trainer: TrainerConfig,
     startup: Startup,
     engine: HybridEngine,
     sampling: SamplingConfig,
 ) -> TrajectoryMaker:
-    """How the colocated engine makes samples: an agent's runs (``rollout.agent``), an
-    environment's turns (``rollout.env``; its runner on the ranks that run environments), or one
-    reply each (``run_seed``: trainer.seed)."""
+    """How the colocated engine makes samples: an agent's runs (``rollout.agent``; a step's
+    agents end within a share of ``trainer.hang_timeout_s``), an environment's turns
+    (``rollout.env``, seeded from ``trainer.seed``; its runner on the ranks that run
+    environments), or one reply each."""
     if r.agent is not None:
-        max_prompt = data.max_prompt_length
-        agent = agent_source(r, max_prompt, startup.tokenizer, sampling, startup.pad_id)
+        agent = agent_source(
+            r,
+            data.max_prompt_length,
+            startup.tokenizer,
+            sampling,
+            startup.pad_id,
+            trainer.hang_timeout_s,
+        )
         return AgentRuns(agent, r.max_env_failures)
     if r.env is not None:
         runner = (
-            build_env_runner(r, model_path, data, run_seed, startup.tokenizer)
+            build_env_runner(r, model_path, data, trainer.seed, startup.tokenizer)
             if engine.runs_environments
             else None
         )

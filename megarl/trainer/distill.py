@@ -63,12 +63,13 @@ def distill_experience(
     mode, add the reverse-KL advantage per token to ``samples.tensors.advantages``."""
     t, mask = samples.tensors, samples.response_mask
     vocab = teacher.dims.vocab_size
-    t.teacher_log_prob = teacher_log_prob = forward_response_tensor(
+    teacher_log_prob = forward_response_tensor(
         teacher.model,
         samples,
         lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
         batching,
     )
+    t.teacher_log_prob = teacher_log_prob
     d = teacher.settings
     metrics: StepMetrics = {
         "distill/teacher_log_prob": mean(masked_mean(teacher_log_prob, mask)),

@@ -52,7 +52,7 @@ def host_rows(samples: Samples, scores: torch.Tensor) -> list[HostRow]:
             "prompt_len": lens[i] - resp[i],
             "mask": mask[i, : resp[i]].tolist(),  # environment tokens of a trajectory are 0
             "group": samples.group_ids[i],
-            "tensors": tensors.select(torch.tensor([i]), max(1, resp[i])),
+            "tensors": tensors.select(torch.tensor([i], device="cpu"), max(1, resp[i])),
             "score": host_scores[i],
             "routes": None if samples.routes is None else samples.routes[i, : lens[i]],
         }

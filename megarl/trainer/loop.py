@@ -28,7 +28,6 @@ from megarl.trainer.rollout import step_batch
 from megarl.trainer.rollout_dump import dump_rollout
 from megarl.trainer.routing_metrics import routing_metrics
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
-from megarl.trainer.tensor_keys import OLD_LOG_PROB
 from megarl.trainer.validation import validation_rollout
 
 
@@ -56,7 +55,7 @@ def update_models(
                 loss,
                 run.spec.token_level,
                 run.trainer.nan_policy == "skip",
-                keep=OLD_LOG_PROB if from_update and role == "actor" else None,
+                keep="old_log_prob" if from_update and role == "actor" else None,
                 extremes=run.spec.update_reductions,
             )
         out.update(took.metrics())

@@ -15,9 +15,15 @@ travel with the samples through the data-parallel re-deal and the token-budget m
 to the routers of every rank (EP2): every recorded token of every layer is computed on the
 rollout's experts (``moe/routing_agreement`` 1 each step), and the trainer's own routers, which
 read the same fp32 weights, would have chosen them too (``moe/router_agreement``, measured 1.0).
+The samples are two-turn trajectories of the multi-turn e2e runs' environment
+(``tests/e2e/relay_env.py``): each turn's engine call records its tokens' experts, the
+environment's follow-up among them (routed by the next turn's prefill), and the trajectory
+carries them (``moe/recorded_token_layers`` counts them all).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +48,10 @@ def test_grpo_qwen3_moe_ep2_with_hf_rollout(workdir):  # noqa: F811
             # ranks agree on one (megarl.trainer.ep_micro_batches), or the all-to-alls hang
             "actor.max_tokens_per_micro_batch=1400",
             "actor.router_replay=true",
+            f"rollout.env={Path(__file__).parent / 'relay_env.py'}:Relay",
+            # two 12-token turns around the environment's follow-up (38 tokens)
+            "rollout.max_response_length=72",
+            "rollout.max_turn_tokens=12",
             nproc=4,
         )
     )
@@ -57,3 +67,4 @@ def test_grpo_qwen3_moe_ep2_with_hf_rollout(workdir):  # noqa: F811
         assert r["moe/routing_agreement"] == 1.0, r
         assert r["moe/router_agreement"] > 0.99, r
         assert r["moe/recorded_token_layers"] > 0, r
+        assert r["rollout/turns_mean"] > 1 and r["rollout/env_tokens_mean"] > 0, r

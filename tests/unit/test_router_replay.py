@@ -127,6 +127,9 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
         _check_moe_options(cfg.model, cfg.rollout, cfg.actor, dims)
 
     check(moe, "rollout.backend=hf")
+    # multi-turn and agent trajectories carry their routing (test_router_replay_trajectories.py)
+    check(moe, "rollout.backend=hf", "rollout.env=tests/e2e/relay_env.py:Relay")
+    check(moe, "rollout.backend=hf", "rollout.agent=agent.py:solve")
     for dims, overrides, message in (
         (dense, ("rollout.backend=hf",), "dense"),
         (
@@ -140,7 +143,6 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
             "rollout group",
         ),
         (moe, ("rollout.backend=hf", "actor.share_prompts=true"), "shared-prompt"),
-        (moe, ("rollout.backend=hf", "rollout.agent=agent.py:solve"), "agent's trajectories"),
     ):
         with pytest.raises(ConfigError, match=message):
             check(dims, *overrides)

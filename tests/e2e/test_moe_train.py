@@ -68,3 +68,6 @@ def test_grpo_qwen3_moe_ep2_with_hf_rollout(workdir):  # noqa: F811
         assert r["moe/router_agreement"] > 0.99, r
         assert r["moe/recorded_token_layers"] > 0, r
         assert r["rollout/turns_mean"] > 1 and r["rollout/env_tokens_mean"] > 0, r
+        # the mismatch split by routing: the trainer's routers chose the rollout's experts
+        assert r["rollout/moe_logprob_diff_mean_agreed"] < 1e-4, r
+        assert r["rollout/moe_flipped_tokens"] < 0.01, r

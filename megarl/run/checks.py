@@ -331,9 +331,9 @@ def _check_router_replay(
             "Triton's CPU backend); set rollout.backend=hf (transformers records its routers' choices)",
         ),
         (
-            r.mode != "colocated",
-            f"rollout.mode={r.mode}: the rollout group does not send its routing yet; set "
-            "rollout.mode=colocated",
+            r.partial,
+            "rollout.partial: a response continued across weight updates does not carry its "
+            "routing yet; set rollout.partial=false",
         ),
         (
             actor.share_prompts,

@@ -141,6 +141,7 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
     # multi-turn and agent trajectories carry their routing (test_router_replay_trajectories.py)
     check(moe, "rollout.backend=hf", "rollout.env=tests/e2e/relay_env.py:Relay")
     check(moe, "rollout.backend=hf", "rollout.agent=agent.py:solve")
+    check(moe, "rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1")
     for dims, overrides, message in (
         (dense, ("rollout.backend=hf",), "dense"),
         (
@@ -150,8 +151,13 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
         ),
         (
             moe,
-            ("rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"),
-            "rollout group",
+            (
+                "rollout.backend=hf",
+                "rollout.mode=async",
+                "parallel.rollout_ranks=1",
+                "rollout.partial=true",
+            ),
+            "rollout.partial: a response continued across weight updates",
         ),
         (moe, ("rollout.backend=hf", "actor.share_prompts=true"), "shared-prompt"),
     ):

@@ -13,10 +13,6 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megarl.agents.loading import Agent
-from megarl.agents.runner import AgentLimits
-from megarl.agents.trajectories import AgentSource
-from megarl.agents.turns import TurnSettings
 from megarl.envs import ChatDeltas, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, merged_routes, step_routes
@@ -27,6 +23,7 @@ from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.hybrid_engine.trajectory_source import EngineJob
 from tests.assets import tiny_char_qwen3_moe_dir
 from tests.distributed.router_replay_workers import natural_routes
+from tests.unit.test_agent_trajectories import agent_source
 
 pytestmark = pytest.mark.unit
 
@@ -125,15 +122,7 @@ def chatting_agent(row: dict, base_url: str, model: str) -> float:
 def test_an_agents_trained_segment_carries_its_engine_calls_routing(engine):
     tok = AutoTokenizer.from_pretrained(tiny_char_qwen3_moe_dir())
     sampling = SamplingConfig(temperature=1.0, n=1, seed=5, max_new_tokens=6)
-    settings = TurnSettings(model="policy", seed=5, max_turn_tokens=6, max_context_tokens=400)
-    source = AgentSource(
-        Agent(chatting_agent, "chatting_agent", False),
-        tok,
-        settings,
-        AgentLimits(concurrency=2, timeout_s=120),
-        sampling,
-        0,
-    )
+    source = agent_source(chatting_agent, tok, sampling, max_context_tokens=400, timeout_s=120)
     starts = [SampleStart(sample=s, row={"k": s}, fallback_prompt=[1]) for s in (0, 1)]
     part = source.run(EngineJob(engine, starts, 0, leader=True, share=lambda v: v))
     assert part is not None

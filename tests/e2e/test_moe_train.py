@@ -92,6 +92,9 @@ def test_router_replay_through_the_asynchronous_rollout_group(workdir):  # noqa:
             "parallel.rollout_ranks=1",
             "trainer.total_steps=2",
             "actor.router_replay=true",
+            # the old logprobs (and the mismatch split) from the separate scoring pass; the
+            # colocated run above takes them from the update's forward
+            "actor.old_log_prob_forward=always",
             nproc=3,
         )
     )

@@ -82,9 +82,9 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     device = next(model.parameters()).device
     samples = Samples.from_sequences(prompts, responses, list(range(args.samples)), 0, device)
     shape = samples.response_mask.shape
-    samples.tensors["advantages"] = torch.randn(shape, generator=gen).to(device)
-    samples.tensors["old_log_prob"] = (-torch.rand(shape, generator=gen) * 8).to(device)
-    samples.tensors["ref_log_prob"] = samples.tensors["old_log_prob"].clone()
+    samples.tensors.advantages = torch.randn(shape, generator=gen).to(device)
+    samples.tensors.old_log_prob = (-torch.rand(shape, generator=gen) * 8).to(device)
+    samples.tensors.ref_log_prob = samples.tensors.require("old_log_prob").clone()
     cfg = RunConfig()
     loss_fn = resolve_algorithm(
         cfg.algorithm, cfg.rollout, cfg.actor, cfg.critic, cfg.data, dims.vocab_size

@@ -11,7 +11,9 @@ Both sides: the same token ids, next-token cross-entropy over every position but
 kernel. megarl runs megatron's DDP (fp32 grad buffer) + distributed optimizer (whose torch AdamW
 megarl switches to the fused kernel); transformers runs ``model(input_ids, labels).loss``
 backward, ``clip_grad_norm_`` and ``torch.optim.AdamW(fused=True)``, what its ``Trainer`` uses by
-default (``adamw_torch_fused``). Both models
+default (``adamw_torch_fused``). With ``--dtype bfloat16`` both sides train in mixed precision:
+transformers under CPU autocast to bf16 on fp32 weights (its Trainer's ``bf16=True``), megarl with
+bf16 weights and fp32 main weights and Adam states. Both models
 live side by side and their steps alternate (a change of load hits both alike). Prints
 ms/step, tokens/s, the ratio megarl / transformers (target >= 1.0) and each side's share of the
 matmul peak measured in this run (model FLOPs: 6 x linear parameters per token + 12 x layers x
@@ -138,17 +140,24 @@ def main() -> None:
     ids = torch.randint(0, 49152, (args.batch, args.seq), generator=gen)
     tokens = args.batch * args.seq
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    # In bf16 transformers runs as its Trainer does with ``bf16=True``: fp32 weights and AdamW
+    # states, the forward and backward under CPU autocast to bf16. That is megarl's mixed
+    # precision too (bf16 compute, fp32 main weights and Adam states in the distributed
+    # optimizer); pure-bf16 weights on the HF side would not be like for like.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.train()
     flops_per_token = train_flops_per_token(hf, args.seq)
     # transformers' Trainer default optimizer ("adamw_torch_fused" with torch >= 2.8)
     hf_opt = torch.optim.AdamW(
         hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, fused=True
     )
+    hf_autocast = dtype == torch.bfloat16
 
     def hf_step():
         hf_opt.zero_grad(set_to_none=True)
-        hf(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hf_autocast):
+            loss = hf(input_ids=ids, labels=ids).loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
         hf_opt.step()
 
@@ -262,9 +271,11 @@ def main() -> None:
             "peak_used_gflops": peak,
             "sides": {
                 "transformers": "HF forward with labels, backward, clip_grad_norm_, "
-                "torch AdamW(fused=True)",
+                "torch AdamW(fused=True) on fp32 weights"
+                + (", forward and backward under CPU autocast to bf16" if hf_autocast else ""),
                 "megarl": "megatron GPTModel TP1, DDP fp32 grad buffer, distributed optimizer "
-                "(torch's fused AdamW)",
+                "(torch's fused AdamW)"
+                + (", bf16 weights with fp32 main weights and Adam states" if hf_autocast else ""),
                 "process": "both sides in this process: the same environment (process_env)",
             },
         },

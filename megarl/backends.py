@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from megarl.config import choices
+from megarl.config import ActorConfig, ModelConfig, ParallelConfig, choices
 from megarl.errors import ConfigError
 from megarl.gpu_defaults import Target, check_for_target, launch_env, transformer_impl
 
@@ -89,22 +89,37 @@ def check_optimizer_offload(fraction: float) -> None:
         )
 
 
-def check_backends(cfg) -> None:
-    """Every engine ``cfg`` (a RunConfig) asks for can run here; before any process starts."""
-    resolve_transformer_impl(cfg.model.transformer_impl)
-    check_for_target(cfg.model, cfg.actor, this_machine())  # combinations this machine cannot run
-    check_context_parallel(cfg.parallel.cp, cfg.model.transformer_impl)
-    check_optimizer_offload(cfg.actor.optimizer_offload)
-    if cfg.trainer.kind == "policy":
-        check_rollout_backend(cfg.rollout.backend)
+def check_backends(
+    model: ModelConfig,
+    actor: ActorConfig,
+    parallel: ParallelConfig,
+    rollout_backend: str | None,
+) -> None:
+    """Every engine these sections ask for can run here; before any process starts.
+    ``rollout_backend``: ``rollout.backend`` of a run that rolls out (None: a trainer without a
+    rollout engine, SFT, DPO, a reward model)."""
+    resolve_transformer_impl(model.transformer_impl)
+    check_for_target(model, actor, this_machine())  # combinations this machine cannot run
+    check_context_parallel(parallel.cp, model.transformer_impl)
+    check_optimizer_offload(actor.optimizer_offload)
+    if rollout_backend is not None:
+        check_rollout_backend(rollout_backend)
 
 
-def set_rank_env(cfg) -> dict[str, str]:
-    """Put what every rank of ``cfg`` needs in its environment before CUDA initialises
+def rollout_backend(trainer_kind: str, backend: str) -> str | None:
+    """``rollout.backend`` where ``trainer.kind`` rolls out (a policy run), else None (SFT, DPO,
+    a reward model build no rollout engine): what :func:`check_backends` checks."""
+    return backend if trainer_kind == "policy" else None
+
+
+def set_rank_env(
+    model: ModelConfig, parallel: ParallelConfig, actor: ActorConfig
+) -> dict[str, str]:
+    """Put what every rank needs in its environment before CUDA initialises
     (:func:`megarl.gpu_defaults.launch_env`); a value already set is kept. Returns what was set."""
     added = {
         k: v
-        for k, v in launch_env(cfg.model, cfg.parallel, cfg.actor, this_machine()).items()
+        for k, v in launch_env(model, parallel, actor, this_machine()).items()
         if k not in os.environ
     }
     os.environ.update(added)

@@ -108,7 +108,9 @@ def _run(argv: list[str] | None, imports: CollectionPaused) -> int:
     try:
         cfg = load_config(args[0], args[1:])
         output_dir = cfg.trainer.output_dir
-        set_rank_env(cfg)  # e.g. CUDA_DEVICE_MAX_CONNECTIONS, before CUDA initialises
+        set_rank_env(
+            cfg.model, cfg.parallel, cfg.actor
+        )  # e.g. CUDA_DEVICE_MAX_CONNECTIONS, before CUDA initialises
         import_transformers_lean()  # before the first tokenizer (megarl.lean_imports)
         trainer = program(cfg)  # imported, with the libraries it uses from its start
         freeze_startup_heap()  # their objects: out of every later collection's way

@@ -6,7 +6,10 @@ served model's name; at most ``concurrency`` run at once. An ``async def`` agent
 runner's event loop (one that blocks it without awaiting blocks every agent), a plain function
 in a daemon thread of its own. An agent that raises, returns something other than a finite
 number or None, sends no request, or runs past ``timeout_s`` gives its sample reward 0 and is
-counted; a timed-out agent's session is closed (its later requests get HTTP 409) and its thread,
+counted. The batch as a whole ends by ``batch_deadline_s``: an agent that waited for a place in
+the pool starts with what is left of it, and not at all once it is spent (a timeout too), so a
+queue behind slow agents cannot hold a step past the hang watchdog's limit. A timed-out agent's
+session is closed (its later requests get HTTP 409) and its thread,
 if a plain function, is left to end on its own: Python cannot stop it.
 """
 
@@ -52,6 +55,16 @@ def agent_metrics(totals: dict[str, float], seconds: float) -> dict[str, float]:
 class AgentLimits:
     concurrency: int = 8  # agents running at once
     timeout_s: float = 300.0  # one sample's agent, from its start to its return
+    # every agent of a batch ends within this many seconds of the batch's start (None: no bound):
+    # an agent queued behind slow ones starts with what is left, or not at all once it is spent
+    batch_deadline_s: float | None = None
+
+    def left(self, batch_start: float, now: float) -> float:
+        """An agent's time limit when it starts at ``now``: its own, cut to the batch's deadline
+        (0 or less: the deadline has passed)."""
+        if self.batch_deadline_s is None:
+            return self.timeout_s
+        return min(self.timeout_s, batch_start + self.batch_deadline_s - now)
 
 
 @dataclass
@@ -172,17 +185,26 @@ async def _one(
     row: dict[str, object],
     limits: AgentLimits,
     pool: asyncio.Semaphore,
+    batch_start: float,
 ) -> AgentSample:
     async with pool:
+        time_limit = limits.left(batch_start, time.monotonic())
+        if time_limit <= 0:
+            return _past_deadline(sample, limits)
         key, base_url = endpoint.open_session(sample)
         outcome, error, reward = "ok", None, None
         try:
             reward = await asyncio.wait_for(
-                _call(agent, dict(row), base_url, endpoint.settings.model), limits.timeout_s
+                _call(agent, dict(row), base_url, endpoint.settings.model), time_limit
             )
         except TimeoutError:
             outcome = "timeout"
-            error = f"the agent did not return within {limits.timeout_s:g} s (its time limit)"
+            error = (
+                f"the agent did not return within {limits.timeout_s:g} s (its time limit)"
+                if time_limit == limits.timeout_s
+                else f"the agent did not return by the batch's deadline ({time_limit:.3g} s left "
+                f"at its start of the {limits.batch_deadline_s:g} s every agent of a step shares)"
+            )
         except Exception as e:
             outcome = "error"
             error = f"the agent {agent.spec} raised:\n{''.join(traceback.format_exception(e))}"
@@ -206,6 +228,21 @@ async def _one(
     )
 
 
+def _past_deadline(sample: int, limits: AgentLimits) -> AgentSample:
+    """A sample whose agent never started: the batch's deadline had passed when a place in the
+    pool came free (reward 0, counted as a timeout)."""
+    return AgentSample(
+        sample=sample,
+        segments=[],
+        reward=0.0,
+        outcome="timeout",
+        error=f"the agent was not started: the {limits.batch_deadline_s:g} s every agent of a "
+        "step shares had passed while it waited for a place in the pool (agents ahead of it ran "
+        "long); raise rollout.agent_concurrency, lower rollout.agent_timeout_s or raise "
+        "trainer.hang_timeout_s",
+    )
+
+
 async def run_agents_async(
     agent: Agent,
     endpoint: AgentEndpoint,
@@ -218,7 +255,7 @@ async def run_agents_async(
     endpoint.take_counts()  # this batch's counts only
     pool = asyncio.Semaphore(limits.concurrency)
     samples = await asyncio.gather(
-        *(_one(agent, endpoint, sample, row, limits, pool) for sample, row in rows)
+        *(_one(agent, endpoint, sample, row, limits, pool, start) for sample, row in rows)
     )
     return AgentBatch(list(samples), endpoint.take_counts(), time.monotonic() - start)
 

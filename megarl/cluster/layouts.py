@@ -28,18 +28,6 @@ FitCheck = Callable[[RunConfig, ParallelLayout], str | None]
 LayoutCheck = Callable[[ParallelLayout], str | None]
 
 
-def configured_layout(p: ParallelConfig, world: int) -> ParallelLayout:
-    """The layout ``p`` asks for at ``world`` ranks (its TP x PP, DP filling the world)."""
-    return ParallelLayout.for_world(
-        world,
-        tp=p.tp,
-        pp=p.pp,
-        infer_tp=p.infer_tp,
-        ep=p.ep,
-        pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
-    )
-
-
 def at_layout(cfg: RunConfig, layout: ParallelLayout) -> RunConfig:
     """``cfg`` with its parallel section set to ``layout``."""
     parallel = replace(

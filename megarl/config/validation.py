@@ -333,9 +333,10 @@ def _validate_agent(r: RolloutConfig, hang_timeout_s: float) -> None:
     if r.agent_timeout_s >= hang_timeout_s:
         raise ConfigError(
             f"rollout.agent_timeout_s={r.agent_timeout_s:g} is not below "
-            f"trainer.hang_timeout_s={hang_timeout_s:g}: a slow agent would end the run as a hung "
-            "rank instead of scoring 0; lower rollout.agent_timeout_s or raise "
-            "trainer.hang_timeout_s (it bounds a whole step, the rollout of every agent included)"
+            f"trainer.hang_timeout_s={hang_timeout_s:g}: the watchdog bounds the whole rollout, "
+            "so one agent could never use its limit (a step's agents share 0.8 x "
+            "trainer.hang_timeout_s); lower rollout.agent_timeout_s or raise "
+            "trainer.hang_timeout_s"
         )
     refusals = (
         (

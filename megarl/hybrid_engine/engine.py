@@ -269,7 +269,8 @@ class HybridEngine:
             expected,
         )
         self.last_reshard: ReshardStats | None = None
-        self._rollouts = 0
+        # rollouts generated so far: request seeds depend on it, so a resumed run restores it
+        self.rollout_count = 0
         self.metrics: dict[str, float] = {}
         # multi-turn: environments run on the first rank of each rollout engine, their results
         # broadcast over the engine's ranks (a group per engine, made by every rank together)
@@ -277,15 +278,6 @@ class HybridEngine:
         self._engine_group = (
             engine_group(layout.world_size, layout.rollout_tp, self.rank) if multi_turn else None
         )
-
-    @property
-    def rollout_count(self) -> int:
-        """Rollouts generated so far; request seeds depend on it, so a resumed run restores it."""
-        return self._rollouts
-
-    @rollout_count.setter
-    def rollout_count(self, value: int) -> None:
-        self._rollouts = int(value)
 
     # -- transitions ---------------------------------------------------------------------------
     def to_rollout(
@@ -360,8 +352,8 @@ class HybridEngine:
         mine = [list(map(int, p)) for p in prompts]
         all_prompts, a, b = self._gather_dp(mine)
         engine, lo, hi = self._engine_slice(len(all_prompts))
-        seeds = engine_seeds(sampling, self._rollouts, lo, hi)
-        self._rollouts += 1
+        seeds = engine_seeds(sampling, self.rollout_count, lo, hi)
+        self.rollout_count += 1
         out = self.rollout.generate(all_prompts[lo:hi], sampling, seeds=seeds)
         results: list = [None] * dist.get_world_size()
         dist.all_gather_object(results, (engine, lo, out))
@@ -410,8 +402,8 @@ class HybridEngine:
         mine = [(dict(r), list(map(int, p))) for r, p in zip(rows, fallback_prompts, strict=True)]
         everything, a, b = self._gather_dp(mine)
         engine, lo, hi = self._engine_slice(len(everything))
-        rollout_index = self._rollouts
-        self._rollouts += 1
+        rollout_index = self.rollout_count
+        self.rollout_count += 1
         starts = sample_starts(everything, lo, hi, n)
         leader = self.runs_environments
         part = source.run(EngineJob(self.rollout, starts, rollout_index, leader, self._share))

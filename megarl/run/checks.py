@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from megarl.agents.loading import load_agent
 from megarl.algos.choices import resolve_algorithm_kwargs, resolve_dpo_loss
-from megarl.backends import check_backends
+from megarl.backends import check_backends, rollout_backend
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.config import (
     ActorConfig,
@@ -152,7 +152,9 @@ def check_inputs(
 
     check_import_settings(cfg)  # before anything slow: a typo costs seconds
     if this_machine:
-        check_backends(cfg)  # vLLM / Transformer Engine where the config asks for them
+        # vLLM / Transformer Engine where the config asks for them
+        backend = rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+        check_backends(cfg.model, cfg.actor, cfg.parallel, backend)
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
     if cfg.rollout.mode == "async":  # the rollout group's engines: infer_tp ranks each

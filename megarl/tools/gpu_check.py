@@ -90,7 +90,6 @@ from megarl.tools.testing import assets as offline_assets
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching
 from megarl.trainer.old_log_probs import score_old_log_probs
-from megarl.trainer.tensor_keys import ROLLOUT_LOG_PROB
 
 FP32_LOGIT_BOUND = 1e-4  # max |megarl - transformers| in fp32
 BF16_LOGIT_RELATIVE_BOUND = 2e-2  # max |diff| / max |logit| in bf16
@@ -570,7 +569,7 @@ def _scoring_peak(model, dims, size: Size, seqs: int, peak_tracker) -> int:
     samples = Samples.from_sequences(
         ids[:, :prompt].tolist(), ids[:, prompt:].tolist(), list(range(seqs)), 0, device
     )
-    samples.tensors[ROLLOUT_LOG_PROB] = torch.zeros_like(samples.response_mask)
+    samples.tensors.rollout_log_prob = torch.zeros_like(samples.response_mask)
     batching = MicroBatching(size=seqs, max_tokens=size.scoring_budget, packing=True)
     with peak_tracker() as peak:
         score_old_log_probs(model, samples, dims.vocab_size, 1.0, batching, dims.is_moe)

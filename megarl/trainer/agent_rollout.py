@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 # the model name the endpoint serves: what an agent is given and must send
 SERVED_MODEL = "policy"
+# A step's agents all end within this share of trainer.hang_timeout_s (the watchdog's limit on a
+# phase without progress, the rollout included): the rest is left for the engine's last calls and
+# the move back to training, so agents queued behind slow ones score 0 instead of the run ending
+# as a hung rank.
+AGENTS_SHARE_OF_HANG_TIMEOUT = 0.8
 
 
 def agent_source(
@@ -29,12 +34,14 @@ def agent_source(
     tokenizer: PreTrainedTokenizerBase,
     sampling: SamplingConfig,
     pad_id: int,
+    hang_timeout_s: float,
 ) -> AgentSource:
     """The run's agent (loaded again: checked before launch) with the endpoint's limits: one
     reply at most ``rollout.max_turn_tokens`` (else ``max_response_length``) tokens, one segment
     at most the engine's context (``data.max_prompt_length + rollout.max_response_length``), and
     at most ``rollout.max_response_length`` tokens after its first prompt (its trained response,
-    bounded like an environment's trajectory)."""
+    bounded like an environment's trajectory). A step's agents share
+    :data:`AGENTS_SHARE_OF_HANG_TIMEOUT` of ``hang_timeout_s``."""
     assert r.agent is not None  # built for rollout.agent only
     settings = TurnSettings(
         model=SERVED_MODEL,
@@ -47,7 +54,11 @@ def agent_source(
         load_agent(r.agent),
         tokenizer,
         settings,
-        AgentLimits(r.agent_concurrency, r.agent_timeout_s),
+        AgentLimits(
+            r.agent_concurrency,
+            r.agent_timeout_s,
+            batch_deadline_s=AGENTS_SHARE_OF_HANG_TIMEOUT * hang_timeout_s,
+        ),
         sampling,
         pad_id,
     )

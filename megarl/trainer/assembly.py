@@ -307,7 +307,14 @@ def colocated_rollout(cfg: RunConfig, startup: Startup, roles: Roles) -> Rollout
         env_runner=runner,
         max_env_failures=r.max_env_failures,
         agent=(
-            agent_source(r, cfg.data.max_prompt_length, startup.tokenizer, sampling, startup.pad_id)
+            agent_source(
+                r,
+                cfg.data.max_prompt_length,
+                startup.tokenizer,
+                sampling,
+                startup.pad_id,
+                cfg.trainer.hang_timeout_s,
+            )
             if r.agent
             else None
         ),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.models.packing import token_counts
+from megarl.trainer.token_tensors import TokenTensors
 
 
 @dataclass
@@ -25,8 +26,8 @@ class Samples:
     group_ids: list[Hashable]  # prompt uid per sample (GRPO groups)
     # response space [N, R]
     response_mask: torch.Tensor
-    # per-token tensors between the step's phases, by their megarl.trainer.tensor_keys name
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # per-token tensors between the step's phases, each filled by one phase
+    tensors: TokenTensors = field(default_factory=TokenTensors)
     # actor.router_replay: [N, L, MoE layers, top_k] experts the rollout routed each token to
     # (int16, host memory, -1: none); None without replay
     routes: torch.Tensor | None = None
@@ -89,7 +90,7 @@ class Samples:
             response_lens=self.response_lens[idx],
             group_ids=[self.group_ids[i] for i in idx.tolist()],
             response_mask=self.response_mask[idx, :resp_len],
-            tensors={k: v[idx, :resp_len] for k, v in self.tensors.items()},
+            tensors=self.tensors.select(idx, resp_len),
             routes=None if self.routes is None else self.routes[idx.cpu(), :seq_len],
         )
 

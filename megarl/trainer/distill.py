@@ -36,7 +36,6 @@ from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, forward_response_tensor, response_log_probs
-from megarl.trainer.tensor_keys import ADVANTAGES, OLD_LOG_PROB, TEACHER_LOG_PROB
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -60,23 +59,24 @@ def build_teacher(d: DistillConfig, layout: ParallelLayout, opts: ModelOptions) 
 def distill_experience(
     teacher: Teacher, samples: Samples, batching: MicroBatching, temperature: float
 ) -> StepMetrics:
-    """Score the rollout with the teacher (``samples.tensors[TEACHER_LOG_PROB]``); in reward
-    mode, add the reverse-KL advantage per token to ``samples.tensors[ADVANTAGES]``."""
+    """Score the rollout with the teacher (``samples.tensors.teacher_log_prob``); in reward
+    mode, add the reverse-KL advantage per token to ``samples.tensors.advantages``."""
     t, mask = samples.tensors, samples.response_mask
     vocab = teacher.dims.vocab_size
-    t[TEACHER_LOG_PROB] = forward_response_tensor(
+    teacher_log_prob = forward_response_tensor(
         teacher.model,
         samples,
         lambda out, mb: response_log_probs(out, mb, vocab, temperature=temperature)[0],
         batching,
     )
+    t.teacher_log_prob = teacher_log_prob
     d = teacher.settings
     metrics: StepMetrics = {
-        "distill/teacher_log_prob": mean(masked_mean(t[TEACHER_LOG_PROB], mask)),
+        "distill/teacher_log_prob": mean(masked_mean(teacher_log_prob, mask)),
     }
     if d.mode == "reward":
-        kl = t[OLD_LOG_PROB] - t[TEACHER_LOG_PROB]
-        t[ADVANTAGES] = t[ADVANTAGES] - d.coef * kl * mask
+        kl = t.require("old_log_prob") - teacher_log_prob
+        t.advantages = t.require("advantages") - d.coef * kl * mask
         metrics["distill/reverse_kl"] = mean(masked_mean(kl, mask))
     return metrics
 
@@ -88,7 +88,7 @@ def distill_loss_term(
     micro-batch (None otherwise), and its ``distill/reverse_kl`` metric."""
     if d.teacher_path is None or d.mode != "loss":
         return None, {}
-    teacher = mb.tensors[TEACHER_LOG_PROB]
+    teacher = mb.tensors.require("teacher_log_prob")
     term, _ = kl_loss(
         log_prob,
         teacher,

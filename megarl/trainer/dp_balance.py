@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megarl import parallel
 from megarl.data.token_balance import balance_groups, imbalance
 from megarl.trainer.batch import Samples, padded_routes
+from megarl.trainer.token_tensors import TokenTensors
 
 # The imbalance of the rollout as each rank drew it; the trained one (after the re-deal) is the
 # step's perf/dp_token_imbalance (megarl.run.steps).
@@ -32,7 +33,7 @@ class HostRow(TypedDict):
     prompt_len: int
     mask: list[int]  # the response's loss mask
     group: Hashable
-    tensors: dict[str, torch.Tensor]  # per-response-token tensors, unpadded
+    tensors: TokenTensors  # the sample's per-token tensors, [1, its response length]
     score: torch.Tensor
     routes: torch.Tensor | None  # actor.router_replay: [tokens, layers, k], unpadded
 
@@ -42,7 +43,7 @@ def host_rows(samples: Samples, scores: torch.Tensor) -> list[HostRow]:
     lens = samples.seq_lens().tolist()
     resp = samples.response_lens.tolist()
     ids = samples.input_ids.cpu()
-    tensors = {k: v.cpu() for k, v in samples.tensors.items()}
+    tensors = samples.tensors.to("cpu")
     host_scores = scores.cpu()
     mask = samples.response_mask.cpu()
     return [
@@ -51,7 +52,7 @@ def host_rows(samples: Samples, scores: torch.Tensor) -> list[HostRow]:
             "prompt_len": lens[i] - resp[i],
             "mask": mask[i, : resp[i]].tolist(),  # environment tokens of a trajectory are 0
             "group": samples.group_ids[i],
-            "tensors": {k: v[i, : max(1, resp[i])] for k, v in tensors.items()},
+            "tensors": tensors.select(torch.tensor([i], device="cpu"), max(1, resp[i])),
             "score": host_scores[i],
             "routes": None if samples.routes is None else samples.routes[i, : lens[i]],
         }
@@ -72,12 +73,7 @@ def samples_of_rows(rows: list[HostRow], pad_id: int, device: torch.device) -> S
         masks=[r["mask"] for r in rows],
     )
     width = samples.response_mask.shape[1]
-    for key in rows[0]["tensors"] if rows else ():
-        out = torch.zeros(len(rows), width, dtype=rows[0]["tensors"][key].dtype, device=device)
-        for i, r in enumerate(rows):
-            value = r["tensors"][key]
-            out[i, : value.shape[0]] = value.to(device)
-        samples.tensors[key] = out
+    samples.tensors = TokenTensors.concat([r["tensors"] for r in rows], width).to(device)
     routes = [r["routes"] for r in rows]
     if rows and all(r is not None for r in routes):
         samples.routes = padded_routes(

@@ -45,6 +45,7 @@ from megarl.trainer.group_selection import (
     select,
     wants_more,
 )
+from megarl.trainer.token_tensors import TokenTensors
 
 # A group of one rank's pool: (draw, its index among the rank's groups of that draw).
 LocalGroup = tuple[int, int]
@@ -72,14 +73,13 @@ def concat_samples(pieces: Sequence[Samples], pad_id: int) -> Samples:
     def pad(t: torch.Tensor, to: int, value: float) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, to - t.shape[1]), value=value)
 
-    keys = set(pieces[0].tensors)
     return Samples(
         input_ids=torch.cat([pad(p.input_ids, width, pad_id) for p in pieces]),
         prompt_lens=torch.cat([p.prompt_lens for p in pieces]),
         response_lens=torch.cat([p.response_lens for p in pieces]),
         group_ids=[g for p in pieces for g in p.group_ids],
         response_mask=torch.cat([pad(p.response_mask, resp, 0.0) for p in pieces]),
-        tensors={k: torch.cat([pad(p.tensors[k], resp, 0.0) for p in pieces]) for k in keys},
+        tensors=TokenTensors.concat([p.tensors for p in pieces], resp),
         routes=_concat_routes([p.routes for p in pieces], width),
     )
 

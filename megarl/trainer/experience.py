@@ -46,17 +46,6 @@ from megarl.trainer.model_ops import (
 from megarl.trainer.reward_failures import non_finite_model_scores, stop_on_failed_scores
 from megarl.trainer.roles import Roles
 from megarl.trainer.spec import AlgorithmSpec
-from megarl.trainer.tensor_keys import (
-    ADVANTAGES,
-    OLD_LOG_PROB,
-    REF_LOG_PROB,
-    RETURNS,
-    ROLLOUT_IS_WEIGHTS,
-    ROLLOUT_LOG_PROB,
-    TOKEN_LEVEL_REWARDS,
-    TOKEN_LEVEL_SCORES,
-    VALUES,
-)
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -366,7 +355,7 @@ def set_outcome_scores(samples: Samples, scores: torch.Tensor) -> None:
     last = (samples.response_lens - 1).clamp(min=0)
     rows = torch.arange(samples.size, device=token_scores.device)
     token_scores[rows, last] = scores.to(token_scores.device) * (samples.response_lens > 0)
-    samples.tensors[TOKEN_LEVEL_SCORES] = token_scores
+    samples.tensors.token_level_scores = token_scores
 
 
 def set_trajectory_scores(
@@ -388,7 +377,7 @@ def set_trajectory_scores(
                 token_scores[k, end] += float(r or 0.0)
                 turns += float(r or 0.0)
         token_scores[k, t.turn_ends[-1]] += values[k] - turns
-    samples.tensors[TOKEN_LEVEL_SCORES] = token_scores
+    samples.tensors.token_level_scores = token_scores
 
 
 def build_samples(
@@ -412,7 +401,7 @@ def rollout_samples(
     samples = Samples.from_sequences(prompts, responses, group_ids, pad_id, device, masks=masks)
     width = samples.response_mask.shape[1]
     rollout = [lp + [0.0] * (width - len(lp)) for lp in batch.output.logprobs]
-    samples.tensors[ROLLOUT_LOG_PROB] = torch.tensor(
+    samples.tensors.rollout_log_prob = torch.tensor(
         rollout, dtype=torch.float32, device=device
     ).reshape(len(rollout), width)
     if batch.output.routes:  # actor.router_replay
@@ -427,22 +416,23 @@ def compute_experience(
     kl_ctrl: KLController | None,
     batching: MicroBatching,
 ) -> StepMetrics:
-    """Fill ``samples.tensors`` with ref_log_prob, values, token_level_rewards, advantages, returns."""
+    """Fill ``samples.tensors`` with ref_log_prob, values, token_level_rewards, advantages,
+    returns (and teacher_log_prob, rollout_is_weights where their settings ask for them)."""
     metrics: StepMetrics = {}
     t, mask = samples.tensors, samples.response_mask
     vocab = roles.dims.vocab_size
     temperature = spec.temperature
     if roles.has_reference:
         with roles.reference_model() as reference:
-            t[REF_LOG_PROB] = policy_log_probs(reference, samples, vocab, temperature, batching)
+            t.ref_log_prob = policy_log_probs(reference, samples, vocab, temperature, batching)
     if roles.critic is not None:
-        t[VALUES] = forward_response_tensor(roles.critic.model, samples, response_values, batching)
-    rewards = t[TOKEN_LEVEL_SCORES]
+        t.values = forward_response_tensor(roles.critic.model, samples, response_values, batching)
+    rewards = t.require("token_level_scores")
     if kl_ctrl is not None:  # algorithm.use_kl_in_reward
         rewards, kl_metrics = apply_kl_in_reward(
             rewards,
-            t[OLD_LOG_PROB],
-            t[REF_LOG_PROB],
+            t.require("old_log_prob"),
+            t.require("ref_log_prob"),
             mask,
             kl_coef=kl_ctrl.value,
             estimator=spec.kl_in_reward_estimator,
@@ -450,16 +440,16 @@ def compute_experience(
         kl = dp_mean(float(kl_metrics["kl"]))
         kl_ctrl.update(kl, n_steps=spec.kl_ctrl_n_steps)
         metrics.update({"actor/reward_kl": mean(kl), "actor/kl_coef": mean(kl_ctrl.value)})
-    t[TOKEN_LEVEL_REWARDS] = rewards
+    t.token_level_rewards = rewards
     extra: dict[str, Any] = {}
     if "values" in spec.advantage_inputs:
-        extra["values"] = t[VALUES]
+        extra["values"] = t.require("values")
     if "group_ids" in spec.advantage_inputs:
         extra["group_ids"] = samples.group_ids
     if "batch_sum" in spec.advantage_inputs:  # batch-wide statistics over every DP rank
         extra["batch_sum"] = dp_sum
     hparams: Mapping[str, Any] = spec.advantage_kwargs  # not group_ids: a float or bool each
-    t[ADVANTAGES], t[RETURNS] = compute_advantages(
+    t.advantages, t.returns = compute_advantages(
         spec.adv_estimator,
         token_level_rewards=rewards,
         response_mask=mask,
@@ -471,27 +461,31 @@ def compute_experience(
     if spec.rollout_correction != "none":
         weights, correction = compute_rollout_correction(
             spec.rollout_correction,
-            t[OLD_LOG_PROB],
-            t[ROLLOUT_LOG_PROB],
+            t.require("old_log_prob"),
+            t.require("rollout_log_prob"),
             mask,
             **spec.rollout_correction_kwargs,
         )
-        if weights is not None:
-            t[ROLLOUT_IS_WEIGHTS] = weights
+        t.rollout_is_weights = weights  # None: the correction only masks or measures
         metrics.update(declare(correction, ROLLOUT_CORRECTION_REDUCTIONS, prefix="rollout/"))
-    if VALUES in t:
-        # the critic before this step's update, on a batch it has not seen: the mean of its
-        # values and of the returns, its squared error, and how much of the returns' variance
-        # around their mean it explains
-        metrics["critic/values_mean"] = mean(_batch_token_mean(t[VALUES], mask))
-        metrics["critic/returns_mean"] = mean(_batch_token_mean(t[RETURNS], mask))
-        metrics["critic/value_mse"] = mean(
-            _batch_token_mean((t[VALUES] - t[RETURNS]).square(), mask)
-        )
-        # over every DP rank's tokens: the sums add up, the per-rank ratios would not
-        sums = dp_sum(explained_variance_sums(t[VALUES], t[RETURNS], mask))
-        metrics["critic/explained_var"] = mean(explained_variance_from_sums(sums))
-    metrics["actor/advantages_mean"] = mean(_batch_token_mean(t[ADVANTAGES], mask))
+    if t.values is not None:  # a critic
+        metrics.update(_critic_metrics(t.values, t.require("returns"), mask))
+    metrics["actor/advantages_mean"] = mean(_batch_token_mean(t.require("advantages"), mask))
+    return metrics
+
+
+def _critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> StepMetrics:
+    """The critic before this step's update, on a batch it has not seen: the mean of its values
+    and of the returns, its squared error, and how much of the returns' variance around their
+    mean it explains (collectives over the DP ranks)."""
+    metrics: StepMetrics = {
+        "critic/values_mean": mean(_batch_token_mean(values, mask)),
+        "critic/returns_mean": mean(_batch_token_mean(returns, mask)),
+        "critic/value_mse": mean(_batch_token_mean((values - returns).square(), mask)),
+    }
+    # over every DP rank's tokens: the sums add up, the per-rank ratios would not
+    sums = dp_sum(explained_variance_sums(values, returns, mask))
+    metrics["critic/explained_var"] = mean(explained_variance_from_sums(sums))
     return metrics
 
 

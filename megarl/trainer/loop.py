@@ -23,7 +23,6 @@ from megarl.trainer.rollout_dump import dump_rollout
 from megarl.trainer.routing_flags import flags_buffer
 from megarl.trainer.routing_metrics import routing_metrics
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
-from megarl.trainer.tensor_keys import OLD_LOG_PROB
 from megarl.trainer.validation import validation_rollout
 
 
@@ -50,7 +49,7 @@ def update_models(run: PolicyRun, samples: Samples) -> StepMetrics:
                 loss,
                 run.spec.token_level,
                 cfg.trainer.nan_policy == "skip",
-                keep=OLD_LOG_PROB if from_update and role == "actor" else None,
+                keep="old_log_prob" if from_update and role == "actor" else None,
                 extremes=run.spec.update_reductions,
                 routing_flags=flags if role == "actor" else None,
             )

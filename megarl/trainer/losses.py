@@ -13,14 +13,6 @@ from megarl.config import AlgorithmConfig
 from megarl.trainer.batch import Samples
 from megarl.trainer.distill import distill_loss_term
 from megarl.trainer.model_ops import response_log_probs, response_values
-from megarl.trainer.tensor_keys import (
-    ADVANTAGES,
-    OLD_LOG_PROB,
-    REF_LOG_PROB,
-    RETURNS,
-    ROLLOUT_IS_WEIGHTS,
-    VALUES,
-)
 
 Metrics = dict[str, torch.Tensor]
 
@@ -64,16 +56,16 @@ def make_actor_policy_terms(
     def terms(logp: torch.Tensor, entropy: torch.Tensor | None, mb: Samples):
         t = mb.tensors
         agg = agg_options(mb.size)
-        old = logp.detach() if from_update else t[OLD_LOG_PROB]
+        old = logp.detach() if from_update else t.require("old_log_prob")
         loss, metrics = compute_policy_loss(
             a.policy_loss,
             old_log_prob=old,
             log_prob=logp,
-            advantages=t[ADVANTAGES],
+            advantages=t.require("advantages"),
             response_mask=mb.response_mask,
             loss_agg_mode=a.loss_agg_mode,
             loss_agg_kwargs=agg,
-            rollout_is_weights=t.get(ROLLOUT_IS_WEIGHTS),
+            rollout_is_weights=t.rollout_is_weights,  # None without algorithm.rollout_correction
             **hparams,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
@@ -81,7 +73,7 @@ def make_actor_policy_terms(
         if a.use_kl_loss:
             kl, kl_metrics = kl_loss(
                 logp,
-                t[REF_LOG_PROB],
+                t.require("ref_log_prob"),
                 mb.response_mask,
                 kl_coef=a.kl_loss_coef,
                 estimator=a.kl_loss_estimator,
@@ -107,8 +99,8 @@ def make_actor_policy_terms(
             if want_entropy:
                 loss = loss + bonus
             metrics["actor/entropy"] = ent_metrics["entropy"]
-        if from_update:
-            metrics[OLD_LOG_PROB] = old
+        if from_update:  # under the name of the field ppo_update keeps them in
+            metrics["old_log_prob"] = old
         return loss, metrics
 
     return terms
@@ -146,8 +138,8 @@ def make_critic_loss(a: AlgorithmConfig, kwargs: AlgorithmKwargs, cliprange_valu
         values = response_values(output, mb)
         loss, metrics = compute_value_loss(
             values,
-            mb.tensors[VALUES],
-            mb.tensors[RETURNS],
+            mb.tensors.require("values"),
+            mb.tensors.require("returns"),
             mb.response_mask,
             cliprange_value,
             a.loss_agg_mode,

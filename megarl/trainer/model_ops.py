@@ -21,7 +21,7 @@ from megarl.trainer.batch import Samples
 from megarl.trainer.dp_collectives import dp_mean
 from megarl.trainer.ep_micro_batches import aligned_micro_batches
 from megarl.trainer.routing_flags import combine_over_model_parallel, fill_response_flags
-from megarl.trainer.tensor_keys import OLD_LOG_PROB
+from megarl.trainer.token_tensors import TokenField
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def rollout_is_finite(samples: Samples, skip: bool) -> bool:
     is to be skipped, otherwise this stops the run with a clear message.
     """
     mask = samples.response_mask.bool()
-    old = samples.tensors.get(OLD_LOG_PROB)
+    old = samples.tensors.old_log_prob  # absent when the update gives it
     bad = old is not None and not bool(torch.isfinite(old[mask]).all())
     flag = torch.tensor([1.0 if bad else 0.0], device=platform.collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -182,7 +182,7 @@ def ppo_update(
     loss_fn: LossOver[Samples],
     token_level: bool,
     skip_non_finite: bool = False,
-    keep: str | None = None,
+    keep: TokenField | None = None,
     extremes: Mapping[str, Reduce] | None = None,
     routing_flags: torch.Tensor | None = None,
 ) -> list[dict[str, float]]:
@@ -191,9 +191,10 @@ def ppo_update(
     A loss metric is the mini-batch's: the micro-batches' values weighted by their share of it,
     or for a key ``extremes`` reduces by ``Reduce.MAX`` / ``Reduce.MIN`` their largest / smallest.
 
-    ``keep``: the name of a per-token ``[b, R]`` tensor that the loss function returns among its
-    metrics; the first epoch's values of every row go into ``samples.tensors[keep]`` (on every
-    pipeline stage), e.g. the update's logprobs when they are the old ones; ``routing_flags``
+    ``keep``: a field of :class:`megarl.trainer.token_tensors.TokenTensors`, under whose name the
+    loss function returns a per-token ``[b, R]`` tensor among its metrics; the first epoch's values
+    of every row go into that field of ``samples.tensors`` (on every pipeline stage), e.g. the
+    update's logprobs when they are the old ones; ``routing_flags``
     (an ``[N, R]`` buffer, replayed MoE routers): filled from the first epoch's forwards, as
     :func:`forward_response_tensor` fills it.
 
@@ -259,7 +260,7 @@ def ppo_update(
                     )
             history.append(step_metrics)
     if keep and kept is not None:
-        samples.tensors[keep] = broadcast_from_last_stage(kept)
+        samples.tensors.put(keep, broadcast_from_last_stage(kept))
     if routing_flags is not None:
         combine_over_model_parallel(routing_flags)
     return history

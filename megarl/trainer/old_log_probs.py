@@ -23,7 +23,6 @@ from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, policy_log_probs
 from megarl.trainer.routing_flags import AGREED, FLIPPED, flags_buffer
-from megarl.trainer.tensor_keys import OLD_LOG_PROB, ROLLOUT_LOG_PROB
 
 
 def separate_forward_reasons(
@@ -69,12 +68,12 @@ def score_old_log_probs(
     batching: MicroBatching,
     is_moe: bool,
 ) -> dict[str, float]:
-    """The actor's logprobs of the sampled tokens as ``samples.tensors[OLD_LOG_PROB]`` (of
+    """The actor's logprobs of the sampled tokens as ``samples.tensors.old_log_prob`` (of
     ``softmax(logits / temperature)``, the distribution the rollout sampled from) in
     ``batching``'s micro-batches, and the rollout-vs-trainer mismatch measured on them. Collective
     over the world; run it after the rollout engine sleeps."""
     flags = flags_buffer(samples)
-    samples.tensors[OLD_LOG_PROB] = policy_log_probs(
+    samples.tensors.old_log_prob = policy_log_probs(
         actor, samples, vocab_size, temperature, batching, flags
     )
     return rollout_mismatch(samples, is_moe, flags)
@@ -87,9 +86,10 @@ def rollout_mismatch(
     scoring pass or from the update's forward: the same metrics either way (a collective over
     the world); an MoE model's split by the routing of the forward that gave them
     (``routing_flags``, megarl.trainer.routing_flags; None: every token unrecorded)."""
-    t = samples.tensors
+    rollout = samples.tensors.require("rollout_log_prob")
+    old = samples.tensors.require("old_log_prob")
     mask = samples.response_mask.bool()
-    diffs = (t[ROLLOUT_LOG_PROB] - t[OLD_LOG_PROB].to(t[ROLLOUT_LOG_PROB].device)).abs()
+    diffs = (rollout - old.to(rollout.device)).abs()
     kept = mask.to(diffs.device)
     if routing_flags is None:
         return logprob_mismatch(diffs[kept].float(), is_moe)
@@ -98,7 +98,6 @@ def rollout_mismatch(
 
 
 __all__ = [
-    "OLD_LOG_PROB",
     "old_log_prob_from_update",
     "rollout_mismatch",
     "score_old_log_probs",

@@ -101,7 +101,8 @@ class RemoteRollout:
         self._started = False
         self._data: dict[str, object] | None = None  # data position after the delivered batches
         self._data_metrics: dict[str, float] = {}
-        self._rollouts = 0
+        # rollouts the group generated up to the newest message received (seeds follow it)
+        self.rollout_count = 0
         self._step = -1  # the training batch delivered last, and its draw
         self._draw = 0
         self._more = False  # dynamic sampling asked for another draw of the same step
@@ -118,15 +119,6 @@ class RemoteRollout:
         """The weights' version now: optimizer steps taken (one per batch the step took)."""
         return self.first + self.delivered - self._untrained
 
-    @property
-    def rollout_count(self) -> int:
-        """Rollouts the group generated up to the newest message received (seeds follow it)."""
-        return self._rollouts
-
-    @rollout_count.setter
-    def rollout_count(self, value: int) -> None:
-        self._rollouts = int(value)
-
     def push(self) -> SyncStats:
         """Broadcast the current weights unless the rollout group has them (every trainer)."""
         if not self._started:
@@ -135,9 +127,9 @@ class RemoteRollout:
                 step=self.first,
                 next_batch=self.first + (pending is not None),
                 data=self._data if pending is None else pending.data,
-                rollouts=self._rollouts
+                rollouts=self.rollout_count
                 if pending is None
-                else max(self._rollouts, pending.rollouts),
+                else max(self.rollout_count, pending.rollouts),
             )
             self._control(start)
             self._started = True
@@ -167,7 +159,7 @@ class RemoteRollout:
             assert isinstance(message, Generated)
             self._stash[message.key] = message
         message = self._stash.pop(key)
-        self._rollouts = max(self._rollouts, message.rollouts)
+        self.rollout_count = max(self.rollout_count, message.rollouts)
         return message
 
     def _queue(self, part: Part, message: Generated) -> None:
@@ -265,7 +257,7 @@ class RemoteRollout:
         count, maybe a generated batch); before the first push."""
         self.first = step
         self._data = state.get("data")
-        self._rollouts = int(state.get("rollouts", 0))
+        self.rollout_count = int(state.get("rollouts", 0))
         pending = state.get(PENDING)
         self.pending = Generated.from_plain(pending) if pending else None
 

@@ -17,15 +17,18 @@ from typing import TYPE_CHECKING
 from megarl import parallel
 from megarl.files import temporary_beside
 from megarl.trainer.batch import Samples
-from megarl.trainer.tensor_keys import (
-    ADVANTAGES,
-    OLD_LOG_PROB,
-    ROLLOUT_LOG_PROB,
-    TOKEN_LEVEL_REWARDS,
-)
+from megarl.trainer.token_tensors import TokenField
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+# the per-token tensors a record holds (where the step filled them), under their field names
+DUMPED: tuple[TokenField, ...] = (
+    "rollout_log_prob",
+    "old_log_prob",
+    "advantages",
+    "token_level_rewards",
+)
 
 
 def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list[dict[str, object]]:
@@ -34,7 +37,8 @@ def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list
     resp = samples.response_lens.tolist()
     ids = samples.input_ids.cpu().tolist()
     mask = samples.response_mask.cpu().tolist()
-    tensors = {k: v.float().cpu().tolist() for k, v in samples.tensors.items()}
+    present = samples.tensors.present()
+    tensors = {k: present[k].float().cpu().tolist() for k in DUMPED if k in present}
     out = []
     for i in range(samples.size):
         row = ids[i][: seq[i]]
@@ -46,9 +50,8 @@ def sample_records(samples: Samples, tokenizer: PreTrainedTokenizerBase) -> list
             "prompt": tokenizer.decode(row[: prompt[i]]),
             "response": tokenizer.decode(row[prompt[i] :]),
         }
-        for key in (ROLLOUT_LOG_PROB, OLD_LOG_PROB, ADVANTAGES, TOKEN_LEVEL_REWARDS):
-            if key in tensors:
-                record[key] = tensors[key][i][: resp[i]]
+        for key, values in tensors.items():
+            record[key] = values[i][: resp[i]]
         out.append(record)
     return out
 

@@ -48,10 +48,10 @@ def dr_grpo_batch(vocab: int) -> Samples:
     s, gen = random_group_samples(vocab, PROMPTS, N, MAX_RESPONSE, seed=7)
     shape = s.response_mask.shape
     # old logprobs near the model's (~ -log vocab) so that some ratios are clipped
-    s.tensors["old_log_prob"] = -torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn(
+    s.tensors.old_log_prob = -torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn(
         shape, generator=gen
     )
-    s.tensors["advantages"] = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
+    s.tensors.advantages = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
     return s
 
 

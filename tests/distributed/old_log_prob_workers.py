@@ -23,11 +23,7 @@ from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
 from megarl.trainer.losses import sampling_temperature
 from megarl.trainer.model_ops import MicroBatching, ppo_update, response_positions
-from megarl.trainer.old_log_probs import (
-    OLD_LOG_PROB,
-    old_log_prob_from_update,
-    rollout_mismatch,
-)
+from megarl.trainer.old_log_probs import old_log_prob_from_update, rollout_mismatch
 from tests.distributed.random_groups import random_group_samples
 from tests.policy_terms import algorithm_spec
 
@@ -52,11 +48,11 @@ def one_step_config(model_dir: str, mode: str):
 
 def rollout_batch(vocab: int) -> Samples:
     """16 sequences (prompts of 3-6 tokens, responses of 1-10), one advantage per sequence, and
-    the rollout engine's logprobs stood in for by noise (filled in once the actor's are known)."""
+    the rollout engine's logprobs stood in for by noise (the actor's are added once known)."""
     s, gen = random_group_samples(vocab, PROMPTS, N, MAX_RESPONSE, seed=11)
     shape = s.response_mask.shape
-    s.tensors["advantages"] = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
-    s.tensors["rollout_noise"] = 0.01 * torch.randn(shape, generator=gen)
+    s.tensors.advantages = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
+    s.tensors.rollout_log_prob = 0.01 * torch.randn(shape, generator=gen)  # the noise
     return s
 
 
@@ -100,12 +96,12 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
             temperature = sampling_temperature(cfg.rollout.temperature)
             # the rollout engine's logprobs: near the actor's, as vLLM's are
             actor = separate_forward(ddp, mine, dims.vocab_size, temperature)
-            mine.tensors["rollout_log_prob"] = actor + mine.tensors.pop("rollout_noise")
+            mine.tensors.rollout_log_prob = actor + mine.tensors.require("rollout_log_prob")
             from_update = old_log_prob_from_update(
                 cfg.algorithm, cfg.actor, cfg.data.train_batch_size
             )
             if not from_update:
-                mine.tensors[OLD_LOG_PROB] = actor
+                mine.tensors.old_log_prob = actor
             before = {n: w.clone() for n, w in iter_stage_hf_tensors(ddp, dims, layout)}
             [metrics] = ppo_update(
                 Trainable(model, ddp, optimizer, scheduler),
@@ -116,20 +112,20 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
                 batching=MicroBatching(size=3),
                 loss_fn=algorithm_spec(cfg, dims.vocab_size).actor_loss,
                 token_level=True,
-                keep=OLD_LOG_PROB if from_update else None,
+                keep="old_log_prob" if from_update else None,
             )
             if from_update:
                 mismatch = rollout_mismatch(mine, dims.is_moe)
             else:
                 mask = mine.response_mask.bool()
-                diffs = (mine.tensors["rollout_log_prob"] - actor).abs()[mask]
+                diffs = (mine.tensors.require("rollout_log_prob") - actor).abs()[mask]
                 mismatch = logprob_mismatch(diffs, dims.is_moe)
             after = {n: w.clone() for n, w in iter_stage_hf_tensors(ddp, dims, layout)}
             runs[mode] = {
                 "from_update": from_update,
                 "metrics": metrics,
                 "mismatch": mismatch,
-                "old": mine.tensors[OLD_LOG_PROB] * mine.response_mask,
+                "old": mine.tensors.require("old_log_prob") * mine.response_mask,
                 "before": before,
                 "after": after,
             }

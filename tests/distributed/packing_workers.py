@@ -35,8 +35,8 @@ def unequal_samples(vocab: int) -> Samples:
     responses = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in RESPONSE_LENS]
     samples = Samples.from_sequences(prompts, responses, list(range(len(prompts))), 0, "cpu")
     shape = samples.response_mask.shape
-    samples.tensors["advantages"] = torch.randn(shape, generator=gen)
-    samples.tensors["ref_log_prob"] = -torch.rand(shape, generator=gen) * 8
+    samples.tensors.advantages = torch.randn(shape, generator=gen)
+    samples.tensors.ref_log_prob = -torch.rand(shape, generator=gen) * 8
     return samples
 
 
@@ -126,7 +126,7 @@ def packing_worker(rank: int, world: int, model_dir: str) -> dict[str, float]:
     out["rollout_logprobs"] = _masked_rel(tf_pad, tf_pack, mask)
 
     # actor update: PPO loss and grads
-    samples.tensors["old_log_prob"] = lp_pad + 0.01 * samples.tensors["advantages"]
+    samples.tensors.old_log_prob = lp_pad + 0.01 * samples.tensors.require("advantages")
     ddp, _, _ = wrap_for_training(model, OptimSettings(lr=1e-2, adam_eps=1e-3))
     loss_pad, grads_pad = _actor_step(ddp, dims, layout, samples, padded)
     loss_pack, grads_pack = _actor_step(ddp, dims, layout, samples, packed)
@@ -168,8 +168,8 @@ def grouped_samples(vocab: int) -> Samples:
             groups.append(f"g{g}")
     samples = Samples.from_sequences(prompts, responses, groups, 0, "cpu")
     shape = samples.response_mask.shape
-    samples.tensors["advantages"] = torch.randn(shape, generator=gen)
-    samples.tensors["ref_log_prob"] = -torch.rand(shape, generator=gen) * 8
+    samples.tensors.advantages = torch.randn(shape, generator=gen)
+    samples.tensors.ref_log_prob = -torch.rand(shape, generator=gen) * 8
     return samples
 
 
@@ -185,7 +185,7 @@ def shared_prompt_check(ddp, critic, dims, layout) -> dict[str, float]:
 
     lp_pack = forward_response_tensor(ddp, samples, logp, packed)
     lp_shared = forward_response_tensor(ddp, samples, logp, shared)
-    samples.tensors["old_log_prob"] = lp_pack + 0.01 * samples.tensors["advantages"]
+    samples.tensors.old_log_prob = lp_pack + 0.01 * samples.tensors.require("advantages")
     loss_pack, grads_pack = _actor_step(ddp, dims, layout, samples, packed)
     loss_shared, grads_shared = _actor_step(ddp, dims, layout, samples, shared)
     v_pack = forward_response_tensor(critic, samples, response_values, packed)
@@ -218,7 +218,7 @@ def _skewed_rank_samples(dp_rank: int) -> tuple[Samples, torch.Tensor]:
     samples = Samples.from_sequences(prompts, responses, groups, 0, "cpu")
     # a per-token tensor and a score that name their sample, to check they travel with it
     first = samples.input_ids[:, 0].float()
-    samples.tensors["old_log_prob"] = first.unsqueeze(1) * samples.response_mask
+    samples.tensors.old_log_prob = first.unsqueeze(1) * samples.response_mask
     return samples, samples.response_lens.float() * 10 + first
 
 
@@ -230,7 +230,9 @@ def _records(samples: Samples, scores: torch.Tensor) -> list[tuple]:
             tuple(samples.input_ids[i, : lens[i]].tolist()),
             int(samples.prompt_lens[i]),
             float(scores[i]),
-            tuple(samples.tensors["old_log_prob"][i, : int(samples.response_lens[i])].tolist()),
+            tuple(
+                samples.tensors.require("old_log_prob")[i, : int(samples.response_lens[i])].tolist()
+            ),
         )
         for i in range(samples.size)
     )

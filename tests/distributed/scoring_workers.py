@@ -31,7 +31,7 @@ def rollout_of(size: int, vocab: int, seed: int) -> Samples:
     prompts = torch.randint(1, vocab, (size, PROMPT_LEN), generator=gen).tolist()
     responses = torch.randint(1, vocab, (size, RESPONSE_LEN), generator=gen).tolist()
     samples = Samples.from_sequences(prompts, responses, list(range(size)), 0, "cpu")
-    samples.tensors["rollout_log_prob"] = torch.zeros(size, RESPONSE_LEN)
+    samples.tensors.rollout_log_prob = torch.zeros(size, RESPONSE_LEN)
     return samples
 
 
@@ -56,7 +56,6 @@ def scoring_memory(model_dir: str) -> dict:
     from megarl.parallel import ParallelLayout
     from megarl.trainer.model_ops import MicroBatching, response_positions
     from megarl.trainer.old_log_probs import score_old_log_probs
-    from megarl.trainer.tensor_keys import OLD_LOG_PROB
 
     model, dims = build_model(model_dir, ParallelLayout.for_world(2, pp=2), load=False)
     gen = torch.Generator().manual_seed(3)
@@ -79,7 +78,7 @@ def scoring_memory(model_dir: str) -> dict:
             )
         )
         out["one_forward"][size] = peak
-        diff = (samples.tensors[OLD_LOG_PROB] - whole).abs().max().item()
+        diff = (samples.tensors.require("old_log_prob") - whole).abs().max().item()
         out["diff"] = max(out["diff"], diff)
     return out
 
@@ -218,7 +217,7 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         resumed=None,  # type: ignore[arg-type]
     )
     batch, m = step_batch(run)
-    old = batch.samples.tensors["old_log_prob"][batch.samples.response_mask.bool()]
+    old = batch.samples.tensors.require("old_log_prob")[batch.samples.response_mask.bool()]
     return {
         "events": events,
         "metrics": sorted(m),

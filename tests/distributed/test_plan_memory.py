@@ -185,7 +185,7 @@ def _score(tracker, ddp, dims, seq, batch, packed, gen) -> dict[str, int]:
     samples = Samples.from_sequences(
         [r[:prompt] for r in ids], [r[prompt:] for r in ids], list(range(n)), 0, "cpu"
     )
-    samples.tensors["rollout_log_prob"] = torch.zeros_like(samples.response_mask)
+    samples.tensors.rollout_log_prob = torch.zeros_like(samples.response_mask)
     batching = MicroBatching(size=batch, max_tokens=budget, packing=packed is not None)
     resident = tracker.live
     tracker.phase("scoring")

@@ -797,6 +797,41 @@ def assert_same_samples(one: dict[tuple, dict], many: dict[tuple, dict], step: i
             assert many[key][name] == pytest.approx(r[name], abs=1e-5), (step, name)
 
 
+def critic_runs_at_two_layouts(
+    work: Path, name: str, rows: list[int], *overrides: str
+) -> tuple[dict[int, dict], dict[int, dict]]:
+    """PPO with a critic (``PPO_CRITIC`` and ``overrides``) at one process and at TP1 x PP2 x
+    DP2, runs ``<name>_single`` and ``<name>_pp2dp2``, both on a train file of the fixture's
+    rows ``rows``, read unshuffled, with their samples dumped; each run's metrics by step."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(work / "data" / "train.parquet").take(rows)
+    path = work / "data" / f"{name}_layout.parquet"
+    pq.write_table(table, path)
+    same = (
+        *PPO_CRITIC,
+        *overrides,
+        f"data.train_files=[{path}]",
+        "data.shuffle=false",
+        "trainer.dump_rollouts=true",
+    )
+    single = by_step(train(work, f"{name}_single", *same))
+    sharded = by_step(
+        train(work, f"{name}_pp2dp2", *same, "parallel.pp=2", "parallel.infer_tp=2", nproc=4)
+    )
+    return single, sharded
+
+
+def same_samples_at_both_layouts(
+    work: Path, name: str, step: int, repeats: bool = False
+) -> dict[tuple, dict]:
+    """The dumped samples of ``step`` of :func:`critic_runs_at_two_layouts`' two runs, asserted
+    alike (:func:`assert_same_samples`); the one process's."""
+    one = dumped_samples(work, f"{name}_single", step, repeats=repeats)
+    assert_same_samples(one, dumped_samples(work, f"{name}_pp2dp2", step, repeats=repeats), step)
+    return one
+
+
 def rows_read_alike(draws: int, per_draw: int = 4, dp: int = 2) -> list[int]:
     """Which source prompt each row of a train file holds so that one process and DP ``dp`` read
     the same prompts in the same order for ``draws`` draws of ``per_draw`` prompts, unshuffled.
@@ -852,28 +887,11 @@ def test_ppo_with_critic_tp1_pp2_dp2_matches_one_process(workdir):
     samples (they were each rank's std and count averaged: the count half the step's at DP2).
     actor/ratio_max and ratio_min are the largest and smallest over the micro-
     batches and ranks (they were token-weighted means: 1.031 at DP2 for an actual 1.0)."""
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(workdir / "data" / "train.parquet").take([0, 1, 2, 3, 2, 3, 4, 5])
-    pq.write_table(rows, workdir / "data" / "ppo_layout.parquet")
-    same = (
-        *PPO_CRITIC,
-        f"data.train_files=[{workdir / 'data' / 'ppo_layout.parquet'}]",
-        "data.shuffle=false",
-        "trainer.dump_rollouts=true",
-    )
-    single = by_step(train(workdir, "ppo_single", *same))
-    sharded = by_step(
-        train(workdir, "ppo_pp2dp2", *same, "parallel.pp=2", "parallel.infer_tp=2", nproc=4)
-    )
+    single, sharded = critic_runs_at_two_layouts(workdir, "ppo", [0, 1, 2, 3, 2, 3, 4, 5])
     for step in (1, 2):
         assert_critic_runs_alike(single[step], sharded[step], step)
-        a, b = (
-            dumped_samples(workdir, "ppo_single", step),
-            dumped_samples(workdir, "ppo_pp2dp2", step),
-        )
-        assert len(a) == 16, step  # 4 prompts x 4 samples
-        assert_same_samples(a, b, step)
+        samples = same_samples_at_both_layouts(workdir, "ppo", step)
+        assert len(samples) == 16, step  # 4 prompts x 4 samples
     assert single[2]["actor/reward_kl"] > 0.01  # the KL in the reward acts at step 2
     # the critic's explained variance is compared as a number at some step, not only as NaN
     assert any(math.isfinite(single[s]["critic/explained_var"]) for s in (1, 2)), single
@@ -899,21 +917,12 @@ def test_dapo_dynamic_sampling_with_a_critic_tp1_pp2_dp2_matches_one_process(wor
     another rollout with other seeds, also in the low 32 bits that CPU sampling keeps
     (megarl/hybrid_engine/seeds.py), so it samples other responses; a short response can still
     come out the same twice, so samples are matched with their repeats."""
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(workdir / "data" / "train.parquet").take(rows_read_alike(draws=6))
-    pq.write_table(rows, workdir / "data" / "dapo_layout.parquet")
-    same = (
-        *PPO_CRITIC,
+    single, records = critic_runs_at_two_layouts(
+        workdir,
+        "dapo",
+        rows_read_alike(draws=6),
         "algorithm.filter_groups=true",
         "algorithm.filter_groups_max_batches=3",
-        f"data.train_files=[{workdir / 'data' / 'dapo_layout.parquet'}]",
-        "data.shuffle=false",
-        "trainer.dump_rollouts=true",
-    )
-    single = by_step(train(workdir, "dapo_single", *same))
-    records = by_step(
-        train(workdir, "dapo_pp2dp2", *same, "parallel.pp=2", "parallel.infer_tp=2", nproc=4)
     )
     for step in (1, 2):
         one, many = single[step], records[step]
@@ -930,12 +939,8 @@ def test_dapo_dynamic_sampling_with_a_critic_tp1_pp2_dp2_matches_one_process(wor
         key = "dynamic_sampling/reward_mean_drawn"
         assert many[key] == pytest.approx(one[key], abs=1e-6), step
         assert_critic_runs_alike(one, many, step)
-        a, b = (
-            dumped_samples(workdir, "dapo_single", step, repeats=True),
-            dumped_samples(workdir, "dapo_pp2dp2", step, repeats=True),
-        )
-        assert len(a) == 4 * one["dynamic_sampling/groups_trained"], step
-        assert_same_samples(a, b, step)
+        samples = same_samples_at_both_layouts(workdir, "dapo", step, repeats=True)
+        assert len(samples) == 4 * one["dynamic_sampling/groups_trained"], step
     # what the four ranks' run logs besides
     last = records[2]
     for role in ("actor", "critic"):

@@ -460,6 +460,33 @@ def test_failing_timed_out_and_silent_agents_score_zero_and_are_counted(tokenize
         good.check_failures(0.0)  # nothing failed
 
 
+def test_a_queue_behind_slow_agents_ends_by_the_batch_deadline(tokenizer):
+    """Agents share one deadline per batch (rollout's part of trainer.hang_timeout_s): one that
+    waited in the pool starts with what is left, and none starts once it is spent; the batch
+    returns by then instead of holding the step until the watchdog ends the run."""
+    limits = AgentLimits(concurrency=1, timeout_s=30, batch_deadline_s=2.0)
+    assert limits.left(10.0, 10.5) == 1.5 and limits.left(10.0, 13.0) == -1.0
+    assert AgentLimits(1, 30).left(10.0, 1e6) == 30  # no deadline: each agent's own limit
+
+    def asks_then_works(row: dict, base_url: str, model: str) -> float:
+        openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "q"}]
+        )
+        time.sleep(0.5)  # its tool: five of these one after the other need 2.5 s and more
+        return 1.0
+
+    with AgentEndpoint(Scripted(tokenizer, ["fine"] * 5), tokenizer, _settings()) as ep:
+        batch = run_agents(_agent_from(asks_then_works), ep, [(i, {}) for i in range(5)], limits)
+    outcomes = [s.outcome for s in batch.samples]
+    assert outcomes[0] == "ok" and outcomes[-1] == "timeout", outcomes
+    assert set(outcomes) == {"ok", "timeout"} and outcomes == sorted(outcomes)  # ok ones first
+    assert batch.seconds < 2.0 + 1.0, batch.seconds  # the deadline, and a loaded machine's slack
+    never_started = [s for s in batch.samples if not s.segments and s.outcome == "timeout"]
+    assert never_started and all("was not started" in (s.error or "") for s in never_started)
+    assert all(s.reward == 0.0 for s in batch.samples if s.outcome == "timeout")
+    assert batch.metrics()["agent/timeouts"].value == outcomes.count("timeout")
+
+
 # -- the loader and the config -------------------------------------------------------------------
 def test_the_loader_names_the_fix(tmp_path):
     file = tmp_path / "agents.py"

@@ -4,6 +4,8 @@ constant (rollout.max_response_length by default), not by a micro-batch's padded
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -18,7 +20,18 @@ pytestmark = pytest.mark.unit
 MAX_RESPONSE = 24
 
 
-def batch(n_prompts: int = 4, n: int = 4) -> tuple[Samples, torch.Tensor]:
+class Forward(NamedTuple):
+    """What the actor's forward would give for every sample (stood in for by noise)."""
+
+    log_prob: torch.Tensor
+    entropy: torch.Tensor
+
+    def rows(self, idx: list[int], width: int) -> Forward:
+        """Those of the samples ``idx`` (a micro-batch's rows), trimmed to its response width."""
+        return Forward(self.log_prob[idx, :width], self.entropy[idx, :width])
+
+
+def batch(n_prompts: int = 4, n: int = 4) -> tuple[Samples, Forward]:
     gen = torch.Generator().manual_seed(3)
     prompts = [
         torch.randint(
@@ -35,35 +48,33 @@ def batch(n_prompts: int = 4, n: int = 4) -> tuple[Samples, torch.Tensor]:
             seq_prompts.append(prompts[p])
     s = Samples.from_sequences(seq_prompts, responses, groups, pad_id=0, device="cpu")
     shape = s.response_mask.shape
-    s.tensors["old_log_prob"] = -torch.rand(shape, generator=gen)
-    s.tensors["ref_log_prob"] = -torch.rand(shape, generator=gen)
-    s.tensors["advantages"] = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
-    new_log_prob = s.tensors["old_log_prob"] + 0.3 * torch.randn(shape, generator=gen)
-    s.tensors["new_log_prob"] = new_log_prob  # stands for the actor's forward
-    s.tensors["entropy"] = torch.rand(shape, generator=gen)
-    return s, new_log_prob
+    s.tensors.old_log_prob = -torch.rand(shape, generator=gen)
+    s.tensors.ref_log_prob = -torch.rand(shape, generator=gen)
+    s.tensors.advantages = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
+    new_log_prob = s.tensors.require("old_log_prob") + 0.3 * torch.randn(shape, generator=gen)
+    return s, Forward(new_log_prob, torch.rand(shape, generator=gen))
 
 
-def rank_loss(cfg, samples: Samples, rows: list[int], micro: int) -> torch.Tensor:
+def rank_loss(cfg, samples: Samples, forward: Forward, rows: list[int], micro: int) -> torch.Tensor:
     """One rank's mini-batch loss as the trainer builds it: micro-batches sorted by length, each
     loss weighted by its share of the mini-batch (model_ops.ppo_update)."""
     terms = policy_terms(cfg)
     token_level = cfg.algorithm.loss_agg_mode == "token-mean"
     mini_tokens = float(samples.response_mask[rows].sum())
     total = torch.zeros(())
-    for _, mb in micro_batches(samples, rows, micro):
-        t = mb.tensors
-        loss, _ = terms(t["new_log_prob"], t["entropy"], mb)
+    for idx, mb in micro_batches(samples, rows, micro):
+        logp, entropy = forward.rows(idx, mb.response_mask.shape[1])
+        loss, _ = terms(logp, entropy, mb)
         total = total + loss * _weight(mb, mini_tokens, len(rows), token_level)
     return total
 
 
-def dp_loss(cfg, samples: Samples, dp: int, micro: int) -> torch.Tensor:
+def dp_loss(cfg, samples: Samples, forward: Forward, dp: int, micro: int) -> torch.Tensor:
     """megatron's DDP averages the ranks' gradients: the loss is the mean of the ranks' losses.
     Each rank holds whole prompt groups (rows are prompt-major)."""
     per_rank = samples.size // dp
     ranks = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(dp)]
-    return torch.stack([rank_loss(cfg, samples, rows, micro) for rows in ranks]).mean()
+    return torch.stack([rank_loss(cfg, samples, forward, rows, micro) for rows in ranks]).mean()
 
 
 def test_dr_grpo_loss_is_the_same_for_any_micro_batching_and_dp_split():
@@ -78,10 +89,12 @@ def test_dr_grpo_loss_is_the_same_for_any_micro_batching_and_dp_split():
             "rollout.n=4",
         ]
     )
-    samples, _ = batch()
-    reference = dp_loss(cfg, samples, dp=1, micro=samples.size)  # one micro-batch, one rank
+    samples, forward = batch()
+    reference = dp_loss(
+        cfg, samples, forward, dp=1, micro=samples.size
+    )  # one micro-batch, one rank
     losses = {
-        (dp, micro): float(dp_loss(cfg, samples, dp, micro))
+        (dp, micro): float(dp_loss(cfg, samples, forward, dp, micro))
         for dp in (1, 2, 4)
         for micro in (1, 3, 4, 16)
     }
@@ -90,21 +103,21 @@ def test_dr_grpo_loss_is_the_same_for_any_micro_batching_and_dp_split():
 
     # the value itself: (1/N) sum_i sum_t loss_it / max_response_length, by hand for the pg term
     mask = samples.response_mask.bool()
-    ratio = torch.exp(samples.tensors["new_log_prob"] - samples.tensors["old_log_prob"])
-    adv = samples.tensors["advantages"]
+    ratio = torch.exp(forward.log_prob - samples.tensors.require("old_log_prob"))
+    adv = samples.tensors.require("advantages")
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     pg = torch.where((adv < 0) & (pg > -adv * 3.0), -adv * 3.0, pg)  # ppo_clip's dual clip
     expected_pg = (pg * mask).sum() / MAX_RESPONSE / samples.size
     terms = policy_terms(cfg)
-    _, metrics = terms(samples.tensors["new_log_prob"], samples.tensors["entropy"], samples)
+    _, metrics = terms(forward.log_prob, forward.entropy, samples)
     assert float(metrics["actor/pg_loss"]) == pytest.approx(float(expected_pg), abs=1e-6)
 
 
 def test_a_padded_width_normaliser_would_depend_on_the_micro_batching():
     """Why the constant matters: dividing by each micro-batch's own width (the old default)
     changes the loss of the same batch with the micro-batch size."""
-    samples, logp = batch()
-    loss_mat = (logp * samples.tensors["advantages"]).detach()
+    samples, forward = batch()
+    loss_mat = (forward.log_prob * samples.tensors.require("advantages")).detach()
     rows = list(range(samples.size))
 
     def by_width(micro: int) -> float:

@@ -45,7 +45,7 @@ def draw(groups: dict[str, list[float]], resp_len: int, seed: int):
             ids.append(g)
             scores.append(score)
     samples = Samples.from_sequences(prompts, responses, ids, pad_id=0, device="cpu")
-    samples.tensors["old_log_prob"] = -torch.rand(samples.response_mask.shape, generator=gen)
+    samples.tensors.old_log_prob = -torch.rand(samples.response_mask.shape, generator=gen)
     reasons = ["length" if len(r) > resp_len else "stop" for r in responses]
     return samples, torch.tensor(scores, dtype=torch.float32), reasons
 
@@ -80,7 +80,8 @@ def test_pool_keeps_varied_groups_over_draws_and_takes_them_in_the_order_asked()
         assert torch.equal(samples.input_ids[row, :seq], src.input_ids[i, :seq])
         assert (samples.input_ids[row, seq:] == 0).all()
         assert torch.equal(
-            samples.tensors["old_log_prob"][row, :n_resp], src.tensors["old_log_prob"][i, :n_resp]
+            samples.tensors.require("old_log_prob")[row, :n_resp],
+            src.tensors.require("old_log_prob")[i, :n_resp],
         )
         assert samples.response_mask[row].sum() == n_resp
     # the order asked, not the draw order
@@ -100,7 +101,7 @@ def test_concat_pads_every_tensor():
     s2, _, _ = draw({"B": [1, 0]}, resp_len=5, seed=5)
     merged = concat_samples([s1, s2], pad_id=0)
     assert merged.size == 4 and merged.input_ids.shape[1] == s2.input_ids.shape[1]
-    assert merged.response_mask.shape[1] == merged.tensors["old_log_prob"].shape[1]
+    assert merged.response_mask.shape[1] == merged.tensors.require("old_log_prob").shape[1]
     assert merged.response_mask[:2].sum() == s1.response_mask.sum()
 
 
@@ -160,7 +161,7 @@ def trained_rows(shares) -> list[tuple]:
         for i in range(samples.size):
             p, n = int(samples.prompt_lens[i]), int(samples.response_lens[i])
             ids = samples.input_ids[i].tolist()
-            logp = samples.tensors["old_log_prob"][i, :n].tolist()
+            logp = samples.tensors.require("old_log_prob")[i, :n].tolist()
             out.append((ids[:p], ids[p : p + n], float(scores[i]), reasons[i], logp))
     return out
 

@@ -13,6 +13,7 @@ from megarl.algos.choices import resolve_algorithm_kwargs
 from megarl.config import RunConfig
 from megarl.trainer.batch import Samples
 from megarl.trainer.losses import make_critic_loss
+from megarl.trainer.token_tensors import TokenTensors
 from tests.policy_terms import policy_terms
 
 pytestmark = pytest.mark.unit
@@ -43,13 +44,13 @@ def _samples(noise: float) -> Samples:
         response_lens=torch.tensor([10, 7]),
         group_ids=[0, 0],
         response_mask=MASK.clone(),
-        tensors={
-            "advantages": t(),
-            "old_log_prob": t(0.1) - 1.0,
-            "ref_log_prob": t(0.1) - 1.0,
-            "values": t(),
-            "returns": t(),
-        },
+        tensors=TokenTensors(
+            advantages=t(),
+            old_log_prob=t(0.1) - 1.0,
+            ref_log_prob=t(0.1) - 1.0,
+            values=t(),
+            returns=t(),
+        ),
     )
 
 
@@ -64,7 +65,9 @@ def test_actor_loss_has_no_gradient_at_environment_tokens(agg):
     terms = policy_terms(cfg)
     for noise in (0.0, 1.0):
         mb = _samples(noise)
-        logp = (mb.tensors["old_log_prob"] + 0.05 * torch.randn(MASK.shape)).requires_grad_()
+        logp = (
+            mb.tensors.require("old_log_prob") + 0.05 * torch.randn(MASK.shape)
+        ).requires_grad_()
         entropy = torch.rand(MASK.shape).requires_grad_()
         loss, _ = terms(logp, entropy, mb)
         loss.backward()

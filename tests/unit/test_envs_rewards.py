@@ -66,7 +66,7 @@ def test_environment_rewards_and_the_rule_scorer_combine():
     assert scores.tolist() == pytest.approx([1.5, 1.2, 0.0, 0.0])
     # the scorer read the last turn's tokens, the stop token dropped
     assert texts[1] == "The answer is 5." and texts[2] == "It is 4."
-    tokens = samples.tensors["token_level_scores"]
+    tokens = samples.tensors.require("token_level_scores")
     assert tokens.sum(-1).tolist() == pytest.approx(scores.tolist())
     # turn ends: 1 (first turn) and the last answer token (after 3 environment tokens)
     end = trajs[0].turn_ends[1]

@@ -134,10 +134,10 @@ def test_cuda_device_max_connections_where_megatron_needs_it():
 def test_set_rank_env_keeps_a_users_value(monkeypatch):
     monkeypatch.setattr(backends, "this_machine", lambda: CUDA_TE)
     monkeypatch.delenv(MAX_CONNECTIONS, raising=False)
-    assert backends.set_rank_env(_cfg("parallel.tp=2")) == {MAX_CONNECTIONS: "1"}
+    assert _set_rank_env(_cfg("parallel.tp=2")) == {MAX_CONNECTIONS: "1"}
     assert os.environ[MAX_CONNECTIONS] == "1"
     monkeypatch.setenv(MAX_CONNECTIONS, "8")
-    assert backends.set_rank_env(_cfg("parallel.tp=2")) == {}
+    assert _set_rank_env(_cfg("parallel.tp=2")) == {}
     assert os.environ[MAX_CONNECTIONS] == "8"
 
 
@@ -166,7 +166,7 @@ def test_fp32_with_transformer_engine_and_packing_is_refused_naming_the_fix():
 def test_check_backends_refuses_it_on_this_machine(monkeypatch):
     monkeypatch.setattr(backends, "this_machine", lambda: CUDA_TE)
     with pytest.raises(ConfigError, match="THD"):
-        backends.check_backends(_cfg("model.dtype=float32"))
+        _check_backends(_cfg("model.dtype=float32"))
 
 
 def test_rollout_settings():
@@ -277,3 +277,13 @@ def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
     monkeypatch.setattr(dry_run, "this_machine", lambda: CPU)
     assert cli.main(["train", str(yaml), "parallel.tp=2", "actor.ppo_mini_batch_size=8"]) == 0
     assert launched == [8, 8, 2]  # CPU: tp * pp
+
+
+def _check_backends(cfg) -> None:
+    """megarl.run.checks' call of check_backends for ``cfg``."""
+    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+    backends.check_backends(cfg.model, cfg.actor, cfg.parallel, backend)
+
+
+def _set_rank_env(cfg) -> dict[str, str]:
+    return backends.set_rank_env(cfg.model, cfg.parallel, cfg.actor)

@@ -62,10 +62,10 @@ def test_vllm_backend_without_vllm_names_the_fix(monkeypatch):
     monkeypatch.setattr(backends, "installed", lambda package: package != "vllm")
     cfg = load_config(overrides=BASE)
     with pytest.raises(ConfigError, match=r"vLLM is not installed.*rollout.backend=hf"):
-        backends.check_backends(cfg)
-    backends.check_backends(load_config(overrides=[*BASE, "rollout.backend=hf"]))
+        _check_backends(cfg)
+    _check_backends(load_config(overrides=[*BASE, "rollout.backend=hf"]))
     # a reward-model run does not roll out
-    backends.check_backends(load_config(overrides=[*BASE, "trainer.kind=reward_model"]))
+    _check_backends(load_config(overrides=[*BASE, "trainer.kind=reward_model"]))
 
 
 def test_every_rollout_backend_the_config_accepts_has_an_engine():
@@ -278,3 +278,9 @@ def test_hf_rollout_follows_a_weight_update(hf_rollout, tmp_path):
         assert tokens == _greedy_and_logprobs(other, prompt, 6)[0]
     original = _reference(tiny_qwen2_dir())
     assert out.token_ids != [_greedy_and_logprobs(original, p, 6)[0] for p in PROMPTS]
+
+
+def _check_backends(cfg) -> None:
+    """megarl.run.checks' call of check_backends for ``cfg``."""
+    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+    backends.check_backends(cfg.model, cfg.actor, cfg.parallel, backend)

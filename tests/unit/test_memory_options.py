@@ -108,8 +108,8 @@ def test_context_parallel_refused_on_cpu_and_when_it_does_not_divide_the_budget(
     cfg = load_config(overrides=[*BASE, "parallel.cp=2"])  # 512 + 512 is a multiple of 4
     monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"parallel.cp=2: context parallelism needs Transformer"):
-        backends.check_backends(cfg)
-    backends.check_backends(load_config(overrides=BASE))  # cp=1 passes
+        _check_backends(cfg)
+    _check_backends(load_config(overrides=BASE))  # cp=1 passes
     with pytest.raises(ConfigError, match=r"parallel.cp=3 does not divide the sequence budget.*"):
         load_config(overrides=[*BASE, "parallel.cp=3", "rollout.max_response_length=500"])
     with pytest.raises(ConfigError, match=r"reward_model.max_length = 1000 must be a multiple"):
@@ -141,5 +141,13 @@ def test_optimizer_offload_range_and_cpu_refusal(monkeypatch):
     cfg = load_config(overrides=[*BASE, "actor.optimizer_offload=0.5"])
     monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"needs CUDA.*set actor.optimizer_offload=0"):
-        backends.check_backends(cfg)
+        _check_backends(cfg)
     backends.check_optimizer_offload(0.0)
+
+
+def _check_backends(cfg) -> None:
+    """megarl.run.checks' call of check_backends for ``cfg``."""
+    from megarl import backends
+
+    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+    backends.check_backends(cfg.model, cfg.actor, cfg.parallel, backend)

@@ -10,10 +10,8 @@ import torch
 from megarl.config import load_config, rollout_dtype
 from megarl.errors import ConfigError
 from megarl.trainer.batch import Samples
-from megarl.trainer.old_log_probs import (
-    OLD_LOG_PROB,
-    separate_forward_reasons,
-)
+from megarl.trainer.old_log_probs import separate_forward_reasons
+from megarl.trainer.token_tensors import MissingTokenTensor
 from tests.policy_terms import from_update as update_is_old
 from tests.policy_terms import policy_terms
 
@@ -83,15 +81,15 @@ def _batch() -> tuple[Samples, torch.Tensor]:
     responses = [torch.randint(1, 50, (n,), generator=gen).tolist() for n in (3, 7, 1, 5)]
     s = Samples.from_sequences([[1, 2, 3]] * 4, responses, [0, 0, 1, 1], pad_id=0, device="cpu")
     shape = s.response_mask.shape
-    s.tensors["advantages"] = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
-    s.tensors["ref_log_prob"] = -torch.rand(shape, generator=gen)
+    s.tensors.advantages = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
+    s.tensors.ref_log_prob = -torch.rand(shape, generator=gen)
     return s, -torch.rand(shape, generator=gen) - 0.5
 
 
 def test_actor_loss_with_the_update_logprobs_equals_the_loss_with_them_given():
     """The loss built for a one-step run (old = the update's logprobs, detached) equals the loss of
     a run given the same numbers as old logprobs, gradient included, and hands the logprobs back
-    under OLD_LOG_PROB; a run that needs a separate forward still requires them."""
+    under the name old_log_prob; a run that needs a separate forward still requires them."""
     samples, logp_values = _batch()
     one_step = load_config(overrides=ONE_STEP)
     from_update = policy_terms(one_step)
@@ -101,16 +99,16 @@ def test_actor_loss_with_the_update_logprobs_equals_the_loss_with_them_given():
     loss, metrics = from_update(logp, None, samples)
     loss.backward()
     given = samples.select(range(samples.size))
-    given.tensors[OLD_LOG_PROB] = logp_values.clone()
+    given.tensors.old_log_prob = logp_values.clone()
     logp_ref = logp_values.clone().requires_grad_()
     loss_ref, metrics_ref = separate(logp_ref, None, given)
     loss_ref.backward()
     assert loss.item() == pytest.approx(loss_ref.item(), abs=1e-7)
     assert torch.allclose(logp.grad, logp_ref.grad, atol=1e-7)
     assert logp.grad.abs().sum() > 0
-    assert torch.equal(metrics[OLD_LOG_PROB], logp_values)
-    assert not metrics[OLD_LOG_PROB].requires_grad
-    assert OLD_LOG_PROB not in metrics_ref
+    assert torch.equal(metrics["old_log_prob"], logp_values)
+    assert not metrics["old_log_prob"].requires_grad
+    assert "old_log_prob" not in metrics_ref
     assert metrics["actor/ratio_max"] == 1.0 and metrics["actor/ratio_min"] == 1.0
-    with pytest.raises(KeyError, match=OLD_LOG_PROB):
+    with pytest.raises(MissingTokenTensor, match="old_log_prob"):
         separate(logp_ref, None, samples)

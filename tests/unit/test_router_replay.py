@@ -29,7 +29,6 @@ from megarl.trainer.routing_flags import (
     fill_response_flags,
     position_codes,
 )
-from megarl.trainer.tensor_keys import OLD_LOG_PROB, ROLLOUT_LOG_PROB
 from tests.assets import tiny_char_llama_dir, tiny_char_qwen3_moe_dir
 from tests.distributed.router_replay_workers import natural_routes
 
@@ -221,8 +220,8 @@ def test_each_response_token_is_flagged_by_the_routing_of_the_position_before_it
 def test_the_moe_mismatch_splits_into_agreed_and_flipped_tokens(monkeypatch):
     monkeypatch.setattr(mismatch.dist, "all_reduce", lambda *args, **kwargs: None)  # one rank
     samples = Samples.from_sequences([[1], [2]], [[3, 4, 5], [6, 7]], [0, 1], 0, "cpu")
-    samples.tensors[ROLLOUT_LOG_PROB] = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -9.0]])
-    samples.tensors[OLD_LOG_PROB] = torch.tensor([[-1.1, -1.2, -1.3], [-1.4, -1.8, 0.0]])
+    samples.tensors.rollout_log_prob = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -9.0]])
+    samples.tensors.old_log_prob = torch.tensor([[-1.1, -1.2, -1.3], [-1.4, -1.8, 0.0]])
     flags = torch.tensor([[AGREED, UNRECORDED, FLIPPED], [FLIPPED, UNRECORDED, FLIPPED]])
     m = rollout_mismatch(samples, True, flags)  # row 1's last token is padding: not counted
     assert m["rollout/logprob_diff_mean"] == pytest.approx(0.36)

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import torch
+
 from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
 
 DEFAULT_WINDOW_S = 0.002  # how long a call waits for requests arriving with the first one
@@ -38,6 +40,9 @@ class Sampled:
     ids: list[int]  # as sampled, the stop token included when the turn stopped
     logprobs: list[float]  # the engine's, one per id
     finish: str  # "stop" (a stop token ended it) | "length" (its token limit did)
+    # actor.router_replay: the engine's experts of every prompt id and sampled id, [ids, MoE
+    # layers, top_k] int16 (-1: none; megarl.envs.trajectory.Trajectory.routes); None: not recorded
+    routes: torch.Tensor | None = None
 
 
 class Generator(Protocol):
@@ -76,10 +81,11 @@ class EngineCall:
                 f"the rollout engine returned {len(out.token_ids)} responses for "
                 f"{len(self.requests)} requests"
             )
+        routes = out.routes or [None] * len(out.token_ids)
         return [
-            Sampled(list(ids), list(lps), finish)
-            for ids, lps, finish in zip(
-                out.token_ids, out.logprobs, out.finish_reasons, strict=True
+            Sampled(list(ids), list(lps), finish, r)
+            for ids, lps, finish, r in zip(
+                out.token_ids, out.logprobs, out.finish_reasons, routes, strict=True
             )
         ]
 

@@ -221,7 +221,7 @@ class TurnMaker:
         return sampled
 
     def _record(self, segment: Segment, sampled: Sampled) -> None:
-        segment.trajectory.add_model_turn(sampled.ids, sampled.logprobs)
+        segment.trajectory.add_model_turn(sampled.ids, sampled.logprobs, sampled.routes)
         segment.finish = sampled.finish
         stopped = sampled.finish == "stop" and bool(sampled.ids)
         segment.stop_text = self.tokenizer.decode(sampled.ids[-1:]) if stopped else None

@@ -51,8 +51,8 @@ def rollout_dtype(model: ModelConfig, rollout: RolloutConfig, cuda: bool) -> str
 
 
 def routing_recorded(r: RolloutConfig, moe: bool) -> bool:
-    """Whether the rollout records each token's experts: an MoE policy on the HF backend in a
-    colocated single-turn run, without rollout.env or rollout.agent (the paths that carry them;
-    the input checks refuse actor.router_replay elsewhere)."""
-    single_turn = r.env is None and r.agent is None
-    return moe and r.backend == "hf" and single_turn and r.mode == "colocated"
+    """Whether the rollout records each token's experts: an MoE policy on the HF backend,
+    colocated or in the asynchronous rollout group, single-turn, multi-turn (rollout.env) or an
+    agent's (rollout.agent): the paths that carry them; the input checks refuse
+    actor.router_replay elsewhere (vLLM, rollout.partial, shared-prompt packs)."""
+    return moe and r.backend == "hf"

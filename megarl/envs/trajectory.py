@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from megarl.envs.base import EnvError, Message
 
 # Why a trajectory ended: the environment said done | its token budget ran out | it used
@@ -34,6 +36,10 @@ class Trajectory:
     # ended before rollout.max_turns because the response budget (rollout.max_response_length)
     # had no room for the environment's message or another turn
     budget_cut: bool = False
+    # actor.router_replay: the experts the rollout engine routed each id of prompt + response
+    # to, [ids, MoE layers, top_k] int16 on the host, -1 where no call routed it (None: not
+    # recorded); see :meth:`add_model_turn`
+    routes: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -82,7 +88,15 @@ class Trajectory:
         (rule scorer or reward model) scores the final conversation, added to the turn rewards."""
         return bool(self.turn_rewards) and self.turn_rewards[-1] is not None
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float]) -> None:
+    def add_model_turn(
+        self, ids: list[int], logprobs: list[float], routes: torch.Tensor | None = None
+    ) -> None:
+        """Append a model turn sampled after every id so far; ``routes``: the engine call's
+        record of that context and of ``ids`` (:attr:`routes`' layout, one row per id)."""
+        if routes is not None:
+            self.routes = merged_routes(
+                self.routes, routes, len(self.prompt_ids) + len(self.response_ids) + len(ids)
+            )
         self.response_ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs[: len(ids)]]
@@ -102,6 +116,46 @@ class Trajectory:
         assert reason in FINISH_REASONS, reason
         self.finish = reason
         self.error = error
+
+
+def merged_routes(kept: torch.Tensor | None, call: torch.Tensor, length: int) -> torch.Tensor:
+    """A trajectory's routes after one more engine call: ``call`` (``length`` rows: the call's
+    context, then its new ids) where ``kept`` (the earlier calls' rows) has none, ``kept`` where
+    it has. An id keeps the experts of the first call that routed it: the call whose logprobs its
+    own output gave. A later call's prefill fills what earlier calls never read: each turn's last
+    id and the environment's ids between turns, which the next turn's logprobs were computed
+    over."""
+    if call.shape[0] != length:
+        raise ValueError(
+            f"routing replay: the engine recorded {call.shape[0]} ids' experts for a turn that "
+            f"leaves the trajectory {length} ids long"
+        )
+    if kept is None:
+        return call
+    out = call.clone()
+    head = out[: kept.shape[0]]
+    head.copy_(torch.where(kept >= 0, kept, head))
+    return out
+
+
+def step_routes(ours: list[Trajectory], step: list[Trajectory]) -> list[torch.Tensor]:
+    """Each of ``ours``' routes, for a trainer rank (empty: none recorded in the whole ``step``);
+    a trajectory no engine call routed (its environment failed at reset, an agent that sent no
+    request) gets -1 on every id, shaped as the step's others."""
+    shaped = next((t.routes for t in step if t.routes is not None), None)
+    if shaped is None:
+        return []
+    return [
+        t.routes
+        if t.routes is not None
+        else torch.full(
+            (len(t.prompt_ids) + len(t.response_ids), *shaped.shape[1:]),
+            -1,
+            dtype=shaped.dtype,
+            device="cpu",  # host memory, like every record
+        )
+        for t in ours
+    ]
 
 
 # The per-trajectory counters environments report that have metric names of their own; any

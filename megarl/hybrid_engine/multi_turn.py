@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
+import torch
+
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory, trajectory_metrics
 from megarl.hybrid_engine.rollout_split import SampleStart, prompt_seed
@@ -73,8 +75,9 @@ def _generate_turn(
     sampling: SamplingConfig,
     limits: TurnLimits,
     rollout_index: int,
-) -> list[tuple[list[int], list[float], str]]:
-    """One turn of ``ts`` in one ``generate`` call: (token ids, logprobs, finish reason) each."""
+) -> list[tuple[list[int], list[float], str, torch.Tensor | None]]:
+    """One turn of ``ts`` in one ``generate`` call: (token ids, logprobs, finish reason, the
+    engine's routes of the context and the new ids or None) each."""
     budgets = [
         min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response_ids)) for t in ts
     ]
@@ -107,7 +110,8 @@ def _generate_turn(
         order = list(range(len(ts)))
     result: list = [None] * len(ts)
     for q, k in enumerate(order):
-        result[k] = (list(out.token_ids[q]), list(out.logprobs[q]), out.finish_reasons[q])
+        routes = out.routes[q] if out.routes else None
+        result[k] = (list(out.token_ids[q]), list(out.logprobs[q]), out.finish_reasons[q], routes)
     return result
 
 
@@ -148,8 +152,8 @@ def run_trajectories(
         # trajectory's on every rank
         turn = _generate_turn(engine, ts, sampling, limits, rollout_index)
         model = share(turn if runner is not None else None)
-        for t, (ids, logprobs, _) in zip(ts, model, strict=True):
-            t.add_model_turn(list(ids), list(logprobs))
+        for t, (ids, logprobs, _, routes) in zip(ts, model, strict=True):
+            t.add_model_turn(list(ids), list(logprobs), routes)
         answers = None
         if runner is not None:
             items = []
@@ -163,7 +167,7 @@ def run_trajectories(
                 for a in runner.step_all(items)
             ]
         shared = share(answers)
-        for t, (*_, finish), (env_ids, reward, done, metrics, error) in zip(
+        for t, (_, _, finish, _), (env_ids, reward, done, metrics, error) in zip(
             ts, model, shared, strict=True
         ):
             t.turn_rewards.append(reward)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self, TypeVar
 
-from megarl.envs.trajectory import Trajectory
+from megarl.envs.trajectory import Trajectory, step_routes
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sequence_seed
 
@@ -162,6 +162,7 @@ def rank_output(
         logprobs=[t.logprobs for t in ours],
         finish_reasons=[t.finish or "stop" for t in ours],
         response_masks=[t.mask for t in ours],
+        routes=step_routes(ours, list(step)),
     )
     return ours, output
 

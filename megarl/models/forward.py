@@ -24,7 +24,7 @@ from megarl.models.packing import (
     packed_positions,
     packed_values,
 )
-from megarl.models.router_replay import router_token_order, set_routes
+from megarl.models.router_replay import TokenFlags, router_token_order, set_routes
 from megarl.models.shared_prompts import SharedPromptPack, pack_shared_prompts, rotary_positions
 
 MicroBatch = TypeVar("MicroBatch")
@@ -34,6 +34,8 @@ MicroBatch = TypeVar("MicroBatch")
 # trainer's losses, which run_schedule's callers wrap).
 LossOver = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
 LossFn = LossOver[dict[str, Any]]  # the loss run_schedule takes: one micro-batch's dict
+# actor.router_replay: the key under which a replayed micro-batch's dict gets its TokenFlags
+ROUTING_FLAGS = "routing_flags"
 
 
 def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
@@ -193,7 +195,11 @@ def run_schedule(
         ids = batch["input_ids"]
         seq = ids.shape[1]
         if replayed:  # actor.router_replay: this micro-batch's recorded experts, or none
-            set_routes(model_chunk, _routes_in_router_order(batch, multiple))
+            routes = _routes_in_router_order(batch, multiple)
+            flags = None
+            if routes is not None:  # the caller reads them (megarl.trainer.routing_flags)
+                flags = batch.setdefault(ROUTING_FLAGS, _token_flags(batch, multiple))
+            set_routes(model_chunk, routes, flags)
         all_positions = batch.get("positions") is None
         if "seq_lens" in batch:
             output = _packed_forward(model_chunk, batch, multiple)
@@ -232,6 +238,13 @@ def run_schedule(
                 set_routes(chunk, None)
 
 
+def _token_flags(batch: dict[str, Any], multiple: int) -> TokenFlags:
+    """Empty flags over a micro-batch's ``[b, L]`` positions, their index in the routers' order."""
+    b, width = batch["input_ids"].shape
+    positions = torch.arange(b * width, device="cpu").reshape(b, width, 1, 1)  # like routes
+    return TokenFlags.over(_in_router_order(positions, batch, multiple), b * width)
+
+
 def _routes_in_router_order(batch: dict[str, Any], multiple: int) -> torch.Tensor | None:
     """A micro-batch's ``routes`` (``[b, L, layers, k]`` recorded experts, -1: none) in the
     token order its routers see: padded like ``input_ids`` (or packed like them), sequence-major,
@@ -244,11 +257,17 @@ def _routes_in_router_order(batch: dict[str, Any], multiple: int) -> torch.Tenso
             "routing replay does not run with shared-prompt packs (actor.share_prompts); the "
             "config check refuses the pair"
         )
+    return _in_router_order(routes, batch, multiple)
+
+
+def _in_router_order(values: torch.Tensor, batch: dict[str, Any], multiple: int) -> torch.Tensor:
+    """Per-token ``[b, L, x, y]`` values of a micro-batch in its routers' token order, -1 at
+    the padding the forward adds."""
     if "seq_lens" in batch:
-        ordered = packed_values(routes, batch["seq_lens"], multiple, fill=-1).unsqueeze(0)
+        ordered = packed_values(values, batch["seq_lens"], multiple, fill=-1).unsqueeze(0)
     else:
-        extra = -routes.shape[1] % multiple
-        ordered = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, extra), value=-1)
+        extra = -values.shape[1] % multiple
+        ordered = torch.nn.functional.pad(values, (0, 0, 0, 0, 0, extra), value=-1)
     split = multiple > 1
     return router_token_order(
         ordered,

@@ -9,7 +9,9 @@ that micro-batch's recorded experts in the router's token order (:func:`set_rout
 top_k]`` expert ids, ``-1`` for a token the engine did not route (padding, a sequence's last
 token), which routes as usual. Its top-k always computes the router's own choice too, and
 counts, over the recorded tokens, how often the router's choice and the experts used equal the
-rollout's as sets (:func:`routing_counts`).
+rollout's as sets (:func:`routing_counts`), and, per token of the micro-batch, whether some router
+of this rank chose other experts than the rollout's for it (:class:`TokenFlags`: the mismatch
+metrics split by agreed and flipped tokens, megarl.trainer.routing_flags).
 """
 
 from __future__ import annotations
@@ -40,6 +42,30 @@ class RoutingCounts:
         self.used_agrees += other.used_agrees
 
 
+@dataclass
+class TokenFlags:
+    """A micro-batch's tokens as this rank's routers saw them, by flat position in its ``[b,
+    L]`` rows: which the rollout recorded (``recorded``) and for which some router's own top-k
+    differed from the rollout's experts (``flipped``), over the layers (and, under sequence
+    parallelism, the share of the sequence) this rank routes."""
+
+    index: torch.Tensor  # [tokens] in the routers' order: each token's flat position (-1: padding)
+    recorded: torch.Tensor  # [b * L] bool, host
+    flipped: torch.Tensor  # [b * L] bool, host
+
+    @classmethod
+    def over(cls, index: torch.Tensor, positions: int) -> TokenFlags:
+        none = torch.zeros(positions, dtype=torch.bool, device="cpu")  # host, like the routes
+        return cls(index.reshape(-1).cpu(), none, none.clone())
+
+    def mark(self, recorded: torch.Tensor, agrees: torch.Tensor) -> None:
+        """One router's forward: ``recorded`` ([tokens] in its order) and, for those tokens,
+        whether its own experts were the rollout's (``agrees``)."""
+        where = self.index[recorded.cpu()]
+        self.recorded[where] = True
+        self.flipped[where[~agrees.cpu()]] = True
+
+
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per row, whether ``a`` and ``b`` (``[tokens, k]`` expert ids) hold the same experts."""
     return (a.sort(dim=1).values == b.sort(dim=1).values).all(dim=1)
@@ -50,15 +76,18 @@ class ReplayedRouting:
 
     def __init__(self) -> None:
         self.target: torch.Tensor | None = None  # [tokens, k]; -1: route as usual
+        self.flags: TokenFlags | None = None  # the micro-batch's per-token flags, marked here
         self.replay = True
         self.counts = RoutingCounts()
         # each forward's target, in order, for the recomputation of the same forwards during the
         # backward (activation recompute re-runs the router; backwards come in forward order)
         self.recompute_queue: deque[torch.Tensor | None] = deque()
 
-    def set_target(self, target: torch.Tensor | None) -> None:
-        """The next forward's recorded experts; None (at a schedule's end): none, queue cleared."""
+    def set_target(self, target: torch.Tensor | None, flags: TokenFlags | None = None) -> None:
+        """The next forward's recorded experts (and the flags it marks); None (at a schedule's
+        end): none, queue cleared."""
         self.target = target
+        self.flags = flags
         if target is None:
             self.recompute_queue.clear()
 
@@ -92,9 +121,12 @@ class ReplayedRouting:
         used = torch.where(recorded.unsqueeze(1), target, own) if self.replay else own
         if bool(recorded.any()) and not recomputing:
             mine, theirs = own[recorded], target[recorded]
+            agrees = same_sets(mine, theirs)
             self.counts.tokens += int(recorded.sum())
-            self.counts.router_agrees += int(same_sets(mine, theirs).sum())
+            self.counts.router_agrees += int(agrees.sum())
             self.counts.used_agrees += int(same_sets(used[recorded], theirs).sum())
+            if self.flags is not None:
+                self.flags.mark(recorded, agrees)
         if used is own:
             return values, own
         return scores.gather(1, used), used
@@ -131,14 +163,16 @@ def replay_routers(model, *, replay: bool = True) -> list[ReplayedRouting]:
     return out
 
 
-def set_routes(model, routes: torch.Tensor | None) -> None:
+def set_routes(model, routes: torch.Tensor | None, flags: TokenFlags | None = None) -> None:
     """Hand each router of ``model`` its slice of ``routes`` (``[tokens, layers, k]`` in the
-    routers' token order, layers global); None: route as usual."""
+    routers' token order, layers global) and the micro-batch's ``flags`` to mark; None: route
+    as usual."""
     for router in routers(model):
         replay = router.router_replay
         if not isinstance(replay, ReplayedRouting):
             continue
-        replay.set_target(None if routes is None else routes[:, moe_layer_index(router, model)])
+        layer = None if routes is None else routes[:, moe_layer_index(router, model)]
+        replay.set_target(layer, flags)
 
 
 def routing_counts(model) -> RoutingCounts:

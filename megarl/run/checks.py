@@ -333,18 +333,9 @@ def _check_router_replay(
             "Triton's CPU backend); set rollout.backend=hf (transformers records its routers' choices)",
         ),
         (
-            r.env is not None,
-            "rollout.env: multi-turn trajectories do not carry their routing yet; unset rollout.env",
-        ),
-        (
-            r.agent is not None,
-            "rollout.agent: an agent's trajectories do not carry their routing yet; unset "
-            "rollout.agent",
-        ),
-        (
-            r.mode != "colocated",
-            f"rollout.mode={r.mode}: the rollout group does not send its routing yet; set "
-            "rollout.mode=colocated",
+            r.partial,
+            "rollout.partial: a response continued across weight updates does not carry its "
+            "routing yet; set rollout.partial=false",
         ),
         (
             actor.share_prompts,

@@ -26,6 +26,7 @@ from megarl.trainer.old_log_probs import rollout_mismatch
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.rollout import step_batch
 from megarl.trainer.rollout_dump import dump_rollout
+from megarl.trainer.routing_flags import flags_buffer
 from megarl.trainer.routing_metrics import routing_metrics
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
 from megarl.trainer.validation import validation_rollout
@@ -43,6 +44,7 @@ def update_models(
     if roles.critic is not None:
         parts.append(("critic", roles.critic, run.spec.critic_loss, critic_epochs))
     out: StepMetrics = {}
+    flags = flags_buffer(samples) if from_update else None  # MoE: the mismatch split by routing
     for role, trainable, loss, epochs in parts:
         with timed(f"update_{role}") as took:
             hist = ppo_update(
@@ -57,11 +59,12 @@ def update_models(
                 run.trainer.nan_policy == "skip",
                 keep="old_log_prob" if from_update and role == "actor" else None,
                 extremes=run.spec.update_reductions,
+                routing_flags=flags if role == "actor" else None,
             )
         out.update(took.metrics())
         out.update(declare(hist[-1], run.spec.update_reductions))
     if from_update:
-        mismatch = rollout_mismatch(samples, roles.dims.is_moe)
+        mismatch = rollout_mismatch(samples, roles.dims.is_moe, flags)
         out.update(declare(mismatch, LOGPROB_MISMATCH_REDUCTIONS))
     return out
 

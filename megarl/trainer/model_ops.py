@@ -20,6 +20,7 @@ from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
 from megarl.trainer.dp_collectives import dp_mean
 from megarl.trainer.ep_micro_batches import aligned_micro_batches
+from megarl.trainer.routing_flags import combine_over_model_parallel, fill_response_flags
 from megarl.trainer.token_tensors import TokenField
 
 
@@ -98,33 +99,47 @@ def forward_response_tensor(
     samples: Samples,
     extract: Callable[[torch.Tensor, Samples], torch.Tensor],
     batching: MicroBatching,
+    routing_flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``extract(output, micro_batch)`` for every sample, as [N, R], on every pipeline stage."""
+    """``extract(output, micro_batch)`` for every sample, as [N, R], on every pipeline stage;
+    ``routing_flags`` (an ``[N, R]`` buffer, replayed MoE routers): filled with whether each
+    token's routing agreed with the rollout's (megarl.trainer.routing_flags)."""
     result = torch.zeros_like(samples.response_mask, dtype=torch.float32)
     mbs = batching.split(samples, range(samples.size))
+    inputs = [batching.inputs(mb) for _, mb in mbs]
     outputs = run_schedule(
         [model],
-        [batching.inputs(mb) for _, mb in mbs],
+        inputs,
         lambda out, batch: (out.new_zeros(()), {"value": extract(out, batch["mb"]).float()}),
         forward_only=True,
     )
     for (rows, mb), out in zip(mbs, outputs, strict=False):
         width = mb.response_mask.shape[1]
         result[rows, :width] = out["value"]
+    if routing_flags is not None:
+        fill_response_flags(routing_flags, mbs, inputs)
+        combine_over_model_parallel(routing_flags)
     return broadcast_from_last_stage(result)
 
 
 def policy_log_probs(
-    model, samples: Samples, vocab_size: int, temperature: float, batching: MicroBatching
+    model,
+    samples: Samples,
+    vocab_size: int,
+    temperature: float,
+    batching: MicroBatching,
+    routing_flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N, R]`` logprobs of every sample's response tokens under ``softmax(logits /
     temperature)``, forward-only in ``batching``'s micro-batches (the update's count or token
-    budget) through the pipeline, on every stage: the old and the reference logprobs."""
+    budget) through the pipeline, on every stage: the old and the reference logprobs
+    (``routing_flags``: see :func:`forward_response_tensor`)."""
     return forward_response_tensor(
         model,
         samples,
         lambda out, mb: response_log_probs(out, mb, vocab_size, temperature=temperature)[0],
         batching,
+        routing_flags,
     )
 
 
@@ -169,6 +184,7 @@ def ppo_update(
     skip_non_finite: bool = False,
     keep: TokenField | None = None,
     extremes: Mapping[str, Reduce] | None = None,
+    routing_flags: torch.Tensor | None = None,
 ) -> list[dict[str, float]]:
     """``epochs`` x mini-batches x micro-batches of optimizer steps; returns per-step metrics
     (the loss function's, and ``<role>/grad_norm``, ``lr``, ``update_ok``, ``skipped_non_finite``).
@@ -178,7 +194,9 @@ def ppo_update(
     ``keep``: a field of :class:`megarl.trainer.token_tensors.TokenTensors`, under whose name the
     loss function returns a per-token ``[b, R]`` tensor among its metrics; the first epoch's values
     of every row go into that field of ``samples.tensors`` (on every pipeline stage), e.g. the
-    update's logprobs when they are the old ones.
+    update's logprobs when they are the old ones; ``routing_flags``
+    (an ``[N, R]`` buffer, replayed MoE routers): filled from the first epoch's forwards, as
+    :func:`forward_response_tensor` fills it.
 
     megatron's DDP averages gradients over data-parallel ranks. Token-level losses are weighted
     by the tokens of the whole mini-batch (all data-parallel ranks), sequence-level ones by its
@@ -202,15 +220,13 @@ def ppo_update(
 
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            outs = run_schedule(
-                [ddp],
-                [
-                    {**batching.inputs(mb), "weight": w}
-                    for (_, mb), w in zip(mbs, weights, strict=True)
-                ],
-                scaled,
-                forward_only=False,
-            )
+            inputs = [
+                {**batching.inputs(mb), "weight": w}
+                for (_, mb), w in zip(mbs, weights, strict=True)
+            ]
+            outs = run_schedule([ddp], inputs, scaled, forward_only=False)
+            if routing_flags is not None and epoch == 0:
+                fill_response_flags(routing_flags, mbs, inputs)
             if keep and kept is not None:  # (kept exists only for a kept tensor)
                 per_token = [o.pop(keep) for o in outs]
                 if epoch == 0:
@@ -245,4 +261,6 @@ def ppo_update(
             history.append(step_metrics)
     if keep and kept is not None:
         samples.tensors.put(keep, broadcast_from_last_stage(kept))
+    if routing_flags is not None:
+        combine_over_model_parallel(routing_flags)
     return history

@@ -22,6 +22,7 @@ from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, policy_log_probs
+from megarl.trainer.routing_flags import AGREED, FLIPPED, flags_buffer
 
 
 def separate_forward_reasons(
@@ -71,21 +72,29 @@ def score_old_log_probs(
     ``softmax(logits / temperature)``, the distribution the rollout sampled from) in
     ``batching``'s micro-batches, and the rollout-vs-trainer mismatch measured on them. Collective
     over the world; run it after the rollout engine sleeps."""
+    flags = flags_buffer(samples)
     samples.tensors.old_log_prob = policy_log_probs(
-        actor, samples, vocab_size, temperature, batching
+        actor, samples, vocab_size, temperature, batching, flags
     )
-    return rollout_mismatch(samples, is_moe)
+    return rollout_mismatch(samples, is_moe, flags)
 
 
-def rollout_mismatch(samples: Samples, is_moe: bool) -> dict[str, float]:
+def rollout_mismatch(
+    samples: Samples, is_moe: bool, routing_flags: torch.Tensor | None = None
+) -> dict[str, float]:
     """The rollout-vs-trainer logprob mismatch of a batch carrying ``old_log_prob``, from the
     scoring pass or from the update's forward: the same metrics either way (a collective over
-    the world)."""
+    the world); an MoE model's split by the routing of the forward that gave them
+    (``routing_flags``, megarl.trainer.routing_flags; None: every token unrecorded)."""
     rollout = samples.tensors.require("rollout_log_prob")
     old = samples.tensors.require("old_log_prob")
     mask = samples.response_mask.bool()
     diffs = (rollout - old.to(rollout.device)).abs()
-    return logprob_mismatch(diffs[mask.to(diffs.device)].float(), is_moe)
+    kept = mask.to(diffs.device)
+    if routing_flags is None:
+        return logprob_mismatch(diffs[kept].float(), is_moe)
+    codes = routing_flags.to(diffs.device)[kept]
+    return logprob_mismatch(diffs[kept].float(), is_moe, codes == AGREED, codes == FLIPPED)
 
 
 __all__ = [

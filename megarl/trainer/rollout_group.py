@@ -50,6 +50,7 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.config import DataConfig, RunConfig, model_dtype, rollout_dtype
 from megarl.config import validate as validate_config
+from megarl.config.derived import routing_recorded
 from megarl.data import PromptItem
 from megarl.data.chat import pad_token_id
 from megarl.dtypes import dtype_from_name
@@ -486,6 +487,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
             cfg.rollout,
             cfg.trainer.seed,
             split.local_rank(world.rank) // infer_tp,
+            record_routes=routing_recorded(cfg.rollout, dims.is_moe),
         ),
         expected,
     )

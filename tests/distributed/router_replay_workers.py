@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from megarl.models.build import build_model
-from megarl.models.forward import gather_vocab, run_schedule
-from megarl.models.router_replay import replay_routers, routers, routing_counts
+from megarl.models.forward import ROUTING_FLAGS, gather_vocab, run_schedule
+from megarl.models.router_replay import moe_layer_index, replay_routers, routers, routing_counts
 from megarl.parallel import destroy_model_parallel
 from megarl.platform import adapt_megatron_for_cpu
+from megarl.trainer.routing_flags import (
+    AGREED,
+    FLIPPED,
+    combine_over_model_parallel,
+    position_codes,
+)
 from tests.distributed.parity_workers import _hf, _setup, batch_for
 
 
@@ -72,8 +79,17 @@ def random_routes(b: int, s: int, layers: int, experts: int, k: int, seed: int) 
     return routes
 
 
-def _logits(model, ids: torch.Tensor, routes: torch.Tensor | None, packed: bool):
+def perturb(weight: torch.Tensor, layer: int) -> None:
+    """A router's weight moved at random, drawn per global layer (the same on any stage)."""
+    gen = torch.Generator().manual_seed(5 + layer)
+    weight.add_(torch.randn(weight.shape, generator=gen) * 0.3 * weight.std())
+
+
+def _logits(model, ids: torch.Tensor, routes: torch.Tensor | None, packed: bool, seen=None):
+    """The full-vocabulary logits (last stage; else None); ``seen`` gets the micro-batch's dict."""
     batch: dict = {"input_ids": ids}
+    if seen is not None:
+        seen.append(batch)
     if routes is not None:
         batch["routes"] = routes
     if packed:
@@ -125,15 +141,19 @@ def replay_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) ->
         if logits is not None:
             results["own"] = (logits - ref_natural).abs().max().item()
         # the trainer's routers perturbed: a rollout (transformers) that routed otherwise
-        gen = torch.Generator().manual_seed(5)
         with torch.no_grad():
             for router in routers(model):
-                w = router.weight
-                w.add_(torch.randn(w.shape, generator=gen) * 0.3 * w.std())
+                perturb(router.weight, moe_layer_index(router, model))
         for name, replay in (("perturbed", False), ("perturbed_replayed", True)):
             replay_routers(model, replay=replay)
-            logits = _logits(model, ids, natural, False)
+            seen: list[dict] = []
+            logits = _logits(model, ids, natural, False, seen)
             counts = routing_counts(model)
+            if not replay:  # each token flipped or agreed, every stage's and SP share's layers
+                flags = combine_over_model_parallel(position_codes(seen[0][ROUTING_FLAGS], (b, s)))
+                expected = _flipped_by(hf, ids, natural)
+                out[f"{key}:flag_errors"] = float((flags != expected).sum())
+                out[f"{key}:flipped_tokens"] = float((flags == FLIPPED).float().mean())
             if logits is not None:
                 results[name] = (logits - ref_natural).abs().max().item()
             out[f"{key}:{name}_router"] = counts.router_agrees / max(counts.tokens, 1)
@@ -142,3 +162,15 @@ def replay_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) ->
             out[f"{key}:{name}"] = max(value, out.get(f"{key}:{name}", 0.0))
         destroy_model_parallel()
     return out
+
+
+def _flipped_by(hf, ids: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` per token: FLIPPED where transformers' routers, perturbed as the trainer's
+    are, choose another expert set than ``natural`` at some layer; else AGREED."""
+    moved = copy.deepcopy(hf)
+    with torch.no_grad():
+        for layer, router in enumerate(_hf_routers(moved)):
+            perturb(router.weight, layer)
+    own = natural_routes(moved, ids).long().sort(dim=-1).values
+    differs = (own != natural.long().sort(dim=-1).values).any(dim=-1).any(dim=-1)
+    return torch.where(differs, FLIPPED, AGREED).to(torch.int32)

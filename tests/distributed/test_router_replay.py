@@ -10,7 +10,12 @@ EP2 (TP1 x DP4) and PP2 x EP2 (each stage's routers take their own layers' route
 - The trainer's routers perturbed (a rollout that routed otherwise, like a bf16 engine): without
   replay their choice disagrees with transformers' on part of the tokens and the logits move
   away; replaying transformers' routing, every token uses its experts again and the logits come
-  back (the remaining gap is the perturbed gate weights of the same experts).
+  back (the remaining gap is the perturbed gate weights of the same experts). Measured: the
+  routers agree on 0.75-0.80 of token-layers, the logits move 0.076-0.087 away and 0.025 when
+  replayed. Each token's
+  flag for the mismatch split (megarl.trainer.routing_flags: flipped where some layer's router
+  chose otherwise, combined over the pipeline stages and the sequence-parallel shares) equals
+  the flag of transformers with the same perturbed routers.
 """
 
 from __future__ import annotations
@@ -50,3 +55,6 @@ def test_replayed_routing_equals_a_forced_transformers_forward():
         # replayed: every recorded token on transformers' experts, and the logits closer
         assert merged[f"{key}:perturbed_replayed_used"] == 1.0, merged
         assert merged[f"{key}:perturbed_replayed"] < merged[f"{key}:perturbed"] / 2, merged
+        # every token's flag is transformers' (both kinds present)
+        assert merged[f"{key}:flag_errors"] == 0, merged
+        assert 0.0 < merged[f"{key}:flipped_tokens"] < 1.0, merged

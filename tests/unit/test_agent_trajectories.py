@@ -149,19 +149,26 @@ class Replying(Recording):
         )
 
 
+def agent_source(
+    fn, tokenizer, sampling: SamplingConfig, max_context_tokens: int, timeout_s: float = 60
+) -> AgentSource:
+    """The agent function ``fn``'s source: the run's seed and turn length those of
+    ``sampling``, two agents at a time."""
+    settings = TurnSettings(
+        model="policy",
+        seed=sampling.seed,
+        max_turn_tokens=sampling.max_new_tokens,
+        max_context_tokens=max_context_tokens,
+    )
+    limits = AgentLimits(concurrency=2, timeout_s=timeout_s)
+    return AgentSource(Agent(fn, fn.__name__, False), tokenizer, settings, limits, sampling, PAD)
+
+
 def test_an_engines_part_trains_each_samples_last_segment_and_its_followers_repeat_the_calls():
     tokenizer = AutoTokenizer.from_pretrained(tiny_char_llama_dir())
     reply = [*tokenizer("ok", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
     sampling = SamplingConfig(n=2, seed=9, max_new_tokens=8)
-    settings = TurnSettings(model="policy", seed=9, max_turn_tokens=8, max_context_tokens=256)
-    source = AgentSource(
-        Agent(editing_agent, "editing_agent", False),
-        tokenizer,
-        settings,
-        AgentLimits(concurrency=2, timeout_s=60),
-        sampling,
-        PAD,
-    )
+    source = agent_source(editing_agent, tokenizer, sampling, max_context_tokens=256)
     starts = [SampleStart(sample=s, row={"k": s}, fallback_prompt=[1]) for s in (4, 5)]
     first = Replying(reply)
     announced: list[EngineCall | None] = []

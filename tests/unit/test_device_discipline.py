@@ -104,6 +104,10 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/trainer/routing_metrics.py": {
         "routing_metrics": "three counts made on platform.collective_device()",
     },
+    "megarl/trainer/routing_flags.py": {
+        "combine_over_model_parallel": "routing_flags.flags_buffer made on "
+        "platform.collective_device()",
+    },
     "megarl/tools/gpu_fidelity.py": {
         "device_reserve": "one element made on platform.collective_device(group)",
     },

@@ -11,14 +11,24 @@ import torch
 
 from megarl.config import load_config
 from megarl.errors import ConfigError
+from megarl.hybrid_engine import mismatch
 from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.models.dims import ModelDims
+from megarl.models.forward import ROUTING_FLAGS
 from megarl.models.packing import pack, packed_values
-from megarl.models.router_replay import ReplayedRouting, router_token_order
+from megarl.models.router_replay import ReplayedRouting, TokenFlags, router_token_order
 from megarl.run.checks import _check_moe_options
 from megarl.trainer.batch import Samples, padded_routes
 from megarl.trainer.dynamic_sampling import concat_samples
+from megarl.trainer.old_log_probs import rollout_mismatch
+from megarl.trainer.routing_flags import (
+    AGREED,
+    FLIPPED,
+    UNRECORDED,
+    fill_response_flags,
+    position_codes,
+)
 from tests.assets import tiny_char_llama_dir, tiny_char_qwen3_moe_dir
 from tests.distributed.router_replay_workers import natural_routes
 
@@ -127,6 +137,10 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
         _check_moe_options(cfg.model, cfg.rollout, cfg.actor, dims)
 
     check(moe, "rollout.backend=hf")
+    # multi-turn and agent trajectories carry their routing (test_router_replay_trajectories.py)
+    check(moe, "rollout.backend=hf", "rollout.env=tests/e2e/relay_env.py:Relay")
+    check(moe, "rollout.backend=hf", "rollout.agent=agent.py:solve")
+    check(moe, "rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1")
     for dims, overrides, message in (
         (dense, ("rollout.backend=hf",), "dense"),
         (
@@ -136,11 +150,15 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
         ),
         (
             moe,
-            ("rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"),
-            "rollout group",
+            (
+                "rollout.backend=hf",
+                "rollout.mode=async",
+                "parallel.rollout_ranks=1",
+                "rollout.partial=true",
+            ),
+            "rollout.partial: a response continued across weight updates",
         ),
         (moe, ("rollout.backend=hf", "actor.share_prompts=true"), "shared-prompt"),
-        (moe, ("rollout.backend=hf", "rollout.agent=agent.py:solve"), "agent's trajectories"),
     ):
         with pytest.raises(ConfigError, match=message):
             check(dims, *overrides)
@@ -172,3 +190,45 @@ def test_the_installed_vllm_returns_no_routed_experts_on_this_cpu_build(
     )
     with pytest.raises(ValueError, match=refusal):
         engine_args.create_engine_config()
+
+
+def test_each_response_token_is_flagged_by_the_routing_of_the_position_before_it():
+    """A micro-batch's per-position flags (as the routers mark them, in their token order) reach
+    the samples' response space at the position that predicts each token, in the rows of its
+    micro-batch."""
+    samples = Samples.from_sequences([[1, 2], [3]], [[4, 5, 6], [7, 8]], [0, 1], 0, "cpu")
+    inputs, mbs = [], []
+    for row, flipped_position in ((1, 1), (0, 2)):  # the micro-batches in reverse row order
+        mb = samples.select([row])
+        width = int(mb.input_ids.shape[1])
+        order = torch.arange(width).flip(0)  # the routers see the tokens in another order
+        flags = TokenFlags.over(order, width)
+        recorded = torch.ones(width, dtype=torch.bool)  # every token, in the routers' order
+        flags.mark(recorded, order != flipped_position)
+        inputs.append({ROUTING_FLAGS: flags})
+        mbs.append(([row], mb))
+    out = torch.zeros(samples.response_mask.shape, dtype=torch.int32)
+    fill_response_flags(out, mbs, inputs)
+    # row 0: prompt of 2, token j predicted at position 1 + j; row 1: prompt of 1, at j
+    assert out[0].tolist() == [AGREED, FLIPPED, AGREED]
+    assert out[1][:2].tolist() == [AGREED, FLIPPED]
+    partial = TokenFlags.over(torch.arange(4), 4)
+    partial.mark(torch.tensor([True, False, True, False]), torch.tensor([False, True]))
+    assert position_codes(partial, (1, 4)).tolist() == [[FLIPPED, UNRECORDED, AGREED, UNRECORDED]]
+
+
+def test_the_moe_mismatch_splits_into_agreed_and_flipped_tokens(monkeypatch):
+    monkeypatch.setattr(mismatch.dist, "all_reduce", lambda *args, **kwargs: None)  # one rank
+    samples = Samples.from_sequences([[1], [2]], [[3, 4, 5], [6, 7]], [0, 1], 0, "cpu")
+    samples.tensors.rollout_log_prob = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -9.0]])
+    samples.tensors.old_log_prob = torch.tensor([[-1.1, -1.2, -1.3], [-1.4, -1.8, 0.0]])
+    flags = torch.tensor([[AGREED, UNRECORDED, FLIPPED], [FLIPPED, UNRECORDED, FLIPPED]])
+    m = rollout_mismatch(samples, True, flags)  # row 1's last token is padding: not counted
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(0.36)
+    assert m["rollout/moe_logprob_diff_mean_agreed"] == pytest.approx(0.1)
+    assert m["rollout/moe_logprob_diff_max_agreed"] == pytest.approx(0.1)
+    assert m["rollout/moe_logprob_diff_mean_flipped"] == pytest.approx(0.35)
+    assert m["rollout/moe_logprob_diff_max_flipped"] == pytest.approx(0.4)
+    assert m["rollout/moe_flipped_tokens"] == pytest.approx(2 / 3)  # of the 3 recorded
+    assert not any("agreed" in k for k in rollout_mismatch(samples, True))  # nothing recorded
+    assert not any("moe" in k for k in rollout_mismatch(samples, False, flags))  # dense

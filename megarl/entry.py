@@ -38,7 +38,7 @@ def _reward_model() -> Trainer:
 
 
 def _rollout_group() -> Trainer:
-    from megarl.trainer.rollout_group import serve_rollouts
+    from megarl.trainer.serve_rollouts import serve_rollouts
 
     return serve_rollouts
 

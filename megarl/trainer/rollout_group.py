@@ -36,9 +36,7 @@ score everything.
 
 from __future__ import annotations
 
-import os
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,19 +46,12 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.config import DataConfig, RunConfig, model_dtype, rollout_dtype
-from megarl.config import validate as validate_config
-from megarl.config.derived import routing_recorded
 from megarl.data import PromptItem
-from megarl.data.chat import pad_token_id
-from megarl.dtypes import dtype_from_name
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import check_env_failures, trajectory_metrics
-from megarl.hybrid_engine.async_links import Links, make_links, weight_schedule
-from megarl.hybrid_engine.engine import RolloutEngine, check_rollout_model, make_rollout
-from megarl.hybrid_engine.engine_folder import checkpoint_shapes
-from megarl.hybrid_engine.engine_group import engine_group, share_from_first
-from megarl.hybrid_engine.execute import hf_shapes_of
+from megarl.hybrid_engine.async_links import Links
+from megarl.hybrid_engine.engine import RolloutEngine
+from megarl.hybrid_engine.engine_group import share_from_first
 from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
 from megarl.hybrid_engine.rollout_messages import (
     TRAIN,
@@ -81,18 +72,6 @@ from megarl.hybrid_engine.rollout_split import (
 from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
 from megarl.hybrid_engine.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
-from megarl.launch import init_split
-from megarl.models.dims import ModelDims
-from megarl.run.checks import check_inputs
-from megarl.run.preemption import Preemption
-from megarl.run.startup import layout_for
-from megarl.run.watchdog import collective_timeout_s
-from megarl.trainer.assembly import (
-    build_env_runner,
-    engine_config,
-    sampling_configs,
-    turn_limits,
-)
 from megarl.trainer.rollout_group_parts import (
     GroupSettings,
     Prompts,
@@ -103,9 +82,8 @@ from megarl.trainer.rollout_group_parts import (
 from megarl.trainer.trajectory_makers import dataset_row
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2}
 T = TypeVar("T")
 
 
@@ -458,104 +436,4 @@ class RolloutGroup:
             return
 
 
-def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
-    """The rollout group's program (entry point of a rollout rank in rollout.mode=async)."""
-    from transformers import AutoTokenizer
-
-    world = init_split(cfg.parallel.rollout_ranks, collective_timeout_s(cfg.trainer.hang_timeout_s))
-    split = world.split
-    validate_config(cfg, split.world_size)
-    trainers = layout_for(cfg.parallel, split.trainers, with_rollout=False)
-    check_inputs(cfg, trainers)
-    dims = ModelDims.from_pretrained(cfg.model.path)
-    cuda = platform.device().type == "cuda"
-    plan = weight_schedule(dims, trainers, ITEMSIZE[model_dtype(cfg.model, cuda)])
-    expected = checkpoint_shapes(cfg.model.path)
-    check_rollout_model(hf_shapes_of(plan.specs, dims), expected, dims.tie_word_embeddings)
-    infer_tp = cfg.parallel.infer_tp or cfg.parallel.tp
-    if not torch.cuda.is_available() and split.rollout_ranks == infer_tp:
-        # one engine, no external launcher: vLLM's CPU build would pin its threads to cores of
-        # its choosing, which the trainer processes on this machine use too
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    engine = make_rollout(
-        cfg.rollout.backend,
-        cfg.model.path,
-        infer_tp,
-        engine_config(
-            cfg.model,
-            cfg.data,
-            cfg.rollout,
-            cfg.trainer.seed,
-            split.local_rank(world.rank) // infer_tp,
-            record_routes=routing_recorded(cfg.rollout, dims.is_moe),
-        ),
-        expected,
-    )
-    links = make_links(world, plan, platform.distributed_backend())
-    receiver = WeightReceiver(plan, dims, links.weights, device=platform.device())
-    rank = split.local_rank(world.rank)
-    prompts = None
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    if rank == 0:
-        prompts = Prompts.build(cfg.data, cfg.reward, tokenizer, trainers.dp)
-    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
-    settings = GroupSettings(
-        cfg.rollout,
-        cfg.data,
-        cfg.trainer,
-        cfg.algorithm.filter_groups,
-        dtype_from_name(rollout_dtype(cfg.model, cfg.rollout, cuda)),
-    )
-    group = RolloutGroup(
-        settings,
-        rank,
-        split.rollout_ranks,
-        engine,
-        links,
-        receiver,
-        sampling,
-        val_sampling,
-        prompts,
-    )
-    if cfg.rollout.env is not None:
-        multi_turn(group, cfg.model.path, cfg.data, cfg.trainer.seed, tokenizer)
-    threads = [threading.Thread(target=group.receive_loop, name="megarl-control", daemon=True)]
-    if group.leader:
-        threads.append(threading.Thread(target=group.send_loop, name="megarl-send", daemon=True))
-    # a preemption signal is the trainers' to act on: they save (with the batch in flight) and
-    # send Stop, which ends this loop; a second signal stops at once
-    preemption = Preemption(world.rank)
-    for t in threads:
-        t.start()
-    try:
-        group.run()
-    finally:
-        preemption.close()
-        if group.env_runner is not None:
-            group.env_runner.close()
-    group.outbox.put(None)
-    for t in threads:
-        t.join(timeout=60.0)
-    return {}
-
-
-def multi_turn(
-    group: RolloutGroup,
-    model_path: str,
-    data: DataConfig,
-    run_seed: int,
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
-    """``rollout.env``: the turn limits, an environment runner on each engine's first rank and a
-    group over each engine's ranks to share its results (made by every rollout rank;
-    ``run_seed``: trainer.seed)."""
-
-    rollout, itp = group.settings.rollout, group.engine.infer_tp
-    group.turns = turn_limits(rollout)
-    group.pad_id = pad_token_id(tokenizer) or 0
-    if group.rank % itp == 0:
-        group.env_runner = build_env_runner(rollout, model_path, data, run_seed, tokenizer)
-    group.engine_group = engine_group(group.size, itp, group.rank)  # this role's own world
-
-
-__all__ = ["RolloutGroup", "serve_rollouts", "validation_due"]
+__all__ = ["RolloutGroup", "Stopped", "validation_due"]

@@ -29,7 +29,9 @@ it (``models.<model>.failed.trl-vllm``, with the run's load). The sides run one 
 other, never at the same time, with the same thread count (--threads, OMP_NUM_THREADS) and
 the same glibc malloc settings (the ones megarl's launcher gives its CPU ranks,
 bench/process_env.py); the results file records each side's (``process_env``, and each TRL run
-reports its own).
+reports its own). ``--rounds`` (3) runs every side that many times, the order reversed each
+round so that no side always runs first; each round's runs are stored with their loads, the
+ratios to megarl round by round with their median, and the summary over all rounds.
 
 Tokens per step are counted the same way for all: generated = completion tokens (up to and
 including EOS), trained = prompt + completion tokens of the 16 sequences (megarl:
@@ -376,6 +378,46 @@ def summary(steps: list[dict], warmup: int) -> dict:
     }
 
 
+def model_record(model_name: str, rounds: list[dict[str, dict]], warmup: int) -> dict:
+    """What the results file keeps of one model: each round's runs and summaries, the sides'
+    ratios to megarl round by round and their median, and the summary over every round's timed
+    steps (a side that failed in any round is stored as failed, with its reason)."""
+    failed = {name: r["failed"] for run in rounds for name, r in run.items() if "failed" in r}
+    per_round = [
+        {name: summary(r["steps"], warmup) for name, r in run.items() if "failed" not in r}
+        for run in rounds
+    ]
+    ratios: dict[str, dict] = {}
+    for peer in {name for run in per_round for name in run} - {"megarl"}:
+        each = [
+            run["megarl"]["tokens_per_s"] / run[peer]["tokens_per_s"]
+            for run in per_round
+            if "megarl" in run and peer in run
+        ]
+        if each:
+            ratios[f"megarl/{peer}"] = {"rounds": each, "median": _median(each)}
+    pooled = {
+        name: summary([s for run in rounds for s in run[name]["steps"][warmup:]], 0)
+        for name in rounds[0]
+        if name not in failed
+    }
+    return {
+        "model": MODEL_TITLES[model_name],
+        "summary": pooled,
+        "ratios": ratios,
+        "failed": failed,
+        "rounds": [{"summary": s, "runs": run} for s, run in zip(per_round, rounds, strict=True)],
+    }
+
+
+def print_rounds(model_name: str, record: dict) -> None:
+    """The ratios round by round (the rounds ran with the sides' order alternated)."""
+    print(f"\n{model_name}: tokens/s ratios, round by round (alternated order), and their median")
+    for key, r in sorted(record["ratios"].items()):
+        each = ", ".join(f"{x:.2f}x" for x in r["rounds"])
+        print(f"  {key:28} {each}  median {r['median']:.2f}x")
+
+
 def _phase_table(title: str, timed: list[dict], keys: list[str]) -> None:
     print(f"\n{title} phases over the timed steps, s/step:")
     print(f"  {'':36} {'mean':>8} {'median':>8}")
@@ -538,6 +580,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="rounds of every side, the order reversed each round"
+    )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--models", default="tiny,smollm2", help="comma list of: tiny, smollm2")
     ap.add_argument("--sides", default=",".join(SIDES), help="comma list of: " + ", ".join(SIDES))
@@ -566,9 +611,10 @@ def main() -> None:
         global NEW_TOKENS
         NEW_TOKENS = 8
         args.warmup, args.steps, args.sides, args.models = 0, 1, "megarl", "tiny"
+        args.rounds = 1
         args.workdir = tempfile.mkdtemp(prefix="megarl-bench-grpo-smoke-")
-    if args.steps < 1 or args.warmup < 0:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        ap.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     models, sides = args.models.split(","), args.sides.split(",")
     for name in models:
         if name not in MODEL_TITLES:
@@ -588,25 +634,22 @@ def main() -> None:
         train = build_data(root / "data", total * PROMPTS_PER_STEP)
         prompts = read_prompts(train)
         log(f"model {model}, {len(prompts)} prompts in {train}")
-        results: dict[str, dict] = {}
-        for side in sides:
-            load0 = os.getloadavg()[0]
-            if side.startswith("megarl"):
-                results[side] = run_megarl(args, work, model, train, side == "megarl")
-            else:
-                results[side] = run_trl(args, work, model, prompts, side.removeprefix("trl-"))
-            results[side]["load"] = (load0, os.getloadavg()[0])
-        print_report(args, model_name, results)
-        stored[model_name] = {
-            "model": MODEL_TITLES[model_name],
-            "summary": {
-                name: summary(r["steps"], args.warmup)
-                for name, r in results.items()
-                if "failed" not in r
-            },
-            "failed": {name: r["failed"] for name, r in results.items() if "failed" in r},
-            "runs": results,
-        }
+        rounds: list[dict[str, dict]] = []
+        for k in range(args.rounds):
+            order = sides if k % 2 == 0 else sides[::-1]  # alternated: no side always first
+            log(f"round {k + 1}/{args.rounds}: {', '.join(order)}")
+            results: dict[str, dict] = {}
+            for side in order:
+                load0 = os.getloadavg()[0]
+                if side.startswith("megarl"):
+                    results[side] = run_megarl(args, work, model, train, side == "megarl")
+                else:
+                    results[side] = run_trl(args, work, model, prompts, side.removeprefix("trl-"))
+                results[side]["load"] = (load0, os.getloadavg()[0])
+            rounds.append({side: results[side] for side in sides})
+            print_report(args, model_name, rounds[-1])
+        stored[model_name] = model_record(model_name, rounds, args.warmup)
+        print_rounds(model_name, stored[model_name])
     log(f"load at the end: {os.getloadavg()[0]:.2f} (1 min)")
     # one file per model set: a run of one model does not replace another model's figures
     name = "grpo_step" if models == ["tiny", "smollm2"] else "grpo_step_" + "_".join(models)

@@ -345,11 +345,6 @@ def _validate_agent(r: RolloutConfig, hang_timeout_s: float) -> None:
             "answers the model's turns; a run has one or the other: unset one of them",
         ),
         (
-            r.mode != "colocated",
-            f"rollout.mode={r.mode}: the asynchronous rollout group does not serve agents yet "
-            "(not built); set rollout.mode=colocated",
-        ),
-        (
             r.partial,
             "rollout.partial=true: an agent's turns are sampled with one version's weights; set "
             "rollout.partial=false",

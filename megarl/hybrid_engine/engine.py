@@ -35,8 +35,7 @@ import torch.distributed as dist
 from megarl import parallel, platform
 from megarl.backends import check_rollout_backend
 from megarl.dtypes import dtype_from_name
-from megarl.envs.runner import EnvRunner
-from megarl.envs.trajectory import Trajectory, check_env_failures
+from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
 from megarl.hybrid_engine.engine_group import engine_group, share_from_first
 from megarl.hybrid_engine.execute import (
@@ -47,7 +46,6 @@ from megarl.hybrid_engine.execute import (
 )
 from megarl.hybrid_engine.hf_rollout import HFRollout
 from megarl.hybrid_engine.lora_merge import merged_local_tensors
-from megarl.hybrid_engine.multi_turn import EnvSource, TurnLimits
 from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.hybrid_engine.reshard_schedule import schedule_reshard
 from megarl.hybrid_engine.rollout_split import (
@@ -67,7 +65,7 @@ from megarl.hybrid_engine.rollout_types import (
     SamplingConfig,
 )
 from megarl.hybrid_engine.tensor_list import actor_planned_tensors
-from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, engine_parts
+from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, step_of
 from megarl.hybrid_engine.vllm_rollout import VLLMRollout
 from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
@@ -370,22 +368,6 @@ class HybridEngine:
         """The engine leader's ``value`` on every rank of this rank's rollout engine."""
         return share_from_first(value, self._engine_group)
 
-    def generate_trajectories(
-        self,
-        rows: Sequence[dict],
-        fallback_prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        limits: TurnLimits,
-        runner: EnvRunner | None,
-        pad_id: int,
-        max_failed_share: float = 1.0,
-    ) -> RolloutBatch:
-        """Multi-turn trajectories for this DP rank's dataset rows, ``sampling.n`` per row (one
-        environment instance each): :meth:`generate_from` with the environments (``runner``, the
-        engine's first rank's; needed there only), turn-level batched."""
-        source = EnvSource(runner, sampling, limits, pad_id)
-        return self.generate_from(rows, fallback_prompts, sampling.n, source, max_failed_share)
-
     def generate_from(
         self,
         rows: Sequence[dict],
@@ -409,9 +391,7 @@ class HybridEngine:
         part = source.run(EngineJob(self.rollout, starts, rollout_index, leader, self._share))
         results: list = [None] * dist.get_world_size()
         dist.all_gather_object(results, (engine, part) if leader else None)
-        parts = engine_parts(results)
-        step = [t for p in parts for t in p.trajectories]
-        check_env_failures(step, max_failed_share)
+        parts, step = step_of(results, max_failed_share)
         ours, output = rank_output(step, a, b, n)
         return RolloutBatch(
             prompts=[p for _, p in mine],

@@ -8,7 +8,7 @@ the contiguous slice :func:`engine_slice`; every request carries the seed of its
 sample (:func:`prompt_seed`, :func:`engine_seeds`), so a sample's stream depends on its global
 index and the rollout count only, never on how many engines there are. The engines' outputs come
 back from every rank (an engine's tensor-parallel ranks send the same), are put in prompt order
-(:func:`merge_engines`, :func:`merge_engine_trajectories`), and each rank takes its share
+(:func:`merge_engines`; trajectories: :func:`~megarl.hybrid_engine.trajectory_source.step_of`), and each rank takes its share
 (:func:`prompt_share`, :func:`rank_output`).
 
 Pure: no collective runs here; the callers gather and broadcast.
@@ -118,22 +118,6 @@ def merge_engines(gathered: Sequence[tuple[int, int, M]], empty: Callable[[], M]
     return merged
 
 
-def merge_engine_trajectories(
-    gathered: Sequence[tuple[int, list[Trajectory], float] | None],
-) -> tuple[list[Trajectory], float]:
-    """Every engine's (engine index, trajectories, environment seconds), gathered from all ranks
-    (None from ranks that ran no environment), as one step in engine order and the slowest
-    engine's environment seconds."""
-    step: list[Trajectory] = []
-    seconds = 0.0
-    for _, (trajectories, sec) in one_per_key(
-        [(r[0], r[1:]) if r is not None else None for r in gathered]
-    ):
-        step += trajectories
-        seconds = max(seconds, sec)
-    return step, seconds
-
-
 # -- a rank's share ------------------------------------------------------------------------------
 def prompt_share(out: RolloutOutput, start: int, stop: int) -> tuple[list[int], RolloutOutput]:
     """The responses of prompts ``[start, stop)`` of a merged ``out``: their positions in it and
@@ -171,7 +155,6 @@ __all__ = [
     "SampleStart",
     "engine_seeds",
     "engine_slice",
-    "merge_engine_trajectories",
     "merge_engines",
     "one_per_key",
     "prompt_seed",

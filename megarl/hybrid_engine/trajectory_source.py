@@ -2,11 +2,13 @@
 (:class:`~megarl.hybrid_engine.multi_turn.EnvSource`, ``rollout.env``) or an agent behind the
 OpenAI-compatible endpoint (:class:`~megarl.agents.trajectories.AgentSource`, ``rollout.agent``).
 
-The hybrid engine splits a step's samples over its rollout engines and hands each engine's
+Both placements drive it the same way: the colocated hybrid engine and the asynchronous rollout
+group split a step's samples over their rollout engines and hand each engine's
 :class:`~megarl.hybrid_engine.rollout_split.SampleStart` list to the source on every rank of that
 engine; the source returns the engine's trajectories on the engine's first rank (None on the
-others), which the engine gathers, checks with the failed-sample guard and turns into the
-trainer's samples: one path from trajectories to samples, whatever made them.
+others), which are gathered and checked with the failed-sample guard (:func:`step_of`) and turned
+into the trainer's samples: one path from trajectories to samples, whatever made them and
+wherever they were made.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from megarl.envs.trajectory import Trajectory
+from megarl.envs.trajectory import Trajectory, check_env_failures
 from megarl.hybrid_engine.rollout_split import SampleStart, one_per_key
 from megarl.hybrid_engine.rollout_types import Generates
 
@@ -68,6 +70,18 @@ def engine_parts(
     return [part for _, part in one_per_key(gathered)]
 
 
+def step_of(
+    gathered: Sequence[tuple[int, EngineTrajectories] | None], max_failed_share: float
+) -> tuple[list[EngineTrajectories], list[Trajectory]]:
+    """Every engine's part (from what every rank sent) and the step's trajectories in engine
+    order; raises EnvError (the first failure shown) when more than ``max_failed_share`` of them
+    failed."""
+    parts = engine_parts(gathered)
+    step = [t for part in parts for t in part.trajectories]
+    check_env_failures(step, max_failed_share)
+    return parts, step
+
+
 def summed_totals(parts: Sequence[EngineTrajectories]) -> dict[str, float]:
     """The engines' counters, summed."""
     out: dict[str, float] = {}
@@ -83,5 +97,6 @@ __all__ = [
     "Share",
     "TrajectorySource",
     "engine_parts",
+    "step_of",
     "summed_totals",
 ]

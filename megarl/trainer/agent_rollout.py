@@ -1,11 +1,9 @@
-"""``rollout.agent``'s part of a colocated run: the agent, the endpoint's settings and limits
-from the config (:func:`agent_source`), and a step's trajectories from it (:func:`agent_batch`),
-which the trainer then rewards and trains like an environment's (docs/agents.md)."""
+"""``rollout.agent``'s part of a run: the agent, the endpoint's settings and limits from the
+config (:func:`agent_source`); its trajectories are rewarded and trained like an environment's
+(docs/agents.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from megarl.agents.loading import load_agent
@@ -13,7 +11,6 @@ from megarl.agents.runner import AgentLimits
 from megarl.agents.trajectories import AgentSource
 from megarl.agents.turns import TurnSettings
 from megarl.config import RolloutConfig
-from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch
 from megarl.hybrid_engine.rollout_types import SamplingConfig
 
 if TYPE_CHECKING:
@@ -62,19 +59,3 @@ def agent_source(
         sampling,
         pad_id,
     )
-
-
-def agent_batch(
-    engine: HybridEngine,
-    source: AgentSource,
-    rows: Sequence[dict],
-    fallback_prompts: Sequence[Sequence[int]],
-    sampling: SamplingConfig,
-    max_failed_share: float,
-) -> RolloutBatch:
-    """This DP rank's trajectories of ``rows``, ``sampling.n`` agent runs per row, sampled with
-    ``sampling`` (the training or the validation rollout's)."""
-    source = replace(
-        source, sampling=sampling, settings=replace(source.settings, seed=sampling.seed)
-    )
-    return engine.generate_from(rows, fallback_prompts, sampling.n, source, max_failed_share)

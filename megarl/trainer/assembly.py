@@ -64,6 +64,7 @@ from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, res
 from megarl.trainer.trajectory_makers import (
     AgentRuns,
     EnvironmentTurns,
+    MultiTurnMaker,
     OneReply,
     TrajectoryMaker,
 )
@@ -281,28 +282,49 @@ def trajectory_maker(
     engine: HybridEngine,
     sampling: SamplingConfig,
 ) -> TrajectoryMaker:
-    """How the colocated engine makes samples: an agent's runs (``rollout.agent``; a step's
-    agents end within a share of ``trainer.hang_timeout_s``), an environment's turns
-    (``rollout.env``, seeded from ``trainer.seed``; its runner on the ranks that run
-    environments), or one reply each."""
+    """How the colocated engine makes samples: a multi-turn maker (:func:`multi_turn_maker`)
+    or one reply each."""
+    maker = multi_turn_maker(
+        r,
+        model_path,
+        data,
+        trainer,
+        startup.tokenizer,
+        startup.pad_id,
+        runs_environments=engine.runs_environments,
+        sampling=sampling,
+    )
+    return maker if maker is not None else OneReply()
+
+
+def multi_turn_maker(
+    r: RolloutConfig,
+    model_path: str,
+    data: DataConfig,
+    trainer: TrainerConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    pad_id: int,
+    *,
+    runs_environments: bool,
+    sampling: SamplingConfig,
+) -> MultiTurnMaker | None:
+    """An agent's runs (``rollout.agent``; a step's agents end within a share of
+    ``trainer.hang_timeout_s``), an environment's turns (``rollout.env``, seeded from
+    ``trainer.seed``; its runner on the ranks that run environments), or None (one reply per
+    sample). Both placements build theirs here (``sampling``: the training rollout's)."""
     if r.agent is not None:
         agent = agent_source(
-            r,
-            data.max_prompt_length,
-            startup.tokenizer,
-            sampling,
-            startup.pad_id,
-            trainer.hang_timeout_s,
+            r, data.max_prompt_length, tokenizer, sampling, pad_id, trainer.hang_timeout_s
         )
         return AgentRuns(agent, r.max_env_failures)
     if r.env is not None:
         runner = (
-            build_env_runner(r, model_path, data, trainer.seed, startup.tokenizer)
-            if engine.runs_environments
+            build_env_runner(r, model_path, data, trainer.seed, tokenizer)
+            if runs_environments
             else None
         )
-        return EnvironmentTurns(turn_limits(r), runner, startup.pad_id, r.max_env_failures)
-    return OneReply()
+        return EnvironmentTurns(turn_limits(r), runner, pad_id, r.max_env_failures)
+    return None
 
 
 def turn_limits(r: RolloutConfig) -> TurnLimits:

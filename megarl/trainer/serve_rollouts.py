@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl import platform
-from megarl.config import DataConfig, RunConfig, model_dtype, rollout_dtype
+from megarl.config import RunConfig, model_dtype, rollout_dtype
 from megarl.config import validate as validate_config
 from megarl.config.derived import routing_recorded
 from megarl.data.chat import pad_token_id
@@ -32,12 +32,12 @@ from megarl.run.checks import check_inputs
 from megarl.run.preemption import Preemption
 from megarl.run.startup import layout_for
 from megarl.run.watchdog import collective_timeout_s
-from megarl.trainer.assembly import build_env_runner, engine_config, sampling_configs, turn_limits
+from megarl.trainer.assembly import engine_config, multi_turn_maker, sampling_configs
 from megarl.trainer.rollout_group import RolloutGroup
 from megarl.trainer.rollout_group_parts import GroupSettings, Prompts
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
@@ -101,8 +101,18 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         val_sampling,
         prompts,
     )
-    if cfg.rollout.env is not None:
-        multi_turn(group, cfg.model.path, cfg.data, cfg.trainer.seed, tokenizer)
+    group.trajectories = multi_turn_maker(
+        cfg.rollout,
+        cfg.model.path,
+        cfg.data,
+        cfg.trainer,
+        tokenizer,
+        pad_token_id(tokenizer) or 0,
+        runs_environments=rank % infer_tp == 0,
+        sampling=sampling,
+    )
+    if group.trajectories is not None:  # its engine's ranks share the first rank's results
+        group.engine_group = engine_group(group.size, infer_tp, rank)  # this role's own world
     threads = [threading.Thread(target=group.receive_loop, name="megarl-control", daemon=True)]
     if group.leader:
         threads.append(threading.Thread(target=group.send_loop, name="megarl-send", daemon=True))
@@ -115,31 +125,12 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         group.run()
     finally:
         preemption.close()
-        if group.env_runner is not None:
-            group.env_runner.close()
+        if group.trajectories is not None:
+            group.trajectories.close()
     group.outbox.put(None)
     for t in threads:
         t.join(timeout=60.0)
     return {}
-
-
-def multi_turn(
-    group: RolloutGroup,
-    model_path: str,
-    data: DataConfig,
-    run_seed: int,
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
-    """``rollout.env``: the turn limits, an environment runner on each engine's first rank and a
-    group over each engine's ranks to share its results (made by every rollout rank;
-    ``run_seed``: trainer.seed)."""
-
-    rollout, itp = group.settings.rollout, group.engine.infer_tp
-    group.turns = turn_limits(rollout)
-    group.pad_id = pad_token_id(tokenizer) or 0
-    if group.rank % itp == 0:
-        group.env_runner = build_env_runner(rollout, model_path, data, run_seed, tokenizer)
-    group.engine_group = engine_group(group.size, itp, group.rank)  # this role's own world
 
 
 __all__ = ["serve_rollouts"]

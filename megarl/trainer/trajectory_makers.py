@@ -1,20 +1,25 @@
-"""How the colocated engine makes a batch's samples, one of three ways picked once by the
-assembly: one reply per sample (:class:`OneReply`), an environment's turns (``rollout.env``,
-:class:`EnvironmentTurns`), or an agent's runs through the engine's endpoint (``rollout.agent``,
-:class:`AgentRuns`). The source (:mod:`megarl.trainer.colocated_source`) calls the one it holds
-for training and validation batches alike."""
+"""How a batch's samples are made, one of three ways picked once by the assembly: one reply per
+sample (:class:`OneReply`), an environment's turns (``rollout.env``, :class:`EnvironmentTurns`),
+or an agent's runs through the engine's endpoint (``rollout.agent``, :class:`AgentRuns`).
+
+The colocated source (:mod:`megarl.trainer.colocated_source`) calls the one it holds for
+training and validation batches alike. The two multi-turn ways are also a
+:class:`MultiTurnMaker`: the :class:`~megarl.hybrid_engine.trajectory_source.TrajectorySource`
+for a sampling setting, which the asynchronous rollout group
+(:mod:`megarl.trainer.rollout_group`) drives the way the colocated engine does, so environments
+and agents run the same code in both placements."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from megarl.data import PromptItem
 from megarl.envs.runner import EnvRunner
 from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch
-from megarl.hybrid_engine.multi_turn import TurnLimits
+from megarl.hybrid_engine.multi_turn import EnvSource, TurnLimits
 from megarl.hybrid_engine.rollout_types import SamplingConfig
-from megarl.trainer.agent_rollout import agent_batch
+from megarl.hybrid_engine.trajectory_source import TrajectorySource
 
 if TYPE_CHECKING:
     from megarl.agents.trajectories import AgentSource
@@ -41,6 +46,12 @@ class TrajectoryMaker(Protocol):
     def close(self) -> None: ...
 
 
+class MultiTurnMaker(TrajectoryMaker, Protocol):
+    def source(self, sampling: SamplingConfig) -> TrajectorySource:
+        """The trajectories' source when the engine samples with ``sampling``."""
+        ...
+
+
 @dataclass(frozen=True)
 class OneReply:
     """One response per sample (no environment, no agent)."""
@@ -54,6 +65,23 @@ class OneReply:
         pass
 
 
+def _from_source(
+    maker: MultiTurnMaker,
+    engine: HybridEngine,
+    items: list[PromptItem],
+    sampling: SamplingConfig,
+    max_failed_share: float,
+) -> RolloutBatch:
+    """``maker``'s trajectories of this DP rank's ``items``, ``sampling.n`` per item."""
+    return engine.generate_from(
+        [dataset_row(it) for it in items],
+        [it.input_ids for it in items],
+        sampling.n,
+        maker.source(sampling),
+        max_failed_share,
+    )
+
+
 @dataclass(frozen=True)
 class EnvironmentTurns:
     """``rollout.env``: one multi-turn trajectory per sample (megarl.hybrid_engine.multi_turn);
@@ -64,18 +92,13 @@ class EnvironmentTurns:
     pad_id: int
     max_failed_share: float
 
+    def source(self, sampling: SamplingConfig) -> TrajectorySource:
+        return EnvSource(self.runner, sampling, self.limits, self.pad_id)
+
     def make(
         self, engine: HybridEngine, items: list[PromptItem], sampling: SamplingConfig
     ) -> RolloutBatch:
-        return engine.generate_trajectories(
-            [dataset_row(it) for it in items],
-            [it.input_ids for it in items],
-            sampling,
-            self.limits,
-            self.runner,
-            self.pad_id,
-            max_failed_share=self.max_failed_share,
-        )
+        return _from_source(self, engine, items, sampling, self.max_failed_share)
 
     def close(self) -> None:
         if self.runner is not None:
@@ -84,22 +107,20 @@ class EnvironmentTurns:
 
 @dataclass(frozen=True)
 class AgentRuns:
-    """``rollout.agent``: one trajectory per agent run (megarl.trainer.agent_rollout)."""
+    """``rollout.agent``: one trajectory per agent run (megarl.agents), the endpoint sampling
+    with the batch's setting (training or validation)."""
 
     agent: AgentSource
     max_failed_share: float
 
+    def source(self, sampling: SamplingConfig) -> TrajectorySource:
+        settings = replace(self.agent.settings, seed=sampling.seed)
+        return replace(self.agent, sampling=sampling, settings=settings)
+
     def make(
         self, engine: HybridEngine, items: list[PromptItem], sampling: SamplingConfig
     ) -> RolloutBatch:
-        return agent_batch(
-            engine,
-            self.agent,
-            [dataset_row(it) for it in items],
-            [it.input_ids for it in items],
-            sampling,
-            self.max_failed_share,
-        )
+        return _from_source(self, engine, items, sampling, self.max_failed_share)
 
     def close(self) -> None:
         pass

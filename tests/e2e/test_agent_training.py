@@ -1,14 +1,19 @@
 """GRPO on a black-box agent through `megarl train` at TP2 x PP2 (4 ranks):
 ``rollout.agent=openai_agent.py:three_turns``, written with the ``openai`` client alone.
 
-Three launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
-and its resume from step 2, the real CPU vLLM at TP2 for 2 steps. Checked: each sample's agent
-runs once (on one rank of its engine); three model turns per sample; the rollout-trainer logprob
-mismatch over model tokens is <= 1e-4 (fp32) at every step, in the metrics and token by token; in
-the dumped rollouts the response mask is 0 exactly at the tokens the agent's tool messages added
-(there are some), which carry no advantage, no rollout logprob and no reward; the agent's reward
-is the sample's; the resumed step 3 equals the uninterrupted one (the same agent conversations,
-token for token).
+Four launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
+and its resume from step 2, the real CPU vLLM at TP2 for 2 steps, and the HF backend in
+asynchronous mode (``rollout.mode=async``: the trainers at TP2 x PP2 beside a rollout group of 2
+ranks, one engine of TP2) at ``rollout.max_staleness=0`` for 3 steps. Checked: each sample's
+agent runs once (on one rank of its engine); three model turns per sample; the rollout-trainer
+logprob mismatch over model tokens is <= 1e-4 (fp32) at every step, in the metrics and token by
+token; in the dumped rollouts the response mask is 0 exactly at the tokens the agent's tool
+messages added (there are some), which carry no advantage, no rollout logprob and no reward; the
+agent's reward is the sample's; the resumed step 3 equals the uninterrupted one (the same agent
+conversations, token for token); the asynchronous run equals the colocated one at every step
+(the same conversations token for token, rewards, losses and grad norms within 1e-6 of their
+scale): a sample's seeds depend on its global index and the rollout count alone, and the HF
+engine's calls are batch invariant.
 """
 
 from __future__ import annotations
@@ -75,6 +80,13 @@ def vllm_run(workdir) -> dict[int, dict]:
     )
 
 
+@pytest.fixture(scope="module")
+def async_run(workdir) -> dict[int, dict]:
+    log = {"AGENT_LOG": str(workdir / "async_agent_runs.txt")}
+    placed = ("rollout.mode=async", "parallel.rollout_ranks=2", "rollout.max_staleness=0")
+    return by_step(train(workdir, "async", *placed, "trainer.save_freq=0", nproc=6, env_extra=log))
+
+
 def _check_agent_run(
     run: dict[int, dict], out: Path, agent_log: Path, steps: int, validated: int = 0
 ) -> None:
@@ -119,6 +131,25 @@ def test_an_openai_client_agent_trains_at_tp2_pp2_on_hf(workdir, hf_run):
 def test_an_openai_client_agent_trains_at_tp2_pp2_on_vllm_tp2(workdir, vllm_run):
     _check_agent_run(vllm_run, workdir / "vllm", workdir / "vllm_agent_runs.txt", 2, VAL_ROWS)
     assert vllm_run[2]["val/turns_mean"] == 3
+
+
+def test_an_agent_trains_in_asynchronous_mode_as_colocated(workdir, async_run, hf_run):
+    _check_agent_run(async_run, workdir / "async", workdir / "async_agent_runs.txt", STEPS)
+    for step in range(1, STEPS + 1):
+        a, b = async_run[step], hf_run[step]
+        assert a["rollout/staleness_max"] == 0.0
+        compared = [k for k in b if k.startswith(("reward/", "actor/", "rollout/env", "agent/"))]
+        compared = [k for k in compared if not k.endswith(("_s", "/s"))]  # not wall times
+        assert {"actor/pg_loss", "actor/grad_norm", "reward/mean"} <= set(compared)
+        for key in compared:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-6), (step, key)
+        name = f"step_{step:06d}_dp0.jsonl"
+        placed = _rollouts(workdir / "async" / "rollouts" / name)
+        colocated = _rollouts(workdir / "hf" / "rollouts" / name)
+        assert len(placed) == len(colocated) == PROMPTS * N
+        for x, y in zip(placed, colocated, strict=True):
+            for key in ("prompt_ids", "response_ids", "response_mask"):
+                assert x[key] == y[key], (step, key)
 
 
 def _rollouts(path: Path) -> list[dict]:

@@ -521,8 +521,13 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
     for extra, message in (
         (["rollout.backend=hf", "rollout.env=x.py:Env"], "one or the other"),
         (
-            ["rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"],
-            "not serve agents yet",
+            [
+                "rollout.backend=hf",
+                "rollout.partial=true",
+                "rollout.mode=async",
+                "parallel.rollout_ranks=1",
+            ],
+            "one version's weights",
         ),
         (["rollout.backend=hf", "rollout.agent_timeout_s=0"], "must be > 0"),
         (
@@ -533,6 +538,9 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, *extra])
     assert load_config(None, [*base, "rollout.backend=vllm"]).rollout.agent  # both backends serve
+    # and both placements: the asynchronous rollout group runs agents as colocated does
+    placed = [*base, "rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"]
+    assert load_config(None, placed).rollout.mode == "async"
     # a good agent passes (the data files' check is next); a missing one is refused before it
     cfg = load_config(None, [*base, "rollout.backend=hf"])
     with pytest.raises(DataError, match=r"/nonexistent/train\.parquet"):

@@ -10,7 +10,7 @@ import pytest
 
 from megarl.data import PromptItem
 from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.multi_turn import TurnLimits
+from megarl.hybrid_engine.multi_turn import EnvSource, TurnLimits
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.colocated_source import ColocatedSource, PolicyData
@@ -39,8 +39,8 @@ class Engine:
         self.rollout_count += 1
         return RolloutBatch([list(p) for p in prompts], RolloutOutput())
 
-    def generate_trajectories(self, rows, prompts, sampling, limits, runner, pad_id, **kw):
-        self.log.append(("trajectories", rows, limits, pad_id, kw["max_failed_share"]))
+    def generate_from(self, rows, prompts, n, source, max_failed_share):
+        self.log.append(("trajectories", rows, n, source, max_failed_share))
         return RolloutBatch([list(p) for p in prompts], RolloutOutput())
 
 
@@ -157,5 +157,6 @@ def test_an_environment_gets_each_prompts_dataset_row_and_the_turn_limits():
     limits = TurnLimits(max_turns=2, max_response_tokens=8, max_turn_tokens=4)
     source(log, EnvironmentTurns(limits, None, pad_id=0, max_failed_share=0.5)).next_batch()
     (call,) = [e for e in log if isinstance(e, tuple)]
-    assert call == ("trajectories", [dataset_row(item(1)), dataset_row(item(2))], limits, 0, 0.5)
+    rows = [dataset_row(item(1)), dataset_row(item(2))]
+    assert call == ("trajectories", rows, TRAIN.n, EnvSource(None, TRAIN, limits, 0), 0.5)
     assert dataset_row(item(1))["data_source"] == "toy"

@@ -14,12 +14,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from megarl.envs.base import EnvError
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.rollout_split import (
     SampleStart,
     engine_seeds,
     engine_slice,
-    merge_engine_trajectories,
     merge_engines,
     one_per_key,
     prompt_seed,
@@ -31,6 +31,7 @@ from megarl.hybrid_engine.rollout_split import (
 )
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
+from megarl.hybrid_engine.trajectory_source import EngineTrajectories, step_of
 from megarl.hybrid_engine.versioned import VersionedOutput
 
 pytestmark = pytest.mark.unit
@@ -184,13 +185,20 @@ def _trajectory(sample: int) -> Trajectory:
 def test_engine_trajectories_merge_in_engine_order_and_each_rank_takes_its_own():
     n = 2
     gathered = [
-        (1, [_trajectory(4), _trajectory(5)], 0.5),
+        (1, EngineTrajectories([_trajectory(4), _trajectory(5)], 0.5)),
         None,  # a rank that ran no environment
-        (0, [_trajectory(s) for s in range(4)], 2.0),
+        (0, EngineTrajectories([_trajectory(s) for s in range(4)], 2.0)),
         None,
     ]
-    step, seconds = merge_engine_trajectories(gathered)
-    assert [t.sample for t in step] == list(range(6)) and seconds == 2.0
+    parts, step = step_of(gathered, max_failed_share=0.0)
+    assert [t.sample for t in step] == list(range(6))
+    assert [part.seconds for part in parts] == [2.0, 0.5]  # engine order
+    failed = _trajectory(6)
+    failed.finish, failed.error = "error", "the tool broke"
+    gathered.append((2, EngineTrajectories([failed], 0.0)))
+    assert len(step_of(gathered, max_failed_share=1 / 7)[1]) == 7  # one of seven may fail
+    with pytest.raises(EnvError, match="the tool broke"):
+        step_of(gathered, max_failed_share=0.1)
     ours, output = rank_output(step, 1, 3, n)  # prompts 1 and 2: samples 2..5
     assert [t.sample for t in ours] == [2, 3, 4, 5]
     assert output.prompt_index == [0, 0, 1, 1]

@@ -143,17 +143,24 @@ def test_an_agent_trains_in_asynchronous_mode_as_colocated(workdir, async_run, h
         assert {"actor/pg_loss", "actor/grad_norm", "reward/mean"} <= set(compared)
         for key in compared:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-6), (step, key)
-        name = f"step_{step:06d}_dp0.jsonl"
-        placed = _rollouts(workdir / "async" / "rollouts" / name)
-        colocated = _rollouts(workdir / "hf" / "rollouts" / name)
-        assert len(placed) == len(colocated) == PROMPTS * N
-        for x, y in zip(placed, colocated, strict=True):
-            for key in ("prompt_ids", "response_ids", "response_mask"):
-                assert x[key] == y[key], (step, key)
+        _same_samples(workdir, "async", "hf", step)
 
 
 def _rollouts(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _same_samples(workdir: Path, one: str, other: str, step: int) -> None:
+    """Two runs' dumped samples of ``step``: the same conversations, token for token, and the
+    same advantages."""
+    name = f"step_{step:06d}_dp0.jsonl"
+    ours = _rollouts(workdir / one / "rollouts" / name)
+    theirs = _rollouts(workdir / other / "rollouts" / name)
+    assert len(ours) == len(theirs) == PROMPTS * N
+    for a, b in zip(ours, theirs, strict=True):
+        for key in ("prompt_ids", "response_ids", "response_mask"):
+            assert a[key] == b[key], (step, key)
+        assert a["advantages"] == pytest.approx(b["advantages"], abs=1e-6)
 
 
 def test_a_resumed_agent_run_equals_the_uninterrupted_one(workdir, hf_run):
@@ -167,11 +174,4 @@ def test_a_resumed_agent_run_equals_the_uninterrupted_one(workdir, hf_run):
     assert "actor/pg_loss" in compared and "reward/mean" in compared
     for key in compared:
         assert resumed[STEPS][key] == pytest.approx(hf_run[STEPS][key], abs=1e-6), key
-    name = f"step_{STEPS:06d}_dp0.jsonl"
-    full = _rollouts(workdir / "hf" / "rollouts" / name)
-    again = _rollouts(workdir / "resumed" / "rollouts" / name)
-    assert len(full) == len(again) == PROMPTS * N
-    for a, b in zip(full, again, strict=True):
-        for key in ("prompt_ids", "response_ids", "response_mask"):
-            assert a[key] == b[key], key
-        assert a["advantages"] == pytest.approx(b["advantages"], abs=1e-6)
+    _same_samples(workdir, "resumed", "hf", STEPS)

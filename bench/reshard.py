@@ -80,12 +80,12 @@ def executor_worker(rank: int, world: int, model_dir: str, cases: list[dict], bu
     adapt_megatron_for_cpu()
     from megatron.core import parallel_state as ps
 
-    from megarl.hybrid_engine.execute import ReshardExecutor, local_spec_tensors
-    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
-    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.models.build import build_model
     from megarl.models.dims import layer_offset
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from megarl.weights.execute import ReshardExecutor, local_spec_tensors
+    from megarl.weights.reshard_schedule import schedule_reshard
+    from megarl.weights.tensor_list import actor_planned_tensors
 
     rows = []
     for case in cases:
@@ -183,10 +183,10 @@ def _write_zero_checkpoint(out: Path, config: dict) -> None:
     """config.json and zero-valued safetensors of every HF tensor the model has."""
     from safetensors.torch import save_file
 
-    from megarl.hybrid_engine.execute import hf_output_shapes
-    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
-    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.models.dims import ModelDims
+    from megarl.weights.execute import hf_output_shapes
+    from megarl.weights.reshard_schedule import schedule_reshard
+    from megarl.weights.tensor_list import actor_planned_tensors
 
     (out / "config.json").write_text(json.dumps(config))
     dims = ModelDims.from_pretrained(out)
@@ -226,9 +226,9 @@ def vllm_startup(model_dir: str, repeats: int) -> dict:
 
 
 def at_scale() -> list[dict]:
-    from megarl.hybrid_engine.reshard_schedule import reshard_traffic
-    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.plan.known_models import resolve_model
+    from megarl.weights.reshard_schedule import reshard_traffic
+    from megarl.weights.tensor_list import actor_planned_tensors
 
     _, dims = resolve_model("Qwen2.5-72B")
     specs = actor_planned_tensors(dims, [20] * 4, itemsize=2)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.hybrid_engine.broadcast_schedule import BroadcastSchedule, schedule_broadcast
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
+from megarl.weights.broadcast_schedule import BroadcastSchedule, schedule_broadcast
+from megarl.weights.tensor_list import actor_planned_tensors
 from megarl.world_split import Bridge, SplitWorld
 
 BUCKET_BYTES = 256 << 20  # the colocated reshard's bucket size

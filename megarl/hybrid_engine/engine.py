@@ -11,11 +11,11 @@ What the trainer does around it (freeing the actor's grads, moving optimizer sta
 to the host, scoring the responses with the actor) is trainer code
 (:mod:`megarl.trainer.rollout_offload`, :mod:`megarl.trainer.old_log_probs`).
 
-Resharding follows a pure plan (:mod:`megarl.hybrid_engine.reshard_schedule`) computed identically on every
-rank; the executor (:mod:`megarl.hybrid_engine.execute`) moves each bucket (the next one travelling
+Resharding follows a pure plan (:mod:`megarl.weights.reshard_schedule`) computed identically on every
+rank; the executor (:mod:`megarl.weights.execute`) moves each bucket (the next one travelling
 while the current one loads) and hands it to the rollout engine in Hugging Face layout, cast to the
 rollout's dtype (``rollout.dtype``): in ``shard`` mode only the slices this rank's rollout TP rank
-loads, in ``full`` mode whole tensors (:mod:`megarl.hybrid_engine.reshard_mode`). Rollout prompts: each
+loads, in ``full`` mode whole tensors (:mod:`megarl.weights.reshard_mode`). Rollout prompts: each
 training DP rank passes its own prompts; they are spread over the ``world / infer_tp`` vLLM engines
 and every rank gets back the responses of its DP rank (the slicing, seeding and merging are
 :mod:`megarl.hybrid_engine.rollout_split`, shared with the asynchronous rollout group).
@@ -38,16 +38,7 @@ from megarl.dtypes import dtype_from_name
 from megarl.envs.trajectory import Trajectory
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
 from megarl.hybrid_engine.engine_group import engine_group, share_from_first
-from megarl.hybrid_engine.execute import (
-    ReshardExecutor,
-    ReshardStats,
-    hf_output_shapes,
-    local_spec_tensors,
-)
 from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.lora_merge import merged_local_tensors
-from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
-from megarl.hybrid_engine.reshard_schedule import schedule_reshard
 from megarl.hybrid_engine.rollout_split import (
     engine_seeds,
     merge_engines,
@@ -64,13 +55,22 @@ from megarl.hybrid_engine.rollout_types import (
     RolloutOutput,
     SamplingConfig,
 )
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, step_of
 from megarl.hybrid_engine.vllm_rollout import VLLMRollout
-from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
+from megarl.weights.execute import (
+    ReshardExecutor,
+    ReshardStats,
+    hf_output_shapes,
+    local_spec_tensors,
+)
+from megarl.weights.lora_merge import merged_local_tensors
+from megarl.weights.reshard_mode import resolve_reshard_mode
+from megarl.weights.reshard_schedule import schedule_reshard
+from megarl.weights.tensor_list import actor_planned_tensors
+from megarl.weights.weight_shards import ShardSlice, WeightShard
 
 T = TypeVar("T")
 

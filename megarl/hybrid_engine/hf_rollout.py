@@ -27,14 +27,14 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.dtypes import dtype_from_name
 from megarl.hybrid_engine.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
-from megarl.hybrid_engine.hf_saved_names import saved_tensor_index
 from megarl.hybrid_engine.rollout_types import (
     EngineConfig,
     RolloutOutput,
     SamplingConfig,
     request_seed,
 )
-from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
+from megarl.weights.hf_saved_names import saved_tensor_index
+from megarl.weights.weight_shards import ShardSlice, WeightShard, check_shards
 
 
 class HFRollout:

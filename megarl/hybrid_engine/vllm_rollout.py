@@ -34,7 +34,6 @@ from megarl.hybrid_engine.rollout_types import (
     SamplingConfig,
     request_seed,
 )
-from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard, check_shards
 from megarl.lean_imports import VLLM_OPTIONAL, packages_hidden
 from megarl.shm_segments import (
     RUN_SEGMENTS_ENV,
@@ -42,6 +41,7 @@ from megarl.shm_segments import (
     new_segment_prefix,
 )
 from megarl.startup_heap import CollectionPaused, freeze_startup_heap
+from megarl.weights.weight_shards import ShardSlice, WeightShard, check_shards
 
 
 @contextlib.contextmanager
@@ -151,7 +151,7 @@ class VLLMRollout:
         Every vLLM module must get all its tensors in one call (q, k and v together; gate and up
         together; every expert of a fused MoE layer), or vLLM's reload processes it half loaded:
         the reshard schedule's buckets hold whole layers
-        (:func:`megarl.hybrid_engine.tensor_list.update_group`).
+        (:func:`megarl.weights.tensor_list.update_group`).
         """
         batch = list(weights)
         self.validate(batch)

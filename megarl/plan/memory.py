@@ -65,7 +65,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.activations import (
@@ -82,6 +81,7 @@ from megarl.plan.params import StageParams, layer_params, stage_params
 from megarl.plan.reserve import Reserve, fixed_reserve, layout_reserve
 from megarl.plan.units import GIB
 from megarl.plan.workload import Workload
+from megarl.weights.reshard_mode import resolve_reshard_mode
 
 LOSS_CHUNK_ELEMS = 1 << 25  # megarl.algos.vocab_parallel.DEFAULT_CHUNK_ELEMS
 VLLM_WORKSPACE = 1 * GIB  # CUDA graphs, activation workspace, allocator slack (an estimate)
@@ -314,7 +314,7 @@ def reshard_buffer_bytes(
 ) -> int:
     """What the reshard assembles on a rank at once, bf16: two buckets (one loads while the
     next travels); a bucket holds whole groups up to ``bucket_bytes``, and a group larger than
-    that alone: a whole layer (megarl.hybrid_engine.tensor_list.update_group) or a vocabulary
+    that alone: a whole layer (megarl.weights.tensor_list.update_group) or a vocabulary
     tensor. In ``full`` mode (vLLM with an MoE model) every rank assembles whole tensors; in
     ``shard`` mode only its rollout TP rank's slices."""
     mode = resolve_reshard_mode("auto", backend, dims.is_moe)

@@ -1,6 +1,6 @@
 """Reshard traffic of a layout for ``megarl plan``: the bytes each rank receives when the actor's
 weights move into the rollout engine every step, from the pure reshard planner
-(:func:`megarl.hybrid_engine.reshard_schedule.reshard_traffic`) over the model's real tensor list.
+(:func:`megarl.weights.reshard_schedule.reshard_traffic`) over the model's real tensor list.
 
 The mode is the one a run of this layout would use with vLLM (``rollout.reshard_mode=auto``):
 ``shard`` for dense models, ``full`` for mixture-of-experts ones. Figures are the most any rank
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
-from megarl.hybrid_engine.reshard_schedule import PlannedTensor, RankTraffic, reshard_traffic
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
+from megarl.weights.reshard_mode import resolve_reshard_mode
+from megarl.weights.reshard_schedule import PlannedTensor, RankTraffic, reshard_traffic
+from megarl.weights.tensor_list import actor_planned_tensors
 
 ROLLOUT_WEIGHT_BYTES = 2  # bf16
 

@@ -30,7 +30,6 @@ from megarl.data.sft_dataset import check_sft_files
 from megarl.data.tokenizers import tokenizer_difference
 from megarl.envs.loading import check_environment
 from megarl.errors import ConfigError, MegarlError
-from megarl.hybrid_engine.reshard_mode import shard_refusal
 from megarl.import_paths import check_import_path
 from megarl.loggers import check_loggers
 from megarl.models.dims import ModelDims, read_hf_config
@@ -40,6 +39,7 @@ from megarl.rewards.judge_prompt import JudgeTemplate
 from megarl.rewards.model import check_reward_model
 from megarl.rewards.registry import BUILTIN_SCORERS
 from megarl.rewards.remote_settings import RemoteSettings
+from megarl.weights.reshard_mode import shard_refusal
 
 if TYPE_CHECKING:
     from megarl.data.parquet_source import ParquetFileInfo

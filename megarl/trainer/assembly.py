@@ -39,7 +39,6 @@ from megarl.hybrid_engine.engine import HybridEngine
 from megarl.hybrid_engine.engine_folder import eos_token_ids
 from megarl.hybrid_engine.multi_turn import TurnLimits
 from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
-from megarl.hybrid_engine.weight_sync import WeightSender
 from megarl.models.build import ModelOptions
 from megarl.models.dims import ModelDims
 from megarl.models.router_replay import replay_routers
@@ -68,6 +67,7 @@ from megarl.trainer.trajectory_makers import (
     OneReply,
     TrajectoryMaker,
 )
+from megarl.weights.weight_sync import WeightSender
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel

@@ -29,10 +29,7 @@ from typing import Any
 
 from megarl import parallel
 from megarl.data import PromptItem
-from megarl.hybrid_engine.broadcast_schedule import BroadcastSchedule
 from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.execute import local_spec_tensors
-from megarl.hybrid_engine.lora_merge import merged_local_tensors
 from megarl.hybrid_engine.rollout_messages import (
     TRAIN,
     VALIDATION,
@@ -43,10 +40,13 @@ from megarl.hybrid_engine.rollout_messages import (
     Start,
     Stop,
 )
-from megarl.hybrid_engine.weight_sync import SyncStats, WeightSender
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
+from megarl.weights.broadcast_schedule import BroadcastSchedule
+from megarl.weights.execute import local_spec_tensors
+from megarl.weights.lora_merge import merged_local_tensors
+from megarl.weights.weight_sync import SyncStats, WeightSender
 from megarl.world_split import Bridge
 
 PENDING = "rollout_pending"  # the trainer state's generated-but-untrained batch

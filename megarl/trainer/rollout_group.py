@@ -27,7 +27,7 @@ rollout count as colocated; the trajectories travel to the trainers with their r
 A second thread receives the trainers' control messages (objects over a gloo bridge); a weight
 push it announces is received on the main thread, between generations, at a point every rollout
 rank agrees on (:meth:`RolloutGroup._take_pushes`), into host memory
-(:class:`~megarl.hybrid_engine.weight_sync.StagedWeights`): no NCCL collective ever runs beside
+(:class:`~megarl.weights.weight_sync.StagedWeights`): no NCCL collective ever runs beside
 vLLM's. The trainers' broadcast therefore waits for the rollout group's next such point (a
 batch's end, or with ``rollout.partial`` a round's). Loading a version that is due for
 validation (``trainer.test_freq``, ``val_before_train``) runs the validation pass on it at once;
@@ -69,7 +69,6 @@ from megarl.hybrid_engine.rollout_split import (
 from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, step_of
 from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
-from megarl.hybrid_engine.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
 from megarl.trainer.rollout_group_parts import (
     GroupSettings,
     Prompts,
@@ -78,6 +77,7 @@ from megarl.trainer.rollout_group_parts import (
     validation_due,
 )
 from megarl.trainer.trajectory_makers import MultiTurnMaker, dataset_row
+from megarl.weights.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
 
 T = TypeVar("T")
 

@@ -24,8 +24,6 @@ from megarl.hybrid_engine.async_links import make_links, weight_schedule
 from megarl.hybrid_engine.engine import check_rollout_model, make_rollout
 from megarl.hybrid_engine.engine_folder import checkpoint_shapes
 from megarl.hybrid_engine.engine_group import engine_group
-from megarl.hybrid_engine.execute import hf_shapes_of
-from megarl.hybrid_engine.weight_sync import WeightReceiver
 from megarl.launch import init_split
 from megarl.models.dims import ModelDims
 from megarl.run.checks import check_inputs
@@ -35,6 +33,8 @@ from megarl.run.watchdog import collective_timeout_s
 from megarl.trainer.assembly import engine_config, multi_turn_maker, sampling_configs
 from megarl.trainer.rollout_group import RolloutGroup
 from megarl.trainer.rollout_group_parts import GroupSettings, Prompts
+from megarl.weights.execute import hf_shapes_of
+from megarl.weights.weight_sync import WeightReceiver
 
 if TYPE_CHECKING:
     pass

@@ -189,12 +189,12 @@ def _critic_checks(hf_dir, work: Path, out):
 def _reshard_checks(name, hf_dir, out):
     """Built from HF at TP2xPP2, then resharded by the hybrid engine's planner and executor into
     full HF tensors on every rank (inference TP2): each equals the HF file's tensor."""
-    from megarl.hybrid_engine.execute import ReshardExecutor, local_spec_tensors
-    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
-    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
     from megarl.models.build import build_model
     from megarl.models.dims import layer_offset
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from megarl.weights.execute import ReshardExecutor, local_spec_tensors
+    from megarl.weights.reshard_schedule import schedule_reshard
+    from megarl.weights.tensor_list import actor_planned_tensors
 
     layout = ParallelLayout(tp=2, pp=2)
     initialize_model_parallel(layout)

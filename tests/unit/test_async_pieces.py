@@ -19,7 +19,6 @@ from megarl.hybrid_engine.rollout_split import engine_slice, merge_engines
 from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
 from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
-from megarl.hybrid_engine.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import RemoteRollout, staleness_metrics
 from megarl.trainer.rollout_group import RolloutGroup, Stopped
@@ -28,6 +27,7 @@ from megarl.trainer.rollout_group_parts import (
     split_trajectories,
     validation_due,
 )
+from megarl.weights.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.world_split import ROLLOUT, TRAINER, WorldSplit
 from tests.async_settings import group_settings
 

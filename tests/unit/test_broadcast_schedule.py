@@ -10,9 +10,9 @@ from collections import defaultdict
 import pytest
 
 from megarl.hybrid_engine.async_links import weight_schedule
-from megarl.hybrid_engine.broadcast_schedule import schedule_broadcast
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.parallel import ParallelLayout
+from megarl.weights.broadcast_schedule import schedule_broadcast
+from megarl.weights.tensor_list import actor_planned_tensors
 from tests.unit.test_reshard_schedule import DIMS, TIED
 
 LAYOUTS = [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2, 4) for dp in (1, 2, 3)]

@@ -93,7 +93,7 @@ CPU_BY_DESIGN: dict[tuple[str, str], str] = {
     ("megarl/tools/testing/assets.py", "randomize_"): (
         "fills CPU-built Hugging Face test models before they are saved to disk"
     ),
-    ("megarl/hybrid_engine/hf_saved_names.py", "saved_tensor_index"): (
+    ("megarl/weights/hf_saved_names.py", "saved_tensor_index"): (
         "a host index probe through transformers' save conversion; the positions it yields are "
         "moved to the parameter's device"
     ),
@@ -111,7 +111,7 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/tools/gpu_fidelity.py": {
         "device_reserve": "one element made on platform.collective_device(group)",
     },
-    "megarl/hybrid_engine/execute.py": {
+    "megarl/weights/execute.py": {
         "ReshardExecutor._post": "model parameter views and buckets made on the parameters' device",
     },
     "megarl/hybrid_engine/hf_rollout.py": {

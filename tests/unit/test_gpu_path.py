@@ -177,8 +177,8 @@ class _NamedParams:
 
 @pytest.mark.parametrize("model_dir", [tiny_qwen2_dir, tiny_qwen3_moe_dir])
 def test_reshard_takes_te_named_parameters(model_dir):
-    from megarl.hybrid_engine.execute import local_spec_tensors
-    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
+    from megarl.weights.execute import local_spec_tensors
+    from megarl.weights.tensor_list import actor_planned_tensors
 
     dims, local = _local_state_dict(model_dir())
     specs = actor_planned_tensors(dims, [dims.num_layers])

@@ -9,10 +9,10 @@ import torch
 
 from megarl.config import load_config
 from megarl.errors import ConfigError
-from megarl.hybrid_engine.lora_merge import MergedLocalTensors
 from megarl.lora_settings import HF_PROJECTIONS, resolve_targets
 from megarl.models.hf_map import fuse_qkv
 from megarl.models.lora import LoraSettings, interleave_parts
+from megarl.weights.lora_merge import MergedLocalTensors
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"

@@ -9,9 +9,6 @@ import pytest
 import torch
 
 from megarl.errors import ConfigError, UnsupportedModelError
-from megarl.hybrid_engine.execute import hf_output_shapes
-from megarl.hybrid_engine.reshard_schedule import schedule_reshard
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims, read_hf_config
 from megarl.models.families import families, supported_architectures
 from megarl.models.hf_map import (
@@ -23,6 +20,9 @@ from megarl.models.hf_map import (
 from megarl.models.safetensors_io import SafetensorsReader
 from megarl.plan.known_models import resolve_model
 from megarl.plan.params import layer_params
+from megarl.weights.execute import hf_output_shapes
+from megarl.weights.reshard_schedule import schedule_reshard
+from megarl.weights.tensor_list import actor_planned_tensors
 from tests import fake_family
 from tests.assets import tiny_qwen2_dir, tiny_qwen3_dir, tiny_qwen3_tied_dir
 from tests.import_graph import imports, modules
@@ -56,8 +56,8 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
 
 
 def test_reshard_schedule_imports_nothing_of_models():
-    path = modules()["megarl.hybrid_engine.reshard_schedule"]
-    targets = [imp.target for imp in imports("megarl.hybrid_engine.reshard_schedule", path)]
+    path = modules()["megarl.weights.reshard_schedule"]
+    targets = [imp.target for imp in imports("megarl.weights.reshard_schedule", path)]
     assert targets  # the check sees its imports
     assert not [t for t in targets if t.startswith("megarl.")], targets
 

@@ -152,9 +152,9 @@ def test_mixtral_router_jitter_is_refused():
 def test_reshard_schedule_delivers_every_expert_once(make_dir, tp, pp, dp, ep):
     """Every HF tensor (per-expert names included) reaches every rank whole, and each rank
     receives exactly the bytes it does not hold (expert weights only from their EP rank)."""
-    from megarl.hybrid_engine.execute import hf_output_shapes
-    from megarl.hybrid_engine.reshard_schedule import schedule_reshard
-    from megarl.hybrid_engine.tensor_list import actor_planned_tensors
+    from megarl.weights.execute import hf_output_shapes
+    from megarl.weights.reshard_schedule import schedule_reshard
+    from megarl.weights.tensor_list import actor_planned_tensors
 
     model_dir = make_dir()
     dims = ModelDims.from_pretrained(model_dir)

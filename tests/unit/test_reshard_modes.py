@@ -14,14 +14,14 @@ from megarl.cli import main as cli_main
 from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.hybrid_engine.hf_rollout import drop_parameters, restore_parameters
-from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
-from megarl.hybrid_engine.reshard_schedule import reshard_traffic
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
-from megarl.hybrid_engine.weight_shards import ShardSlice, check_shards
 from megarl.models.dims import ModelDims
 from megarl.plan.known_models import resolve_model
 from megarl.run.checks import _check_moe_options
 from megarl.tools.testing.assets import tiny_qwen3_dir, tiny_qwen3_moe_dir
+from megarl.weights.reshard_mode import resolve_reshard_mode
+from megarl.weights.reshard_schedule import reshard_traffic
+from megarl.weights.tensor_list import actor_planned_tensors
+from megarl.weights.weight_shards import ShardSlice, check_shards
 
 
 def test_auto_is_shard_where_the_backend_takes_slices():

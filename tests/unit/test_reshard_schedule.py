@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megarl.hybrid_engine.reshard_schedule import need_ranges, reshard_traffic, schedule_reshard
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import fuse_qkv, split_qkv_shard
 from megarl.plan.known_models import resolve_model
+from megarl.weights.reshard_schedule import need_ranges, reshard_traffic, schedule_reshard
+from megarl.weights.tensor_list import actor_planned_tensors
 
 DIMS = ModelDims(
     family="qwen2",
@@ -138,7 +138,7 @@ def test_buckets_respect_size_and_oversized_tensor_travels_alone():
     first = plan.buckets[0]
     assert [plan.specs[i].name for i in first] == ["embedding.word_embeddings.weight"]
     # every group above the bound travels alone: the embedding, and each whole layer (a layer
-    # is one weight-update group, megarl.hybrid_engine.tensor_list.update_group)
+    # is one weight-update group, megarl.weights.tensor_list.update_group)
     groups: dict[str, int] = {}
     for s in specs:
         groups[s.key] = groups.get(s.key, 0) + s.nbytes

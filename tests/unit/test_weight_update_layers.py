@@ -2,7 +2,7 @@
 
 vLLM's in-place reload processes a module once one call has loaded all of it; a module a call
 loads only in part is rebuilt from uninitialised memory and copied back whole
-(megarl.hybrid_engine.tensor_list.update_group). The reshard and the asynchronous broadcast hand
+(megarl.weights.tensor_list.update_group). The reshard and the asynchronous broadcast hand
 the rollout engine one bucket per call, so every bucket must hold whole layers (every module and
 every expert of each), whatever the bucket size. Checked on Qwen3-30B-A3B at its recipe's layout
 (128 experts a layer, whose bf16 experts alone are 1.2 GB a layer: far above the 256 MiB bucket)
@@ -18,15 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megarl.hybrid_engine.async_links import BUCKET_BYTES
-from megarl.hybrid_engine.broadcast_schedule import schedule_broadcast
-from megarl.hybrid_engine.execute import hf_shapes_of
-from megarl.hybrid_engine.reshard_mode import resolve_reshard_mode
-from megarl.hybrid_engine.reshard_schedule import PlannedTensor, schedule_reshard
-from megarl.hybrid_engine.tensor_list import actor_planned_tensors
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.known_models import resolve_model
 from megarl.plan.memory import reshard_buffer_bytes
+from megarl.weights.broadcast_schedule import schedule_broadcast
+from megarl.weights.execute import hf_shapes_of
+from megarl.weights.reshard_mode import resolve_reshard_mode
+from megarl.weights.reshard_schedule import PlannedTensor, schedule_reshard
+from megarl.weights.tensor_list import actor_planned_tensors
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megarl.hybrid_engine.reshard_schedule import PlannedTensor
 from megarl.models.loading import unwrap
 from megarl.models.lora import LoraAdapter, adapters, global_layer_name
+from megarl.weights.reshard_schedule import PlannedTensor
 
 Merge = Callable[[], torch.Tensor]
 

@@ -8,7 +8,7 @@
 
 vLLM with a mixture-of-experts model takes ``full`` (its fused-MoE loaders cut their own slices,
 below). Either way a weight-update call carries whole layers
-(:func:`megarl.hybrid_engine.tensor_list.update_group`): in ``full`` mode one layer's experts,
+(:func:`megarl.weights.tensor_list.update_group`): in ``full`` mode one layer's experts,
 whole, on every rank (Qwen3-30B-A3B: 1.2 GB in bf16, with the next layer travelling meanwhile);
 the memory plan counts two such buckets beside vLLM's weights while the reshard runs.
 

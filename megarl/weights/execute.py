@@ -23,17 +23,17 @@ import torch
 import torch.distributed as dist
 
 from megarl import platform
-from megarl.hybrid_engine.reshard_schedule import (
+from megarl.models.dims import ModelDims
+from megarl.models.hf_map import NameIndex, split_qkv, split_qkv_shard, to_naming
+from megarl.models.loading import mapped_parameters
+from megarl.weights.reshard_schedule import (
     PlannedTensor,
     RankBucket,
     ReshardSchedule,
     dest_offset,
     range_length,
 )
-from megarl.hybrid_engine.weight_shards import ShardSlice, WeightShard
-from megarl.models.dims import ModelDims
-from megarl.models.hf_map import NameIndex, split_qkv, split_qkv_shard, to_naming
-from megarl.models.loading import mapped_parameters
+from megarl.weights.weight_shards import ShardSlice, WeightShard
 
 # A bucket as the executor hands it on: [(hf_name, tensor)] in full mode, [(ShardSlice, slice)] in
 # shard mode, [(spec name, tensor)] unconverted.

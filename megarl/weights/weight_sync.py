@@ -11,7 +11,7 @@ tensor-parallel collectives run on that thread too, so NCCL sees one order of co
 every rank (with ``CUDA_DEVICE_MAX_CONNECTIONS=1``, NCCL kernels of two groups issued
 concurrently from two threads can each wait for a peer stuck behind the other).
 
-Both sides walk the same :class:`~megarl.hybrid_engine.broadcast_schedule.BroadcastSchedule`: for each
+Both sides walk the same :class:`~megarl.weights.broadcast_schedule.BroadcastSchedule`: for each
 bucket, each slice is broadcast by the trainer holding it over its broadcast group (the source
 and every rollout rank; NCCL on GPUs, gloo on CPU), the rollout ranks assemble whole tensors and
 convert the bucket to HF names with the reshard executor's transforms. Staging lets the
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.hybrid_engine.broadcast_schedule import BroadcastSchedule
-from megarl.hybrid_engine.execute import ReshardStats, to_hf_tensors
 from megarl.models.dims import ModelDims
+from megarl.weights.broadcast_schedule import BroadcastSchedule
+from megarl.weights.execute import ReshardStats, to_hf_tensors
 from megarl.world_split import Bridge
 
 _DTYPES = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}

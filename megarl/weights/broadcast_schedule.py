@@ -2,7 +2,7 @@
 group, in buckets. Pure and deterministic, like the reshard planner it builds on.
 
 The trainers hold the actor in megatron's TP x PP x DP layout (:class:`PlannedTensor` pieces, as in
-:mod:`megarl.hybrid_engine.reshard_schedule`); every rollout rank needs every tensor whole (vLLM cuts
+:mod:`megarl.weights.reshard_schedule`); every rollout rank needs every tensor whole (vLLM cuts
 its own TP shard from full Hugging Face tensors). Each piece goes out once, by one broadcast from
 one of the trainers holding it to all rollout ranks; the holders take turns over the DP replicas
 (spread by tensor), so the sending is shared among the trainers. Buckets group whole tensors
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megarl.hybrid_engine.reshard_schedule import (
+from megarl.weights.reshard_schedule import (
     PlannedTensor,
     ReshardSchedule,
     Slice,

@@ -1,6 +1,6 @@
 """The reshard planner's tensor list for an actor model, from its model family's tensor map.
 
-The planner (:mod:`megarl.hybrid_engine.reshard_schedule`) receives these :class:`PlannedTensor` and knows
+The planner (:mod:`megarl.weights.reshard_schedule`) receives these :class:`PlannedTensor` and knows
 nothing of models; shapes, TP split dimensions and HF order come from the model family
 (:mod:`megarl.models.families`), as :func:`megarl.models.hf_map.tensor_maps` gives it; torch is not
 imported, so ``megarl plan`` can plan the reshard of any layout cheaply.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megarl.hybrid_engine.reshard_schedule import EVEN, PlannedTensor, ShardRule
 from megarl.models.dims import ModelDims
 from megarl.models.families import TensorMap
+from megarl.weights.reshard_schedule import EVEN, PlannedTensor, ShardRule
 
 # vLLM pads the vocabulary to a multiple of this before splitting it over its TP ranks
 # (``vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``).

@@ -58,15 +58,14 @@ def read(path: Path) -> Provenance:
     record = json.loads(path.read_text())
     git = record.get("git") or {}
     load = record.get("load_1min")
+    stamp = record.get("written_utc") or record.get("date")
     return Provenance(
         name=path.name,
         commit=git.get("commit") or None,
         dirty=git.get("dirty"),
         code=record.get("code"),
         machine=_machine(record),
-        written=str(record.get("written_utc") or record.get("date") or "not recorded")[:10]
-        if record.get("written_utc") or record.get("date")
-        else "not recorded",
+        written=str(stamp)[:10] if stamp else "not recorded",
         load=(float(load["start"]), float(load["end"])) if isinstance(load, dict) else None,
     )
 

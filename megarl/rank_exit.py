@@ -50,6 +50,11 @@ def _cause_order(exit_code: int) -> int:
     return 1 if exit_code == -signal.SIGTERM else 0
 
 
+def is_consequence(exit_code: int) -> bool:
+    """Whether a rank's exit is another rank's doing (a SIGTERM, a lost peer), not a cause."""
+    return _cause_order(exit_code) > 0
+
+
 def first_cause(failures: Mapping[int, tuple[int, float]]) -> int:
     """The rank whose failure caused the job's: of ``failures`` (rank -> (exit code, time of
     failure)), the earliest of its own failures, else the earliest SIGTERM, else the earliest

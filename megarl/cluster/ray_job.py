@@ -39,7 +39,7 @@ from megarl.cluster.job import JobRequest, JobResult
 from megarl.cluster.rank_agent import Poll, RankAgent
 from megarl.console import rank_env
 from megarl.errors import ConfigError, LaunchError
-from megarl.rank_exit import describe_exit, exit_code_of, first_cause
+from megarl.rank_exit import describe_exit, exit_code_of, first_cause, is_consequence
 from megarl.rank_process_env import LOOPBACK_IFNAMES
 from megarl.run.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_ENV
 from megarl.shm_segments import RUN_SEGMENTS_ENV, new_segment_prefix
@@ -52,6 +52,9 @@ EXTRA = "megarl[ray]"
 CONNECT_TIMEOUT_S = 30.0  # a cluster's GCS must answer within this; a local start too
 PLACEMENT_TIMEOUT_S = 120.0  # the cluster must place every rank's bundle within this
 POLL_S = 0.2
+# How long the launcher keeps polling when every failed rank only reacted to another's failure
+# (it lost a peer, or was sent SIGTERM): the rank that caused it may not have been seen yet.
+CAUSE_GRACE_S = 10.0
 # Ray's own minimum; the ranks pass nothing through Ray's object store.
 LOCAL_OBJECT_STORE_BYTES = 80 * 2**20
 # The driver's variables the ranks get on every node (their node's environment otherwise).
@@ -385,12 +388,16 @@ class RayLauncher:
 
     def _watch(self, ranks: list[_Rank]) -> JobResult:
         """Stream output until every rank ended well, or one failed; then the failure."""
+        first_failure_at: float | None = None
         while True:
             self._forward_pending(ranks)
             self._poll(ranks)
             failed = [i for i, r in enumerate(ranks) if r.lost or (r.poll and r.poll.exit_code)]
             if failed:
-                return self._fail(ranks, failed)
+                first_failure_at = first_failure_at or time.monotonic()
+                waited = time.monotonic() - first_failure_at
+                if _cause_seen(ranks, failed) or waited >= CAUSE_GRACE_S:
+                    return self._fail(ranks, failed)
             if all(r.poll is not None and r.poll.exit_code == 0 for r in ranks):
                 # a Ctrl-C the ranks stopped for cleanly: the command's status is 130
                 return JobResult(
@@ -522,6 +529,17 @@ def _write(poll: Poll) -> None:
         else:
             stream.write(data.decode(errors="replace"))
         stream.flush()
+
+
+def _cause_seen(ranks: list[_Rank], failed: list[int]) -> bool:
+    """Whether a failed rank failed of its own (or lost its actor), or no rank is still running.
+
+    The ranks are polled one by one: a rank polled just before it was killed reports itself
+    running, while the ranks it left in a collective may report their own exit in the same poll.
+    """
+    if all(r.lost or (r.poll is not None and r.poll.exit_code is not None) for r in ranks):
+        return True
+    return any(ranks[i].lost or not is_consequence(_exit_of(ranks[i])[0]) for i in failed)
 
 
 def _exit_of(rank: _Rank) -> tuple[int, float]:

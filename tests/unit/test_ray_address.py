@@ -7,10 +7,12 @@ import types
 
 import pytest
 
-from megarl.cluster import placement
+from megarl.cluster import placement, ray_job
+from megarl.cluster.rank_agent import Poll
 from megarl.cluster.ray_job import INTERRUPTED_EXIT_CODE, RayLauncher, _Rank, resolve_address
 from megarl.cluster.start import world_size
 from megarl.errors import ConfigError
+from megarl.rank_exit import PEER_LOST_EXIT
 
 
 def test_addresses(monkeypatch, tmp_path):
@@ -85,3 +87,49 @@ def test_the_ray_driver_passes_preemption_and_ctrl_c_to_every_live_rank(capsys):
     assert ranks[0].agent.sent == [signal.SIGUSR2, signal.SIGUSR2]
     assert driver._first_signal == signal.SIGINT
     assert INTERRUPTED_EXIT_CODE == 130
+
+
+class _ScriptedAgent:
+    """A rank agent whose polls answer from a script: one Poll per call, the last one repeated."""
+
+    def __init__(self, polls: list[Poll]):
+        self._polls = polls
+        self.poll = types.SimpleNamespace(remote=self._next)
+        self.stop = types.SimpleNamespace(remote=lambda: Poll(b"", b"", None, None))
+        self.send_signal = types.SimpleNamespace(remote=lambda s: None)
+
+    def _next(self) -> Poll:
+        return self._polls.pop(0) if len(self._polls) > 1 else self._polls[0]
+
+
+class _ImmediateRay(_FakeRay):
+    def get(self, value, timeout=None):
+        return value
+
+
+def _watched(script: list[list[Poll]]):
+    driver = RayLauncher(_ImmediateRay(), "local", one_node=True, verbose=False, local=True)
+    node = placement.NodeSlots("node-0", "127.0.0.1", 4)
+    ranks = [_Rank(_ScriptedAgent(polls), node, i) for i, polls in enumerate(script)]
+    return driver._watch(ranks)
+
+
+RUNNING = Poll(b"", b"", None, None)
+
+
+def test_the_ray_driver_blames_the_killed_rank_that_a_poll_saw_after_its_peers(capsys):
+    """CI saw it: rank 3 answered a poll as running just before it was SIGKILLed, and rank 2, left
+    alone in a collective, answered the same poll with its exit for a lost peer. The driver polls
+    again while only such consequences are seen, and names rank 3."""
+    killed = Poll(b"", b"", -signal.SIGKILL, 12.0)
+    peer_lost = Poll(b"", b"", PEER_LOST_EXIT, 11.5)
+    result = _watched([[RUNNING], [RUNNING], [peer_lost], [RUNNING, killed]])
+    assert (result.failed_rank, result.how) == (3, "was killed by SIGKILL"), result
+    assert "megarl: rank 3 was killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_the_ray_driver_reports_a_lost_peer_once_the_grace_is_over(monkeypatch, capsys):
+    monkeypatch.setattr(ray_job, "CAUSE_GRACE_S", 0.3)
+    peer_lost = Poll(b"", b"", PEER_LOST_EXIT, 11.5)
+    result = _watched([[RUNNING], [peer_lost]])  # rank 0 never ends: no cause ever shows
+    assert (result.failed_rank, result.how) == (1, "exited with code 3"), result

@@ -52,7 +52,7 @@ def rollout_dtype(model: ModelConfig, rollout: RolloutConfig, cuda: bool) -> str
 
 def routing_recorded(r: RolloutConfig, moe: bool) -> bool:
     """Whether the rollout records each token's experts: an MoE policy on the HF backend,
-    colocated or in the asynchronous rollout group, single-turn, multi-turn (rollout.env) or an
-    agent's (rollout.agent): the paths that carry them; the input checks refuse
-    actor.router_replay elsewhere (vLLM, rollout.partial, shared-prompt packs)."""
+    colocated or in the asynchronous rollout group (partial rounds included), single-turn,
+    multi-turn (rollout.env) or an agent's (rollout.agent); the input checks refuse
+    actor.router_replay with vLLM, whose routed experts are not read yet."""
     return moe and r.backend == "hf"

@@ -9,7 +9,10 @@ Without partial rollouts a batch is one ``generate`` call at one version. With t
 rounds ``between()`` may load newer weights into the engine (it returns the version now loaded),
 and every unfinished response continues from its prompt and tokens so far with those weights:
 nothing generated is thrown away, and its tokens keep the version and logprobs they were sampled
-with. A continuation is a new request (its prompt re-encoded under the new weights) seeded for
+with. With ``actor.router_replay`` a response's recorded experts are merged the way a multi-turn
+trajectory's are (:func:`megarl.envs.trajectory.merged_routes`): each id keeps the experts of the
+round that first routed it, and a continuation's prefill gives the previous round's last id its
+own. A continuation is a new request (its prompt re-encoded under the new weights) seeded for
 its response and round (:mod:`megarl.hybrid_engine.seeds`: the round is the segment), so a batch
 is deterministic given when updates land and no continuation shares another sample's stream.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from megarl.envs.trajectory import merged_routes
 from megarl.hybrid_engine.rollout_split import engine_seeds
 from megarl.hybrid_engine.rollout_types import Generates, RolloutOutput, SamplingConfig
 from megarl.hybrid_engine.seeds import sequence_seed
@@ -67,6 +71,7 @@ def generate_versioned(
             token_ids=[list(t) for t in first.token_ids],
             logprobs=[list(lp) for lp in first.logprobs],
             finish_reasons=list(first.finish_reasons),
+            routes=list(first.routes),
         ),
         [[version] * len(t) for t in first.token_ids],
     )
@@ -101,6 +106,9 @@ def generate_versioned(
         )
         for j, k in enumerate(active):
             tokens = more.token_ids[j][: remaining[j]]
+            if out.routes:  # actor.router_replay: each id keeps the first call's experts
+                length = len(requests[j]) + len(tokens)
+                out.routes[k] = merged_routes(out.routes[k], more.routes[j][:length], length)
             out.token_ids[k] += tokens
             out.logprobs[k] += more.logprobs[j][: len(tokens)]
             result.versions[k] += [version] * len(tokens)

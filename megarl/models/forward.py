@@ -25,7 +25,13 @@ from megarl.models.packing import (
     packed_values,
 )
 from megarl.models.router_replay import TokenFlags, router_token_order, set_routes
-from megarl.models.shared_prompts import SharedPromptPack, pack_shared_prompts, rotary_positions
+from megarl.models.shared_prompts import (
+    SharedPromptPack,
+    pack_shared_prompts,
+    rotary_positions,
+    shared_sources,
+    shared_values,
+)
 
 MicroBatch = TypeVar("MicroBatch")
 # loss_fn(output, micro_batch) -> (loss, metrics). ``output`` is the last stage's model output
@@ -239,35 +245,49 @@ def run_schedule(
 
 
 def _token_flags(batch: dict[str, Any], multiple: int) -> TokenFlags:
-    """Empty flags over a micro-batch's ``[b, L]`` positions, their index in the routers' order."""
+    """Empty flags over a micro-batch's ``[b, L]`` positions, their index in the routers' order
+    (a shared prompt's token stands for its place in every row of its group)."""
     b, width = batch["input_ids"].shape
-    positions = torch.arange(b * width, device="cpu").reshape(b, width, 1, 1)  # like routes
-    return TokenFlags.over(_in_router_order(positions, batch, multiple), b * width)
+    if "prompt_lens" in batch:
+        sources = shared_sources(_shared_pack(batch, multiple), width)  # [T, m]
+        index = _split_for_sequence_parallel(sources.unsqueeze(0).unsqueeze(-1), multiple)
+    else:
+        positions = torch.arange(b * width, device="cpu").reshape(b, width, 1, 1)  # like routes
+        index = _in_router_order(positions, batch, multiple)
+    return TokenFlags.over(index, b * width)
 
 
 def _routes_in_router_order(batch: dict[str, Any], multiple: int) -> torch.Tensor | None:
     """A micro-batch's ``routes`` (``[b, L, layers, k]`` recorded experts, -1: none) in the
-    token order its routers see: padded like ``input_ids`` (or packed like them), sequence-major,
-    this TP rank's share under sequence parallelism (``multiple`` > 1)."""
+    token order its routers see: padded like ``input_ids`` (or packed like them, a shared
+    prompt's from the first row of its group), sequence-major, this TP rank's share under
+    sequence parallelism (``multiple`` > 1)."""
     routes = batch.get("routes")
     if routes is None:
         return None
-    if "prompt_lens" in batch:
-        raise ValueError(
-            "routing replay does not run with shared-prompt packs (actor.share_prompts); the "
-            "config check refuses the pair"
-        )
     return _in_router_order(routes, batch, multiple)
+
+
+def _shared_pack(batch: dict[str, Any], multiple: int) -> SharedPromptPack:
+    return pack_shared_prompts(
+        batch["input_ids"], batch["prompt_lens"], batch["seq_lens"], multiple
+    )
 
 
 def _in_router_order(values: torch.Tensor, batch: dict[str, Any], multiple: int) -> torch.Tensor:
     """Per-token ``[b, L, x, y]`` values of a micro-batch in its routers' token order, -1 at
     the padding the forward adds."""
-    if "seq_lens" in batch:
+    if "prompt_lens" in batch:
+        ordered = shared_values(_shared_pack(batch, multiple), values, fill=-1).unsqueeze(0)
+    elif "seq_lens" in batch:
         ordered = packed_values(values, batch["seq_lens"], multiple, fill=-1).unsqueeze(0)
     else:
         extra = -values.shape[1] % multiple
         ordered = torch.nn.functional.pad(values, (0, 0, 0, 0, 0, extra), value=-1)
+    return _split_for_sequence_parallel(ordered, multiple)
+
+
+def _split_for_sequence_parallel(ordered: torch.Tensor, multiple: int) -> torch.Tensor:
     split = multiple > 1
     return router_token_order(
         ordered,

@@ -49,21 +49,24 @@ class TokenFlags:
     differed from the rollout's experts (``flipped``), over the layers (and, under sequence
     parallelism, the share of the sequence) this rank routes."""
 
-    index: torch.Tensor  # [tokens] in the routers' order: each token's flat position (-1: padding)
+    # [tokens, m] in the routers' order: the flat positions each token stands for (a shared
+    # prompt's token one per row of its group; -1: none, as padding)
+    index: torch.Tensor
     recorded: torch.Tensor  # [b * L] bool, host
     flipped: torch.Tensor  # [b * L] bool, host
 
     @classmethod
     def over(cls, index: torch.Tensor, positions: int) -> TokenFlags:
         none = torch.zeros(positions, dtype=torch.bool, device="cpu")  # host, like the routes
-        return cls(index.reshape(-1).cpu(), none, none.clone())
+        return cls(index.reshape(index.shape[0], -1).cpu(), none, none.clone())
 
     def mark(self, recorded: torch.Tensor, agrees: torch.Tensor) -> None:
         """One router's forward: ``recorded`` ([tokens] in its order) and, for those tokens,
         whether its own experts were the rollout's (``agrees``)."""
         where = self.index[recorded.cpu()]
-        self.recorded[where] = True
-        self.flipped[where[~agrees.cpu()]] = True
+        flipped = where[~agrees.cpu()]
+        self.recorded[where[where >= 0]] = True
+        self.flipped[flipped[flipped >= 0]] = True
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

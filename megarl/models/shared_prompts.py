@@ -156,6 +156,45 @@ def pack_shared_prompts(
     )
 
 
+def _groups(pack: SharedPromptPack) -> list[list[int]]:
+    """The pack's rows by group (rows sharing one prompt), each in row order."""
+    groups: dict[int, list[int]] = {}
+    for row, offset in enumerate(pack.prompt_offsets.tolist()):
+        groups.setdefault(int(offset), []).append(row)
+    return list(groups.values())
+
+
+def shared_values(pack: SharedPromptPack, values: torch.Tensor, fill: int) -> torch.Tensor:
+    """Per-token values of the padded rows (``[b, L, ...]``) laid out as the pack's tokens
+    (``[T, ...]``): a response token's from its row, a shared prompt token's from the first row
+    of its group (the pack runs the prompt once), ``fill`` at the pad tail."""
+    out = values.new_full((pack.num_tokens, *values.shape[2:]), fill)
+    for members in _groups(pack):
+        first = members[0]
+        start, p = int(pack.prompt_offsets[first]), int(pack.prompt_lens[first])
+        out[start : start + p] = values[first, :p]
+        for row in members:
+            at, n = int(pack.response_offsets[row]), int(pack.response_lens[row])
+            out[at : at + n] = values[row, p : p + n]
+    return out
+
+
+def shared_sources(pack: SharedPromptPack, width: int) -> torch.Tensor:
+    """``[T, m]``: for each token of the pack, the flat positions (``row * width + column``) in
+    the padded ``[b, width]`` rows it stands for: a shared prompt token its place in every row
+    of its group (``m`` the largest group), a response token its own; ``-1`` fills."""
+    groups = _groups(pack)
+    out = torch.full((pack.num_tokens, max(map(len, groups))), -1, dtype=torch.long)
+    for members in groups:
+        first = members[0]
+        start, p = int(pack.prompt_offsets[first]), int(pack.prompt_lens[first])
+        for j, row in enumerate(members):
+            out[start : start + p, j] = torch.arange(p) + row * width
+            at, n = int(pack.response_offsets[row]), int(pack.response_lens[row])
+            out[at : at + n, 0] = torch.arange(p, p + n) + row * width
+    return out
+
+
 def _rotary_hook(module, args, output):
     positions = _POSITIONS.get()
     if positions is None:

@@ -325,27 +325,13 @@ def _check_router_replay(
             f"actor.router_replay=true replays a mixture-of-experts routing; {model_path} is a "
             f"dense {dims.family} model: set actor.router_replay=false"
         )
-    refusals = (
-        (
-            r.backend != "hf",
-            f"rollout.backend={r.backend}: megarl does not read vLLM's routed experts yet (vLLM 0.32 "
-            "returns them only from its V2 model runner, which its CPU build starts only with "
-            "Triton's CPU backend); set rollout.backend=hf (transformers records its routers' choices)",
-        ),
-        (
-            r.partial,
-            "rollout.partial: a response continued across weight updates does not carry its "
-            "routing yet; set rollout.partial=false",
-        ),
-        (
-            actor.share_prompts,
-            "actor.share_prompts: a shared-prompt pack routes each prompt once, not per sample; "
-            "set actor.share_prompts=false",
-        ),
-    )
-    for refused, why in refusals:
-        if refused:
-            raise ConfigError(f"actor.router_replay=true with {why}")
+    if r.backend != "hf":
+        raise ConfigError(
+            f"actor.router_replay=true with rollout.backend={r.backend}: megarl does not read "
+            "vLLM's routed experts yet (vLLM 0.32 returns them only from its V2 model runner, "
+            "which its CPU build starts only with Triton's CPU backend); set rollout.backend=hf "
+            "(transformers records its routers' choices)"
+        )
 
 
 def _check_moe_options(

@@ -85,8 +85,11 @@ def perturb(weight: torch.Tensor, layer: int) -> None:
     weight.add_(torch.randn(weight.shape, generator=gen) * 0.3 * weight.std())
 
 
-def _logits(model, ids: torch.Tensor, routes: torch.Tensor | None, packed: bool, seen=None):
-    """The full-vocabulary logits (last stage; else None); ``seen`` gets the micro-batch's dict."""
+def _logits(
+    model, ids: torch.Tensor, routes: torch.Tensor | None, packed: bool, seen=None, shared=None
+):
+    """The full-vocabulary logits (last stage; else None); ``seen`` gets the micro-batch's dict;
+    ``shared`` (prompt and sequence lengths) runs the rows as a shared-prompt pack."""
     batch: dict = {"input_ids": ids}
     if seen is not None:
         seen.append(batch)
@@ -94,6 +97,8 @@ def _logits(model, ids: torch.Tensor, routes: torch.Tensor | None, packed: bool,
         batch["routes"] = routes
     if packed:
         batch["seq_lens"] = torch.full((ids.shape[0],), ids.shape[1])
+    if shared is not None:
+        batch["prompt_lens"], batch["seq_lens"] = shared
     out = run_schedule(
         [model],
         [batch],
@@ -141,6 +146,7 @@ def replay_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) ->
         if logits is not None:
             results["own"] = (logits - ref_natural).abs().max().item()
         # the trainer's routers perturbed: a rollout (transformers) that routed otherwise
+        unperturbed = {id(r): r.weight.detach().clone() for r in routers(model)}
         with torch.no_grad():
             for router in routers(model):
                 perturb(router.weight, moe_layer_index(router, model))
@@ -158,10 +164,60 @@ def replay_worker(rank: int, world: int, model_dir: str, layouts: list[dict]) ->
                 results[name] = (logits - ref_natural).abs().max().item()
             out[f"{key}:{name}_router"] = counts.router_agrees / max(counts.tokens, 1)
             out[f"{key}:{name}_used"] = counts.used_agrees / max(counts.tokens, 1)
+        results.update(_shared_prompt_pack(hf, model, dims, key, out, unperturbed))
         for name, value in results.items():
             out[f"{key}:{name}"] = max(value, out.get(f"{key}:{name}", 0.0))
         destroy_model_parallel()
     return out
+
+
+def _shared_prompt_pack(
+    hf, model, dims, key: str, out: dict[str, float], unperturbed: dict[int, torch.Tensor]
+) -> dict[str, float]:
+    """The same as a shared-prompt pack (actor.share_prompts): rows 0 and 1 share a 6-token
+    prompt (and, as one engine batch routes them, its experts), row 2 has its own 4-token one;
+    the rows end at 13, 10 and 12 tokens. Forced onto random experts, the logits at every real
+    position equal transformers' forced forward of each row alone; with the trainer's routers
+    perturbed (the state the caller left), each token's flag, row 1's prompt included (its
+    tokens ran once, as row 0's), equals transformers'. Returns the logit figures."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_rank()
+    ids = batch_for(dp, dims.vocab_size, batch=3)
+    ids[1, :6] = ids[0, :6]
+    prompt_lens, seq_lens = torch.tensor([6, 6, 4]), torch.tensor([13, 10, 12])
+    real = torch.arange(ids.shape[1]).unsqueeze(0) < seq_lens.unsqueeze(1)
+    layers = len(_hf_routers(hf))
+    routes = random_routes(3, ids.shape[1], layers, dims.num_experts, dims.moe_topk, 90 + dp)
+    routes[1, :6] = routes[0, :6]
+    results = {}
+    perturbed = {id(r): r.weight.detach().clone() for r in routers(model)}
+    with torch.no_grad():  # the forced comparison on the unperturbed routers
+        for router in routers(model):
+            router.weight.copy_(unperturbed[id(router)])
+        with forced(hf, routes):
+            reference = hf(ids).logits
+    replay_routers(model, replay=True)
+    logits = _logits(model, ids, routes, False, shared=(prompt_lens, seq_lens))
+    counts = routing_counts(model)
+    if logits is not None:
+        results["forced_shared"] = (logits - reference)[real].abs().max().item()
+        diff = logits.log_softmax(-1) - reference.log_softmax(-1)
+        results["forced_shared_logprob"] = diff[real].abs().max().item()
+    out[f"{key}:forced_shared_used"] = counts.used_agrees / max(counts.tokens, 1)
+    with torch.no_grad():
+        for router in routers(model):
+            router.weight.copy_(perturbed[id(router)])
+    replay_routers(model, replay=False)
+    natural = natural_routes(hf, ids)
+    seen: list[dict] = []
+    _logits(model, ids, natural, False, seen, shared=(prompt_lens, seq_lens))
+    routing_counts(model)
+    flags = combine_over_model_parallel(position_codes(seen[0][ROUTING_FLAGS], tuple(ids.shape)))
+    expected = _flipped_by(hf, ids, natural)
+    out[f"{key}:shared_flag_errors"] = float((flags != expected)[real].sum())
+    out[f"{key}:shared_unflagged"] = float((flags[real] == 0).sum())  # real tokens unmarked
+    return results
 
 
 def _flipped_by(hf, ids: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:

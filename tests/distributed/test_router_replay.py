@@ -55,6 +55,12 @@ def test_replayed_routing_equals_a_forced_transformers_forward():
         # replayed: every recorded token on transformers' experts, and the logits closer
         assert merged[f"{key}:perturbed_replayed_used"] == 1.0, merged
         assert merged[f"{key}:perturbed_replayed"] < merged[f"{key}:perturbed"] / 2, merged
+        # a shared-prompt pack: forced, and each token's flag, row 1's shared prompt included
+        assert merged[f"{key}:forced_shared"] < 1e-5, (key, merged)
+        assert merged[f"{key}:forced_shared_logprob"] < 5e-6, (key, merged)
+        assert merged[f"{key}:forced_shared_used"] == 1.0, merged
+        assert merged[f"{key}:shared_flag_errors"] == 0, merged
+        assert merged[f"{key}:shared_unflagged"] == 0, merged
         # every token's flag is transformers' (both kinds present)
         assert merged[f"{key}:flag_errors"] == 0, merged
         assert 0.0 < merged[f"{key}:flipped_tokens"] < 1.0, merged

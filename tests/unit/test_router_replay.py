@@ -140,7 +140,12 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
     # multi-turn and agent trajectories carry their routing (test_router_replay_trajectories.py)
     check(moe, "rollout.backend=hf", "rollout.env=tests/e2e/relay_env.py:Relay")
     check(moe, "rollout.backend=hf", "rollout.agent=agent.py:solve")
-    check(moe, "rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1")
+    async_hf = ("rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1")
+    check(moe, *async_hf)
+    # partial rounds merge their records; shared-prompt packs replay a prompt's experts once
+    # (test_router_replay_trajectories.py, tests/distributed/test_router_replay.py)
+    check(moe, *async_hf, "rollout.partial=true")
+    check(moe, "rollout.backend=hf", "actor.share_prompts=true")
     for dims, overrides, message in (
         (dense, ("rollout.backend=hf",), "dense"),
         (
@@ -148,17 +153,6 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
             ("rollout.backend=vllm",),
             "vLLM's routed experts yet .vLLM 0.32 returns them only from its V2 model runner",
         ),
-        (
-            moe,
-            (
-                "rollout.backend=hf",
-                "rollout.mode=async",
-                "parallel.rollout_ranks=1",
-                "rollout.partial=true",
-            ),
-            "rollout.partial: a response continued across weight updates",
-        ),
-        (moe, ("rollout.backend=hf", "actor.share_prompts=true"), "shared-prompt"),
     ):
         with pytest.raises(ConfigError, match=message):
             check(dims, *overrides)

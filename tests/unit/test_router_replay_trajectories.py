@@ -8,6 +8,9 @@ read."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import openai
 import pytest
 import torch
@@ -21,8 +24,9 @@ from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
 from megarl.hybrid_engine.rollout_split import SampleStart, rank_output
 from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.hybrid_engine.trajectory_source import EngineJob
+from megarl.hybrid_engine.versioned import generate_versioned
 from tests.assets import tiny_char_qwen3_moe_dir
-from tests.distributed.router_replay_workers import natural_routes
+from tests.distributed.router_replay_workers import _hf_routers, natural_routes, perturb
 from tests.unit.test_agent_trajectories import agent_source
 
 pytestmark = pytest.mark.unit
@@ -129,3 +133,69 @@ def test_an_agents_trained_segment_carries_its_engine_calls_routing(engine):
     for t in part.trajectories:
         assert t.turns == 3 and t.env_tokens > 0, t.turns
         assert_routes_are_the_full_forwards(engine, t)
+
+
+def test_a_partial_rollouts_rounds_carry_their_routing(engine):
+    """rollout.partial: responses generated in rounds of 5 tokens (each round a new request,
+    prompt + tokens so far), the engine's routers moved after round 1 (new weights). Each id
+    keeps the experts of the round that first routed it: the prompt and round 1's first 4 ids
+    those of a teacher-forced forward with the old routers; round 1's last id (read first by
+    round 2's prefill) and later ids those of the moved routers."""
+    sampling = SamplingConfig(temperature=1.0, n=2, seed=9, max_new_tokens=17, ignore_eos=True)
+    prompts = [[5, 9, 13, 2, 11, 4, 8, 6, 10, 12], [7, 3, 14, 1, 9, 5]]
+    before = [r.weight.detach().clone() for r in _hf_routers(engine.model)]
+
+    def between(active: bool) -> int:
+        if len(moves) == 0:
+            with torch.no_grad():
+                for layer, router in enumerate(_hf_routers(engine.model)):
+                    for _ in range(3):  # far enough to route many ids otherwise
+                        perturb(router.weight, layer)
+        moves.append(active)
+        return len(moves)
+
+    moves: list[bool] = []
+    try:
+        out = generate_versioned(engine, prompts, sampling, 2, 0, 0, chunk=5, between=between)
+        moved = _hf_routers(engine.model)
+        assert out.rounds == 4 and len(moves) == 3 and len(out.output.routes) == 4
+        differ = wrong = 0
+        for k, routes in enumerate(out.output.routes):
+            ids = prompts[out.output.prompt_index[k]] + out.output.token_ids[k]
+            first_round = len(ids) - 17 + 4  # the prompt and the ids round 1's decode read
+            assert routes.shape[0] == len(ids) and bool((routes[-1] == -1).all())
+            new = natural_routes(engine.model, torch.tensor([ids]))[0]
+            with _weights(moved, before):
+                old = natural_routes(engine.model, torch.tensor([ids]))[0]
+            expected = torch.cat([old[:first_round], new[first_round:-1]])
+            wrong += _different_sets(routes[:-1], expected)
+            differ += _different_sets(old[:-1], new[:-1])
+        print(f"ids routed otherwise by the moved routers: {differ}; records off: {wrong}")
+        # a near-tie may flip once (decode vs a whole-sequence forward)
+        assert wrong <= 1, wrong
+        assert differ > 20  # the moved routers route otherwise: the rounds are told apart
+    finally:
+        with torch.no_grad():
+            for router, weight in zip(_hf_routers(engine.model), before, strict=True):
+                router.weight.copy_(weight)
+
+
+def _different_sets(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many ids of ``[ids, layers, k]`` routes differ in some layer's expert set."""
+    mine, theirs = a.long().sort(dim=-1).values, b.long().sort(dim=-1).values
+    return int((mine != theirs).any(dim=-1).any(dim=-1).sum())
+
+
+@contextmanager
+def _weights(routers: list[torch.nn.Module], weights: list[torch.Tensor]) -> Iterator[None]:
+    """Inside the block, ``routers`` hold ``weights``."""
+    now = [r.weight.detach().clone() for r in routers]
+    with torch.no_grad():
+        for router, weight in zip(routers, weights, strict=True):
+            router.weight.copy_(weight)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for router, weight in zip(routers, now, strict=True):
+                router.weight.copy_(weight)

@@ -10,7 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megarl.models.shared_prompts import check_supported, pack_shared_prompts
+from megarl.models.shared_prompts import (
+    check_supported,
+    pack_shared_prompts,
+    shared_sources,
+    shared_values,
+)
 from megarl.trainer.batch import Samples, micro_batches
 
 PROMPT_A, PROMPT_B = [5, 6, 7], [8, 9]
@@ -51,6 +56,34 @@ def test_every_position_of_every_row_reads_its_own_token_at_its_own_rotary_posit
             q = min(p, n - 1)  # past its end a row reads its last token, as plain packing does
             assert int(pack.input_ids[0, index[r, p]]) == int(ids[r, q]), (r, p)
             assert int(pack.position_ids[0, index[r, p]]) == q, (r, p)
+
+
+def test_per_token_values_and_sources_follow_the_pack():
+    """Routing replay's layout of the rows' per-token values (recorded experts) over the pack: a
+    shared prompt's from its group's first row, each response's from its row, the pad tail
+    filled; and each pack token's flat positions in the padded rows, a prompt token's one per
+    row of its group."""
+    ids, plens, lens = _padded(ROWS)
+    pack = pack_shared_prompts(ids, plens, lens, multiple=4)
+    width = ids.shape[1]
+    flat = torch.arange(len(ROWS) * width).reshape(len(ROWS), width)
+    values = shared_values(pack, flat.unsqueeze(-1), fill=-1)[:, 0]
+    # row 0 is group A's first: its prompt; rows 0 and 2 respond; then B (row 1); the pad tail
+    assert values.tolist() == [0, 1, 2, 3, 4, 13, 5, 6, 7, 8, 9, -1]
+    sources = shared_sources(pack, width)
+    assert sources.shape == (12, 3)  # group A has 3 rows
+    assert sources[:3].tolist() == [[0, 10, 15], [1, 11, 16], [2, 12, 17]]  # rows 0, 2, 3
+    assert sources[3:].tolist() == [
+        [3, -1, -1],
+        [4, -1, -1],
+        [13, -1, -1],
+        [5, -1, -1],  # group B, row 1, width 5: its prompt then its response
+        [6, -1, -1],
+        [7, -1, -1],
+        [8, -1, -1],
+        [9, -1, -1],
+        [-1, -1, -1],
+    ]
 
 
 def test_masks_let_a_response_see_the_prompt_and_itself_only():

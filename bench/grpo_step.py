@@ -66,6 +66,7 @@ from bench.gsm_data import prepare_gsm_symbolic
 from bench.precision_args import add_precision_args, results_suffix
 from bench.process_env import megarl_rank_settings, peer_env, process_settings
 from bench.results_io import write_results
+from bench.rounds import order_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -636,7 +637,7 @@ def main() -> None:
         log(f"model {model}, {len(prompts)} prompts in {train}")
         rounds: list[dict[str, dict]] = []
         for k in range(args.rounds):
-            order = sides if k % 2 == 0 else sides[::-1]  # alternated: no side always first
+            order = order_of(sides, k)  # alternated: no side always first
             log(f"round {k + 1}/{args.rounds}: {', '.join(order)}")
             results: dict[str, dict] = {}
             for side in order:

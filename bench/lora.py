@@ -1,7 +1,7 @@
 """Peak memory and step time of a GRPO actor update of SmolLM2-135M with LoRA (rank 64, alpha 16,
 every linear layer) against full fine-tuning, measured in the same run.
 
-    .venv/bin/python -m bench.lora [--batch 4] [--seq 256] [--iters 3] [--rank 64]
+    .venv/bin/python -m bench.lora [--batch 4] [--seq 256] [--iters 3] [--rank 64] [--rounds 3]
     .venv/bin/python -m bench.lora --smoke        # a tiny model, one step each (CI)
 
 One actor update = forward + backward of the PPO-clip loss (GRPO's policy loss) over
@@ -10,7 +10,9 @@ DDP + optimizer megarl trains with (TP1, one process, fp32). Each variant runs i
 process, so its peak memory is its own: on CUDA ``torch.cuda.max_memory_allocated``, on a CPU
 the process's peak RSS (which includes the imports of torch, megatron and transformers, the same
 for both). Beside it, the training state counted tensor by tensor: weights, gradient buffers,
-optimizer parameters and Adam's moments. Prints the ratio LoRA / full of each.
+optimizer parameters and Adam's moments. The variants run ``--rounds`` times, alternated
+(bench/rounds.py); prints the ratio LoRA / full of each round and their median, which the
+results file keeps with every run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.rounds import ratio_by_round, run_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,41 +138,62 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="runs of each variant, the order reversed each round (3; smoke 1)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, one timed step")
     parser.add_argument("--variant", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.seq, args.iters, args.rank = 2, 32, 1, 8
+    if args.rounds is None:
+        args.rounds = 1 if args.smoke else 3
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
-    full, lora = _child("full", args), _child("lora", args)
+    rounds = run_rounds(("full", "lora"), args.rounds, lambda variant: _child(variant, args))
     model = "tiny Qwen2 (smoke)" if args.smoke else "SmolLM2-135M"
     mib = 2**20
     print(
         f"{model} GRPO actor update (PPO-clip loss + Adam step), batch {args.batch} x seq "
-        f"{args.seq}, fp32, TP1, LoRA rank {args.rank} alpha 16 all-linear vs full fine-tuning"
+        f"{args.seq}, fp32, TP1, LoRA rank {args.rank} alpha 16 all-linear vs full fine-tuning, "
+        f"{args.rounds} alternated rounds"
     )
-    for name, r in (("full", full), ("lora", lora)):
-        print(
-            f"  {name:5s} {r['step_s'] * 1e3:9.1f} ms/step  peak {r['peak_bytes'] / mib:8.1f} MiB  "
-            f"trainable {r['trainable_params'] / 1e6:7.2f}M  weights {r['weights'] / mib:7.1f} "
-            f"grads {r['grads'] / mib:7.1f} optimizer {r['optimizer'] / mib:7.1f} MiB"
-        )
+    for k, runs in enumerate(rounds):
+        for name, r in runs.items():
+            print(
+                f"  round {k + 1} {name:5s} {r['step_s'] * 1e3:9.1f} ms/step  peak "
+                f"{r['peak_bytes'] / mib:8.1f} MiB  trainable {r['trainable_params'] / 1e6:7.2f}M "
+                f"weights {r['weights'] / mib:7.1f} grads {r['grads'] / mib:7.1f} optimizer "
+                f"{r['optimizer'] / mib:7.1f} MiB  load {r['load'][0]:.1f}-{r['load'][1]:.1f}"
+            )
     state = ("weights", "grads", "optimizer")
-    ratios = {
-        "step_time": lora["step_s"] / full["step_s"],
-        "peak_memory": lora["peak_bytes"] / full["peak_bytes"],
-        "training_state": sum(lora[k] for k in state) / sum(full[k] for k in state),
+    by_round = {
+        "step_time": ratio_by_round(rounds, lambda r: r["lora"]["step_s"] / r["full"]["step_s"]),
+        "peak_memory": ratio_by_round(
+            rounds, lambda r: r["lora"]["peak_bytes"] / r["full"]["peak_bytes"]
+        ),
     }
+    last = rounds[-1]  # the training state is counted, the same in every round
+    ratios = {
+        "step_time": by_round["step_time"]["median"],
+        "peak_memory": by_round["peak_memory"]["median"],
+        "training_state": sum(last["lora"][k] for k in state) / sum(last["full"][k] for k in state),
+    }
+    for key, ratio in by_round.items():
+        each = ", ".join(f"{x:.2f}" for x in ratio["rounds"])
+        print(f"  lora/full {key}: {each} by round, median {ratio['median']:.2f}")
     print(
-        f"RATIO lora/full: step time {ratios['step_time']:.2f}, peak memory "
-        f"{ratios['peak_memory']:.2f}, training state (weights+grads+optimizer) "
+        f"RATIO lora/full (median of the rounds): step time {ratios['step_time']:.2f}, peak "
+        f"memory {ratios['peak_memory']:.2f}, training state (weights+grads+optimizer) "
         f"{ratios['training_state']:.2f}"
     )
     from bench.results_io import write_results
 
-    figures = {"model": model, **vars(args), "full": full, "lora": lora, "lora_over_full": ratios}
+    figures = {"model": model, **vars(args), "rounds_run": rounds, "ratios_by_round": by_round}
+    figures.update(full=last["full"], lora=last["lora"], lora_over_full=ratios)
     write_results("lora", figures, smoke=args.smoke, peak_size=256 if args.smoke else None)
 
 

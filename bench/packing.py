@@ -1,7 +1,7 @@
 """Tokens/s and peak memory of one actor update (PPO loss, forward + backward + Adam step), padded
 micro-batches against packed ones (``actor.packing``), on SmolLM2-135M at TP1, same run.
 
-    .venv/bin/python -m bench.packing [--samples 12] [--max-tokens 4096] [--iters 1]
+    .venv/bin/python -m bench.packing [--samples 12] [--max-tokens 4096] [--iters 1] [--rounds 3]
     .venv/bin/python -m bench.packing --smoke      # tiny model, a few samples: seconds
 
 Response lengths are drawn like GSM8K answers: a log-normal body (median ~120 tokens) with a long
@@ -9,8 +9,9 @@ tail up to ``--max-response`` tokens; prompts 60-160 tokens. Both modes cut micr
 same token budget (``actor.max_tokens_per_micro_batch``): padded tokens when padded, real tokens
 when packed. Each mode runs in its own process so its peak memory is its own: the peak resident
 memory during the update above the resident memory before it (on CUDA: peak allocated bytes).
-Tokens/s counts real tokens (prompt + response) per second of the median update. Prints both and
-``RATIO packed/padded`` (target >= 1.5).
+Tokens/s counts real tokens (prompt + response) per second of the median update. The modes run
+``--rounds`` times, alternated (bench/rounds.py); prints each round's and ``RATIO packed/padded``,
+the median of the rounds (target >= 1.5).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.rounds import ratio_by_round, run_rounds
 from megarl.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,8 +140,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--max-response", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument(
+        "--rounds", type=int, help="runs of each mode, the order reversed each round (3; smoke 1)"
+    )
     parser.add_argument("--mode", choices=["padded", "packed"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 1 if args.smoke else 3
     size = dict(samples=6, max_tokens=512, max_response=96, iters=1) if args.smoke else {}
     defaults = dict(samples=12, max_tokens=4096, max_response=512, iters=1)
     for key, value in {**defaults, **size}.items():
@@ -150,44 +157,58 @@ def main() -> None:
         print("RESULT " + json.dumps(run_mode(args)), flush=True)
         return
 
-    results = {}
-    for mode in ("padded", "packed"):
-        cmd = [sys.executable, "-m", "bench.packing", "--mode", mode]
-        cmd += ["--samples", str(args.samples), "--max-tokens", str(args.max_tokens)]
-        cmd += ["--max-response", str(args.max_response), "--iters", str(args.iters)]
-        if args.smoke:
-            cmd.append("--smoke")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"the {mode} run failed (exit code {proc.returncode})")
-        results[mode] = json.loads(lines[-1][len("RESULT ") :])
-
+    rounds = run_rounds(("padded", "packed"), args.rounds, lambda mode: _run_mode(mode, args))
     name = "tiny Qwen2 (smoke)" if args.smoke else "SmolLM2-135M"
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     print(
         f"{name}, one actor update (PPO loss, fwd+bwd+Adam), {args.samples} samples, "
         f"GSM8K-like response lengths (max {args.max_response}), token budget "
-        f"{args.max_tokens}/micro-batch, {threads} threads, fp32"
+        f"{args.max_tokens}/micro-batch, {threads} threads, fp32, {args.rounds} alternated rounds"
     )
-    for mode, r in results.items():
-        print(
-            f"  {mode:7s} {r['seconds']:8.2f} s/update {r['tokens_per_s']:9.1f} tokens/s  "
-            f"{r['model_tokens']:6d} tokens through the model ({r['real_tokens']} real), "
-            f"{r['micro_batches']} micro-batches, peak memory +{r['peak_bytes'] / 2**20:.0f} MiB"
-        )
-    ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
-    print(f"RATIO packed/padded tokens/s = {ratio:.2f} (target >= 1.5)")
-    mem = results["packed"]["peak_bytes"] / max(results["padded"]["peak_bytes"], 1)
-    print(f"MEMORY packed/padded peak = {mem:.2f}")
+    for k, results in enumerate(rounds):
+        for mode, r in results.items():
+            print(
+                f"  round {k + 1} {mode:7s} {r['seconds']:8.2f} s/update {r['tokens_per_s']:9.1f} "
+                f"tokens/s  {r['model_tokens']:6d} tokens through the model ({r['real_tokens']} "
+                f"real), {r['micro_batches']} micro-batches, peak memory "
+                f"+{r['peak_bytes'] / 2**20:.0f} MiB  load {r['load'][0]:.1f}-{r['load'][1]:.1f}"
+            )
+    speed = ratio_by_round(
+        rounds, lambda r: r["packed"]["tokens_per_s"] / r["padded"]["tokens_per_s"]
+    )
+    memory = ratio_by_round(
+        rounds, lambda r: r["packed"]["peak_bytes"] / max(r["padded"]["peak_bytes"], 1)
+    )
+    for what, by_round in (("tokens/s", speed), ("peak", memory)):
+        each = ", ".join(f"{x:.2f}" for x in by_round["rounds"])
+        print(f"  packed/padded {what}: {each} by round, median {by_round['median']:.2f}")
+    print(f"RATIO packed/padded tokens/s = {speed['median']:.2f} (median; target >= 1.5)")
+    print(f"MEMORY packed/padded peak = {memory['median']:.2f} (median)")
     from bench.results_io import write_results
 
-    figures = {"model": name, "threads": threads, **vars(args), "runs": results}
-    figures.update(packed_over_padded_tokens_per_s=ratio, packed_over_padded_peak=mem)
+    figures = {"model": name, "threads": threads, **vars(args), "runs": rounds[-1]}
+    figures.update(rounds_run=rounds, ratios_by_round={"tokens_per_s": speed, "peak": memory})
+    figures.update(
+        packed_over_padded_tokens_per_s=speed["median"], packed_over_padded_peak=memory["median"]
+    )
     write_results("packing", figures, smoke=args.smoke, peak_size=256 if args.smoke else None)
+
+
+def _run_mode(mode: str, args: argparse.Namespace) -> dict:
+    """One mode's update in a process of its own (its peak memory its own)."""
+    cmd = [sys.executable, "-m", "bench.packing", "--mode", mode]
+    cmd += ["--samples", str(args.samples), "--max-tokens", str(args.max_tokens)]
+    cmd += ["--max-response", str(args.max_response), "--iters", str(args.iters)]
+    if args.smoke:
+        cmd.append("--smoke")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"the {mode} run failed (exit code {proc.returncode})")
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 if __name__ == "__main__":

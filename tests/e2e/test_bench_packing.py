@@ -27,7 +27,9 @@ def test_packing_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     print(proc.stdout)
     rows = dict(
-        re.findall(r"^\s+(padded|packed)\s.*?(\d+) tokens through the model", proc.stdout, re.M)
+        re.findall(
+            r"^\s+round 1 (padded|packed)\s.*?(\d+) tokens through the model", proc.stdout, re.M
+        )
     )
     assert set(rows) == {"padded", "packed"}, proc.stdout
     # the long-tailed lengths leave padding that packing removes

@@ -100,10 +100,12 @@ def test_lora_exports_merged_and_as_a_peft_adapter(workdir, lora_run):
 
 
 def test_lora_benchmark_smoke(tmp_path):
-    """`python -m bench.lora` at its smoke size: both variants run, the ratios are printed and stored."""
+    """`python -m bench.lora` at its smoke size, 2 rounds: both variants run in each, the second
+    round in the reversed order, and each round's ratios and their median are printed and
+    stored with every run."""
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.lora", "--smoke"],
+        [sys.executable, "-m", "bench.lora", "--smoke", "--rounds", "2"],
         cwd=root,  # bench/ is a package under the repository root
         capture_output=True,
         text=True,
@@ -111,6 +113,10 @@ def test_lora_benchmark_smoke(tmp_path):
         env=dict(os.environ, MEGARL_BENCH_RESULTS_DIR=str(tmp_path)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "RATIO lora/full: step time" in proc.stdout, proc.stdout
-    record = json.loads((tmp_path / "lora.smoke.json").read_text())
-    assert record["figures"]["lora_over_full"]["step_time"] > 0, record
+    assert "RATIO lora/full (median of the rounds): step time" in proc.stdout, proc.stdout
+    assert "round 1/2: full, lora" in proc.stdout and "round 2/2: lora, full" in proc.stdout
+    figures = json.loads((tmp_path / "lora.smoke.json").read_text())["figures"]
+    steps = figures["ratios_by_round"]["step_time"]
+    assert len(steps["rounds"]) == 2 and figures["lora_over_full"]["step_time"] == steps["median"]
+    assert [sorted(r) for r in figures["rounds_run"]] == [["full", "lora"]] * 2
+    assert all(len(r["full"]["load"]) == 2 for r in figures["rounds_run"])

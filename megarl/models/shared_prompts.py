@@ -184,14 +184,15 @@ def shared_sources(pack: SharedPromptPack, width: int) -> torch.Tensor:
     the padded ``[b, width]`` rows it stands for: a shared prompt token its place in every row
     of its group (``m`` the largest group), a response token its own; ``-1`` fills."""
     groups = _groups(pack)
-    out = torch.full((pack.num_tokens, max(map(len, groups))), -1, dtype=torch.long)
+    host = torch.device("cpu")  # the routing flags' positions live in host memory
+    out = torch.full((pack.num_tokens, max(map(len, groups))), -1, dtype=torch.long, device=host)
     for members in groups:
         first = members[0]
         start, p = int(pack.prompt_offsets[first]), int(pack.prompt_lens[first])
         for j, row in enumerate(members):
-            out[start : start + p, j] = torch.arange(p) + row * width
+            out[start : start + p, j] = torch.arange(p, device=host) + row * width
             at, n = int(pack.response_offsets[row]), int(pack.response_lens[row])
-            out[at : at + n, 0] = torch.arange(p, p + n) + row * width
+            out[at : at + n, 0] = torch.arange(p, p + n, device=host) + row * width
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from megarl.console import quiet_rank_console
@@ -32,9 +33,10 @@ def _policy() -> Trainer:
 
 
 def _reward_model() -> Trainer:
-    from megarl.reward_model.train import train_reward_model
+    from megarl.reward_model.train import REWARD_MODEL
+    from megarl.run.supervised import train_supervised
 
-    return train_reward_model
+    return partial(train_supervised, kind=REWARD_MODEL)
 
 
 def _rollout_group() -> Trainer:
@@ -44,15 +46,17 @@ def _rollout_group() -> Trainer:
 
 
 def _sft() -> Trainer:
-    from megarl.sft.train import train_sft
+    from megarl.run.supervised import train_supervised
+    from megarl.sft.train import SFT
 
-    return train_sft
+    return partial(train_supervised, kind=SFT)
 
 
 def _dpo() -> Trainer:
-    from megarl.dpo.train import train_dpo
+    from megarl.dpo.train import DPO
+    from megarl.run.supervised import train_supervised
 
-    return train_dpo
+    return partial(train_supervised, kind=DPO)
 
 
 # trainer.kind -> the function that runs such a config (imported lazily: each pulls in megatron)

@@ -34,7 +34,7 @@ from megarl.models.lora import adapters_disabled
 from megarl.run.evaluation import dataset_totals
 from megarl.run.sequences import TokenRows, length_groups, token_rows
 from megarl.run.startup import Startup
-from megarl.run.supervised import SupervisedParts, train_supervised
+from megarl.run.supervised import SupervisedParts, SupervisedTrainer
 from megarl.run.trainable import PolicyModel, build_policy, model_options
 from megarl.run.update import optimizer_step, weighted
 
@@ -202,13 +202,8 @@ def _tokens(items: list[PreferenceItem]) -> int:
     return sum(len(it.prompt_ids) * 2 + len(it.chosen_ids) + len(it.rejected_ids) for it in items)
 
 
-def train_dpo(cfg: RunConfig) -> dict[str, float]:
-    """Run a DPO config to ``trainer.total_steps`` (resuming when asked)."""
-    return train_supervised(cfg, {"actor": cfg.model.path}, _setup)
-
-
-def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
-    cfg, pad_id = startup.cfg, startup.pad_id
+def _setup(cfg: RunConfig, startup: Startup) -> SupervisedParts[PreferenceItem]:
+    pad_id = startup.pad_id
     loss = resolve_dpo_loss(cfg.dpo, try_it=True)  # once, before any model is built
     train_data = _dataset(cfg.data, cfg.dpo, startup, validation=False)
     policy = build_policy(
@@ -249,3 +244,7 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
         summary_key="dpo/reward_accuracy",
         empty="the training data yields no batch: fewer pairs than data.train_batch_size",
     )
+
+
+# Direct preference optimisation of the policy (trainer.kind=dpo).
+DPO: SupervisedTrainer[PreferenceItem] = SupervisedTrainer("actor", _setup)

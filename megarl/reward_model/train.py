@@ -17,7 +17,7 @@ import torch
 
 from megarl import parallel, platform
 from megarl.algos import bradley_terry_loss
-from megarl.config import RewardModelConfig, RunConfig, TrainerConfig
+from megarl.config import DataConfig, RewardModelConfig, RunConfig, TrainerConfig
 from megarl.console import announce
 from megarl.data import PreferenceDataset, PreferenceItem
 from megarl.models.dims import ModelDims
@@ -27,7 +27,7 @@ from megarl.reward_model.pairs import PairMicroBatch, pair_micro_batches
 from megarl.rewards.model import last_token_scores
 from megarl.run.evaluation import dataset_totals
 from megarl.run.startup import Startup
-from megarl.run.supervised import SupervisedParts, train_supervised
+from megarl.run.supervised import SupervisedParts, SupervisedTrainer
 from megarl.run.trainable import Trainable, build_trainable, model_options, optim_settings
 from megarl.run.update import optimizer_step
 
@@ -133,13 +133,8 @@ def evaluate(
     }
 
 
-def train_reward_model(cfg: RunConfig) -> dict[str, float]:
-    """Run a reward-model config to ``trainer.total_steps`` (resuming when asked)."""
-    return train_supervised(cfg, {"reward": cfg.model.path}, _setup)
-
-
-def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
-    cfg, layout, pad_id = startup.cfg, startup.layout, startup.pad_id
+def _setup(cfg: RunConfig, startup: Startup) -> SupervisedParts[PreferenceItem]:
+    layout, pad_id = startup.layout, startup.pad_id
     announce(f"reading data: {', '.join(cfg.data.train_files)}")
     train_data = _dataset(
         cfg.reward_model,
@@ -167,11 +162,15 @@ def _setup(startup: Startup) -> SupervisedParts[PreferenceItem]:
         step=lambda items: _update(
             roles.reward, cfg.reward_model, cfg.trainer, items, pad_id, loss_fn
         ),
-        validate=lambda: _validation(roles, startup),
+        validate=lambda: _validation(cfg.reward_model, cfg.data, roles, startup),
         tokens=_tokens,
         summary_key="rm/accuracy",
         empty="the training data yields no batch: fewer pairs than data.train_batch_size",
     )
+
+
+# A reward model trained on preference pairs (trainer.kind=reward_model).
+REWARD_MODEL: SupervisedTrainer[PreferenceItem] = SupervisedTrainer("reward", _setup)
 
 
 def _tokens(items: list[PreferenceItem]) -> int:
@@ -179,19 +178,20 @@ def _tokens(items: list[PreferenceItem]) -> int:
     return sum(len(it.prompt_ids) * 2 + len(it.chosen_ids) + len(it.rejected_ids) for it in items)
 
 
-def _validation(roles: RewardModelRoles, startup: Startup) -> dict[str, float]:
-    cfg = startup.cfg
+def _validation(
+    rm: RewardModelConfig, data: DataConfig, roles: RewardModelRoles, startup: Startup
+) -> dict[str, float]:
     val_data = _dataset(
-        cfg.reward_model,
-        cfg.data.seed,
-        cfg.data.val_files,
+        rm,
+        data.seed,
+        data.val_files,
         startup.tokenizer,
-        cfg.data.val_batch_size,
+        data.val_batch_size,
         startup.layout,
         shuffle=False,
         setting="data.val_files",
     )
     try:
-        return evaluate(roles.reward.model, cfg.reward_model, val_data, startup.pad_id)
+        return evaluate(roles.reward.model, rm, val_data, startup.pad_id)
     finally:
         val_data.close()

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 class Startup:
     """A started rank: its layout, its global rank, and the policy's tokenizer."""
 
-    cfg: RunConfig
     layout: ParallelLayout
     rank: int
     tokenizer: PreTrainedTokenizerBase
@@ -76,4 +75,4 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     freeze_startup_heap()  # the libraries are imported; no model or data exists yet
-    return Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0, split)
+    return Startup(layout, rank, tokenizer, pad_token_id(tokenizer) or 0, split)

@@ -11,7 +11,7 @@ boundaries, the hang watchdog over each phase, and the per-step log.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
@@ -53,21 +53,25 @@ class SupervisedParts(Generic[T]):
     empty: str  # the error when the training data yields no batch at all
 
 
-def train_supervised(
-    cfg: RunConfig,
-    trained: Mapping[str, str],
-    setup: Callable[[Startup], SupervisedParts[T]],
-) -> dict[str, float]:
-    """Run ``cfg`` to ``trainer.total_steps`` (resuming when asked); ``trained``: role -> the
-    Hugging Face folder of each trained model (checked against a checkpoint before any model is
-    built); ``setup`` builds the trainer's parts on a started rank."""
+@dataclass(frozen=True)
+class SupervisedTrainer(Generic[T]):
+    """A supervised trainer kind: the role it trains (its model read from ``model.path``, the
+    checkpoint's checked against it before any model is built) and the set-up of its parts on a
+    started rank (the kind's assembly: the one place it reads the whole run config)."""
+
+    role: str
+    setup: Callable[[RunConfig, Startup], SupervisedParts[T]]
+
+
+def train_supervised(cfg: RunConfig, kind: SupervisedTrainer[T]) -> dict[str, float]:
+    """Run ``cfg`` with the trainer ``kind`` to ``trainer.total_steps`` (resuming when asked)."""
     guards = RunGuards()  # a preemption signal during set-up is honoured at the first step end
     startup = start(cfg, with_rollout=False)
-    resume_from = resume_point(cfg.trainer, trained)
+    resume_from = resume_point(cfg.trainer, {kind.role: cfg.model.path})
     # tracking starts first: its writers (MLflow's process) start beside the models' build
     step, mlflow_run_id = tracked_start(resume_from)
     tracker = Tracker(cfg, startup.rank, mlflow_run_id, start_step=step)
-    parts = setup(startup)
+    parts = kind.setup(cfg, startup)
     guards.start(cfg.trainer.hang_timeout_s)
     resumed = resume(resume_from, parts.models, startup.rank)
     if resumed.state:

@@ -25,7 +25,7 @@ from megarl.models.logprobs import log_probs_at, targets_at
 from megarl.run.evaluation import dataset_totals
 from megarl.run.sequences import TokenRows, length_groups, token_rows
 from megarl.run.startup import Startup
-from megarl.run.supervised import SupervisedParts, train_supervised
+from megarl.run.supervised import SupervisedParts, SupervisedTrainer
 from megarl.run.trainable import PolicyModel, build_policy
 from megarl.run.update import optimizer_step, weighted
 from megarl.trainer.dp_collectives import dp_mean
@@ -130,13 +130,8 @@ def evaluate(
     }
 
 
-def train_sft(cfg: RunConfig) -> dict[str, float]:
-    """Run an SFT config to ``trainer.total_steps`` (resuming when asked)."""
-    return train_supervised(cfg, {"actor": cfg.model.path}, _setup)
-
-
-def _setup(startup: Startup) -> SupervisedParts[SFTItem]:
-    cfg, pad_id = startup.cfg, startup.pad_id
+def _setup(cfg: RunConfig, startup: Startup) -> SupervisedParts[SFTItem]:
+    pad_id = startup.pad_id
     train_data = _dataset(cfg.data, cfg.sft, startup, validation=False)
     policy = build_policy(
         cfg.model, cfg.parallel, cfg.actor.lora, cfg.trainer, startup.layout, cfg.sft.optim
@@ -158,3 +153,7 @@ def _setup(startup: Startup) -> SupervisedParts[SFTItem]:
         summary_key="sft/loss",
         empty="the training data yields no batch: fewer rows than data.train_batch_size",
     )
+
+
+# Supervised fine-tuning of the policy (trainer.kind=sft).
+SFT: SupervisedTrainer[SFTItem] = SupervisedTrainer("actor", _setup)

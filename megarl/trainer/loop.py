@@ -11,62 +11,22 @@ from __future__ import annotations
 import time
 
 from megarl.config import RunConfig
-from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
-from megarl.metrics import StepMetrics, declare, mean
+from megarl.metrics import declare, mean
 from megarl.run.guards import RunGuards
 from megarl.run.resume import save_due
 from megarl.run.steps import log_step, summary, timed
-from megarl.trainer.assembly import PolicyRun, setup_run
-from megarl.trainer.batch import Samples
+from megarl.trainer.assembly import setup_run
 from megarl.trainer.dp_balance import balance_over_data_parallel
 from megarl.trainer.experience import compute_experience
 from megarl.trainer.memory_metrics import MEMORY_REDUCTIONS, memory_metrics
-from megarl.trainer.model_ops import ppo_update, rollout_is_finite
-from megarl.trainer.old_log_probs import rollout_mismatch
+from megarl.trainer.model_ops import rollout_is_finite
 from megarl.trainer.profiling import StepProfiler
 from megarl.trainer.rollout import step_batch
 from megarl.trainer.rollout_dump import dump_rollout
-from megarl.trainer.routing_flags import flags_buffer
 from megarl.trainer.routing_metrics import routing_metrics
 from megarl.trainer.step_metrics import rollout_metrics, tokens_in
+from megarl.trainer.updates import update_models
 from megarl.trainer.validation import validation_rollout
-
-
-def update_models(
-    run: PolicyRun, samples: Samples, actor_epochs: int, critic_epochs: int
-) -> StepMetrics:
-    """Actor (and critic) PPO updates over the mini-batches, ``actor.ppo_epochs`` and
-    ``critic.ppo_epochs`` times; their last step's metrics and their timings. When the actor's
-    update gives the old logprobs, also the rollout mismatch measured on them."""
-    roles = run.roles
-    from_update = run.spec.old_log_prob_from_update
-    parts = [("actor", roles.actor, run.spec.actor_loss, actor_epochs)]
-    if roles.critic is not None:
-        parts.append(("critic", roles.critic, run.spec.critic_loss, critic_epochs))
-    out: StepMetrics = {}
-    flags = flags_buffer(samples) if from_update else None  # MoE: the mismatch split by routing
-    for role, trainable, loss, epochs in parts:
-        with timed(f"update_{role}") as took:
-            hist = ppo_update(
-                trainable,
-                role,
-                samples,
-                run.mini_batches(samples.size),
-                epochs,
-                run.batching,
-                loss,
-                run.spec.token_level,
-                run.trainer.nan_policy == "skip",
-                keep="old_log_prob" if from_update and role == "actor" else None,
-                extremes=run.spec.update_reductions,
-                routing_flags=flags if role == "actor" else None,
-            )
-        out.update(took.metrics())
-        out.update(declare(hist[-1], run.spec.update_reductions))
-    if from_update:
-        mismatch = rollout_mismatch(samples, roles.dims.is_moe, flags)
-        out.update(declare(mismatch, LOGPROB_MISMATCH_REDUCTIONS))
-    return out
 
 
 def train(cfg: RunConfig) -> dict[str, float]:

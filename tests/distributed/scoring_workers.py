@@ -173,7 +173,7 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
     layout = layout_for(cfg.parallel, 2, with_rollout=True)
     parallel.initialize_model_parallel(layout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    startup = Startup(cfg, layout, rank, tokenizer, pad_token_id(tokenizer) or 0)
+    startup = Startup(layout, rank, tokenizer, pad_token_id(tokenizer) or 0)
     spec = algorithm_spec(cfg, ModelDims.from_pretrained(model_dir).vocab_size)
     roles = build_roles(role_sections(cfg), layout, spec)
     ddp = roles.actor.ddp

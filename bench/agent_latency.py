@@ -248,9 +248,9 @@ def main() -> None:
     )
 
     def continuous(case: Case) -> list[Trajectory]:
-        with AgentEndpoint(
-            EngineGenerator(engine, sampling), tokenizer, settings, SAMPLE_ROLLOUT
-        ) as endpoint:
+        generator = EngineGenerator(engine, sampling)
+        with AgentEndpoint(generator, tokenizer, settings, SAMPLE_ROLLOUT) as endpoint:
+            generator.live = endpoint.live_sessions  # as the trainer's agent source does
             batch = run_agents(
                 agent,
                 endpoint,

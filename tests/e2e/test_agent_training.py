@@ -1,16 +1,16 @@
 """GRPO on a black-box agent through `megarl train` at TP2 x PP2 (4 ranks):
 ``rollout.agent=openai_agent.py:three_turns``, written with the ``openai`` client alone.
 
-Four launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
+Five launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
 and its resume from step 2, the real CPU vLLM at TP2 for 2 steps, and the HF backend in
 asynchronous mode (``rollout.mode=async``: the trainers at TP2 x PP2 beside a rollout group of 2
-ranks, one engine of TP2) at ``rollout.max_staleness=0`` for 3 steps. Checked: each sample's
+ranks, one engine of TP2) at ``rollout.max_staleness=0`` for 3 steps and its resume from step 2. Checked: each sample's
 agent runs once (on one rank of its engine); three model turns per sample; the rollout-trainer
 logprob mismatch over model tokens is <= 1e-4 (fp32) at every step, in the metrics and token by
 token; in the dumped rollouts the response mask is 0 exactly at the tokens the agent's tool
 messages added (there are some), which carry no advantage, no rollout logprob and no reward; the
-agent's reward is the sample's; the resumed step 3 equals the uninterrupted one (the same agent
-conversations, token for token); the asynchronous run equals the colocated one at every step
+agent's reward is the sample's; each resumed step 3 equals its uninterrupted run's (the same
+agent conversations, token for token); the asynchronous run equals the colocated one at every step
 (the same conversations token for token, rewards, losses and grad norms within 1e-6 of their
 scale): a sample's seeds depend on its global index and the rollout count alone, and the HF
 engine's calls are batch invariant.
@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STEPS, PROMPTS, N = 3, 2, 2
 VAL_ROWS = 2  # the vLLM run's validation samples (rollout.val_n is 1)
 QUIET = {"loggers": ["console"], "mlflow_tracking_uri": "none"}
+ASYNC_PLACEMENT = ("rollout.mode=async", "parallel.rollout_ranks=2", "rollout.max_staleness=0")
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +84,8 @@ def vllm_run(workdir) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def async_run(workdir) -> dict[int, dict]:
     log = {"AGENT_LOG": str(workdir / "async_agent_runs.txt")}
-    placed = ("rollout.mode=async", "parallel.rollout_ranks=2", "rollout.max_staleness=0")
-    return by_step(train(workdir, "async", *placed, "trainer.save_freq=0", nproc=6, env_extra=log))
+    # a checkpoint at step 2 (trainer.save_freq) for the asynchronous resume
+    return by_step(train(workdir, "async", *ASYNC_PLACEMENT, nproc=6, env_extra=log))
 
 
 def _check_agent_run(
@@ -163,15 +164,36 @@ def _same_samples(workdir: Path, one: str, other: str, step: int) -> None:
         assert a["advantages"] == pytest.approx(b["advantages"], abs=1e-6)
 
 
-def test_a_resumed_agent_run_equals_the_uninterrupted_one(workdir, hf_run):
-    saved = workdir / "hf" / "checkpoints" / "step_00000002"
-    ckpts = workdir / "resumed" / "checkpoints"
+def _resume_from_step_2(workdir: Path, run: str, name: str, *overrides: str, nproc: int) -> dict:
+    """``run``'s step-2 checkpoint resumed by a new launch ``name`` to step 3: its steps."""
+    saved = workdir / run / "checkpoints" / "step_00000002"
+    ckpts = workdir / name / "checkpoints"
     shutil.copytree(saved, ckpts / saved.name)
     (ckpts / "latest").write_text(f"{saved.name}\n")
-    resumed = by_step(train(workdir, "resumed", nproc=4))
+    resumed = by_step(train(workdir, name, *overrides, nproc=nproc))
     assert min(resumed) == STEPS
-    compared = [k for k in hf_run[STEPS] if k.startswith(("reward/", "actor/", "rollout/env"))]
+    return resumed
+
+
+def _same_step(resumed: dict[int, dict], uninterrupted: dict[int, dict]) -> None:
+    compared = [
+        k for k in uninterrupted[STEPS] if k.startswith(("reward/", "actor/", "rollout/env"))
+    ]
     assert "actor/pg_loss" in compared and "reward/mean" in compared
     for key in compared:
-        assert resumed[STEPS][key] == pytest.approx(hf_run[STEPS][key], abs=1e-6), key
+        assert resumed[STEPS][key] == pytest.approx(uninterrupted[STEPS][key], abs=1e-6), key
+
+
+def test_a_resumed_agent_run_equals_the_uninterrupted_one(workdir, hf_run):
+    resumed = _resume_from_step_2(workdir, "hf", "resumed", nproc=4)
+    _same_step(resumed, hf_run)
     _same_samples(workdir, "resumed", "hf", STEPS)
+
+
+def test_a_resumed_asynchronous_agent_run_equals_the_uninterrupted_one(workdir, async_run):
+    """The asynchronous run's step-2 checkpoint (trainers and the rollout group's state)
+    resumed in asynchronous mode: step 3 is the uninterrupted run's, conversations included."""
+    resumed = _resume_from_step_2(workdir, "async", "async_resumed", *ASYNC_PLACEMENT, nproc=6)
+    assert resumed[STEPS]["rollout/turns_mean"] == 3 and resumed[STEPS]["agent/failures"] == 0
+    _same_step(resumed, async_run)
+    _same_samples(workdir, "async_resumed", "async", STEPS)

@@ -248,9 +248,9 @@ def main() -> None:
     )
 
     def continuous(case: Case) -> list[Trajectory]:
-        generator = EngineGenerator(engine, sampling)
-        with AgentEndpoint(generator, tokenizer, settings, SAMPLE_ROLLOUT) as endpoint:
-            generator.live = endpoint.live_sessions  # as the trainer's agent source does
+        with AgentEndpoint(
+            EngineGenerator(engine, sampling), tokenizer, settings, SAMPLE_ROLLOUT
+        ) as endpoint:
             batch = run_agents(
                 agent,
                 endpoint,

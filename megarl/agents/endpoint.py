@@ -107,11 +107,6 @@ class AgentEndpoint:
             session.closed = True
         return session
 
-    def live_sessions(self) -> int:
-        """Sessions open and not closed: the agents that may still send a request."""
-        with self._lock:
-            return sum(not s.closed for s in self._sessions.values())
-
     def forget(self, key: str) -> None:
         with self._lock:
             self._sessions.pop(key, None)

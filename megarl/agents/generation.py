@@ -4,9 +4,9 @@ the turn ended.
 :class:`EngineGenerator` puts any engine with the multi-turn loop's ``generate`` seam
 (:class:`~megarl.hybrid_engine.rollout_types.Generates`: the HF engine, vLLM's) behind it, with the
 run's :class:`~megarl.hybrid_engine.rollout_types.SamplingConfig`, and batches: the requests that
-the endpoint's threads send while the engine is busy, or that arrive while a call gathers (until
-none has arrived for ``window_s``, or every live caller, ``live()``, has a request queued) go to
-the engine together, in one ``generate`` call, each with its own seed and token limit. So a trajectory whose tool answered goes on at the engine's next call, whatever the other
+the endpoint's threads send while the engine is busy (or within ``window_s`` of the call
+starting) go to the engine together, in one ``generate`` call, each with its own seed and token
+limit. So a trajectory whose tool answered goes on at the engine's next call, whatever the other
 trajectories are waiting for (continuous rollout at the level of engine calls; vLLM's own step
 loop still sees each call as one batch). ``max_batch=1`` is one request per call (a lock).
 
@@ -32,10 +32,7 @@ import torch
 
 from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
 
-# A call gathers the requests arriving with its first one: it starts once none has arrived for
-# this long (or every live caller has one queued; at most GATHER_MAX_S after the first).
-DEFAULT_WINDOW_S = 0.002
-GATHER_MAX_S = 0.05
+DEFAULT_WINDOW_S = 0.002  # how long a call waits for requests arriving with the first one
 
 
 @dataclass(frozen=True)
@@ -128,7 +125,6 @@ class EngineGenerator:
         *,
         max_batch: int | None = None,
         window_s: float = DEFAULT_WINDOW_S,
-        live: Callable[[], int] | None = None,
     ) -> None:
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; give at least 1 (or None: no limit)")
@@ -137,8 +133,6 @@ class EngineGenerator:
         self.announce = announce
         self.max_batch = max_batch
         self.window_s = window_s
-        # how many callers may still send a request (the endpoint's open sessions); None: unknown
-        self.live = live
         self.calls = 0  # engine calls made
         self.requests = 0  # requests answered (calls / requests: how well they batched)
         self._queue: list[_Waiting] = []
@@ -171,31 +165,12 @@ class EngineGenerator:
         assert mine.result is not None
         return mine.result
 
-    def _full(self) -> bool:
-        return self.max_batch is not None and len(self._queue) >= self.max_batch
-
-    def _gather(self) -> None:
-        """Hold the engine for the requests arriving with the first: until none arrived for
-        ``window_s``, every live caller has one queued, the call is full, or ``GATHER_MAX_S``
-        has passed (this caller holds the engine; it takes the lock to wait)."""
-        begin = time.monotonic()
-        with self._changed:
-            seen, last = len(self._queue), begin
-            while self.window_s > 0 and not self._full():
-                if self.live is not None and len(self._queue) >= self.live():
-                    return
-                now = time.monotonic()
-                if len(self._queue) != seen:
-                    seen, last = len(self._queue), now
-                left = min(last + self.window_s, begin + GATHER_MAX_S) - now
-                if left <= 0:
-                    return
-                self._changed.wait(left)
-
     def _make_next_call(self) -> None:
         """The engine call for the queue's first ``max_batch`` requests (this caller holds the
         engine, not the lock)."""
-        self._gather()
+        full = self.max_batch is not None and len(self._queue) >= self.max_batch
+        if self.window_s > 0 and not full:
+            time.sleep(self.window_s)
         with self._changed:
             cut = len(self._queue) if self.max_batch is None else self.max_batch
             batch, self._queue = self._queue[:cut], self._queue[cut:]

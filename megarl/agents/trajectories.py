@@ -82,7 +82,6 @@ class AgentSource:
             with AgentEndpoint(
                 generator, self.tokenizer, self.settings, job.rollout_index
             ) as endpoint:
-                generator.live = endpoint.live_sessions  # a call waits for every live agent
                 batch = run_agents(self.agent, endpoint, rows, self.limits)
         finally:
             job.share(None)  # the end: every session is closed, no request comes any more

@@ -15,13 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from megarl.agents.endpoint import AgentEndpoint
-from megarl.agents.generation import (
-    GATHER_MAX_S,
-    EngineCall,
-    EngineFailed,
-    EngineGenerator,
-    Sampled,
-)
+from megarl.agents.generation import EngineCall, EngineFailed, EngineGenerator, Sampled
 from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentLimits, run_agents
 from megarl.agents.turns import TurnSettings
@@ -139,29 +133,6 @@ def test_a_failed_announcement_fails_the_call_without_making_it():
     with pytest.raises(EngineFailed, match="ConnectionError: rank 1 is gone"):
         generator.sample([1], 2, seed=1)
     assert engine.sizes == []
-
-
-def test_a_call_starts_once_every_live_caller_has_asked_and_never_waits_past_its_bound():
-    """The gathering: a call waits for the requests arriving with its first (the arrival gap
-    ``window_s``), starts as soon as every live caller (the endpoint's open sessions) has one
-    queued, and waits at most GATHER_MAX_S for callers that do not come (a slow tool)."""
-    engine = Echo(delay_s=0.001)
-    # a gap far past the test's time: only the live count can start the call at once
-    generator = EngineGenerator(engine, SAMPLING, window_s=30.0, live=lambda: 5)
-
-    def late(k: int) -> Sampled:
-        time.sleep(0.01 * k)  # the five arrive 10 ms apart
-        return generator.sample([k], 1, seed=k)
-
-    begin = time.monotonic()
-    got = _in_threads([lambda k=k: late(k) for k in range(5)])
-    assert all(isinstance(out, Sampled) for out in got)
-    assert engine.sizes == [5] and time.monotonic() - begin < 5.0  # one call, no 30 s wait
-    # ten callers live, one asks: the call goes after GATHER_MAX_S, not after the 30 s gap
-    waiting = EngineGenerator(Echo(delay_s=0.001), SAMPLING, window_s=30.0, live=lambda: 10)
-    begin = time.monotonic()
-    assert waiting.sample([1], 2, seed=3).ids == [3, 2]
-    assert GATHER_MAX_S <= time.monotonic() - begin < 5.0
 
 
 def test_max_batch_must_be_positive():

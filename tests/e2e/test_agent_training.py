@@ -1,10 +1,11 @@
 """GRPO on a black-box agent through `megarl train` at TP2 x PP2 (4 ranks):
 ``rollout.agent=openai_agent.py:three_turns``, written with the ``openai`` client alone.
 
-Five launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
-and its resume from step 2, the real CPU vLLM at TP2 for 2 steps, and the HF backend in
+Six launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
+and its resume from step 2, the real CPU vLLM at TP2 for 2 steps, the HF backend in
 asynchronous mode (``rollout.mode=async``: the trainers at TP2 x PP2 beside a rollout group of 2
-ranks, one engine of TP2) at ``rollout.max_staleness=0`` for 3 steps and its resume from step 2. Checked: each sample's
+ranks, one engine of TP2) at ``rollout.max_staleness=0`` for 3 steps and its resume from step 2,
+and vLLM TP2 in asynchronous mode for 2 steps. Checked: each sample's
 agent runs once (on one rank of its engine); three model turns per sample; the rollout-trainer
 logprob mismatch over model tokens is <= 1e-4 (fp32) at every step, in the metrics and token by
 token; in the dumped rollouts the response mask is 0 exactly at the tokens the agent's tool
@@ -88,6 +89,23 @@ def async_run(workdir) -> dict[int, dict]:
     return by_step(train(workdir, "async", *ASYNC_PLACEMENT, nproc=6, env_extra=log))
 
 
+@pytest.fixture(scope="module")
+def vllm_async_run(workdir) -> dict[int, dict]:
+    log = {"AGENT_LOG": str(workdir / "vllm_async_agent_runs.txt")}
+    overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.125", "trainer.save_freq=0")
+    return by_step(
+        train(
+            workdir,
+            "vllm_async",
+            *ASYNC_PLACEMENT,
+            *overrides,
+            "trainer.total_steps=2",
+            nproc=6,
+            env_extra=log,
+        )
+    )
+
+
 def _check_agent_run(
     run: dict[int, dict], out: Path, agent_log: Path, steps: int, validated: int = 0
 ) -> None:
@@ -132,6 +150,14 @@ def test_an_openai_client_agent_trains_at_tp2_pp2_on_hf(workdir, hf_run):
 def test_an_openai_client_agent_trains_at_tp2_pp2_on_vllm_tp2(workdir, vllm_run):
     _check_agent_run(vllm_run, workdir / "vllm", workdir / "vllm_agent_runs.txt", 2, VAL_ROWS)
     assert vllm_run[2]["val/turns_mean"] == 3
+
+
+def test_an_agent_trains_in_asynchronous_mode_on_vllm_tp2(workdir, vllm_async_run):
+    """The rollout group's one vLLM engine of TP2: its first rank runs the agents and the
+    endpoint, its second makes the same engine calls (announced over the engine's group)."""
+    out, log = workdir / "vllm_async", workdir / "vllm_async_agent_runs.txt"
+    _check_agent_run(vllm_async_run, out, log, 2)
+    assert all(vllm_async_run[s]["rollout/staleness_max"] == 0.0 for s in (1, 2))
 
 
 def test_an_agent_trains_in_asynchronous_mode_as_colocated(workdir, async_run, hf_run):

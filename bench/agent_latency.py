@@ -14,7 +14,7 @@ driven), and ``speedup_vs_lockstep`` is the median of their speedups. Both sides
 from the same seeded stream (run seed, rollout, sample, turn) and render the same messages, so
 they sample the same tokens (``same_tokens`` says whether they did).
 
-- **lock-step**: the environments' turn loop (``rollout.env``, megarl.hybrid_engine.multi_turn)
+- **lock-step**: the environments' turn loop (``rollout.env``, megarl.rollout.multi_turn)
   with an environment whose ``step`` sleeps the call's delay: each turn of every sample is one
   engine call, and the next turn waits for the slowest tool of the turn.
 - **continuous**: the same task as an agent (``rollout.agent``; the tool sleeps inside the agent,
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from megarl.envs import Environment, Step
-from megarl.hybrid_engine.rollout_types import Generates, RolloutOutput, SamplingConfig
+from megarl.rollout.rollout_types import Generates, RolloutOutput, SamplingConfig
 
 TURNS = 3  # model turns per sample; a tool call after each but the last
 SAMPLE_ROLLOUT = 0  # the rollout index both sides seed with
@@ -192,9 +192,9 @@ def main() -> None:
     from megarl.envs import ChatDeltas, ToolPool
     from megarl.envs.runner import EnvRunner
     from megarl.envs.trajectory import Trajectory
-    from megarl.hybrid_engine.hf_rollout import HFRollout
-    from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
-    from megarl.hybrid_engine.rollout_split import SampleStart
+    from megarl.rollout.hf_rollout import HFRollout
+    from megarl.rollout.multi_turn import TurnLimits, run_trajectories
+    from megarl.rollout.rollout_split import SampleStart
     from megarl.tools.testing.assets import tiny_chat_llama_dir
 
     torch.set_num_threads(args.threads)

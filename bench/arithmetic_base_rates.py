@@ -66,8 +66,8 @@ def messages(question: str, prompt: str) -> list[dict[str, str]]:
 
 def measure(engine, tok, row, count: int, samples: int, max_tokens: int) -> dict[str, object]:
     from megarl.envs import ChatDeltas
-    from megarl.hybrid_engine.rollout_types import SamplingConfig
     from megarl.rewards.arithmetic import compute_score
+    from megarl.rollout.rollout_types import SamplingConfig
 
     task, make, prompt, temperature = row
     rng = random.Random(f"arithmetic-base-rates/{task}")
@@ -113,8 +113,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from bench.results_io import write_results
-    from megarl.hybrid_engine.rollout_types import EngineConfig
-    from megarl.hybrid_engine.vllm_rollout import VLLMRollout
+    from megarl.rollout.rollout_types import EngineConfig
+    from megarl.rollout.vllm_rollout import VLLMRollout
     from megarl.tools.testing.assets import smollm2_dir, tiny_chat_llama_dir
 
     if args.smoke:

@@ -46,10 +46,10 @@ def examples(k: int) -> list[dict]:
 def measure(engine, tok, questions, k: int, temperature: float, n: int) -> dict:
     from megarl.envs import ChatDeltas, ToolEnvironment, ToolPool
     from megarl.envs.runner import EnvRunner
-    from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
-    from megarl.hybrid_engine.rollout_split import SampleStart
-    from megarl.hybrid_engine.rollout_types import SamplingConfig
     from megarl.rewards.arithmetic import compute_score
+    from megarl.rollout.multi_turn import TurnLimits, run_trajectories
+    from megarl.rollout.rollout_split import SampleStart
+    from megarl.rollout.rollout_types import SamplingConfig
 
     kwargs = {"tools": ["calculator"], "parser": "hermes", "examples": examples(k)}
     runner = EnvRunner(
@@ -105,8 +105,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from bench.results_io import write_results
-    from megarl.hybrid_engine.rollout_types import EngineConfig
-    from megarl.hybrid_engine.vllm_rollout import VLLMRollout
+    from megarl.rollout.rollout_types import EngineConfig
+    from megarl.rollout.vllm_rollout import VLLMRollout
     from megarl.tools.data_prep.arithmetic import problems
     from megarl.tools.testing.assets import smollm2_dir, tiny_chat_llama_dir
 

@@ -6,7 +6,7 @@
 
 Both sides produce sequences of exactly the same length: the single-turn side samples
 ``turns x turn_tokens + (turns - 1) x env_tokens`` response tokens in one call (``ignore_eos``);
-the multi-turn side runs megarl's turn loop (megarl.hybrid_engine.multi_turn) with an
+the multi-turn side runs megarl's turn loop (megarl.rollout.multi_turn) with an
 environment (``FixedTurns`` below) that answers every model turn with the same short user
 message until ``--turns`` model turns are done, each turn exactly ``--turn-tokens`` tokens
 (ignore_eos). So the multi-turn side samples fewer tokens (the environment's are prefilled, not
@@ -77,10 +77,10 @@ def rollout_comparison(args, model_dir: str) -> dict:
 
     from megarl.envs import ChatDeltas, ToolPool
     from megarl.envs.runner import EnvRunner
-    from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
-    from megarl.hybrid_engine.rollout_split import SampleStart
-    from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
-    from megarl.hybrid_engine.vllm_rollout import VLLMRollout
+    from megarl.rollout.multi_turn import TurnLimits, run_trajectories
+    from megarl.rollout.rollout_split import SampleStart
+    from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
+    from megarl.rollout.vllm_rollout import VLLMRollout
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -131,11 +131,11 @@ def vllm_worker(rank: int, world: int, model_dir: str, bucket: int, repeats: int
     from megarl.platform import adapt_megatron_for_cpu
 
     adapt_megatron_for_cpu()
-    from megarl.hybrid_engine.engine import HybridEngine
-    from megarl.hybrid_engine.rollout_types import EngineConfig
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from megarl.rollout.engine import HybridEngine
+    from megarl.rollout.rollout_types import EngineConfig
 
     layout = ParallelLayout.for_world(world, tp=2, pp=2, infer_tp=2)
     initialize_model_parallel(layout)

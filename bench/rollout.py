@@ -93,8 +93,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
-    from megarl.hybrid_engine.vllm_rollout import VLLMRollout
+    from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
+    from megarl.rollout.vllm_rollout import VLLMRollout
     from megarl.tools.testing.assets import smollm2_dir
 
     model_dir = str(smollm2_dir())

@@ -47,7 +47,7 @@ def resolve_transformer_impl(requested: str) -> str:
 
 
 def check_rollout_backend(backend: str) -> None:
-    backends = choices("rollout.backend")  # hybrid_engine.engine.ROLLOUT_BACKENDS builds them
+    backends = choices("rollout.backend")  # megarl.rollout.engine.ROLLOUT_BACKENDS builds them
     if backend not in backends:
         raise ConfigError(f"rollout.backend={backend!r} is not one of {list(backends)}")
     if backend == "vllm" and not installed("vllm"):

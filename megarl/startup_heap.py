@@ -56,7 +56,7 @@ def freeze_startup_heap() -> None:
 
     Called once a program's libraries are imported (megarl.entry; megarl.run.startup again once
     the process group and the tokenizer exist, before any model or data) and once vLLM's are
-    (megarl.hybrid_engine.vllm_rollout). Frozen, the libraries' objects are skipped by every
+    (megarl.rollout.vllm_rollout). Frozen, the libraries' objects are skipped by every
     later collection: vLLM's two at its engine start (before it freezes the heap itself) and
     those the training loop's allocations trigger (measured on the quickstart when only
     megarl.run.startup froze: the engine's start 4.9 -> 3.9 s, the first step 3.6 -> 2.7 s).

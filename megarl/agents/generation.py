@@ -2,8 +2,8 @@
 the turn ended.
 
 :class:`EngineGenerator` puts any engine with the multi-turn loop's ``generate`` seam
-(:class:`~megarl.hybrid_engine.rollout_types.Generates`: the HF engine, vLLM's) behind it, with the
-run's :class:`~megarl.hybrid_engine.rollout_types.SamplingConfig`, and batches: the requests that
+(:class:`~megarl.rollout.rollout_types.Generates`: the HF engine, vLLM's) behind it, with the
+run's :class:`~megarl.rollout.rollout_types.SamplingConfig`, and batches: the requests that
 the endpoint's threads send while the engine is busy (or within ``window_s`` of the call
 starting) go to the engine together, in one ``generate`` call, each with its own seed and token
 limit. So a trajectory whose tool answered goes on at the engine's next call, whatever the other
@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
+from megarl.rollout.rollout_types import Generates, SamplingConfig
 
 DEFAULT_WINDOW_S = 0.002  # how long a call waits for requests arriving with the first one
 

@@ -1,6 +1,6 @@
 """``rollout.agent`` in training: each rollout engine's samples run through the agent against
 an endpoint of its own, and come back as the trajectories the trainer trains on
-(:class:`AgentSource`, a :class:`~megarl.hybrid_engine.trajectory_source.TrajectorySource`).
+(:class:`AgentSource`, a :class:`~megarl.rollout.trajectory_source.TrajectorySource`).
 
 On an engine's first rank the source starts the endpoint over the rollout engine, runs the agent
 once per sample (:func:`~megarl.agents.runner.run_agents`: a bounded pool, a time limit each) and
@@ -29,9 +29,9 @@ from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentLimits, AgentSample, agent_metrics, run_agents
 from megarl.agents.turns import TurnSettings
 from megarl.envs.trajectory import Trajectory, trajectory_metrics
-from megarl.hybrid_engine.rollout_split import SampleStart
-from megarl.hybrid_engine.rollout_types import SamplingConfig
-from megarl.hybrid_engine.trajectory_source import (
+from megarl.rollout.rollout_split import SampleStart
+from megarl.rollout.rollout_types import SamplingConfig
+from megarl.rollout.trajectory_source import (
     EngineJob,
     EngineTrajectories,
     summed_totals,

@@ -43,7 +43,7 @@ from megarl.envs.tool_parsers import (
     text_without_calls,
 )
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.seeds import SEGMENT_BITS, sequence_seed
+from megarl.rollout.seeds import SEGMENT_BITS, sequence_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

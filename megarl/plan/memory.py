@@ -85,7 +85,7 @@ from megarl.weights.reshard_mode import resolve_reshard_mode
 
 LOSS_CHUNK_ELEMS = 1 << 25  # megarl.algos.vocab_parallel.DEFAULT_CHUNK_ELEMS
 VLLM_WORKSPACE = 1 * GIB  # CUDA graphs, activation workspace, allocator slack (an estimate)
-RESHARD_BUCKET = 256 << 20  # megarl.hybrid_engine.engine.HybridEngine's bucket_bytes
+RESHARD_BUCKET = 256 << 20  # megarl.rollout.engine.HybridEngine's bucket_bytes
 ROLLOUT_WEIGHT_BYTES = 2  # vLLM's weights, bf16
 
 
@@ -286,7 +286,7 @@ def vllm_weight_bytes(dims: ModelDims, infer_tp: int) -> int:
 
 
 def judge_weight_bytes(judge: ModelDims) -> int:
-    """A local judge's replica (megarl.hybrid_engine.judge_engine), bf16."""
+    """A local judge's replica (megarl.rollout.judge_engine), bf16."""
     return stage_params(judge, 1, 1, 0, judge.num_layers).total * ROLLOUT_WEIGHT_BYTES
 
 

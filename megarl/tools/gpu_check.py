@@ -67,9 +67,6 @@ from megarl import platform
 from megarl.backends import installed, this_machine
 from megarl.cli import main as cli_main
 from megarl.config import load_config
-from megarl.hybrid_engine.engine import HybridEngine
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.rollout_types import EngineConfig
 from megarl.launch import init_distributed
 from megarl.models.build import ModelOptions, build_model
 from megarl.models.dims import ModelDims
@@ -83,6 +80,9 @@ from megarl.plan.measure import live_tensor_tracker
 from megarl.plan.params import flops_params
 from megarl.plan.preflight import UPDATE_PHASES, numerics_for
 from megarl.ports import free_port
+from megarl.rollout.engine import HybridEngine
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.rollout_types import EngineConfig
 from megarl.tools.gpu_fidelity import run_fidelity
 from megarl.tools.gpu_report import Report
 from megarl.tools.gpu_trainable import build_trainable

@@ -11,7 +11,7 @@ from megarl.agents.runner import AgentLimits
 from megarl.agents.trajectories import AgentSource
 from megarl.agents.turns import TurnSettings
 from megarl.config import RolloutConfig
-from megarl.hybrid_engine.rollout_types import SamplingConfig
+from megarl.rollout.rollout_types import SamplingConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

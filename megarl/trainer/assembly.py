@@ -3,8 +3,8 @@ the run, and :func:`setup_run` putting them together in order (the cheap checks 
 
 A :class:`PolicyRun` holds what the loop needs; its parts own their state (models, the rollout
 source with its data position, KL coefficient, tracker), the run object itself is never rebound.
-The rollout source is built by ``rollout.mode`` (:data:`ROLLOUT_MODES`): the colocated engine
-(:mod:`megarl.trainer.colocated_source`) or the link to the rollout group
+The rollout source is built by ``rollout.mode`` (:mod:`megarl.trainer.rollout_assembly`): the
+colocated engine (:mod:`megarl.trainer.colocated_source`) or the link to the rollout group
 (:mod:`megarl.trainer.async_source`); the trainer sees only its protocol
 (:mod:`megarl.trainer.rollout_source`).
 """
@@ -30,15 +30,6 @@ from megarl.config import (
 from megarl.config.derived import routing_recorded
 from megarl.console import announce
 from megarl.data import PromptDataset
-from megarl.envs.chat_deltas import ChatDeltas
-from megarl.envs.loading import check_environment
-from megarl.envs.pool import ToolPool
-from megarl.envs.runner import EnvRunner
-from megarl.hybrid_engine.async_links import make_links, weight_schedule
-from megarl.hybrid_engine.engine import HybridEngine
-from megarl.hybrid_engine.engine_folder import eos_token_ids
-from megarl.hybrid_engine.multi_turn import TurnLimits
-from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.models.build import ModelOptions
 from megarl.models.dims import ModelDims
 from megarl.models.router_replay import replay_routers
@@ -50,28 +41,16 @@ from megarl.run.startup import Startup, start
 from megarl.run.steps import announce_steps
 from megarl.run.tracking import Tracker
 from megarl.run.trainable import model_options
-from megarl.trainer.agent_rollout import agent_source
-from megarl.trainer.async_source import AsyncSource
-from megarl.trainer.colocated_source import ColocatedSource, PolicyData
+from megarl.trainer.colocated_source import PolicyData
 from megarl.trainer.experience import RewardSources
 from megarl.trainer.model_ops import MicroBatching
-from megarl.trainer.remote_rollout import RemoteRollout
 from megarl.trainer.roles import Roles, RoleSections, build_roles
-from megarl.trainer.rollout_offload import build_actor_memory, build_role_offload
+from megarl.trainer.rollout_assembly import build_rollout
 from megarl.trainer.rollout_source import RolloutSource
 from megarl.trainer.spec import AlgorithmSpec, make_kl_in_reward_controller, resolve_algorithm
-from megarl.trainer.trajectory_makers import (
-    AgentRuns,
-    EnvironmentTurns,
-    MultiTurnMaker,
-    OneReply,
-    TrajectoryMaker,
-)
-from megarl.weights.weight_sync import WeightSender
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
-    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -177,226 +156,6 @@ def build_rewards(
         model = build_reward_model(reward.model_path, startup.layout, options)
     judge_dtype = rollout_dtype(model_cfg, rollout, platform.device().type == "cuda")
     return RewardSources.from_config(reward, model, rollout.max_response_length, judge_dtype)
-
-
-def _engine_seed(rollout: RolloutConfig, run_seed: int, engine_index: int) -> int:
-    """vLLM's engine seed: with per-request seeds it drives no sampling; without them each engine
-    draws from its own stream (engines seeded alike would repeat each other's random numbers)."""
-    if rollout.per_request_seeds:
-        return run_seed
-    return run_seed + engine_index
-
-
-def engine_config(
-    model: ModelConfig,
-    data: DataConfig,
-    r: RolloutConfig,
-    run_seed: int,
-    engine_index: int,
-    *,
-    record_routes: bool = False,
-) -> EngineConfig:
-    """The rollout engine's settings (``run_seed``: trainer.seed); ``engine_index``: which engine
-    of the run this rank's is; ``record_routes``: it records each token's experts (an MoE policy,
-    megarl.models.router_replay)."""
-    return EngineConfig(
-        max_model_len=data.max_prompt_length + r.max_response_length,
-        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-        dtype=rollout_dtype(model, r, platform.device().type == "cuda"),
-        seed=_engine_seed(r, run_seed, engine_index),
-        max_num_seqs=r.max_num_seqs,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        sleep_level=r.sleep_level,
-        record_routes=record_routes,
-    )
-
-
-def sampling_configs(r: RolloutConfig, run_seed: int) -> tuple[SamplingConfig, SamplingConfig]:
-    """How training and validation rollouts sample (``run_seed``: trainer.seed)."""
-    # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
-    stop_token_ids = () if r.ignore_eos else None
-    sampling = SamplingConfig(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_response_length,
-        n=r.n,
-        seed=run_seed,
-        per_request_seeds=r.per_request_seeds,
-        ignore_eos=r.ignore_eos,
-        stop_token_ids=stop_token_ids,
-    )
-    val_sampling = SamplingConfig(
-        temperature=r.val_temperature,
-        max_new_tokens=r.max_response_length,
-        n=r.val_n,
-        seed=run_seed,
-        per_request_seeds=r.per_request_seeds,
-        ignore_eos=r.ignore_eos,
-        stop_token_ids=stop_token_ids,
-    )
-    return sampling, val_sampling
-
-
-def colocated_rollout(
-    cfg: RunConfig, startup: Startup, roles: Roles, data: PolicyData | None
-) -> RolloutSource:
-    """The hybrid engine on the trainers' devices, generating from this DP rank's ``data``."""
-    assert data is not None  # a colocated run reads its prompts on the trainers (setup_run)
-    r = cfg.rollout
-    engine = HybridEngine(
-        cfg.model.path,
-        startup.layout,
-        roles.dims,
-        roles.actor.ddp,
-        engine_config=engine_config(
-            cfg.model,
-            cfg.data,
-            r,
-            cfg.trainer.seed,
-            startup.rank // startup.layout.rollout_tp,
-            record_routes=routing_recorded(r, roles.dims.is_moe),
-        ),
-        backend=r.backend,
-        multi_turn=r.env is not None or r.agent is not None,
-        reshard_mode=r.reshard_mode,
-    )
-    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
-    return ColocatedSource(
-        engine,
-        trajectory_maker(r, cfg.model.path, cfg.data, cfg.trainer, startup, engine, sampling),
-        data,
-        sampling,
-        val_sampling,
-        build_actor_memory(roles, cfg.actor.param_offload),
-        build_role_offload(roles, cfg.ref.param_offload, cfg.critic.param_offload),
-    )
-
-
-def trajectory_maker(
-    r: RolloutConfig,
-    model_path: str,
-    data: DataConfig,
-    trainer: TrainerConfig,
-    startup: Startup,
-    engine: HybridEngine,
-    sampling: SamplingConfig,
-) -> TrajectoryMaker:
-    """How the colocated engine makes samples: a multi-turn maker (:func:`multi_turn_maker`)
-    or one reply each."""
-    maker = multi_turn_maker(
-        r,
-        model_path,
-        data,
-        trainer,
-        startup.tokenizer,
-        startup.pad_id,
-        runs_environments=engine.runs_environments,
-        sampling=sampling,
-    )
-    return maker if maker is not None else OneReply()
-
-
-def multi_turn_maker(
-    r: RolloutConfig,
-    model_path: str,
-    data: DataConfig,
-    trainer: TrainerConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    pad_id: int,
-    *,
-    runs_environments: bool,
-    sampling: SamplingConfig,
-) -> MultiTurnMaker | None:
-    """An agent's runs (``rollout.agent``; a step's agents end within a share of
-    ``trainer.hang_timeout_s``), an environment's turns (``rollout.env``, seeded from
-    ``trainer.seed``; its runner on the ranks that run environments), or None (one reply per
-    sample). Both placements build theirs here (``sampling``: the training rollout's)."""
-    if r.agent is not None:
-        agent = agent_source(
-            r, data.max_prompt_length, tokenizer, sampling, pad_id, trainer.hang_timeout_s
-        )
-        return AgentRuns(agent, r.max_env_failures)
-    if r.env is not None:
-        runner = (
-            build_env_runner(r, model_path, data, trainer.seed, tokenizer)
-            if runs_environments
-            else None
-        )
-        return EnvironmentTurns(turn_limits(r), runner, pad_id, r.max_env_failures)
-    return None
-
-
-def turn_limits(r: RolloutConfig) -> TurnLimits:
-    """rollout.env's limits of a trajectory."""
-    return TurnLimits(
-        max_turns=r.max_turns,
-        max_response_tokens=r.max_response_length,
-        max_turn_tokens=r.max_turn_tokens or r.max_response_length,
-    )
-
-
-def build_env_runner(
-    r: RolloutConfig,
-    model_path: str,
-    data: DataConfig,
-    run_seed: int,
-    tokenizer: PreTrainedTokenizerBase,
-) -> EnvRunner:
-    """The environments' executor on this rank: rollout.env's class, its kwargs, the template's
-    deltas, and the tool pool (``run_seed``: trainer.seed)."""
-
-    assert r.env is not None  # built for multi-turn rollouts (rollout.env) only
-    # what ends a model turn: the rollout's stop tokens (the model's EOS ids) and the tokenizer's
-    stop = set(eos_token_ids(model_path))
-    if tokenizer.eos_token_id is not None:
-        stop.add(int(tokenizer.eos_token_id))
-    return EnvRunner(
-        check_environment(r.env, r.env_kwargs),
-        r.env_kwargs,
-        ChatDeltas(tokenizer),
-        ToolPool(r.tool_concurrency, r.tool_timeout_s),
-        run_seed=run_seed,
-        stop_token_ids=stop,
-        max_prompt_tokens=data.max_prompt_length,
-    )
-
-
-def async_rollout(
-    cfg: RunConfig, startup: Startup, roles: Roles, data: PolicyData | None
-) -> RolloutSource:
-    """The trainers' link to the rollout group (megarl.trainer.rollout_group), which reads the
-    prompts itself (``data``: None)."""
-    assert startup.world is not None
-    itemsize = next(roles.actor.ddp.parameters()).element_size()
-    plan = weight_schedule(roles.dims, startup.layout, itemsize)
-    links = make_links(startup.world, plan, platform.distributed_backend())
-    assert links.batches is not None
-    rank = startup.rank
-    sender = WeightSender(plan, rank, links.weights.get(rank))
-    remote = RemoteRollout(
-        plan,
-        roles.dims,
-        startup.layout,
-        roles.actor.ddp,
-        links.control,
-        links.batches,
-        sender,
-        ep=cfg.parallel.ep,
-        total_steps=cfg.trainer.total_steps,
-        max_staleness=cfg.rollout.max_staleness,
-    )
-    return AsyncSource(remote, has_validation=bool(cfg.data.val_files))
-
-
-# rollout.mode -> the trainer's rollout source
-ROLLOUT_MODES = {"colocated": colocated_rollout, "async": async_rollout}
-
-
-def build_rollout(
-    cfg: RunConfig, startup: Startup, roles: Roles, data: PolicyData | None
-) -> RolloutSource:
-    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, roles, data)
 
 
 def restore(resumed: Resumed, kl_ctrl: KLController | None, rollout: RolloutSource) -> None:

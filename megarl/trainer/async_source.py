@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.data import PromptItem
-from megarl.hybrid_engine.engine import RolloutBatch, gpu_memory_metrics
 from megarl.metrics import declare
+from megarl.rollout.engine import RolloutBatch, gpu_memory_metrics
 from megarl.run.steps import timed
 from megarl.trainer.remote_rollout import RemoteRollout
 from megarl.trainer.rollout_source import RolloutState, SourceBatch

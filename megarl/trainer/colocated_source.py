@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.data import PromptDataset, PromptItem
-from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch, gpu_memory_metrics
-from megarl.hybrid_engine.rollout_types import SamplingConfig
 from megarl.metrics import declare
+from megarl.rollout.engine import HybridEngine, RolloutBatch, gpu_memory_metrics
+from megarl.rollout.rollout_types import SamplingConfig
 from megarl.run.epochs import EpochBatches
 from megarl.run.steps import timed
 from megarl.trainer.rollout_offload import ActorMemory, RoleOffload

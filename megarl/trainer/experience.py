@@ -23,8 +23,6 @@ from megarl.algos.masked import masked_count, masked_sum
 from megarl.config import OverlongBufferConfig, RewardConfig
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.judge_engine import EngineJudge
 from megarl.metrics import StepMetrics, declare, mean
 from megarl.rewards.failures import BatchScorer, Failures, describe_failure, describe_first
 from megarl.rewards.judge import Answerer, JudgeScorer
@@ -34,6 +32,8 @@ from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.remote_settings import RemoteSettings
 from megarl.rewards.shares import ROLLOUT_SAMPLES
+from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.judge_engine import EngineJudge
 from megarl.trainer.batch import Samples, padded_routes
 from megarl.trainer.distill import distill_experience
 from megarl.trainer.dp_collectives import dp_mean, dp_sum

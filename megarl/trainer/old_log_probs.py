@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.hybrid_engine.mismatch import logprob_mismatch
+from megarl.rollout.mismatch import logprob_mismatch
 from megarl.trainer.batch import Samples
 from megarl.trainer.model_ops import MicroBatching, policy_log_probs
 from megarl.trainer.routing_flags import AGREED, FLIPPED, flags_buffer

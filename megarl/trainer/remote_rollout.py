@@ -29,8 +29,11 @@ from typing import Any
 
 from megarl import parallel
 from megarl.data import PromptItem
-from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.rollout_messages import (
+from megarl.models.dims import ModelDims, expert_offset, layer_offset
+from megarl.models.lora import has_lora
+from megarl.parallel import ParallelLayout
+from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.rollout_messages import (
     TRAIN,
     VALIDATION,
     Draws,
@@ -40,9 +43,6 @@ from megarl.hybrid_engine.rollout_messages import (
     Start,
     Stop,
 )
-from megarl.models.dims import ModelDims, expert_offset, layer_offset
-from megarl.models.lora import has_lora
-from megarl.parallel import ParallelLayout
 from megarl.weights.broadcast_schedule import BroadcastSchedule
 from megarl.weights.execute import local_spec_tensors
 from megarl.weights.lora_merge import merged_local_tensors

@@ -19,8 +19,8 @@ Timings: ``timing/rollout_s`` (the transitions and generation), ``timing/reward_
 from __future__ import annotations
 
 from megarl.config import AlgorithmConfig
-from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare
+from megarl.rollout.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.run.steps import timed
 from megarl.trainer.assembly import PolicyRun
 from megarl.trainer.batch import StepBatch

@@ -18,7 +18,7 @@ mode), and generate batch after batch:
    ``s + 1``: every draw's prompts and seeds are the colocated run's.
 
 With ``rollout.env`` or ``rollout.agent`` each sample is a multi-turn trajectory, made by the
-same :class:`~megarl.hybrid_engine.trajectory_source.TrajectorySource` as colocated (an
+same :class:`~megarl.rollout.trajectory_source.TrajectorySource` as colocated (an
 environment's turn loop, or the agents behind the engine's endpoint): they run on the first rank
 of each engine, their results broadcast over the engine's ranks (a tool or an agent runs once per
 sample, never once per tensor-parallel rank), seeded from the global sample index and the
@@ -48,10 +48,10 @@ import torch.distributed as dist
 
 from megarl import platform
 from megarl.data import PromptItem
-from megarl.hybrid_engine.async_links import Links
-from megarl.hybrid_engine.engine import RolloutEngine
-from megarl.hybrid_engine.engine_group import share_from_first
-from megarl.hybrid_engine.rollout_messages import (
+from megarl.rollout.async_links import Links
+from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.engine_group import share_from_first
+from megarl.rollout.rollout_messages import (
     TRAIN,
     VALIDATION,
     Draws,
@@ -61,14 +61,14 @@ from megarl.hybrid_engine.rollout_messages import (
     Start,
     Stop,
 )
-from megarl.hybrid_engine.rollout_split import (
+from megarl.rollout.rollout_split import (
     merge_engines,
     rank_engine_slice,
     sample_starts,
 )
-from megarl.hybrid_engine.rollout_types import SamplingConfig
-from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, step_of
-from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
+from megarl.rollout.rollout_types import SamplingConfig
+from megarl.rollout.trajectory_source import EngineJob, TrajectorySource, step_of
+from megarl.rollout.versioned import VersionedOutput, generate_versioned
 from megarl.trainer.rollout_group_parts import (
     GroupSettings,
     Prompts,
@@ -249,7 +249,7 @@ class RolloutGroup:
     def _add_time(self, key: str, seconds: float) -> None:
         self._times[key] = self._times.get(key, 0.0) + seconds
 
-    # -- the split over engines and back (megarl.hybrid_engine.rollout_split) --------------------
+    # -- the split over engines and back (megarl.rollout.rollout_split) --------------------
     def _from_leader(self, value: T) -> T:
         """The leader's ``value`` on every rollout rank."""
         box = [value]

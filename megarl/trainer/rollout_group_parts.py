@@ -1,7 +1,7 @@
 """The pure pieces of the asynchronous rollout group (:mod:`megarl.trainer.rollout_group`): when
 a weight version is validated, the merged rollout cut back into every trainer data-parallel rank's
 part (the split over engines and back is the colocated engine's:
-:mod:`megarl.hybrid_engine.rollout_split`), the leader's prompts, and the group's settings."""
+:mod:`megarl.rollout.rollout_split`), the leader's prompts, and the group's settings."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from megarl.config import DataConfig, RewardConfig, RolloutConfig, TrainerConfig
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.rollout_messages import Part
-from megarl.hybrid_engine.rollout_split import prompt_share, rank_bounds, rank_output
-from megarl.hybrid_engine.versioned import VersionedOutput
+from megarl.rollout.rollout_messages import Part
+from megarl.rollout.rollout_split import prompt_share, rank_bounds, rank_output
+from megarl.rollout.versioned import VersionedOutput
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megarl.data import PromptItem
-from megarl.hybrid_engine.engine import RolloutBatch
 from megarl.metrics import StepMetrics
+from megarl.rollout.engine import RolloutBatch
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Per response token of a step's samples, whether the trainer's routers chose the rollout's
 experts (actor.router_replay): the rollout-vs-trainer mismatch of an MoE model is reported again
-over the *agreed* tokens and over the *flipped* ones (megarl.hybrid_engine.mismatch).
+over the *agreed* tokens and over the *flipped* ones (megarl.rollout.mismatch).
 
 A response token's logprob comes from the position before it; the token is *flipped* when at
 that position some MoE layer's router, in the forward that gave the trainer's logprob, chose

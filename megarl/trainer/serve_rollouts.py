@@ -20,17 +20,17 @@ from megarl.config import validate as validate_config
 from megarl.config.derived import routing_recorded
 from megarl.data.chat import pad_token_id
 from megarl.dtypes import dtype_from_name
-from megarl.hybrid_engine.async_links import make_links, weight_schedule
-from megarl.hybrid_engine.engine import check_rollout_model, make_rollout
-from megarl.hybrid_engine.engine_folder import checkpoint_shapes
-from megarl.hybrid_engine.engine_group import engine_group
 from megarl.launch import init_split
 from megarl.models.dims import ModelDims
+from megarl.rollout.async_links import make_links, weight_schedule
+from megarl.rollout.engine import check_rollout_model, make_rollout
+from megarl.rollout.engine_folder import checkpoint_shapes
+from megarl.rollout.engine_group import engine_group
 from megarl.run.checks import check_inputs
 from megarl.run.preemption import Preemption
 from megarl.run.startup import layout_for
 from megarl.run.watchdog import collective_timeout_s
-from megarl.trainer.assembly import engine_config, multi_turn_maker, sampling_configs
+from megarl.trainer.rollout_assembly import engine_config, multi_turn_maker, sampling_configs
 from megarl.trainer.rollout_group import RolloutGroup
 from megarl.trainer.rollout_group_parts import GroupSettings, Prompts
 from megarl.weights.execute import hf_shapes_of

@@ -4,7 +4,7 @@ or an agent's runs through the engine's endpoint (``rollout.agent``, :class:`Age
 
 The colocated source (:mod:`megarl.trainer.colocated_source`) calls the one it holds for
 training and validation batches alike. The two multi-turn ways are also a
-:class:`MultiTurnMaker`: the :class:`~megarl.hybrid_engine.trajectory_source.TrajectorySource`
+:class:`MultiTurnMaker`: the :class:`~megarl.rollout.trajectory_source.TrajectorySource`
 for a sampling setting, which the asynchronous rollout group
 (:mod:`megarl.trainer.rollout_group`) drives the way the colocated engine does, so environments
 and agents run the same code in both placements."""
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from megarl.data import PromptItem
 from megarl.envs.runner import EnvRunner
-from megarl.hybrid_engine.engine import HybridEngine, RolloutBatch
-from megarl.hybrid_engine.multi_turn import EnvSource, TurnLimits
-from megarl.hybrid_engine.rollout_types import SamplingConfig
-from megarl.hybrid_engine.trajectory_source import TrajectorySource
+from megarl.rollout.engine import HybridEngine, RolloutBatch
+from megarl.rollout.multi_turn import EnvSource, TurnLimits
+from megarl.rollout.rollout_types import SamplingConfig
+from megarl.rollout.trajectory_source import TrajectorySource
 
 if TYPE_CHECKING:
     from megarl.agents.trajectories import AgentSource
@@ -84,7 +84,7 @@ def _from_source(
 
 @dataclass(frozen=True)
 class EnvironmentTurns:
-    """``rollout.env``: one multi-turn trajectory per sample (megarl.hybrid_engine.multi_turn);
+    """``rollout.env``: one multi-turn trajectory per sample (megarl.rollout.multi_turn);
     ``runner`` exists on the ranks that run environments (None on the others)."""
 
     limits: TurnLimits

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megarl.hybrid_engine.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.metrics import StepMetrics, declare
+from megarl.rollout.mismatch import LOGPROB_MISMATCH_REDUCTIONS
 from megarl.run.steps import timed
 from megarl.trainer.assembly import PolicyRun
 from megarl.trainer.batch import Samples

@@ -8,7 +8,7 @@ plans, ``broadcast_schedule`` orders the asynchronous mode's trainer-to-rollout 
 torch.distributed: ``execute`` (colocated, in place), ``weight_sync`` (asynchronous, staged in
 host memory), with ``weight_shards`` (what an engine is handed), ``lora_merge`` (adapters merged
 on the way) and ``hf_saved_names`` (the names a Hugging Face folder saves). The colocated
-engine that drives them is :mod:`megarl.hybrid_engine.engine`.
+engine that drives them is :mod:`megarl.rollout.engine`.
 """
 
 from megarl.weights.reshard_schedule import PlannedTensor, ReshardSchedule, schedule_reshard

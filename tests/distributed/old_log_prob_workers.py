@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from megarl.config import load_config
-from megarl.hybrid_engine.mismatch import logprob_mismatch
 from megarl.models.build import build_model
 from megarl.models.distributed import OptimSettings, wrap_for_training
 from megarl.models.export import iter_stage_hf_tensors
@@ -19,6 +18,7 @@ from megarl.parallel import (
     initialize_model_parallel,
 )
 from megarl.platform import adapt_megatron_for_cpu
+from megarl.rollout.mismatch import logprob_mismatch
 from megarl.run.trainable import Trainable
 from megarl.trainer.batch import Samples
 from megarl.trainer.losses import sampling_temperature

@@ -25,9 +25,9 @@ CHUNK = 6
 def main(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
-    from megarl.hybrid_engine.versioned import generate_versioned
-    from megarl.hybrid_engine.vllm_rollout import VLLMRollout
+    from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
+    from megarl.rollout.versioned import generate_versioned
+    from megarl.rollout.vllm_rollout import VLLMRollout
     from megarl.tools.testing.assets import randomize_
 
     torch.set_num_threads(2)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megarl import parallel
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.trainer.batch import Samples
 
 # The scoring pass's rollouts: N sequences of a 16-token prompt and a 48-token response, scored
@@ -141,8 +141,8 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
     from megarl.config import load_config
     from megarl.data import PromptItem
     from megarl.data.chat import pad_token_id
-    from megarl.hybrid_engine.engine import HybridEngine
     from megarl.models.dims import ModelDims
+    from megarl.rollout.engine import HybridEngine
     from megarl.run.epochs import EpochBatches
     from megarl.run.startup import Startup, layout_for
     from megarl.trainer.assembly import PolicyRun, mini_batch_rows, role_sections

@@ -1,4 +1,4 @@
-"""An engine's ranks share its first rank's results (megarl.hybrid_engine.engine_group), as the
+"""An engine's ranks share its first rank's results (megarl.rollout.engine_group), as the
 multi-turn rollout of the colocated engine and of the asynchronous rollout group do: 6 gloo ranks
 in engines of 3 (and of 1), every rank gets its own engine's first rank's value, never another
 engine's."""
@@ -11,7 +11,7 @@ from tests.mp import run_gloo
 
 
 def _share_worker(rank: int, world: int, infer_tp: int) -> tuple[list[int] | None, str]:
-    from megarl.hybrid_engine.engine_group import engine_group, share_from_first
+    from megarl.rollout.engine_group import engine_group, share_from_first
 
     group = engine_group(world, infer_tp, rank)
     members = None if group is None else sorted(dist.get_process_group_ranks(group))

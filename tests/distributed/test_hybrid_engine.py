@@ -194,13 +194,13 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
     adapt_megatron_for_cpu()
     from megatron.core import parallel_state as ps
 
-    from megarl.hybrid_engine.engine import HybridEngine
-    from megarl.hybrid_engine.hf_rollout import HFRollout
-    from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
     from megarl.models.build import build_model
     from megarl.models.distributed import OptimSettings, wrap_for_training
     from megarl.models.forward import run_schedule
     from megarl.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from megarl.rollout.engine import HybridEngine
+    from megarl.rollout.hf_rollout import HFRollout
+    from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
 
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
     rollout = None

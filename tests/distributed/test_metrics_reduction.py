@@ -182,13 +182,13 @@ def _step_batch(rows: list[tuple[str, float, str, str, int]]):
     import torch
 
     from megarl.data import PromptItem
-    from megarl.hybrid_engine.engine import RolloutBatch
-    from megarl.hybrid_engine.rollout_types import RolloutOutput
     from megarl.rewards.judge import JudgeScorer
     from megarl.rewards.judge_prompt import JudgeTemplate
     from megarl.rewards.manager import RewardManager, RewardSample
     from megarl.rewards.overlong import overlong_penalty
     from megarl.rewards.scoring import ScoreOutcome
+    from megarl.rollout.engine import RolloutBatch
+    from megarl.rollout.rollout_types import RolloutOutput
     from megarl.trainer.batch import Samples, StepBatch
     from megarl.trainer.experience import batch_scores
 

@@ -59,8 +59,6 @@ def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], 
 
     from megarl.config import JudgeConfig
     from megarl.data import PromptItem
-    from megarl.hybrid_engine.engine import RolloutBatch
-    from megarl.hybrid_engine.rollout_types import RolloutOutput
     from megarl.parallel import ParallelLayout, initialize_model_parallel
     from megarl.platform import adapt_megatron_for_cpu
     from megarl.rewards.judge import JudgeScorer
@@ -68,6 +66,8 @@ def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], 
     from megarl.rewards.judge_remote import OpenAIJudge
     from megarl.rewards.remote import RemoteScorer
     from megarl.rewards.remote_settings import RemoteSettings
+    from megarl.rollout.engine import RolloutBatch
+    from megarl.rollout.rollout_types import RolloutOutput
     from megarl.trainer.experience import batch_scores
 
     adapt_megatron_for_cpu()

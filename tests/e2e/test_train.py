@@ -915,7 +915,7 @@ def test_dapo_dynamic_sampling_with_a_critic_tp1_pp2_dp2_matches_one_process(wor
 
     A prompt is drawn again in a later draw of a step (the file repeats prompts). Its redraw is
     another rollout with other seeds, also in the low 32 bits that CPU sampling keeps
-    (megarl/hybrid_engine/seeds.py), so it samples other responses; a short response can still
+    (megarl/rollout/seeds.py), so it samples other responses; a short response can still
     come out the same twice, so samples are matched with their repeats."""
     single, records = critic_runs_at_two_layouts(
         workdir,

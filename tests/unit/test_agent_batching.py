@@ -19,8 +19,8 @@ from megarl.agents.generation import EngineCall, EngineFailed, EngineGenerator, 
 from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentLimits, run_agents
 from megarl.agents.turns import TurnSettings
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from tests.assets import tiny_char_llama_dir
 
 pytestmark = pytest.mark.unit

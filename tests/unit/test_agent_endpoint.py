@@ -32,10 +32,10 @@ from megarl.data.errors import DataError
 from megarl.envs.base import EnvError
 from megarl.envs.chat_deltas import ChatDeltas
 from megarl.errors import ConfigError
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.rollout_types import SamplingConfig
-from megarl.hybrid_engine.seeds import sequence_seed
 from megarl.parallel import ParallelLayout
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.rollout_types import SamplingConfig
+from megarl.rollout.seeds import sequence_seed
 from megarl.run.checks import check_agent_setting, check_inputs
 from megarl.tools.testing.assets import QWEN25_TOOLS_TEMPLATE
 from tests.assets import tiny_char_llama_dir

@@ -19,10 +19,10 @@ from megarl.agents.trajectories import (
 )
 from megarl.agents.turns import TurnSettings
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.rollout_split import SampleStart
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import sequence_seed
-from megarl.hybrid_engine.trajectory_source import EngineJob, EngineTrajectories
+from megarl.rollout.rollout_split import SampleStart
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.seeds import sequence_seed
+from megarl.rollout.trajectory_source import EngineJob, EngineTrajectories
 from tests.assets import tiny_char_llama_dir
 
 pytestmark = pytest.mark.unit

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from megarl.config import load_config
-from megarl.hybrid_engine.async_links import Links, weight_schedule
-from megarl.hybrid_engine.rollout_messages import Push, Start, Stop
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
+from megarl.rollout.async_links import Links, weight_schedule
+from megarl.rollout.rollout_messages import Push, Start, Stop
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.trainer.rollout_group import RolloutGroup, Stopped
 from megarl.weights.weight_sync import WeightReceiver, WeightSender
 from tests.async_settings import group_settings

@@ -14,11 +14,11 @@ import pytest
 from megarl.config import load_config
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.rollout_messages import TRAIN, Draws, Generated, Part
-from megarl.hybrid_engine.rollout_split import engine_slice, merge_engines
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
-from megarl.hybrid_engine.versioned import VersionedOutput, generate_versioned
+from megarl.rollout.rollout_messages import TRAIN, Draws, Generated, Part
+from megarl.rollout.rollout_split import engine_slice, merge_engines
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.seeds import request_seeds, sample_seeds, sequence_seed
+from megarl.rollout.versioned import VersionedOutput, generate_versioned
 from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import RemoteRollout, staleness_metrics
 from megarl.trainer.rollout_group import RolloutGroup, Stopped

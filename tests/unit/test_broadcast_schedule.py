@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import pytest
 
-from megarl.hybrid_engine.async_links import weight_schedule
 from megarl.parallel import ParallelLayout
+from megarl.rollout.async_links import weight_schedule
 from megarl.weights.broadcast_schedule import schedule_broadcast
 from megarl.weights.tensor_list import actor_planned_tensors
 from tests.unit.test_reshard_schedule import DIMS, TIED

@@ -114,11 +114,11 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/weights/execute.py": {
         "ReshardExecutor._post": "model parameter views and buckets made on the parameters' device",
     },
-    "megarl/hybrid_engine/hf_rollout.py": {
+    "megarl/rollout/hf_rollout.py": {
         "_gather_group": "the bucket's slices (on the actor's device) into a buffer made on "
         "platform.collective_device()",
     },
-    "megarl/hybrid_engine/mismatch.py": {
+    "megarl/rollout/mismatch.py": {
         "logprob_mismatch": "sums/peak made on platform.collective_device()",
     },
     "megarl/metrics.py": {

@@ -11,10 +11,10 @@ from transformers import AutoTokenizer
 from megarl.config import OverlongBufferConfig
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.rewards.manager import RewardManager
 from megarl.rewards.shares import Mean, combination
+from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.rollout_types import RolloutOutput
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
 from tests.assets import qwen25_tokenizer_dir

@@ -11,10 +11,10 @@ from transformers import AutoTokenizer
 from megarl.envs import ChatDeltas, EnvError, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner, env_seed
 from megarl.envs.trajectory import check_env_failures, trajectory_metrics
-from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
-from megarl.hybrid_engine.rollout_split import SampleStart
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
+from megarl.rollout.multi_turn import TurnLimits, run_trajectories
+from megarl.rollout.rollout_split import SampleStart
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.seeds import request_seeds, sample_seeds, sequence_seed
 from tests.assets import qwen25_tokenizer_dir
 
 pytestmark = pytest.mark.unit
@@ -231,7 +231,7 @@ def test_a_first_turn_from_shared_prompts_is_the_single_turn_request(tok):
     deltas = ChatDeltas(tok)
     rows = [{"id": g, "prompt": f"question {g}"} for g in range(prompts)]
     heads = [deltas.prompt_ids([{"role": "user", "content": r["prompt"]}], None) for r in rows]
-    # the single-turn rollout's request seeds (megarl.hybrid_engine.engine's generate)
+    # the single-turn rollout's request seeds (megarl.rollout.engine's generate)
     single_seeds = request_seeds(sampling.seed, rollout_index, 0, prompts, n)
     single = ScriptedEngine(tok, words=1).generate(heads, sampling, seeds=single_seeds)
 

@@ -189,9 +189,9 @@ class _Recorder:
 
 @pytest.mark.parametrize(("per_request", "temperature"), [(True, 1.0), (False, 1.0), (True, 0.0)])
 def test_request_seeds_or_the_batched_sampler(per_request, temperature):
-    from megarl.hybrid_engine.rollout_types import SamplingConfig
-    from megarl.hybrid_engine.seeds import sequence_seed
-    from megarl.hybrid_engine.vllm_rollout import VLLMRollout
+    from megarl.rollout.rollout_types import SamplingConfig
+    from megarl.rollout.seeds import sequence_seed
+    from megarl.rollout.vllm_rollout import VLLMRollout
 
     engine = object.__new__(VLLMRollout)  # no vLLM: only the request building runs
     engine.asleep = False
@@ -211,7 +211,7 @@ def test_request_seeds_or_the_batched_sampler(per_request, temperature):
 
 
 def test_engine_seed_differs_per_engine_without_request_seeds():
-    from megarl.trainer.assembly import engine_config
+    from megarl.trainer.rollout_assembly import engine_config
 
     # colocated TP2 ranks 0-3 (and a rollout group's ranks) hold engines rank // infer_tp
     def seed(cfg, engine_index: int) -> int:

@@ -10,7 +10,6 @@ import torch
 from megarl import backends
 from megarl.config import choices, load_config
 from megarl.errors import ConfigError
-from megarl.hybrid_engine.engine import ROLLOUT_BACKENDS
 from megarl.models.dims import ModelDims
 from megarl.models.hf_map import (
     TE_NORM_NAMES,
@@ -21,6 +20,7 @@ from megarl.models.hf_map import (
     to_naming,
 )
 from megarl.models.safetensors_io import SafetensorsReader
+from megarl.rollout.engine import ROLLOUT_BACKENDS
 from tests.assets import tiny_llama_dir, tiny_mixtral_dir, tiny_qwen2_dir, tiny_qwen3_moe_dir
 
 BASE = ["model.path=/models/x", "data.train_files=[a.parquet]"]
@@ -195,8 +195,8 @@ def test_reshard_takes_te_named_parameters(model_dir):
 
 @pytest.fixture(scope="module")
 def hf_rollout():
-    from megarl.hybrid_engine.hf_rollout import HFRollout
-    from megarl.hybrid_engine.rollout_types import EngineConfig
+    from megarl.rollout.hf_rollout import HFRollout
+    from megarl.rollout.rollout_types import EngineConfig
 
     return HFRollout(tiny_qwen2_dir(), 1, EngineConfig(dtype="float32"))
 
@@ -221,7 +221,7 @@ PROMPTS = [[5, 17, 99, 3], [42, 8], [7, 7, 7, 1, 2, 250]]
 
 
 def test_hf_rollout_greedy_and_logprobs_equal_transformers(hf_rollout):
-    from megarl.hybrid_engine.rollout_types import SamplingConfig
+    from megarl.rollout.rollout_types import SamplingConfig
 
     ref = _reference(tiny_qwen2_dir())
     out = hf_rollout.generate(
@@ -235,7 +235,7 @@ def test_hf_rollout_greedy_and_logprobs_equal_transformers(hf_rollout):
 
 
 def test_hf_rollout_seeds_and_stop_tokens(hf_rollout):
-    from megarl.hybrid_engine.rollout_types import SamplingConfig
+    from megarl.rollout.rollout_types import SamplingConfig
 
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=5, n=3, stop_token_ids=(), seed=4)
     state = torch.get_rng_state()
@@ -256,7 +256,7 @@ def test_hf_rollout_seeds_and_stop_tokens(hf_rollout):
 
 
 def test_hf_rollout_follows_a_weight_update(hf_rollout, tmp_path):
-    from megarl.hybrid_engine.rollout_types import SamplingConfig
+    from megarl.rollout.rollout_types import SamplingConfig
     from megarl.tools.testing.assets import randomize_
 
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=6, stop_token_ids=())

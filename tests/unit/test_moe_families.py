@@ -182,7 +182,7 @@ def test_hf_rollout_takes_per_expert_weights_into_fused_experts(make_config, tmp
     logits equal to the other model loaded by transformers (bit for bit)."""
     from transformers import AutoModelForCausalLM
 
-    from megarl.hybrid_engine.hf_rollout import HFRollout
+    from megarl.rollout.hf_rollout import HFRollout
     from tests.assets import randomize_, tiny_mixtral_config, tiny_qwen3_moe_config
 
     config = {"qwen3_moe": tiny_qwen3_moe_config, "mixtral": tiny_mixtral_config}[make_config]()

@@ -13,9 +13,9 @@ import torch
 from megarl.cli import main as cli_main
 from megarl.config import load_config
 from megarl.errors import ConfigError
-from megarl.hybrid_engine.hf_rollout import drop_parameters, restore_parameters
 from megarl.models.dims import ModelDims
 from megarl.plan.known_models import resolve_model
+from megarl.rollout.hf_rollout import drop_parameters, restore_parameters
 from megarl.run.checks import _check_moe_options
 from megarl.tools.testing.assets import tiny_qwen3_dir, tiny_qwen3_moe_dir
 from megarl.weights.reshard_mode import resolve_reshard_mode

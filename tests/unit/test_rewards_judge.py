@@ -23,14 +23,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from megarl.config import JudgeConfig, OverlongBufferConfig, load_config, validate
 from megarl.data import PromptItem
 from megarl.errors import ConfigError
-from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.judge_engine import EngineJudge
-from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.rewards.judge import JudgeScorer, NoAnswer
 from megarl.rewards.judge_prompt import JudgeTemplate, UnparsedAnswer, question_text
 from megarl.rewards.judge_remote import OpenAIJudge
 from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.shares import combination
+from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.judge_engine import EngineJudge
+from megarl.rollout.rollout_types import RolloutOutput
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
 from tests.assets import judge_verdict, tiny_char_judge_dir

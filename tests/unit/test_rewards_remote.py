@@ -23,13 +23,13 @@ from transformers import AutoTokenizer
 from megarl.config import OverlongBufferConfig, load_config, validate
 from megarl.data import PromptItem
 from megarl.errors import ConfigError
-from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.rollout_types import RolloutOutput
 from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.remote import RemoteScorer
 from megarl.rewards.remote_protocol import BadAnswer, parse_answer, request_body
 from megarl.rewards.remote_settings import RemoteSettings
 from megarl.rewards.shares import combination
+from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.rollout_types import RolloutOutput
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
 from tests.assets import qwen25_tokenizer_dir

@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from megarl.data import PromptItem
-from megarl.hybrid_engine.engine import RolloutBatch
-from megarl.hybrid_engine.multi_turn import EnvSource, TurnLimits
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.multi_turn import EnvSource, TurnLimits
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.colocated_source import ColocatedSource, PolicyData
 from megarl.trainer.trajectory_makers import EnvironmentTurns, OneReply, dataset_row

@@ -1,4 +1,4 @@
-"""The rollout's split over engines and back (megarl.hybrid_engine.rollout_split), shared by the
+"""The rollout's split over engines and back (megarl.rollout.rollout_split), shared by the
 colocated engine and the asynchronous rollout group: the engines' slices cover the step once,
 every request carries its prompt's first-sample seed (as the seeds module documents, and as
 the engine computed it before this module existed), and slicing, generating, merging
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from megarl.envs.base import EnvError
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.rollout_split import (
+from megarl.rollout.rollout_split import (
     SampleStart,
     engine_seeds,
     engine_slice,
@@ -29,10 +29,10 @@ from megarl.hybrid_engine.rollout_split import (
     rank_output,
     sample_starts,
 )
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import request_seeds, sample_seeds, sequence_seed
-from megarl.hybrid_engine.trajectory_source import EngineTrajectories, step_of
-from megarl.hybrid_engine.versioned import VersionedOutput
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.seeds import request_seeds, sample_seeds, sequence_seed
+from megarl.rollout.trajectory_source import EngineTrajectories, step_of
+from megarl.rollout.versioned import VersionedOutput
 
 pytestmark = pytest.mark.unit
 

@@ -11,13 +11,13 @@ import torch
 
 from megarl.config import load_config
 from megarl.errors import ConfigError
-from megarl.hybrid_engine import mismatch
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.models.dims import ModelDims
 from megarl.models.forward import ROUTING_FLAGS
 from megarl.models.packing import pack, packed_values
 from megarl.models.router_replay import ReplayedRouting, TokenFlags, router_token_order
+from megarl.rollout import mismatch
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
 from megarl.run.checks import _check_moe_options
 from megarl.trainer.batch import Samples, padded_routes
 from megarl.trainer.dynamic_sampling import concat_samples

@@ -19,12 +19,12 @@ from transformers import AutoTokenizer
 from megarl.envs import ChatDeltas, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, merged_routes, step_routes
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.multi_turn import TurnLimits, run_trajectories
-from megarl.hybrid_engine.rollout_split import SampleStart, rank_output
-from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
-from megarl.hybrid_engine.trajectory_source import EngineJob
-from megarl.hybrid_engine.versioned import generate_versioned
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.multi_turn import TurnLimits, run_trajectories
+from megarl.rollout.rollout_split import SampleStart, rank_output
+from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
+from megarl.rollout.trajectory_source import EngineJob
+from megarl.rollout.versioned import generate_versioned
 from tests.assets import tiny_char_qwen3_moe_dir
 from tests.distributed.router_replay_workers import _hf_routers, natural_routes, perturb
 from tests.unit.test_agent_trajectories import agent_source

@@ -1,4 +1,4 @@
-"""Every sampled sequence of a run draws its own random stream (megarl.hybrid_engine.seeds).
+"""Every sampled sequence of a run draws its own random stream (megarl.rollout.seeds).
 
 vLLM seeds sample j of a request seeded s with s + j; seeding consecutive prompts consecutively
 made sample j of prompt i and sample j-1 of prompt i+1 share a stream (45 of 64 sequences of a
@@ -20,21 +20,21 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megarl.hybrid_engine import engine as engine_module
-from megarl.hybrid_engine.engine import HybridEngine
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.multi_turn import turn_seed
-from megarl.hybrid_engine.rollout_split import engine_slice, prompt_seed
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import (
+from megarl.parallel import ParallelLayout
+from megarl.rollout import engine as engine_module
+from megarl.rollout.engine import HybridEngine
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.multi_turn import turn_seed
+from megarl.rollout.rollout_split import engine_slice, prompt_seed
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.seeds import (
     LOW_BITS,
     SEQUENCE_BITS,
     request_seeds,
     sample_seeds,
     sequence_seed,
 )
-from megarl.hybrid_engine.versioned import generate_versioned
-from megarl.parallel import ParallelLayout
+from megarl.rollout.versioned import generate_versioned
 from tests.assets import tiny_char_llama_dir
 
 RUN_SEED, PROMPTS, N = 1, 32, 8  # the quickstart's seed; a step of 32 prompts x 8 samples

@@ -103,8 +103,8 @@ class LLM:  # vLLM's engine class, recording the collector's state as the engine
 
 sys.modules["vllm"] = types.ModuleType("vllm")
 sys.modules["vllm"].LLM = LLM
-from megarl.hybrid_engine.rollout_types import EngineConfig
-from megarl.hybrid_engine.vllm_rollout import VLLMRollout
+from megarl.rollout.rollout_types import EngineConfig
+from megarl.rollout.vllm_rollout import VLLMRollout
 
 seen["frozen_before"] = gc.get_freeze_count()
 VLLMRollout(sys.argv[1], 1, EngineConfig(load_format="dummy"))

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megarl.hybrid_engine.async_links import BUCKET_BYTES
 from megarl.models.dims import ModelDims
 from megarl.parallel import ParallelLayout
 from megarl.plan.known_models import resolve_model
 from megarl.plan.memory import reshard_buffer_bytes
+from megarl.rollout.async_links import BUCKET_BYTES
 from megarl.weights.broadcast_schedule import schedule_broadcast
 from megarl.weights.execute import hf_shapes_of
 from megarl.weights.reshard_mode import resolve_reshard_mode

@@ -1,8 +1,8 @@
 """The ranks of one rollout engine as a process group, and its first rank's results handed to the
 others: how a multi-turn rollout runs each environment once per sample, on the engine's first
 rank, while every rank of the engine sends the engine the same requests
-(:mod:`megarl.hybrid_engine.multi_turn`). Written once for the colocated engine
-(:mod:`megarl.hybrid_engine.engine`) and the asynchronous rollout group
+(:mod:`megarl.rollout.multi_turn`). Written once for the colocated engine
+(:mod:`megarl.rollout.engine`) and the asynchronous rollout group
 (:mod:`megarl.trainer.rollout_group`)."""
 
 from __future__ import annotations

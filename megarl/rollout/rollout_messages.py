@@ -15,7 +15,7 @@ from typing import Any
 
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.rollout_types import RolloutOutput
+from megarl.rollout.rollout_types import RolloutOutput
 
 TRAIN, VALIDATION = "train", "val"
 

@@ -1,5 +1,5 @@
 """How one rollout is split over the rollout engines and put back together, written once for the
-colocated engine (:mod:`megarl.hybrid_engine.engine`) and the asynchronous rollout group
+colocated engine (:mod:`megarl.rollout.engine`) and the asynchronous rollout group
 (:mod:`megarl.trainer.rollout_group`).
 
 A rollout's prompts are those of every trainer data-parallel rank, in rank order: rank ``d``'s
@@ -8,7 +8,7 @@ the contiguous slice :func:`engine_slice`; every request carries the seed of its
 sample (:func:`prompt_seed`, :func:`engine_seeds`), so a sample's stream depends on its global
 index and the rollout count only, never on how many engines there are. The engines' outputs come
 back from every rank (an engine's tensor-parallel ranks send the same), are put in prompt order
-(:func:`merge_engines`; trajectories: :func:`~megarl.hybrid_engine.trajectory_source.step_of`), and each rank takes its share
+(:func:`merge_engines`; trajectories: :func:`~megarl.rollout.trajectory_source.step_of`), and each rank takes its share
 (:func:`prompt_share`, :func:`rank_output`).
 
 Pure: no collective runs here; the callers gather and broadcast.
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Protocol, Self, TypeVar
 
 from megarl.envs.trajectory import Trajectory, step_routes
-from megarl.hybrid_engine.rollout_types import RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import request_seeds, sequence_seed
+from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.seeds import request_seeds, sequence_seed
 
 
 class Mergeable(Protocol):
     """An engine's output that takes another's after it, prompt indices shifted
-    (:class:`RolloutOutput`, :class:`~megarl.hybrid_engine.versioned.VersionedOutput`)."""
+    (:class:`RolloutOutput`, :class:`~megarl.rollout.versioned.VersionedOutput`)."""
 
     def extend(self, other: Self, index_offset: int = 0) -> None: ...
 
@@ -85,7 +85,7 @@ def sample_starts(
 # -- seeding -------------------------------------------------------------------------------------
 def prompt_seed(sampling: SamplingConfig, rollout: int, prompt: int) -> int:
     """The request seed of global prompt ``prompt`` in rollout ``rollout``: its first sample's
-    stream (:mod:`megarl.hybrid_engine.seeds`); the engine seeds its sample ``j`` with this
+    stream (:mod:`megarl.rollout.seeds`); the engine seeds its sample ``j`` with this
     ``+ j``. A multi-turn first turn that asks for all ``n`` samples at once uses it too."""
     return sequence_seed(sampling.seed, rollout, prompt * max(1, sampling.n))
 

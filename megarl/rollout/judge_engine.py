@@ -1,5 +1,5 @@
 """A generative judge run here (``reward.judge.model_path``): an HF causal-LM folder generating
-with the HF rollout engine (:class:`~megarl.hybrid_engine.hf_rollout.HFRollout`), greedily.
+with the HF rollout engine (:class:`~megarl.rollout.hf_rollout.HFRollout`), greedily.
 
 Each rank holds a replica and judges its own samples; nothing crosses ranks. Between scorings
 the engine sleeps: on a GPU its weights wait in host memory (sleep level 1) and come back only
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from megarl.config import JudgeConfig
 from megarl.data.chat import encode_prompts
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.rollout_types import EngineConfig, SamplingConfig
 from megarl.rewards.judge import NoAnswer
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
 
 
 class EngineJudge:

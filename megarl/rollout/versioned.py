@@ -13,7 +13,7 @@ with. With ``actor.router_replay`` a response's recorded experts are merged the 
 trajectory's are (:func:`megarl.envs.trajectory.merged_routes`): each id keeps the experts of the
 round that first routed it, and a continuation's prefill gives the previous round's last id its
 own. A continuation is a new request (its prompt re-encoded under the new weights) seeded for
-its response and round (:mod:`megarl.hybrid_engine.seeds`: the round is the segment), so a batch
+its response and round (:mod:`megarl.rollout.seeds`: the round is the segment), so a batch
 is deterministic given when updates land and no continuation shares another sample's stream.
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from megarl.envs.trajectory import merged_routes
-from megarl.hybrid_engine.rollout_split import engine_seeds
-from megarl.hybrid_engine.rollout_types import Generates, RolloutOutput, SamplingConfig
-from megarl.hybrid_engine.seeds import sequence_seed
+from megarl.rollout.rollout_split import engine_seeds
+from megarl.rollout.rollout_types import Generates, RolloutOutput, SamplingConfig
+from megarl.rollout.seeds import sequence_seed
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Where a colocated rollout's trajectories come from, behind one seam: today's environments
-(:class:`~megarl.hybrid_engine.multi_turn.EnvSource`, ``rollout.env``) or an agent behind the
+(:class:`~megarl.rollout.multi_turn.EnvSource`, ``rollout.env``) or an agent behind the
 OpenAI-compatible endpoint (:class:`~megarl.agents.trajectories.AgentSource`, ``rollout.agent``).
 
 Both placements drive it the same way: the colocated hybrid engine and the asynchronous rollout
 group split a step's samples over their rollout engines and hand each engine's
-:class:`~megarl.hybrid_engine.rollout_split.SampleStart` list to the source on every rank of that
+:class:`~megarl.rollout.rollout_split.SampleStart` list to the source on every rank of that
 engine; the source returns the engine's trajectories on the engine's first rank (None on the
 others), which are gathered and checked with the failed-sample guard (:func:`step_of`) and turned
 into the trainer's samples: one path from trajectories to samples, whatever made them and
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from megarl.envs.trajectory import Trajectory, check_env_failures
-from megarl.hybrid_engine.rollout_split import SampleStart, one_per_key
-from megarl.hybrid_engine.rollout_types import Generates
+from megarl.rollout.rollout_split import SampleStart, one_per_key
+from megarl.rollout.rollout_types import Generates
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """3D-HybridEngine: the colocated rollout engines and the rollout's own pieces.
 
-The seam the trainer uses is :mod:`megarl.hybrid_engine.engine`: ``HybridEngine`` (``to_rollout``,
+The seam the trainer uses is :mod:`megarl.rollout.engine`: ``HybridEngine`` (``to_rollout``,
 ``generate``, ``to_train``) over a ``RolloutEngine``, the protocol every rollout backend implements
 (``ROLLOUT_BACKENDS``: vLLM in ``vllm_rollout``, transformers' generate in ``hf_rollout``), built
 by ``make_rollout``. How a rollout is split over the engines and put back (``rollout_split``),

@@ -1,6 +1,6 @@
 """The rollout engine: one vLLM engine per inference-TP group, inside the training processes.
 
-``rollout.backend=hf`` swaps in :class:`megarl.hybrid_engine.hf_rollout.HFRollout` behind the
+``rollout.backend=hf`` swaps in :class:`megarl.rollout.hf_rollout.HFRollout` behind the
 same seam. The seam to the trainer is narrow: :meth:`VLLMRollout.update_weights` (HF-named tensors),
 :meth:`VLLMRollout.generate` (token ids in; response ids, per-token logprobs and finish reasons
 out), :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up`.
@@ -27,14 +27,14 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
-from megarl.hybrid_engine.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
-from megarl.hybrid_engine.rollout_types import (
+from megarl.lean_imports import VLLM_OPTIONAL, packages_hidden
+from megarl.rollout.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
+from megarl.rollout.rollout_types import (
     EngineConfig,
     RolloutOutput,
     SamplingConfig,
     request_seed,
 )
-from megarl.lean_imports import VLLM_OPTIONAL, packages_hidden
 from megarl.shm_segments import (
     RUN_SEGMENTS_ENV,
     name_cpu_shm_segments_per_run,

@@ -1,6 +1,6 @@
 """The rollout engines' seam types: how responses are sampled, how an engine is sized, what it
-returns, how it is asked (:class:`Generates`), and each request's seed. Both engines (:mod:`megarl.hybrid_engine.vllm_rollout`,
-:mod:`megarl.hybrid_engine.hf_rollout`) and everything that drives them import these from here."""
+returns, how it is asked (:class:`Generates`), and each request's seed. Both engines (:mod:`megarl.rollout.vllm_rollout`,
+:mod:`megarl.rollout.hf_rollout`) and everything that drives them import these from here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from megarl.hybrid_engine.seeds import sequence_seed
+from megarl.rollout.seeds import sequence_seed
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class SamplingConfig:
     max_new_tokens: int = 128
     n: int = 1  # samples per prompt (GRPO groups)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids (generation config)
-    seed: int = 0  # the run's seed: every sample's own stream derives from it (hybrid_engine.seeds)
+    seed: int = (
+        0  # the run's seed: every sample's own stream derives from it (megarl.rollout.seeds)
+    )
     # False: no request seeds, vLLM's batched sampler draws from the engine's generator (samples
     # then depend on the layout and the batching; rollout.per_request_seeds)
     per_request_seeds: bool = True
@@ -93,7 +95,7 @@ def request_seed(
     sampling: SamplingConfig, seed_offset: int, index: int, seeds: Sequence[int] | None
 ) -> int:
     """The seed of request ``index`` of a generate call: its own when given (a run passes
-    every request's, :mod:`megarl.hybrid_engine.seeds`); else, for a call outside a run, the
+    every request's, :mod:`megarl.rollout.seeds`); else, for a call outside a run, the
     stream of sample ``seed_offset + index * n`` of the run seed's rollout 0, so no two samples
     of the call share one."""
     if seeds is not None:

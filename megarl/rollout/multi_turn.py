@@ -8,7 +8,7 @@ token deltas of the chat template, appended to the trajectories for the next tur
 
 The first turn is the single-turn rollout's own request when it can be: when every prompt's
 samples start from the same ids, each prompt goes to the engine once with ``n`` samples and the
-single-turn seed (:func:`~megarl.hybrid_engine.rollout_split.prompt_seed`), so an environment
+single-turn seed (:func:`~megarl.rollout.rollout_split.prompt_seed`), so an environment
 that ends after one turn and adds nothing reproduces the run without an environment token for
 token.
 
@@ -30,10 +30,10 @@ import torch
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory, trajectory_metrics
-from megarl.hybrid_engine.rollout_split import SampleStart, prompt_seed
-from megarl.hybrid_engine.rollout_types import Generates, SamplingConfig
-from megarl.hybrid_engine.seeds import sequence_seed
-from megarl.hybrid_engine.trajectory_source import EngineJob, EngineTrajectories, Share
+from megarl.rollout.rollout_split import SampleStart, prompt_seed
+from megarl.rollout.rollout_types import Generates, SamplingConfig
+from megarl.rollout.seeds import sequence_seed
+from megarl.rollout.trajectory_source import EngineJob, EngineTrajectories, Share
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ class TurnLimits:
 
 def turn_seed(sampling: SamplingConfig, rollout_index: int, sample: int, turn: int) -> int:
     """The request seed of one model turn: distinct for every (rollout, sample, turn); turn 0
-    is the first-turn request's sample (:func:`~megarl.hybrid_engine.rollout_split.prompt_seed`
+    is the first-turn request's sample (:func:`~megarl.rollout.rollout_split.prompt_seed`
     + ``j``)."""
     return sequence_seed(sampling.seed, rollout_index, sample, segment=turn)
 
@@ -192,7 +192,7 @@ def run_trajectories(
 @dataclass(frozen=True)
 class EnvSource:
     """``rollout.env``'s trajectories for the hybrid engine
-    (:class:`~megarl.hybrid_engine.trajectory_source.TrajectorySource`): :func:`run_trajectories`
+    (:class:`~megarl.rollout.trajectory_source.TrajectorySource`): :func:`run_trajectories`
     on every rank of an engine, the environments on its first rank (``runner`` is that rank's;
     None elsewhere)."""
 

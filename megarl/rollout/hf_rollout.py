@@ -1,6 +1,6 @@
 """A rollout engine on Hugging Face transformers' ``generate``: ``rollout.backend=hf``.
 
-The same seam as :class:`megarl.hybrid_engine.vllm_rollout.VLLMRollout` (``update_weights`` with
+The same seam as :class:`megarl.rollout.vllm_rollout.VLLMRollout` (``update_weights`` with
 HF-named tensors, ``load_shards`` with the slices of them a TP rank loads, ``generate`` with
 per-request seeds returning tokens and logprobs, ``sleep``/``wake_up``) for machines without vLLM
 and for debugging: it is much slower than vLLM and each rank holds a whole replica of the model
@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from megarl import platform
 from megarl.dtypes import dtype_from_name
-from megarl.hybrid_engine.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
-from megarl.hybrid_engine.rollout_types import (
+from megarl.rollout.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
+from megarl.rollout.rollout_types import (
     EngineConfig,
     RolloutOutput,
     SamplingConfig,
@@ -180,7 +180,7 @@ class HFRollout:
         max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutOutput:
         """``sampling.n`` responses per prompt; request i is seeded with ``seeds[i]`` when given,
-        else as :func:`~megarl.hybrid_engine.rollout_types.request_seed` says, and gets
+        else as :func:`~megarl.rollout.rollout_types.request_seed` says, and gets
         ``max_new_tokens[i]`` new tokens at most when given."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep; call wake_up() first")

@@ -18,7 +18,7 @@ rollout's dtype (``rollout.dtype``): in ``shard`` mode only the slices this rank
 loads, in ``full`` mode whole tensors (:mod:`megarl.weights.reshard_mode`). Rollout prompts: each
 training DP rank passes its own prompts; they are spread over the ``world / infer_tp`` vLLM engines
 and every rank gets back the responses of its DP rank (the slicing, seeding and merging are
-:mod:`megarl.hybrid_engine.rollout_split`, shared with the asynchronous rollout group).
+:mod:`megarl.rollout.rollout_split`, shared with the asynchronous rollout group).
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ from megarl import parallel, platform
 from megarl.backends import check_rollout_backend
 from megarl.dtypes import dtype_from_name
 from megarl.envs.trajectory import Trajectory
-from megarl.hybrid_engine.engine_folder import checkpoint_shapes
-from megarl.hybrid_engine.engine_group import engine_group, share_from_first
-from megarl.hybrid_engine.hf_rollout import HFRollout
-from megarl.hybrid_engine.rollout_split import (
+from megarl.models.dims import ModelDims, expert_offset, layer_offset
+from megarl.models.lora import has_lora
+from megarl.parallel import ParallelLayout
+from megarl.rollout.engine_folder import checkpoint_shapes
+from megarl.rollout.engine_group import engine_group, share_from_first
+from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.rollout_split import (
     engine_seeds,
     merge_engines,
     one_per_key,
@@ -49,17 +52,14 @@ from megarl.hybrid_engine.rollout_split import (
     rank_output,
     sample_starts,
 )
-from megarl.hybrid_engine.rollout_types import (
+from megarl.rollout.rollout_types import (
     EngineConfig,
     Generates,
     RolloutOutput,
     SamplingConfig,
 )
-from megarl.hybrid_engine.trajectory_source import EngineJob, TrajectorySource, step_of
-from megarl.hybrid_engine.vllm_rollout import VLLMRollout
-from megarl.models.dims import ModelDims, expert_offset, layer_offset
-from megarl.models.lora import has_lora
-from megarl.parallel import ParallelLayout
+from megarl.rollout.trajectory_source import EngineJob, TrajectorySource, step_of
+from megarl.rollout.vllm_rollout import VLLMRollout
 from megarl.weights.execute import (
     ReshardExecutor,
     ReshardStats,
@@ -119,7 +119,7 @@ def check_rollout_model(
 
 class RolloutEngine(Generates, Protocol):
     """The seam between the trainer and a rollout backend (vLLM, or transformers' generate):
-    :class:`~megarl.hybrid_engine.rollout_types.Generates`, weight updates, sleep and wake."""
+    :class:`~megarl.rollout.rollout_types.Generates`, weight updates, sleep and wake."""
 
     infer_tp: int
     backend: str  # its rollout.backend name
@@ -326,7 +326,7 @@ class HybridEngine:
         """Put the rollout engine to sleep (its weights and KV cache leave the GPU)."""
         self.rollout.sleep()
 
-    # -- rollout (the split over engines and back: megarl.hybrid_engine.rollout_split) -------
+    # -- rollout (the split over engines and back: megarl.rollout.rollout_split) -------
     def _gather_dp(self, mine: list[T]) -> tuple[list[T], int, int]:
         """Every DP rank's items in DP order, and this DP rank's [a, b) among them."""
         gathered: list = [None] * dist.get_world_size()
@@ -344,7 +344,7 @@ class HybridEngine:
         """Responses for this DP rank's prompts (identical on all ranks of a DP rank).
 
         The prompts of all DP ranks are split over the vLLM engines; every sample's seed depends
-        only on its global index and the rollout count (:mod:`megarl.hybrid_engine.seeds`), so
+        only on its global index and the rollout count (:mod:`megarl.rollout.seeds`), so
         samples do not depend on the layout and no two share a random stream.
         """
         mine = [list(map(int, p)) for p in prompts]

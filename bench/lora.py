@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.rounds import ratio_by_round, run_rounds
+from bench.rounds import print_ratio, print_rounds, ratio_by_round, run_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,14 +161,14 @@ def main() -> None:
         f"{args.seq}, fp32, TP1, LoRA rank {args.rank} alpha 16 all-linear vs full fine-tuning, "
         f"{args.rounds} alternated rounds"
     )
-    for k, runs in enumerate(rounds):
-        for name, r in runs.items():
-            print(
-                f"  round {k + 1} {name:5s} {r['step_s'] * 1e3:9.1f} ms/step  peak "
-                f"{r['peak_bytes'] / mib:8.1f} MiB  trainable {r['trainable_params'] / 1e6:7.2f}M "
-                f"weights {r['weights'] / mib:7.1f} grads {r['grads'] / mib:7.1f} optimizer "
-                f"{r['optimizer'] / mib:7.1f} MiB  load {r['load'][0]:.1f}-{r['load'][1]:.1f}"
-            )
+    print_rounds(
+        rounds,
+        lambda r: (
+            f"{r['step_s'] * 1e3:9.1f} ms/step  peak {r['peak_bytes'] / mib:8.1f} MiB  trainable "
+            f"{r['trainable_params'] / 1e6:7.2f}M weights {r['weights'] / mib:7.1f} grads "
+            f"{r['grads'] / mib:7.1f} optimizer {r['optimizer'] / mib:7.1f} MiB"
+        ),
+    )
     state = ("weights", "grads", "optimizer")
     by_round = {
         "step_time": ratio_by_round(rounds, lambda r: r["lora"]["step_s"] / r["full"]["step_s"]),
@@ -183,8 +183,7 @@ def main() -> None:
         "training_state": sum(last["lora"][k] for k in state) / sum(last["full"][k] for k in state),
     }
     for key, ratio in by_round.items():
-        each = ", ".join(f"{x:.2f}" for x in ratio["rounds"])
-        print(f"  lora/full {key}: {each} by round, median {ratio['median']:.2f}")
+        print_ratio(f"lora/full {key}", ratio)
     print(
         f"RATIO lora/full (median of the rounds): step time {ratios['step_time']:.2f}, peak "
         f"memory {ratios['peak_memory']:.2f}, training state (weights+grads+optimizer) "

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.rounds import ratio_by_round, run_rounds
+from bench.rounds import print_ratio, print_rounds, ratio_by_round, run_rounds
 from megarl.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,14 +165,14 @@ def main() -> None:
         f"GSM8K-like response lengths (max {args.max_response}), token budget "
         f"{args.max_tokens}/micro-batch, {threads} threads, fp32, {args.rounds} alternated rounds"
     )
-    for k, results in enumerate(rounds):
-        for mode, r in results.items():
-            print(
-                f"  round {k + 1} {mode:7s} {r['seconds']:8.2f} s/update {r['tokens_per_s']:9.1f} "
-                f"tokens/s  {r['model_tokens']:6d} tokens through the model ({r['real_tokens']} "
-                f"real), {r['micro_batches']} micro-batches, peak memory "
-                f"+{r['peak_bytes'] / 2**20:.0f} MiB  load {r['load'][0]:.1f}-{r['load'][1]:.1f}"
-            )
+    print_rounds(
+        rounds,
+        lambda r: (
+            f"{r['seconds']:8.2f} s/update {r['tokens_per_s']:9.1f} tokens/s  "
+            f"{r['model_tokens']:6d} tokens through the model ({r['real_tokens']} real), "
+            f"{r['micro_batches']} micro-batches, peak memory +{r['peak_bytes'] / 2**20:.0f} MiB"
+        ),
+    )
     speed = ratio_by_round(
         rounds, lambda r: r["packed"]["tokens_per_s"] / r["padded"]["tokens_per_s"]
     )
@@ -180,8 +180,7 @@ def main() -> None:
         rounds, lambda r: r["packed"]["peak_bytes"] / max(r["padded"]["peak_bytes"], 1)
     )
     for what, by_round in (("tokens/s", speed), ("peak", memory)):
-        each = ", ".join(f"{x:.2f}" for x in by_round["rounds"])
-        print(f"  packed/padded {what}: {each} by round, median {by_round['median']:.2f}")
+        print_ratio(f"packed/padded {what}", by_round)
     print(f"RATIO packed/padded tokens/s = {speed['median']:.2f} (median; target >= 1.5)")
     print(f"MEMORY packed/padded peak = {memory['median']:.2f} (median)")
     from bench.results_io import write_results

@@ -38,6 +38,20 @@ def run_rounds(
     return out
 
 
+def print_rounds(rounds: list[dict[str, dict]], describe: Callable[[dict], str]) -> None:
+    """One line per run: its round, its side, ``describe(run)`` and the load around it."""
+    width = max(len(side) for run in rounds for side in run)
+    for k, runs in enumerate(rounds):
+        for side, r in runs.items():
+            load = f"load {r['load'][0]:.1f}-{r['load'][1]:.1f}"
+            print(f"  round {k + 1} {side:{width}s} {describe(r)}  {load}")
+
+
+def print_ratio(label: str, ratio: RoundRatios) -> None:
+    each = ", ".join(f"{x:.2f}" for x in ratio["rounds"])
+    print(f"  {label}: {each} by round, median {ratio['median']:.2f}")
+
+
 def ratio_by_round(
     rounds: list[dict[str, dict]], ratio: Callable[[dict[str, dict]], float]
 ) -> RoundRatios:

@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,21 +47,30 @@ def test_gpu_recipe_without_cuda_is_refused_naming_the_ways_out(tmp_path):
     assert "prepare_gsm8k" not in proc.stderr  # refused before preparing anything
 
 
-def test_smoke_mode_runs_the_grpo_recipe(tmp_path):
-    out = tmp_path / "smoke"
+@dataclass(frozen=True)
+class SmokeRun:
+    proc: subprocess.CompletedProcess
+    out: Path  # its OUTPUT_DIR
+    steps: dict[int, dict]  # metrics.jsonl's step records
+    tracking_uri: str
+
+
+def smoke_run(tmp_path: Path, name: str, *overrides: str, config: str | None = None) -> SmokeRun:
+    """The flagship script, unchanged, at smoke size (MEGARL_SMOKE=1) on its default config or
+    ``config``, with ``overrides`` as a user passes them; the run must succeed."""
+    out = tmp_path / name
     env = dict(os.environ, MEGARL_SMOKE="1", OUTPUT_DIR=str(out), PYTHON=sys.executable)
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    for name in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "CONFIG"):
-        env.pop(name, None)
-    for name in ("MODEL_PATH", "DATA_DIR", "DATA_SOURCE"):
-        env.pop(name, None)
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / (name + '.db')}"
+    for variable in (
+        *("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "CONFIG"),
+        *("MODEL_PATH", "DATA_DIR", "DATA_SOURCE"),
+    ):
+        env.pop(variable, None)
+    if config is not None:
+        env["CONFIG"] = str(ROOT / config)
+    script = str(ROOT / "scripts" / "run_qwen7b_grpo.sh")
     proc = subprocess.run(
-        [
-            "bash",
-            str(ROOT / "scripts" / "run_qwen7b_grpo.sh"),
-            "trainer.profile_steps=[2]",
-            "reward.custom_fn=megarl.rewards.toy:vowel_rate",
-        ],
+        ["bash", script, *overrides],
         capture_output=True,
         text=True,
         env=env,
@@ -68,10 +78,20 @@ def test_smoke_mode_runs_the_grpo_recipe(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
-    assert "parallel.tp=1 parallel.pp=2 parallel.infer_tp=2" in proc.stderr  # it prints the command
-
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "actor/pg_loss" in r}
+    return SmokeRun(proc, out, steps, env["MLFLOW_TRACKING_URI"])
+
+
+def test_smoke_mode_runs_the_grpo_recipe(tmp_path):
+    run = smoke_run(
+        tmp_path,
+        "smoke",
+        "trainer.profile_steps=[2]",
+        "reward.custom_fn=megarl.rewards.toy:vowel_rate",
+    )
+    proc, out, steps = run.proc, run.out, run.steps
+    assert "parallel.tp=1 parallel.pp=2 parallel.infer_tp=2" in proc.stderr  # it prints the command
     assert sorted(steps) == [1, 2]
     for record in steps.values():
         for key in ("actor/pg_loss", "actor/kl_loss", "reward/mean"):
@@ -90,34 +110,12 @@ def test_smoke_mode_runs_the_grpo_recipe(tmp_path):
 
     import mlflow
 
-    client = mlflow.tracking.MlflowClient(env["MLFLOW_TRACKING_URI"])
-    [run] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    client = mlflow.tracking.MlflowClient(run.tracking_uri)
+    [tracked] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    history = client.get_metric_history(tracked.info.run_id, "reward/mean")
     assert sorted(m.step for m in history) == [1, 2]
-    assert run.data.params["algorithm.adv_estimator"] == "grpo"
-    assert run.data.params["model.recompute"] == "full"
-
-
-def _smoke_run(tmp_path: Path, name: str, config: str, *overrides: str) -> dict[int, dict]:
-    """The flagship script at smoke size (MEGARL_SMOKE=1) on ``config``: its steps' records."""
-    out = tmp_path / name
-    env = dict(os.environ, MEGARL_SMOKE="1", OUTPUT_DIR=str(out), PYTHON=sys.executable)
-    env["CONFIG"] = str(ROOT / config)
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / (name + '.db')}"
-    for name_ in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GPUS_PER_NODE"):
-        env.pop(name_, None)
-    script = str(ROOT / "scripts" / "run_qwen7b_grpo.sh")
-    proc = subprocess.run(
-        ["bash", script, *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records if "actor/pg_loss" in r}
+    assert tracked.data.params["algorithm.adv_estimator"] == "grpo"
+    assert tracked.data.params["model.recompute"] == "full"
 
 
 def test_moe_recipe_smoke_with_routing_replay_trains_on_the_rollouts_experts(tmp_path):
@@ -131,13 +129,13 @@ def test_moe_recipe_smoke_with_routing_replay_trains_on_the_rollouts_experts(tmp
     0.0056 -> 0.0043 (the rest is bf16 rounding)."""
     config = "configs/grpo_qwen3_30b_a3b.yaml"
     runs = {
-        replay: _smoke_run(
+        replay: smoke_run(
             tmp_path,
             f"replay_{replay}",
-            config,
             f"actor.router_replay={replay}",
             "rollout.dtype=bfloat16",
-        )
+            config=config,
+        ).steps
         for replay in ("true", "false")
     }
     print(

@@ -1,5 +1,5 @@
 """Continuous vs lock-step rollout when tools are slow (issue 47): the same samples, the same
-tokens, rolled out both ways on the HF engine (CPU, a tiny model).
+tokens, rolled out three ways on the HF engine (CPU, a tiny model).
 
     .venv/bin/python -m bench.agent_latency              # 16 samples, 3 turns of 8 tokens, 2 repeats
     .venv/bin/python -m bench.agent_latency --smoke      # seconds: 4 samples, 1 repeat
@@ -14,14 +14,20 @@ driven), and ``speedup_vs_lockstep`` is the median of their speedups. Both sides
 from the same seeded stream (run seed, rollout, sample, turn) and render the same messages, so
 they sample the same tokens (``same_tokens`` says whether they did).
 
-- **lock-step**: the environments' turn loop (``rollout.env``, megarl.rollout.multi_turn)
-  with an environment whose ``step`` sleeps the call's delay: each turn of every sample is one
-  engine call, and the next turn waits for the slowest tool of the turn.
-- **continuous**: the same task as an agent (``rollout.agent``; the tool sleeps inside the agent,
-  written with the ``openai`` client) through the endpoint, whose generator batches the requests
-  that are ready into one engine call: a sample goes on as soon as its own tool answers.
+- **lock-step**: the environments' turn loop (``rollout.env``, ``rollout.turn_loop=lockstep``:
+  megarl.rollout.multi_turn) with an environment whose ``step`` sleeps the call's delay: each
+  turn of every sample is one engine call, and the next turn waits for the slowest tool of the
+  turn.
+- **continuous**: the same environment through the continuous turn loop (``rollout.turn_loop=
+  continuous``, the default: megarl.rollout.continuous): a sample goes on as soon as its own tool
+  answers, and each engine call takes the turns that are ready. ``speedup_vs_lockstep`` (the
+  interface) is this side's.
+- **endpoint**: the same task as an agent (``rollout.agent``; the tool sleeps inside the agent,
+  written with the ``openai`` client) through the OpenAI-compatible endpoint, whose generator
+  batches the requests that are ready the same way (``endpoint_speedup_vs_lockstep``): what the
+  HTTP endpoint and the agents' clients add to continuous batching.
 
-Also single-turn (one model turn, no tool): what the endpoint costs where there is nothing to
+Also single-turn (one model turn, no tool): what each way costs where there is nothing to
 overlap. Each side runs ``--repeats`` times, alternated (lock-step first), after one warm-up of
 each (first slow-tool case and single-turn); the figures
 are the medians, with each run's in ``runs``. Phases per side: wall seconds, the engine's busy
@@ -192,8 +198,9 @@ def main() -> None:
     from megarl.envs import ChatDeltas, ToolPool
     from megarl.envs.runner import EnvRunner
     from megarl.envs.trajectory import Trajectory
+    from megarl.rollout.env_source import TURN_LOOPS
     from megarl.rollout.hf_rollout import HFRollout
-    from megarl.rollout.multi_turn import TurnLimits, run_trajectories
+    from megarl.rollout.multi_turn import TurnLimits
     from megarl.rollout.rollout_split import SampleStart
     from megarl.tools.testing.assets import tiny_chat_llama_dir
 
@@ -225,18 +232,30 @@ def main() -> None:
     single = Case("single_turn", 1, [{"question": q, "delays": [], "turns": 1} for q in questions])
     cases = [*slow_cases, single]
 
-    def lock_step(case: Case) -> list[Trajectory]:
-        runner = EnvRunner(
-            SlowTool, {}, ChatDeltas(tokenizer), ToolPool(args.samples, 60), 0, [], context
-        )
-        starts = [SampleStart(s, row, []) for s, row in enumerate(case.rows)]
-        limits = TurnLimits(case.turns, context, args.turn_tokens)
-        try:
-            return run_trajectories(
-                engine, starts, runner, sampling, limits, rollout_index=SAMPLE_ROLLOUT, pad_id=0
+    def turn_loop(loop: str) -> Callable[[Case], list[Trajectory]]:
+        def roll(case: Case) -> list[Trajectory]:
+            runner = EnvRunner(
+                SlowTool, {}, ChatDeltas(tokenizer), ToolPool(args.samples, 60), 0, [], context
             )
-        finally:
-            runner.close()
+            starts = [SampleStart(s, row, []) for s, row in enumerate(case.rows)]
+            limits = TurnLimits(case.turns, context, args.turn_tokens)
+            try:
+                trajectories = TURN_LOOPS[loop](
+                    engine,
+                    starts,
+                    runner,
+                    sampling,
+                    limits,
+                    rollout_index=SAMPLE_ROLLOUT,
+                    pad_id=0,
+                    share=lambda value: value,
+                )
+            finally:
+                runner.close()
+            assert trajectories is not None
+            return trajectories
+
+        return roll
 
     agent = Agent(slow_tool_agent, "bench.agent_latency:slow_tool_agent", False)
     settings = TurnSettings(
@@ -247,7 +266,7 @@ def main() -> None:
         tool_parser=None,
     )
 
-    def continuous(case: Case) -> list[Trajectory]:
+    def through_endpoint(case: Case) -> list[Trajectory]:
         with AgentEndpoint(
             EngineGenerator(engine, sampling), tokenizer, settings, SAMPLE_ROLLOUT
         ) as endpoint:
@@ -263,8 +282,9 @@ def main() -> None:
         return [s.segments[-1] for s in batch.samples]
 
     sides: dict[str, Callable[[Case], list[Trajectory]]] = {
-        "lockstep": lock_step,
-        "continuous": continuous,
+        "lockstep": turn_loop("lockstep"),
+        "continuous": turn_loop("continuous"),
+        "endpoint": through_endpoint,
     }
     figures: dict[str, object] = {
         "model": "tiny-chat-llama (HF backend, fp32, CPU)",
@@ -282,7 +302,7 @@ def main() -> None:
         "threads": args.threads,
         "loadavg_start": list(os.getloadavg()),
     }
-    speedups: dict[str, float] = {}
+    speedups: dict[str, dict[str, float]] = {}
     for case in (slow_cases[0], single):  # warm-up
         for side in sides.values():
             side(case)
@@ -304,21 +324,30 @@ def main() -> None:
             name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
             for name, rs in runs.items()
         }
-        speedup = medians["lockstep"]["wall_s"] / medians["continuous"]["wall_s"]
-        same = tokens["lockstep"] == tokens["continuous"]
+        lock = medians["lockstep"]["wall_s"]
+        speedup = {name: lock / medians[name]["wall_s"] for name in ("continuous", "endpoint")}
+        same = {name: tokens[name] == tokens["lockstep"] for name in ("continuous", "endpoint")}
         speedups[case.name] = speedup
         figures[case.name] = {
-            "speedup_vs_lockstep": speedup,
-            "same_tokens": same,
+            "speedup_vs_lockstep": speedup["continuous"],
+            "endpoint_speedup_vs_lockstep": speedup["endpoint"],
+            "same_tokens": all(same.values()),
+            "same_tokens_by_side": same,
             **medians,
             "runs": runs,
         }
         for name, m in medians.items():
             log(f"{case.name} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
-        log(f"{case.name}: continuous is {speedup:.2f}x lock-step (same tokens: {same})")
+        log(
+            f"{case.name}: continuous {speedup['continuous']:.2f}x lock-step, endpoint "
+            f"{speedup['endpoint']:.2f}x (same tokens: {same})"
+        )
     # the interface: the median over the tools' placements
-    figures["speedup_vs_lockstep"] = statistics.median(speedups[c.name] for c in slow_cases)
-    figures["single_turn_speedup_vs_lockstep"] = speedups["single_turn"]
+    for way, key in (("continuous", ""), ("endpoint", "endpoint_")):
+        figures[f"{key}speedup_vs_lockstep"] = statistics.median(
+            speedups[c.name][way] for c in slow_cases
+        )
+        figures[f"{key}single_turn_speedup_vs_lockstep"] = speedups["single_turn"][way]
     figures["loadavg_end"] = list(os.getloadavg())
     write_results("agent_latency", figures, smoke=args.smoke, peak_size=256)
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl.agents.endpoint import AgentEndpoint
-from megarl.agents.generation import EngineGenerator, follow_requests
+from megarl.agents.generation import EngineGenerator
 from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentLimits, AgentSample, agent_metrics, run_agents
 from megarl.agents.turns import TurnSettings
 from megarl.envs.trajectory import Trajectory, trajectory_metrics
+from megarl.rollout.engine_calls import follow_requests
 from megarl.rollout.rollout_split import SampleStart
 from megarl.rollout.rollout_types import SamplingConfig
 from megarl.rollout.trajectory_source import (

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megarl.agents.generation import Generator, Sampled
+from megarl.agents.generation import Generator
 from megarl.agents.openai_format import (
     BadRequest,
     ChatRequest,
@@ -43,6 +43,7 @@ from megarl.envs.tool_parsers import (
     text_without_calls,
 )
 from megarl.envs.trajectory import Trajectory
+from megarl.rollout.engine_calls import Sampled
 from megarl.rollout.seeds import SEGMENT_BITS, sequence_seed
 
 if TYPE_CHECKING:

@@ -174,25 +174,32 @@ class EnvRunner:
         except Exception as e:
             return Stepped(None, error=_failure(where, e))
 
+    async def step(self, started: Started, ids: Sequence[int], open_next: bool) -> Stepped:
+        """Append the model's turn (its sampled ids) to ``started``'s conversation, step its
+        environment and append the environment's messages; ``open_next``: another model turn
+        may follow (else no delta is made). Never raises for the environment's faults."""
+        message, stop_text = self.model_message(ids)
+        started.messages.append(message)
+        result = await self._step_one(started, stop_text, open_next)
+        if result.step is not None:
+            started.messages += result.step.messages
+        return result
+
     def step_all(self, items: Sequence[tuple[Started, Sequence[int], bool]]) -> list[Stepped]:
-        """Append each model turn (its sampled ids) to its conversation and step its
-        environment; ``open_next``: another model turn may follow (else no delta is made)."""
-        jobs = []
-        for started, ids, open_next in items:
-            message, stop_text = self.model_message(ids)
-            started.messages.append(message)
-            jobs.append(self._step_one(started, stop_text, open_next))
+        """:meth:`step` for every ``(started, ids, open_next)``, all concurrently; the wall
+        seconds count in :meth:`take_seconds`."""
 
         async def gather():
-            return await asyncio.gather(*jobs)
+            return await asyncio.gather(*(self.step(*item) for item in items))
 
         t0 = time.perf_counter()
         out = list(self.loop.run_until_complete(gather()))
-        self.env_seconds += time.perf_counter() - t0
-        for (started, _, _), result in zip(items, out, strict=True):
-            if result.step is not None:
-                started.messages += result.step.messages
+        self.add_seconds(time.perf_counter() - t0)
         return out
+
+    def add_seconds(self, seconds: float) -> None:
+        """Count ``seconds`` of waiting on environments (read by :meth:`take_seconds`)."""
+        self.env_seconds += seconds
 
     def take_seconds(self) -> float:
         seconds, self.env_seconds = self.env_seconds, 0.0

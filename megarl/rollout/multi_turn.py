@@ -28,12 +28,12 @@ from typing import TypeVar, cast
 
 import torch
 
-from megarl.envs.runner import EnvRunner, Started
-from megarl.envs.trajectory import Trajectory, trajectory_metrics
+from megarl.envs.runner import EnvRunner, Started, Stepped
+from megarl.envs.trajectory import Trajectory
 from megarl.rollout.rollout_split import SampleStart, prompt_seed
 from megarl.rollout.rollout_types import Generates, SamplingConfig
 from megarl.rollout.seeds import sequence_seed
-from megarl.rollout.trajectory_source import EngineJob, EngineTrajectories, Share
+from megarl.rollout.trajectory_source import Share
 
 T = TypeVar("T")
 
@@ -43,6 +43,15 @@ class TurnLimits:
     max_turns: int  # model turns per trajectory
     max_response_tokens: int  # everything after the prompt: model turns and environment tokens
     max_turn_tokens: int  # new tokens of one model turn
+
+
+Turn = tuple[list[int], list[float], str, torch.Tensor | None]
+"""One model turn as the engine gave it: token ids, logprobs, finish reason, and the engine's
+routes of the context and the new ids (None: not recorded)."""
+
+Answer = tuple[list[int], float | None, bool, dict[str, float], str | None]
+"""An environment's answer to a model turn as every rank of the engine gets it: its tokens,
+reward, done, metrics and error (None: it answered)."""
 
 
 def turn_seed(sampling: SamplingConfig, rollout_index: int, sample: int, turn: int) -> int:
@@ -75,12 +84,10 @@ def _generate_turn(
     sampling: SamplingConfig,
     limits: TurnLimits,
     rollout_index: int,
-) -> list[tuple[list[int], list[float], str, torch.Tensor | None]]:
+) -> list[Turn]:
     """One turn of ``ts`` in one ``generate`` call: (token ids, logprobs, finish reason, the
     engine's routes of the context and the new ids or None) each."""
-    budgets = [
-        min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response_ids)) for t in ts
-    ]
+    budgets = [turn_budget(t, limits) for t in ts]
     n = max(1, sampling.n)
     groups = _first_turn_groups(ts, n)
     if groups is not None:
@@ -119,6 +126,90 @@ def _identity(value: T | None, /) -> T:
     return cast(T, value)  # one rank: it is the executing one
 
 
+def answer_of(stepped: Stepped) -> Answer:
+    if stepped.step is None:
+        return [], None, True, {}, stepped.error
+    step = stepped.step
+    return list(stepped.env_ids), step.reward, step.done, step.metrics, None
+
+
+def open_next(t: Trajectory, limits: TurnLimits) -> bool:
+    """Whether another model turn may follow the one ``t`` just took (the environment is told
+    when this one is its last)."""
+    return t.turns < limits.max_turns and limits.max_response_tokens - len(t.response_ids) > 1
+
+
+def turn_budget(t: Trajectory, limits: TurnLimits) -> int:
+    """The new tokens ``t``'s next model turn may take."""
+    return min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response_ids))
+
+
+def take_answer(t: Trajectory, finish: str, answer: Answer, limits: TurnLimits) -> None:
+    """``t`` after its environment answered its last model turn (which ended with ``finish``):
+    ended (done, failed, out of turns or room) or holding the environment's tokens."""
+    env_ids, reward, done, metrics, error = answer
+    t.turn_rewards.append(reward)
+    t.add_metrics(metrics)
+    # no room for another turn (the environment was told this one is the last)
+    out_of_room = limits.max_response_tokens - len(t.response_ids) <= 1
+    if error is not None:
+        t.end("error", error)
+    elif done:  # a last turn cut at its token budget leaves the trajectory truncated
+        t.end("length" if finish == "length" else "stop")
+        t.budget_cut = out_of_room and t.turns < limits.max_turns
+    elif t.turns >= limits.max_turns:
+        t.end("turns")
+    elif len(t.response_ids) + len(env_ids) >= limits.max_response_tokens:
+        t.end("length")  # the environment's message does not fit
+        t.budget_cut = True
+    else:
+        t.add_env_tokens(list(env_ids))
+
+
+def start_trajectories(
+    starts: Sequence[SampleStart],
+    runner: EnvRunner | None,
+    rollout_index: int,
+    pad_id: int,
+    share: Share,
+) -> tuple[list[Started], list[Trajectory]]:
+    """The environments reset on the executing rank (``runner``; its ``Started`` per start, an
+    empty list elsewhere) and one trajectory per start on every rank; a sample whose reset
+    failed is ended with one masked token that trains nothing."""
+    started: list[Started] = []
+    if runner is not None:
+        started = runner.reset_all([(s.sample, s.row) for s in starts], rollout_index)
+    heads = share([(st.prompt_ids, st.error) for st in started] if runner is not None else None)
+    trajectories = []
+    for k, (start, (prompt, error)) in enumerate(zip(starts, heads, strict=True)):
+        t = Trajectory(sample=start.sample, prompt_ids=list(prompt or start.fallback_prompt))
+        if runner is not None:
+            t.messages = started[k].messages
+        if error is not None:
+            t.add_env_tokens([pad_id])
+            t.end("error", error)
+        trajectories.append(t)
+    return started, trajectories
+
+
+def model_turn(
+    engine: Generates,
+    ts: Sequence[Trajectory],
+    sampling: SamplingConfig,
+    limits: TurnLimits,
+    rollout_index: int,
+    share: Share,
+    executing: bool,
+) -> list[Turn]:
+    """One model turn of ``ts`` in one engine call on every rank of the engine, appended to each
+    trajectory; the executing rank's tokens are the trajectory's on every rank."""
+    turn = _generate_turn(engine, ts, sampling, limits, rollout_index)
+    model = share(turn if executing else None)
+    for t, (ids, logprobs, _, routes) in zip(ts, model, strict=True):
+        t.add_model_turn(list(ids), list(logprobs), routes)
+    return model
+
+
 def run_trajectories(
     engine: Generates,
     starts: Sequence[SampleStart],
@@ -130,94 +221,23 @@ def run_trajectories(
     pad_id: int,
     share: Share = _identity,
 ) -> list[Trajectory]:
-    """The trajectories of ``starts`` (one environment instance each). ``runner`` is the
-    executing rank's (None elsewhere); ``rollout_index`` (the run's rollout count) and each
-    sample's index in the step seed every turn (:func:`turn_seed`)."""
-    started: list[Started] = []
-    if runner is not None:
-        started = runner.reset_all([(s.sample, s.row) for s in starts], rollout_index)
-    heads = share([(st.prompt_ids, st.error) for st in started] if runner is not None else None)
-    trajectories = []
-    for k, (start, (prompt, error)) in enumerate(zip(starts, heads, strict=True)):
-        t = Trajectory(sample=start.sample, prompt_ids=list(prompt or start.fallback_prompt))
-        if runner is not None:
-            t.messages = started[k].messages
-        if error is not None:
-            t.add_env_tokens([pad_id])  # one masked token: the sample trains nothing
-            t.end("error", error)
-        trajectories.append(t)
+    """The trajectories of ``starts`` (one environment instance each), lock-step: every turn of
+    every active trajectory is one engine call, the next after the turn's slowest environment.
+    ``runner`` is the executing rank's (None elsewhere); ``rollout_index`` (the run's rollout
+    count) and each sample's index in the step seed every turn (:func:`turn_seed`)."""
+    started, trajectories = start_trajectories(starts, runner, rollout_index, pad_id, share)
     while active := [k for k, t in enumerate(trajectories) if not t.done]:
         ts = [trajectories[k] for k in active]
-        # every rank of the engine takes part in the call; the executing rank's tokens are the
-        # trajectory's on every rank
-        turn = _generate_turn(engine, ts, sampling, limits, rollout_index)
-        model = share(turn if runner is not None else None)
-        for t, (ids, logprobs, _, routes) in zip(ts, model, strict=True):
-            t.add_model_turn(list(ids), list(logprobs), routes)
+        # every rank of the engine takes part in the call
+        model = model_turn(engine, ts, sampling, limits, rollout_index, share, runner is not None)
         answers = None
         if runner is not None:
-            items = []
-            for k, t, (ids, *_) in zip(active, ts, model, strict=True):
-                room = limits.max_response_tokens - len(t.response_ids)
-                items.append((started[k], ids, t.turns < limits.max_turns and room > 1))
-            answers = [
-                (a.env_ids, a.step.reward, a.step.done, a.step.metrics, None)
-                if a.step is not None
-                else ([], None, True, {}, a.error)
-                for a in runner.step_all(items)
+            items = [
+                (started[k], ids, open_next(t, limits))
+                for k, t, (ids, *_) in zip(active, ts, model, strict=True)
             ]
+            answers = [answer_of(a) for a in runner.step_all(items)]
         shared = share(answers)
-        for t, (_, _, finish, _), (env_ids, reward, done, metrics, error) in zip(
-            ts, model, shared, strict=True
-        ):
-            t.turn_rewards.append(reward)
-            t.add_metrics(metrics)
-            # no room for another turn (the environment was told this one is the last)
-            out_of_room = limits.max_response_tokens - len(t.response_ids) <= 1
-            if error is not None:
-                t.end("error", error)
-            elif done:  # a last turn cut at its token budget leaves the trajectory truncated
-                t.end("length" if finish == "length" else "stop")
-                t.budget_cut = out_of_room and t.turns < limits.max_turns
-            elif t.turns >= limits.max_turns:
-                t.end("turns")
-            elif len(t.response_ids) + len(env_ids) >= limits.max_response_tokens:
-                t.end("length")  # the environment's message does not fit
-                t.budget_cut = True
-            else:
-                t.add_env_tokens(list(env_ids))
+        for t, (_, _, finish, _), answer in zip(ts, model, shared, strict=True):
+            take_answer(t, finish, answer, limits)
     return trajectories
-
-
-@dataclass(frozen=True)
-class EnvSource:
-    """``rollout.env``'s trajectories for the hybrid engine
-    (:class:`~megarl.rollout.trajectory_source.TrajectorySource`): :func:`run_trajectories`
-    on every rank of an engine, the environments on its first rank (``runner`` is that rank's;
-    None elsewhere)."""
-
-    runner: EnvRunner | None
-    sampling: SamplingConfig
-    limits: TurnLimits
-    pad_id: int
-
-    def run(self, job: EngineJob) -> EngineTrajectories | None:
-        runner = self.runner if job.leader else None
-        trajectories = run_trajectories(
-            job.engine,
-            job.starts,
-            runner,
-            self.sampling,
-            self.limits,
-            rollout_index=job.rollout_index,
-            pad_id=self.pad_id,
-            share=job.share,
-        )
-        if not job.leader:
-            return None
-        seconds = runner.take_seconds() if runner is not None else 0.0
-        return EngineTrajectories(trajectories, seconds)
-
-    def step_metrics(self, parts: Sequence[EngineTrajectories]) -> dict[str, float]:
-        step = [t for part in parts for t in part.trajectories]
-        return trajectory_metrics(step, max((p.seconds for p in parts), default=0.0))

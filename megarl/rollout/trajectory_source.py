@@ -1,5 +1,5 @@
 """Where a colocated rollout's trajectories come from, behind one seam: today's environments
-(:class:`~megarl.rollout.multi_turn.EnvSource`, ``rollout.env``) or an agent behind the
+(:class:`~megarl.rollout.env_source.EnvSource`, ``rollout.env``) or an agent behind the
 OpenAI-compatible endpoint (:class:`~megarl.agents.trajectories.AgentSource`, ``rollout.agent``).
 
 Both placements drive it the same way: the colocated hybrid engine and the asynchronous rollout

@@ -194,7 +194,7 @@ def multi_turn_maker(
             if runs_environments
             else None
         )
-        return EnvironmentTurns(turn_limits(r), runner, pad_id, r.max_env_failures)
+        return EnvironmentTurns(turn_limits(r), runner, pad_id, r.max_env_failures, r.turn_loop)
     return None
 
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 from megarl.data import PromptItem
 from megarl.envs.runner import EnvRunner
 from megarl.rollout.engine import HybridEngine, RolloutBatch
-from megarl.rollout.multi_turn import EnvSource, TurnLimits
+from megarl.rollout.env_source import EnvSource
+from megarl.rollout.multi_turn import TurnLimits
 from megarl.rollout.rollout_types import SamplingConfig
 from megarl.rollout.trajectory_source import TrajectorySource
 
@@ -91,9 +92,10 @@ class EnvironmentTurns:
     runner: EnvRunner | None
     pad_id: int
     max_failed_share: float
+    turn_loop: str = "continuous"  # rollout.turn_loop
 
     def source(self, sampling: SamplingConfig) -> TrajectorySource:
-        return EnvSource(self.runner, sampling, self.limits, self.pad_id)
+        return EnvSource(self.runner, sampling, self.limits, self.pad_id, self.turn_loop)
 
     def make(
         self, engine: HybridEngine, items: list[PromptItem], sampling: SamplingConfig

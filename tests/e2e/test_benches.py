@@ -68,15 +68,14 @@ def test_bench_smoke_runs_and_stores_results(bench, tmp_path):
         runs = record["figures"]["runs"]
         assert [r["side"] for r in runs] == ["vllm", "hf", "vllm", "hf"], runs
         assert all(r["tokens"] > 0 and r["load_1min"] >= 0 for r in runs), runs
-    if bench == "agent_latency":  # the interface, and both sides sampled the same tokens
+    if bench == "agent_latency":  # the interface, and every side sampled the same tokens
         figures = record["figures"]
         assert figures["speedup_vs_lockstep"] > 0 and figures["loadavg_start"], figures
+        assert figures["endpoint_speedup_vs_lockstep"] > 0, figures
         for case in figures["cases"]:
-            assert figures[case]["same_tokens"] is True, figures[case]
-            assert [len(figures[case]["runs"][side]) for side in ("lockstep", "continuous")] == [
-                figures["repeats"],
-                figures["repeats"],
-            ]
+            assert figures[case]["same_tokens_by_side"] == {"continuous": True, "endpoint": True}
+            sides = ("lockstep", "continuous", "endpoint")
+            assert [len(figures[case]["runs"][side]) for side in sides] == [figures["repeats"]] * 3
     if bench == "train_step":  # every side's matmuls, timed by shape
         census = record["figures"]["matmul_census"]
         assert len(census) == 3, census.keys()

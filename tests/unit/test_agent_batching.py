@@ -15,10 +15,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from megarl.agents.endpoint import AgentEndpoint
-from megarl.agents.generation import EngineCall, EngineFailed, EngineGenerator, Sampled
+from megarl.agents.generation import EngineGenerator
 from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentLimits, run_agents
 from megarl.agents.turns import TurnSettings
+from megarl.rollout.engine_calls import EngineCall, EngineFailed, Sampled
 from megarl.rollout.hf_rollout import HFRollout
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from tests.assets import tiny_char_llama_dir

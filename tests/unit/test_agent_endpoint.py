@@ -23,7 +23,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from megarl.agents.endpoint import AgentEndpoint
-from megarl.agents.generation import EngineGenerator, Sampled
+from megarl.agents.generation import EngineGenerator
 from megarl.agents.loading import Agent, load_agent
 from megarl.agents.runner import AgentBatch, AgentLimits, run_agents
 from megarl.agents.turns import TurnSettings
@@ -33,6 +33,7 @@ from megarl.envs.base import EnvError
 from megarl.envs.chat_deltas import ChatDeltas
 from megarl.errors import ConfigError
 from megarl.parallel import ParallelLayout
+from megarl.rollout.engine_calls import Sampled
 from megarl.rollout.hf_rollout import HFRollout
 from megarl.rollout.rollout_types import SamplingConfig
 from megarl.rollout.seeds import sequence_seed

@@ -8,7 +8,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from megarl.agents.generation import EngineCall, EngineGenerator, Request, follow_requests
+from megarl.agents.generation import EngineGenerator
 from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentBatch, AgentLimits, AgentSample, agent_metrics
 from megarl.agents.trajectories import (
@@ -19,6 +19,7 @@ from megarl.agents.trajectories import (
 )
 from megarl.agents.turns import TurnSettings
 from megarl.envs.trajectory import Trajectory
+from megarl.rollout.engine_calls import EngineCall, Request, follow_requests
 from megarl.rollout.rollout_split import SampleStart
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.rollout.seeds import sequence_seed

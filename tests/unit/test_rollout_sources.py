@@ -10,7 +10,8 @@ import pytest
 
 from megarl.data import PromptItem
 from megarl.rollout.engine import RolloutBatch
-from megarl.rollout.multi_turn import EnvSource, TurnLimits
+from megarl.rollout.env_source import EnvSource
+from megarl.rollout.multi_turn import TurnLimits
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.colocated_source import ColocatedSource, PolicyData

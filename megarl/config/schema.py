@@ -23,8 +23,8 @@ from megarl.config.literals import (
     SleepLevel,
     TrainerKind,
     TransformerImpl,
-    TurnLoop,
     Truncation,
+    TurnLoop,
     WandbMode,
 )
 

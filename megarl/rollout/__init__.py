@@ -4,6 +4,7 @@ The seam the trainer uses is :mod:`megarl.rollout.engine`: ``HybridEngine`` (``t
 ``generate``, ``to_train``) over a ``RolloutEngine``, the protocol every rollout backend implements
 (``ROLLOUT_BACKENDS``: vLLM in ``vllm_rollout``, transformers' generate in ``hf_rollout``), built
 by ``make_rollout``. How a rollout is split over the engines and put back (``rollout_split``),
-seeded (``seeds``), run turn by turn (``multi_turn``) or by an agent (``trajectory_source``) lives
-here; the weights' plans and their execution (reshard, broadcast) are :mod:`megarl.weights`.
+seeded (``seeds``), run turn by turn for an environment (``env_source``, with the ``continuous``
+and the lock-step ``multi_turn`` loops over the engine calls of ``engine_calls``) or by an agent
+(``trajectory_source``) lives here; the weights' plans and their execution (reshard, broadcast) are :mod:`megarl.weights`.
 """

@@ -60,8 +60,6 @@ class CallQueue:
     sampling: SamplingConfig
     share: Share
     window_s: float = DEFAULT_WINDOW_S
-    calls: int = 0
-    requests: int = 0
     busy_s: float = 0.0  # wall seconds inside engine calls
     _queue: list[tuple[Request, asyncio.Future[Sampled]]] = field(default_factory=list)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -105,16 +103,13 @@ class CallQueue:
                 try:
                     results = await loop.run_in_executor(self._thread, self._make, call)
                 except Exception as e:
-                    failed = EngineFailed(
-                        f"the rollout engine failed: {type(e).__name__}: {e}"
-                    ).with_traceback(e.__traceback__)
+                    failed = EngineFailed(f"the rollout engine failed: {type(e).__name__}: {e}")
+                    failed.__cause__ = e
                     for _, future in batch:
                         future.set_exception(failed)
                     continue
                 finally:
                     self.busy_s += time.perf_counter() - t0
-                self.calls += 1
-                self.requests += len(batch)
                 for (_, future), result in zip(batch, results, strict=True):
                     future.set_result(result)
         finally:

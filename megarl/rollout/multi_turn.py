@@ -1,7 +1,11 @@
-"""The multi-turn rollout: trajectories generated turn by turn over the rollout engine seam.
+"""The multi-turn rollout's pieces, and its lock-step loop (``rollout.turn_loop=lockstep``,
+:func:`run_trajectories`): trajectories generated turn by turn over the rollout engine seam. The
+continuous loop (:mod:`megarl.rollout.continuous`) uses the same pieces (the start, the first
+turn, the budgets and seeds, what an environment's answer does to a trajectory) and differs only
+in when each trajectory's next turn is sent.
 
-Every turn, all active trajectories of an engine go to the engine in one ``generate`` call
-(turn-level batching), each with its own seed (run seed, rollout index, sample, turn: the same
+In the lock-step loop, every turn, all active trajectories of an engine go to the engine in one
+``generate`` call (turn-level batching), each with its own seed (run seed, rollout index, sample, turn: the same
 tokens whatever the layout) and its own token budget (``min(per-turn limit, what the trajectory
 has left)``). The environments then answer the turn, concurrently; their messages come back as
 token deltas of the chat template, appended to the trajectories for the next turn.

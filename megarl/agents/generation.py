@@ -7,8 +7,10 @@ run's :class:`~megarl.rollout.rollout_types.SamplingConfig`, and batches: the re
 the endpoint's threads send while the engine is busy (or within ``window_s`` of the call
 starting) go to the engine together, in one ``generate`` call, each with its own seed and token
 limit. So a trajectory whose tool answered goes on at the engine's next call, whatever the other
-trajectories are waiting for (continuous rollout at the level of engine calls; vLLM's own step
-loop still sees each call as one batch). ``max_batch=1`` is one request per call (a lock).
+trajectories are waiting for (continuous rollout at the level of engine calls).
+``max_batch=1`` is one request per call (a lock). An engine with a step loop of its own (vLLM's)
+is driven step by step instead (:class:`StepGenerator`): a request joins the running batch at
+the engine's next step. :func:`open_generator` picks the one the engine allows.
 
 A request's result does not depend on what shares its call on the HF engine (each request is
 generated on its own, unpadded, from its own seeded generator); on vLLM, as in every batched vLLM
@@ -26,16 +28,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from types import TracebackType
 from typing import Protocol
 
 from megarl.rollout.engine_calls import (
     DEFAULT_WINDOW_S,
     EngineCall,
     EngineFailed,
+    EngineMessage,
     Request,
     Sampled,
+    Steps,
 )
 from megarl.rollout.rollout_types import Generates, SamplingConfig
+from megarl.rollout.step_loop import StepLoop
 
 
 class Generator(Protocol):
@@ -43,6 +49,19 @@ class Generator(Protocol):
         """One model turn after ``prompt_ids``: at most ``max_new_tokens`` new tokens drawn from
         the stream ``seed`` names."""
         ...
+
+
+class OpenGenerator(Generator, Protocol):
+    """A :class:`Generator` that drives its engine while its ``with`` block is open."""
+
+    def __enter__(self) -> OpenGenerator: ...
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None: ...
 
 
 class _Waiting:
@@ -139,5 +158,52 @@ class EngineGenerator:
         for waiting, result in zip(batch, results, strict=True):
             waiting.result = result
 
+    def __enter__(self) -> EngineGenerator:
+        return self  # the callers drive the engine: nothing to start
 
-__all__ = ["EngineGenerator", "Generator"]
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class StepGenerator:
+    """:class:`Generator` over an engine with a step loop of its own
+    (:class:`~megarl.rollout.engine_calls.Steps`): each request joins the running batch at the
+    engine's next step (:class:`~megarl.rollout.step_loop.StepLoop`, run by a thread of its own
+    while the ``with`` block is open). ``announce`` hands each step to the engine's other ranks
+    first."""
+
+    def __init__(
+        self,
+        engine: Steps,
+        sampling: SamplingConfig,
+        announce: Callable[[EngineMessage], object] | None = None,
+        *,
+        window_s: float = DEFAULT_WINDOW_S,
+    ) -> None:
+        self.loop = StepLoop(engine, sampling, announce, window_s=window_s)
+        self._thread = threading.Thread(target=self.loop.run, name="megarl-engine", daemon=True)
+
+    def sample(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Sampled:
+        return self.loop.submit(Request(list(prompt_ids), max_new_tokens, seed)).result()
+
+    def __enter__(self) -> StepGenerator:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.close()
+        self._thread.join()
+
+
+def open_generator(
+    engine: Generates,
+    sampling: SamplingConfig,
+    announce: Callable[[EngineMessage], object] | None = None,
+) -> OpenGenerator:
+    """Step by step where the engine has a step loop (vLLM), else call by call."""
+    if isinstance(engine, Steps):
+        return StepGenerator(engine, sampling, announce)
+    return EngineGenerator(engine, sampling, announce)
+
+
+__all__ = ["EngineGenerator", "Generator", "OpenGenerator", "StepGenerator", "open_generator"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl.agents.endpoint import AgentEndpoint
-from megarl.agents.generation import EngineGenerator
+from megarl.agents.generation import open_generator
 from megarl.agents.loading import Agent
 from megarl.agents.runner import AgentLimits, AgentSample, agent_metrics, run_agents
 from megarl.agents.turns import TurnSettings
@@ -77,12 +77,14 @@ class AgentSource:
         if not job.leader:  # the engine's other ranks make the first rank's requests too
             follow_requests(job.engine, self.sampling, lambda: job.share(None))
             return None
-        generator = EngineGenerator(job.engine, self.sampling, announce=job.share)
         rows = [(s.sample, s.row) for s in job.starts]
         try:
-            with AgentEndpoint(
-                generator, self.tokenizer, self.settings, job.rollout_index
-            ) as endpoint:
+            with (
+                open_generator(job.engine, self.sampling, job.share) as generator,
+                AgentEndpoint(
+                    generator, self.tokenizer, self.settings, job.rollout_index
+                ) as endpoint,
+            ):
                 batch = run_agents(self.agent, endpoint, rows, self.limits)
         finally:
             job.share(None)  # the end: every session is closed, no request comes any more

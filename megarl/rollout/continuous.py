@@ -4,10 +4,14 @@ its own environment answers, instead of waiting for the slowest environment of t
 The first model turn is the lock-step loop's (:func:`~megarl.rollout.multi_turn.model_turn`: every
 sample starts together, so one call, the single-turn request where the prompts allow). From then
 on, on the executing rank, every trajectory is a coroutine on the environments' event loop: its
-environment steps (in the tool pool), and its next turn's request joins the queue of a
-:class:`CallQueue`, which sends the engine whatever is queued each time the engine is free, in one
-call (continuous at the level of engine calls; vLLM's own step loop sees each call as one batch).
-The engine's other ranks make the same calls (:func:`~megarl.rollout.engine_calls.follow_requests`).
+environment steps (in the tool pool), and its next turn's request joins a :class:`TurnQueue`:
+- on an engine with a step loop of its own (vLLM's, :class:`~megarl.rollout.engine_calls.Steps`),
+  :class:`StepQueue`: the request joins the running batch at the engine's next step
+  (:class:`~megarl.rollout.step_loop.StepLoop`);
+- on any other engine (the HF engine), :class:`CallQueue`: the engine is sent whatever is queued
+  each time it is free, in one ``generate`` call.
+The engine's other ranks make the same calls or steps
+(:func:`~megarl.rollout.engine_calls.follow_requests`).
 
 Each request keeps its lock-step seed and token budget (:func:`~megarl.rollout.multi_turn.turn_seed`,
 :func:`~megarl.rollout.multi_turn.turn_budget`), so on an engine that generates each request on
@@ -23,6 +27,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from megarl.envs.runner import EnvRunner, Started
 from megarl.envs.trajectory import Trajectory
@@ -32,6 +37,7 @@ from megarl.rollout.engine_calls import (
     EngineFailed,
     Request,
     Sampled,
+    Steps,
     follow_requests,
 )
 from megarl.rollout.multi_turn import (
@@ -46,7 +52,27 @@ from megarl.rollout.multi_turn import (
 )
 from megarl.rollout.rollout_split import SampleStart
 from megarl.rollout.rollout_types import Generates, SamplingConfig
+from megarl.rollout.step_loop import StepLoop
 from megarl.rollout.trajectory_source import Share
+
+
+class TurnQueue(Protocol):
+    """Where the trajectories' turns wait for the engine, on one event loop."""
+
+    @property
+    def busy_s(self) -> float:
+        """Wall seconds the engine was working on the queue's requests."""
+        ...
+
+    async def sample(self, request: Request) -> Sampled:
+        """``request``'s turn, once the engine has made it."""
+        ...
+
+    async def serve(self) -> None:
+        """Drive the engine until :meth:`close` and every request answered."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -116,13 +142,46 @@ class CallQueue:
             self._thread.shutdown(wait=False)
 
 
+class StepQueue:
+    """A :class:`~megarl.rollout.step_loop.StepLoop` seen from the event loop: requests join the
+    engine's running batch at its next step; the loop runs in a thread of its own."""
+
+    def __init__(self, engine: Steps, sampling: SamplingConfig, share: Share) -> None:
+        self.steps = StepLoop(engine, sampling, share)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-engine")
+
+    @property
+    def busy_s(self) -> float:
+        return self.steps.busy_s
+
+    async def sample(self, request: Request) -> Sampled:
+        return await asyncio.wrap_future(self.steps.submit(request))
+
+    async def serve(self) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self.steps.run)
+        finally:
+            self._thread.shutdown(wait=False)
+
+    def close(self) -> None:
+        self.steps.close()
+
+
+def turn_queue(engine: Generates, sampling: SamplingConfig, share: Share) -> TurnQueue:
+    """Step by step where the engine has a step loop, else call by call."""
+    if isinstance(engine, Steps):
+        return StepQueue(engine, sampling, share)
+    return CallQueue(engine, sampling, share)
+
+
 async def _advance(
     t: Trajectory,
     started: Started,
     ids: list[int],
     finish: str,
     runner: EnvRunner,
-    queue: CallQueue,
+    queue: TurnQueue,
+    sampling: SamplingConfig,
     limits: TurnLimits,
     rollout_index: int,
 ) -> None:
@@ -136,7 +195,7 @@ async def _advance(
         request = Request(
             t.prompt_ids + t.response_ids,
             turn_budget(t, limits),
-            turn_seed(queue.sampling, rollout_index, t.sample, t.turns),
+            turn_seed(sampling, rollout_index, t.sample, t.turns),
         )
         turn = await queue.sample(request)
         ids, finish = list(turn.ids), turn.finish
@@ -149,7 +208,8 @@ Pending = tuple[Trajectory, Started, list[int], str]  # after its first turn: id
 async def _run_all(
     pending: Sequence[Pending],
     runner: EnvRunner,
-    queue: CallQueue,
+    queue: TurnQueue,
+    sampling: SamplingConfig,
     limits: TurnLimits,
     rollout_index: int,
 ) -> None:
@@ -157,7 +217,8 @@ async def _run_all(
     failure (an engine call's) cancels the others and is raised."""
     server = asyncio.ensure_future(queue.serve())
     tasks = [
-        asyncio.ensure_future(_advance(*p, runner, queue, limits, rollout_index)) for p in pending
+        asyncio.ensure_future(_advance(*p, runner, queue, sampling, limits, rollout_index))
+        for p in pending
     ]
     try:
         await asyncio.gather(*tasks)
@@ -199,14 +260,16 @@ def run_continuous(
         (trajectories[k], started[k], list(ids), finish)
         for k, (ids, _, finish, _) in zip(active, model, strict=True)
     ]
-    queue = CallQueue(engine, sampling, share)
+    queue = turn_queue(engine, sampling, share)
     t0 = time.perf_counter()
     try:
-        runner.loop.run_until_complete(_run_all(pending, runner, queue, limits, rollout_index))
+        runner.loop.run_until_complete(
+            _run_all(pending, runner, queue, sampling, limits, rollout_index)
+        )
     finally:
         share(None)  # the end: the other ranks stop following
     runner.add_seconds(time.perf_counter() - t0 - queue.busy_s)
     return trajectories
 
 
-__all__ = ["CallQueue", "run_continuous"]
+__all__ = ["CallQueue", "StepQueue", "TurnQueue", "run_continuous", "turn_queue"]

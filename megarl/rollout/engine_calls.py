@@ -1,6 +1,9 @@
 """One ``generate`` call of a rollout engine as the drivers that batch requests see it: its
 requests (prompt ids, token limit, seed each), its results (:class:`Sampled`), and the other ranks
-of an engine repeating the calls its first rank makes (:func:`follow_requests`).
+of an engine repeating the calls its first rank makes (:func:`follow_requests`). An engine with a
+step loop of its own (:class:`Steps`: vLLM's) is driven one step at a time instead
+(:class:`EngineStep`, :mod:`megarl.rollout.step_loop`), so a request joins the running batch at
+the engine's next step rather than waiting for a whole call to end.
 
 Both continuous drivers build on it: the agents' endpoint (:mod:`megarl.agents.generation`) and the
 environments' continuous turn loop (:mod:`megarl.rollout.continuous`). An engine spread over
@@ -11,8 +14,9 @@ the engine's ranks), which make the same call until the first rank announces the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -68,19 +72,66 @@ class EngineCall:
             )
         ]
 
+    def apply(self, engine: Generates, sampling: SamplingConfig) -> None:
+        """On an engine's other ranks: the same call."""
+        self.make(engine, sampling)
+
+
+@runtime_checkable
+class Steps(Protocol):
+    """An engine that takes new requests between the steps of its own loop (vLLM's engine: one
+    step schedules and runs one forward of every running request)."""
+
+    def add_requests(
+        self, requests: Sequence[tuple[str, Request]], sampling: SamplingConfig
+    ) -> None:
+        """Queue each ``(id, request)`` (one response each) for the next step."""
+        ...
+
+    def step(self) -> list[tuple[str, Sampled]]:
+        """One step of the engine; the requests it finished, by id."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """One step of a :class:`Steps` engine and the requests added just before it (what the other
+    ranks of an engine repeat, so every rank's scheduler sees the same requests at the same
+    step)."""
+
+    added: tuple[tuple[str, Request], ...]
+
+    def make(self, engine: Steps, sampling: SamplingConfig) -> list[tuple[str, Sampled]]:
+        if self.added:
+            engine.add_requests(self.added, sampling)
+        return engine.step()
+
+    def apply(self, engine: Generates, sampling: SamplingConfig) -> None:
+        """On an engine's other ranks: the same additions and step."""
+        if not isinstance(engine, Steps):
+            raise TypeError(
+                f"the engine's first rank drives it step by step, but this rank's "
+                f"{type(engine).__name__} has no step loop (every rank of an engine must run "
+                f"the same backend)"
+            )
+        self.make(engine, sampling)
+
+
+EngineMessage = EngineCall | EngineStep  # what an engine's first rank announces to the others
+
 
 class EngineFailed(RuntimeError):
     """The engine call (or its announcement to the other ranks) that held a request failed."""
 
 
 def follow_requests(
-    engine: Generates, sampling: SamplingConfig, receive: Callable[[], EngineCall | None]
+    engine: Generates, sampling: SamplingConfig, receive: Callable[[], EngineMessage | None]
 ) -> int:
-    """On an engine's other ranks: make each call the first rank announces (``receive``) until
-    it announces the end (None); how many were made."""
+    """On an engine's other ranks: make each call or step the first rank announces
+    (``receive``) until it announces the end (None); how many were made."""
     sampling = replace(sampling, n=1)
     made = 0
-    while (call := receive()) is not None:
-        call.make(engine, sampling)
+    while (message := receive()) is not None:
+        message.apply(engine, sampling)
         made += 1
     return made

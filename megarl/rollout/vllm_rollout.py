@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
 from megarl.lean_imports import VLLM_OPTIONAL, packages_hidden
+from megarl.rollout.engine_calls import Request, Sampled
 from megarl.rollout.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
 from megarl.rollout.rollout_types import (
     EngineConfig,
@@ -221,15 +223,9 @@ class VLLMRollout:
         (its sample j with ``seeds[i] + j``), else as :func:`request_seed` says, and gets
         ``max_new_tokens[i]`` new tokens at most when given (one call for a turn of many
         trajectories, each with its own budget)."""
-        if self.asleep:
-            raise RuntimeError("the rollout engine is asleep; call wake_up() first")
-        if not self.weights_loaded:
-            raise RuntimeError(
-                "the rollout engine still holds its start-up dummy weights: load the actor's "
-                "(the hybrid engine's to_rollout) before generating"
-            )
+        self._check_ready()
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        seeded = sampling.temperature != 0 and sampling.per_request_seeds
+        seeded = _seeded(sampling)
         params = [
             self.sampling_params(
                 sampling,
@@ -242,15 +238,57 @@ class VLLMRollout:
         out = RolloutOutput()
         for i, res in enumerate(results):
             for completion in res.outputs:
-                ids = list(completion.token_ids)
-                lps = [
-                    float(step[tok].logprob)
-                    for tok, step in zip(ids, completion.logprobs or [], strict=False)
-                ]
+                ids, lps = _ids_and_logprobs(completion)
                 out.prompt_index.append(i)
                 out.token_ids.append(ids)
                 out.logprobs.append(lps)
                 out.finish_reasons.append(str(completion.finish_reason))
+        return out
+
+    def _check_ready(self) -> None:
+        if self.asleep:
+            raise RuntimeError("the rollout engine is asleep; call wake_up() first")
+        if not self.weights_loaded:
+            raise RuntimeError(
+                "the rollout engine still holds its start-up dummy weights: load the actor's "
+                "(the hybrid engine's to_rollout) before generating"
+            )
+
+    # -- step by step (megarl.rollout.step_loop) --------------------------------------------
+    def add_requests(
+        self, requests: Sequence[tuple[str, Request]], sampling: SamplingConfig
+    ) -> None:
+        """Queue each ``(id, request)`` for the engine's next :meth:`step`: one response each,
+        seeded and limited as :meth:`generate` seeds and limits a request."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_ready()
+        seeded = _seeded(sampling)
+        prompts = self.llm.renderer.render_cmpl(
+            [
+                parse_model_prompt(
+                    self.llm.model_config, {"prompt_token_ids": list(map(int, r.prompt_ids))}
+                )
+                for _, r in requests
+            ]
+        )
+        for (key, request), prompt in zip(requests, prompts, strict=True):
+            params = self.sampling_params(
+                replace(sampling, n=1), request.seed if seeded else None, request.max_new_tokens
+            )
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # no partial outputs to process
+            self.llm.llm_engine.add_request(key, prompt, params)
+
+    def step(self) -> list[tuple[str, Sampled]]:
+        """One step of vLLM's engine (one forward of every running request); the requests it
+        finished, by the ids they were added with."""
+        out = []
+        for result in self.llm.llm_engine.step():
+            if result.finished:
+                completion = result.outputs[0]
+                ids, lps = _ids_and_logprobs(completion)
+                out.append((result.request_id, Sampled(ids, lps, str(completion.finish_reason))))
         return out
 
     # -- memory --------------------------------------------------------------------------------
@@ -268,6 +306,20 @@ class VLLMRollout:
             self.llm.wake_up(tags=list(tags) if tags else None)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
+
+
+def _seeded(sampling: SamplingConfig) -> bool:
+    """Each request gets its own seed (greedy decoding needs none)."""
+    return sampling.temperature != 0 and sampling.per_request_seeds
+
+
+def _ids_and_logprobs(completion) -> tuple[list[int], list[float]]:
+    """A vLLM completion's sampled ids and the logprob of each."""
+    ids = list(completion.token_ids)
+    lps = [
+        float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [], strict=False)
+    ]
+    return ids, lps
 
 
 def _load_presharded(worker, weights: list[tuple[str, torch.Tensor]]) -> None:

@@ -6,6 +6,11 @@ weights (version 1). Printed as JSON: per sample the tokens, the engine's logpro
 token's recorded version, the same batch generated at version 0 only, and the teacher-forced
 logprobs of every token under each version's weights by transformers (the reference the test
 checks the engine against).
+
+Then, in the same engine (version 1), the step loop (``megarl.rollout.step_loop``): a long
+request runs, two shorter ones join it while it runs; printed: each request's tokens, logprobs,
+the step it joined and the step it finished, the same requests in one ``generate`` call, and
+transformers' teacher-forced logprobs.
 """
 
 from __future__ import annotations
@@ -78,7 +83,64 @@ def main(model_dir: str) -> None:
                 "ref_v1": teacher_forced(v1, prompt, tokens),
             }
         )
-    print("RESULT=" + json.dumps({"samples": samples, "rounds": partial.rounds, "calls": rounds}))
+    steps = step_loop_run(engine, sampling, lambda p, r: teacher_forced(v1, p, r))
+    print(
+        "RESULT="
+        + json.dumps(
+            {"samples": samples, "rounds": partial.rounds, "calls": rounds, "step_loop": steps}
+        )
+    )
+
+
+def step_loop_run(engine, sampling, reference) -> list[dict]:
+    """Requests of 30, 4 and 10 tokens; the last two are submitted as the first's third step
+    starts, so they join at its fourth."""
+    import threading
+    from dataclasses import replace
+
+    from megarl.rollout.engine_calls import EngineCall, Request
+    from megarl.rollout.step_loop import StepLoop
+
+    requests = [
+        Request([5, 40, 41, 42, 7], 30, 11),
+        Request([5, 60, 61, 7], 4, 12),
+        Request([5, 70, 71, 72, 73, 7], 10, 13),
+    ]
+    sampling = replace(sampling, n=1)
+    in_one_call = EngineCall(tuple(requests)).make(engine, sampling)
+    added: list[list[str]] = []  # the keys added before each step
+    futures = []
+
+    def announce(step) -> None:  # runs in the loop's thread before each step
+        added.append([key for key, _ in step.added])
+        if len(added) == 3:
+            futures.extend(loop.submit(r) for r in requests[1:])
+
+    loop = StepLoop(engine, sampling, announce, window_s=0)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    futures.insert(0, loop.submit(requests[0]))
+    while len(futures) < 3:
+        threading.Event().wait(0.001)
+    finished: dict[int, int] = {}
+    for k, future in enumerate(futures):
+        future.add_done_callback(lambda _, k=k: finished.setdefault(k, loop.steps))
+    results = [f.result(timeout=300) for f in futures]
+    loop.close()
+    thread.join()
+    joined = [n for n, keys in enumerate(added) for _ in keys]  # in the order submitted
+    return [
+        {
+            "tokens": r.ids,
+            "logprobs": r.logprobs,
+            "finish": r.finish,
+            "joined_at_step": joined[k],  # 0-based: the step it was added before
+            "finished_after_steps": finished[k],
+            "one_call_tokens": c.ids,
+            "ref": reference(q.prompt_ids, r.ids),
+        }
+        for k, (q, r, c) in enumerate(zip(requests, results, in_one_call, strict=True))
+    ]
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ token for token, in every case the lock-step loop's tests cover (turns, budgets,
 resets and steps, shared first turns); a trajectory whose environment is slow does not hold the
 others (they end while it waits, which deadlocks the lock-step loop until its wait times out);
 an engine spread over two ranks makes every call on both; a failed engine call ends the rollout
-with the engine's error."""
+with the engine's error. The equality and two-rank cases run on an engine with a step loop too
+(:class:`ScriptedSteps`: the loop drives it step by step, megarl.rollout.step_loop)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import ClassVar
 
 import pytest
@@ -19,7 +20,7 @@ from transformers import AutoTokenizer
 from megarl.envs import ChatDeltas, Environment, Step, ToolPool
 from megarl.envs.runner import EnvRunner
 from megarl.rollout.continuous import run_continuous
-from megarl.rollout.engine_calls import EngineFailed
+from megarl.rollout.engine_calls import EngineFailed, Sampled
 from megarl.rollout.env_source import TURN_LOOPS
 from megarl.rollout.multi_turn import TurnLimits
 from megarl.rollout.rollout_split import SampleStart
@@ -39,8 +40,42 @@ def _identity(value, /):
     return value
 
 
-def _rollout(tok, loop, env, samples, sampling, limits, words=3, rows=None, **env_kwargs):
-    engine = ScriptedEngine(tok, words=words)
+class ScriptedSteps(ScriptedEngine):
+    """The scripted engine with a step loop (megarl.rollout.engine_calls.Steps): a request's
+    answer, what ``generate`` gives it alone, comes out after as many steps as it has tokens."""
+
+    def __init__(self, tokenizer, words: int = 3):
+        super().__init__(tokenizer, words)
+        self.running: dict[str, list] = {}
+
+    def add_requests(self, requests, sampling):
+        for key, r in requests:
+            out = self.generate(
+                [r.prompt_ids],
+                replace(sampling, n=1),
+                seeds=[r.seed],
+                max_new_tokens=[r.max_new_tokens],
+            )
+            answer = Sampled(out.token_ids[0], out.logprobs[0], out.finish_reasons[0])
+            self.running[key] = [len(answer.ids), answer]
+
+    def step(self):
+        done = []
+        for key, entry in list(self.running.items()):
+            entry[0] -= 1
+            if entry[0] <= 0:
+                done.append((key, entry[1]))
+                del self.running[key]
+        return done
+
+
+ENGINES = {"calls": ScriptedEngine, "steps": ScriptedSteps}
+
+
+def _rollout(
+    tok, loop, env, samples, sampling, limits, words=3, rows=None, engine="calls", **env_kwargs
+):
+    engine = ENGINES[engine](tok, words=words)
     runner = EnvRunner(
         env, env_kwargs, ChatDeltas(tok), ToolPool(4, 5.0), 7, [tok.eos_token_id], 200
     )
@@ -82,12 +117,15 @@ CASES = {  # name: (environment, samples, sampling, limits, words, env kwargs)
 }
 
 
+@pytest.mark.parametrize("engine", sorted(ENGINES))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_continuous_trajectories_equal_the_lockstep_ones(tok, case):
+def test_continuous_trajectories_equal_the_lockstep_ones(tok, case, engine):
     env, samples, n, limits, words, kwargs = CASES[case]
     sampling = SamplingConfig(temperature=1.0, n=n, seed=11, max_new_tokens=6)
     lock, lock_engine = _rollout(tok, "lockstep", env, samples, sampling, limits, words, **kwargs)
-    cont, cont_engine = _rollout(tok, "continuous", env, samples, sampling, limits, words, **kwargs)
+    cont, cont_engine = _rollout(
+        tok, "continuous", env, samples, sampling, limits, words, engine=engine, **kwargs
+    )
     assert [_fields(t) for t in cont] == [_fields(t) for t in lock]
     assert all(t.done for t in cont)
     # the same requests reached the engine (seeds and budgets), whatever shared their calls
@@ -169,13 +207,14 @@ class ThreadShare:
         return self.sent.get(timeout=30)
 
 
-def test_the_engines_other_rank_makes_every_call(tok):
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_the_engines_other_rank_makes_every_call(tok, engine):
     sampling = SamplingConfig(temperature=1.0, n=2, seed=5, max_new_tokens=6)
     limits = TurnLimits(3, 200, 6)
     rows = [{"id": s // 2, "prompt": f"question {s // 2}"} for s in range(6)]
     starts = [SampleStart(s, row, tok("q")["input_ids"]) for s, row in enumerate(rows)]
     share = ThreadShare()
-    engines = [ScriptedEngine(tok, words=1), ScriptedEngine(tok, words=1)]
+    engines = [ENGINES[engine](tok, words=1), ENGINES[engine](tok, words=1)]
     runner = EnvRunner(
         Quiz, {"rounds": 3}, ChatDeltas(tok), ToolPool(4, 5.0), 7, [tok.eos_token_id], 200
     )

@@ -1,18 +1,31 @@
 """Continuous vs lock-step rollout when tools are slow (issue 47): the same samples, the same
-tokens, rolled out three ways on the HF engine (CPU, a tiny model).
+tokens, rolled out three ways on the HF engine or on vLLM (CPU, a tiny model).
 
     .venv/bin/python -m bench.agent_latency              # 16 samples, 3 turns of 8 tokens, 2 repeats
+    .venv/bin/python -m bench.agent_latency --backend vllm   # bench/results/agent_latency_vllm.json
     .venv/bin/python -m bench.agent_latency --smoke      # seconds: 4 samples, 1 repeat
 
-Every sample has three model turns of exactly ``--turn-tokens`` tokens (no stop token: the
-engine samples each turn's full budget) and, after each of its first two, a tool call that
+Every sample has ``--turns`` (3) model turns of exactly ``--turn-tokens`` tokens (no stop token:
+the engine samples each turn's full budget) and, after each but the last, a tool call that
 answers after a delay: ``--fast-s`` (0.05 s) for most calls, ``--slow-s`` (2 s) for one call in
 ten (``--slow-share``: in each tool round that share of the samples, chosen at random with a
 seed; the same calls on both sides). The slow-tool case runs once per ``--tool-seeds`` seed
 (1,2,3: three placements of the slow calls; a sample slow twice waits 4 s however the engine is
-driven), and ``speedup_vs_lockstep`` is the median of their speedups. Both sides draw every turn
+driven), and ``speedup_vs_lockstep`` is the median of their speedups. What the tools alone allow
+is stored per seed: lock-step waits for the slowest call of every tool round
+(``lockstep_tool_s``), continuous at least for the sample whose calls take longest
+(``slowest_sample_tool_s``); their ratio (``tool_bound_speedup``) is the speedup of an engine
+that took no time. At 3 turns with two slow calls a round on different samples it is
+4.0 / 2.05 = 1.95x: the engine's time decides whether continuous passes it (the HF engine
+generates each request on its own, so its busy time shrinks the ratio's denominator less than
+the numerator; vLLM batches, so it stays under the bound). Both sides draw every turn
 from the same seeded stream (run seed, rollout, sample, turn) and render the same messages, so
 they sample the same tokens (``same_tokens`` says whether they did).
+
+On vLLM (``--backend vllm``) the continuous side and the endpoint drive the engine step by step
+(megarl.rollout.step_loop: a turn joins the running batch at the next step), and every side
+samples per request as vLLM does, so what shares a batch may move the floats (``same_tokens``
+may be false).
 
 - **lock-step**: the environments' turn loop (``rollout.env``, ``rollout.turn_loop=lockstep``:
   megarl.rollout.multi_turn) with an environment whose ``step`` sleeps the call's delay: each
@@ -50,9 +63,9 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from megarl.envs import Environment, Step
+from megarl.rollout.engine_calls import Request, Sampled
 from megarl.rollout.rollout_types import Generates, RolloutOutput, SamplingConfig
 
-TURNS = 3  # model turns per sample; a tool call after each but the last
 SAMPLE_ROLLOUT = 0  # the rollout index both sides seed with
 
 
@@ -84,12 +97,12 @@ class SlowTool(Environment):
     answer that takes the row's delay for that call."""
 
     def reset(self, row):
-        self.delays, self.turn = list(row["delays"]), 0
+        self.delays, self.turn, self.turns = list(row["delays"]), 0, row["turns"]
         return [{"role": "user", "content": row["question"]}]
 
     def step(self, messages):
         self.turn += 1
-        if self.turn >= TURNS:
+        if self.turn >= self.turns:
             return Step(reward=0.0, done=True)
         time.sleep(self.delays[self.turn - 1])
         return Step(messages=[{"role": "user", "content": tool_answer(self.turn)}], reward=0.0)
@@ -112,12 +125,15 @@ def slow_tool_agent(row: dict, base_url: str, model: str) -> float:
     return 0.0
 
 
+Timed = tuple[str, float, float, int]  # "call" | "step", wall and thread CPU seconds, requests
+
+
 @dataclass
 class TimedEngine:
     """The engine, with each ``generate`` call's seconds and request count recorded."""
 
     engine: Generates
-    calls: list[tuple[float, float, int]] = field(default_factory=list)
+    calls: list[Timed] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def generate(
@@ -127,16 +143,36 @@ class TimedEngine:
         out = self.engine.generate(
             prompt_token_ids, sampling, seed_offset, seeds=seeds, max_new_tokens=max_new_tokens
         )
-        with self._lock:
-            self.calls.append(
-                (time.perf_counter() - t0, time.thread_time() - c0, len(prompt_token_ids))
-            )
+        self._record("call", t0, c0, len(prompt_token_ids))
         return out
 
-    def take(self) -> list[tuple[float, float, int]]:
+    def _record(self, kind: str, t0: float, c0: float, requests: int) -> None:
+        with self._lock:
+            self.calls.append((kind, time.perf_counter() - t0, time.thread_time() - c0, requests))
+
+    def take(self) -> list[Timed]:
         with self._lock:
             calls, self.calls = self.calls, []
         return calls
+
+
+@dataclass
+class TimedStepsEngine(TimedEngine):
+    """An engine with a step loop (vLLM), each step's seconds and added requests recorded too
+    (the continuous side and the endpoint drive it step by step)."""
+
+    _added: int = 0
+
+    def add_requests(self, requests: Sequence[tuple[str, Request]], sampling) -> None:
+        self.engine.add_requests(requests, sampling)  # type: ignore[attr-defined]
+        self._added += len(requests)
+
+    def step(self) -> list[tuple[str, Sampled]]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = self.engine.step()  # type: ignore[attr-defined]
+        self._record("step", t0, c0, self._added)
+        self._added = 0
+        return out
 
 
 @dataclass(frozen=True)
@@ -146,19 +182,20 @@ class Case:
     rows: list[dict]
 
 
-def phases(
-    wall: float, cpu: float, calls: Sequence[tuple[float, float, int]], model_tokens: int
-) -> dict:
-    busy = sum(s for s, _, _ in calls)
-    requests = sum(n for _, _, n in calls)
+def phases(wall: float, cpu: float, timed: Sequence[Timed], model_tokens: int) -> dict:
+    busy = sum(s for _, s, _, _ in timed)
+    calls = [n for kind, _, _, n in timed if kind == "call"]
+    steps = [n for kind, _, _, n in timed if kind == "step"]
     return {
         "wall_s": wall,
         "engine_busy_s": busy,
-        "engine_cpu_s": sum(c for _, c, _ in calls),
+        "engine_cpu_s": sum(c for _, _, c, _ in timed),
         "process_cpu_s": cpu,
         "engine_idle_s": wall - busy,
         "engine_calls": len(calls),
-        "requests_per_call": requests / max(len(calls), 1),
+        "requests_per_call": sum(calls) / max(len(calls), 1),
+        "engine_steps": len(steps),  # vLLM's continuous sides: one step at a time
+        "requests_added_by_steps": sum(steps),
         "model_tokens": model_tokens,
         "model_tokens_per_s": model_tokens / wall,
     }
@@ -166,7 +203,9 @@ def phases(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=3, help="model turns per sample")
     ap.add_argument("--turn-tokens", type=int, default=8)
     ap.add_argument("--fast-s", type=float, default=0.05)
     ap.add_argument("--slow-s", type=float, default=2.0)
@@ -191,7 +230,7 @@ def main() -> None:
 
     from bench.results_io import write_results
     from megarl.agents.endpoint import AgentEndpoint
-    from megarl.agents.generation import EngineGenerator
+    from megarl.agents.generation import open_generator
     from megarl.agents.loading import Agent
     from megarl.agents.runner import AgentLimits, run_agents
     from megarl.agents.turns import TurnSettings
@@ -199,7 +238,6 @@ def main() -> None:
     from megarl.envs.runner import EnvRunner
     from megarl.envs.trajectory import Trajectory
     from megarl.rollout.env_source import TURN_LOOPS
-    from megarl.rollout.hf_rollout import HFRollout
     from megarl.rollout.multi_turn import TurnLimits
     from megarl.rollout.rollout_split import SampleStart
     from megarl.tools.testing.assets import tiny_chat_llama_dir
@@ -207,23 +245,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = tiny_chat_llama_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = TimedEngine(HFRollout(model_dir))
+    context = 4096 if args.backend == "hf" else 1024
+    engine = timed_engine(args.backend, model_dir, context, args.samples)
     # no stop token: every turn is exactly turn_tokens tokens on both sides
     sampling = SamplingConfig(
         temperature=1.0, max_new_tokens=args.turn_tokens, seed=args.seed, stop_token_ids=()
     )
-    context = 4096
+    turns = args.turns
     questions = [f"Question {s}: what is {s} times {s + 3}?" for s in range(args.samples)]
     delays = {
-        seed: tool_delays(args.samples, TURNS - 1, args.slow_share, args.fast_s, args.slow_s, seed)
+        seed: tool_delays(args.samples, turns - 1, args.slow_share, args.fast_s, args.slow_s, seed)
         for seed in args.tool_seeds
     }
     slow_cases = [
         Case(
-            f"{TURNS}_turns_slow_tool_seed{seed}",
-            TURNS,
+            f"{turns}_turns_slow_tool_seed{seed}",
+            turns,
             [
-                {"question": q, "delays": d, "turns": TURNS}
+                {"question": q, "delays": d, "turns": turns}
                 for q, d in zip(questions, delays[seed], strict=True)
             ],
         )
@@ -267,9 +306,10 @@ def main() -> None:
     )
 
     def through_endpoint(case: Case) -> list[Trajectory]:
-        with AgentEndpoint(
-            EngineGenerator(engine, sampling), tokenizer, settings, SAMPLE_ROLLOUT
-        ) as endpoint:
+        with (
+            open_generator(engine, sampling) as generator,
+            AgentEndpoint(generator, tokenizer, settings, SAMPLE_ROLLOUT) as endpoint,
+        ):
             batch = run_agents(
                 agent,
                 endpoint,
@@ -286,17 +326,25 @@ def main() -> None:
         "continuous": turn_loop("continuous"),
         "endpoint": through_endpoint,
     }
+    backend = {"hf": "HF backend", "vllm": "vLLM backend, step by step"}[args.backend]
     figures: dict[str, object] = {
-        "model": "tiny-chat-llama (HF backend, fp32, CPU)",
+        "model": f"tiny-chat-llama ({backend}, fp32, CPU)",
+        "backend": args.backend,
         "samples": args.samples,
+        "turns": turns,
         "turn_tokens": args.turn_tokens,
-        "tool_calls_per_sample": TURNS - 1,
+        "tool_calls_per_sample": turns - 1,
         "fast_tool_s": args.fast_s,
         "slow_tool_s": args.slow_s,
         "slow_share": args.slow_share,
         "tool_seeds": args.tool_seeds,
         # per tool seed: the most tool seconds one sample waits (a floor of the continuous side)
         "slowest_sample_tool_s": {seed: max(sum(d) for d in ds) for seed, ds in delays.items()},
+        # per tool seed: the tool seconds lock-step waits (the slowest call of each round)
+        "lockstep_tool_s": {seed: lockstep_tool_s(ds) for seed, ds in delays.items()},
+        "tool_bound_speedup": {
+            seed: lockstep_tool_s(ds) / max(sum(d) for d in ds) for seed, ds in delays.items()
+        },
         "cases": [case.name for case in cases],
         "repeats": args.repeats,
         "threads": args.threads,
@@ -349,7 +397,26 @@ def main() -> None:
         )
         figures[f"{key}single_turn_speedup_vs_lockstep"] = speedups["single_turn"][way]
     figures["loadavg_end"] = list(os.getloadavg())
-    write_results("agent_latency", figures, smoke=args.smoke, peak_size=256)
+    name = "agent_latency" if args.backend == "hf" else "agent_latency_vllm"
+    write_results(name, figures, smoke=args.smoke, peak_size=256)
+
+
+def lockstep_tool_s(delays: Sequence[Sequence[float]]) -> float:
+    """The seconds lock-step waits for tools: the slowest call of each round."""
+    return sum(max(round_) for round_ in zip(*delays, strict=True))
+
+
+def timed_engine(backend: str, model_dir, context: int, samples: int) -> TimedEngine:
+    """The HF engine, or vLLM's (one process, room for every sample's context)."""
+    if backend == "hf":
+        from megarl.rollout.hf_rollout import HFRollout
+
+        return TimedEngine(HFRollout(model_dir))
+    from megarl.rollout.rollout_types import EngineConfig
+    from megarl.rollout.vllm_rollout import VLLMRollout
+
+    config = EngineConfig(max_model_len=context, kv_cache_bytes=256 << 20, max_num_seqs=samples)
+    return TimedStepsEngine(VLLMRollout(model_dir, 1, config))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from megarl.rollout.engine_calls import (
     Request,
     Sampled,
     Steps,
+    engine_thread_setup,
 )
 from megarl.rollout.rollout_types import Generates, SamplingConfig
 from megarl.rollout.step_loop import StepLoop
@@ -106,6 +107,7 @@ class EngineGenerator:
         self.calls = 0  # engine calls made
         self.requests = 0  # requests answered (calls / requests: how well they batched)
         self._queue: list[_Waiting] = []
+        self._thread_setup = engine_thread_setup()  # callers' threads make calls: the rank's count
         self._busy = False
         self._changed = threading.Condition()
 
@@ -145,6 +147,7 @@ class EngineGenerator:
             cut = len(self._queue) if self.max_batch is None else self.max_batch
             batch, self._queue = self._queue[:cut], self._queue[cut:]
         call = EngineCall(tuple(w.request for w in batch))
+        self._thread_setup()
         try:
             if self.announce is not None:
                 self.announce(call)

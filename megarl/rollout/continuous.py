@@ -38,6 +38,7 @@ from megarl.rollout.engine_calls import (
     Request,
     Sampled,
     Steps,
+    engine_thread_setup,
     follow_requests,
 )
 from megarl.rollout.multi_turn import (
@@ -91,7 +92,9 @@ class CallQueue:
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _closed: bool = False
     _thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="megarl-engine")
+        default_factory=lambda: ThreadPoolExecutor(
+            1, thread_name_prefix="megarl-engine", initializer=engine_thread_setup()
+        )
     )
 
     async def sample(self, request: Request) -> Sampled:

@@ -120,6 +120,20 @@ class EngineStep:
 EngineMessage = EngineCall | EngineStep  # what an engine's first rank announces to the others
 
 
+def engine_thread_setup() -> Callable[[], None]:
+    """What a thread that drives the engine runs first: the OpenMP thread count of the thread
+    calling this (the rank's). A new thread starts at OpenMP's default (the cores) until torch
+    first asks, and vLLM's CPU attention refuses a step planned with one count and run with
+    another ("Check failed: input->metadata->thread_num == thread_num"). vLLM replaces
+    ``torch.set_num_threads`` with a no-op once started, hence torch's own setter."""
+    threads = torch.get_num_threads()
+
+    def setup() -> None:
+        torch._C.set_num_threads(threads)
+
+    return setup
+
+
 class EngineFailed(RuntimeError):
     """The engine call (or its announcement to the other ranks) that held a request failed."""
 

@@ -29,6 +29,7 @@ from megarl.rollout.engine_calls import (
     Request,
     Sampled,
     Steps,
+    engine_thread_setup,
 )
 from megarl.rollout.rollout_types import SamplingConfig
 
@@ -58,6 +59,7 @@ class StepLoop:
         self._closed = False
         self._failure: EngineFailed | None = None
         self._next_id = 0
+        self._thread_setup = engine_thread_setup()  # the creating thread's count, in run's
 
     def submit(self, request: Request) -> Future[Sampled]:
         """``request``'s turn, once a step has finished it (or the engine's failure)."""
@@ -80,35 +82,41 @@ class StepLoop:
             self._changed.notify_all()
 
     def run(self) -> None:
-        """Step the engine until :meth:`close` and every request answered; a failed step fails
-        every request waiting or running (and any submitted later)."""
-        while True:
-            with self._changed:
-                while not (self._arrived or self._running or self._closed):
-                    self._changed.wait()
-                if not (self._arrived or self._running):
-                    return
-                idle = not self._running
-            if idle and self.window_s > 0:  # let the requests arriving together join
-                time.sleep(self.window_s)
-            with self._changed:
-                arrived, self._arrived = self._arrived, []
-            step = EngineStep(tuple((key, request) for key, request, _ in arrived))
-            self._running.update((key, future) for key, _, future in arrived)
-            t0 = time.perf_counter()
-            try:
-                if self.share is not None:
-                    self.share(step)
-                finished = step.make(self.engine, self.sampling)
-            except Exception as e:
-                self._fail(e)
-                return
-            finally:
-                self.busy_s += time.perf_counter() - t0
-            self.steps += 1
-            for key, sampled in finished:
-                self._running.pop(key).set_result(sampled)
-                self.requests += 1
+        """Step the engine until :meth:`close` and every request answered; a failure (a step's)
+        fails every request waiting or running, and any submitted later."""
+        try:
+            self._thread_setup()
+            while self._step():
+                pass
+        except Exception as e:
+            self._fail(e)
+
+    def _step(self) -> bool:
+        """One step with whatever arrived; False once closed with nothing left."""
+        with self._changed:
+            while not (self._arrived or self._running or self._closed):
+                self._changed.wait()
+            if not (self._arrived or self._running):
+                return False
+            idle = not self._running
+        if idle and self.window_s > 0:  # let the requests arriving together join
+            time.sleep(self.window_s)
+        with self._changed:
+            arrived, self._arrived = self._arrived, []
+        step = EngineStep(tuple((key, request) for key, request, _ in arrived))
+        self._running.update((key, future) for key, _, future in arrived)
+        t0 = time.perf_counter()
+        try:
+            if self.share is not None:
+                self.share(step)
+            finished = step.make(self.engine, self.sampling)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        self.steps += 1
+        for key, sampled in finished:
+            self._running.pop(key).set_result(sampled)
+            self.requests += 1
+        return True
 
     def _fail(self, error: Exception) -> None:
         failure = EngineFailed(f"the rollout engine failed: {type(error).__name__}: {error}")

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +228,40 @@ def test_the_endpoint_drives_an_engine_step_by_step_where_it_can():
             t.join(JOIN_S)
     assert answers == {k: _answer(Request([k], 1 + k, 7 * k)) for k in range(5)}
     assert not generator._thread.is_alive()  # the with block's end stopped the engine's loop
+
+
+def _openmp_threads() -> int:
+    """This thread's OpenMP count, from torch's OpenMP library (other packages load their own)."""
+    import ctypes
+
+    import torch
+
+    library = next(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    return ctypes.CDLL(str(library)).omp_get_max_threads()
+
+
+def test_a_thread_that_drives_the_engine_gets_the_ranks_thread_count():
+    """vLLM's CPU attention refuses a step planned with another OpenMP thread count than it runs
+    with, and a new thread starts at OpenMP's default."""
+    import torch
+
+    from megarl.rollout.engine_calls import engine_thread_setup
+
+    # torch's own setter: a vLLM engine started in this process replaced torch.set_num_threads
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(3)  # neither OpenMP's default here (the cores, OMP_NUM_THREADS) nor 1
+    try:
+        setup = engine_thread_setup()
+        counts: list[int] = []
+
+        def in_a_new_thread() -> None:
+            counts.append(_openmp_threads())
+            setup()
+            counts.append(_openmp_threads())
+
+        thread = threading.Thread(target=in_a_new_thread)
+        thread.start()
+        thread.join(JOIN_S)
+    finally:
+        torch._C.set_num_threads(before)
+    assert counts[0] != 3 and counts[1] == 3

@@ -3,6 +3,7 @@ tokens, rolled out three ways on the HF engine or on vLLM (CPU, a tiny model).
 
     .venv/bin/python -m bench.agent_latency              # 16 samples, 3 turns of 8 tokens, 2 repeats
     .venv/bin/python -m bench.agent_latency --backend vllm   # bench/results/agent_latency_vllm.json
+    .venv/bin/python -m bench.agent_latency --turns 6        # agent_latency_6_turns.json
     .venv/bin/python -m bench.agent_latency --smoke      # seconds: 4 samples, 1 repeat
 
 Every sample has ``--turns`` (3) model turns of exactly ``--turn-tokens`` tokens (no stop token:
@@ -397,7 +398,8 @@ def main() -> None:
         )
         figures[f"{key}single_turn_speedup_vs_lockstep"] = speedups["single_turn"][way]
     figures["loadavg_end"] = list(os.getloadavg())
-    name = "agent_latency" if args.backend == "hf" else "agent_latency_vllm"
+    name = "agent_latency" + ("_vllm" if args.backend == "vllm" else "")
+    name += f"_{turns}_turns" if turns != 3 else ""
     write_results(name, figures, smoke=args.smoke, peak_size=256)
 
 

@@ -129,9 +129,10 @@ class RolloutConfig:
     env: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4  # model turns per trajectory
-    # continuous: each trajectory goes on as soon as its own environment answers (the engine
-    # takes whatever turns are ready in each call); lockstep: every turn of every trajectory in
-    # one call, the next after the turn's slowest environment (repeatable bit for bit on vLLM)
+    # continuous: each trajectory goes on as soon as its own environment answers (on vLLM its
+    # next turn joins the running batch at the engine's next step; on hf the engine's next
+    # call); lockstep: every turn of every trajectory in one call, the next after the turn's
+    # slowest environment (repeatable bit for bit on vLLM)
     turn_loop: TurnLoop = "continuous"
     # New tokens of one model turn; None: max_response_length. A trajectory's budget is its
     # prompt + max_response_length tokens (all model turns and environment tokens together).

@@ -27,6 +27,7 @@ from megarl.rollout.rollout_split import SampleStart
 from megarl.rollout.rollout_types import SamplingConfig
 from tests.assets import qwen25_tokenizer_dir
 from tests.unit.test_envs_turn_loop import Echo, Quiz, ScriptedEngine
+from tests.unit.test_step_loop import one_token_each
 
 pytestmark = pytest.mark.unit
 
@@ -60,13 +61,7 @@ class ScriptedSteps(ScriptedEngine):
             self.running[key] = [len(answer.ids), answer]
 
     def step(self):
-        done = []
-        for key, entry in list(self.running.items()):
-            entry[0] -= 1
-            if entry[0] <= 0:
-                done.append((key, entry[1]))
-                del self.running[key]
-        return done
+        return one_token_each(self.running)
 
 
 ENGINES = {"calls": ScriptedEngine, "steps": ScriptedSteps}

@@ -40,6 +40,18 @@ def _answer(request: Request) -> Sampled:
     return Sampled(ids, [-0.5] * len(ids), "length")
 
 
+def one_token_each(running: dict[str, list]) -> list[tuple[str, Sampled]]:
+    """One step of a scripted engine: every running request (``key: [tokens left, answer]``)
+    takes a token; those with none left finish (and leave ``running``)."""
+    done = []
+    for key, entry in list(running.items()):
+        entry[0] -= 1
+        if entry[0] <= 0:
+            done.append((key, entry[1]))
+            del running[key]
+    return done
+
+
 @dataclass
 class Stepping:
     """A :class:`Steps` engine: a request is one token a step and ends at its token limit.
@@ -64,12 +76,7 @@ class Stepping:
         if self.fail_at is not None and len(self.steps) == self.fail_at:
             raise ValueError("out of KV cache")
         time.sleep(self.step_s)
-        done = []
-        for key, entry in list(self.running.items()):
-            entry[0] -= 1
-            if entry[0] <= 0:
-                done.append((key, entry[1]))
-                del self.running[key]
+        done = one_token_each(self.running)
         self.steps.append((self._added, [key for key, _ in done]))
         self._added = []
         self.stepped.set()

@@ -57,3 +57,18 @@ def import_megatron_lean() -> None:
     """Import megatron-core without the packages of :data:`MEGATRON_OPTIONAL`."""
     with packages_hidden(MEGATRON_OPTIONAL):
         import megatron.core  # noqa: F401
+
+
+def import_vllm_lean() -> None:
+    """Import vLLM's engine (``vllm.LLM``) without the packages of :data:`VLLM_OPTIONAL`.
+
+    vLLM's configuration imports transformers' generation utilities, which import scikit-learn
+    (and with it SciPy) when transformers has found it installed: with SciPy hidden that import
+    fails ("'scipy' is not a package"). So transformers settles first (:func:`import_transformers_lean`,
+    a no-op where it has decided already) and its generation utilities are imported outside the
+    hidden block, as transformers decided (with scikit-learn only where it had found it)."""
+    import_transformers_lean()
+    from transformers.generation import GenerationMixin  # noqa: F401
+
+    with packages_hidden(VLLM_OPTIONAL):
+        from vllm import LLM  # noqa: F401

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_assets import has_tokenizer
 from megarl.console import is_verbose
-from megarl.lean_imports import VLLM_OPTIONAL, packages_hidden
+from megarl.lean_imports import import_vllm_lean
 from megarl.rollout.engine_calls import Request, Sampled
 from megarl.rollout.engine_folder import check_weight_update, checkpoint_shapes, eos_token_ids
 from megarl.rollout.rollout_types import (
@@ -129,7 +129,8 @@ class VLLMRollout:
             # The engine's imports (megarl.lean_imports) and start without automatic garbage
             # collection (megarl.startup_heap); vLLM's modules are frozen once imported, which
             # leaves them out of the engine's own collections (two, before it freezes the heap).
-            with packages_hidden(VLLM_OPTIONAL), CollectionPaused():
+            with CollectionPaused():
+                import_vllm_lean()
                 from vllm import LLM
 
                 freeze_startup_heap()

@@ -54,3 +54,38 @@ def test_tokenizers_megatron_and_vllm_import_without_the_packages_they_do_not_ne
     assert "vLLM sees OpenTelemetry: False" in out
     assert "importable afterwards: sklearn wandb scipy ray cv2 opentelemetry" in out
     assert "imported stays: True" in out
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_vllm_imports_lean_first_in_a_process_however_transformers_decided():
+    """As a script that builds the engine directly (no megarl entry point before it) imports
+    it: first in the process, and after transformers found scikit-learn (its generation
+    utilities then import it, which a hidden SciPy broke: "'scipy' is not a package")."""
+    first = _fresh(
+        """
+        from megarl.lean_imports import import_vllm_lean
+        import_vllm_lean()
+        import sys
+        print("hidden:", "ray" in sys.modules, "cv2" in sys.modules)
+        """
+    )
+    assert first.returncode == 0 and "hidden: False False" in first.stdout, first.stderr[-3000:]
+    decided = _fresh(
+        """
+        from transformers.utils import import_utils
+        assert import_utils.is_sklearn_available()  # transformers decided before megarl did
+        from megarl.lean_imports import import_vllm_lean
+        import_vllm_lean()
+        print("imported")
+        """
+    )
+    assert decided.returncode == 0 and "imported" in decided.stdout, decided.stderr[-3000:]

@@ -132,8 +132,7 @@ class CallQueue:
                 try:
                     results = await loop.run_in_executor(self._thread, self._make, call)
                 except Exception as e:
-                    failed = EngineFailed(f"the rollout engine failed: {type(e).__name__}: {e}")
-                    failed.__cause__ = e
+                    failed = EngineFailed.of(e)
                     for _, future in batch:
                         future.set_exception(failed)
                     continue

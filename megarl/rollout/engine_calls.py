@@ -137,6 +137,13 @@ def engine_thread_setup() -> Callable[[], None]:
 class EngineFailed(RuntimeError):
     """The engine call (or its announcement to the other ranks) that held a request failed."""
 
+    @classmethod
+    def of(cls, error: BaseException) -> EngineFailed:
+        """The failure every request of the call or step gets, naming the engine's ``error``."""
+        failure = cls(f"the rollout engine failed: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        return failure
+
 
 def follow_requests(
     engine: Generates, sampling: SamplingConfig, receive: Callable[[], EngineMessage | None]

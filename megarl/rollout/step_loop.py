@@ -119,8 +119,7 @@ class StepLoop:
         return True
 
     def _fail(self, error: Exception) -> None:
-        failure = EngineFailed(f"the rollout engine failed: {type(error).__name__}: {error}")
-        failure.__cause__ = error
+        failure = EngineFailed.of(error)
         with self._changed:
             self._failure = failure
             waiting = [future for _, _, future in self._arrived] + list(self._running.values())

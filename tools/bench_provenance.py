@@ -110,12 +110,13 @@ def all_rows() -> list[Provenance]:
     return [read(p) for p in sorted(RESULTS.glob("*.json"))]
 
 
-def readme_results() -> set[str]:
-    """The results files the README's tables (rows starting with ``|``) link to."""
+def linked_results(pages: list[Path]) -> set[str]:
+    """The results files the pages link to (``[...](.../bench/results/NAME.json)``): the sources
+    of the figures they quote. A file only named in backticks is a record, not a quoted figure."""
     names: set[str] = set()
-    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
-        if line.startswith("|"):
-            names |= set(re.findall(r"bench/results/([\w.-]+\.json)", line))
+    for page in pages:
+        text = without_table(page.read_text(encoding="utf-8"))
+        names |= set(re.findall(r"\]\([^)\s]*bench/results/([\w.-]+\.json)\)", text))
     return names
 
 

@@ -17,7 +17,7 @@ from tools.bench_provenance import (
     doc_pages,
     page_table,
     read,
-    readme_results,
+    linked_results,
     table,
 )
 
@@ -84,16 +84,18 @@ def test_the_benchmarks_page_shows_the_stored_results_provenance():
     )
 
 
-def test_every_results_file_the_readme_cites_was_measured_on_a_clean_tree():
-    cited = readme_results()
-    assert "startup.json" in cited and "learn_arithmetic.json" in cited  # the parser finds them
+def test_every_results_file_a_page_links_to_was_measured_on_a_clean_tree(tmp_path):
+    cited = linked_results(doc_pages())
+    # the parser finds the README's and the docs' links
+    assert {"startup.json", "learn_arithmetic.json", "learn_calculator_40steps.json"} <= cited
+    page = tmp_path / "page.md"
+    page.write_text("[a](../bench/results/a.json), `bench/results/b.json` is a record\n")
+    assert linked_results([page]) == {"a.json"}
     rows = {r.name: r for r in all_rows()}
     for name in sorted(cited):
-        assert (RESULTS / name).is_file(), (
-            f"README.md cites bench/results/{name}, which is not there"
-        )
+        assert (RESULTS / name).is_file(), f"a page links to bench/results/{name}, not there"
         r = rows[name]
         assert r.clean or (r.commit is None and r.code), (
-            f"README.md cites bench/results/{name}, measured at {r.commit} on a "
+            f"a page links to bench/results/{name}, measured at {r.commit} on a "
             f"{'dirty' if r.dirty else 'unrecorded'} tree: measure it again from a clean checkout"
         )

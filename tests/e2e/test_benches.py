@@ -31,13 +31,18 @@ BENCHES = [
     "checkpoint_save",
     "tool_calls",
     "startup",
-    "agent_latency",
 ]
 # Options smoke-run too, so that they do not rot either.
 EXTRA_ARGS = {"train_step": ["--megatron-paths", "--matmuls", "3"]}
-# A bench run again with options that store another file: run id -> (bench, options, file)
+# A bench run again with options that store another file: run id -> (bench, options, file).
+# agent_latency's smokes run 3 turns (half its default), on vLLM (the default) and on HF.
 VARIANTS = {
-    "agent_latency_vllm": ("agent_latency", ["--backend", "vllm"], "agent_latency_vllm"),
+    "agent_latency": ("agent_latency", ["--turns", "3"], "agent_latency_3_turns"),
+    "agent_latency_hf": (
+        "agent_latency",
+        ["--backend", "hf", "--turns", "3"],
+        "agent_latency_hf_3_turns",
+    ),
 }
 # calculator_base_rates is not smoke-run (CI time, ~40 s): its turn loop over vLLM is the one
 # multi_turn's smoke runs, and its ToolEnvironment is unit-tested.
@@ -80,10 +85,10 @@ def test_bench_smoke_runs_and_stores_results(run, tmp_path):
         for case in figures["cases"]:
             sides = ("lockstep", "continuous", "endpoint")
             assert [len(figures[case]["runs"][side]) for side in sides] == [figures["repeats"]] * 3
-            if run == "agent_latency":  # on the HF engine a request's tokens are its own
+            if run == "agent_latency_hf":  # on the HF engine a request's tokens are its own
                 same = figures[case]["same_tokens_by_side"]
                 assert same == {"continuous": True, "endpoint": True}
-        if run == "agent_latency_vllm":  # lock-step by calls; the others step by step
+        if run == "agent_latency":  # vLLM: lock-step by calls; the others step by step
             slow = figures[figures["cases"][0]]
             assert slow["lockstep"]["engine_steps"] == 0 < slow["lockstep"]["engine_calls"]
             assert slow["continuous"]["engine_steps"] > 0 and slow["endpoint"]["engine_steps"] > 0

@@ -15,9 +15,9 @@ from tools.bench_provenance import (
     RESULTS,
     all_rows,
     doc_pages,
+    linked_results,
     page_table,
     read,
-    linked_results,
     table,
 )
 

@@ -73,6 +73,10 @@ class AgentSource:
     sampling: SamplingConfig
     pad_id: int
 
+    @property
+    def conversations(self) -> bool:
+        return True
+
     def run(self, job: EngineJob) -> EngineTrajectories | None:
         if not job.leader:  # the engine's other ranks make the first rank's requests too
             follow_requests(job.engine, self.sampling, lambda: job.share(None))

@@ -40,6 +40,10 @@ class Trajectory:
     # to, [ids, MoE layers, top_k] int16 on the host, -1 where no call routed it (None: not
     # recorded); see :meth:`add_model_turn`
     routes: torch.Tensor | None = None
+    # the policy version (optimizer steps) that sampled each response token, where the rollout
+    # records it (an asynchronous one-reply rollout, whose partial rounds may span versions);
+    # None: every token is of the version the batch was generated at
+    versions: list[int] | None = None
 
     @property
     def done(self) -> bool:

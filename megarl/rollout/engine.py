@@ -42,11 +42,9 @@ from megarl.parallel import ParallelLayout
 from megarl.rollout.engine_folder import checkpoint_shapes
 from megarl.rollout.engine_group import engine_group, share_from_first
 from megarl.rollout.hf_rollout import HFRollout
+from megarl.rollout.one_reply import OneReplySource
 from megarl.rollout.rollout_split import (
-    engine_seeds,
-    merge_engines,
     one_per_key,
-    prompt_share,
     rank_bounds,
     rank_engine_slice,
     rank_output,
@@ -341,22 +339,15 @@ class HybridEngine:
         return rank_engine_slice(total, self.layout.world_size, self.layout.rollout_tp, self.rank)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
-        """Responses for this DP rank's prompts (identical on all ranks of a DP rank).
+        """Responses for this DP rank's prompts (identical on all ranks of a DP rank): the
+        one-reply case of :meth:`generate_from`.
 
         The prompts of all DP ranks are split over the vLLM engines; every sample's seed depends
         only on its global index and the rollout count (:mod:`megarl.rollout.seeds`), so
         samples do not depend on the layout and no two share a random stream.
         """
-        mine = [list(map(int, p)) for p in prompts]
-        all_prompts, a, b = self._gather_dp(mine)
-        engine, lo, hi = self._engine_slice(len(all_prompts))
-        seeds = engine_seeds(sampling, self.rollout_count, lo, hi)
-        self.rollout_count += 1
-        out = self.rollout.generate(all_prompts[lo:hi], sampling, seeds=seeds)
-        results: list = [None] * dist.get_world_size()
-        dist.all_gather_object(results, (engine, lo, out))
-        _, output = prompt_share(merge_engines(results, RolloutOutput), a, b)
-        return RolloutBatch(prompts=mine, output=output)
+        rows: list[dict] = [{} for _ in prompts]
+        return self.generate_from(rows, prompts, max(1, sampling.n), OneReplySource(sampling))
 
     # -- multi-turn ----------------------------------------------------------------------------
     @property
@@ -393,6 +384,8 @@ class HybridEngine:
         dist.all_gather_object(results, (engine, part) if leader else None)
         parts, step = step_of(results, max_failed_share)
         ours, output = rank_output(step, a, b, n)
+        if not source.conversations:  # one reply per sample: plain responses
+            return RolloutBatch([p for _, p in mine], replace(output, response_masks=[]))
         return RolloutBatch(
             prompts=[p for _, p in mine],
             output=output,

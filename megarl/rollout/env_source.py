@@ -53,6 +53,10 @@ class EnvSource:
     pad_id: int
     turn_loop: str = "continuous"  # a key of TURN_LOOPS (rollout.turn_loop)
 
+    @property
+    def conversations(self) -> bool:
+        return True
+
     def run(self, job: EngineJob) -> EngineTrajectories | None:
         runner = self.runner if job.leader else None
         trajectories = TURN_LOOPS[self.turn_loop](

@@ -6,33 +6,24 @@ A rollout's prompts are those of every trainer data-parallel rank, in rank order
 prompts are ``[start_d, stop_d)`` of them (:func:`rank_bounds`). Engine ``e`` of ``E`` generates
 the contiguous slice :func:`engine_slice`; every request carries the seed of its prompt's first
 sample (:func:`prompt_seed`, :func:`engine_seeds`), so a sample's stream depends on its global
-index and the rollout count only, never on how many engines there are. The engines' outputs come
-back from every rank (an engine's tensor-parallel ranks send the same), are put in prompt order
-(:func:`merge_engines`; trajectories: :func:`~megarl.rollout.trajectory_source.step_of`), and each rank takes its share
-(:func:`prompt_share`, :func:`rank_output`).
+index and the rollout count only, never on how many engines there are. Each engine's
+trajectories (one reply per sample, or an environment's or an agent's turns) come back from its
+first rank and are put in sample order (:func:`~megarl.rollout.trajectory_source.step_of`), and
+each trainer rank takes its share (:func:`rank_output`).
 
 Pure: no collective runs here; the callers gather and broadcast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self, TypeVar
+from typing import TypeVar
 
 from megarl.envs.trajectory import Trajectory, step_routes
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.rollout.seeds import request_seeds, sequence_seed
 
-
-class Mergeable(Protocol):
-    """An engine's output that takes another's after it, prompt indices shifted
-    (:class:`RolloutOutput`, :class:`~megarl.rollout.versioned.VersionedOutput`)."""
-
-    def extend(self, other: Self, index_offset: int = 0) -> None: ...
-
-
-M = TypeVar("M", bound=Mergeable)
 R = TypeVar("R")
 
 
@@ -109,30 +100,7 @@ def one_per_key(gathered: Sequence[tuple[int, R] | None]) -> list[tuple[int, R]]
     return sorted(first.items(), key=lambda item: item[0])
 
 
-def merge_engines(gathered: Sequence[tuple[int, int, M]], empty: Callable[[], M]) -> M:
-    """The engines' outputs (``(engine, lo, output)`` from every rank, ``lo`` the engine's first
-    prompt) as one output of ``empty()``'s type, in prompt order, prompt indices global."""
-    merged = empty()
-    for _, (lo, out) in one_per_key([(e, (lo, out)) for e, lo, out in gathered]):
-        merged.extend(out, index_offset=lo)
-    return merged
-
-
 # -- a rank's share ------------------------------------------------------------------------------
-def prompt_share(out: RolloutOutput, start: int, stop: int) -> tuple[list[int], RolloutOutput]:
-    """The responses of prompts ``[start, stop)`` of a merged ``out``: their positions in it and
-    the output holding them, prompt indices counted from ``start``."""
-    keep = [k for k, i in enumerate(out.prompt_index) if start <= i < stop]
-    return keep, RolloutOutput(
-        prompt_index=[out.prompt_index[k] - start for k in keep],
-        token_ids=[out.token_ids[k] for k in keep],
-        logprobs=[out.logprobs[k] for k in keep],
-        finish_reasons=[out.finish_reasons[k] for k in keep],
-        response_masks=[out.response_masks[k] for k in keep] if out.response_masks else [],
-        routes=[out.routes[k] for k in keep] if out.routes else [],
-    )
-
-
 def rank_output(
     step: Sequence[Trajectory], start: int, stop: int, n: int
 ) -> tuple[list[Trajectory], RolloutOutput]:
@@ -155,10 +123,8 @@ __all__ = [
     "SampleStart",
     "engine_seeds",
     "engine_slice",
-    "merge_engines",
     "one_per_key",
     "prompt_seed",
-    "prompt_share",
     "rank_bounds",
     "rank_engine_slice",
     "rank_output",

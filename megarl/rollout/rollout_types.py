@@ -65,14 +65,6 @@ class RolloutOutput:
     # not recorded)
     routes: list[torch.Tensor] = field(default_factory=list)
 
-    def extend(self, other: RolloutOutput, index_offset: int = 0) -> None:
-        self.prompt_index += [i + index_offset for i in other.prompt_index]
-        self.token_ids += other.token_ids
-        self.logprobs += other.logprobs
-        self.finish_reasons += other.finish_reasons
-        self.response_masks += other.response_masks
-        self.routes += other.routes
-
 
 class Generates(Protocol):
     """What the rollout's drivers (the colocated step, the turn loop, the asynchronous rollout

@@ -13,7 +13,7 @@ wherever they were made.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -49,9 +49,19 @@ class EngineJob:
     rollout_index: int  # the run's rollout count: every request's seed depends on it
     leader: bool  # this rank is the engine's first
     share: Share  # the first rank's value on every rank of the engine
+    version: int = 0  # the policy version loaded in the engine (asynchronous rollout)
+    # asynchronous rollout with rollout.partial: called by every rank of the rollout group
+    # between rounds of a reply (whether this engine still generates), returns the version then
+    # loaded; None: the whole batch at ``version``
+    between: Callable[[bool], int] | None = None
 
 
 class TrajectorySource(Protocol):
+    # whether its trajectories are conversations (an environment's or an agent's turns), which
+    # the trainer rewards and logs as such; False: one reply per sample, handed on as responses
+    @property
+    def conversations(self) -> bool: ...
+
     def run(self, job: EngineJob) -> EngineTrajectories | None:
         """The trajectories of ``job.starts`` on the engine's first rank, None on its other
         ranks; every rank of the engine calls it."""

@@ -36,11 +36,6 @@ class VersionedOutput:
     versions: list[list[int]] = field(default_factory=list)
     rounds: int = 1
 
-    def extend(self, other: VersionedOutput, index_offset: int = 0) -> None:
-        self.output.extend(other.output, index_offset)
-        self.versions += other.versions
-        self.rounds = max(self.rounds, other.rounds)
-
 
 def generate_versioned(
     engine: Generates,

@@ -40,7 +40,6 @@ from megarl.trainer.rollout_source import RolloutSource
 from megarl.trainer.trajectory_makers import (
     AgentRuns,
     EnvironmentTurns,
-    MultiTurnMaker,
     OneReply,
     TrajectoryMaker,
 )
@@ -178,7 +177,7 @@ def multi_turn_maker(
     *,
     runs_environments: bool,
     sampling: SamplingConfig,
-) -> MultiTurnMaker | None:
+) -> TrajectoryMaker | None:
     """An agent's runs (``rollout.agent``; a step's agents end within a share of
     ``trainer.hang_timeout_s``), an environment's turns (``rollout.env``, seeded from
     ``trainer.seed``; its runner on the ranks that run environments), or None (one reply per

@@ -62,21 +62,18 @@ from megarl.rollout.rollout_messages import (
     Stop,
 )
 from megarl.rollout.rollout_split import (
-    merge_engines,
     rank_engine_slice,
     sample_starts,
 )
 from megarl.rollout.rollout_types import SamplingConfig
-from megarl.rollout.trajectory_source import EngineJob, TrajectorySource, step_of
-from megarl.rollout.versioned import VersionedOutput, generate_versioned
+from megarl.rollout.trajectory_source import EngineJob, step_of
 from megarl.trainer.rollout_group_parts import (
     GroupSettings,
     Prompts,
-    split_by_rank,
     split_trajectories,
     validation_due,
 )
-from megarl.trainer.trajectory_makers import MultiTurnMaker, dataset_row
+from megarl.trainer.trajectory_makers import OneReply, TrajectoryMaker, dataset_row
 from megarl.weights.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
 
 T = TypeVar("T")
@@ -99,9 +96,9 @@ class RolloutGroup:
     sampling: SamplingConfig
     val_sampling: SamplingConfig
     prompts: Prompts | None  # the leader's
-    # rollout.env or rollout.agent: multi-turn, as colocated (an environment's runner on the
-    # first rank of each engine)
-    trajectories: MultiTurnMaker | None = None
+    # how samples are made, as colocated: one reply each, or rollout.env's or rollout.agent's
+    # trajectories (an environment's runner on the first rank of each engine)
+    trajectories: TrajectoryMaker = field(default_factory=OneReply)
     engine_group: dist.ProcessGroup | None = None  # its engine's ranks (multi-turn, infer_tp > 1)
     staged: StagedWeights = field(default_factory=StagedWeights)
     inbox: PushInbox = field(default_factory=PushInbox)
@@ -276,35 +273,12 @@ class RolloutGroup:
         sampling: SamplingConfig,
         between: Callable[[bool], int] | None,
     ) -> list[Part] | None:
-        """One batch of every trainer rank's prompts (the leader's ``items``) over the engines;
-        the leader gets it back split by rank."""
-        if self.trajectories is not None:
-            return self._trajectories(self.trajectories.source(sampling), items, sampling.n)
-        flat = [[int(t) for t in it.input_ids] for rank in items for it in rank] if items else []
-        prompts = self._from_leader(flat)
-        engine, lo, hi = self._engine_slice(len(prompts))
-        rollout = self.rollouts
-        self.rollouts += 1
-        chunk = self.settings.rollout.partial_chunk_tokens if between is not None else None
-        out = generate_versioned(
-            self.engine, prompts[lo:hi], sampling, rollout, lo, self.loaded, chunk, between
-        )
-        results = self._gather((engine, lo, out))
-        if not self.leader:
-            return None
-        assert items is not None
-        return split_by_rank(merge_engines(results, VersionedOutput), items)
-
-    def _share(self, value: T | None) -> T:
-        """The engine's first rank's ``value`` on every rank of this rank's engine."""
-        return share_from_first(value, self.engine_group)
-
-    def _trajectories(
-        self, source: TrajectorySource, items: list[list[PromptItem]] | None, n: int
-    ) -> list[Part] | None:
-        """Multi-turn trajectories (an environment's or an agent's) of every trainer rank's
-        prompts (the leader's ``items``), ``n`` per prompt, over the engines: the colocated
-        engine's split, seeds and failure check (rollout.max_env_failures)."""
+        """One batch of every trainer rank's prompts (the leader's ``items``), ``sampling.n``
+        each, over the engines (the colocated engine's split, seeds and failure check,
+        rollout.max_env_failures); with ``between``, one reply each in partial rounds
+        (``between`` loads newer weights between them). The leader gets it back split by
+        rank."""
+        source = self.trajectories.source(sampling)
         rows = (
             [(dataset_row(it), [int(t) for t in it.input_ids]) for r in items for it in r]
             if items
@@ -314,9 +288,13 @@ class RolloutGroup:
         engine, lo, hi = self._engine_slice(len(everything))
         rollout_index = self.rollouts
         self.rollouts += 1
+        n = max(1, sampling.n)
         starts = sample_starts(everything, lo, hi, n)
         first = self.rank % self.engine.infer_tp == 0  # its engine's first rank
-        part = source.run(EngineJob(self.engine, starts, rollout_index, first, self._share))
+        job = EngineJob(
+            self.engine, starts, rollout_index, first, self._share, self.loaded, between
+        )
+        part = source.run(job)
         assert (part is not None) == first, "a source returns its part on the engine's first rank"
         results = self._gather((engine, part) if part is not None else None)
         if not self.leader:
@@ -324,7 +302,11 @@ class RolloutGroup:
         assert items is not None
         parts, step = step_of(results, self.settings.rollout.max_env_failures)
         self._rollout_metrics = source.step_metrics(parts)
-        return split_trajectories(step, items, n, self.loaded)
+        return split_trajectories(step, items, n, self.loaded, source.conversations)
+
+    def _share(self, value: T | None) -> T:
+        """The engine's first rank's ``value`` on every rank of this rank's engine."""
+        return share_from_first(value, self.engine_group)
 
     def validate(self) -> None:
         """Validation of the loaded version: every batch of every rank, sent as one message."""

@@ -6,7 +6,7 @@ part (the split over engines and back is the colocated engine's:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,8 +15,7 @@ from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
 from megarl.rollout.rollout_messages import Part
-from megarl.rollout.rollout_split import prompt_share, rank_bounds, rank_output
-from megarl.rollout.versioned import VersionedOutput
+from megarl.rollout.rollout_split import rank_bounds, rank_output
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
 
@@ -42,28 +41,28 @@ def validation_due(data: DataConfig, t: TrainerConfig, version: int, first: int)
     return bool(t.test_freq) and version > first and version % t.test_freq == 0
 
 
-def split_by_rank(merged: VersionedOutput, items: Sequence[Sequence[PromptItem]]) -> list[Part]:
-    """The merged responses back to each trainer data-parallel rank (its prompts ``items[d]``,
-    consecutive in the global prompt order)."""
-    parts = []
-    for mine, (start, stop) in zip(items, rank_bounds([len(m) for m in items]), strict=True):
-        keep, output = prompt_share(merged.output, start, stop)
-        parts.append(Part(list(mine), output, [merged.versions[k] for k in keep]))
-    return parts
-
-
 def split_trajectories(
-    step: Sequence[Trajectory], items: Sequence[Sequence[PromptItem]], n: int, version: int
+    step: Sequence[Trajectory],
+    items: Sequence[Sequence[PromptItem]],
+    n: int,
+    version: int,
+    conversations: bool = True,
 ) -> list[Part]:
     """A batch's trajectories (``sample``: the global index, ``n`` per prompt) back to each
-    trainer data-parallel rank, as the colocated engine hands them out; every token of
-    ``version``."""
+    trainer data-parallel rank, as the colocated engine hands them out; each token of the
+    version its trajectory recorded, else of ``version``. ``conversations`` False (one reply
+    per sample): the replies as plain responses, no trajectories."""
     parts = []
     for mine, (start, stop) in zip(items, rank_bounds([len(m) for m in items]), strict=True):
         ours, output = rank_output(step, start, stop, n)
-        parts.append(
-            Part(list(mine), output, [[version] * len(t.response_ids) for t in ours], ours)
-        )
+        versions = [
+            list(t.versions) if t.versions is not None else [version] * len(t.response_ids)
+            for t in ours
+        ]
+        if conversations:
+            parts.append(Part(list(mine), output, versions, ours))
+        else:
+            parts.append(Part(list(mine), replace(output, response_masks=[]), versions))
     return parts
 
 

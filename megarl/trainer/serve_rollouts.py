@@ -33,6 +33,7 @@ from megarl.run.watchdog import collective_timeout_s
 from megarl.trainer.rollout_assembly import engine_config, multi_turn_maker, sampling_configs
 from megarl.trainer.rollout_group import RolloutGroup
 from megarl.trainer.rollout_group_parts import GroupSettings, Prompts
+from megarl.trainer.trajectory_makers import OneReply
 from megarl.weights.execute import hf_shapes_of
 from megarl.weights.weight_sync import WeightReceiver
 
@@ -101,7 +102,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         val_sampling,
         prompts,
     )
-    group.trajectories = multi_turn_maker(
+    multi_turn = multi_turn_maker(
         cfg.rollout,
         cfg.model.path,
         cfg.data,
@@ -111,7 +112,8 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         runs_environments=rank % infer_tp == 0,
         sampling=sampling,
     )
-    if group.trajectories is not None:  # its engine's ranks share the first rank's results
+    group.trajectories = multi_turn or OneReply(cfg.rollout.partial_chunk_tokens)
+    if multi_turn is not None:  # its engine's ranks share the first rank's results
         group.engine_group = engine_group(group.size, infer_tp, rank)  # this role's own world
     threads = [threading.Thread(target=group.receive_loop, name="megarl-control", daemon=True)]
     if group.leader:
@@ -125,8 +127,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         group.run()
     finally:
         preemption.close()
-        if group.trajectories is not None:
-            group.trajectories.close()
+        group.trajectories.close()
     group.outbox.put(None)
     for t in threads:
         t.join(timeout=60.0)

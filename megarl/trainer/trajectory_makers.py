@@ -2,12 +2,12 @@
 sample (:class:`OneReply`), an environment's turns (``rollout.env``, :class:`EnvironmentTurns`),
 or an agent's runs through the engine's endpoint (``rollout.agent``, :class:`AgentRuns`).
 
-The colocated source (:mod:`megarl.trainer.colocated_source`) calls the one it holds for
-training and validation batches alike. The two multi-turn ways are also a
-:class:`MultiTurnMaker`: the :class:`~megarl.rollout.trajectory_source.TrajectorySource`
-for a sampling setting, which the asynchronous rollout group
-(:mod:`megarl.trainer.rollout_group`) drives the way the colocated engine does, so environments
-and agents run the same code in both placements."""
+Each is the :class:`~megarl.rollout.trajectory_source.TrajectorySource` for a sampling setting
+(:meth:`TrajectoryMaker.source`), so every rollout, single-turn included, runs through one path in
+both placements: the colocated source (:mod:`megarl.trainer.colocated_source`) calls
+:meth:`TrajectoryMaker.make` for training and validation batches alike (the hybrid engine's
+``generate_from``), and the asynchronous rollout group (:mod:`megarl.trainer.rollout_group`)
+drives the same source over its own engines."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from megarl.envs.runner import EnvRunner
 from megarl.rollout.engine import HybridEngine, RolloutBatch
 from megarl.rollout.env_source import EnvSource
 from megarl.rollout.multi_turn import TurnLimits
+from megarl.rollout.one_reply import OneReplySource
 from megarl.rollout.rollout_types import SamplingConfig
 from megarl.rollout.trajectory_source import TrajectorySource
 
@@ -38,6 +39,10 @@ def dataset_row(item: PromptItem) -> dict[str, object]:
 
 
 class TrajectoryMaker(Protocol):
+    def source(self, sampling: SamplingConfig) -> TrajectorySource:
+        """The trajectories' source when the engine samples with ``sampling``."""
+        ...
+
     def make(
         self, engine: HybridEngine, items: list[PromptItem], sampling: SamplingConfig
     ) -> RolloutBatch:
@@ -47,15 +52,15 @@ class TrajectoryMaker(Protocol):
     def close(self) -> None: ...
 
 
-class MultiTurnMaker(TrajectoryMaker, Protocol):
-    def source(self, sampling: SamplingConfig) -> TrajectorySource:
-        """The trajectories' source when the engine samples with ``sampling``."""
-        ...
-
-
 @dataclass(frozen=True)
 class OneReply:
-    """One response per sample (no environment, no agent)."""
+    """One response per sample (no environment, no agent); ``partial_chunk``: the asynchronous
+    rollout's rounds with ``rollout.partial`` (``rollout.partial_chunk_tokens``)."""
+
+    partial_chunk: int | None = None
+
+    def source(self, sampling: SamplingConfig) -> TrajectorySource:
+        return OneReplySource(sampling, self.partial_chunk)
 
     def make(
         self, engine: HybridEngine, items: list[PromptItem], sampling: SamplingConfig
@@ -67,7 +72,7 @@ class OneReply:
 
 
 def _from_source(
-    maker: MultiTurnMaker,
+    maker: TrajectoryMaker,
     engine: HybridEngine,
     items: list[PromptItem],
     sampling: SamplingConfig,

@@ -15,15 +15,14 @@ from megarl.config import load_config
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.rollout.rollout_messages import TRAIN, Draws, Generated, Part
-from megarl.rollout.rollout_split import engine_slice, merge_engines
+from megarl.rollout.rollout_split import engine_slice
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.rollout.seeds import request_seeds, sample_seeds, sequence_seed
-from megarl.rollout.versioned import VersionedOutput, generate_versioned
+from megarl.rollout.versioned import generate_versioned
 from megarl.run.trainer_state import check_plain
 from megarl.trainer.remote_rollout import RemoteRollout, staleness_metrics
 from megarl.trainer.rollout_group import RolloutGroup, Stopped
 from megarl.trainer.rollout_group_parts import (
-    split_by_rank,
     split_trajectories,
     validation_due,
 )
@@ -130,27 +129,22 @@ def test_rounds_keep_lockstep_after_this_engine_is_done():
     assert calls == [True, False] and len(engine.calls) == 2 and out.rounds == 3
 
 
-def test_a_batch_is_split_over_engines_and_back_by_trainer_rank():
+def test_a_batch_of_replies_is_split_back_by_trainer_rank_with_each_tokens_version():
     assert [engine_slice(10, 3, e) for e in range(3)] == [(0, 3), (3, 6), (6, 10)]
-    outs = []
-    for engine, (lo, hi) in enumerate([engine_slice(5, 2, e) for e in range(2)]):
-        part = VersionedOutput(
-            RolloutOutput(
-                prompt_index=list(range(hi - lo)),
-                token_ids=[[lo + i] for i in range(hi - lo)],
-                logprobs=[[0.0]] * (hi - lo),
-                finish_reasons=["stop"] * (hi - lo),
-            ),
-            [[engine]] * (hi - lo),
-        )
-        outs += [(engine, lo, part), (engine, lo, part)]  # each engine's 2 TP ranks send it
-    merged = merge_engines(list(reversed(outs)), VersionedOutput)
-    assert merged.output.prompt_index == [0, 1, 2, 3, 4]
+    step = []
+    for sample in range(5):  # one reply each (n=1); partial rounds left versions 0 then 1
+        t = Trajectory(sample, [1, sample])
+        t.add_model_turn([sample, sample], [-0.1, -0.2])
+        t.versions, t.finish = [0, 1], "stop"
+        step.append(t)
+    step[4].versions = None  # recorded none: the batch's version
     items = [[_item(0), _item(1)], [_item(2), _item(3), _item(4)]]
-    parts = split_by_rank(merged, items)
+    parts = split_trajectories(step, items, 1, version=7, conversations=False)
     assert [p.output.prompt_index for p in parts] == [[0, 1], [0, 1, 2]]
-    assert [p.output.token_ids for p in parts] == [[[0], [1]], [[2], [3], [4]]]
-    assert parts[1].versions == [[1], [1], [1]] and parts[0].items == items[0]
+    assert [p.output.token_ids for p in parts] == [[[0, 0], [1, 1]], [[2, 2], [3, 3], [4, 4]]]
+    assert parts[1].versions == [[0, 1], [0, 1], [7, 7]] and parts[0].items == items[0]
+    # plain replies: no trajectories, no masks (every token is the model's)
+    assert all(p.trajectories is None and p.output.response_masks == [] for p in parts)
 
 
 def _item(uid: int) -> PromptItem:

@@ -1,8 +1,9 @@
 """The rollout's split over engines and back (megarl.rollout.rollout_split), shared by the
 colocated engine and the asynchronous rollout group: the engines' slices cover the step once,
 every request carries its prompt's first-sample seed (as the seeds module documents, and as
-the engine computed it before this module existed), and slicing, generating, merging
-and taking each rank's share back leaves every response in its prompt's place."""
+the engine computed it before this module existed), and slicing, generating one reply per sample
+(the one-reply trajectory source), gathering and taking each rank's share back leaves every
+response in its prompt's place."""
 
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ from hypothesis import strategies as st
 
 from megarl.envs.base import EnvError
 from megarl.envs.trajectory import Trajectory
+from megarl.rollout.one_reply import OneReplySource, prompts_of
 from megarl.rollout.rollout_split import (
     SampleStart,
     engine_seeds,
     engine_slice,
-    merge_engines,
     one_per_key,
     prompt_seed,
-    prompt_share,
     rank_bounds,
     rank_engine_slice,
     rank_output,
@@ -31,8 +31,7 @@ from megarl.rollout.rollout_split import (
 )
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.rollout.seeds import request_seeds, sample_seeds, sequence_seed
-from megarl.rollout.trajectory_source import EngineTrajectories, step_of
-from megarl.rollout.versioned import VersionedOutput
+from megarl.rollout.trajectory_source import EngineJob, EngineTrajectories, step_of
 
 pytestmark = pytest.mark.unit
 
@@ -107,72 +106,99 @@ def test_a_step_too_large_to_seed_is_refused():
         engine_seeds(SamplingConfig(n=8, seed=0), 0, 2**21 - 1, 2**21 + 1)
 
 
-# -- merging and taking back ---------------------------------------------------------------------
-def _engine_output(lo: int, hi: int, n: int, engine: int) -> VersionedOutput:
-    """What an engine returns for prompts [lo, hi): sample j of its prompt i at i * n + j, local
-    indices, tokens naming the global prompt and sample."""
-    out = RolloutOutput()
-    for i, j in itertools.product(range(hi - lo), range(n)):
-        out.prompt_index.append(i)
-        out.token_ids.append([lo + i, j])
-        out.logprobs.append([-0.5, -1.0])
-        out.finish_reasons.append("stop")
-    return VersionedOutput(out, [[engine, engine]] * len(out.token_ids))
+# -- generating, gathering and taking back ------------------------------------------------------
+class _NamingEngine:
+    """Sample j of a request for prompt ``[p]`` is ``[p, j]``, with its seed as its logprobs; a
+    sample of an odd prompt runs out of tokens. Records every call's prompts."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, prompts, sampling, seed_offset=0, *, seeds=None, max_new_tokens=None):
+        self.calls.append([list(p) for p in prompts])
+        out = RolloutOutput()
+        for i, p in enumerate(prompts):
+            for j in range(sampling.n):
+                out.prompt_index.append(i)
+                out.token_ids.append([p[0], j])
+                out.logprobs.append([float(seeds[i]), float(seeds[i] + j)])
+                out.finish_reasons.append("length" if p[0] % 2 else "stop")
+        return out
 
 
 @pytest.mark.parametrize(
     ("counts", "ranks", "infer_tp", "n"),
     [([3, 2], 4, 2, 2), ([1, 1, 1, 1], 4, 1, 3), ([5, 0, 4], 6, 3, 1), ([2, 2], 2, 2, 4)],
 )
-def test_slicing_then_merging_then_sharing_keeps_every_response_in_its_place(
+def test_one_reply_per_sample_over_engines_then_each_ranks_share_keeps_every_reply_in_place(
     counts, ranks, infer_tp, n
 ):
     total = sum(counts)
-    engines = ranks // infer_tp
-    owner = {p: e for e in range(engines) for p in range(*engine_slice(total, engines, e))}
+    sampling = SamplingConfig(n=n, seed=11)
+    rows = [({"prompt": str(p)}, [p]) for p in range(total)]
     sent = []
     for rank in range(ranks):
         engine, lo, hi = rank_engine_slice(total, ranks, infer_tp, rank)
-        sent.append((engine, lo, _engine_output(lo, hi, n, engine)))
+        starts = sample_starts(rows, lo, hi, n)
+        fake = _NamingEngine()
+        leader = rank % infer_tp == 0
+        job = EngineJob(fake, starts, 3, leader, lambda value: value, version=engine)
+        part = OneReplySource(sampling).run(job)
+        # every rank of an engine makes the same call: its prompts, each once, n samples each
+        assert fake.calls == [[[p] for p in range(lo, hi)]]
+        assert (part is not None) == leader
+        sent.append((engine, part) if part is not None else None)
     random.Random(0).shuffle(sent)  # gathered in any order
-    merged = merge_engines(sent, VersionedOutput)
-    expected = [[p, j] for p in range(total) for j in range(n)]
-    assert merged.output.token_ids == expected
-    assert merged.output.prompt_index == [p for p in range(total) for _ in range(n)]
+    _, step = step_of(sent, max_failed_share=0.0)
+    assert [t.sample for t in step] == list(range(total * n))
+    owner = {
+        p: rank_engine_slice(total, ranks, infer_tp, r)[0]
+        for r in range(ranks)
+        for p in range(*rank_engine_slice(total, ranks, infer_tp, r)[1:])
+    }
+    for t in step:
+        p, j = divmod(t.sample, n)
+        assert t.prompt_ids == [p] and t.response_ids == [p, j] and t.mask == [1, 1]
+        seed = prompt_seed(sampling, 3, p)  # the request's seed, its samples' seed + j
+        assert t.logprobs == [float(seed), float(seed + j)]
+        assert t.finish == ("length" if p % 2 else "stop") and t.turns == 1
+        assert t.versions == [owner[p]] * 2  # the version its engine generated at
     shares = []
     for start, stop in rank_bounds(counts):
-        keep, share = prompt_share(merged.output, start, stop)
+        ours, share = rank_output(step, start, stop, n)
         assert share.prompt_index == [p - start for p in range(start, stop) for _ in range(n)]
-        # the positions pick the rows' other fields (here each token's version: its engine)
-        assert [merged.versions[k] for k in keep] == [
-            [owner[p]] * 2 for p in range(start, stop) for _ in range(n)
-        ]
+        assert [t.sample // n for t in ours] == [p for p in range(start, stop) for _ in range(n)]
         shares += share.token_ids
-    assert shares == expected  # every rank's share, in rank order, is the whole step again
+    # every rank's share, in rank order, is the whole step again
+    assert shares == [[p, j] for p in range(total) for j in range(n)]
+
+
+def test_one_reply_keeps_the_engines_routes_and_finish_reason_and_refuses_a_broken_split():
+    class Routed(_NamingEngine):
+        def generate(self, prompts, sampling, seed_offset=0, *, seeds=None, max_new_tokens=None):
+            out = super().generate(prompts, sampling, seeds=seeds)
+            out.finish_reasons = ["abort"] * len(out.token_ids)
+            out.routes = [
+                torch.full((3, 1, 1), k, dtype=torch.int16) for k in range(len(out.token_ids))
+            ]
+            return out
+
+    starts = sample_starts([({}, [4]), ({}, [5])], 0, 2, 1)
+    job = EngineJob(Routed(), starts, 0, True, lambda value: value)
+    part = OneReplySource(SamplingConfig(n=1)).run(job)
+    assert part is not None
+    assert [t.finish for t in part.trajectories] == ["abort", "abort"]  # the engine's own
+    assert [int(t.routes[0, 0, 0]) for t in part.trajectories] == [0, 1]
+    assert part.trajectories[0].routes.shape == (3, 1, 1)  # prompt + reply, as recorded
+    with pytest.raises(ValueError, match="not 2 per prompt"):
+        prompts_of(sample_starts([({}, [4])], 0, 1, 3), 2)  # 3 samples of one prompt
+    with pytest.raises(ValueError, match="not the first of prompt"):
+        prompts_of(sample_starts([({}, [4]), ({}, [5])], 0, 2, 2)[1:3], 2)
 
 
 def test_the_first_ranks_value_of_each_key_is_kept_in_key_order():
     gathered = [(2, "c0"), None, (0, "a0"), (2, "c1"), (1, "b0"), (0, "a1")]
     assert one_per_key(gathered) == [(0, "a0"), (1, "b0"), (2, "c0")]
-
-
-def test_prompt_share_carries_masks_and_routes_where_recorded():
-    routes = [torch.full((2, 1, 1), k, dtype=torch.int16) for k in range(3)]
-    out = RolloutOutput(
-        prompt_index=[0, 1, 1],
-        token_ids=[[0], [1], [2]],
-        logprobs=[[0.0], [0.1], [0.2]],
-        finish_reasons=["stop", "length", "stop"],
-        response_masks=[[1], [1], [0]],
-        routes=routes,
-    )
-    keep, share = prompt_share(out, 1, 2)
-    assert keep == [1, 2]
-    assert share.prompt_index == [0, 0] and share.finish_reasons == ["length", "stop"]
-    assert share.response_masks == [[1], [0]] and share.logprobs == [[0.1], [0.2]]
-    assert [int(r[0, 0, 0]) for r in share.routes] == [1, 2]
-    _, plain = prompt_share(RolloutOutput([0], [[5]], [[0.0]], ["stop"]), 0, 1)
-    assert plain.routes == [] and plain.response_masks == []
 
 
 def _trajectory(sample: int) -> Trajectory:

@@ -177,6 +177,7 @@ def _one_rank_engine(monkeypatch, rollouts: int = 0) -> HybridEngine:
     engine = object.__new__(HybridEngine)
     engine.layout = ParallelLayout(tp=1, pp=1, dp=1, infer_tp=1)
     engine.rank, engine.dp_rank = 0, 0
+    engine._engine_leader, engine._engine_group = 0, None  # the engine's one rank leads it
     engine.rollout = _Recording()
     engine.rollout_count = rollouts
     return engine

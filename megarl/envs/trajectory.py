@@ -31,7 +31,9 @@ class Trajectory:
     turn_rewards: list[float | None] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)  # response index of each turn's last token
     metrics: dict[str, float] = field(default_factory=dict)  # the environment's, summed
-    finish: str | None = None  # None while it runs; then one of FINISH_REASONS
+    # None while it runs; then one of FINISH_REASONS (a one-reply trajectory, no environment:
+    # its engine's own reason, megarl.rollout.one_reply)
+    finish: str | None = None
     error: str | None = None
     # ended before rollout.max_turns because the response budget (rollout.max_response_length)
     # had no room for the environment's message or another turn

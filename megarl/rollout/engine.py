@@ -24,10 +24,10 @@ and every rank gets back the responses of its DP rank (the slicing, seeding and 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from megarl.rollout.rollout_split import (
 )
 from megarl.rollout.rollout_types import (
     EngineConfig,
-    Generates,
+    RolloutEngine,
     RolloutOutput,
     SamplingConfig,
 )
@@ -68,7 +68,6 @@ from megarl.weights.lora_merge import merged_local_tensors
 from megarl.weights.reshard_mode import resolve_reshard_mode
 from megarl.weights.reshard_schedule import schedule_reshard
 from megarl.weights.tensor_list import actor_planned_tensors
-from megarl.weights.weight_shards import ShardSlice, WeightShard
 
 T = TypeVar("T")
 
@@ -113,28 +112,6 @@ def check_rollout_model(
         raise ValueError(
             f"reshard schedule does not produce the rollout model's tensor {missing[0]!r}"
         )
-
-
-class RolloutEngine(Generates, Protocol):
-    """The seam between the trainer and a rollout backend (vLLM, or transformers' generate):
-    :class:`~megarl.rollout.rollout_types.Generates`, weight updates, sleep and wake."""
-
-    infer_tp: int
-    backend: str  # its rollout.backend name
-
-    def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None: ...
-
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-
-    def validate_shards(self, shards: Sequence[ShardSlice]) -> None: ...
-
-    def load_shards(self, shards: Sequence[WeightShard]) -> None: ...
-
-    def after_weight_update(self) -> None: ...
-
-    def sleep(self) -> None: ...
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
 
 
 def _vllm_rollout(*args) -> RolloutEngine:

@@ -1,16 +1,19 @@
 """The rollout engines' seam types: how responses are sampled, how an engine is sized, what it
-returns, how it is asked (:class:`Generates`), and each request's seed. Both engines (:mod:`megarl.rollout.vllm_rollout`,
-:mod:`megarl.rollout.hf_rollout`) and everything that drives them import these from here."""
+returns, how it is asked (:class:`Generates`), each request's seed, and what a backend is to the
+trainer (:class:`RolloutEngine`: generation, weight updates, sleep and wake). Both engines
+(:mod:`megarl.rollout.vllm_rollout`, :mod:`megarl.rollout.hf_rollout`) and everything that drives
+them import these from here."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from megarl.rollout.seeds import sequence_seed
+from megarl.weights.weight_shards import ShardSlice, WeightShard
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,27 @@ def request_seed(
     if seeds is not None:
         return int(seeds[index])
     return sequence_seed(sampling.seed, 0, seed_offset + index * max(1, sampling.n))
+
+
+class RolloutEngine(Generates, Protocol):
+    """The seam between the trainer and a rollout backend (vLLM, or transformers' generate):
+    :class:`Generates`, weight updates (whole tensors, or the slices of :mod:`megarl.weights.weight_shards`),
+    sleep and wake. The hybrid engine and the asynchronous rollout group drive it; both backends
+    implement it."""
+
+    infer_tp: int
+    backend: str  # its rollout.backend name
+
+    def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None: ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def validate_shards(self, shards: Sequence[ShardSlice]) -> None: ...
+
+    def load_shards(self, shards: Sequence[WeightShard]) -> None: ...
+
+    def after_weight_update(self) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...

@@ -49,7 +49,6 @@ import torch.distributed as dist
 from megarl import platform
 from megarl.data import PromptItem
 from megarl.rollout.async_links import Links
-from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.engine_group import share_from_first
 from megarl.rollout.rollout_messages import (
     TRAIN,
@@ -65,7 +64,7 @@ from megarl.rollout.rollout_split import (
     rank_engine_slice,
     sample_starts,
 )
-from megarl.rollout.rollout_types import SamplingConfig
+from megarl.rollout.rollout_types import RolloutEngine, SamplingConfig
 from megarl.rollout.trajectory_source import EngineJob, step_of
 from megarl.trainer.rollout_group_parts import (
     GroupSettings,

@@ -360,9 +360,9 @@ class HybridEngine:
         results: list = [None] * dist.get_world_size()
         dist.all_gather_object(results, (engine, part) if leader else None)
         parts, step = step_of(results, max_failed_share)
-        ours, output = rank_output(step, a, b, n)
+        ours, output = rank_output(step, a, b, n, source.conversations)
         if not source.conversations:  # one reply per sample: plain responses
-            return RolloutBatch([p for _, p in mine], replace(output, response_masks=[]))
+            return RolloutBatch([p for _, p in mine], output)
         return RolloutBatch(
             prompts=[p for _, p in mine],
             output=output,

@@ -102,18 +102,19 @@ def one_per_key(gathered: Sequence[tuple[int, R] | None]) -> list[tuple[int, R]]
 
 # -- a rank's share ------------------------------------------------------------------------------
 def rank_output(
-    step: Sequence[Trajectory], start: int, stop: int, n: int
+    step: Sequence[Trajectory], start: int, stop: int, n: int, conversations: bool = True
 ) -> tuple[list[Trajectory], RolloutOutput]:
     """The trajectories of prompts ``[start, stop)`` (``n`` samples each, ``sample`` the global
     index) and the engine output that carries them to a trainer rank, prompt indices counted
-    from ``start``."""
+    from ``start``; without ``conversations`` (one reply per sample, every token the model's)
+    the output holds no response masks, as a single-turn rollout's never did."""
     ours = [t for t in step if start * n <= t.sample < stop * n]
     output = RolloutOutput(
         prompt_index=[t.sample // n - start for t in ours],
         token_ids=[t.response_ids for t in ours],
         logprobs=[t.logprobs for t in ours],
         finish_reasons=[t.finish or "stop" for t in ours],
-        response_masks=[t.mask for t in ours],
+        response_masks=[t.mask for t in ours] if conversations else [],
         routes=step_routes(ours, list(step)),
     )
     return ours, output

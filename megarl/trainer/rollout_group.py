@@ -72,7 +72,7 @@ from megarl.trainer.rollout_group_parts import (
     split_trajectories,
     validation_due,
 )
-from megarl.trainer.trajectory_makers import OneReply, TrajectoryMaker, dataset_row
+from megarl.trainer.trajectory_makers import TrajectoryMaker, dataset_row
 from megarl.weights.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
 
 T = TypeVar("T")
@@ -95,9 +95,10 @@ class RolloutGroup:
     sampling: SamplingConfig
     val_sampling: SamplingConfig
     prompts: Prompts | None  # the leader's
-    # how samples are made, as colocated: one reply each, or rollout.env's or rollout.agent's
-    # trajectories (an environment's runner on the first rank of each engine)
-    trajectories: TrajectoryMaker = field(default_factory=OneReply)
+    # how samples are made, as colocated: one reply each (in rollout.partial's rounds), or
+    # rollout.env's or rollout.agent's trajectories (an environment's runner on the first rank
+    # of each engine)
+    trajectories: TrajectoryMaker
     engine_group: dist.ProcessGroup | None = None  # its engine's ranks (multi-turn, infer_tp > 1)
     staged: StagedWeights = field(default_factory=StagedWeights)
     inbox: PushInbox = field(default_factory=PushInbox)

@@ -6,7 +6,7 @@ part (the split over engines and back is the colocated engine's:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -54,15 +54,12 @@ def split_trajectories(
     per sample): the replies as plain responses, no trajectories."""
     parts = []
     for mine, (start, stop) in zip(items, rank_bounds([len(m) for m in items]), strict=True):
-        ours, output = rank_output(step, start, stop, n)
+        ours, output = rank_output(step, start, stop, n, conversations)
         versions = [
             list(t.versions) if t.versions is not None else [version] * len(t.response_ids)
             for t in ours
         ]
-        if conversations:
-            parts.append(Part(list(mine), output, versions, ours))
-        else:
-            parts.append(Part(list(mine), replace(output, response_masks=[]), versions))
+        parts.append(Part(list(mine), output, versions, ours if conversations else None))
     return parts
 
 

@@ -91,17 +91,6 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         cfg.algorithm.filter_groups,
         dtype_from_name(rollout_dtype(cfg.model, cfg.rollout, cuda)),
     )
-    group = RolloutGroup(
-        settings,
-        rank,
-        split.rollout_ranks,
-        engine,
-        links,
-        receiver,
-        sampling,
-        val_sampling,
-        prompts,
-    )
     multi_turn = multi_turn_maker(
         cfg.rollout,
         cfg.model.path,
@@ -112,7 +101,18 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         runs_environments=rank % infer_tp == 0,
         sampling=sampling,
     )
-    group.trajectories = multi_turn or OneReply(cfg.rollout.partial_chunk_tokens)
+    group = RolloutGroup(
+        settings,
+        rank,
+        split.rollout_ranks,
+        engine,
+        links,
+        receiver,
+        sampling,
+        val_sampling,
+        prompts,
+        multi_turn or OneReply(cfg.rollout.partial_chunk_tokens),
+    )
     if multi_turn is not None:  # its engine's ranks share the first rank's results
         group.engine_group = engine_group(group.size, infer_tp, rank)  # this role's own world
     threads = [threading.Thread(target=group.receive_loop, name="megarl-control", daemon=True)]

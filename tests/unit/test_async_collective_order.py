@@ -28,6 +28,7 @@ from megarl.rollout.async_links import Links, weight_schedule
 from megarl.rollout.rollout_messages import Push, Start, Stop
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
 from megarl.trainer.rollout_group import RolloutGroup, Stopped
+from megarl.trainer.trajectory_makers import OneReply
 from megarl.weights.weight_sync import WeightReceiver, WeightSender
 from tests.async_settings import group_settings
 
@@ -167,6 +168,7 @@ def _run(seed: int) -> tuple[Log, list[RolloutGroup], list[BaseException]]:
             SamplingConfig(),
             SamplingConfig(),
             None,
+            OneReply(),
             world_min=_world_min(log, rank, world, slots),
         )
         groups.append(group)

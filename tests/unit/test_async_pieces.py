@@ -26,6 +26,7 @@ from megarl.trainer.rollout_group_parts import (
     split_trajectories,
     validation_due,
 )
+from megarl.trainer.trajectory_makers import OneReply
 from megarl.weights.weight_sync import Staged, StagedWeights, SyncStats
 from megarl.world_split import ROLLOUT, TRAINER, WorldSplit
 from tests.async_settings import group_settings
@@ -267,7 +268,7 @@ def test_trajectories_split_by_trainer_rank_keep_masks_and_round_trip():
 def bare_group(overrides: list[str], sampling: SamplingConfig) -> RolloutGroup:
     """A rollout rank of ``overrides``' run with no engine, links or prompts."""
     settings = group_settings(load_config(overrides=overrides))
-    return RolloutGroup(settings, 0, 1, None, None, None, sampling, sampling, None)  # type: ignore[arg-type]
+    return RolloutGroup(settings, 0, 1, None, None, None, sampling, sampling, None, OneReply())  # type: ignore[arg-type]
 
 
 def test_dynamic_sampling_draws_follow_the_trainers_verdicts():

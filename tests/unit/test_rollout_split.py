@@ -165,8 +165,9 @@ def test_one_reply_per_sample_over_engines_then_each_ranks_share_keeps_every_rep
         assert t.versions == [owner[p]] * 2  # the version its engine generated at
     shares = []
     for start, stop in rank_bounds(counts):
-        ours, share = rank_output(step, start, stop, n)
+        ours, share = rank_output(step, start, stop, n, conversations=False)
         assert share.prompt_index == [p - start for p in range(start, stop) for _ in range(n)]
+        assert share.response_masks == []  # plain replies: every token the model's
         assert [t.sample // n for t in ours] == [p for p in range(start, stop) for _ in range(n)]
         shares += share.token_ids
     # every rank's share, in rank order, is the whole step again

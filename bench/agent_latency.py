@@ -36,11 +36,11 @@ On vLLM (``--backend vllm``) the continuous side and the endpoint drive the engi
 samples per request as vLLM does, so what shares a batch may move the floats (``same_tokens``
 may be false).
 
-- **lock-step**: the environments' turn loop (``rollout.env``, ``rollout.turn_loop=lockstep``:
+- **lock-step**: the environments' turn loop (``rollout.env``, ``rollout.environment.turn_loop=lockstep``:
   megarl.rollout.multi_turn) with an environment whose ``step`` sleeps the call's delay: each
   turn of every sample is one engine call, and the next turn waits for the slowest tool of the
   turn.
-- **continuous**: the same environment through the continuous turn loop (``rollout.turn_loop=
+- **continuous**: the same environment through the continuous turn loop (``rollout.environment.turn_loop=
   continuous``, the default: megarl.rollout.continuous): a sample goes on as soon as its own tool
   answers, and each engine call takes the turns that are ready. ``speedup_vs_lockstep`` (the
   interface) is this side's.

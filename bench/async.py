@@ -11,7 +11,7 @@ run as `megarl train` with the same total processes each way, one thread per pro
 
 - colocated: every process generates, then trains (DP = procs);
 - async, per staleness bound: the last procs / 2 processes are the rollout group, the others
-  train (DP = procs / 2), rollout.max_staleness = 0, 1, ...
+  train (DP = procs / 2), rollout.placement.max_staleness = 0, 1, ...
 
 From the colocated run the bench takes its phase times (megarl.plan.pipeline.PhaseTimes: the
 medians of its steps after the first) and predicts each async run's step time and staleness with
@@ -105,7 +105,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     p.add_argument(
-        "--staleness", default="0,1", help="rollout.max_staleness values of the async runs"
+        "--staleness",
+        default="0,1",
+        help="rollout.placement.max_staleness values of the async runs",
     )
     p.add_argument(
         "--work", default=None, help="folder for data and runs (default: a temporary one)"
@@ -158,9 +160,9 @@ def main() -> None:
             cfg,
             work / f"async_k{k}",
             args.procs,
-            "rollout.mode=async",
+            "rollout.placement.mode=async",
             f"parallel.rollout_ranks={half}",
-            f"rollout.max_staleness={k}",
+            f"rollout.placement.max_staleness={k}",
         )
         pred = predict_async(scaling, half, args.procs - half, k, sync_s=phases.switch_s)
         pred_fit = predict_async(fitted, half, args.procs - half, k, sync_s=phases.switch_s)

@@ -190,11 +190,12 @@ def run_megarl(args, work: Path, model: Path, train: Path, share_prompts: bool =
             "shuffle": False,
         },
         "rollout": {
-            "n": SAMPLES_PER_PROMPT,
-            "temperature": 1.0,
-            "max_response_length": NEW_TOKENS,
-            "kv_cache_gib": 0.25,
-            "dtype": args.rollout_dtype,
+            "sampling": {
+                "n": SAMPLES_PER_PROMPT,
+                "temperature": 1.0,
+                "max_response_length": NEW_TOKENS,
+            },
+            "engine": {"kv_cache_gib": 0.25, "dtype": args.rollout_dtype},
         },
         "actor": {
             "ppo_mini_batch_size": PROMPTS_PER_STEP,

@@ -263,9 +263,9 @@ def megarl_config(args, work: Path, train: Path, test: Path, seed: int) -> Path:
         val_batch_size=args.test_size,
         shuffle=False,
     )
-    cfg["rollout"].update(n=args.n, max_response_length=args.max_new_tokens)
+    cfg["rollout"]["sampling"].update(n=args.n, max_response_length=args.max_new_tokens)
     cfg["model"]["dtype"] = args.dtype
-    cfg["rollout"]["dtype"] = args.rollout_dtype
+    cfg["rollout"].setdefault("engine", {})["dtype"] = args.rollout_dtype
     cfg["actor"].update(ppo_mini_batch_size=args.prompts, micro_batch_size=args.micro_batch)
     cfg["actor"]["optim"].update(lr=args.lr, weight_decay=WEIGHT_DECAY, clip_grad=1.0)
     cfg["reward"] = {"custom_fn": f"megarl.rewards.{task.scorer_module}:{task.scorer_name}"}

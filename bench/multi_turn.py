@@ -182,10 +182,10 @@ def _config(args, work: Path, model_dir: str, length: int, multi: bool) -> list[
         f"data.train_batch_size={args.prompts}",
         "data.max_prompt_length=128",
         "data.shuffle=false",
-        f"rollout.n={args.n}",
-        f"rollout.max_response_length={length}",
-        "rollout.ignore_eos=true",
-        "rollout.kv_cache_gib=1",
+        f"rollout.sampling.n={args.n}",
+        f"rollout.sampling.max_response_length={length}",
+        "rollout.sampling.ignore_eos=true",
+        "rollout.engine.kv_cache_gib=1",
         f"actor.ppo_mini_batch_size={args.prompts}",
         "actor.micro_batch_size=8",
         "algorithm.use_kl_loss=false",
@@ -199,8 +199,8 @@ def _config(args, work: Path, model_dir: str, length: int, multi: bool) -> list[
         over += [
             f"rollout.env={Path(__file__).resolve()}:FixedTurns",
             f"rollout.env_kwargs.turns={args.turns}",
-            f"rollout.max_turns={args.turns}",
-            f"rollout.max_turn_tokens={args.turn_tokens}",
+            f"rollout.environment.max_turns={args.turns}",
+            f"rollout.environment.max_turn_tokens={args.turn_tokens}",
         ]
     return over
 

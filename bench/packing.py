@@ -89,7 +89,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     samples.tensors.ref_log_prob = samples.tensors.require("old_log_prob").clone()
     cfg = RunConfig()
     loss_fn = resolve_algorithm(
-        cfg.algorithm, cfg.rollout, cfg.actor, cfg.critic, cfg.data, dims.vocab_size
+        cfg.algorithm, cfg.rollout.sampling, cfg.actor, cfg.critic, cfg.data, dims.vocab_size
     ).actor_loss
     batching = MicroBatching(args.samples, args.max_tokens, args.mode == "packed")
     rows = list(range(args.samples))

@@ -17,7 +17,7 @@ def add_precision_args(ap: argparse.ArgumentParser) -> None:
         "--rollout-dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16"),
-        help="megarl's rollout.dtype (auto: --dtype)",
+        help="megarl's rollout.engine.dtype (auto: --dtype)",
     )
 
 

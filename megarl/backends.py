@@ -2,7 +2,7 @@
 
 - ``model.transformer_impl``: ``transformer_engine`` layers need CUDA and Transformer Engine;
   ``local`` is megatron's own spec (any device); ``auto`` takes TE where both are present.
-- ``rollout.backend``: ``vllm`` needs vLLM installed (``megarl[cpu]`` or ``megarl[gpu]``); ``hf``
+- ``rollout.engine.backend``: ``vllm`` needs vLLM installed (``megarl[cpu]`` or ``megarl[gpu]``); ``hf``
   generates with Hugging Face transformers (no extra package).
 """
 
@@ -47,13 +47,15 @@ def resolve_transformer_impl(requested: str) -> str:
 
 
 def check_rollout_backend(backend: str) -> None:
-    backends = choices("rollout.backend")  # megarl.rollout.engine.ROLLOUT_BACKENDS builds them
+    backends = choices(
+        "rollout.engine.backend"
+    )  # megarl.rollout.engine.ROLLOUT_BACKENDS builds them
     if backend not in backends:
-        raise ConfigError(f"rollout.backend={backend!r} is not one of {list(backends)}")
+        raise ConfigError(f"rollout.engine.backend={backend!r} is not one of {list(backends)}")
     if backend == "vllm" and not installed("vllm"):
         raise ConfigError(
-            "rollout.backend=vllm, but vLLM is not installed; install megarl[gpu] (CUDA) or "
-            "megarl[cpu] (CPU), or set rollout.backend=hf to generate with transformers"
+            "rollout.engine.backend=vllm, but vLLM is not installed; install megarl[gpu] (CUDA) or "
+            "megarl[cpu] (CPU), or set rollout.engine.backend=hf to generate with transformers"
         )
 
 
@@ -96,7 +98,7 @@ def check_backends(
     rollout_backend: str | None,
 ) -> None:
     """Every engine these sections ask for can run here; before any process starts.
-    ``rollout_backend``: ``rollout.backend`` of a run that rolls out (None: a trainer without a
+    ``rollout_backend``: ``rollout.engine.backend`` of a run that rolls out (None: a trainer without a
     rollout engine, SFT, DPO, a reward model)."""
     resolve_transformer_impl(model.transformer_impl)
     check_for_target(model, actor, this_machine())  # combinations this machine cannot run
@@ -107,7 +109,7 @@ def check_backends(
 
 
 def rollout_backend(trainer_kind: str, backend: str) -> str | None:
-    """``rollout.backend`` where ``trainer.kind`` rolls out (a policy run), else None (SFT, DPO,
+    """``rollout.engine.backend`` where ``trainer.kind`` rolls out (a policy run), else None (SFT, DPO,
     a reward model build no rollout engine): what :func:`check_backends` checks."""
     return backend if trainer_kind == "policy" else None
 

@@ -105,7 +105,7 @@ def _checked_train(
     nproc = args.nproc_per_node or default_nproc_per_node(cfg.parallel, cfg.rollout, this_machine())
     world = world_size(args.launcher, args.nnodes, nproc, args.address)
     validate(cfg, world)
-    colocated = cfg.rollout.mode == "colocated"
+    colocated = cfg.rollout.placement.mode == "colocated"
     trainers = trainer_world_size(cfg.parallel, cfg.rollout, world)
     layout = layout_for(cfg.parallel, trainers, with_rollout=colocated)
     reward_model = check_inputs(cfg, layout)  # model folder, layout vs model, data, import paths
@@ -135,7 +135,7 @@ def _checked_train(
             args.address,
             args.nnodes,
             args.verbose,
-            extra_ranks=world - trainers,  # rollout.mode=async: the rollout group
+            extra_ranks=world - trainers,  # rollout.placement.mode=async: the rollout group
             parked=parked.take() if local else None,
         )
 
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--show", action="store_true", help="print every setting, its value and its default"
     )
     config.add_argument("config", nargs="?", default=None, help="a run's YAML (optional)")
-    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
+    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.sampling.n=8")
     config.set_defaults(func=_config)
     report = sub.add_parser(
         "report",

@@ -82,8 +82,43 @@ def prepare_layer(cls: type, tree: dict[str, object], prefix: str = "") -> list[
     return unknown
 
 
-def suggestion(cls: type, key: str) -> str:
-    """Why ``key`` is unknown and what to write instead."""
+def move_keys(tree: dict[str, object], moved: Mapping[str, str], source: str) -> None:
+    """Move each old dotted key of ``moved`` that ``tree`` (one config layer, nested) holds to
+    its new key, in place, so configs written before a setting moved keep loading. A layer that
+    gives one setting under both keys is refused: which one it meant is not known."""
+    for old, new in moved.items():
+        *old_path, old_name = old.split(".")
+        parent = _subtree(tree, old_path)
+        if parent is None or old_name not in parent:
+            continue
+        value = parent.pop(old_name)
+        *new_path, new_name = new.split(".")
+        target: dict[str, object] = tree
+        for part in new_path:
+            child = target.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(new_path)} is a section of settings (in {source})")
+            target = child
+        if new_name in target:
+            raise ConfigError(
+                f"{old} and {new} are one setting, given twice (in {source}); keep {new}, "
+                f"the setting's key since it moved"
+            )
+        target[new_name] = value
+
+
+def _subtree(tree: dict[str, object], path: list[str]) -> dict[str, object] | None:
+    node: object = tree
+    for part in path:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node if isinstance(node, dict) else None
+
+
+def suggestion(cls: type, key: str, moved: Mapping[str, str] | None = None) -> str:
+    """Why ``key`` is unknown and what to write instead (``moved``: old key -> new key, so a
+    misspelt old key is answered with the setting's key now)."""
     if key == "algorithm.tis_cap":
         return (
             f"{key!r}: it is replaced by the rollout corrections: set "
@@ -97,17 +132,20 @@ def suggestion(cls: type, key: str) -> str:
     verl = verl_hint(key)
     if verl is not None:
         return verl
-    close = difflib.get_close_matches(key, all_keys(cls), n=3, cutoff=0.6)
+    now = {k: k for k in all_keys(cls)} | dict(moved or {})
+    close = difflib.get_close_matches(key, list(now), n=3, cutoff=0.6)
     if close:
-        return f"{key!r}; did you mean {', '.join(close)}?"
+        return f"{key!r}; did you mean {', '.join(dict.fromkeys(now[c] for c in close))}?"
     return f"{key!r}"
 
 
-def unknown_keys_error(cls: type, keys: list[str], source: str) -> ConfigError:
+def unknown_keys_error(
+    cls: type, keys: list[str], source: str, moved: Mapping[str, str] | None = None
+) -> ConfigError:
     """Every key of ``keys`` named with its suggestion, in one message (one line for one key,
     one line per key for several: a whole verl YAML file is answered in one round)."""
     where = f"(in {source}). `megarl config --show` lists every setting and its default"
     if len(keys) == 1:
-        return ConfigError(f"unknown setting {suggestion(cls, keys[0])} {where}")
-    lines = "".join(f"\n  {suggestion(cls, k)}" for k in keys)
+        return ConfigError(f"unknown setting {suggestion(cls, keys[0], moved)} {where}")
+    lines = "".join(f"\n  {suggestion(cls, k, moved)}" for k in keys)
     return ConfigError(f"{len(keys)} unknown settings {where}:{lines}")

@@ -82,9 +82,9 @@ def hardware_for(args: argparse.Namespace, machine: Target) -> Hardware:
 
 
 def _layout(parallel: ParallelConfig, rollout: RolloutConfig, world: int) -> ParallelLayout:
-    """The trainers' layout over a job of ``world`` ranks (in rollout.mode=async, the ranks left
+    """The trainers' layout over a job of ``world`` ranks (in rollout.placement.mode=async, the ranks left
     beside the rollout group, which do not roll out)."""
-    colocated = rollout.mode == "colocated"
+    colocated = rollout.placement.mode == "colocated"
     return ParallelLayout.for_settings(
         trainer_world_size(parallel, rollout, world), parallel, colocated
     )
@@ -97,10 +97,10 @@ def not_planned(trainer: TrainerConfig, rollout: RolloutConfig) -> str | None:
             f"the memory preflight models policy runs (trainer.kind=policy), not "
             f"trainer.kind={trainer.kind}"
         )
-    if rollout.mode == "async":
+    if rollout.placement.mode == "async":
         return (
             "the memory preflight models colocated runs (vLLM beside the models on every GPU), "
-            "not rollout.mode=async (trainer ranks without vLLM, parallel.rollout_ranks ranks "
+            "not rollout.placement.mode=async (trainer ranks without vLLM, parallel.rollout_ranks ranks "
             "with vLLM only), so this job's memory per GPU is not planned"
         )
     return None
@@ -152,7 +152,7 @@ def before_launch(
 ) -> int:
     """On CUDA (unless ``--no-preflight``): the preflight for ``nnodes`` nodes of ``nproc`` GPUs
     like this machine's, after the launch's input checks (``reward_model``: the shape they read);
-    0 to launch, 2 (the report printed) when a phase does not fit or, in rollout.mode=async,
+    0 to launch, 2 (the report printed) when a phase does not fit or, in rollout.placement.mode=async,
     cannot be planned."""
     machine = this_machine()
     if not machine.cuda or args.no_preflight or cfg.trainer.kind != "policy":
@@ -161,7 +161,7 @@ def before_launch(
     if reason:
         print(
             f"megarl: error: {reason}; start it with --no-preflight to launch without the "
-            "memory check, or use rollout.mode=colocated",
+            "memory check, or use rollout.placement.mode=colocated",
             file=sys.stderr,
             flush=True,
         )

@@ -69,10 +69,10 @@ TRAINERS: dict[str, Callable[[], Trainer]] = {
 
 
 def program(cfg: RunConfig) -> Trainer:
-    """What this rank runs: the trainer of ``trainer.kind``, or in rollout.mode=async on the
+    """What this rank runs: the trainer of ``trainer.kind``, or in rollout.placement.mode=async on the
     last parallel.rollout_ranks ranks the rollout group; imported with the libraries it uses
     from its start (megatron-core for a trainer)."""
-    if cfg.trainer.kind == "policy" and cfg.rollout.mode == "async":
+    if cfg.trainer.kind == "policy" and cfg.rollout.placement.mode == "async":
         from megarl.launch import job_split
         from megarl.world_split import ROLLOUT
 

@@ -156,7 +156,7 @@ def launch_env(
 
 def default_nproc_per_node(parallel: ParallelConfig, rollout: RolloutConfig, target: Target) -> int:
     """Processes ``megarl train`` starts on this node: one per local GPU on CUDA (DP follows from
-    the world size; in rollout.mode=async ``parallel.rollout_ranks`` of them roll out), on CPU
+    the world size; in rollout.placement.mode=async ``parallel.rollout_ranks`` of them roll out), on CPU
     ``tp * pp`` (one data-parallel rank) and the rollout group's ``parallel.rollout_ranks``."""
     if target.cuda and target.local_gpus > 0:
         return target.local_gpus

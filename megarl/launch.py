@@ -289,7 +289,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
 
 def job_split(rollout_ranks: int) -> WorldSplit:
-    """The split of this job (rollout.mode=async) from the launcher's environment."""
+    """The split of this job (rollout.placement.mode=async) from the launcher's environment."""
     _adopt_slurm_env()
     return WorldSplit(int(os.environ["WORLD_SIZE"]), rollout_ranks)
 

@@ -82,25 +82,25 @@ VERL_KEYS: dict[str, VerlKey] = {
         "actor.ppo_mini_batch_size", "the critic updates on the actor's mini-batches"
     ),
     # the rollout
-    f"{_R}name": VerlKey("rollout.backend", "vllm | hf"),
-    f"{_R}n": VerlKey("rollout.n"),
-    f"{_R}temperature": VerlKey("rollout.temperature"),
-    f"{_R}top_p": VerlKey("rollout.top_p"),
-    f"{_R}top_k": VerlKey("rollout.top_k"),
-    f"{_R}dtype": VerlKey("rollout.dtype"),
-    f"{_R}response_length": VerlKey("rollout.max_response_length"),
+    f"{_R}name": VerlKey("rollout.engine.backend", "vllm | hf"),
+    f"{_R}n": VerlKey("rollout.sampling.n"),
+    f"{_R}temperature": VerlKey("rollout.sampling.temperature"),
+    f"{_R}top_p": VerlKey("rollout.sampling.top_p"),
+    f"{_R}top_k": VerlKey("rollout.sampling.top_k"),
+    f"{_R}dtype": VerlKey("rollout.engine.dtype"),
+    f"{_R}response_length": VerlKey("rollout.sampling.max_response_length"),
     f"{_R}prompt_length": VerlKey("data.max_prompt_length"),
-    f"{_R}gpu_memory_utilization": VerlKey("rollout.gpu_memory_utilization"),
+    f"{_R}gpu_memory_utilization": VerlKey("rollout.engine.gpu_memory_utilization"),
     f"{_R}tensor_model_parallel_size": VerlKey("parallel.infer_tp"),
     f"{_R}log_prob_micro_batch_size_per_gpu": VerlKey("actor.micro_batch_size", _SHARED_MICRO),
     f"{_R}free_cache_engine": VerlKey(
-        "rollout.sleep_level", "the engine always sleeps between rollouts; this picks how"
+        "rollout.engine.sleep_level", "the engine always sleeps between rollouts; this picks how"
     ),
-    f"{_R}val_kwargs.temperature": VerlKey("rollout.val_temperature"),
-    f"{_R}val_kwargs.n": VerlKey("rollout.val_n"),
-    f"{_R}val_kwargs.do_sample": VerlKey("rollout.val_temperature", "0 is greedy"),
+    f"{_R}val_kwargs.temperature": VerlKey("rollout.sampling.val_temperature"),
+    f"{_R}val_kwargs.n": VerlKey("rollout.sampling.val_n"),
+    f"{_R}val_kwargs.do_sample": VerlKey("rollout.sampling.val_temperature", "0 is greedy"),
     # data
-    "data.max_response_length": VerlKey("rollout.max_response_length"),
+    "data.max_response_length": VerlKey("rollout.sampling.max_response_length"),
     "data.filter_overlong_prompts": VerlKey("data.overlong_prompts", "filter | error"),
     "data.truncation": VerlKey("data.overlong_prompts", "filter | error"),
     "data.prompt_key": VerlKey(None, "the prompt column is always `prompt` (verl's schema)"),

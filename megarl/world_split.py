@@ -1,4 +1,4 @@
-"""The job split into a trainer world and a rollout world (``rollout.mode: async``).
+"""The job split into a trainer world and a rollout world (``rollout.placement.mode: async``).
 
 Asynchronous training runs one SPMD program over the whole job (torchrun or Slurm start every
 process the same way); the last ``parallel.rollout_ranks`` processes only generate, the others

@@ -10,9 +10,10 @@ from megarl.trainer.rollout_group_parts import GroupSettings
 
 def group_settings(cfg: RunConfig) -> GroupSettings:
     return GroupSettings(
-        cfg.rollout,
+        cfg.rollout.placement,
+        cfg.rollout.environment.max_env_failures,
         cfg.data,
         cfg.trainer,
         cfg.algorithm.filter_groups,
-        dtype_from_name(rollout_dtype(cfg.model, cfg.rollout, False)),
+        dtype_from_name(rollout_dtype(cfg.model, cfg.rollout.engine, False)),
     )

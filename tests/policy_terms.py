@@ -16,12 +16,12 @@ def from_update(cfg: RunConfig) -> bool:
 
 def policy_terms(cfg: RunConfig):
     """``make_actor_policy_terms`` of ``cfg``'s algorithm section."""
-    kwargs = resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
+    kwargs = resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout.sampling)
     return make_actor_policy_terms(cfg.algorithm, kwargs, from_update(cfg))
 
 
 def algorithm_spec(cfg: RunConfig, vocab_size: int) -> AlgorithmSpec:
     """``cfg``'s algorithm spec, resolved from its sections as the trainer's assembly does."""
     return resolve_algorithm(
-        cfg.algorithm, cfg.rollout, cfg.actor, cfg.critic, cfg.data, vocab_size
+        cfg.algorithm, cfg.rollout.sampling, cfg.actor, cfg.critic, cfg.data, vocab_size
     )

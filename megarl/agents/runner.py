@@ -119,7 +119,7 @@ class AgentBatch:
         }
 
     def check_failures(self, max_failed_share: float) -> None:
-        """The run's failed-sample guard (rollout.max_env_failures): an EnvError showing the
+        """The run's failed-sample guard (rollout.environment.max_env_failures): an EnvError showing the
         first failure when more than that share of the batch failed."""
         check_env_failures([s.guard_view() for s in self.samples], max_failed_share)
 

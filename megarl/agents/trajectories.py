@@ -14,7 +14,7 @@ agent that edited or dropped messages split its session into segments (counted i
 not contain, so they are not trained (their model tokens are counted in
 ``agent/untrained_tokens``). Rewards: the agent's, on the last model token; None leaves the row's
 scorer to score the final reply; a failed agent (raised, timed out, no request) scores 0 and
-counts as a failed sample for ``rollout.max_env_failures``.
+counts as a failed sample for ``rollout.environment.max_env_failures``.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class TurnSettings:
     max_turn_tokens: int = 512  # new tokens of one reply (a request may ask for fewer)
     max_context_tokens: int = 4096  # one segment's prompt + everything after it
     # what may follow a segment's first prompt (model and tool tokens: the trained response), as
-    # rollout.max_response_length bounds an environment's trajectory; None: only the context
+    # rollout.sampling.max_response_length bounds an environment's trajectory; None: only the context
     max_response_tokens: int | None = None
     tool_parser: str | None = "hermes"  # None: replies carry no tool_calls
     chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)
@@ -209,7 +209,7 @@ class TurnMaker:
                 raise BadRequest(
                     "context_length",
                     f"the conversation holds {response} tokens after its first prompt; the run "
-                    f"trains at most {s.max_response_tokens} (rollout.max_response_length), "
+                    f"trains at most {s.max_response_tokens} (rollout.sampling.max_response_length), "
                     "with room for at least one new token",
                 )
             room = min(room, s.max_response_tokens - response)

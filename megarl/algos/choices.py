@@ -30,7 +30,7 @@ from megarl.algos.settings import (
     try_call,
     try_on_tiny_batch,
 )
-from megarl.config import AlgorithmConfig, DPOConfig, RolloutConfig
+from megarl.config import AlgorithmConfig, DPOConfig, SamplingSettings
 from megarl.errors import ConfigError
 
 
@@ -107,10 +107,10 @@ def _kl_controller_kwargs(a: AlgorithmConfig) -> dict[str, float]:
 
 
 def resolve_algorithm_kwargs(
-    a: AlgorithmConfig, rollout: RolloutConfig, try_them: bool = False
+    a: AlgorithmConfig, sampling: SamplingSettings, try_them: bool = False
 ) -> AlgorithmKwargs:
     """Resolve every choice of the ``algorithm`` section through its registry; ConfigError naming
-    the fix for an unknown name or a setting the chosen function does not take. ``rollout`` gives
+    the fix for an unknown name or a setting the chosen function does not take. ``sampling`` gives
     the response budget (a length-normalised loss's default) and the samples per prompt.
     ``try_them`` also calls the chosen policy loss, estimator and rollout correction once on a
     tiny batch (a value they refuse fails here)."""
@@ -122,7 +122,7 @@ def resolve_algorithm_kwargs(
         loss_agg = resolve_kwargs(agg)
         agg_params = keyword_parameters(lookup(agg))
         if "norm_length" in agg_params and "norm_length" not in loss_agg:
-            loss_agg["norm_length"] = rollout.max_response_length
+            loss_agg["norm_length"] = sampling.max_response_length
         out = AlgorithmKwargs(
             policy_loss=resolve_kwargs(policy),
             adv_estimator=resolve_kwargs(estimator),
@@ -139,11 +139,11 @@ def resolve_algorithm_kwargs(
             try_call(correction, lambda: _try_correction(a.rollout_correction, out))
     except SettingError as e:
         raise ConfigError(str(e)) from None
-    if "group_ids" in out.adv_inputs and rollout.n < 2:
+    if "group_ids" in out.adv_inputs and sampling.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares the samples of a prompt with "
-            f"each other, so rollout.n={rollout.n} gives every sample advantage 0; set "
-            "rollout.n >= 2, or adv_estimator=gae (with a critic) / reinforce_plus_plus"
+            f"each other, so rollout.sampling.n={sampling.n} gives every sample advantage 0; set "
+            "rollout.sampling.n >= 2, or adv_estimator=gae (with a critic) / reinforce_plus_plus"
         )
     return out
 

@@ -2,7 +2,7 @@
 
 The responses a step trains on were sampled by the rollout engine (the *behaviour* policy): other
 kernels and precision than the trainer's (colocated), and in asynchronous mode weights up to
-``rollout.max_staleness`` optimizer steps old. The trainer scores the same tokens with its current
+``rollout.placement.max_staleness`` optimizer steps old. The trainer scores the same tokens with its current
 weights before the update (``old_log_prob``: the *proximal* policy the PPO ratio is clipped
 around). A correction turns the per-token ratio ``rho_t = pi_old(y_t) / pi_rollout(y_t)`` into
 weights [batch, len] that multiply the per-token policy loss as constants (no gradient): 0 at

@@ -18,18 +18,18 @@ def _restarts_without_saves(t: TrainerConfig) -> str | None:
 def _turns_without_room(r: RolloutConfig) -> str | None:
     """Multi-turn: the model's own turns at their longest fill the response budget, so every
     environment message between them takes room from the last turns."""
-    if r.env is None or r.max_turns < 2 or r.max_turn_tokens is None:
+    if r.env is None or r.environment.max_turns < 2 or r.environment.max_turn_tokens is None:
         return None
-    model_tokens = r.max_turns * r.max_turn_tokens
-    if model_tokens < r.max_response_length:
+    model_tokens = r.environment.max_turns * r.environment.max_turn_tokens
+    if model_tokens < r.sampling.max_response_length:
         return None
     return (
-        f"rollout.max_turns={r.max_turns} turns of up to rollout.max_turn_tokens="
-        f"{r.max_turn_tokens} tokens take {model_tokens} of rollout.max_response_length="
-        f"{r.max_response_length}, leaving no room for the environment's messages between "
+        f"rollout.environment.max_turns={r.environment.max_turns} turns of up to rollout.environment.max_turn_tokens="
+        f"{r.environment.max_turn_tokens} tokens take {model_tokens} of rollout.sampling.max_response_length="
+        f"{r.sampling.max_response_length}, leaving no room for the environment's messages between "
         "them: trajectories whose turns run long end at the budget before their last turn "
-        "(counted by rollout/budget_cut); raise rollout.max_response_length or lower "
-        "rollout.max_turn_tokens"
+        "(counted by rollout/budget_cut); raise rollout.sampling.max_response_length or lower "
+        "rollout.environment.max_turn_tokens"
     )
 
 

@@ -11,10 +11,11 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megarl.config.moved_keys import MOVED_KEYS
 from megarl.config.schema import RunConfig
 from megarl.config.validation import validate
 from megarl.config.words import choice_fields, expected_value
-from megarl.config_keys import prepare_layer, unknown_keys_error
+from megarl.config_keys import move_keys, prepare_layer, unknown_keys_error
 from megarl.errors import ConfigError
 from megarl.verl_keys import translate_verl_values
 
@@ -67,7 +68,7 @@ def _config_errors() -> Iterator[None]:
     try:
         yield
     except ConfigKeyError as e:
-        raise unknown_keys_error(RunConfig, [str(e.full_key)], "the config") from None
+        raise unknown_keys_error(RunConfig, [str(e.full_key)], "the config", MOVED_KEYS) from None
     except ValidationError as e:
         allowed = choice_fields(RunConfig).get(str(e.full_key))
         if allowed is not None:  # a word outside a Literal field's set
@@ -82,16 +83,18 @@ def _config_errors() -> Iterator[None]:
 
 
 def _checked_layer(layer: Any, source: str) -> Any:
-    """A config layer with its keys checked against the schema (every unknown one named, with
-    megarl's key for verl's), single values taken as one-element lists where lists go, and
-    verl's -1 for "never" in the frequencies both spell alike read as megarl's 0."""
+    """A config layer with its keys checked against the schema (settings that moved taken at
+    their new keys, every unknown one named, with megarl's key for verl's), single values taken
+    as one-element lists where lists go, and verl's -1 for "never" in the frequencies both spell
+    alike read as megarl's 0."""
     tree = OmegaConf.to_container(layer, resolve=False)
     if not isinstance(tree, dict):
         raise ConfigError(f"{source} is not a mapping of sections (model:, data:, ...)")
+    move_keys(cast(dict[str, object], tree), MOVED_KEYS, source)  # e.g. rollout.n, before the split
     # A YAML mapping's keys: a key that is not a str is reported unknown like any other.
     unknown = prepare_layer(RunConfig, cast(dict[str, Any], tree))
     if unknown:
-        raise unknown_keys_error(RunConfig, unknown, source)
+        raise unknown_keys_error(RunConfig, unknown, source, MOVED_KEYS)
     translate_verl_values(cast(dict[str, Any], tree))  # verl's -1 (never) -> megarl's 0
     return OmegaConf.create(tree)
 

@@ -79,7 +79,9 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
+class SamplingSettings:
+    """``rollout.sampling``: what each request asks the engine for."""
+
     n: int = 5  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -92,20 +94,26 @@ class RolloutConfig:
     ignore_eos: bool = False
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per validation prompt (pass@k / mean@k over them); > 1 needs val_temperature > 0
-    kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
-    # The rollout engine's weights and compute: auto (model.dtype) | float32 | bfloat16. The
-    # reshard casts the actor's weights to it, so e.g. a CPU whose bf16 decode is slow can train
-    # in bf16 and sample in fp32.
-    dtype: Dtype = "auto"
-    backend: RolloutBackend = "vllm"  # hf: Hugging Face generate (no vLLM needed; for debugging)
-    gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
-    max_num_seqs: int = 256  # sequences each vLLM engine decodes at once (its scheduler's cap)
     # true: every request carries its own seed (derived from trainer.seed and its global index),
     # so the samples do not depend on the layout, the engine count or the batching, and a resumed
     # run samples what the uninterrupted one would; false: one seed per engine and vLLM's batched
     # sampler (per-request seeds force its per-request sampling loop and turn its FlashInfer
     # top-k/top-p kernel off), at the price of both guarantees (docs/gpu_settings.md)
     per_request_seeds: bool = True
+
+
+@dataclass
+class EngineSettings:
+    """``rollout.engine``: the rollout engine itself, its memory and how weights reach it."""
+
+    backend: RolloutBackend = "vllm"  # hf: Hugging Face generate (no vLLM needed; for debugging)
+    # The rollout engine's weights and compute: auto (model.dtype) | float32 | bfloat16. The
+    # reshard casts the actor's weights to it, so e.g. a CPU whose bf16 decode is slow can train
+    # in bf16 and sample in fp32.
+    dtype: Dtype = "auto"
+    kv_cache_gib: float = 1.0  # CPU vLLM KV cache per rank
+    gpu_memory_utilization: float = 0.5  # CUDA vLLM: share of GPU memory for weights + KV cache
+    max_num_seqs: int = 256  # sequences each vLLM engine decodes at once (its scheduler's cap)
     # CUDA rollout engine between rollouts: 2 discards its weights (the reshard refills every
     # one), 1 copies them to host memory and back; both free the KV cache
     sleep_level: SleepLevel = 2
@@ -113,6 +121,12 @@ class RolloutConfig:
     # slices its rollout TP rank loads), full (whole tensors on every rank), auto (shard where
     # the backend can load slices of the model, else full). See docs/resharding.md.
     reshard_mode: ReshardMode = "auto"
+
+
+@dataclass
+class PlacementSettings:
+    """``rollout.placement``: where the rollout runs against training, and how far behind."""
+
     # colocated: every rank rolls out, then trains. async: parallel.rollout_ranks ranks generate
     # while the others train (docs/async.md)
     mode: RolloutMode = "colocated"
@@ -124,24 +138,46 @@ class RolloutConfig:
     partial: bool = False
     # async with partial: tokens generated between two checks for new weights
     partial_chunk_tokens: int = 64
-    # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
-    # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
-    env: str | None = None
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EnvironmentSettings:
+    """``rollout.environment``: how the trajectories of ``rollout.env`` run (turns, tools,
+    failures); the environment itself is chosen by ``rollout.env``."""
+
     max_turns: int = 4  # model turns per trajectory
     # continuous: each trajectory goes on as soon as its own environment answers (on vLLM its
     # next turn joins the running batch at the engine's next step; on hf the engine's next
     # call); lockstep: every turn of every trajectory in one call, the next after the turn's
     # slowest environment (repeatable bit for bit on vLLM)
     turn_loop: TurnLoop = "continuous"
-    # New tokens of one model turn; None: max_response_length. A trajectory's budget is its
-    # prompt + max_response_length tokens (all model turns and environment tokens together).
+    # New tokens of one model turn; None: rollout.sampling.max_response_length. A trajectory's
+    # budget is its prompt + max_response_length tokens (all model turns and environment tokens
+    # together).
     max_turn_tokens: int | None = None
     tool_concurrency: int = 8  # tool calls (and synchronous env steps) running at once per engine
     tool_timeout_s: float = 30.0  # a tool call past this gives the model an error result
-    # Share of a step's samples whose environment may fail (raise, break the API) before the run
-    # stops with the first error; failed samples score 0 and are counted (rollout/env_failures).
+    # Share of a step's samples whose environment (or agent) may fail (raise, break the API)
+    # before the run stops with the first error; failed samples score 0 and are counted
+    # (rollout/env_failures).
     max_env_failures: float = 0.5
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout, by concern: ``sampling``, ``engine``, ``placement`` and ``environment``
+    sections, beside the choice of an environment or an agent. The flat keys of earlier configs
+    (``rollout.n``, ``rollout.mode``, ``rollout.max_turns`` ...) still load: megarl.config.moved_keys
+    moves them into their sections."""
+
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    environment: EnvironmentSettings = field(default_factory=EnvironmentSettings)
+    # Multi-turn rollouts (docs/environments.md): an Environment subclass, "module:Class" or
+    # "path/to/file.py:Class", built once per sample with env_kwargs. None: single-turn.
+    env: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
     # A black-box agent behind an OpenAI-compatible endpoint (docs/agents.md): "path/to/file.py:NAME"
     # naming NAME(row, base_url, model) -> float | None, sync or async, run once per sample and
     # trained on like an environment's trajectories (colocated). None: no agent.

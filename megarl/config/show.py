@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.loading import merged_config
+from megarl.config.moved_keys import MOVED_KEYS
 from megarl.config.schema import RunConfig
 
 REQUIRED = "(required)"
@@ -68,6 +69,18 @@ def markdown() -> str:
             section = top
             out += ["", f"## {section}", "", "| setting | default |", "| --- | --- |"]
         out.append(f"| `{key}` | `{default}` |")
+    out += [
+        "",
+        "## Keys that moved",
+        "",
+        "The rollout's settings were split into sections by concern. Configs, overrides and earlier",
+        "runs' `config.yaml` written with the old keys still load: each old key is read as its new",
+        "one (giving both in one file or one command line is refused).",
+        "",
+        "| old key | now |",
+        "| --- | --- |",
+        *(f"| `{old}` | `{new}` |" for old, new in MOVED_KEYS.items()),
+    ]
     return "\n".join(out) + "\n"
 
 

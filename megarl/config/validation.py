@@ -40,9 +40,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "model.transformer_impl=local (or auto, which takes the local spec with LoRA)"
         )
     check_field_words(cfg)
-    if not 0.0 < cfg.rollout.gpu_memory_utilization <= 1.0:
+    if not 0.0 < cfg.rollout.engine.gpu_memory_utilization <= 1.0:
         raise ConfigError(
-            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in "
+            f"rollout.engine.gpu_memory_utilization={cfg.rollout.engine.gpu_memory_utilization} must be in "
             "(0, 1]: the share of each GPU's memory vLLM may take (e.g. 0.5)"
         )
     _validate_parallel(cfg.parallel)
@@ -74,9 +74,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
         "actor.micro_batch_size": actor.micro_batch_size,
         "actor.ppo_epochs": actor.ppo_epochs,
-        "rollout.n": cfg.rollout.n,
-        "rollout.max_response_length": cfg.rollout.max_response_length,
-        "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
+        "rollout.sampling.n": cfg.rollout.sampling.n,
+        "rollout.sampling.max_response_length": cfg.rollout.sampling.max_response_length,
+        "rollout.engine.max_num_seqs": cfg.rollout.engine.max_num_seqs,
         "trainer.total_steps": cfg.trainer.total_steps,
     }
     check_positive(positive)
@@ -182,45 +182,45 @@ def _validate_sampling(
     data: DataConfig,
     reward: RewardConfig,
 ) -> None:
-    if r.temperature < 0 or r.val_temperature < 0:
+    if r.sampling.temperature < 0 or r.sampling.val_temperature < 0:
         raise ConfigError(
-            "rollout.temperature and rollout.val_temperature must be >= 0 (0: greedy)"
+            "rollout.sampling.temperature and rollout.sampling.val_temperature must be >= 0 (0: greedy)"
         )
-    check_positive({"rollout.val_n": r.val_n})
-    if r.val_n > 1 and r.val_temperature == 0:
+    check_positive({"rollout.sampling.val_n": r.sampling.val_n})
+    if r.sampling.val_n > 1 and r.sampling.val_temperature == 0:
         raise ConfigError(
-            f"rollout.val_n={r.val_n} greedy samples are all the same answer; set "
-            "rollout.val_temperature > 0 (e.g. 0.6) or val_n=1"
+            f"rollout.sampling.val_n={r.sampling.val_n} greedy samples are all the same answer; set "
+            "rollout.sampling.val_temperature > 0 (e.g. 0.6) or val_n=1"
         )
     if trainer.val_before_train and not data.val_files:
         raise ConfigError("trainer.val_before_train=true needs data.val_files")
     if a.loss_agg_norm_length is not None and a.loss_agg_norm_length < 1:
         raise ConfigError(
-            f"algorithm.loss_agg_norm_length must be >= 1 (or null: rollout.max_response_length), "
+            f"algorithm.loss_agg_norm_length must be >= 1 (or null: rollout.sampling.max_response_length), "
             f"got {a.loss_agg_norm_length}"
         )
     if a.filter_groups:
         check_positive({"algorithm.filter_groups_max_batches": a.filter_groups_max_batches})
-        if r.n < 2:
+        if r.sampling.n < 2:
             raise ConfigError(
                 f"algorithm.filter_groups keeps groups whose rewards differ, which needs "
-                f"rollout.n >= 2 samples per prompt (got {r.n})"
+                f"rollout.sampling.n >= 2 samples per prompt (got {r.sampling.n})"
             )
     buf = reward.overlong_buffer
-    if not 0 <= buf.len < r.max_response_length:
+    if not 0 <= buf.len < r.sampling.max_response_length:
         raise ConfigError(
-            f"reward.overlong_buffer.len={buf.len} must be in [0, rollout.max_response_length="
-            f"{r.max_response_length}); 0 turns the overlong penalty off"
+            f"reward.overlong_buffer.len={buf.len} must be in [0, rollout.sampling.max_response_length="
+            f"{r.sampling.max_response_length}); 0 turns the overlong penalty off"
         )
     if buf.penalty_factor < 0:
         raise ConfigError(
             f"reward.overlong_buffer.penalty_factor must be >= 0, got {buf.penalty_factor}"
         )
-    if r.ignore_eos and buf.len > 0:
+    if r.sampling.ignore_eos and buf.len > 0:
         raise ConfigError(
-            "rollout.ignore_eos=true runs every response to rollout.max_response_length, so "
+            "rollout.sampling.ignore_eos=true runs every response to rollout.sampling.max_response_length, so "
             "reward.overlong_buffer would give every one the same full penalty; set "
-            "reward.overlong_buffer.len=0 or rollout.ignore_eos=false"
+            "reward.overlong_buffer.len=0 or rollout.sampling.ignore_eos=false"
         )
 
 
@@ -231,36 +231,36 @@ def _validate_async(
     elastic: ElasticConfig,
     world_size: int | None,
 ) -> None:
-    """rollout.mode and the settings of asynchronous training (docs/async.md); ``offloads``:
+    """rollout.placement.mode and the settings of asynchronous training (docs/async.md); ``offloads``:
     each model's param_offload setting by its key."""
-    if r.max_staleness < 0:
+    if r.placement.max_staleness < 0:
         raise ConfigError(
-            f"rollout.max_staleness={r.max_staleness} must be >= 0: how many optimizer steps "
+            f"rollout.placement.max_staleness={r.placement.max_staleness} must be >= 0: how many optimizer steps "
             "the rollout may run behind the trainer (0: on-policy)"
         )
-    if r.partial_chunk_tokens < 1:
+    if r.placement.partial_chunk_tokens < 1:
         raise ConfigError(
-            f"rollout.partial_chunk_tokens={r.partial_chunk_tokens} must be >= 1 (tokens "
+            f"rollout.placement.partial_chunk_tokens={r.placement.partial_chunk_tokens} must be >= 1 (tokens "
             "generated between two checks for new weights)"
         )
-    if r.mode != "async":
+    if r.placement.mode != "async":
         if par.rollout_ranks:
             raise ConfigError(
                 f"parallel.rollout_ranks={par.rollout_ranks} sets aside ranks for the rollout "
-                "group of asynchronous training: add rollout.mode=async, or set "
+                "group of asynchronous training: add rollout.placement.mode=async, or set "
                 "parallel.rollout_ranks=0 (colocated: every rank rolls out and trains)"
             )
-        if r.partial:
+        if r.placement.partial:
             raise ConfigError(
-                "rollout.partial=true continues generation across weight updates, which happen "
-                "during generation only in asynchronous training: set rollout.mode=async (with "
-                "parallel.rollout_ranks) or rollout.partial=false"
+                "rollout.placement.partial=true continues generation across weight updates, which happen "
+                "during generation only in asynchronous training: set rollout.placement.mode=async (with "
+                "parallel.rollout_ranks) or rollout.placement.partial=false"
             )
         return
     infer_tp = par.infer_tp or par.tp
     if par.rollout_ranks < 1 or par.rollout_ranks % infer_tp:
         raise ConfigError(
-            f"rollout.mode=async needs parallel.rollout_ranks, a positive multiple of "
+            f"rollout.placement.mode=async needs parallel.rollout_ranks, a positive multiple of "
             f"parallel.infer_tp={infer_tp} (each rollout engine spans infer_tp ranks); got "
             f"{par.rollout_ranks}"
         )
@@ -268,21 +268,21 @@ def _validate_async(
         if on:
             raise ConfigError(
                 f"{key}=true moves a model to host memory while the rollout engine generates on "
-                "the same GPU; in rollout.mode=async the trainer ranks hold no rollout engine: "
+                "the same GPU; in rollout.placement.mode=async the trainer ranks hold no rollout engine: "
                 f"set {key}=false"
             )
     if elastic.max_restarts:
         raise ConfigError(
             "trainer.elastic.max_restarts re-plans the trainers' layout on the ranks left after "
-            "a failure, which does not yet account for the rollout group of rollout.mode=async: "
+            "a failure, which does not yet account for the rollout group of rollout.placement.mode=async: "
             "set trainer.elastic.max_restarts=0 (resume from the latest checkpoint by hand) or "
-            "rollout.mode=colocated"
+            "rollout.placement.mode=colocated"
         )
-    if r.env is not None and r.partial:
+    if r.env is not None and r.placement.partial:
         raise ConfigError(
-            "rollout.partial=true continues single-turn responses across weight updates; the "
+            "rollout.placement.partial=true continues single-turn responses across weight updates; the "
             f"multi-turn trajectories of rollout.env={r.env!r} are generated turn by turn with "
-            "one version's weights: set rollout.partial=false or unset rollout.env"
+            "one version's weights: set rollout.placement.partial=false or unset rollout.env"
         )
     if world_size is None:
         return
@@ -304,18 +304,26 @@ def _validate_multi_turn(r: RolloutConfig) -> None:
             raise ConfigError(f"rollout.{set_[0]} is set but rollout.env is not; set rollout.env")
         return
     check_positive(
-        {"rollout.max_turns": r.max_turns, "rollout.tool_concurrency": r.tool_concurrency}
+        {
+            "rollout.environment.max_turns": r.environment.max_turns,
+            "rollout.environment.tool_concurrency": r.environment.tool_concurrency,
+        }
     )
-    if r.max_turn_tokens is not None and not 1 <= r.max_turn_tokens <= r.max_response_length:
+    if (
+        r.environment.max_turn_tokens is not None
+        and not 1 <= r.environment.max_turn_tokens <= r.sampling.max_response_length
+    ):
         raise ConfigError(
-            f"rollout.max_turn_tokens={r.max_turn_tokens} must be in [1, rollout.max_response_length="
-            f"{r.max_response_length}] (or null: the whole budget)"
+            f"rollout.environment.max_turn_tokens={r.environment.max_turn_tokens} must be in [1, rollout.sampling.max_response_length="
+            f"{r.sampling.max_response_length}] (or null: the whole budget)"
         )
-    if not r.tool_timeout_s > 0:
-        raise ConfigError(f"rollout.tool_timeout_s={r.tool_timeout_s} must be > 0 seconds")
-    if not 0.0 <= r.max_env_failures <= 1.0:
+    if not r.environment.tool_timeout_s > 0:
         raise ConfigError(
-            f"rollout.max_env_failures={r.max_env_failures} must be a share in [0, 1] of a "
+            f"rollout.environment.tool_timeout_s={r.environment.tool_timeout_s} must be > 0 seconds"
+        )
+    if not 0.0 <= r.environment.max_env_failures <= 1.0:
+        raise ConfigError(
+            f"rollout.environment.max_env_failures={r.environment.max_env_failures} must be a share in [0, 1] of a "
             "step's samples"
         )
 
@@ -345,9 +353,9 @@ def _validate_agent(r: RolloutConfig, hang_timeout_s: float) -> None:
             "answers the model's turns; a run has one or the other: unset one of them",
         ),
         (
-            r.partial,
-            "rollout.partial=true: an agent's turns are sampled with one version's weights; set "
-            "rollout.partial=false",
+            r.placement.partial,
+            "rollout.placement.partial=true: an agent's turns are sampled with one version's weights; set "
+            "rollout.placement.partial=false",
         ),
     )
     for refused, why in refusals:

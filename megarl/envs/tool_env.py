@@ -148,7 +148,7 @@ class ToolEnvironment(Environment):
         ``attempt_reward``: a call was written but is malformed or failed), else 0.
 
         Never None: a turn that calls a tool is not an answer. A trajectory cut at
-        ``rollout.max_turns`` on such a turn thus keeps its credits and nothing more, where the
+        ``rollout.environment.max_turns`` on such a turn thus keeps its credits and nothing more, where the
         run's scorer would otherwise read the call as the final answer (a measured reward hack:
         calling the calculator on the answer, ``{"expression": "1382"}``, scores as answering
         1382). The final answer's turn (no call) is left unrewarded, so the run's reward scores

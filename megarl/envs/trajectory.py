@@ -15,7 +15,7 @@ import torch
 from megarl.envs.base import EnvError, Message
 
 # Why a trajectory ended: the environment said done | its token budget ran out | it used
-# rollout.max_turns model turns | its environment failed (reward 0, counted).
+# rollout.environment.max_turns model turns | its environment failed (reward 0, counted).
 FINISH_REASONS = ("stop", "length", "turns", "error")
 TRUNCATED = ("length", "turns")
 
@@ -35,7 +35,7 @@ class Trajectory:
     # its engine's own reason, megarl.rollout.one_reply)
     finish: str | None = None
     error: str | None = None
-    # ended before rollout.max_turns because the response budget (rollout.max_response_length)
+    # ended before rollout.environment.max_turns because the response budget (rollout.sampling.max_response_length)
     # had no room for the environment's message or another turn
     budget_cut: bool = False
     # actor.router_replay: the experts the rollout engine routed each id of prompt + response
@@ -202,11 +202,11 @@ def trajectory_metrics(trajectories: list[Trajectory], env_seconds: float) -> di
 
 def check_env_failures(trajectories: list[Trajectory], max_failed_share: float) -> None:
     """Raise EnvError, showing the first failure, when more than ``max_failed_share`` of a step's
-    trajectories failed in their environment (rollout.max_env_failures)."""
+    trajectories failed in their environment (rollout.environment.max_env_failures)."""
     failed = [t for t in trajectories if t.finish == "error"]
     if failed and len(failed) > max_failed_share * len(trajectories):
         raise EnvError(
             f"{len(failed)} of the step's {len(trajectories)} samples failed in their environment, "
-            f"more than rollout.max_env_failures={max_failed_share:g} of them; the first "
+            f"more than rollout.environment.max_env_failures={max_failed_share:g} of them; the first "
             f"(sample {failed[0].sample}):\n{failed[0].error}"
         )

@@ -41,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a token budget per micro-batch instead of --batch (actor.max_tokens_per_micro_batch)",
     )
     p.add_argument(
-        "--n", type=int, default=4, help="samples per prompt (rollout.n); divides --global-batch"
+        "--n",
+        type=int,
+        default=4,
+        help="samples per prompt (rollout.sampling.n); divides --global-batch",
     )
     p.add_argument(
         "--global-batch", type=int, default=256, help="sequences per optimizer step (all ranks)"
@@ -111,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--async",
         dest="async_split",
         action="store_true",
-        help="also rank rollout.mode=async splits (parallel.rollout_ranks) of the GPUs against "
+        help="also rank rollout.placement.mode=async splits (parallel.rollout_ranks) of the GPUs against "
         "colocated, for the fastest layout (pipeline model)",
     )
     p.add_argument(

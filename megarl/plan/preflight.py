@@ -6,7 +6,7 @@ checks, builds no model and starts no process, so it runs on a laptop before a j
 (``megarl train CONFIG --dry-run``) and on a CUDA node before launch. What it computes is the
 planner's memory model (:func:`megarl.plan.memory.estimate_memory`, :mod:`megarl.plan.host`) for
 exactly the config's sizes, upper bounds where the data decide: every sequence as long as the
-settings allow (``data.max_prompt_length + rollout.max_response_length``), a token-budgeted
+settings allow (``data.max_prompt_length + rollout.sampling.max_response_length``), a token-budgeted
 micro-batch full to its budget. One assumption: a budgeted micro-batch's sequences are of about
 one length (the trainer sorts them by length before it cuts micro-batches), so its output layer
 projects at most as many positions as it holds tokens.
@@ -243,31 +243,31 @@ def workload_for(
     from megarl.algos.choices import resolve_algorithm_kwargs
 
     a, r, actor = cfg.algorithm, cfg.rollout, cfg.actor
-    critic = "values" in resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout).adv_inputs
+    critic = "values" in resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout.sampling).adv_inputs
     reference = a.use_kl_loss or a.use_kl_in_reward
-    n = r.n
+    n = r.sampling.n
     rollout_batch = cfg.data.train_batch_size * n
     per_engine = -(-rollout_batch // layout.rollout_dp)
     workload = Workload(
-        seq_len=cfg.data.max_prompt_length + r.max_response_length,
+        seq_len=cfg.data.max_prompt_length + r.sampling.max_response_length,
         micro_batch=actor.micro_batch_size,
         global_batch=actor.ppo_mini_batch_size * n,
         algo="ppo" if critic else "grpo",
         reference=reference,
         rollout=True,
-        response_len=r.max_response_length,
-        rollout_seqs=max(1, min(r.max_num_seqs, per_engine)),
-        gpu_memory_utilization=r.gpu_memory_utilization,
+        response_len=r.sampling.max_response_length,
+        rollout_seqs=max(1, min(r.engine.max_num_seqs, per_engine)),
+        gpu_memory_utilization=r.engine.gpu_memory_utilization,
         lora_rank=actor.lora.rank,
         micro_batch_tokens=actor.max_tokens_per_micro_batch,
-        output_positions=r.max_response_length,
+        output_positions=r.sampling.max_response_length,
         scoring=_scored(a, actor, cfg.data.train_batch_size, reference, critic),
-        temperature=r.temperature,
+        temperature=r.sampling.temperature,
         samples_per_prompt=n,
         rollout_batch=rollout_batch,
-        sleep_level=r.sleep_level,
+        sleep_level=r.engine.sleep_level,
         reward_model=reward_model,
-        record_routes=routing_recorded(cfg.rollout, True),  # counted for MoE models only
+        record_routes=routing_recorded(cfg.rollout.engine, True),  # counted for MoE models only
         routes_gathered=actor.balance_dp_tokens,
         judge=_judge_dims(cfg.reward.judge),
         judge_len=cfg.reward.judge.max_length,
@@ -317,7 +317,7 @@ def _problems(
         if p.name == "startup":
             message = (
                 f"startup needs {fmt_gib(p.total)} GiB per GPU > {fmt_gib(hw.gpu_memory)} GiB: "
-                f"vLLM starts only with rollout.gpu_memory_utilization={w.gpu_memory_utilization}"
+                f"vLLM starts only with rollout.engine.gpu_memory_utilization={w.gpu_memory_utilization}"
                 f" x {fmt_gib(hw.gpu_memory)} = {fmt_gib(added)} GiB free, and the models hold "
                 f"{fmt_gib(resident)} GiB by then (stage {p.stage})"
             )
@@ -337,7 +337,7 @@ def _problems(
                 w.seq_len,
                 kv,
                 f"vLLM's KV cache holds {kv} tokens, fewer than one {w.seq_len}-token sequence "
-                "(data.max_prompt_length + rollout.max_response_length): vLLM refuses to start",
+                "(data.max_prompt_length + rollout.sampling.max_response_length): vLLM refuses to start",
             )
         )
     bytes_, phase, node = host.node_peak()
@@ -457,19 +457,19 @@ def _candidates(
         out += [[f"actor.micro_batch_size={b}"] for b in _halvings(a.micro_batch_size, 1)]
     vllm = bool(what & {"startup", "rollout", "kv_cache"})
     if vllm:
-        u = rollout.gpu_memory_utilization
+        u = rollout.engine.gpu_memory_utilization
         steps = [round(x / 100, 2) for x in range(5, 100, 5)]
         lower = [x for x in reversed(steps) if x < u]
         higher = [x for x in steps if x > u]
-        out += [[f"rollout.gpu_memory_utilization={x}"] for x in (lower + higher)]
+        out += [[f"rollout.engine.gpu_memory_utilization={x}"] for x in (lower + higher)]
     if a.optimizer_offload < 1.0:
         out.append(["actor.optimizer_offload=1.0"])
     if "rollout" in what and not a.param_offload:
         out.append(
             ["actor.param_offload=true", "ref.param_offload=true", "critic.param_offload=true"]
         )
-    if any(p.where.startswith("host") for p in pf.problems) and rollout.sleep_level == 1:
-        out.append(["rollout.sleep_level=2"])
+    if any(p.where.startswith("host") for p in pf.problems) and rollout.engine.sleep_level == 1:
+        out.append(["rollout.engine.sleep_level=2"])
     node = pf.hardware.gpus_per_node
     for tp in (2, 4, 8, 16):
         if par.tp < tp <= node and node % tp == 0:
@@ -635,7 +635,7 @@ def _kv_line(pf: Preflight) -> str | None:
     return (
         f"vLLM (TP{pf.layout.rollout_tp}, {pf.layout.rollout_dp} engines): KV cache "
         f"{fmt_gib(kv)} GiB per GPU = {tokens:,} tokens, {full} sequences of {w.seq_len} tokens "
-        f"fit at once; it schedules up to {w.rollout_seqs} (rollout.max_num_seqs)"
+        f"fit at once; it schedules up to {w.rollout_seqs} (rollout.engine.max_num_seqs)"
     )
 
 

@@ -216,11 +216,11 @@ def workload_overrides(w: Workload, numerics: Numerics) -> list[str]:
         f"data.train_batch_size={w.rollout_sequences // n}",
         f"actor.ppo_mini_batch_size={w.global_batch // n}",
         "actor.ppo_epochs=1",
-        f"rollout.n={n}",
+        f"rollout.sampling.n={n}",
         f"data.max_prompt_length={w.seq_len - w.response_tokens}",
-        f"rollout.max_response_length={w.response_tokens}",
+        f"rollout.sampling.max_response_length={w.response_tokens}",
         f"model.dtype={'bfloat16' if numerics.param_bytes == 2 else 'float32'}",
-        f"rollout.max_num_seqs={w.rollout_seqs}",
+        f"rollout.engine.max_num_seqs={w.rollout_seqs}",
     ]
     if w.micro_batch_tokens is not None:
         out.append(f"actor.max_tokens_per_micro_batch={w.micro_batch_tokens}")
@@ -241,12 +241,12 @@ def workload_overrides(w: Workload, numerics: Numerics) -> list[str]:
         ]
     out.append(f"actor.lora.rank={w.lora_rank}")
     if w.gpu_memory_utilization is not None:
-        out.append(f"rollout.gpu_memory_utilization={w.gpu_memory_utilization}")
+        out.append(f"rollout.engine.gpu_memory_utilization={w.gpu_memory_utilization}")
     return out
 
 
 def _vllm_share(e: Evaluated, gpu_memory: int) -> float:
-    """The ``rollout.gpu_memory_utilization`` that gives vLLM what the plan sized it at (weights,
+    """The ``rollout.engine.gpu_memory_utilization`` that gives vLLM what the plan sized it at (weights,
     the KV cache of ``--rollout-seqs`` sequences, workspace), rounded up to a hundredth."""
     vllm = e.memory.worst.phase_items.get("rollout", {}).get("rollout", 0)
     return min(1.0, math.ceil(100 * vllm / gpu_memory) / 100)
@@ -274,7 +274,7 @@ def config_overrides(e: Evaluated, w: Workload | None = None, gpu_memory: int = 
     if e.options.sequence_parallel is not None and e.layout.tp > 1:
         out.append(f"parallel.sequence_parallel={str(e.options.sequence_parallel).lower()}")
     if w is not None and w.rollout and w.gpu_memory_utilization is None and gpu_memory:
-        out.append(f"rollout.gpu_memory_utilization={_vllm_share(e, gpu_memory)}")
+        out.append(f"rollout.engine.gpu_memory_utilization={_vllm_share(e, gpu_memory)}")
     return out
 
 

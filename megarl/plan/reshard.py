@@ -2,7 +2,7 @@
 weights move into the rollout engine every step, from the pure reshard planner
 (:func:`megarl.weights.reshard_schedule.reshard_traffic`) over the model's real tensor list.
 
-The mode is the one a run of this layout would use with vLLM (``rollout.reshard_mode=auto``):
+The mode is the one a run of this layout would use with vLLM (``rollout.engine.reshard_mode=auto``):
 ``shard`` for dense models, ``full`` for mixture-of-experts ones. Figures are the most any rank
 of the layout moves, in bytes of bf16 weights.
 """

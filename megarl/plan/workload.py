@@ -45,11 +45,15 @@ class Workload:
     # the rollout is scored (old / reference logprobs, values) in a forward pass after vLLM sleeps,
     # in the update's micro-batches
     scoring: bool = True
-    temperature: float = 1.0  # rollout.temperature: scoring divides the logits by it (a copy)
-    samples_per_prompt: int = 1  # rollout.n
+    temperature: float = (
+        1.0  # rollout.sampling.temperature: scoring divides the logits by it (a copy)
+    )
+    samples_per_prompt: int = 1  # rollout.sampling.n
     # sequences of one rollout step (all ranks; data.train_batch_size x n); None: global_batch
     rollout_batch: int | None = None
-    sleep_level: int = 2  # rollout.sleep_level: 1 keeps vLLM's weights in host memory meanwhile
+    sleep_level: int = (
+        2  # rollout.engine.sleep_level: 1 keeps vLLM's weights in host memory meanwhile
+    )
     reward_model: ModelDims | None = None  # reward.model_path's shape: its weights stay resident
     # reward.judge.model_path's shape: a whole replica per rank, on the device while it judges
     # (the scoring phase) and in host memory otherwise; judge_len: its prompt + answer tokens

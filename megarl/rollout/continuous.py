@@ -1,4 +1,4 @@
-"""The continuous turn loop (``rollout.turn_loop=continuous``): each trajectory goes on as soon as
+"""The continuous turn loop (``rollout.environment.turn_loop=continuous``): each trajectory goes on as soon as
 its own environment answers, instead of waiting for the slowest environment of the turn.
 
 The first model turn is the lock-step loop's (:func:`~megarl.rollout.multi_turn.model_turn`: every
@@ -17,7 +17,7 @@ Each request keeps its lock-step seed and token budget (:func:`~megarl.rollout.m
 :func:`~megarl.rollout.multi_turn.turn_budget`), so on an engine that generates each request on
 its own (the HF engine) the trajectories equal the lock-step loop's token for token; on vLLM a
 call's other requests may move the floats, as in any batched call, so a run is not repeatable bit
-for bit (``rollout.turn_loop=lockstep`` is).
+for bit (``rollout.environment.turn_loop=lockstep`` is).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ to the host, scoring the responses with the actor) is trainer code
 Resharding follows a pure plan (:mod:`megarl.weights.reshard_schedule`) computed identically on every
 rank; the executor (:mod:`megarl.weights.execute`) moves each bucket (the next one travelling
 while the current one loads) and hands it to the rollout engine in Hugging Face layout, cast to the
-rollout's dtype (``rollout.dtype``): in ``shard`` mode only the slices this rank's rollout TP rank
+rollout's dtype (``rollout.engine.dtype``): in ``shard`` mode only the slices this rank's rollout TP rank
 loads, in ``full`` mode whole tensors (:mod:`megarl.weights.reshard_mode`). Rollout prompts: each
 training DP rank passes its own prompts; they are spread over the ``world / infer_tp`` vLLM engines
 and every rank gets back the responses of its DP rank (the slicing, seeding and merging are
@@ -123,7 +123,7 @@ def _hf_rollout(*args) -> RolloutEngine:
     return HFRollout(*args)
 
 
-# rollout.backend -> engine constructor (model_dir, infer_tp, EngineConfig, expected shapes)
+# rollout.engine.backend -> engine constructor (model_dir, infer_tp, EngineConfig, expected shapes)
 ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {
     "vllm": _vllm_rollout,
     "hf": _hf_rollout,
@@ -137,7 +137,7 @@ def make_rollout(
     config: EngineConfig | None,
     expected_shapes: dict[str, tuple[int, ...]],
 ) -> RolloutEngine:
-    """The rollout engine ``rollout.backend`` names, over this rank's inference-TP group."""
+    """The rollout engine ``rollout.engine.backend`` names, over this rank's inference-TP group."""
 
     check_rollout_backend(backend)
     return ROLLOUT_BACKENDS[backend](model_dir, infer_tp, config, expected_shapes)
@@ -194,7 +194,7 @@ class HybridEngine:
         specs = actor_planned_tensors(
             dims, layout.layers_per_stage(dims.num_layers), itemsize, ep=layout.ep
         )
-        # rollout.reshard_mode: shard (each rank receives only what its rollout TP rank loads)
+        # rollout.engine.reshard_mode: shard (each rank receives only what its rollout TP rank loads)
         # wherever the backend can load slices of this model, else full (whole tensors)
         # (an engine handed in that implements only update_weights takes whole tensors)
         if rollout is not None and not hasattr(rollout, "load_shards") and reshard_mode == "auto":
@@ -216,7 +216,7 @@ class HybridEngine:
             ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None,
         )
         self.executor = ReshardExecutor(self.plan, dims, self.rank)
-        # rollout.dtype may differ from the actor's (e.g. bf16 training, fp32 sampling); an
+        # rollout.engine.dtype may differ from the actor's (e.g. bf16 training, fp32 sampling); an
         # engine handed in without its config is left to cast on load itself
         self.rollout_dtype: torch.dtype | None = None
         if rollout is None or engine_config is not None:

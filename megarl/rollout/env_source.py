@@ -1,6 +1,6 @@
 """``rollout.env``'s trajectories for either placement's engines
 (:class:`~megarl.rollout.trajectory_source.TrajectorySource`), run by the turn loop
-``rollout.turn_loop`` names (:data:`TURN_LOOPS`): ``continuous`` (each trajectory goes on as its
+``rollout.environment.turn_loop`` names (:data:`TURN_LOOPS`): ``continuous`` (each trajectory goes on as its
 own environment answers, :mod:`megarl.rollout.continuous`) or ``lockstep`` (every turn of every
 trajectory in one call, :func:`megarl.rollout.multi_turn.run_trajectories`)."""
 
@@ -51,7 +51,7 @@ class EnvSource:
     sampling: SamplingConfig
     limits: TurnLimits
     pad_id: int
-    turn_loop: str = "continuous"  # a key of TURN_LOOPS (rollout.turn_loop)
+    turn_loop: str = "continuous"  # a key of TURN_LOOPS (rollout.environment.turn_loop)
 
     @property
     def conversations(self) -> bool:

@@ -1,4 +1,4 @@
-"""A rollout engine on Hugging Face transformers' ``generate``: ``rollout.backend=hf``.
+"""A rollout engine on Hugging Face transformers' ``generate``: ``rollout.engine.backend=hf``.
 
 The same seam as :class:`megarl.rollout.vllm_rollout.VLLMRollout` (``update_weights`` with
 HF-named tensors, ``load_shards`` with the slices of them a TP rank loads, ``generate`` with

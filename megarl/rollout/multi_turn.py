@@ -1,4 +1,4 @@
-"""The multi-turn rollout's pieces, and its lock-step loop (``rollout.turn_loop=lockstep``,
+"""The multi-turn rollout's pieces, and its lock-step loop (``rollout.environment.turn_loop=lockstep``,
 :func:`run_trajectories`): trajectories generated turn by turn over the rollout engine seam. The
 continuous loop (:mod:`megarl.rollout.continuous`) uses the same pieces (the start, the first
 turn, the budgets and seeds, what an environment's answer does to a trajectory) and differs only

@@ -9,7 +9,7 @@ every rank of the engine makes the same :func:`~megarl.rollout.versioned.generat
 (all ``n`` samples of a prompt in one request, seeded as every rollout is:
 :mod:`megarl.rollout.seeds`), and the engine's first rank turns the replies into one-turn
 trajectories that keep the engine's finish reason, logprobs, routed experts and, with partial
-rounds (``rollout.partial``), the policy version of every token.
+rounds (``rollout.placement.partial``), the policy version of every token.
 
 Its trajectories are plain replies (``conversations`` is False): the trainer gets them as
 responses, scored and logged as a single-turn run always was.
@@ -64,7 +64,7 @@ def one_turn_trajectories(
 class OneReplySource:
     """One reply per sample of ``sampling``; ``partial_chunk``: with a job that may load newer
     weights between rounds (``EngineJob.between``), rounds of at most that many tokens
-    (``rollout.partial_chunk_tokens``)."""
+    (``rollout.placement.partial_chunk_tokens``)."""
 
     sampling: SamplingConfig
     partial_chunk: int | None = None

@@ -30,7 +30,7 @@ class SamplingConfig:
         0  # the run's seed: every sample's own stream derives from it (megarl.rollout.seeds)
     )
     # False: no request seeds, vLLM's batched sampler draws from the engine's generator (samples
-    # then depend on the layout and the batching; rollout.per_request_seeds)
+    # then depend on the layout and the batching; rollout.sampling.per_request_seeds)
     per_request_seeds: bool = True
     ignore_eos: bool = False  # benchmarks: exactly max_new_tokens tokens per response
 
@@ -105,7 +105,7 @@ class RolloutEngine(Generates, Protocol):
     implement it."""
 
     infer_tp: int
-    backend: str  # its rollout.backend name
+    backend: str  # its rollout.engine.backend name
 
     def validate(self, weights: Sequence[tuple[str, torch.Tensor | tuple[int, ...]]]) -> None: ...
 

@@ -69,13 +69,13 @@ def sequence_seed(run_seed: int, rollout: int, sequence: int, segment: int = 0) 
     if not 0 <= sequence < 1 << SEQUENCE_BITS:
         raise ValueError(
             f"sample {sequence} of one rollout: at most {1 << SEQUENCE_BITS} samples per rollout "
-            "get their own random stream; lower data.train_batch_size x rollout.n"
+            "get their own random stream; lower data.train_batch_size x rollout.sampling.n"
         )
     if not 0 <= segment < 1 << SEGMENT_BITS:
         raise ValueError(
             f"segment {segment}: at most {1 << SEGMENT_BITS} turns or partial-rollout rounds per "
             "sample get their own random stream; lower rollout.env's max_turns or raise "
-            "rollout.partial_chunk_tokens"
+            "rollout.placement.partial_chunk_tokens"
         )
     if not 0 <= rollout < ROLLOUT_LIMIT:
         raise ValueError(f"rollout {rollout} is past the {ROLLOUT_LIMIT} a run can seed")

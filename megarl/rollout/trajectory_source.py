@@ -50,7 +50,7 @@ class EngineJob:
     leader: bool  # this rank is the engine's first
     share: Share  # the first rank's value on every rank of the engine
     version: int = 0  # the policy version loaded in the engine (asynchronous rollout)
-    # asynchronous rollout with rollout.partial: called by every rank of the rollout group
+    # asynchronous rollout with rollout.placement.partial: called by every rank of the rollout group
     # between rounds of a reply (whether this engine still generates), returns the version then
     # loaded; None: the whole batch at ``version``
     between: Callable[[bool], int] | None = None

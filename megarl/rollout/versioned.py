@@ -5,7 +5,7 @@ version (optimizer steps of the weights) that sampled it, so the trainer can mea
 and the corrections see the behaviour logprobs the tokens were actually sampled with.
 
 Without partial rollouts a batch is one ``generate`` call at one version. With them
-(``rollout.partial``) the batch is generated in rounds of at most ``chunk`` tokens; between
+(``rollout.placement.partial``) the batch is generated in rounds of at most ``chunk`` tokens; between
 rounds ``between()`` may load newer weights into the engine (it returns the version now loaded),
 and every unfinished response continues from its prompt and tokens so far with those weights:
 nothing generated is thrown away, and its tokens keep the version and logprobs they were sampled

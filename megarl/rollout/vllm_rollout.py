@@ -1,6 +1,6 @@
 """The rollout engine: one vLLM engine per inference-TP group, inside the training processes.
 
-``rollout.backend=hf`` swaps in :class:`megarl.rollout.hf_rollout.HFRollout` behind the
+``rollout.engine.backend=hf`` swaps in :class:`megarl.rollout.hf_rollout.HFRollout` behind the
 same seam. The seam to the trainer is narrow: :meth:`VLLMRollout.update_weights` (HF-named tensors),
 :meth:`VLLMRollout.generate` (token ids in; response ids, per-token logprobs and finish reasons
 out), :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up`.

@@ -62,7 +62,7 @@ class AlgorithmWords:
 
 
 def _check_policy_words(words: AlgorithmWords) -> None:
-    resolve_algorithm_kwargs(words.algorithm, words.rollout, try_them=True)
+    resolve_algorithm_kwargs(words.algorithm, words.rollout.sampling, try_them=True)
 
 
 def _check_dpo_words(words: AlgorithmWords) -> None:
@@ -153,11 +153,11 @@ def check_inputs(
     check_import_settings(cfg)  # before anything slow: a typo costs seconds
     if this_machine:
         # vLLM / Transformer Engine where the config asks for them
-        backend = rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+        backend = rollout_backend(cfg.trainer.kind, cfg.rollout.engine.backend)
         check_backends(cfg.model, cfg.actor, cfg.parallel, backend)
     dims = ModelDims.from_pretrained(cfg.model.path)
     layout.check_model(dims.shape)
-    if cfg.rollout.mode == "async":  # the rollout group's engines: infer_tp ranks each
+    if cfg.rollout.placement.mode == "async":  # the rollout group's engines: infer_tp ranks each
         p = cfg.parallel
         ParallelLayout(dp=p.rollout_ranks, infer_tp=p.infer_tp or p.tp).check_model(dims.shape)
     _check_moe_options(cfg.model, cfg.rollout, cfg.actor, dims)
@@ -325,11 +325,11 @@ def _check_router_replay(
             f"actor.router_replay=true replays a mixture-of-experts routing; {model_path} is a "
             f"dense {dims.family} model: set actor.router_replay=false"
         )
-    if r.backend != "hf":
+    if r.engine.backend != "hf":
         raise ConfigError(
-            f"actor.router_replay=true with rollout.backend={r.backend}: megarl does not read "
+            f"actor.router_replay=true with rollout.engine.backend={r.engine.backend}: megarl does not read "
             "vLLM's routed experts yet (vLLM 0.32 returns them only from its V2 model runner, "
-            "which its CPU build starts only with Triton's CPU backend); set rollout.backend=hf "
+            "which its CPU build starts only with Triton's CPU backend); set rollout.engine.backend=hf "
             "(transformers records its routers' choices)"
         )
 
@@ -346,12 +346,12 @@ def _check_moe_options(
             f"model.{set_[0]}={getattr(model, set_[0])} applies to mixture-of-experts models; "
             f"{model.path} is a dense {dims.family} model: remove it (or set it to 0)"
         )
-    refusal = shard_refusal(rollout.backend, dims.is_moe)
-    if rollout.reshard_mode == "shard" and refusal:
+    refusal = shard_refusal(rollout.engine.backend, dims.is_moe)
+    if rollout.engine.reshard_mode == "shard" and refusal:
         raise ConfigError(
-            f"rollout.reshard_mode=shard with rollout.backend={rollout.backend} and the "
-            f"mixture-of-experts model {model.path}: {refusal}; set rollout.reshard_mode=auto "
-            "(full for this model) or rollout.backend=hf"
+            f"rollout.engine.reshard_mode=shard with rollout.engine.backend={rollout.engine.backend} and the "
+            f"mixture-of-experts model {model.path}: {refusal}; set rollout.engine.reshard_mode=auto "
+            "(full for this model) or rollout.engine.backend=hf"
         )
     if actor.router_replay:
         _check_router_replay(model.path, rollout, actor, dims)

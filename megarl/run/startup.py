@@ -33,7 +33,7 @@ class Startup:
     rank: int
     tokenizer: PreTrainedTokenizerBase
     pad_id: int
-    # rollout.mode=async: the job split into trainers (this world) and the rollout group
+    # rollout.placement.mode=async: the job split into trainers (this world) and the rollout group
     world: SplitWorld | None = None
 
 
@@ -49,7 +49,7 @@ def start(cfg: RunConfig, *, with_rollout: bool) -> Startup:
 
     timeout_s = collective_timeout_s(cfg.trainer.hang_timeout_s)
     split = None
-    if with_rollout and cfg.rollout.mode == "async":  # this world: the trainers only
+    if with_rollout and cfg.rollout.placement.mode == "async":  # this world: the trainers only
         split = init_split(cfg.parallel.rollout_ranks, timeout_s)
         rank, world = split.split.local_rank(split.rank), split.split.trainers
         job = split.split.world_size

@@ -20,11 +20,11 @@
    micro-batches) for a Qwen2.5-0.5B-shaped random model at 1,024 sequences x 1,024 tokens and
    at a quarter of that: within 10% of each other (its memory is one micro-batch's, not the
    rollout's), beside the preflight's prediction of it;
-4. five GRPO steps end to end (rollout.backend=hf, so no vLLM is needed), stopped after three and
+4. five GRPO steps end to end (rollout.engine.backend=hf, so no vLLM is needed), stopped after three and
    resumed from the checkpoint, then the checkpoint exported to Hugging Face and verified
    (tensors bit for bit, logits against transformers);
 5. shard-mode resharding on one device: a Qwen2.5-0.5B-shaped bf16 checkpoint loaded into the
-   actor and resharded into the Hugging Face rollout engine (``rollout.backend=hf``, bucket by
+   actor and resharded into the Hugging Face rollout engine (``rollout.engine.backend=hf``, bucket by
    bucket, the next bucket in flight while one loads): its weights equal the checkpoint's bit for
    bit; ``sleep_level`` 2 frees them while it sleeps and the next reshard refills them, bit for
    bit again; bytes, seconds and GB/s;

@@ -62,8 +62,8 @@ def smoke_overrides(machine: SmokeMachine, ep: int) -> list[str]:
         "data.train_batch_size=4",
         "data.val_batch_size=4",
         "data.max_prompt_length=1024",  # one token per character with the tiny model's tokenizer
-        "rollout.n=4",
-        "rollout.max_response_length=16",
+        "rollout.sampling.n=4",
+        "rollout.sampling.max_response_length=16",
         "actor.ppo_mini_batch_size=2",
         "actor.max_tokens_per_micro_batch=1400",
         "actor.optimizer_offload=0",
@@ -73,10 +73,12 @@ def smoke_overrides(machine: SmokeMachine, ep: int) -> list[str]:
         "trainer.experiment=smoke",
     ]
     out.append(
-        "rollout.gpu_memory_utilization=0.2" if machine.cuda else "rollout.kv_cache_gib=0.0625"
+        "rollout.engine.gpu_memory_utilization=0.2"
+        if machine.cuda
+        else "rollout.engine.kv_cache_gib=0.0625"
     )
     if ep > 1:
-        out.append("rollout.backend=hf")
+        out.append("rollout.engine.backend=hf")
     return out
 
 

@@ -34,18 +34,18 @@ def agent_source(
     hang_timeout_s: float,
 ) -> AgentSource:
     """The run's agent (loaded again: checked before launch) with the endpoint's limits: one
-    reply at most ``rollout.max_turn_tokens`` (else ``max_response_length``) tokens, one segment
-    at most the engine's context (``data.max_prompt_length + rollout.max_response_length``), and
-    at most ``rollout.max_response_length`` tokens after its first prompt (its trained response,
+    reply at most ``rollout.environment.max_turn_tokens`` (else ``max_response_length``) tokens, one segment
+    at most the engine's context (``data.max_prompt_length + rollout.sampling.max_response_length``), and
+    at most ``rollout.sampling.max_response_length`` tokens after its first prompt (its trained response,
     bounded like an environment's trajectory). A step's agents share
     :data:`AGENTS_SHARE_OF_HANG_TIMEOUT` of ``hang_timeout_s``."""
     assert r.agent is not None  # built for rollout.agent only
     settings = TurnSettings(
         model=SERVED_MODEL,
         seed=sampling.seed,
-        max_turn_tokens=r.max_turn_tokens or r.max_response_length,
-        max_context_tokens=max_prompt_length + r.max_response_length,
-        max_response_tokens=r.max_response_length,
+        max_turn_tokens=r.environment.max_turn_tokens or r.sampling.max_response_length,
+        max_context_tokens=max_prompt_length + r.sampling.max_response_length,
+        max_response_tokens=r.sampling.max_response_length,
     )
     return AgentSource(
         load_agent(r.agent),

@@ -3,7 +3,7 @@ the run, and :func:`setup_run` putting them together in order (the cheap checks 
 
 A :class:`PolicyRun` holds what the loop needs; its parts own their state (models, the rollout
 source with its data position, KL coefficient, tracker), the run object itself is never rebound.
-The rollout source is built by ``rollout.mode`` (:mod:`megarl.trainer.rollout_assembly`): the
+The rollout source is built by ``rollout.placement.mode`` (:mod:`megarl.trainer.rollout_assembly`): the
 colocated engine (:mod:`megarl.trainer.colocated_source`) or the link to the rollout group
 (:mod:`megarl.trainer.async_source`); the trainer sees only its protocol
 (:mod:`megarl.trainer.rollout_source`).
@@ -59,7 +59,9 @@ class PolicyRun:
 
     trainer: TrainerConfig  # checkpoints (folder, retention), nan_policy, val_pass_score
     model_path: str  # the policy's folder, which its checkpoints name
-    mini_batch_rows: int  # rows of a mini-batch on this rank (its prompts' share x rollout.n)
+    mini_batch_rows: (
+        int  # rows of a mini-batch on this rank (its prompts' share x rollout.sampling.n)
+    )
     startup: Startup  # layout, rank, tokenizer
     spec: AlgorithmSpec
     roles: Roles
@@ -154,8 +156,10 @@ def build_rewards(
     model: GPTModel | None = None
     if reward.model_path:
         model = build_reward_model(reward.model_path, startup.layout, options)
-    judge_dtype = rollout_dtype(model_cfg, rollout, platform.device().type == "cuda")
-    return RewardSources.from_config(reward, model, rollout.max_response_length, judge_dtype)
+    judge_dtype = rollout_dtype(model_cfg, rollout.engine, platform.device().type == "cuda")
+    return RewardSources.from_config(
+        reward, model, rollout.sampling.max_response_length, judge_dtype
+    )
 
 
 def restore(resumed: Resumed, kl_ctrl: KLController | None, rollout: RolloutSource) -> None:
@@ -182,8 +186,8 @@ def spec_roles(spec: AlgorithmSpec, actor: ActorConfig, reward: RewardConfig) ->
 
 def mini_batch_rows(actor: ActorConfig, rollout: RolloutConfig, dp: int) -> int:
     """Rows of one mini-batch on a DP rank: its share of ``actor.ppo_mini_batch_size`` prompts,
-    ``rollout.n`` samples each."""
-    return actor.ppo_mini_batch_size // dp * rollout.n
+    ``rollout.sampling.n`` samples each."""
+    return actor.ppo_mini_batch_size // dp * rollout.sampling.n
 
 
 def role_sections(cfg: RunConfig) -> RoleSections:
@@ -202,7 +206,9 @@ def role_sections(cfg: RunConfig) -> RoleSections:
 def setup_run(cfg: RunConfig) -> PolicyRun:
     startup = start(cfg, with_rollout=True)
     vocab = ModelDims.from_pretrained(cfg.model.path).vocab_size
-    spec = resolve_algorithm(cfg.algorithm, cfg.rollout, cfg.actor, cfg.critic, cfg.data, vocab)
+    spec = resolve_algorithm(
+        cfg.algorithm, cfg.rollout.sampling, cfg.actor, cfg.critic, cfg.data, vocab
+    )
     trained = {"actor": cfg.model.path}
     if spec.needs_critic:
         trained["critic"] = cfg.model.critic_path or cfg.model.path
@@ -217,13 +223,17 @@ def setup_run(cfg: RunConfig) -> PolicyRun:
     data = build_data(cfg.data, cfg.reward, startup) if startup.world is None else None
     announce(f"building models: {', '.join(spec_roles(spec, cfg.actor, cfg.reward))}")
     roles = build_roles(role_sections(cfg), startup.layout, spec)
-    if routing_recorded(cfg.rollout, roles.dims.is_moe):  # the routers replay (or only measure)
+    if routing_recorded(
+        cfg.rollout.engine, roles.dims.is_moe
+    ):  # the routers replay (or only measure)
         for model in (roles.actor.model, roles.reference):
             if model is not None:
                 replay_routers(model, replay=cfg.actor.router_replay)
     options = model_options(cfg.model, cfg.parallel, cfg.actor.lora)
     rewards = build_rewards(cfg.reward, cfg.rollout, cfg.model, options, startup)
-    announce(f"starting the rollout engine ({cfg.rollout.backend}, TP{startup.layout.rollout_tp})")
+    announce(
+        f"starting the rollout engine ({cfg.rollout.engine.backend}, TP{startup.layout.rollout_tp})"
+    )
     rollout = build_rollout(cfg, startup, roles, data)
     kl_ctrl = make_kl_in_reward_controller(spec)
     resumed = resume(resume_from, roles, startup.rank)

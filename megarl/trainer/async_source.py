@@ -1,9 +1,9 @@
-"""The asynchronous rollout source (``rollout.mode: async``): the rollout group's generations,
+"""The asynchronous rollout source (``rollout.placement.mode: async``): the rollout group's generations,
 through the trainers' link to it (:class:`~megarl.trainer.remote_rollout.RemoteRollout`).
 
 The prompts are read and the samples generated on the rollout ranks; a draw hands the step
 what they sent for it. After an optimizer step the new weights are broadcast to them
-(:meth:`AsyncSource.publish_weights`), which with ``rollout.max_staleness: 0`` is what the next
+(:meth:`AsyncSource.publish_weights`), which with ``rollout.placement.max_staleness: 0`` is what the next
 batch waits for: synchronous training, sample for sample the colocated run's. No rollout engine
 shares the trainers' devices, so no training memory moves.
 """

@@ -1,4 +1,4 @@
-"""The colocated rollout source (``rollout.mode: colocated``): the hybrid engine on the trainers'
+"""The colocated rollout source (``rollout.placement.mode: colocated``): the hybrid engine on the trainers'
 own devices, generating from this DP rank's prompts.
 
 Each draw takes the next prompts, moves training memory off the device and the actor's weights

@@ -39,7 +39,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     history, last = list(run.resumed.history), {}
     tracker.begin()
     if cfg.trainer.val_before_train and first == 0:
-        tracker.log_metrics(validation_rollout(run, 0, cfg.rollout.val_n), 0)
+        tracker.log_metrics(validation_rollout(run, 0, cfg.rollout.sampling.val_n), 0)
     # Each step's body runs under torch.profiler when trainer.profile_steps lists step + 1.
     for step in profiler.iterate(range(first, cfg.trainer.total_steps)):
         guards.begin_step(step)
@@ -74,7 +74,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
         m.update(declare(memory_metrics(), MEMORY_REDUCTIONS))
         last = log_step(tracker, history, m, step, cfg.trainer.total_steps, first)
         if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0:
-            tracker.log_metrics(validation_rollout(run, step + 1, cfg.rollout.val_n), step + 1)
+            tracker.log_metrics(
+                validation_rollout(run, step + 1, cfg.rollout.sampling.val_n), step + 1
+            )
         # a stop signal on any rank (SIGTERM, SIGUSR1, Ctrl-C): checkpoint, then end the run
         if guards.end_step(
             step, save_due(cfg.trainer, step + 1), lambda s: run.save_checkpoint(s, history)

@@ -19,7 +19,7 @@ Metrics = dict[str, torch.Tensor]
 
 def sampling_temperature(rollout_temperature: float) -> float:
     """The temperature every trainer logprob is computed with for a rollout sampled at
-    ``rollout.temperature`` (logits / temperature, as vLLM's processed logprobs); greedy (0)
+    ``rollout.sampling.temperature`` (logits / temperature, as vLLM's processed logprobs); greedy (0)
     samples the untempered distribution's argmax and is scored at 1."""
     return rollout_temperature if rollout_temperature > 0 else 1.0
 

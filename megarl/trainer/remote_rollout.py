@@ -1,11 +1,11 @@
-"""The trainers' link to the rollout group of asynchronous training (``rollout.mode: async``),
+"""The trainers' link to the rollout group of asynchronous training (``rollout.placement.mode: async``),
 which :class:`~megarl.trainer.async_source.AsyncSource` turns into the trainer's rollout source.
 
 A draw's prompts and responses come from the rollout group's messages (:meth:`RemoteRollout.next_batch`,
 then :meth:`RemoteRollout.generate`). Before it receives batch ``s`` the trainer group broadcasts
 its weights (version ``s``: ``s`` optimizer steps) if it has not yet (:meth:`RemoteRollout.push`;
 :meth:`RemoteRollout.publish` right after the optimizer step), which is all the rollout group
-needs to stay within ``rollout.max_staleness`` of it; with staleness 0 batch ``s`` is generated
+needs to stay within ``rollout.placement.max_staleness`` of it; with staleness 0 batch ``s`` is generated
 by exactly those weights, as in the colocated run. Validation takes the validation message of the
 current version the same way (:meth:`RemoteRollout.validation_batches`).
 
@@ -80,7 +80,7 @@ class RemoteRollout:
         *,
         ep: int,  # parallel.ep
         total_steps: int,  # trainer.total_steps
-        max_staleness: int,  # rollout.max_staleness
+        max_staleness: int,  # rollout.placement.max_staleness
     ) -> None:
         self.total_steps = total_steps
         self.max_staleness = max_staleness

@@ -1,4 +1,4 @@
-"""How ``megarl train`` builds the policy trainer's rollout source, by ``rollout.mode``
+"""How ``megarl train`` builds the policy trainer's rollout source, by ``rollout.placement.mode``
 (:data:`ROLLOUT_MODES`): the colocated hybrid engine with its prompts, sampling settings, memory
 moves and trajectory maker (:mod:`megarl.trainer.colocated_source`), or the link to the
 asynchronous rollout group (:mod:`megarl.trainer.async_source`); and the pieces the rollout
@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 from megarl import platform
 from megarl.config import (
     DataConfig,
+    EnvironmentSettings,
     ModelConfig,
     RolloutConfig,
     RunConfig,
+    SamplingSettings,
     TrainerConfig,
     rollout_dtype,
 )
@@ -49,10 +51,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def _engine_seed(rollout: RolloutConfig, run_seed: int, engine_index: int) -> int:
+def _engine_seed(per_request_seeds: bool, run_seed: int, engine_index: int) -> int:
     """vLLM's engine seed: with per-request seeds it drives no sampling; without them each engine
     draws from its own stream (engines seeded alike would repeat each other's random numbers)."""
-    if rollout.per_request_seeds:
+    if per_request_seeds:
         return run_seed
     return run_seed + engine_index
 
@@ -70,20 +72,20 @@ def engine_config(
     of the run this rank's is; ``record_routes``: it records each token's experts (an MoE policy,
     megarl.models.router_replay)."""
     return EngineConfig(
-        max_model_len=data.max_prompt_length + r.max_response_length,
-        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)),
-        dtype=rollout_dtype(model, r, platform.device().type == "cuda"),
-        seed=_engine_seed(r, run_seed, engine_index),
-        max_num_seqs=r.max_num_seqs,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        sleep_level=r.sleep_level,
+        max_model_len=data.max_prompt_length + r.sampling.max_response_length,
+        kv_cache_bytes=int(r.engine.kv_cache_gib * (1 << 30)),
+        dtype=rollout_dtype(model, r.engine, platform.device().type == "cuda"),
+        seed=_engine_seed(r.sampling.per_request_seeds, run_seed, engine_index),
+        max_num_seqs=r.engine.max_num_seqs,
+        gpu_memory_utilization=r.engine.gpu_memory_utilization,
+        sleep_level=r.engine.sleep_level,
         record_routes=record_routes,
     )
 
 
-def sampling_configs(r: RolloutConfig, run_seed: int) -> tuple[SamplingConfig, SamplingConfig]:
+def sampling_configs(r: SamplingSettings, run_seed: int) -> tuple[SamplingConfig, SamplingConfig]:
     """How training and validation rollouts sample (``run_seed``: trainer.seed)."""
-    # rollout.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
+    # rollout.sampling.ignore_eos: no stop tokens either (the model's EOS ids would still end a response)
     stop_token_ids = () if r.ignore_eos else None
     sampling = SamplingConfig(
         temperature=r.temperature,
@@ -125,13 +127,13 @@ def colocated_rollout(
             r,
             cfg.trainer.seed,
             startup.rank // startup.layout.rollout_tp,
-            record_routes=routing_recorded(r, roles.dims.is_moe),
+            record_routes=routing_recorded(r.engine, roles.dims.is_moe),
         ),
-        backend=r.backend,
+        backend=r.engine.backend,
         multi_turn=r.env is not None or r.agent is not None,
-        reshard_mode=r.reshard_mode,
+        reshard_mode=r.engine.reshard_mode,
     )
-    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
+    sampling, val_sampling = sampling_configs(r.sampling, cfg.trainer.seed)
     return ColocatedSource(
         engine,
         trajectory_maker(r, cfg.model.path, cfg.data, cfg.trainer, startup, engine, sampling),
@@ -186,23 +188,27 @@ def multi_turn_maker(
         agent = agent_source(
             r, data.max_prompt_length, tokenizer, sampling, pad_id, trainer.hang_timeout_s
         )
-        return AgentRuns(agent, r.max_env_failures)
+        return AgentRuns(agent, r.environment.max_env_failures)
     if r.env is not None:
         runner = (
             build_env_runner(r, model_path, data, trainer.seed, tokenizer)
             if runs_environments
             else None
         )
-        return EnvironmentTurns(turn_limits(r), runner, pad_id, r.max_env_failures, r.turn_loop)
+        limits = turn_limits(r.environment, r.sampling.max_response_length)
+        return EnvironmentTurns(
+            limits, runner, pad_id, r.environment.max_env_failures, r.environment.turn_loop
+        )
     return None
 
 
-def turn_limits(r: RolloutConfig) -> TurnLimits:
-    """rollout.env's limits of a trajectory."""
+def turn_limits(env: EnvironmentSettings, max_response_length: int) -> TurnLimits:
+    """rollout.env's limits of a trajectory (``max_response_length``: all its model turns' and
+    environment tokens' budget)."""
     return TurnLimits(
-        max_turns=r.max_turns,
-        max_response_tokens=r.max_response_length,
-        max_turn_tokens=r.max_turn_tokens or r.max_response_length,
+        max_turns=env.max_turns,
+        max_response_tokens=max_response_length,
+        max_turn_tokens=env.max_turn_tokens or max_response_length,
     )
 
 
@@ -225,7 +231,7 @@ def build_env_runner(
         check_environment(r.env, r.env_kwargs),
         r.env_kwargs,
         ChatDeltas(tokenizer),
-        ToolPool(r.tool_concurrency, r.tool_timeout_s),
+        ToolPool(r.environment.tool_concurrency, r.environment.tool_timeout_s),
         run_seed=run_seed,
         stop_token_ids=stop,
         max_prompt_tokens=data.max_prompt_length,
@@ -254,16 +260,16 @@ def async_rollout(
         sender,
         ep=cfg.parallel.ep,
         total_steps=cfg.trainer.total_steps,
-        max_staleness=cfg.rollout.max_staleness,
+        max_staleness=cfg.rollout.placement.max_staleness,
     )
     return AsyncSource(remote, has_validation=bool(cfg.data.val_files))
 
 
-# rollout.mode -> the trainer's rollout source
+# rollout.placement.mode -> the trainer's rollout source
 ROLLOUT_MODES = {"colocated": colocated_rollout, "async": async_rollout}
 
 
 def build_rollout(
     cfg: RunConfig, startup: Startup, roles: Roles, data: PolicyData | None
 ) -> RolloutSource:
-    return ROLLOUT_MODES[cfg.rollout.mode](cfg, startup, roles, data)
+    return ROLLOUT_MODES[cfg.rollout.placement.mode](cfg, startup, roles, data)

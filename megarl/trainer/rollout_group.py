@@ -1,16 +1,16 @@
 """The rollout group of asynchronous training: the program of the last ``parallel.rollout_ranks``
-processes of a ``rollout.mode: async`` job (docs/async.md).
+processes of a ``rollout.placement.mode: async`` job (docs/async.md).
 
 They own the rollout engines (``rollout_ranks / infer_tp`` of them, over their own world) and the
 prompts (the leader reads every trainer data-parallel rank's shard, as each would in colocated
 mode), and generate batch after batch:
 
 1. before batch ``s``, load the newest weights the trainers broadcast, waiting until they are at
-   least version ``s - rollout.max_staleness`` (every rollout rank loads the same version at the
+   least version ``s - rollout.placement.max_staleness`` (every rollout rank loads the same version at the
    same point: they agree on it first);
 2. generate it: prompts spread over the engines, every sample seeded from its global index and
    the rollout count (so samples do not depend on the layout, as colocated); with
-   ``rollout.partial`` in rounds of ``rollout.partial_chunk_tokens``, loading new weights between
+   ``rollout.placement.partial`` in rounds of ``rollout.placement.partial_chunk_tokens``, loading new weights between
    rounds; each token keeps its version;
 3. send it to the trainers (a thread: generation never waits for them);
 4. with dynamic sampling (``algorithm.filter_groups``), draw again from the next prompts while
@@ -29,7 +29,7 @@ push it announces is received on the main thread, between generations, at a poin
 rank agrees on (:meth:`RolloutGroup._take_pushes`), into host memory
 (:class:`~megarl.weights.weight_sync.StagedWeights`): no NCCL collective ever runs beside
 vLLM's. The trainers' broadcast therefore waits for the rollout group's next such point (a
-batch's end, or with ``rollout.partial`` a round's). Loading a version that is due for
+batch's end, or with ``rollout.placement.partial`` a round's). Loading a version that is due for
 validation (``trainer.test_freq``, ``val_before_train``) runs the validation pass on it at once;
 such a version is loaded before a newer one is received, so it is never skipped. The trainers
 score everything.
@@ -95,7 +95,7 @@ class RolloutGroup:
     sampling: SamplingConfig
     val_sampling: SamplingConfig
     prompts: Prompts | None  # the leader's
-    # how samples are made, as colocated: one reply each (in rollout.partial's rounds), or
+    # how samples are made, as colocated: one reply each (in rollout.placement.partial's rounds), or
     # rollout.env's or rollout.agent's trajectories (an environment's runner on the first rank
     # of each engine)
     trajectories: TrajectoryMaker
@@ -275,7 +275,7 @@ class RolloutGroup:
     ) -> list[Part] | None:
         """One batch of every trainer rank's prompts (the leader's ``items``), ``sampling.n``
         each, over the engines (the colocated engine's split, seeds and failure check,
-        rollout.max_env_failures); with ``between``, one reply each in partial rounds
+        rollout.environment.max_env_failures); with ``between``, one reply each in partial rounds
         (``between`` loads newer weights between them). The leader gets it back split by
         rank."""
         source = self.trajectories.source(sampling)
@@ -300,7 +300,7 @@ class RolloutGroup:
         if not self.leader:
             return None
         assert items is not None
-        parts, step = step_of(results, self.settings.rollout.max_env_failures)
+        parts, step = step_of(results, self.settings.max_env_failures)
         self._rollout_metrics = source.step_metrics(parts)
         return split_trajectories(step, items, n, self.loaded, source.conversations)
 
@@ -352,10 +352,10 @@ class RolloutGroup:
     def _draw(self, step: int, draw: int) -> None:
         """Draw ``draw`` of batch ``step`` generated (the next prompts) and sent."""
         self._times = {}
-        self.load(max(self.first, step - self.settings.rollout.max_staleness), wait=True)
+        self.load(max(self.first, step - self.settings.placement.max_staleness), wait=True)
         items = self.prompts.next() if self.leader and self.prompts else None
         between = None
-        if self.settings.rollout.partial:
+        if self.settings.placement.partial:
 
             def between(active: bool) -> int:
                 return self.load(0, wait=False)

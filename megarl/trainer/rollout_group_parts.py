@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.config import DataConfig, RewardConfig, RolloutConfig, TrainerConfig
+from megarl.config import DataConfig, PlacementSettings, RewardConfig, TrainerConfig
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
@@ -24,7 +24,8 @@ from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
 class GroupSettings:
     """What the rollout group reads of the run's config: its sections, not the whole config."""
 
-    rollout: RolloutConfig  # staleness, partial rounds, environment failures
+    placement: PlacementSettings  # staleness, partial rounds
+    max_env_failures: float  # rollout.environment.max_env_failures: the failed-sample guard
     data: DataConfig  # whether there is a validation set (validation_due)
     trainer: TrainerConfig  # total steps, when the trainers validate
     filter_groups: bool  # algorithm.filter_groups: the trainers judge every draw

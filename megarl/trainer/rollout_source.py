@@ -9,7 +9,7 @@ implement it:
   own devices, this DP rank's prompts, the training memory moved off the device around each
   generation, and one of the three ways to make a trajectory (one reply, an environment's turns,
   an agent's runs);
-- :class:`megarl.trainer.async_source.AsyncSource`: the rollout group of ``rollout.mode: async``
+- :class:`megarl.trainer.async_source.AsyncSource`: the rollout group of ``rollout.placement.mode: async``
   (:mod:`megarl.trainer.remote_rollout`); synchronous training is its ``max_staleness=0``.
 
 The trainer (``loop``, ``rollout``, ``validation``, the checkpoint and resume of ``assembly``)

@@ -1,4 +1,4 @@
-"""The rollout group's process: what a rollout rank of ``rollout.mode: async`` builds and runs.
+"""The rollout group's process: what a rollout rank of ``rollout.placement.mode: async`` builds and runs.
 
 Reads the whole run configuration once, checks it against the trainers' layout, builds the
 rollout engine, the links to the trainers and the prompts (on the group's first rank), and hands
@@ -44,7 +44,7 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
 def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
-    """The rollout group's program (entry point of a rollout rank in rollout.mode=async)."""
+    """The rollout group's program (entry point of a rollout rank in rollout.placement.mode=async)."""
     from transformers import AutoTokenizer
 
     world = init_split(cfg.parallel.rollout_ranks, collective_timeout_s(cfg.trainer.hang_timeout_s))
@@ -63,7 +63,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         # its choosing, which the trainer processes on this machine use too
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     engine = make_rollout(
-        cfg.rollout.backend,
+        cfg.rollout.engine.backend,
         cfg.model.path,
         infer_tp,
         engine_config(
@@ -72,7 +72,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
             cfg.rollout,
             cfg.trainer.seed,
             split.local_rank(world.rank) // infer_tp,
-            record_routes=routing_recorded(cfg.rollout, dims.is_moe),
+            record_routes=routing_recorded(cfg.rollout.engine, dims.is_moe),
         ),
         expected,
     )
@@ -83,13 +83,14 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     if rank == 0:
         prompts = Prompts.build(cfg.data, cfg.reward, tokenizer, trainers.dp)
-    sampling, val_sampling = sampling_configs(cfg.rollout, cfg.trainer.seed)
+    sampling, val_sampling = sampling_configs(cfg.rollout.sampling, cfg.trainer.seed)
     settings = GroupSettings(
-        cfg.rollout,
+        cfg.rollout.placement,
+        cfg.rollout.environment.max_env_failures,
         cfg.data,
         cfg.trainer,
         cfg.algorithm.filter_groups,
-        dtype_from_name(rollout_dtype(cfg.model, cfg.rollout, cuda)),
+        dtype_from_name(rollout_dtype(cfg.model, cfg.rollout.engine, cuda)),
     )
     multi_turn = multi_turn_maker(
         cfg.rollout,
@@ -111,7 +112,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         sampling,
         val_sampling,
         prompts,
-        multi_turn or OneReply(cfg.rollout.partial_chunk_tokens),
+        multi_turn or OneReply(cfg.rollout.placement.partial_chunk_tokens),
     )
     if multi_turn is not None:  # its engine's ranks share the first rank's results
         group.engine_group = engine_group(group.size, infer_tp, rank)  # this role's own world

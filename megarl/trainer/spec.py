@@ -18,7 +18,7 @@ from megarl.config import (
     AlgorithmConfig,
     CriticConfig,
     DataConfig,
-    RolloutConfig,
+    SamplingSettings,
 )
 from megarl.metrics import Reduce
 from megarl.models.forward import LossOver
@@ -56,7 +56,7 @@ class AlgorithmSpec:
 
 def resolve_algorithm(
     a: AlgorithmConfig,
-    rollout: RolloutConfig,
+    sampling: SamplingSettings,
     actor: ActorConfig,
     critic: CriticConfig,
     data: DataConfig,
@@ -64,8 +64,8 @@ def resolve_algorithm(
 ) -> AlgorithmSpec:
     """The run's algorithm: its config words resolved once through the registries (ConfigError
     naming the fix for a bad one, before any model is built) and the losses built from them."""
-    kwargs = resolve_algorithm_kwargs(a, rollout, try_them=True)
-    temperature = sampling_temperature(rollout.temperature)
+    kwargs = resolve_algorithm_kwargs(a, sampling, try_them=True)
+    temperature = sampling_temperature(sampling.temperature)
     from_update = old_log_prob_from_update(a, actor, data.train_batch_size)
     return AlgorithmSpec(
         needs_reference=a.use_kl_loss or a.use_kl_in_reward,

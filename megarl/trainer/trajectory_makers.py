@@ -55,7 +55,7 @@ class TrajectoryMaker(Protocol):
 @dataclass(frozen=True)
 class OneReply:
     """One response per sample (no environment, no agent); ``partial_chunk``: the asynchronous
-    rollout's rounds with ``rollout.partial`` (``rollout.partial_chunk_tokens``)."""
+    rollout's rounds with ``rollout.placement.partial`` (``rollout.placement.partial_chunk_tokens``)."""
 
     partial_chunk: int | None = None
 
@@ -97,7 +97,7 @@ class EnvironmentTurns:
     runner: EnvRunner | None
     pad_id: int
     max_failed_share: float
-    turn_loop: str = "continuous"  # rollout.turn_loop
+    turn_loop: str = "continuous"  # rollout.environment.turn_loop
 
     def source(self, sampling: SamplingConfig) -> TrajectorySource:
         return EnvSource(self.runner, sampling, self.limits, self.pad_id, self.turn_loop)

@@ -1,5 +1,5 @@
 """Validation over the whole validation set: rollouts of every prompt (greedy, or
-``rollout.val_n`` samples at ``rollout.val_temperature``), scored by the run's reward, reported
+``rollout.sampling.val_n`` samples at ``rollout.sampling.val_temperature``), scored by the run's reward, reported
 per ``data_source``:
 
 - ``val/<source>/mean@k``: mean score over all k samples of all prompts;
@@ -85,7 +85,7 @@ def _gather_dp(records: list[ValRecord]) -> list[ValRecord]:
 
 
 def validation_rollout(run: PolicyRun, step: int, samples_per_prompt: int) -> dict[str, float]:
-    """One pass over the validation set, ``samples_per_prompt`` a prompt (``rollout.val_n``); its
+    """One pass over the validation set, ``samples_per_prompt`` a prompt (``rollout.sampling.val_n``); its
     metrics (the same on every rank; collective) and, on rank 0, a table of generations logged
     as ``validation/step_<step>.json``."""
     if not run.rollout.has_validation:

@@ -1,4 +1,4 @@
-"""Which reshard mode a run uses: ``rollout.reshard_mode`` resolved against the rollout backend.
+"""Which reshard mode a run uses: ``rollout.engine.reshard_mode`` resolved against the rollout backend.
 
 - ``shard``: each rank receives only the slices its rollout TP rank loads (the least traffic:
   for Qwen2.5-72B at TP8 x PP4 -> vLLM TP8 about 14 GB per rank instead of 140 GB);
@@ -35,16 +35,18 @@ def shard_refusal(backend: str, is_moe: bool) -> str | None:
 
 
 def resolve_reshard_mode(requested: str, backend: str, is_moe: bool) -> str:
-    """``shard`` or ``full`` for ``rollout.reshard_mode``; raises ValueError (naming the fix)
+    """``shard`` or ``full`` for ``rollout.engine.reshard_mode``; raises ValueError (naming the fix)
     for ``shard`` where the backend cannot take slices."""
     if requested not in RESHARD_MODES:
-        raise ValueError(f"rollout.reshard_mode={requested!r} is not one of {list(RESHARD_MODES)}")
+        raise ValueError(
+            f"rollout.engine.reshard_mode={requested!r} is not one of {list(RESHARD_MODES)}"
+        )
     refusal = shard_refusal(backend, is_moe)
     if requested == "auto":
         return "full" if refusal else "shard"
     if requested == "shard" and refusal:
         raise ValueError(
-            f"rollout.reshard_mode=shard with rollout.backend={backend}: {refusal}; set "
-            "rollout.reshard_mode=full (or auto)"
+            f"rollout.engine.reshard_mode=shard with rollout.engine.backend={backend}: {refusal}; set "
+            "rollout.engine.reshard_mode=full (or auto)"
         )
     return requested

@@ -36,8 +36,8 @@ def dr_grpo_config(model_dir: str):
             "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
             "algorithm.norm_adv_by_std=false",
             "algorithm.use_kl_loss=false",
-            f"rollout.max_response_length={MAX_RESPONSE}",
-            f"rollout.n={N}",
+            f"rollout.sampling.max_response_length={MAX_RESPONSE}",
+            f"rollout.sampling.n={N}",
         ]
     )
 

@@ -37,9 +37,9 @@ def one_step_config(model_dir: str, mode: str):
             "data.train_files=[a.parquet]",
             f"data.train_batch_size={PROMPTS}",
             f"actor.ppo_mini_batch_size={PROMPTS}",
-            f"rollout.n={N}",
-            f"rollout.max_response_length={MAX_RESPONSE}",
-            "rollout.temperature=0.7",
+            f"rollout.sampling.n={N}",
+            f"rollout.sampling.max_response_length={MAX_RESPONSE}",
+            "rollout.sampling.temperature=0.7",
             "algorithm.use_kl_loss=false",
             f"actor.old_log_prob_forward={mode}",
         ]
@@ -93,7 +93,7 @@ def old_log_prob_worker(rank: int, world: int, model_dir: str, pps: list[int]) -
             samples = rollout_batch(dims.vocab_size)
             per_rank = samples.size // dp_size()
             mine = samples.select(range(dp_rank() * per_rank, (dp_rank() + 1) * per_rank))
-            temperature = sampling_temperature(cfg.rollout.temperature)
+            temperature = sampling_temperature(cfg.rollout.sampling.temperature)
             # the rollout engine's logprobs: near the actor's, as vLLM's are
             actor = separate_forward(ddp, mine, dims.vocab_size, temperature)
             mine.tensors.rollout_log_prob = actor + mine.tensors.require("rollout_log_prob")

@@ -1,4 +1,4 @@
-"""A weight update landing in the middle of a generation (``rollout.partial``), in the real CPU
+"""A weight update landing in the middle of a generation (``rollout.placement.partial``), in the real CPU
 vLLM engine: ``python tests/distributed/partial_rollout_worker.py MODEL_DIR``.
 
 The batch is generated in rounds of 6 tokens; after the first round the engine loads other

@@ -163,8 +163,8 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
             "actor.ppo_mini_batch_size=4",
             "actor.micro_batch_size=3",
             "actor.old_log_prob_forward=always",
-            "rollout.n=2",
-            "rollout.max_response_length=6",
+            "rollout.sampling.n=2",
+            "rollout.sampling.max_response_length=6",
             "algorithm.use_kl_loss=false",
             "reward.custom_fn=megarl.rewards.toy:vowel_rate",
             "parallel.pp=2",
@@ -187,7 +187,9 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         lambda module, args: events.append(("forward", grad_bytes()))
     )
     engine = HybridEngine(model_dir, layout, roles.dims, ddp, rollout=fake)
-    sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_response_length, n=cfg.rollout.n)
+    sampling = SamplingConfig(
+        max_new_tokens=cfg.rollout.sampling.max_response_length, n=cfg.rollout.sampling.n
+    )
     items = [
         PromptItem(
             uid=i, input_ids=tokenizer(t)["input_ids"], prompt=t, data_source="toy", ground_truth=""
@@ -212,7 +214,7 @@ def recorded_step_batch(model_dir: str, rank: int) -> dict:
         roles=roles,
         rollout=rollout,
         rewards=RewardSources.from_config(
-            cfg.reward, None, cfg.rollout.max_response_length, "float32"
+            cfg.reward, None, cfg.rollout.sampling.max_response_length, "float32"
         ),
         kl_ctrl=None,
         batching=MicroBatching(

@@ -2,7 +2,7 @@
 actor update of the same 16 sequences (responses of 1-12 tokens) gives the same loss, gradient
 norm and updated weights at DP2 and at TP2 (DP1), with 1, 3, 5 or 16 sequences per micro-batch.
 
-Each sequence's token sum is divided by one constant (rollout.max_response_length), so neither
+Each sequence's token sum is divided by one constant (rollout.sampling.max_response_length), so neither
 the micro-batch's padded width nor a rank's share of the tokens enters the loss. Tolerances
 (fp32, sums in another order): loss and grad norm 1e-5 relative, weights 1e-6 absolute after
 one Adam step of lr 1e-2.

@@ -14,7 +14,7 @@ Shard mode against full mode (every rank receives whole tensors), on the same ac
 the shard-mode executor hands the rollout engine equals the same slice of the full-mode tensor,
 bit for bit; vLLM reset to other weights and then loaded in shard mode generates the same tokens
 with bit-identical logprobs as after a full-mode load; ranks receive exactly the planner's
-minimum. The Hugging Face rollout backend (``rollout.backend=hf``) runs beside vLLM in the same
+minimum. The Hugging Face rollout backend (``rollout.engine.backend=hf``) runs beside vLLM in the same
 processes, resharded from the same actor: its greedy output equals vLLM's, its logprobs equal
 the actor's (< 1e-5, fp32), before and after the step; its parameters after a shard-mode load
 (each rank's slices, completed by an all-gather in its rollout TP group) equal those after a

@@ -1,4 +1,4 @@
-"""Partial rollouts (rollout.partial): a weight update lands in the middle of a generation in the
+"""Partial rollouts (rollout.placement.partial): a weight update lands in the middle of a generation in the
 real CPU vLLM engine (tests/distributed/partial_rollout_worker.py, one process) and the recorded
 per-token versions and logprobs are checked against the engine's weights of each version.
 

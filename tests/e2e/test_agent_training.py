@@ -3,8 +3,8 @@
 
 Six launches: the HF backend for 3 steps (two rollout engines of TP2, a checkpoint at step 2)
 and its resume from step 2, the real CPU vLLM at TP2 for 2 steps, the HF backend in
-asynchronous mode (``rollout.mode=async``: the trainers at TP2 x PP2 beside a rollout group of 2
-ranks, one engine of TP2) at ``rollout.max_staleness=0`` for 3 steps and its resume from step 2,
+asynchronous mode (``rollout.placement.mode=async``: the trainers at TP2 x PP2 beside a rollout group of 2
+ranks, one engine of TP2) at ``rollout.placement.max_staleness=0`` for 3 steps and its resume from step 2,
 and vLLM TP2 in asynchronous mode for 2 steps. Checked: each sample's
 agent runs once (on one rank of its engine); three model turns per sample; the rollout-trainer
 logprob mismatch over model tokens is <= 1e-4 (fp32) at every step, in the metrics and token by
@@ -34,9 +34,13 @@ from tests.e2e.test_train import by_step, train
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS, PROMPTS, N = 3, 2, 2
-VAL_ROWS = 2  # the vLLM run's validation samples (rollout.val_n is 1)
+VAL_ROWS = 2  # the vLLM run's validation samples (rollout.sampling.val_n is 1)
 QUIET = {"loggers": ["console"], "mlflow_tracking_uri": "none"}
-ASYNC_PLACEMENT = ("rollout.mode=async", "parallel.rollout_ranks=2", "rollout.max_staleness=0")
+ASYNC_PLACEMENT = (
+    "rollout.placement.mode=async",
+    "parallel.rollout_ranks=2",
+    "rollout.placement.max_staleness=0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +54,9 @@ def workdir(tmp_path_factory) -> Path:
         "parallel": {"tp": 2, "pp": 2, "infer_tp": 2},  # two rollout engines of TP2
         "data": {"train_files": train_files, "train_batch_size": PROMPTS, "max_prompt_length": 256},
         "rollout": {
-            "backend": "hf",
-            "n": N,
-            "max_response_length": 128,
-            "max_turn_tokens": 12,
+            "engine": {"backend": "hf"},
+            "sampling": {"n": N, "max_response_length": 128},
+            "environment": {"max_turn_tokens": 12},
             "agent": f"{Path(__file__).resolve().parent / 'openai_agent.py'}:three_turns",
         },
         "actor": {"ppo_mini_batch_size": PROMPTS, "micro_batch_size": 4, "optim": {"lr": 1e-3}},
@@ -74,7 +77,11 @@ def hf_run(workdir) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def vllm_run(workdir) -> dict[int, dict]:
     log = {"AGENT_LOG": str(workdir / "vllm_agent_runs.txt")}
-    overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.125", "trainer.save_freq=0")
+    overrides = (
+        "rollout.engine.backend=vllm",
+        "rollout.engine.kv_cache_gib=0.125",
+        "trainer.save_freq=0",
+    )
     # a validation pass at step 2 over the test set's 2 rows, through the agent too
     val = (f"data.val_files=[{workdir / 'data' / 'test.parquet'}]", "trainer.test_freq=2")
     return by_step(
@@ -92,7 +99,11 @@ def async_run(workdir) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def vllm_async_run(workdir) -> dict[int, dict]:
     log = {"AGENT_LOG": str(workdir / "vllm_async_agent_runs.txt")}
-    overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.125", "trainer.save_freq=0")
+    overrides = (
+        "rollout.engine.backend=vllm",
+        "rollout.engine.kv_cache_gib=0.125",
+        "trainer.save_freq=0",
+    )
     return by_step(
         train(
             workdir,

@@ -1,7 +1,7 @@
-"""Asynchronous training (rollout.mode=async) through `megarl train`, with the real CPU vLLM, on 4
+"""Asynchronous training (rollout.placement.mode=async) through `megarl train`, with the real CPU vLLM, on 4
 gloo processes: 2 rollout ranks and 2 trainers (DP 2).
 
-- At rollout.max_staleness=0 the run equals the colocated run of the same seeds on the trainers'
+- At rollout.placement.max_staleness=0 the run equals the colocated run of the same seeds on the trainers'
   layout (2 processes, DP 2), both multi-turn (relay_env.py) with dynamic sampling: per-step
   reward, losses, grad norm, draw counts, validation, the trained samples (ids, masks,
   advantages) and the weights of the final checkpoint. Tolerance 1e-6 (relative to each value's
@@ -35,16 +35,16 @@ from megarl.run import trainer_state
 from tests.assets import tiny_char_llama_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-ASYNC = ("rollout.mode=async", "parallel.rollout_ranks=2")
+ASYNC = ("rollout.placement.mode=async", "parallel.rollout_ranks=2")
 OFF_POLICY_STEPS, SAVE_AT = 10, 8
 # the quickstart's task and settings, one step off-policy, IcePop with a narrow band
 OFF_POLICY = (
     *ASYNC,
-    "rollout.max_staleness=1",
+    "rollout.placement.max_staleness=1",
     f"trainer.total_steps={OFF_POLICY_STEPS}",
     f"trainer.save_freq={SAVE_AT}",
     "data.val_files=[]",
-    "rollout.max_response_length=32",
+    "rollout.sampling.max_response_length=32",
     "algorithm.use_kl_loss=false",
     "algorithm.rollout_correction=icepop",
     "algorithm.rollout_correction_kwargs={alpha: 0.8, beta: 1.25}",
@@ -79,7 +79,10 @@ def work(tmp_path_factory) -> Path:
             "val_batch_size": 8,
             "max_prompt_length": 1024,
         },
-        "rollout": {"n": 4, "max_response_length": 24, "kv_cache_gib": 0.125},
+        "rollout": {
+            "sampling": {"n": 4, "max_response_length": 24},
+            "engine": {"kv_cache_gib": 0.125},
+        },
         "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 16, "optim": {"lr": 1e-2}},
         "algorithm": {"use_kl_loss": True},
         "reward": {"custom_fn": "megarl.rewards.toy:vowel_rate"},
@@ -132,9 +135,9 @@ RELAY = Path(__file__).resolve().parent / "relay_env.py"
 MULTI_TURN_FILTERED = (
     f"rollout.env={RELAY}:Relay",
     "rollout.env_kwargs.pass_share=0.24",
-    "rollout.max_turns=3",
-    "rollout.max_turn_tokens=12",
-    "rollout.max_response_length=72",
+    "rollout.environment.max_turns=3",
+    "rollout.environment.max_turn_tokens=12",
+    "rollout.sampling.max_response_length=72",
     "algorithm.filter_groups=true",
     "algorithm.filter_groups_max_batches=3",
     "data.train_batch_size=4",
@@ -159,7 +162,7 @@ def test_staleness_zero_equals_the_colocated_run(work):
     runs = {}
     for name, extra, nproc in (
         ("colocated", (), 2),
-        ("async0", (*ASYNC, "rollout.max_staleness=0"), 4),
+        ("async0", (*ASYNC, "rollout.placement.max_staleness=0"), 4),
     ):
         resets = f"rollout.env_kwargs.log_file={work / f'{name}_resets.txt'}"
         runs[name] = train(

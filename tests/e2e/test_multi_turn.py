@@ -46,12 +46,11 @@ def workdir(tmp_path_factory) -> Path:
             "max_prompt_length": 1024,
         },
         "rollout": {
-            "n": 4,
-            "max_response_length": 72,  # 12-token turns around a 38-token environment turn
-            "kv_cache_gib": 0.125,
+            # 12-token turns around a 38-token environment turn
+            "sampling": {"n": 4, "max_response_length": 72},
+            "engine": {"kv_cache_gib": 0.125},
             "env": f"{Path(__file__).resolve().parent / 'relay_env.py'}:Relay",
-            "max_turns": 3,
-            "max_turn_tokens": 12,
+            "environment": {"max_turns": 3, "max_turn_tokens": 12},
         },
         "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
         "reward": {"custom_fn": "megarl.rewards.toy:vowel_rate"},
@@ -84,7 +83,7 @@ def vllm_run(workdir) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def hf_run(workdir) -> dict[int, dict]:
-    return by_step(train(workdir, "hf", "rollout.backend=hf", nproc=4))
+    return by_step(train(workdir, "hf", "rollout.engine.backend=hf", nproc=4))
 
 
 def _check_mismatch_and_turns(run: dict[int, dict], steps: int) -> None:
@@ -162,7 +161,7 @@ def test_hf_backend_multi_turn_and_its_resume(workdir, hf_run):
     ckpts = workdir / "resumed" / "checkpoints"
     shutil.copytree(workdir / "hf" / "checkpoints" / "step_00000002", ckpts / "step_00000002")
     (ckpts / "latest").write_text("step_00000002\n")
-    resumed = by_step(train(workdir, "resumed", "rollout.backend=hf", nproc=4))
+    resumed = by_step(train(workdir, "resumed", "rollout.engine.backend=hf", nproc=4))
     assert min(resumed) == 3
     for key in (
         "reward/mean",

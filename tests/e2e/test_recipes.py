@@ -133,7 +133,7 @@ def test_moe_recipe_smoke_with_routing_replay_trains_on_the_rollouts_experts(tmp
             tmp_path,
             f"replay_{replay}",
             f"actor.router_replay={replay}",
-            "rollout.dtype=bfloat16",
+            "rollout.engine.dtype=bfloat16",
             config=config,
         ).steps
         for replay in ("true", "false")
@@ -195,8 +195,8 @@ def test_smollm2_gsm_recipe_runs_two_steps_with_validation(tmp_path):
             f"data.val_files=[{tmp_path / 'val.parquet'}]",
             "data.train_batch_size=2",
             "data.val_batch_size=8",
-            "rollout.n=2",
-            "rollout.max_response_length=24",
+            "rollout.sampling.n=2",
+            "rollout.sampling.max_response_length=24",
             "actor.ppo_mini_batch_size=2",
             "actor.micro_batch_size=4",
             "trainer.total_steps=2",

@@ -129,7 +129,7 @@ def test_missing_reward_column_and_verl_spellings_are_refused_before_launch(work
     for verl_key, megarl_key in (
         ("trainer.total_training_steps", "trainer.total_steps"),
         ("custom_reward_function.path", "reward.custom_fn"),
-        ("data.max_response_length", "rollout.max_response_length"),
+        ("data.max_response_length", "rollout.sampling.max_response_length"),
         ("actor_rollout_ref.actor.ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
     ):
         assert f"'{verl_key}' is verl's name; did you mean {megarl_key}" in err, (verl_key, err)

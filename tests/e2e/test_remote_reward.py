@@ -27,7 +27,7 @@ from tests.e2e.test_train import by_step, launch, megarl_command, metrics
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
 STEPS = 3
-SAMPLES_PER_STEP = 4 * 4  # data.train_batch_size x rollout.n
+SAMPLES_PER_STEP = 4 * 4  # data.train_batch_size x rollout.sampling.n
 JUDGE_WEIGHT = 0.5
 JUDGE_TEMPLATE = "Q: {prompt}\nA: {response}"  # the judge's verdict: the response's last character
 

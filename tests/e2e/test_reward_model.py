@@ -246,7 +246,10 @@ def test_ppo_tp2_pp2_with_the_trained_reward_model(work, exported):
             "max_prompt_length": 1024,
         },
         "parallel": {"tp": 2, "pp": 2, "infer_tp": 2},
-        "rollout": {"n": 2, "max_response_length": 16, "kv_cache_gib": 0.125},
+        "rollout": {
+            "sampling": {"n": 2, "max_response_length": 16},
+            "engine": {"kv_cache_gib": 0.125},
+        },
         "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
         "algorithm": {"adv_estimator": "gae", "use_kl_loss": False, "use_kl_in_reward": True},
         "reward": {"model_path": str(exported), "rule_weight": 0.0},

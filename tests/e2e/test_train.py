@@ -63,7 +63,10 @@ def make_workdir(work: Path) -> Path:
             "val_batch_size": 4,
             "max_prompt_length": 1024,
         },
-        "rollout": {"n": 4, "max_response_length": 24, "kv_cache_gib": 0.125},
+        "rollout": {
+            "sampling": {"n": 4, "max_response_length": 24},
+            "engine": {"kv_cache_gib": 0.125},
+        },
         "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
         "algorithm": {"use_kl_loss": True},
         "reward": {"custom_fn": "megarl.rewards.toy:vowel_rate"},
@@ -161,7 +164,11 @@ def test_user_errors_stop_before_any_process(workdir, capsys):
 
 
 ALL_LOGGERS = "trainer.loggers=[console,mlflow,tensorboard,wandb]"
-VALIDATION = ("trainer.val_before_train=true", "rollout.val_n=2", "rollout.val_temperature=0.7")
+VALIDATION = (
+    "trainer.val_before_train=true",
+    "rollout.sampling.val_n=2",
+    "rollout.sampling.val_temperature=0.7",
+)
 FULL = ("trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=2", *VALIDATION)
 
 
@@ -433,7 +440,7 @@ def assert_layout_invariant(sharded: dict, single: dict, step: int) -> None:
     assert sharded["actor/grad_norm"] == pytest.approx(single["actor/grad_norm"], rel=1e-4), step
 
 
-SAMPLED = "rollout.temperature=0.7"
+SAMPLED = "rollout.sampling.temperature=0.7"
 # 2 sampled GRPO steps at TP2 x PP2 (4 ranks), a checkpoint every step
 TP2PP2 = (
     "trainer.total_steps=2",
@@ -530,13 +537,15 @@ BF16_DIFF_MEAN, BF16_DIFF_MAX = 0.02, 0.1
 @ON_FULL_RUN_WORKER
 def test_bf16_grpo_steps_and_their_rollout_mismatch(workdir, full_run):
     """Two GRPO steps with the actor in bf16 (fp32 main weights in the optimizer), sampled by vLLM
-    in bf16 (rollout.dtype auto: the model's) and in fp32 (rollout.dtype=float32, the reshard
+    in bf16 (rollout.engine.dtype auto: the model's) and in fp32 (rollout.engine.dtype=float32, the reshard
     casts): both complete with finite losses and gradient norms, and their rollout-vs-trainer
     logprob mismatch is within the bf16 bounds above, which the fp32 run is far below."""
     runs = {
         "bf16": by_step(train(workdir, "bf16", "model.dtype=bfloat16")),
         "bf16_actor_fp32_rollout": by_step(
-            train(workdir, "bf16_fp32_rollout", "model.dtype=bfloat16", "rollout.dtype=float32")
+            train(
+                workdir, "bf16_fp32_rollout", "model.dtype=bfloat16", "rollout.engine.dtype=float32"
+            )
         ),
     }
     for name, run in runs.items():
@@ -1005,7 +1014,7 @@ def test_ppo_with_a_critic_raises_the_reward(workdir):
             "actor.optim.lr=5e-3",
             "critic.optim.lr=5e-4",
             "critic.ppo_epochs=4",
-            "rollout.max_response_length=32",
+            "rollout.sampling.max_response_length=32",
         )
     )
     steps = range(1, 13)
@@ -1030,7 +1039,7 @@ def test_ppo_critic_explains_discounted_fixed_length_returns(workdir):
     """The critic's explained variance rises where the returns hold something a state predicts.
 
     Same task and critic as the test above, with every response run to its full 32 tokens
-    (`rollout.ignore_eos`) and gamma 0.99: each token's return is then gamma^(tokens left) times
+    (`rollout.sampling.ignore_eos`) and gamma 0.99: each token's return is then gamma^(tokens left) times
     the response's score, a part the critic can read from the position; fixed lengths keep the
     discount from teaching the actor to stop early. 20 steps, one process, vLLM rollout (~130 s).
     Measured in a manual run of these settings: explained variance 0.001 over the first 4 steps -> 0.62 over the last 4 (0.77 at
@@ -1046,7 +1055,7 @@ def test_ppo_critic_explains_discounted_fixed_length_returns(workdir):
             "algorithm.gamma=0.99",
             "algorithm.lam=1.0",
             "algorithm.use_kl_loss=false",
-            "rollout.ignore_eos=true",
+            "rollout.sampling.ignore_eos=true",
             "trainer.total_steps=20",
             "data.train_batch_size=8",
             "actor.ppo_mini_batch_size=4",
@@ -1054,7 +1063,7 @@ def test_ppo_critic_explains_discounted_fixed_length_returns(workdir):
             "actor.optim.lr=1e-2",
             "critic.optim.lr=1e-3",
             "critic.ppo_epochs=4",
-            "rollout.max_response_length=32",
+            "rollout.sampling.max_response_length=32",
         )
     )
     steps = range(1, 21)

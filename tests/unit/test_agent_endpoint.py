@@ -322,7 +322,7 @@ def test_tool_calls_come_back_in_openai_format_and_the_tool_result_continues(tok
 
 
 def test_a_segment_s_response_stays_within_the_run_s_response_length(tokenizer):
-    """rollout.max_response_length bounds what follows a segment's first prompt (model and tool
+    """rollout.sampling.max_response_length bounds what follows a segment's first prompt (model and tool
     tokens), as it bounds an environment's trajectory: a reply is cut to the room left, and a
     request with no room left is refused (400 context_length, counted); an edited history starts
     a new segment, with a budget of its own."""
@@ -344,7 +344,9 @@ def test_a_segment_s_response_stays_within_the_run_s_response_length(tokenizer):
         messages += [{"role": "user", "content": "and more"}]
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages)
-        assert e.value.code == "context_length" and "rollout.max_response_length" in str(e.value)
+        assert e.value.code == "context_length" and "rollout.sampling.max_response_length" in str(
+            e.value
+        )
         assert ep.take_counts() == {"bad_requests/context_length": 1}
         again = client.chat.completions.create(model=MODEL, messages=messages[:1])  # edited
         assert again.choices[0].finish_reason == "stop"
@@ -520,33 +522,44 @@ def test_rollout_agent_is_refused_before_any_model_is_built(tmp_path):
         f"rollout.agent={file}:solve",
     ]
     for extra, message in (
-        (["rollout.backend=hf", "rollout.env=x.py:Env"], "one or the other"),
+        (["rollout.engine.backend=hf", "rollout.env=x.py:Env"], "one or the other"),
         (
             [
-                "rollout.backend=hf",
-                "rollout.partial=true",
-                "rollout.mode=async",
+                "rollout.engine.backend=hf",
+                "rollout.placement.partial=true",
+                "rollout.placement.mode=async",
                 "parallel.rollout_ranks=1",
             ],
             "one version's weights",
         ),
-        (["rollout.backend=hf", "rollout.agent_timeout_s=0"], "must be > 0"),
+        (["rollout.engine.backend=hf", "rollout.agent_timeout_s=0"], "must be > 0"),
         (
-            ["rollout.backend=hf", "rollout.agent_timeout_s=600", "trainer.hang_timeout_s=600"],
+            [
+                "rollout.engine.backend=hf",
+                "rollout.agent_timeout_s=600",
+                "trainer.hang_timeout_s=600",
+            ],
             r"not below trainer\.hang_timeout_s=600: .* raise trainer\.hang_timeout_s",
         ),
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, *extra])
-    assert load_config(None, [*base, "rollout.backend=vllm"]).rollout.agent  # both backends serve
+    assert load_config(
+        None, [*base, "rollout.engine.backend=vllm"]
+    ).rollout.agent  # both backends serve
     # and both placements: the asynchronous rollout group runs agents as colocated does
-    placed = [*base, "rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1"]
-    assert load_config(None, placed).rollout.mode == "async"
+    placed = [
+        *base,
+        "rollout.engine.backend=hf",
+        "rollout.placement.mode=async",
+        "parallel.rollout_ranks=1",
+    ]
+    assert load_config(None, placed).rollout.placement.mode == "async"
     # a good agent passes (the data files' check is next); a missing one is refused before it
-    cfg = load_config(None, [*base, "rollout.backend=hf"])
+    cfg = load_config(None, [*base, "rollout.engine.backend=hf"])
     with pytest.raises(DataError, match=r"/nonexistent/train\.parquet"):
         check_inputs(cfg, ParallelLayout(), this_machine=False)
-    absent = [*base[:2], f"rollout.agent={tmp_path}/absent.py:solve", "rollout.backend=hf"]
+    absent = [*base[:2], f"rollout.agent={tmp_path}/absent.py:solve", "rollout.engine.backend=hf"]
     with pytest.raises(ConfigError, match="does not exist"):
         check_inputs(load_config(None, absent), ParallelLayout(), this_machine=False)
     with pytest.raises(ConfigError, match="does not exist"):

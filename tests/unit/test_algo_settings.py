@@ -1,6 +1,6 @@
 """Algorithm choices and their settings are resolved through the registries before launch: an
 unknown name lists the known ones, a setting the chosen function does not take is an error, open
-parameters reach registered functions, and group estimators refuse rollout.n < 2. Through the
+parameters reach registered functions, and group estimators refuse rollout.sampling.n < 2. Through the
 CLI each exits 2 before any process starts."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def cfg_with(*overrides: str):
 
 def resolved(cfg: RunConfig) -> AlgorithmKwargs:
     """The config's algorithm section resolved as each rank's trainer resolves it."""
-    return resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout)
+    return resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout.sampling)
 
 
 @pytest.mark.parametrize(
@@ -112,16 +112,20 @@ def test_a_registered_loss_gets_its_own_parameter_from_the_config():
 
 def test_group_estimators_refuse_one_sample_per_prompt():
     for estimator in ("grpo", "rloo"):
-        with pytest.raises(ConfigError, match=r"rollout.n=1 gives every sample advantage 0"):
-            cfg_with(f"algorithm.adv_estimator={estimator}", "rollout.n=1")
-    cfg_with("algorithm.adv_estimator=gae", "rollout.n=1")  # a critic needs no group
-    with pytest.raises(ConfigError, match=r"filter_groups .* rollout.n >= 2"):
-        cfg_with("algorithm.adv_estimator=gae", "rollout.n=1", "algorithm.filter_groups=true")
+        with pytest.raises(
+            ConfigError, match=r"rollout.sampling.n=1 gives every sample advantage 0"
+        ):
+            cfg_with(f"algorithm.adv_estimator={estimator}", "rollout.sampling.n=1")
+    cfg_with("algorithm.adv_estimator=gae", "rollout.sampling.n=1")  # a critic needs no group
+    with pytest.raises(ConfigError, match=r"filter_groups .* rollout.sampling.n >= 2"):
+        cfg_with(
+            "algorithm.adv_estimator=gae", "rollout.sampling.n=1", "algorithm.filter_groups=true"
+        )
 
 
 def test_dr_grpo_norm_length_defaults_to_the_response_limit():
     cfg = cfg_with(
-        "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_response_length=96"
+        "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "rollout.sampling.max_response_length=96"
     )
     assert loss_agg_options(resolved(cfg))(3) == {"norm_length": 96, "num_seqs": 3}
     cfg = cfg_with(
@@ -134,17 +138,17 @@ def test_dr_grpo_norm_length_defaults_to_the_response_limit():
 
 
 def test_sampling_and_validation_settings_are_checked():
-    with pytest.raises(ConfigError, match=r"rollout.val_n=4 greedy samples"):
-        cfg_with("rollout.val_n=4")
+    with pytest.raises(ConfigError, match=r"rollout.sampling.val_n=4 greedy samples"):
+        cfg_with("rollout.sampling.val_n=4")
     with pytest.raises(ConfigError, match=r"val_before_train=true needs data.val_files"):
         cfg_with("trainer.val_before_train=true")
     with pytest.raises(ConfigError, match=r"overlong_buffer.len=600 must be in \[0, rollout"):
         cfg_with("reward.overlong_buffer.len=600")
     with pytest.raises(
-        ConfigError, match=r"set reward.overlong_buffer.len=0 or rollout.ignore_eos"
+        ConfigError, match=r"set reward.overlong_buffer.len=0 or rollout.sampling.ignore_eos"
     ):
-        cfg_with("rollout.ignore_eos=true", "reward.overlong_buffer.len=8")
-    assert cfg_with("rollout.ignore_eos=true").rollout.ignore_eos
+        cfg_with("rollout.sampling.ignore_eos=true", "reward.overlong_buffer.len=8")
+    assert cfg_with("rollout.sampling.ignore_eos=true").rollout.sampling.ignore_eos
 
 
 def test_bad_algorithm_settings_exit_2_from_the_cli_before_any_process(tmp_path, capsys):
@@ -180,8 +184,8 @@ def test_bad_algorithm_settings_exit_2_from_the_cli_before_any_process(tmp_path,
         (["algorithm.policy_loss_kwargs.clip_ratio=0.3"], "remove it or fix its name"),
         (["algorithm.loss_agg_norm_length=64"], "does not take"),
         # a group estimator with one sample per prompt
-        (["rollout.n=1"], "set rollout.n >= 2"),
-        (["algorithm.adv_estimator=rloo", "rollout.n=1"], "set rollout.n >= 2"),
+        (["rollout.sampling.n=1"], "set rollout.sampling.n >= 2"),
+        (["algorithm.adv_estimator=rloo", "rollout.sampling.n=1"], "set rollout.sampling.n >= 2"),
     ]
     for extra, message in cases:
         assert cli_main(["train", str(run), *extra]) == 2, extra

@@ -16,13 +16,19 @@ def test_defaults_overrides_and_yaml(tmp_path):
     cfg = load_config(overrides=[*BASE, "actor.optim.lr=3e-6", "parallel.tp=2"])
     assert isinstance(cfg, RunConfig)
     assert cfg.actor.optim.lr == 3e-6 and cfg.parallel.tp == 2
-    assert cfg.algorithm.clip_ratio_c is None and cfg.rollout.n == 5  # None: the loss's default
+    assert (
+        cfg.algorithm.clip_ratio_c is None and cfg.rollout.sampling.n == 5
+    )  # None: the loss's default
     yaml = tmp_path / "run.yaml"
     yaml.write_text(
         "model:\n  path: /m\ndata:\n  train_files: [t.parquet]\n  train_batch_size: 8\nactor:\n  ppo_mini_batch_size: 4\n"
     )
-    cfg = load_config(yaml, ["rollout.n=2"])
-    assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n) == (8, 4, 2)
+    cfg = load_config(yaml, ["rollout.sampling.n=2"])
+    assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.sampling.n) == (
+        8,
+        4,
+        2,
+    )
     flat = to_flat_dict(cfg)
     assert flat["actor.optim.lr"] == 1e-6 and flat["model.path"] == "/m"
 
@@ -37,7 +43,7 @@ def test_unknown_key_suggests_the_close_one():
 def test_wrong_type_and_missing_required():
     # one line naming the setting and what it takes, none of the config library's internals
     cases = {
-        "rollout.n=many": "rollout.n takes a whole number",
+        "rollout.sampling.n=many": "rollout.sampling.n takes a whole number",
         "actor.optim.lr=fast": "actor.optim.lr takes a number",
         "trainer.val_before_train=maybe": "trainer.val_before_train takes true or false",
     }
@@ -107,25 +113,38 @@ def test_shared_prompts_refuse_what_cannot_carry_them(setting, fix):
     assert load_config(overrides=[*BASE, "actor.share_prompts=true"]).actor.share_prompts
 
 
-ASYNC = [*BASE, "rollout.mode=async", "parallel.rollout_ranks=2"]
+ASYNC = [*BASE, "rollout.placement.mode=async", "parallel.rollout_ranks=2"]
 
 
 def test_async_settings_refused_before_launch():
-    """rollout.mode=async and its settings: each bad combination fails at load (or with the
+    """rollout.placement.mode=async and its settings: each bad combination fails at load (or with the
     job's size, before torchrun starts), naming the setting and the fix."""
     cfg = load_config(overrides=ASYNC)
-    assert (cfg.rollout.mode, cfg.rollout.max_staleness, cfg.rollout.partial) == ("async", 1, False)
+    assert (
+        cfg.rollout.placement.mode,
+        cfg.rollout.placement.max_staleness,
+        cfg.rollout.placement.partial,
+    ) == ("async", 1, False)
     validate(cfg, world_size=4)  # 2 rollout ranks + 2 trainers
     cases = [
-        ([*BASE, "rollout.mode=async"], "positive multiple of parallel.infer_tp=1"),
+        ([*BASE, "rollout.placement.mode=async"], "positive multiple of parallel.infer_tp=1"),
         ([*ASYNC, "parallel.infer_tp=4"], "positive multiple of parallel.infer_tp=4"),
-        ([*BASE, "parallel.rollout_ranks=2"], "add rollout.mode=async"),
-        ([*BASE, "rollout.partial=true"], "rollout.partial=true continues generation"),
-        ([*ASYNC, "rollout.max_staleness=-1"], "rollout.max_staleness=-1 must be >= 0"),
-        ([*ASYNC, "rollout.partial_chunk_tokens=0"], "partial_chunk_tokens=0 must be >= 1"),
+        ([*BASE, "parallel.rollout_ranks=2"], "add rollout.placement.mode=async"),
+        (
+            [*BASE, "rollout.placement.partial=true"],
+            "rollout.placement.partial=true continues generation",
+        ),
+        (
+            [*ASYNC, "rollout.placement.max_staleness=-1"],
+            "rollout.placement.max_staleness=-1 must be >= 0",
+        ),
+        (
+            [*ASYNC, "rollout.placement.partial_chunk_tokens=0"],
+            "partial_chunk_tokens=0 must be >= 1",
+        ),
         ([*ASYNC, "actor.param_offload=true"], "trainer ranks hold no rollout engine"),
         ([*ASYNC, "trainer.elastic.max_restarts=2"], "does not yet account for the rollout"),
-        ([*BASE, "rollout.mode=later"], "rollout.mode='later' is not one of"),
+        ([*BASE, "rollout.placement.mode=later"], "rollout.placement.mode='later' is not one of"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -147,10 +166,10 @@ def test_async_mode_runs_environments_and_dynamic_sampling_but_not_partial_traje
     validate(cfg, world_size=4)
     assert cfg.rollout.env.endswith(":CountdownEnv") and cfg.algorithm.filter_groups
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=[*ASYNC, env, "rollout.partial=true"])
+        load_config(overrides=[*ASYNC, env, "rollout.placement.partial=true"])
     message = str(err.value)
     assert "turn by turn" in message
-    assert "rollout.partial=false" in message and "unset rollout.env" in message
+    assert "rollout.placement.partial=false" in message and "unset rollout.env" in message
 
 
 def test_rollout_corrections_by_name_and_the_old_tis_key():

@@ -11,8 +11,8 @@ from megarl.config.advice import config_warnings
 
 pytestmark = pytest.mark.unit
 
-BASE = ["model.path=m", "data.train_files=[a.parquet]", "rollout.max_response_length=72"]
-MULTI_TURN = ["rollout.env=envs.py:Relay", "rollout.max_turns=3"]
+BASE = ["model.path=m", "data.train_files=[a.parquet]", "rollout.sampling.max_response_length=72"]
+MULTI_TURN = ["rollout.env=envs.py:Relay", "rollout.environment.max_turns=3"]
 
 
 def _warnings(*overrides: str) -> list[str]:
@@ -20,13 +20,21 @@ def _warnings(*overrides: str) -> list[str]:
 
 
 def test_turns_that_fill_the_response_budget_are_warned_of():
-    [text] = _warnings(*MULTI_TURN, "rollout.max_turn_tokens=24")  # 3 x 24 = 72: no room
-    assert text.startswith("rollout.max_turns=3 turns of up to rollout.max_turn_tokens=24 tokens")
-    assert "take 72 of rollout.max_response_length=72" in text
-    assert "rollout/budget_cut" in text and "raise rollout.max_response_length" in text
-    assert _warnings(*MULTI_TURN, "rollout.max_turn_tokens=12") == []  # 36 of 72: room left
+    [text] = _warnings(
+        *MULTI_TURN, "rollout.environment.max_turn_tokens=24"
+    )  # 3 x 24 = 72: no room
+    assert text.startswith(
+        "rollout.environment.max_turns=3 turns of up to rollout.environment.max_turn_tokens=24 tokens"
+    )
+    assert "take 72 of rollout.sampling.max_response_length=72" in text
+    assert "rollout/budget_cut" in text and "raise rollout.sampling.max_response_length" in text
+    assert (
+        _warnings(*MULTI_TURN, "rollout.environment.max_turn_tokens=12") == []
+    )  # 36 of 72: room left
     assert _warnings(*MULTI_TURN) == []  # no per-turn limit: each turn takes what is left
-    assert _warnings("rollout.max_turns=3", "rollout.max_turn_tokens=24") == []  # no env
+    assert (
+        _warnings("rollout.environment.max_turns=3", "rollout.environment.max_turn_tokens=24") == []
+    )  # no env
 
 
 def test_restarts_without_saves_are_warned_of():

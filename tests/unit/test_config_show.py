@@ -37,16 +37,16 @@ def test_config_show_prints_every_setting_with_its_value_and_default(tmp_path, c
     assert cli_main(["config", "--show", str(config), "actor.optim.lr=0.5"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert list(rows) == leaf_keys() and len(rows) > 150  # every setting, in the schema's order
-    assert rows["rollout.n"] == ["*", "8", "5"]  # from the file; default 5
+    assert rows["rollout.sampling.n"] == ["*", "8", "5"]  # from the file; default 5
     assert rows["actor.optim.lr"] == ["*", "0.5", "1e-06"]  # from the overrides
     assert rows["model.path"] == ["*", "/m", "(required)"]
     assert rows["parallel.tp"] == [" ", "1", "1"]
     # no file: the defaults (overrides alone work too); an unknown key is refused as in train
-    assert cli_main(["config", "--show", "rollout.n=3"]) == 0
+    assert cli_main(["config", "--show", "rollout.sampling.n=3"]) == 0
     rows = _rows(capsys.readouterr().out)
-    assert rows["rollout.n"] == ["*", "3", "5"] and rows["model.path"][1] == "(required)"
+    assert rows["rollout.sampling.n"] == ["*", "3", "5"] and rows["model.path"][1] == "(required)"
     assert cli_main(["config", "--show", "rollout.nn=3"]) == 2
-    assert "did you mean rollout.n" in capsys.readouterr().err
+    assert "did you mean rollout.sampling.n" in capsys.readouterr().err
 
 
 def test_the_run_folder_keeps_the_resolved_config(tmp_path):

@@ -1,6 +1,6 @@
 """Dr. GRPO's ``seq-mean-token-sum-norm``: the actor loss of one batch is the same whatever the
 micro-batching and the data-parallel split, because each sequence's token sum is divided by one
-constant (rollout.max_response_length by default), not by a micro-batch's padded width."""
+constant (rollout.sampling.max_response_length by default), not by a micro-batch's padded width."""
 
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def test_dr_grpo_loss_is_the_same_for_any_micro_batching_and_dp_split():
             "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
             "algorithm.norm_adv_by_std=false",
             "algorithm.entropy_coef=0.01",
-            f"rollout.max_response_length={MAX_RESPONSE}",
-            "rollout.n=4",
+            f"rollout.sampling.max_response_length={MAX_RESPONSE}",
+            "rollout.sampling.n=4",
         ]
     )
     samples, forward = batch()

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config import RolloutConfig
+from megarl.config import RunConfig
+from megarl.config.moved_keys import MOVED_KEYS
+from megarl.config_keys import prepare_layer
 from megarl.envs import EnvContext, EnvError, Environment, Step, ToolEnvironment, ToolPool
 from megarl.envs.base import bind_context, check_reset, check_step
 from megarl.envs.loading import check_environment
@@ -124,7 +126,7 @@ def test_tool_environment_turns():
     assert step.messages == [{"role": "tool", "name": "calculator", "content": "408"}]
     assert not step.done and step.metrics["tool_calls"] == 1 and step.metrics["tool_errors"] == 0
     # a turn that calls a tool is never the answer: rewarded (0 without credits), so a trajectory
-    # cut on it at rollout.max_turns is not scored as if the call were its final answer
+    # cut on it at rollout.environment.max_turns is not scored as if the call were its final answer
     assert step.reward == 0.0
     wrong = asyncio.run(env.step([{"role": "assistant", "content": "<tool_call>{x</tool_call>"}]))
     assert wrong.metrics["tool_errors"] == 1 and "not valid JSON" in wrong.messages[0]["content"]
@@ -191,7 +193,7 @@ def test_the_guide_examples_run(tmp_path):
         asyncio.run(tool_env.step([{"role": "assistant", "content": call}])).messages[0]["content"]
         == "4.50"
     )
-    for block in _doc_blocks("yaml"):
-        rollout = yaml.safe_load(block)["rollout"]
-        unknown = set(rollout) - set(RolloutConfig.__dataclass_fields__)
-        assert not unknown, unknown
+    for block in _doc_blocks("yaml"):  # every key known, none of them one that has moved
+        layer = {"rollout": yaml.safe_load(block)["rollout"]}
+        moved = [old for old in MOVED_KEYS if old.split(".")[1] in layer["rollout"]]
+        assert not moved and not prepare_layer(RunConfig, layer), (moved, layer)

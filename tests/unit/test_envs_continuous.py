@@ -1,4 +1,4 @@
-"""The continuous turn loop (rollout.turn_loop=continuous) against the lock-step one, with a
+"""The continuous turn loop (rollout.environment.turn_loop=continuous) against the lock-step one, with a
 scripted engine whose answer to a request depends only on the request: the same trajectories,
 token for token, in every case the lock-step loop's tests cover (turns, budgets, limits, failed
 resets and steps, shared first turns); a trajectory whose environment is slow does not hold the

@@ -79,7 +79,7 @@ def test_critic_loss_has_no_gradient_at_environment_tokens():
     cfg = RunConfig()
     loss_fn = make_critic_loss(
         cfg.algorithm,
-        resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout),
+        resolve_algorithm_kwargs(cfg.algorithm, cfg.rollout.sampling),
         cfg.critic.cliprange_value,
     )
     mb = _samples(1.0)

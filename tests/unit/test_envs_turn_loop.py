@@ -143,7 +143,7 @@ def test_budgets_and_turn_limits_truncate(tok):
         rounds=5,
     )
     assert all(t.finish == "turns" and t.truncated and t.turns == 2 for t in trajs)
-    # ended by rollout.max_turns, not by the response budget
+    # ended by rollout.environment.max_turns, not by the response budget
     assert trajectory_metrics(trajs, 0.0)["rollout/budget_cut"] == 0
     # the last turn unrewarded: the run's reward scores the final conversation
     assert all(t.env_reward == 0 and not t.env_scored_outcome for t in trajs)
@@ -188,7 +188,7 @@ def test_a_failing_environment_fails_its_sample_only(tok):
     assert failed.finish == "error" and "reset broke" in failed.error
     assert failed.mask == [0] and failed.prompt_ids == tok("q")["input_ids"]
     assert trajs[0].finish == "stop" and trajs[2].finish == "stop"
-    # rollout.max_env_failures: 1 of 3 failed passes a share of 0.5, stops the run at 0.3
+    # rollout.environment.max_env_failures: 1 of 3 failed passes a share of 0.5, stops the run at 0.3
     check_env_failures(trajs, 0.5)
     with pytest.raises(
         EnvError, match=r"(?s)1 of the step's 3 samples.*0\.3.*sample 1.*reset broke"

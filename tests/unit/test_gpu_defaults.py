@@ -144,8 +144,8 @@ def test_set_rank_env_keeps_a_users_value(monkeypatch):
 def test_processes_per_node():
     assert _nproc_per_node(_cfg("parallel.tp=2"), CUDA_TE) == 8  # one per GPU, DP 4
     assert _nproc_per_node(_cfg("parallel.tp=2", "parallel.pp=2"), CPU) == 4
-    # rollout.mode=async on CPU: one trainer replica and the rollout group
-    split = ("parallel.tp=2", "rollout.mode=async", "parallel.rollout_ranks=2")
+    # rollout.placement.mode=async on CPU: one trainer replica and the rollout group
+    split = ("parallel.tp=2", "rollout.placement.mode=async", "parallel.rollout_ranks=2")
     assert _nproc_per_node(_cfg(*split), CPU) == 4
     assert _nproc_per_node(_cfg(*split), CUDA_TE) == 8  # the node's GPUs, split by rank
 
@@ -171,9 +171,9 @@ def test_check_backends_refuses_it_on_this_machine(monkeypatch):
 
 def test_rollout_settings():
     cfg = _cfg()
-    assert (cfg.rollout.max_num_seqs, cfg.rollout.per_request_seeds) == (256, True)
-    with pytest.raises(ConfigError, match=r"rollout\.max_num_seqs must be >= 1"):
-        _cfg("rollout.max_num_seqs=0")
+    assert (cfg.rollout.engine.max_num_seqs, cfg.rollout.sampling.per_request_seeds) == (256, True)
+    with pytest.raises(ConfigError, match=r"rollout\.engine\.max_num_seqs must be >= 1"):
+        _cfg("rollout.engine.max_num_seqs=0")
 
 
 class _Recorder:
@@ -219,7 +219,7 @@ def test_engine_seed_differs_per_engine_without_request_seeds():
 
     seeded = _cfg("trainer.seed=3")
     assert {seed(seeded, r // 2) for r in range(4)} == {3}
-    batched = _cfg("trainer.seed=3", "rollout.per_request_seeds=false")
+    batched = _cfg("trainer.seed=3", "rollout.sampling.per_request_seeds=false")
     assert [seed(batched, r // 2) for r in range(4)] == [3, 3, 4, 4]
 
 
@@ -281,7 +281,7 @@ def test_train_starts_one_process_per_gpu_on_cuda(monkeypatch, tmp_path):
 
 def _check_backends(cfg) -> None:
     """megarl.run.checks' call of check_backends for ``cfg``."""
-    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.engine.backend)
     backends.check_backends(cfg.model, cfg.actor, cfg.parallel, backend)
 
 

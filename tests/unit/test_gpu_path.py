@@ -31,12 +31,21 @@ BASE = ["model.path=/models/x", "data.train_files=[a.parquet]"]
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("rollout.sleep_level=3", r"rollout.sleep_level=3 is not one of \[1, 2\]"),
-        ("rollout.sleep_level=0", r"rollout.sleep_level=0 is not one of \[1, 2\]"),
-        ("rollout.gpu_memory_utilization=0", r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
-        ("rollout.gpu_memory_utilization=1.2", r"gpu_memory_utilization=1.2 must be in \(0, 1\]"),
-        ("rollout.backend=sglang", r"rollout.backend='sglang' is not one of \['vllm', 'hf'\]"),
-        ("rollout.reshard_mode=half", r"rollout.reshard_mode='half' is not one of"),
+        ("rollout.engine.sleep_level=3", r"rollout.engine.sleep_level=3 is not one of \[1, 2\]"),
+        ("rollout.engine.sleep_level=0", r"rollout.engine.sleep_level=0 is not one of \[1, 2\]"),
+        (
+            "rollout.engine.gpu_memory_utilization=0",
+            r"gpu_memory_utilization=0.0 must be in \(0, 1\]",
+        ),
+        (
+            "rollout.engine.gpu_memory_utilization=1.2",
+            r"gpu_memory_utilization=1.2 must be in \(0, 1\]",
+        ),
+        (
+            "rollout.engine.backend=sglang",
+            r"rollout.engine.backend='sglang' is not one of \['vllm', 'hf'\]",
+        ),
+        ("rollout.engine.reshard_mode=half", r"rollout.engine.reshard_mode='half' is not one of"),
         ("model.transformer_impl=apex", r"model.transformer_impl='apex' is not one of"),
     ],
 )
@@ -47,29 +56,29 @@ def test_bad_gpu_settings_are_refused(override, match):
 
 def test_gpu_settings_defaults_and_bounds():
     cfg = load_config(overrides=BASE)
-    r = cfg.rollout
+    r = cfg.rollout.engine
     # sleep level 2: the reshard refills every weight, so vLLM drops them while it sleeps
     assert (r.backend, r.gpu_memory_utilization, r.sleep_level) == ("vllm", 0.5, 2)
     assert r.reshard_mode == "auto"
     assert cfg.model.transformer_impl == "auto"
     cfg = load_config(
-        overrides=[*BASE, "rollout.gpu_memory_utilization=1", "rollout.sleep_level=1"]
+        overrides=[*BASE, "rollout.engine.gpu_memory_utilization=1", "rollout.engine.sleep_level=1"]
     )
-    assert (cfg.rollout.gpu_memory_utilization, cfg.rollout.sleep_level) == (1.0, 1)
+    assert (cfg.rollout.engine.gpu_memory_utilization, cfg.rollout.engine.sleep_level) == (1.0, 1)
 
 
 def test_vllm_backend_without_vllm_names_the_fix(monkeypatch):
     monkeypatch.setattr(backends, "installed", lambda package: package != "vllm")
     cfg = load_config(overrides=BASE)
-    with pytest.raises(ConfigError, match=r"vLLM is not installed.*rollout.backend=hf"):
+    with pytest.raises(ConfigError, match=r"vLLM is not installed.*rollout.engine.backend=hf"):
         _check_backends(cfg)
-    _check_backends(load_config(overrides=[*BASE, "rollout.backend=hf"]))
+    _check_backends(load_config(overrides=[*BASE, "rollout.engine.backend=hf"]))
     # a reward-model run does not roll out
     _check_backends(load_config(overrides=[*BASE, "trainer.kind=reward_model"]))
 
 
 def test_every_rollout_backend_the_config_accepts_has_an_engine():
-    assert set(ROLLOUT_BACKENDS) == set(choices("rollout.backend"))
+    assert set(ROLLOUT_BACKENDS) == set(choices("rollout.engine.backend"))
 
 
 def test_cli_refuses_vllm_without_vllm_before_launch(monkeypatch, tmp_path, capsys):
@@ -282,5 +291,5 @@ def test_hf_rollout_follows_a_weight_update(hf_rollout, tmp_path):
 
 def _check_backends(cfg) -> None:
     """megarl.run.checks' call of check_backends for ``cfg``."""
-    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.engine.backend)
     backends.check_backends(cfg.model, cfg.actor, cfg.parallel, backend)

@@ -111,7 +111,7 @@ def test_context_parallel_refused_on_cpu_and_when_it_does_not_divide_the_budget(
         _check_backends(cfg)
     _check_backends(load_config(overrides=BASE))  # cp=1 passes
     with pytest.raises(ConfigError, match=r"parallel.cp=3 does not divide the sequence budget.*"):
-        load_config(overrides=[*BASE, "parallel.cp=3", "rollout.max_response_length=500"])
+        load_config(overrides=[*BASE, "parallel.cp=3", "rollout.sampling.max_response_length=500"])
     with pytest.raises(ConfigError, match=r"reward_model.max_length = 1000 must be a multiple"):
         load_config(
             overrides=[
@@ -149,5 +149,5 @@ def _check_backends(cfg) -> None:
     """megarl.run.checks' call of check_backends for ``cfg``."""
     from megarl import backends
 
-    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.backend)
+    backend = backends.rollout_backend(cfg.trainer.kind, cfg.rollout.engine.backend)
     backends.check_backends(cfg.model, cfg.actor, cfg.parallel, backend)

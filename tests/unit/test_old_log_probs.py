@@ -1,5 +1,5 @@
 """Where the old logprobs come from (``actor.old_log_prob_forward``), and the rollout dtype
-setting (``rollout.dtype``): which runs may take the update's own logprobs as the old ones, and
+setting (``rollout.engine.dtype``): which runs may take the update's own logprobs as the old ones, and
 the actor loss built either way."""
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def test_bad_switch_values_stop_before_launch():
     with pytest.raises(ConfigError, match=r"actor.old_log_prob_forward='never' is not one of"):
         load_config(overrides=[*ONE_STEP, "actor.old_log_prob_forward=never"])
     with pytest.raises(
-        ConfigError, match=r"rollout.dtype='bf16' is not one of \['auto', 'float32', 'bfloat16'\]"
+        ConfigError,
+        match=r"rollout.engine.dtype='bf16' is not one of \['auto', 'float32', 'bfloat16'\]",
     ):
-        load_config(overrides=[*ONE_STEP, "rollout.dtype=bf16"])
+        load_config(overrides=[*ONE_STEP, "rollout.engine.dtype=bf16"])
 
 
 def test_rollout_dtype_auto_follows_the_model():
@@ -72,8 +73,10 @@ def test_rollout_dtype_auto_follows_the_model():
         ("auto", "auto", True, "bfloat16"),  # ... bf16 on CUDA
         ("auto", "float32", True, "float32"),
     ]:
-        cfg = load_config(overrides=[*ONE_STEP, f"model.dtype={model}", f"rollout.dtype={rollout}"])
-        assert rollout_dtype(cfg.model, cfg.rollout, cuda) == want, (model, rollout, cuda)
+        cfg = load_config(
+            overrides=[*ONE_STEP, f"model.dtype={model}", f"rollout.engine.dtype={rollout}"]
+        )
+        assert rollout_dtype(cfg.model, cfg.rollout.engine, cuda) == want, (model, rollout, cuda)
 
 
 def _batch() -> tuple[Samples, torch.Tensor]:

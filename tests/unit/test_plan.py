@@ -300,14 +300,14 @@ def test_plan_overrides_are_every_setting_its_estimate_assumed(capsys):
     assert keys >= {
         "data.train_batch_size",
         "actor.ppo_mini_batch_size",
-        "rollout.n",
+        "rollout.sampling.n",
         "actor.max_tokens_per_micro_batch",
         "data.max_prompt_length",
-        "rollout.max_response_length",
+        "rollout.sampling.max_response_length",
         "model.recompute",
         "actor.optimizer_offload",
         "actor.packing",
-        "rollout.gpu_memory_utilization",
+        "rollout.engine.gpu_memory_utilization",
         "model.dtype",
     }
     cfg = load_config(overrides=["model.path=/m", "data.train_files=[t]", *best["overrides"]])

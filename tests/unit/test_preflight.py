@@ -31,12 +31,12 @@ RECIPE = [
     "parallel.infer_tp=2",
     "data.train_batch_size=1024",
     "data.max_prompt_length=512",
-    "rollout.n=5",
-    "rollout.max_response_length=1024",
+    "rollout.sampling.n=5",
+    "rollout.sampling.max_response_length=1024",
     "actor.ppo_mini_batch_size=256",
     "actor.max_tokens_per_micro_batch=16384",
     "model.recompute=full",
-    "rollout.gpu_memory_utilization=0.45",
+    "rollout.engine.gpu_memory_utilization=0.45",
 ]
 # Qwen2.5-7B, by hand: hidden, query width, KV width, FFN, vocabulary, layers; TP 2, DP 4
 H, Q, KV, F, V, L = 3584, 3584, 4 * 128, 18944, 152064, 28
@@ -47,7 +47,7 @@ TOKENS = 16384  # the micro-batch budget
 # The reserve of TP2 x DP4 with vLLM TP2: the CUDA context, 5 NCCL communicators over several
 # ranks (world, TP, DP, the distributed optimizer's grad-norm group, vLLM's TP), 2% of 80 GiB
 RESERVE = CUDA_CONTEXT + NCCL_FIRST + 5 * NCCL_PEER_BUFFERS + int(0.02 * 80 * GIB)
-VLLM = int(0.45 * 80 * GIB)  # rollout.gpu_memory_utilization 0.45 of 80 GiB
+VLLM = int(0.45 * 80 * GIB)  # rollout.engine.gpu_memory_utilization 0.45 of 80 GiB
 
 
 def _pinned(sizes) -> int:
@@ -187,7 +187,7 @@ def test_host_memory_per_rank_and_node(recipe):
     # pinned host memory; sleep level 2 (the default) drops its weights, level 1 keeps its TP
     # shard there too, a block per tensor (vLLM's TP2 shard has the actor's shapes, bf16)
     assert dp0["training"] == {"optimizer_offload": 0, "vllm_asleep": GIB}
-    level1 = _check("rollout.sleep_level=1").host
+    level1 = _check("rollout.engine.sleep_level=1").host
     vllm_host = GIB + int(2 * P * _pinned(2 * n for n in TENSORS) / (2 * P))
     assert level1.ranks[(0, 0)]["training"] == {"optimizer_offload": 0, "vllm_asleep": vllm_host}
     state = 12 * -(-P // DP)  # its own shard's fp32 params, m, v: no gather (optimizer_shards)
@@ -235,7 +235,7 @@ def test_micro_batch_shapes():
 
 def test_a_phase_that_does_not_fit_is_named_with_checked_fixes():
     cfg = load_config(
-        overrides=[*RECIPE, "rollout.max_response_length=16384", "model.recompute=none"]
+        overrides=[*RECIPE, "rollout.sampling.max_response_length=16384", "model.recompute=none"]
     )
     pf = preflight(cfg, _dims(), HW, GPU)
     assert not pf.fits
@@ -252,13 +252,13 @@ def test_vllm_that_cannot_start_names_its_budget():
     dims = resolve_model("Qwen3-30B-A3B")[1]
     moe = [*RECIPE, "parallel.tp=4", "parallel.infer_tp=4", "parallel.ep=2"]
     moe += ["actor.max_tokens_per_micro_batch=8192", "actor.optimizer_offload=1.0"]
-    moe += ["rollout.gpu_memory_utilization=0.5"]
+    moe += ["rollout.engine.gpu_memory_utilization=0.5"]
     cfg = load_config(overrides=moe)
     pf = preflight(cfg, dims, HW, GPU)
     [problem] = pf.problems
     assert (problem.where, problem.item) == ("startup", "rollout")
-    assert "rollout.gpu_memory_utilization=0.5" in problem.message
-    assert pf.suggestions[0] == ["rollout.gpu_memory_utilization=0.45"]
+    assert "rollout.engine.gpu_memory_utilization=0.5" in problem.message
+    assert pf.suggestions[0] == ["rollout.engine.gpu_memory_utilization=0.45"]
     assert preflight(with_overrides(cfg, pf.suggestions[0]), dims, HW, GPU, suggest=False).fits
     assert pf.memory.reserve.total >= 6 * GIB  # 9 communicators of an MoE layout
 
@@ -290,19 +290,22 @@ def test_moe_dispatch_buffers_are_planned():
 
 def test_a_kv_cache_smaller_than_one_sequence_is_refused():
     pf = preflight(
-        load_config(overrides=[*RECIPE, "rollout.gpu_memory_utilization=0.1"]), _dims(), HW, GPU
+        load_config(overrides=[*RECIPE, "rollout.engine.gpu_memory_utilization=0.1"]),
+        _dims(),
+        HW,
+        GPU,
     )
     assert ("rollout", "kv_cache") in {(p.where, p.item) for p in pf.problems}
-    assert any(s[0].startswith("rollout.gpu_memory_utilization=0.") for s in pf.suggestions)
+    assert any(s[0].startswith("rollout.engine.gpu_memory_utilization=0.") for s in pf.suggestions)
 
 
 def test_host_memory_of_a_save_is_checked():
     small = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, host_memory=128 * GIB)
-    cfg = load_config(overrides=[*RECIPE, "rollout.sleep_level=1"])
+    cfg = load_config(overrides=[*RECIPE, "rollout.engine.sleep_level=1"])
     pf = preflight(cfg, _dims(), small, GPU)
     [problem] = pf.problems
     assert problem.where == "host save" and problem.item == "checkpoint"
-    assert ["rollout.sleep_level=2"] in pf.suggestions  # vLLM's host copy goes
+    assert ["rollout.engine.sleep_level=2"] in pf.suggestions  # vLLM's host copy goes
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -338,7 +341,7 @@ def _inputs(tmp_path: Path) -> list[str]:
 def test_dry_run_exits_2_naming_the_item_before_any_model_is_built(tmp_path):
     overflow = [
         "actor.micro_batch_size=64",
-        "rollout.max_response_length=16384",
+        "rollout.sampling.max_response_length=16384",
         "model.recompute=none",
     ]
     argv = ["train", str(ROOT / "configs" / "grpo_qwen2_5_7b.yaml"), *_inputs(tmp_path), *overflow]
@@ -400,7 +403,7 @@ def test_dry_run_of_a_reward_model_config_checks_it_only(tmp_path, capsys):
 
 
 def test_async_jobs_are_checked_on_the_trainer_ranks_and_not_planned(tmp_path, capsys):
-    """rollout.mode=async: the dry run makes the launch's checks over the trainer ranks (the job
+    """rollout.placement.mode=async: the dry run makes the launch's checks over the trainer ranks (the job
     less the rollout group) and says that it plans no memory; on CUDA the launch stops unless
     --no-preflight."""
     import argparse
@@ -409,13 +412,15 @@ def test_async_jobs_are_checked_on_the_trainer_ranks_and_not_planned(tmp_path, c
     from megarl.cli import main
 
     argv = ["train", str(ROOT / "configs" / "grpo_qwen2_5_7b.yaml"), *_inputs(tmp_path)]
-    split = ["rollout.mode=async", "parallel.rollout_ranks=4"]  # 4 trainers at TP2: DP2
+    split = ["rollout.placement.mode=async", "parallel.rollout_ranks=4"]  # 4 trainers at TP2: DP2
     assert main([*argv, *split, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "config checks passed" in out and "not rollout.mode=async" in out
+    assert "config checks passed" in out and "not rollout.placement.mode=async" in out
     assert "every phase fits" not in out
     # 2 rollout ranks leave 6 trainers (DP3), which cannot split the batch of 1024
-    assert main([*argv, "rollout.mode=async", "parallel.rollout_ranks=2", "--dry-run"]) == 2
+    assert (
+        main([*argv, "rollout.placement.mode=async", "parallel.rollout_ranks=2", "--dry-run"]) == 2
+    )
     assert "train_batch_size" in capsys.readouterr().err
     cfg = load_config(overrides=[*RECIPE, *split])
     cuda = Target(cuda=True, transformer_engine=True, local_gpus=8)
@@ -491,17 +496,17 @@ def test_the_recorded_routes_of_an_moe_rollout_are_planned_in_host_memory():
     for the step, and during the data-parallel re-deal every rank's on each rank; none with
     vLLM, which records none yet, nor for a dense model."""
     dims = resolve_model("Qwen3-30B-A3B")[1]  # 48 layers, top-8
-    recipe = load_config("configs/grpo_qwen3_30b_a3b.yaml", ["rollout.backend=hf"])
+    recipe = load_config("configs/grpo_qwen3_30b_a3b.yaml", ["rollout.engine.backend=hf"])
     pf = preflight(recipe, dims, HW, GPU, suggest=False)
     dp = 2  # TP4 x DP2 (EP2) on 8 GPUs
-    sequences = 1024 * 5 // dp  # the rank's share of the rollout: prompts x rollout.n
+    sequences = 1024 * 5 // dp  # the rank's share of the rollout: prompts x rollout.sampling.n
     routes = sequences * (512 + 1024) * 48 * 8 * 2
     host = pf.host.ranks[(0, 0)]
     assert host["training"]["routes"] == host["rollout"]["routes"] == dp * routes
     alone = preflight(
         load_config(
             "configs/grpo_qwen3_30b_a3b.yaml",
-            ["rollout.backend=hf", "actor.balance_dp_tokens=false"],
+            ["rollout.engine.backend=hf", "actor.balance_dp_tokens=false"],
         ),
         dims,
         HW,
@@ -511,5 +516,5 @@ def test_the_recorded_routes_of_an_moe_rollout_are_planned_in_host_memory():
     assert alone.host.ranks[(0, 0)]["training"]["routes"] == routes
     vllm = preflight(load_config("configs/grpo_qwen3_30b_a3b.yaml"), dims, HW, GPU, suggest=False)
     assert "routes" not in vllm.host.ranks[(0, 0)]["training"]
-    dense = _check("rollout.backend=hf")
+    dense = _check("rollout.engine.backend=hf")
     assert "routes" not in dense.host.ranks[(0, 0)]["training"]

@@ -110,9 +110,9 @@ def test_recipe_settings(name):
     assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.2, 3.0)
     assert cfg.reward.custom_fn is None  # the GSM8K rule scorer, by data_source
     assert (cfg.data.train_batch_size, cfg.data.max_prompt_length) == (1024, 512)
-    assert cfg.rollout.max_response_length == 1024
+    assert cfg.rollout.sampling.max_response_length == 1024
     if a.adv_estimator == "grpo":
-        assert cfg.rollout.n == 5
+        assert cfg.rollout.sampling.n == 5
         assert (a.use_kl_loss, a.kl_loss_coef, a.use_kl_in_reward) == (True, 0.001, False)
         assert (a.gamma, a.lam) == (None, None)  # grpo takes neither: giving them is an error
     else:

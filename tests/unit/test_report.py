@@ -121,7 +121,7 @@ def test_sft_and_dpo_runs_draw_their_losses_and_every_other_metric_by_prefix(tmp
             "dpo/reward_accuracy": 0.5 + 0.1 * step,
             "dpo/reward_margin": 0.2 * step,
             "rollout/turns_mean": 2.0,
-            "rollout/budget_cut": 0.25,  # multi-turn: out of room before rollout.max_turns
+            "rollout/budget_cut": 0.25,  # multi-turn: out of room before rollout.environment.max_turns
             "rollout/staleness_mean": 1.0,  # async
             "cost/$_per_$^": 0.01,  # as math, "_per_" fails to parse
             "lonely": 1.0,

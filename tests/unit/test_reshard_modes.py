@@ -1,4 +1,4 @@
-"""Reshard settings without processes: ``rollout.reshard_mode`` resolved per backend and model (and
+"""Reshard settings without processes: ``rollout.engine.reshard_mode`` resolved per backend and model (and
 refused before launch where vLLM cannot load slices), the slice checks the rollout engines make
 before loading anything, the Hugging Face engine's sleep-level-2 weight drop and refill, and the
 reshard figures ``megarl plan --json`` carries per layout (the planner's, key names fixed)."""
@@ -30,7 +30,7 @@ def test_auto_is_shard_where_the_backend_takes_slices():
     # vLLM's fused-MoE loaders cut their own slice: whole expert tensors
     assert resolve_reshard_mode("auto", "vllm", is_moe=True) == "full"
     assert resolve_reshard_mode("full", "vllm", is_moe=False) == "full"
-    with pytest.raises(ValueError, match=r"_load_w13.*rollout.reshard_mode=full"):
+    with pytest.raises(ValueError, match=r"_load_w13.*rollout.engine.reshard_mode=full"):
         resolve_reshard_mode("shard", "vllm", is_moe=True)
     with pytest.raises(ValueError, match="is not one of"):
         resolve_reshard_mode("half", "vllm", is_moe=False)
@@ -45,10 +45,12 @@ def test_shard_mode_with_vllm_and_experts_is_refused_before_launch():
     moe, dense = tiny_qwen3_moe_dir(), tiny_qwen3_dir()
     moe_dims, dense_dims = ModelDims.from_pretrained(moe), ModelDims.from_pretrained(dense)
     _check_moe_options(*sections(moe), moe_dims)  # auto: full for this model
-    _check_moe_options(*sections(moe, "rollout.reshard_mode=shard", "rollout.backend=hf"), moe_dims)
-    _check_moe_options(*sections(dense, "rollout.reshard_mode=shard"), dense_dims)
-    with pytest.raises(ConfigError, match=r"reshard_mode=shard.*rollout.reshard_mode=auto"):
-        _check_moe_options(*sections(moe, "rollout.reshard_mode=shard"), moe_dims)
+    _check_moe_options(
+        *sections(moe, "rollout.engine.reshard_mode=shard", "rollout.engine.backend=hf"), moe_dims
+    )
+    _check_moe_options(*sections(dense, "rollout.engine.reshard_mode=shard"), dense_dims)
+    with pytest.raises(ConfigError, match=r"reshard_mode=shard.*rollout.engine.reshard_mode=auto"):
+        _check_moe_options(*sections(moe, "rollout.engine.reshard_mode=shard"), moe_dims)
 
 
 def test_slices_are_checked_against_the_rollout_model():

@@ -136,21 +136,25 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
         cfg = load_config("configs/quickstart_cpu.yaml", ["actor.router_replay=true", *overrides])
         _check_moe_options(cfg.model, cfg.rollout, cfg.actor, dims)
 
-    check(moe, "rollout.backend=hf")
+    check(moe, "rollout.engine.backend=hf")
     # multi-turn and agent trajectories carry their routing (test_router_replay_trajectories.py)
-    check(moe, "rollout.backend=hf", "rollout.env=tests/e2e/relay_env.py:Relay")
-    check(moe, "rollout.backend=hf", "rollout.agent=agent.py:solve")
-    async_hf = ("rollout.backend=hf", "rollout.mode=async", "parallel.rollout_ranks=1")
+    check(moe, "rollout.engine.backend=hf", "rollout.env=tests/e2e/relay_env.py:Relay")
+    check(moe, "rollout.engine.backend=hf", "rollout.agent=agent.py:solve")
+    async_hf = (
+        "rollout.engine.backend=hf",
+        "rollout.placement.mode=async",
+        "parallel.rollout_ranks=1",
+    )
     check(moe, *async_hf)
     # partial rounds merge their records; shared-prompt packs replay a prompt's experts once
     # (test_router_replay_trajectories.py, tests/distributed/test_router_replay.py)
-    check(moe, *async_hf, "rollout.partial=true")
-    check(moe, "rollout.backend=hf", "actor.share_prompts=true")
+    check(moe, *async_hf, "rollout.placement.partial=true")
+    check(moe, "rollout.engine.backend=hf", "actor.share_prompts=true")
     for dims, overrides, message in (
-        (dense, ("rollout.backend=hf",), "dense"),
+        (dense, ("rollout.engine.backend=hf",), "dense"),
         (
             moe,
-            ("rollout.backend=vllm",),
+            ("rollout.engine.backend=vllm",),
             "vLLM's routed experts yet .vLLM 0.32 returns them only from its V2 model runner",
         ),
     ):
@@ -165,7 +169,7 @@ def test_router_replay_is_refused_where_the_routing_is_not_carried():
 def test_the_installed_vllm_returns_no_routed_experts_on_this_cpu_build(
     monkeypatch, v2_runner, refusal
 ):
-    """Why rollout.backend=vllm with replay is refused: the installed vLLM's routed experts come
+    """Why rollout.engine.backend=vllm with replay is refused: the installed vLLM's routed experts come
     only from its V2 model runner, and its CPU build starts that runner only with Triton's CPU
     backend. When a vLLM upgrade lifts this, the test fails: read CompletionOutput.routed_experts
     ([tokens, layers, top-k]) in the vLLM engine and drop the refusal."""

@@ -136,7 +136,7 @@ def test_an_agents_trained_segment_carries_its_engine_calls_routing(engine):
 
 
 def test_a_partial_rollouts_rounds_carry_their_routing(engine):
-    """rollout.partial: responses generated in rounds of 5 tokens (each round a new request,
+    """rollout.placement.partial: responses generated in rounds of 5 tokens (each round a new request,
     prompt + tokens so far), the engine's routers moved after round 1 (new weights). Each id
     keeps the experts of the round that first routed it: the prompt and round 1's first 4 ids
     those of a teacher-forced forward with the old routers; round 1's last id (read first by

@@ -101,8 +101,10 @@ def test_an_elastic_restart_writes_into_its_own_jobs_folder(tmp_path, monkeypatc
 
 
 def test_options_and_overrides_anywhere_on_the_command_line():
-    args = parse(["train", "run.yaml", "--nproc-per-node", "2", "rollout.n=2", "data.seed=3"])
-    assert args.nproc_per_node == 2 and args.overrides == ["rollout.n=2", "data.seed=3"]
+    args = parse(
+        ["train", "run.yaml", "--nproc-per-node", "2", "rollout.sampling.n=2", "data.seed=3"]
+    )
+    assert args.nproc_per_node == 2 and args.overrides == ["rollout.sampling.n=2", "data.seed=3"]
     args = parse(["train-rm", "rm.yaml", "a.b=1", "--verbose", "c.d=2"])
     assert args.verbose and args.overrides == ["a.b=1", "c.d=2"]
     with pytest.raises(SystemExit):
@@ -110,8 +112,10 @@ def test_options_and_overrides_anywhere_on_the_command_line():
 
 
 def test_a_single_path_is_a_one_element_list_and_hydra_plus_is_accepted(tmp_path):
-    cfg = load_config(None, ["model.path=/m", "data.train_files=/x.parquet", "+rollout.n=3"])
-    assert cfg.data.train_files == ["/x.parquet"] and cfg.rollout.n == 3
+    cfg = load_config(
+        None, ["model.path=/m", "data.train_files=/x.parquet", "+rollout.sampling.n=3"]
+    )
+    assert cfg.data.train_files == ["/x.parquet"] and cfg.rollout.sampling.n == 3
     yaml = tmp_path / "run.yaml"
     yaml.write_text(
         "model:\n  path: /m\ndata:\n  train_files: /y.parquet\ntrainer:\n  loggers: console\n"
@@ -124,10 +128,10 @@ def test_a_single_path_is_a_one_element_list_and_hydra_plus_is_accepted(tmp_path
     ("key", "answer"),
     [
         ("custom_reward_function.path=/r.py", "did you mean reward.custom_fn"),
-        ("data.max_response_length=512", "did you mean rollout.max_response_length"),
+        ("data.max_response_length=512", "did you mean rollout.sampling.max_response_length"),
         ("trainer.total_training_steps=10", "did you mean trainer.total_steps"),
         ("actor_rollout_ref.actor.optim.lr=1e-6", "did you mean actor.optim.lr"),
-        ("actor_rollout_ref.rollout.n=5", "did you mean rollout.n"),
+        ("actor_rollout_ref.rollout.n=5", "did you mean rollout.sampling.n"),
         ("actor_rollout_ref.hybrid_engine=true", "megarl splits into model.*, actor.*"),
         ("algorithm.kl_ctrl.kl_coef=0.1", "did you mean algorithm.kl_coef"),
         ("reward_model.model.path=/rm", "did you mean reward.model_path"),
@@ -166,9 +170,9 @@ def test_every_unknown_key_is_named_at_once_each_with_its_suggestion(tmp_path):
         "trainer.logger": "did you mean trainer.loggers",
         "trainer.default_local_dir": "did you mean trainer.output_dir",
         "trainer.n_gpus_per_node": "--nproc-per-node",
-        "data.max_response_length": "did you mean rollout.max_response_length",
+        "data.max_response_length": "did you mean rollout.sampling.max_response_length",
         "algorithm.kl_ctrl.kl_coef": "did you mean algorithm.kl_coef",
-        "actor_rollout_ref.rollout.n": "did you mean rollout.n",
+        "actor_rollout_ref.rollout.n": "did you mean rollout.sampling.n",
         "actor_rollout_ref.actor.optim.lr": "did you mean actor.optim.lr",
         "reward_model.model.path": "did you mean reward.model_path",
         "actor.optim.lrr": "did you mean actor.optim.lr",

@@ -75,7 +75,7 @@ def test_steps_validation_turns_and_rounds_draw_apart():
         for k in range(PROMPTS * N)
         for round_ in (1, 2)
     ]
-    # a run has later turns (rollout.env) or continuation rounds (rollout.partial), never both
+    # a run has later turns (rollout.env) or continuation rounds (rollout.placement.partial), never both
     # (the config refuses the pair): each is its own segment of the sample
     for every in (everything + later_turns, everything + rounds):
         assert len(set(every)) == len(every)
@@ -141,7 +141,7 @@ def test_rollouts_and_segments_draw_apart_in_the_low_32_bits():
 
 
 def test_a_step_too_large_to_seed_is_refused_naming_the_fix():
-    with pytest.raises(ValueError, match=r"data.train_batch_size x rollout.n"):
+    with pytest.raises(ValueError, match=r"data.train_batch_size x rollout.sampling.n"):
         request_seeds(RUN_SEED, 0, 2**24 - 7, 1, 8)  # its last sample would be sample 2^24
     assert len(request_seeds(RUN_SEED, 0, 2**24 - 8, 1, 8)) == 1  # 2^24 samples: the most
 

@@ -57,7 +57,7 @@ def test_smoke_settings_pass_the_checks_of_the_machine(recipe, machine):
     assert model_dtype(cfg.model, target.cuda) == ("bfloat16" if target.cuda else "float32")
     assert cfg.actor.optimizer_offload == 0
     if ep > 1:
-        assert cfg.rollout.backend == "hf" and (p.ep == 2) == (world >= 2)
+        assert cfg.rollout.engine.backend == "hf" and (p.ep == 2) == (world >= 2)
 
 
 def test_a_gpu_node_gets_one_rank_per_gpu_up_to_four():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,7 +35,6 @@ import torch.distributed as dist
 from megarl import parallel, platform
 from megarl.backends import check_rollout_backend
 from megarl.dtypes import dtype_from_name
-from megarl.envs.trajectory import Trajectory
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
@@ -43,17 +42,16 @@ from megarl.rollout.engine_folder import checkpoint_shapes
 from megarl.rollout.engine_group import engine_group, share_from_first
 from megarl.rollout.hf_rollout import HFRollout
 from megarl.rollout.one_reply import OneReplySource
+from megarl.rollout.rollout_batch import RolloutBatch, rank_batch
 from megarl.rollout.rollout_split import (
     one_per_key,
     rank_bounds,
     rank_engine_slice,
-    rank_output,
     sample_starts,
 )
 from megarl.rollout.rollout_types import (
     EngineConfig,
     RolloutEngine,
-    RolloutOutput,
     SamplingConfig,
 )
 from megarl.rollout.trajectory_source import EngineJob, TrajectorySource, step_of
@@ -70,27 +68,6 @@ from megarl.weights.reshard_schedule import schedule_reshard
 from megarl.weights.tensor_list import actor_planned_tensors
 
 T = TypeVar("T")
-
-
-@dataclass
-class RolloutBatch:
-    """This DP rank's prompts and responses (sample j of prompt i at ``i * n + j``)."""
-
-    prompts: list[list[int]]
-    output: RolloutOutput
-    # multi-turn (rollout.env): each sample's trajectory; its prompt is the environment's, and
-    # its response holds model and environment tokens (output.response_masks tells them apart)
-    trajectories: list[Trajectory] | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # multi-turn: the step's rollout/*
-
-    def prompt_of(self, row: int) -> list[int]:
-        """The prompt ids of sample ``row``."""
-        if self.trajectories is not None:
-            return self.trajectories[row].prompt_ids
-        return list(self.prompts[self.output.prompt_index[row]])
-
-    def sequences(self) -> list[list[int]]:
-        return [self.prompt_of(k) + list(r) for k, r in enumerate(self.output.token_ids)]
 
 
 def check_rollout_model(
@@ -360,12 +337,4 @@ class HybridEngine:
         results: list = [None] * dist.get_world_size()
         dist.all_gather_object(results, (engine, part) if leader else None)
         parts, step = step_of(results, max_failed_share)
-        ours, output = rank_output(step, a, b, n, source.conversations)
-        if not source.conversations:  # one reply per sample: plain responses
-            return RolloutBatch([p for _, p in mine], output)
-        return RolloutBatch(
-            prompts=[p for _, p in mine],
-            output=output,
-            trajectories=ours,
-            metrics=source.step_metrics(parts),
-        )
+        return rank_batch(step, a, b, n, source.conversations, source.step_metrics(parts))

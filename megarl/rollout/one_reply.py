@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megarl.envs.trajectory import Trajectory
+from megarl.rollout.rollout_batch import reply_trajectory
 from megarl.rollout.rollout_split import SampleStart
 from megarl.rollout.rollout_types import SamplingConfig
 from megarl.rollout.trajectory_source import EngineJob, EngineTrajectories
@@ -50,12 +51,8 @@ def one_turn_trajectories(
         raise RuntimeError("the engine returned replies out of prompt-major order")
     trajectories = []
     for k, start in enumerate(starts):
-        t = Trajectory(start.sample, list(prompts[k // n]))
-        routes = replies.routes[k] if replies.routes else None
-        t.add_model_turn(list(replies.token_ids[k]), list(replies.logprobs[k]), routes)
+        t = reply_trajectory(start.sample, prompts[k // n], replies, k)
         t.versions = list(out.versions[k])
-        # the engine's own reason (stop, length, or what else it reports), as the reply had it
-        t.finish = replies.finish_reasons[k]
         trajectories.append(t)
     return trajectories
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
+from megarl.rollout.rollout_batch import RolloutBatch, replies_batch
 from megarl.rollout.rollout_types import RolloutOutput
 
 TRAIN, VALIDATION = "train", "val"
@@ -56,13 +57,36 @@ class Stop:
 
 @dataclass
 class Part:
-    """One batch of one data-parallel rank: its prompts and their responses, with the policy
-    version of every response token."""
+    """One batch of one data-parallel rank: its prompts and their samples (the record the
+    colocated engine hands a trainer rank), with the policy version of every response token."""
 
     items: list[PromptItem]
-    output: RolloutOutput
+    batch: RolloutBatch
     versions: list[list[int]]
-    trajectories: list[Trajectory] | None = None  # rollout.env: each sample's, as colocated
+
+    @classmethod
+    def from_plain(cls, plain: dict[str, Any]) -> Part:
+        items = [PromptItem(**item) for item in plain["items"]]
+        versions = [list(v) for v in plain["versions"]]
+        if "batch" not in plain:  # a checkpoint written before the typed record
+            return cls(items, _batch_of_output(plain, items), versions)
+        b = plain["batch"]
+        batch = RolloutBatch(
+            [Trajectory(**t) for t in b["trajectories"]],
+            list(b["prompt_index"]),
+            bool(b["conversations"]),
+            dict(b["metrics"]),
+        )
+        return cls(items, batch, versions)
+
+
+def _batch_of_output(plain: dict[str, Any], items: list[PromptItem]) -> RolloutBatch:
+    """The record of a part saved as an engine output (and, for conversations, trajectories)."""
+    output = RolloutOutput(**plain["output"])
+    if plain.get("trajectories") is not None:
+        trajectories = [Trajectory(**t) for t in plain["trajectories"]]
+        return RolloutBatch(trajectories, list(output.prompt_index), True)
+    return replies_batch([item.input_ids for item in items], output)
 
 
 @dataclass
@@ -93,20 +117,7 @@ class Generated:
 
     @classmethod
     def from_plain(cls, plain: dict[str, Any]) -> Generated:
-        parts = [
-            [
-                Part(
-                    [PromptItem(**item) for item in p["items"]],
-                    RolloutOutput(**p["output"]),
-                    [list(v) for v in p["versions"]],
-                    None
-                    if p.get("trajectories") is None
-                    else [Trajectory(**t) for t in p["trajectories"]],
-                )
-                for p in rank
-            ]
-            for rank in plain["parts"]
-        ]
+        parts = [[Part.from_plain(p) for p in rank] for rank in plain["parts"]]
         return cls(**{**plain, "parts": parts})
 
 

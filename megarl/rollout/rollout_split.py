@@ -9,7 +9,7 @@ sample (:func:`prompt_seed`, :func:`engine_seeds`), so a sample's stream depends
 index and the rollout count only, never on how many engines there are. Each engine's
 trajectories (one reply per sample, or an environment's or an agent's turns) come back from its
 first rank and are put in sample order (:func:`~megarl.rollout.trajectory_source.step_of`), and
-each trainer rank takes its share (:func:`rank_output`).
+each trainer rank takes its share (:func:`megarl.rollout.rollout_batch.rank_batch`).
 
 Pure: no collective runs here; the callers gather and broadcast.
 """
@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from megarl.envs.trajectory import Trajectory, step_routes
-from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.rollout_types import SamplingConfig
 from megarl.rollout.seeds import request_seeds, sequence_seed
 
 R = TypeVar("R")
@@ -101,25 +100,6 @@ def one_per_key(gathered: Sequence[tuple[int, R] | None]) -> list[tuple[int, R]]
 
 
 # -- a rank's share ------------------------------------------------------------------------------
-def rank_output(
-    step: Sequence[Trajectory], start: int, stop: int, n: int, conversations: bool = True
-) -> tuple[list[Trajectory], RolloutOutput]:
-    """The trajectories of prompts ``[start, stop)`` (``n`` samples each, ``sample`` the global
-    index) and the engine output that carries them to a trainer rank, prompt indices counted
-    from ``start``; without ``conversations`` (one reply per sample, every token the model's)
-    the output holds no response masks, as a single-turn rollout's never did."""
-    ours = [t for t in step if start * n <= t.sample < stop * n]
-    output = RolloutOutput(
-        prompt_index=[t.sample // n - start for t in ours],
-        token_ids=[t.response_ids for t in ours],
-        logprobs=[t.logprobs for t in ours],
-        finish_reasons=[t.finish or "stop" for t in ours],
-        response_masks=[t.mask for t in ours] if conversations else [],
-        routes=step_routes(ours, list(step)),
-    )
-    return ours, output
-
-
 __all__ = [
     "SampleStart",
     "engine_seeds",
@@ -128,6 +108,5 @@ __all__ = [
     "prompt_seed",
     "rank_bounds",
     "rank_engine_slice",
-    "rank_output",
     "sample_starts",
 ]

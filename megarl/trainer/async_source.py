@@ -16,7 +16,8 @@ from typing import Any
 
 from megarl.data import PromptItem
 from megarl.metrics import declare
-from megarl.rollout.engine import RolloutBatch, gpu_memory_metrics
+from megarl.rollout.engine import gpu_memory_metrics
+from megarl.rollout.rollout_batch import RolloutBatch
 from megarl.run.steps import timed
 from megarl.trainer.remote_rollout import RemoteRollout
 from megarl.trainer.rollout_source import RolloutState, SourceBatch

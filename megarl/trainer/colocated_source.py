@@ -16,7 +16,8 @@ from typing import Any
 
 from megarl.data import PromptDataset, PromptItem
 from megarl.metrics import declare
-from megarl.rollout.engine import HybridEngine, RolloutBatch, gpu_memory_metrics
+from megarl.rollout.engine import HybridEngine, gpu_memory_metrics
+from megarl.rollout.rollout_batch import RolloutBatch
 from megarl.rollout.rollout_types import SamplingConfig
 from megarl.run.epochs import EpochBatches
 from megarl.run.steps import timed

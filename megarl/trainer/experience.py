@@ -32,8 +32,8 @@ from megarl.rewards.model import combine_scores, score_sequences
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.remote_settings import RemoteSettings
 from megarl.rewards.shares import ROLLOUT_SAMPLES
-from megarl.rollout.engine import RolloutBatch
 from megarl.rollout.judge_engine import EngineJudge
+from megarl.rollout.rollout_batch import RolloutBatch
 from megarl.trainer.batch import Samples, padded_routes
 from megarl.trainer.distill import distill_experience
 from megarl.trainer.dp_collectives import dp_mean, dp_sum
@@ -133,10 +133,7 @@ def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) ->
     """What the rule scorers read: each response decoded without special tokens; for a
     trajectory its last model turn, decoded the same way (so a one-turn trajectory reads as the
     single-turn response does)."""
-    if batch.trajectories is not None:
-        ids = [t.final_turn_ids for t in batch.trajectories]
-    else:
-        ids = list(batch.output.token_ids)
+    ids = [t.final_turn_ids for t in batch.trajectories]
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
@@ -146,7 +143,7 @@ def reward_samples(
     """What the scorers read of the samples ``rows``: their prompt row and decoded response."""
     out = []
     for k in rows:
-        item = items[batch.output.prompt_index[k]]
+        item = items[batch.prompt_index[k]]
         out.append(
             RewardSample(
                 data_source=item.data_source,
@@ -255,7 +252,7 @@ def score_rollout(
     texts = decode_responses(batch, tokenizer)
     samples = build_samples(items, batch, pad_id, platform.device())
     device = samples.input_ids.device
-    trajectories = batch.trajectories
+    trajectories = batch.trajectories if batch.conversations else None
     scored = list(range(samples.size))  # the samples the run's reward scores
     if trajectories is not None:
         scored = [
@@ -385,7 +382,7 @@ def build_samples(
 ) -> Samples:
     """The rollout as padded training tensors on ``device`` (the models'), grouped by prompt; a
     trajectory's environment tokens are masked out."""
-    groups = [items[i].uid for i in batch.output.prompt_index]
+    groups = [items[i].uid for i in batch.prompt_index]
     return rollout_samples(batch, groups, pad_id, device)
 
 
@@ -395,17 +392,18 @@ def rollout_samples(
     """The rollout's sequences as :class:`Samples` with the rollout engine's logprob of each
     response token (``rollout_log_prob``); ``group_ids``: one per sample. A trajectory's
     response mask is 1 on the model's tokens only."""
-    responses = batch.output.token_ids
-    prompts = [batch.prompt_of(k) for k in range(len(responses))]
-    masks = batch.output.response_masks or None
+    prompts = [t.prompt_ids for t in batch.trajectories]
+    responses = [t.response_ids for t in batch.trajectories]
+    masks = batch.response_masks
     samples = Samples.from_sequences(prompts, responses, group_ids, pad_id, device, masks=masks)
     width = samples.response_mask.shape[1]
-    rollout = [lp + [0.0] * (width - len(lp)) for lp in batch.output.logprobs]
+    rollout = [t.logprobs + [0.0] * (width - len(t.logprobs)) for t in batch.trajectories]
     samples.tensors.rollout_log_prob = torch.tensor(
         rollout, dtype=torch.float32, device=device
     ).reshape(len(rollout), width)
-    if batch.output.routes:  # actor.router_replay
-        samples.routes = padded_routes(batch.output.routes, int(samples.input_ids.shape[1]))
+    routes = batch.routes
+    if routes is not None:  # actor.router_replay
+        samples.routes = padded_routes(routes, int(samples.input_ids.shape[1]))
     return samples
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from megarl import parallel
@@ -32,7 +33,7 @@ from megarl.data import PromptItem
 from megarl.models.dims import ModelDims, expert_offset, layer_offset
 from megarl.models.lora import has_lora
 from megarl.parallel import ParallelLayout
-from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.rollout_batch import RolloutBatch
 from megarl.rollout.rollout_messages import (
     TRAIN,
     VALIDATION,
@@ -168,12 +169,7 @@ class RemoteRollout:
         return message
 
     def _queue(self, part: Part, message: Generated) -> None:
-        batch = RolloutBatch(
-            prompts=[list(it.input_ids) for it in part.items],
-            output=part.output,
-            trajectories=part.trajectories,
-            metrics=dict(message.rollout_metrics),
-        )
+        batch = replace(part.batch, metrics=dict(message.rollout_metrics))
         self._outputs.append((message.kind, part.items, batch))
 
     def next_batch(self) -> list[PromptItem]:

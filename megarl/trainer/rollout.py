@@ -40,7 +40,7 @@ def draw(run: PolicyRun) -> tuple[StepBatch, StepMetrics]:
             run.rewards, s.tokenizer, s.pad_id, got.items, rollout, run.batching
         )
     reward_metrics |= rollout.metrics  # multi-turn: the step's rollout/* (turns, tools ...)
-    batch = StepBatch(samples, scores, list(rollout.output.finish_reasons), reward_metrics)
+    batch = StepBatch(samples, scores, rollout.finish_reasons, reward_metrics)
     return batch, got.metrics | reward_time.metrics()
 
 

@@ -24,12 +24,13 @@ of each engine, their results broadcast over the engine's ranks (a tool or an ag
 sample, never once per tensor-parallel rank), seeded from the global sample index and the
 rollout count as colocated; the trajectories travel to the trainers with their response masks.
 
-A second thread receives the trainers' control messages (objects over a gloo bridge); a weight
-push it announces is received on the main thread, between generations, at a point every rollout
-rank agrees on (:meth:`RolloutGroup._take_pushes`), into host memory
-(:class:`~megarl.weights.weight_sync.StagedWeights`): no NCCL collective ever runs beside
-vLLM's. The trainers' broadcast therefore waits for the rollout group's next such point (a
-batch's end, or with ``rollout.placement.partial`` a round's). Loading a version that is due for
+Three parts, one job each: :class:`~megarl.trainer.trainer_link.TrainerLink` (a thread receives
+the trainers' control messages, another sends them the leader's generations),
+:class:`~megarl.trainer.group_weights.GroupWeights` (a weight push the link announces is
+received on the main thread, between generations, at a point every rollout rank agrees on, into
+host memory: no NCCL collective ever runs beside vLLM's; the trainers' broadcast therefore waits
+for the rollout group's next such point, a batch's end, or with ``rollout.placement.partial`` a
+round's) and :class:`RolloutGroup` here, which generates. Loading a version that is due for
 validation (``trainer.test_freq``, ``val_before_train``) runs the validation pass on it at once;
 such a version is loaded before a newer one is received, so it is never skipped. The trainers
 score everything.
@@ -37,28 +38,21 @@ score everything.
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
-from megarl import platform
 from megarl.data import PromptItem
 from megarl.rollout.async_links import Links
 from megarl.rollout.engine_group import share_from_first
 from megarl.rollout.rollout_messages import (
     TRAIN,
     VALIDATION,
-    Draws,
     Generated,
     Part,
-    Push,
-    Start,
-    Stop,
 )
 from megarl.rollout.rollout_split import (
     rank_engine_slice,
@@ -66,185 +60,96 @@ from megarl.rollout.rollout_split import (
 )
 from megarl.rollout.rollout_types import RolloutEngine, SamplingConfig
 from megarl.rollout.trajectory_source import EngineJob, step_of
+from megarl.trainer.group_weights import GroupWeights, Stopped
 from megarl.trainer.rollout_group_parts import (
     GroupSettings,
     Prompts,
     split_trajectories,
     validation_due,
 )
+from megarl.trainer.trainer_link import TrainerLink
 from megarl.trainer.trajectory_makers import TrajectoryMaker, dataset_row
-from megarl.weights.weight_sync import PushInbox, Staged, StagedWeights, WeightReceiver
+from megarl.weights.weight_sync import PushInbox, WeightReceiver
 
 T = TypeVar("T")
 
 
-class Stopped(Exception):
-    """The trainers are done."""
-
-
 @dataclass
 class RolloutGroup:
-    """One rollout rank's state and what it does."""
+    """One rollout rank's generation: its engine, sampling and prompts, with its link to the
+    trainers and its weights (:meth:`build` wires the three)."""
 
     settings: GroupSettings
     rank: int  # in the rollout world
     size: int
     engine: RolloutEngine  # vLLM or HF, over this rank's inference-TP group
-    links: Links
-    receiver: WeightReceiver
+    link: TrainerLink
+    weights: GroupWeights
     sampling: SamplingConfig
     val_sampling: SamplingConfig
     prompts: Prompts | None  # the leader's
-    # how samples are made, as colocated: one reply each (in rollout.placement.partial's rounds), or
-    # rollout.env's or rollout.agent's trajectories (an environment's runner on the first rank
-    # of each engine)
+    # how samples are made, as colocated: one reply each (in rollout.placement.partial's
+    # rounds), or rollout.env's or rollout.agent's trajectories (an environment's runner on the
+    # first rank of each engine)
     trajectories: TrajectoryMaker
     engine_group: dist.ProcessGroup | None = None  # its engine's ranks (multi-turn, infer_tp > 1)
-    staged: StagedWeights = field(default_factory=StagedWeights)
-    inbox: PushInbox = field(default_factory=PushInbox)
-    # the rollout world's element-wise minimum (None: dist.all_reduce over the default group)
-    world_min: Callable[[list[float]], list[float]] | None = None
-    _received: int = 0  # pushes received so far (the same on every rollout rank)
-    loaded: int = -1
     rollouts: int = 0
-    first: int = 0
-    validated: set[int] = field(default_factory=set)
-    outbox: queue.Queue = field(default_factory=queue.Queue)
-    _start: queue.Queue = field(default_factory=queue.Queue)
-    _verdicts: queue.Queue = field(default_factory=queue.Queue)  # dynamic sampling's Draws
+    first: int = 0  # the trainers' step when they started
     _rollout_metrics: dict[str, float] = field(default_factory=dict)
-    _times: dict[str, float] = field(default_factory=dict)
-    _send_error: list[BaseException] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        settings: GroupSettings,
+        rank: int,
+        size: int,
+        engine: RolloutEngine,
+        links: Links,
+        receiver: WeightReceiver,
+        sampling: SamplingConfig,
+        val_sampling: SamplingConfig,
+        prompts: Prompts | None,
+        trajectories: TrajectoryMaker,
+        world_min: Callable[[list[float]], list[float]] | None = None,
+    ) -> RolloutGroup:
+        """A rollout rank with its link to the trainers and its weights (``world_min``: the
+        rollout world's element-wise minimum; None: an all-reduce over the default group)."""
+        inbox = PushInbox()
+        holder: list[RolloutGroup] = []
+
+        def due(version: int) -> bool:
+            first = holder[0].first
+            return validation_due(settings.data, settings.trainer, version, first)
+
+        weights = GroupWeights(
+            engine,
+            receiver,
+            size,
+            settings.weights_dtype,
+            due,
+            lambda: holder[0].validate(),
+            world_min,
+            inbox,
+        )
+        link = TrainerLink(links, inbox, leader=rank == 0)
+        group = cls(
+            settings,
+            rank,
+            size,
+            engine,
+            link,
+            weights,
+            sampling,
+            val_sampling,
+            prompts,
+            trajectories,
+        )
+        holder.append(group)
+        return group
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
-
-    # -- threads -------------------------------------------------------------------------------
-    def receive_loop(self) -> None:
-        """Control messages from the trainers, until they stop (objects over a gloo bridge:
-        host memory only). A push is only announced here: its weights are received on the main
-        thread (:meth:`_take_pushes`), never beside vLLM's collectives."""
-        try:
-            assert self.links.control is not None
-            while True:
-                message = self.links.control.broadcast_object(src=0)
-                if isinstance(message, Start):
-                    self.first = message.step
-                    self._start.put(message)
-                elif isinstance(message, Push):
-                    self.inbox.add(message.version)
-                elif isinstance(message, Draws):
-                    self._verdicts.put(message)
-                elif isinstance(message, Stop):
-                    self.inbox.close()
-                    self._start.put(None)
-                    self._verdicts.put(None)
-                    return
-        except BaseException as e:  # handed to the generating thread
-            self.inbox.close(e)
-            self._start.put(None)
-            self._verdicts.put(None)
-
-    def send_loop(self) -> None:
-        """The leader's generations to the trainers, in the order they were made."""
-        assert self.links.batches is not None
-        while True:
-            message = self.outbox.get()
-            if message is None:
-                return
-            try:
-                self.links.batches.broadcast_object(message, src=0)
-            except BaseException as e:
-                self._send_error.append(e)
-                return
-
-    def send(self, message: Generated) -> None:
-        if self._send_error:
-            raise RuntimeError("sending generations to the trainers failed") from self._send_error[
-                0
-            ]
-        if self.leader:
-            self.outbox.put(message)
-
-    # -- weights -------------------------------------------------------------------------------
-    def _agree(self, values: list[float]) -> list[float]:
-        """Element-wise minimum over the rollout world (a collective)."""
-        if self.size == 1:
-            return values
-        if self.world_min is not None:
-            return self.world_min(values)
-        t = torch.tensor(values, dtype=torch.float64, device=platform.collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return t.tolist()
-
-    def _take_pushes(self) -> bool:
-        """Receive the weight pushes every rollout rank has been told of, in their order, into
-        host memory (a version due for validation is loaded, and validated, before the next
-        one is received: it is never skipped). Runs on the main thread between generations:
-        every rank agrees first on how many pushes to take (a collective over the rollout
-        world), then takes part in each one's broadcasts, so the ranks' collectives come in one
-        order. Returns whether the trainers are done (every rank has seen them stop, so every
-        push is in)."""
-        count, closed = self.inbox.state()
-        agreed, all_closed = self._agree([float(count), 1.0 if closed else 0.0])
-        dtype = self.settings.weights_dtype
-        while self._received < int(agreed):
-            waiting = self.staged.get(self.staged.version())
-            if waiting is not None and waiting.pinned:
-                self._load(waiting)
-            version = self.inbox.version(self._received)
-            buckets: list[list[tuple[str, torch.Tensor]]] = []
-            # staged in host memory (received on the bridge's device)
-            stats = self.receiver.receive(
-                lambda b, kept=buckets: kept.append(
-                    [(n, t.to(device="cpu", dtype=dtype)) for n, t in b]
-                ),
-                version,
-            )
-            due = validation_due(self.settings.data, self.settings.trainer, version, self.first)
-            self.staged.put(Staged(version, buckets, stats, pinned=due))
-            self._received += 1
-        return bool(all_closed)
-
-    def load(self, need: int, wait: bool) -> int:
-        """Receive what the trainers pushed, then load the newest version (validating it when
-        due); with ``wait``, until version ``need`` or newer is loaded. The version loaded."""
-        t0 = time.perf_counter()
-        while True:
-            done = self._take_pushes()
-            newest = self.staged.version()
-            if newest > self.loaded:
-                staged = self.staged.get(newest)
-                assert staged is not None
-                self._load(staged)
-                continue
-            if self.loaded >= need or not wait:
-                break
-            if done:
-                raise Stopped
-            self.inbox.wait_beyond(self._received)
-        self._add_time("wait_s", time.perf_counter() - t0)
-        return self.loaded
-
-    def _load(self, staged: Staged) -> None:
-        t0 = time.perf_counter()
-        for bucket in staged.buckets:
-            self.engine.update_weights(bucket)
-        self.engine.after_weight_update()
-        self.staged.consume(staged.version)
-        self.loaded = staged.version
-        self._add_time("load_s", time.perf_counter() - t0)
-        self._add_time("sync_recv_s", staged.stats.seconds)
-        if (
-            validation_due(self.settings.data, self.settings.trainer, self.loaded, self.first)
-            and self.loaded not in self.validated
-        ):
-            self.validated.add(self.loaded)
-            self.validate()
-
-    def _add_time(self, key: str, seconds: float) -> None:
-        self._times[key] = self._times.get(key, 0.0) + seconds
 
     # -- the split over engines and back (megarl.rollout.rollout_split) --------------------
     def _from_leader(self, value: T) -> T:
@@ -292,7 +197,7 @@ class RolloutGroup:
         starts = sample_starts(everything, lo, hi, n)
         first = self.rank % self.engine.infer_tp == 0  # its engine's first rank
         job = EngineJob(
-            self.engine, starts, rollout_index, first, self._share, self.loaded, between
+            self.engine, starts, rollout_index, first, self._share, self.weights.loaded, between
         )
         part = source.run(job)
         assert (part is not None) == first, "a source returns its part on the engine's first rank"
@@ -302,7 +207,7 @@ class RolloutGroup:
         assert items is not None
         parts, step = step_of(results, self.settings.max_env_failures)
         self._rollout_metrics = source.step_metrics(parts)
-        return split_trajectories(step, items, n, self.loaded, source.conversations)
+        return split_trajectories(step, items, n, self.weights.loaded, source.conversations)
 
     def _share(self, value: T | None) -> T:
         """The engine's first rank's ``value`` on every rank of this rank's engine."""
@@ -319,7 +224,7 @@ class RolloutGroup:
             for d, part in enumerate(parts or []):
                 per_rank[d].append(part)
         if self.leader:
-            self.send(Generated(VALIDATION, self.loaded, per_rank, self.rollouts))
+            self.link.send(Generated(VALIDATION, self.weights.loaded, per_rank, self.rollouts))
 
     def train_batch(self, step: int) -> None:
         """Batch ``step``: weights within the staleness bound, generated, sent; then dynamic
@@ -338,9 +243,9 @@ class RolloutGroup:
             self._draw(step, draw)
 
     def _verdict(self, step: int, draw: int) -> bool:
-        message = self._verdicts.get()
+        message = self.link.verdict()
         if message is None:
-            self.inbox.state()  # raises when receiving failed
+            self.weights.inbox.state()  # raises when receiving failed
             raise Stopped
         if (message.step, message.draw) != (step, draw):
             raise RuntimeError(
@@ -351,23 +256,23 @@ class RolloutGroup:
 
     def _draw(self, step: int, draw: int) -> None:
         """Draw ``draw`` of batch ``step`` generated (the next prompts) and sent."""
-        self._times = {}
-        self.load(max(self.first, step - self.settings.placement.max_staleness), wait=True)
+        self.weights.times = {}
+        self.weights.load(max(self.first, step - self.settings.placement.max_staleness), wait=True)
         items = self.prompts.next() if self.leader and self.prompts else None
         between = None
         if self.settings.placement.partial:
 
             def between(active: bool) -> int:
-                return self.load(0, wait=False)
+                return self.weights.load(0, wait=False)
 
         t0 = time.perf_counter()
         parts = self._generate(items, self.sampling, between)
         generate_s = time.perf_counter() - t0
         if self.leader and self.prompts is not None:
             assert parts is not None
-            metrics = {"generate_s": generate_s, **self._times}
+            metrics = {"generate_s": generate_s, **self.weights.times}
             data_metrics = [t.metrics() for t in self.prompts.train]
-            self.send(
+            self.link.send(
                 Generated(
                     TRAIN,
                     step,
@@ -384,9 +289,9 @@ class RolloutGroup:
     def run(self) -> None:
         """Batches from where the trainers start to the last step, then validations until the
         trainers stop."""
-        start = self._start.get()
+        start = self.link.start()
         if start is None:
-            self.inbox.wait_beyond(0)  # raises when receiving failed
+            self.weights.inbox.wait_beyond(0)  # raises when receiving failed
             return
         self.first, self.rollouts = start.step, start.rollouts
         if self.prompts is not None:
@@ -397,7 +302,7 @@ class RolloutGroup:
             for step in range(start.next_batch, self.settings.trainer.total_steps):
                 self.train_batch(step)
             while True:  # validation versions may still come; the trainers end with Stop
-                self.load(self.loaded + 1, wait=True)
+                self.weights.load(self.weights.loaded + 1, wait=True)
         except Stopped:
             return
 

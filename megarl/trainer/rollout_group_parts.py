@@ -14,8 +14,9 @@ from megarl.config import DataConfig, PlacementSettings, RewardConfig, TrainerCo
 from megarl.data import PromptDataset, PromptItem
 from megarl.data.global_state import merge_rank_states
 from megarl.envs.trajectory import Trajectory
+from megarl.rollout.rollout_batch import rank_batch
 from megarl.rollout.rollout_messages import Part
-from megarl.rollout.rollout_split import rank_bounds, rank_output
+from megarl.rollout.rollout_split import rank_bounds
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.assembly import EMPTY_TRAIN_DATA, prompt_dataset
 
@@ -50,17 +51,17 @@ def split_trajectories(
     conversations: bool = True,
 ) -> list[Part]:
     """A batch's trajectories (``sample``: the global index, ``n`` per prompt) back to each
-    trainer data-parallel rank, as the colocated engine hands them out; each token of the
-    version its trajectory recorded, else of ``version``. ``conversations`` False (one reply
-    per sample): the replies as plain responses, no trajectories."""
+    trainer data-parallel rank, as the colocated engine hands them out
+    (:func:`~megarl.rollout.rollout_batch.rank_batch`); each token of the version its trajectory
+    recorded, else of ``version``. ``conversations`` False: one reply per sample."""
     parts = []
     for mine, (start, stop) in zip(items, rank_bounds([len(m) for m in items]), strict=True):
-        ours, output = rank_output(step, start, stop, n, conversations)
+        batch = rank_batch(step, start, stop, n, conversations)
         versions = [
             list(t.versions) if t.versions is not None else [version] * len(t.response_ids)
-            for t in ours
+            for t in batch.trajectories
         ]
-        parts.append(Part(list(mine), output, versions, ours if conversations else None))
+        parts.append(Part(list(mine), batch, versions))
     return parts
 
 

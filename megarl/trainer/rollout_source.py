@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from megarl.data import PromptItem
 from megarl.metrics import StepMetrics
-from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.rollout_batch import RolloutBatch
 
 
 @dataclass(frozen=True)

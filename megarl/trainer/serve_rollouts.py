@@ -102,7 +102,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
         runs_environments=rank % infer_tp == 0,
         sampling=sampling,
     )
-    group = RolloutGroup(
+    group = RolloutGroup.build(
         settings,
         rank,
         split.rollout_ranks,
@@ -116,9 +116,11 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     )
     if multi_turn is not None:  # its engine's ranks share the first rank's results
         group.engine_group = engine_group(group.size, infer_tp, rank)  # this role's own world
-    threads = [threading.Thread(target=group.receive_loop, name="megarl-control", daemon=True)]
+    threads = [threading.Thread(target=group.link.receive_loop, name="megarl-control", daemon=True)]
     if group.leader:
-        threads.append(threading.Thread(target=group.send_loop, name="megarl-send", daemon=True))
+        threads.append(
+            threading.Thread(target=group.link.send_loop, name="megarl-send", daemon=True)
+        )
     # a preemption signal is the trainers' to act on: they save (with the batch in flight) and
     # send Stop, which ends this loop; a second signal stops at once
     preemption = Preemption(world.rank)
@@ -129,7 +131,7 @@ def serve_rollouts(cfg: RunConfig) -> dict[str, float]:
     finally:
         preemption.close()
         group.trajectories.close()
-    group.outbox.put(None)
+    group.link.close()
     for t in threads:
         t.join(timeout=60.0)
     return {}

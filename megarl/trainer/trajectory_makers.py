@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from megarl.data import PromptItem
 from megarl.envs.runner import EnvRunner
-from megarl.rollout.engine import HybridEngine, RolloutBatch
+from megarl.rollout.engine import HybridEngine
 from megarl.rollout.env_source import EnvSource
 from megarl.rollout.multi_turn import TurnLimits
 from megarl.rollout.one_reply import OneReplySource
+from megarl.rollout.rollout_batch import RolloutBatch
 from megarl.rollout.rollout_types import SamplingConfig
 from megarl.rollout.trajectory_source import TrajectorySource
 

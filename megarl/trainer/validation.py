@@ -95,15 +95,15 @@ def validation_rollout(run: PolicyRun, step: int, samples_per_prompt: int) -> di
     table: list[dict[str, str | float | int]] = []
     # the same number of batches on every rank (maybe empty), from the rollout source
     for items, batch in run.rollout.validation_batches():
-        if not batch.output.token_ids:
+        if not batch.trajectories:
             continue
         _, scores, _, texts = score_rollout(
             run.rewards, s.tokenizer, s.pad_id, items, batch, run.batching, shaping=False
         )
-        rows = zip(batch.output.prompt_index, texts, scores.tolist(), strict=True)
+        rows = zip(batch.prompt_index, texts, scores.tolist(), strict=True)
         for k, (i, text, score) in enumerate(rows):
             item = items[i]
-            t = batch.trajectories[k] if batch.trajectories is not None else None
+            t = batch.trajectories[k] if batch.conversations else None
             records.append(
                 ValRecord(
                     item.data_source,

@@ -86,7 +86,7 @@ def _scored(ddp, dims, batch, temperature: float = 1.0) -> dict[str, float]:
     from megarl.trainer.model_ops import MicroBatching
     from megarl.trainer.old_log_probs import score_old_log_probs
 
-    samples = rollout_samples(batch, list(batch.output.prompt_index), 0, torch.device("cpu"))
+    samples = rollout_samples(batch, list(batch.prompt_index), 0, torch.device("cpu"))
     metrics = score_old_log_probs(
         ddp, samples, dims.vocab_size, temperature, MicroBatching(), dims.is_moe
     )
@@ -277,12 +277,12 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         res["need_bytes"] = engine.plan.need_bytes(rank)
         res["hf_shard_equals_full"] = _hf_shard_equals_full(hf_engine, hf_full_engine)
         batch = engine.generate(prompts, greedy)
-        res["before"] = batch.output.token_ids
+        res["before"] = [t.response_ids for t in batch.trajectories]
         res["before_metrics"] = _scored(ddp, dims, batch)
         hf_engine.to_rollout()  # the HF backend, resharded from the same actor
         hf_batch = hf_engine.generate(prompts, greedy)
         hf_engine.to_train()
-        res["hf_before"] = hf_batch.output.token_ids
+        res["hf_before"] = [t.response_ids for t in hf_batch.trajectories]
         res["hf_before_metrics"] = _scored(ddp, dims, hf_batch)
         # sampled at temperature 0.7: vLLM's logprobs are those of softmax(logits / 0.7), and the
         # actor scores the same distribution (the mismatch metric compares like with like)
@@ -292,9 +292,9 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         res["sampled"] = [
             (prompts[i], ids, lps)
             for i, ids, lps in zip(
-                sampled.output.prompt_index,
-                sampled.output.token_ids,
-                sampled.output.logprobs,
+                sampled.prompt_index,
+                [t.response_ids for t in sampled.trajectories],
+                [t.logprobs for t in sampled.trajectories],
                 strict=True,
             )
         ]
@@ -318,17 +318,18 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         _reset_to_checkpoint(rollout, model_dir)
         engine.to_rollout()
         batch = engine.generate(prompts, greedy)
-        res["after"] = batch.output.token_ids
+        res["after"] = [t.response_ids for t in batch.trajectories]
         res["after_metrics"] = _scored(ddp, dims, batch)
-        res["shard_equals_full_output"] = (
-            batch.output.token_ids == full_batch.output.token_ids
-            and batch.output.logprobs == full_batch.output.logprobs
-        )
+        res["shard_equals_full_output"] = [t.response_ids for t in batch.trajectories] == [
+            t.response_ids for t in full_batch.trajectories
+        ] and [t.logprobs for t in batch.trajectories] == [
+            t.logprobs for t in full_batch.trajectories
+        ]
         res["metrics_keys"] = sorted(engine.metrics)
         hf_engine.to_rollout()
         hf_batch = hf_engine.generate(prompts, greedy)
         hf_engine.to_train()
-        res["hf_after"] = hf_batch.output.token_ids
+        res["hf_after"] = [t.response_ids for t in hf_batch.trajectories]
         res["hf_after_metrics"] = _scored(ddp, dims, hf_batch)
 
         # a plan/model mismatch is refused before anything is loaded
@@ -341,7 +342,9 @@ def hybrid_worker(rank: int, world: int, model_dir: str, infer_tp: int) -> dict:
         except ValueError as e:
             res["mismatch_error"] = str(e)
         engine.rollout.expected_shapes[name] = good
-        res["after_mismatch"] = engine.generate(prompts, greedy).output.token_ids
+        res["after_mismatch"] = [
+            t.response_ids for t in engine.generate(prompts, greedy).trajectories
+        ]
         engine.to_train()
         if infer_tp == 1 and spec == LAYOUTS[0]:
             # HF backend at rollout TP 4 over 2 KV heads: query heads split, k/v replicated

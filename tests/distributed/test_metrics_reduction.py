@@ -182,13 +182,13 @@ def _step_batch(rows: list[tuple[str, float, str, str, int]]):
     import torch
 
     from megarl.data import PromptItem
+    from megarl.envs.trajectory import Trajectory
     from megarl.rewards.judge import JudgeScorer
     from megarl.rewards.judge_prompt import JudgeTemplate
     from megarl.rewards.manager import RewardManager, RewardSample
     from megarl.rewards.overlong import overlong_penalty
     from megarl.rewards.scoring import ScoreOutcome
-    from megarl.rollout.engine import RolloutBatch
-    from megarl.rollout.rollout_types import RolloutOutput
+    from megarl.rollout.rollout_batch import RolloutBatch
     from megarl.trainer.batch import Samples, StepBatch
     from megarl.trainer.experience import batch_scores
 
@@ -210,7 +210,7 @@ def _step_batch(rows: list[tuple[str, float, str, str, int]]):
         "reward/overlong_penalty_mean": float(penalty.mean()),
     }
     items = [PromptItem(i, [1, 2], "", r[0], None) for i, r in enumerate(rows)]
-    batch = RolloutBatch([[1, 2]] * len(rows), RolloutOutput(prompt_index=list(range(len(rows)))))
+    batch = RolloutBatch([Trajectory(i, [1, 2]) for i in range(len(rows))], list(range(len(rows))))
     texts, everything = [_text(r) for r in rows], range(len(rows))
     judge = JudgeScorer(JudgeTemplate("{response}", re.compile(r"Score: (\S+)")), _Judge())
     for scorer in (_service(), judge):

@@ -66,7 +66,7 @@ def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], 
     from megarl.rewards.judge_remote import OpenAIJudge
     from megarl.rewards.remote import RemoteScorer
     from megarl.rewards.remote_settings import RemoteSettings
-    from megarl.rollout.engine import RolloutBatch
+    from megarl.rollout.rollout_batch import replies_batch
     from megarl.rollout.rollout_types import RolloutOutput
     from megarl.trainer.experience import batch_scores
 
@@ -78,7 +78,7 @@ def remote_scores_worker(rank: int, world: int, url: str) -> tuple[list[float], 
         logprobs=[[-0.1]] * 3,
         finish_reasons=["stop"] * 3,
     )
-    batch = RolloutBatch(prompts=[[5]], output=output)
+    batch = replies_batch([[5]], output)
     item = PromptItem(uid=0, input_ids=[5], prompt="q", data_source="d", ground_truth="1")
     remote = RemoteScorer(RemoteSettings(f"{url}/score", batch_size=2))
     texts, cpu = ["a", "b", "c"], torch.device("cpu")

@@ -158,7 +158,7 @@ def _run(seed: int) -> tuple[Log, list[RolloutGroup], list[BaseException]]:
     groups = []
     for rank in range(ROLLOUT_RANKS):
         bridges = {src: RecordingBridge(weights[src], log, rank) for src in sources}
-        group = RolloutGroup(
+        group = RolloutGroup.build(
             group_settings(cfg),
             rank,
             ROLLOUT_RANKS,
@@ -185,13 +185,13 @@ def _run(seed: int) -> tuple[Log, list[RolloutGroup], list[BaseException]]:
 
     def rollout_main(group: RolloutGroup) -> None:
         for step in range(STEPS):
-            group.load(max(0, step - STALENESS), wait=True)
+            group.weights.load(max(0, step - STALENESS), wait=True)
             for _ in range(2):  # two generations a batch: rounds of a partial rollout
                 group.engine.generate([[1]], group.sampling)
-                group.load(0, wait=False)  # a round's end: newer weights may load
+                group.weights.load(0, wait=False)  # a round's end: newer weights may load
         try:
             while True:
-                group.load(group.loaded + 1, wait=True)
+                group.weights.load(group.weights.loaded + 1, wait=True)
         except Stopped:
             pass
 
@@ -202,23 +202,23 @@ def _run(seed: int) -> tuple[Log, list[RolloutGroup], list[BaseException]]:
         local = {t: torch.zeros(s.shape) for t, s in enumerate(plan.specs)}
         if rank == 0:
             for g in groups:
-                g.links.control.messages.put(Start(0, 0, None, 0))  # type: ignore[union-attr]
+                g.link.links.control.messages.put(Start(0, 0, None, 0))  # type: ignore[union-attr]
         for version in range(STEPS + 1):
             time.sleep(rng.uniform(0.0, 0.03))  # an optimizer step
             if rank == 0:
                 for g in groups:
-                    g.links.control.messages.put(Push(version))  # type: ignore[union-attr]
+                    g.link.links.control.messages.put(Push(version))  # type: ignore[union-attr]
                 announced[version].set()
             assert announced[version].wait(TIMEOUT)
             sender.send(local, version)
         if rank == 0:
             for g in groups:
-                g.links.control.messages.put(Stop())  # type: ignore[union-attr]
+                g.link.links.control.messages.put(Stop())  # type: ignore[union-attr]
 
     threads = []
     for rank, group in enumerate(groups):
         threads.append(
-            threading.Thread(target=guarded(group.receive_loop), name=f"r{rank}-control")
+            threading.Thread(target=guarded(group.link.receive_loop), name=f"r{rank}-control")
         )
         threads.append(
             threading.Thread(target=guarded(lambda g=group: rollout_main(g)), name=f"r{rank}-main")
@@ -245,4 +245,4 @@ def test_rollout_ranks_issue_one_order_of_collectives_from_the_engine_thread(see
         per_push = len(weight_ops) // (STEPS + 1)
         assert per_push > 0 and len(weight_ops) == per_push * (STEPS + 1)  # every push, whole
         assert orders[rank].count("vllm-tp") == 2 * STEPS
-    assert [g.loaded for g in groups] == [STEPS] * ROLLOUT_RANKS
+    assert [g.weights.loaded for g in groups] == [STEPS] * ROLLOUT_RANKS

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 
 from megarl.config import load_config
 from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
+from megarl.rollout.rollout_batch import replies_batch
 from megarl.rollout.rollout_messages import TRAIN, Draws, Generated, Part
 from megarl.rollout.rollout_split import engine_slice
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
@@ -141,11 +142,14 @@ def test_a_batch_of_replies_is_split_back_by_trainer_rank_with_each_tokens_versi
     step[4].versions = None  # recorded none: the batch's version
     items = [[_item(0), _item(1)], [_item(2), _item(3), _item(4)]]
     parts = split_trajectories(step, items, 1, version=7, conversations=False)
-    assert [p.output.prompt_index for p in parts] == [[0, 1], [0, 1, 2]]
-    assert [p.output.token_ids for p in parts] == [[[0, 0], [1, 1]], [[2, 2], [3, 3], [4, 4]]]
+    assert [p.batch.prompt_index for p in parts] == [[0, 1], [0, 1, 2]]
+    assert [[t.response_ids for t in p.batch.trajectories] for p in parts] == [
+        [[0, 0], [1, 1]],
+        [[2, 2], [3, 3], [4, 4]],
+    ]
     assert parts[1].versions == [[0, 1], [0, 1], [7, 7]] and parts[0].items == items[0]
-    # plain replies: no trajectories, no masks (every token is the model's)
-    assert all(p.trajectories is None and p.output.response_masks == [] for p in parts)
+    # plain replies: no conversations, no masks (every token is the model's)
+    assert not any(p.batch.conversations or p.batch.response_masks for p in parts)
 
 
 def _item(uid: int) -> PromptItem:
@@ -208,13 +212,10 @@ def test_staged_weights_keep_a_pinned_version_until_it_is_loaded():
 
 
 def test_a_generated_batch_round_trips_as_plain_data():
-    part = Part(
-        [_item(5)],
-        RolloutOutput(
-            prompt_index=[0], token_ids=[[4, 2]], logprobs=[[-1.0, -2.0]], finish_reasons=["stop"]
-        ),
-        [[3, 4]],
+    output = RolloutOutput(
+        prompt_index=[0], token_ids=[[4, 2]], logprobs=[[-1.0, -2.0]], finish_reasons=["length"]
     )
+    part = Part([_item(5)], replies_batch([[1, 5]], output), [[3, 4]])
     message = Generated(TRAIN, 7, [[part]], rollouts=9, data={"format": "x"}, metrics={"g": 1.0})
     plain = message.to_plain()
     check_plain(plain)  # what the trainer state accepts
@@ -222,6 +223,21 @@ def test_a_generated_batch_round_trips_as_plain_data():
     assert again == message
     assert replace(again, step=8) != message
     assert again.key == (TRAIN, 7, 0)
+    # a checkpoint of the release before the typed record held the engine's output instead
+    earlier = {
+        **plain,
+        "parts": [
+            [
+                {
+                    "items": plain["parts"][0][0]["items"],
+                    "output": asdict(output),
+                    "versions": [[3, 4]],
+                }
+            ]
+        ],
+    }
+    check_plain(earlier)
+    assert Generated.from_plain(earlier) == message
 
 
 def _trajectory(sample: int, model: list[int], env: list[int]) -> Trajectory:
@@ -243,17 +259,15 @@ def test_trajectories_split_by_trainer_rank_keep_masks_and_round_trip():
     step = [_trajectory(s, [3] * (s + 1), [7, 7]) for s in range(3 * n)]
     items = [[_item(0), _item(1)], [_item(2)]]
     parts = split_trajectories(step, items, n, version=4)
-    assert [p.output.prompt_index for p in parts] == [[0, 0, 1, 1], [0, 0]]
-    assert [[t.sample for t in p.trajectories or []] for p in parts] == [[0, 1, 2, 3], [4, 5]]
+    assert [p.batch.prompt_index for p in parts] == [[0, 0, 1, 1], [0, 0]]
+    assert [[t.sample for t in p.batch.trajectories] for p in parts] == [[0, 1, 2, 3], [4, 5]]
     for part in parts:
-        for t, ids, mask, v in zip(
-            part.trajectories or [],
-            part.output.token_ids,
-            part.output.response_masks or [],
-            part.versions,
-            strict=True,
+        assert part.batch.conversations
+        for t, mask, v in zip(
+            part.batch.trajectories, part.batch.response_masks or [], part.versions, strict=True
         ):
-            assert ids == t.response_ids and mask == t.mask
+            ids = t.response_ids
+            assert mask == t.mask
             assert [i for i, m in zip(ids, mask, strict=True) if m == 0] == [7, 7]
             assert v == [4] * len(ids)
     message = Generated(TRAIN, 3, [[p] for p in parts], rollouts=2, draw=1)
@@ -261,14 +275,16 @@ def test_trajectories_split_by_trainer_rank_keep_masks_and_round_trip():
     check_plain(plain)
     again = Generated.from_plain(plain)
     assert again == message and again.key == (TRAIN, 3, 1)
-    assert again.parts[1][0].trajectories[0].final_text == ""  # no assistant message recorded
-    assert again.parts[0][0].trajectories[1].env_reward == 1.5
+    assert again.parts[1][0].batch.trajectories[0].final_text == ""  # no assistant message
+    assert again.parts[0][0].batch.trajectories[1].env_reward == 1.5
 
 
 def bare_group(overrides: list[str], sampling: SamplingConfig) -> RolloutGroup:
     """A rollout rank of ``overrides``' run with no engine, links or prompts."""
     settings = group_settings(load_config(overrides=overrides))
-    return RolloutGroup(settings, 0, 1, None, None, None, sampling, sampling, None, OneReply())  # type: ignore[arg-type]
+    return RolloutGroup.build(
+        settings, 0, 1, None, None, None, sampling, sampling, None, OneReply()
+    )  # type: ignore[arg-type]
 
 
 def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
@@ -280,19 +296,19 @@ def test_dynamic_sampling_draws_follow_the_trainers_verdicts():
     drawn: list[tuple[int, int]] = []
     group._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
     for draw, more in ((0, True), (1, True), (2, False)):
-        group._verdicts.put(Draws(3, draw, more))
+        group.link._verdicts.put(Draws(3, draw, more))
     group.train_batch(3)
     assert drawn == [(3, 0), (3, 1), (3, 2)]
-    group._verdicts.put(Draws(4, 1, True))
+    group.link._verdicts.put(Draws(4, 1, True))
     with pytest.raises(RuntimeError, match="judged draw 1 of batch 4"):
         group.train_batch(4)
-    group._verdicts.put(None)  # the trainers stopped
+    group.link._verdicts.put(None)  # the trainers stopped
     with pytest.raises(Stopped):
         group.extra_draws(5)
     off = bare_group(base[:2], sampling)
     off._draw = lambda step, draw: drawn.append((step, draw))  # type: ignore[method-assign]
     off.train_batch(6)  # no dynamic sampling: one draw, no verdict awaited
-    assert drawn[-1] == (6, 0) and off._verdicts.empty()
+    assert drawn[-1] == (6, 0) and off.link._verdicts.empty()
 
 
 def test_publishing_pushes_the_new_weights_while_a_batch_is_left_to_generate():

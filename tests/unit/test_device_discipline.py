@@ -160,8 +160,8 @@ COLLECTIVE_SITES: dict[str, dict[str, str]] = {
     "megarl/algos/vocab_parallel.py": {
         "_all_reduce": "reductions of the logits shard (on the model's device)",
     },
-    "megarl/trainer/rollout_group.py": {
-        "RolloutGroup._agree": "made on platform.collective_device()",
+    "megarl/trainer/group_weights.py": {
+        "GroupWeights._agree": "made on platform.collective_device()",
     },
     "megarl/run/evaluation.py": {
         "dataset_totals": "totals made on platform.collective_device()",

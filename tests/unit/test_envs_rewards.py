@@ -13,8 +13,7 @@ from megarl.data import PromptItem
 from megarl.envs.trajectory import Trajectory
 from megarl.rewards.manager import RewardManager
 from megarl.rewards.shares import Mean, combination
-from megarl.rollout.engine import RolloutBatch
-from megarl.rollout.rollout_types import RolloutOutput
+from megarl.rollout.rollout_batch import RolloutBatch
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
 from tests.assets import qwen25_tokenizer_dir
@@ -48,14 +47,7 @@ def test_environment_rewards_and_the_rule_scorer_combine():
         _trajectory(tok, 2, [None, None], "It is 4."),  # the scorer's 0.0
         _trajectory(tok, 3, [0.2, None], "The answer is 5.", finish="error"),  # failed: 0
     ]
-    out = RolloutOutput(
-        prompt_index=[0, 0, 0, 0],
-        token_ids=[t.response_ids for t in trajs],
-        logprobs=[t.logprobs for t in trajs],
-        finish_reasons=[t.finish for t in trajs],
-        response_masks=[t.mask for t in trajs],
-    )
-    batch = RolloutBatch(prompts=[[5, 6, 7]], output=out, trajectories=trajs)
+    batch = RolloutBatch(trajs, [0, 0, 0, 0], conversations=True)
     item = PromptItem(
         uid=0, input_ids=[5, 6, 7], prompt="q", data_source="arithmetic", ground_truth="5"
     )

@@ -28,8 +28,8 @@ from megarl.rewards.judge_prompt import JudgeTemplate, UnparsedAnswer, question_
 from megarl.rewards.judge_remote import OpenAIJudge
 from megarl.rewards.manager import RewardError, RewardManager, RewardSample
 from megarl.rewards.shares import combination
-from megarl.rollout.engine import RolloutBatch
 from megarl.rollout.judge_engine import EngineJudge
+from megarl.rollout.rollout_batch import RolloutBatch, replies_batch
 from megarl.rollout.rollout_types import RolloutOutput
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
@@ -185,7 +185,7 @@ def rollout(tok, answers: list[str]) -> tuple[RolloutBatch, PromptItem]:
     item = PromptItem(
         uid=0, input_ids=[5, 6, 7], prompt="2+3?", data_source="arithmetic", ground_truth="5"
     )
-    return RolloutBatch(prompts=[[5, 6, 7]], output=out), item
+    return replies_batch([[5, 6, 7]], out), item
 
 
 def test_a_rollout_sums_rule_and_judge_scores_with_their_weights(local_judge):

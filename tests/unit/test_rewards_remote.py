@@ -28,7 +28,7 @@ from megarl.rewards.remote import RemoteScorer
 from megarl.rewards.remote_protocol import BadAnswer, parse_answer, request_body
 from megarl.rewards.remote_settings import RemoteSettings
 from megarl.rewards.shares import combination
-from megarl.rollout.engine import RolloutBatch
+from megarl.rollout.rollout_batch import RolloutBatch, replies_batch
 from megarl.rollout.rollout_types import RolloutOutput
 from megarl.trainer.experience import RewardSources, score_rollout
 from megarl.trainer.model_ops import MicroBatching
@@ -316,7 +316,7 @@ def rollout(tok, answers: list[str]) -> tuple[RolloutBatch, PromptItem]:
         data_source="arithmetic",
         ground_truth="5",
     )
-    return RolloutBatch(prompts=[[5, 6, 7]], output=out), item
+    return replies_batch([[5, 6, 7]], out), item
 
 
 def test_a_rollout_sums_rule_and_remote_scores_with_their_weights(serve):

@@ -9,10 +9,11 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from megarl.data import PromptItem
-from megarl.rollout.engine import RolloutBatch
+from megarl.envs.trajectory import Trajectory
 from megarl.rollout.env_source import EnvSource
 from megarl.rollout.multi_turn import TurnLimits
-from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
+from megarl.rollout.rollout_batch import RolloutBatch
+from megarl.rollout.rollout_types import SamplingConfig
 from megarl.run.epochs import EpochBatches
 from megarl.trainer.colocated_source import ColocatedSource, PolicyData
 from megarl.trainer.trajectory_makers import EnvironmentTurns, OneReply, dataset_row
@@ -38,11 +39,18 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         self.log.append(("generate", [list(p) for p in prompts], sampling))
         self.rollout_count += 1
-        return RolloutBatch([list(p) for p in prompts], RolloutOutput())
+        return _records(prompts)
 
     def generate_from(self, rows, prompts, n, source, max_failed_share):
         self.log.append(("trajectories", rows, n, source, max_failed_share))
-        return RolloutBatch([list(p) for p in prompts], RolloutOutput())
+        return _records(prompts)
+
+
+def _records(prompts: Sequence[Sequence[int]]) -> RolloutBatch:
+    """An empty reply to each prompt."""
+    return RolloutBatch(
+        [Trajectory(i, list(p)) for i, p in enumerate(prompts)], list(range(len(prompts)))
+    )
 
 
 class Memory:
@@ -121,7 +129,7 @@ def test_a_draw_moves_memory_off_around_the_generation_and_back():
         "roles onload",
     ]
     assert [it.uid for it in got.items] == [1, 2]
-    assert got.rollout.prompts == [[1, 2], [2, 3]]
+    assert [t.prompt_ids for t in got.rollout.trajectories] == [[1, 2], [2, 3]]
     assert {"moved/roles offload", "moved/actor offload", "sync/bytes", "timing/rollout_s"} <= set(
         got.metrics
     )

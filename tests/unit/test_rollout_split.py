@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from megarl.envs.base import EnvError
 from megarl.envs.trajectory import Trajectory
 from megarl.rollout.one_reply import OneReplySource, prompts_of
+from megarl.rollout.rollout_batch import rank_batch
 from megarl.rollout.rollout_split import (
     SampleStart,
     engine_seeds,
@@ -26,7 +27,6 @@ from megarl.rollout.rollout_split import (
     prompt_seed,
     rank_bounds,
     rank_engine_slice,
-    rank_output,
     sample_starts,
 )
 from megarl.rollout.rollout_types import RolloutOutput, SamplingConfig
@@ -165,11 +165,13 @@ def test_one_reply_per_sample_over_engines_then_each_ranks_share_keeps_every_rep
         assert t.versions == [owner[p]] * 2  # the version its engine generated at
     shares = []
     for start, stop in rank_bounds(counts):
-        ours, share = rank_output(step, start, stop, n, conversations=False)
+        share = rank_batch(step, start, stop, n, conversations=False)
         assert share.prompt_index == [p - start for p in range(start, stop) for _ in range(n)]
-        assert share.response_masks == []  # plain replies: every token the model's
-        assert [t.sample // n for t in ours] == [p for p in range(start, stop) for _ in range(n)]
-        shares += share.token_ids
+        assert share.response_masks is None  # plain replies: every token the model's
+        assert [t.sample // n for t in share.trajectories] == [
+            p for p in range(start, stop) for _ in range(n)
+        ]
+        shares += [t.response_ids for t in share.trajectories]
     # every rank's share, in rank order, is the whole step again
     assert shares == [[p, j] for p in range(total) for j in range(n)]
 
@@ -226,8 +228,21 @@ def test_engine_trajectories_merge_in_engine_order_and_each_rank_takes_its_own()
     assert len(step_of(gathered, max_failed_share=1 / 7)[1]) == 7  # one of seven may fail
     with pytest.raises(EnvError, match="the tool broke"):
         step_of(gathered, max_failed_share=0.1)
-    ours, output = rank_output(step, 1, 3, n)  # prompts 1 and 2: samples 2..5
-    assert [t.sample for t in ours] == [2, 3, 4, 5]
-    assert output.prompt_index == [0, 0, 1, 1]
-    assert output.token_ids == [[s, s] for s in range(2, 6)]
-    assert output.response_masks == [[1, 1]] * 4 and output.finish_reasons == ["stop"] * 4
+    batch = rank_batch(step, 1, 3, n)  # prompts 1 and 2: samples 2..5
+    assert [t.sample for t in batch.trajectories] == [2, 3, 4, 5]
+    assert batch.prompt_index == [0, 0, 1, 1]
+    assert batch.sequences() == [[s, s, s] for s in range(2, 6)]
+    assert batch.response_masks == [[1, 1]] * 4 and batch.finish_reasons == ["stop"] * 4
+    assert batch.routes is None  # none recorded
+
+
+def test_a_batch_record_gives_its_routes_whole_or_not_at_all():
+    """rank_batch shapes -1 routes for a sample no call routed, so a record holds routes for
+    every sample or none; one that holds some is refused rather than trained misaligned."""
+    routed = _trajectory(0)
+    routed.routes = torch.zeros((3, 1, 2), dtype=torch.int16)
+    batch = rank_batch([routed, _trajectory(1)], 0, 1, 2)
+    assert batch.routes is not None and batch.routes[1].tolist() == [[[-1, -1]]] * 3
+    batch.trajectories[1].routes = None
+    with pytest.raises(RuntimeError, match="some samples of a batch carry routes"):
+        _ = batch.routes

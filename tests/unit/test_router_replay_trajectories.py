@@ -21,7 +21,8 @@ from megarl.envs.runner import EnvRunner
 from megarl.envs.trajectory import Trajectory, merged_routes, step_routes
 from megarl.rollout.hf_rollout import HFRollout
 from megarl.rollout.multi_turn import TurnLimits, run_trajectories
-from megarl.rollout.rollout_split import SampleStart, rank_output
+from megarl.rollout.rollout_batch import rank_batch
+from megarl.rollout.rollout_split import SampleStart
 from megarl.rollout.rollout_types import EngineConfig, SamplingConfig
 from megarl.rollout.trajectory_source import EngineJob
 from megarl.rollout.versioned import generate_versioned
@@ -89,8 +90,10 @@ def test_a_multi_turn_trajectorys_routes_are_its_engine_calls_routing(engine):
         covered += assert_routes_are_the_full_forwards(engine, t)
     assert covered > 100
     # a trainer rank's share: each trajectory's routes in the engine output
-    ours, output = rank_output(trajectories, 0, 1, 2)
-    assert [r is t.routes for r, t in zip(output.routes, ours, strict=True)] == [True, True]
+    routed = [t.routes for t in trajectories[:2]]
+    batch = rank_batch(trajectories, 0, 1, 2)
+    assert batch.routes is not None
+    assert [r is t for r, t in zip(batch.routes, routed, strict=True)] == [True, True]
 
 
 def test_routes_of_a_trajectory_no_call_routed_are_unrecorded():

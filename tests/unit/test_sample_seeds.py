@@ -204,7 +204,9 @@ def test_a_redraw_of_a_prompt_on_the_hf_cpu_backend_samples_other_responses(monk
     engine = _one_rank_engine(monkeypatch)
     engine.rollout = HFRollout(tiny_char_llama_dir())
     prompt = [[5, 6, 7, 8]]
-    first, redraw = (engine.generate(prompt, sampling).output.token_ids for _ in range(2))
+    first, redraw = (
+        [t.response_ids for t in engine.generate(prompt, sampling).trajectories] for _ in range(2)
+    )
     assert len(first) == len(redraw) == 4
     assert all(len(t) == 12 for t in first + redraw)  # no stop token: full-length responses
     assert not set(map(tuple, first)) & set(map(tuple, redraw))

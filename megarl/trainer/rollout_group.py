@@ -115,11 +115,9 @@ class RolloutGroup:
         """A rollout rank with its link to the trainers and its weights (``world_min``: the
         rollout world's element-wise minimum; None: an all-reduce over the default group)."""
         inbox = PushInbox()
-        holder: list[RolloutGroup] = []
 
-        def due(version: int) -> bool:
-            first = holder[0].first
-            return validation_due(settings.data, settings.trainer, version, first)
+        def due(version: int) -> bool:  # ``group``: bound below, before any weights arrive
+            return validation_due(settings.data, settings.trainer, version, group.first)
 
         weights = GroupWeights(
             engine,
@@ -127,7 +125,7 @@ class RolloutGroup:
             size,
             settings.weights_dtype,
             due,
-            lambda: holder[0].validate(),
+            lambda: group.validate(),
             world_min,
             inbox,
         )
@@ -144,7 +142,6 @@ class RolloutGroup:
             prompts,
             trajectories,
         )
-        holder.append(group)
         return group
 
     @property

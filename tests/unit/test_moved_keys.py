@@ -117,3 +117,8 @@ def test_a_misspelt_old_key_is_answered_with_the_new_key():
         load_config(overrides=[*BASE, "rollout.tempreature=0.5"])
     with pytest.raises(ConfigError, match=r"did you mean rollout\.placement\.max_staleness"):
         load_config(overrides=[*BASE, "rollout.placement.max_stalness=0"])
+
+
+def test_an_old_key_beside_a_section_given_a_value_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout\.sampling is a section of settings"):
+        load_config(overrides=[*BASE, "rollout.sampling=3", "rollout.n=4"])
